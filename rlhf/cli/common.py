@@ -1,0 +1,32 @@
+"""Shared entry-point plumbing: parse the config, run, and turn expected failures into one-line errors."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Optional, Sequence
+
+# Expected failures print "error: <message>" and exit 2 (bad input) or 1 (a worker failed), no traceback.
+
+
+def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]] = None) -> int:
+    from rlhf.config.loader import parse_cli
+    from rlhf.config.schema import ConfigError
+    from rlhf.data.io import DataError
+    from rlhf.data.plan import PlanError
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = parse_cli(config_cls, argv, prog=prog)
+    try:
+        train(cfg)
+    except (ConfigError, DataError, PlanError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - a worker failure is reported as one line naming role and rank
+        from rlhf.distributed.group import WorkerError
+
+        if isinstance(exc, WorkerError):
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        raise
+    return 0

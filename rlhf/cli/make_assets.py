@@ -1,0 +1,141 @@
+"""Write the tiny model and the synthetic arithmetic datasets that tests, examples and the demo train on.
+
+Usage::
+
+    python -m rlhf.cli.make_assets --out assets/ [--seed 0] [--num-sft 2000] [--num-pref 2000]
+        [--num-prompts 512] [--num-eval-prompts 128] [--max-operand 20] [--force]
+
+Writes ``model/`` (tiny Qwen2 + tokenizer), ``sft.jsonl``, ``preference.jsonl``, ``prompts.jsonl`` and
+``eval_prompts.jsonl`` under ``--out``. Anything that already exists is kept unless ``--force``; every output
+appears atomically, so an existing path is always a complete one.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from typing import Callable, Sequence
+
+from rlhf.synthetic import arithmetic
+
+# Each file samples from its own seed so that the files are independent draws. Multiplying keeps runs with
+# neighbouring --seed values from sharing streams (seed 1's SFT rows are not seed 0's preference rows).
+_SEED_STRIDE = 1000
+_SFT, _PREF, _PROMPTS, _EVAL = 0, 1, 2, 3
+
+
+def _derived_seed(seed: int, offset: int) -> int:
+    return seed * _SEED_STRIDE + offset
+
+
+def _build_model_atomically(model_dir: str, seed: int) -> None:
+    """Build into a sibling temp dir and rename, so a crash never leaves a half model that a rerun would skip."""
+    from rlhf.models.tiny import build_tiny_model
+
+    parent = os.path.dirname(os.path.abspath(model_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".model-", dir=parent)
+    try:
+        build_tiny_model(tmp, seed=seed)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        if os.path.exists(model_dir):
+            shutil.rmtree(model_dir)
+        os.replace(tmp, model_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def make_assets(
+    out: str,
+    seed: int = 0,
+    num_sft: int = 2000,
+    num_pref: int = 2000,
+    num_prompts: int = 512,
+    num_eval_prompts: int = 128,
+    max_operand: int = arithmetic.DEFAULT_MAX_OPERAND,
+    force: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, str]:
+    """Write the model and datasets under ``out``; keep existing outputs unless ``force``.
+
+    Args:
+        out: Output directory (created).
+        seed: Master seed for the model weights and all datasets.
+        num_sft: Rows in ``sft.jsonl``.
+        num_pref: Pairs in ``preference.jsonl``.
+        num_prompts: Prompts in ``prompts.jsonl`` (online RL).
+        num_eval_prompts: Prompts in ``eval_prompts.jsonl``. They come from a different seed than the training
+            files; with small operands the problem space is tiny, so they are a fresh sample, not a disjoint set.
+        max_operand: Operands are drawn from ``0..max_operand``.
+        force: Rebuild outputs that already exist.
+        log: Called with one line per output (e.g. ``print``); silent if None.
+
+    Returns:
+        Paths keyed ``model``, ``sft``, ``preference``, ``prompts``, ``eval_prompts``.
+    """
+    say = log or (lambda _msg: None)
+    os.makedirs(out, exist_ok=True)
+    paths = {
+        "model": os.path.join(out, "model"),
+        "sft": os.path.join(out, "sft.jsonl"),
+        "preference": os.path.join(out, "preference.jsonl"),
+        "prompts": os.path.join(out, "prompts.jsonl"),
+        "eval_prompts": os.path.join(out, "eval_prompts.jsonl"),
+    }
+    makers: dict[str, Callable[[], list[dict]]] = {
+        "sft": lambda: arithmetic.make_sft_rows(num_sft, _derived_seed(seed, _SFT), max_operand),
+        "preference": lambda: arithmetic.make_preference_rows(num_pref, _derived_seed(seed, _PREF), max_operand),
+        "prompts": lambda: arithmetic.make_rl_prompts(num_prompts, _derived_seed(seed, _PROMPTS), max_operand),
+        "eval_prompts": lambda: arithmetic.make_rl_prompts(
+            num_eval_prompts, _derived_seed(seed, _EVAL), max_operand
+        ),
+    }
+
+    if os.path.exists(paths["model"]) and not force:
+        say(f"kept    {paths['model']} (exists; --force to rebuild)")
+    else:
+        _build_model_atomically(paths["model"], seed)
+        say(f"wrote   {paths['model']}")
+    for name, make in makers.items():
+        path = paths[name]
+        if os.path.exists(path) and not force:
+            say(f"kept    {path} (exists; --force to rebuild)")
+            continue
+        rows = make()
+        arithmetic.write_jsonl(path, rows)
+        say(f"wrote   {path} ({len(rows)} rows)")
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlhf.cli.make_assets",
+        description="Write the tiny model and the synthetic arithmetic datasets.",
+    )
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-sft", type=int, default=2000)
+    parser.add_argument("--num-pref", type=int, default=2000)
+    parser.add_argument("--num-prompts", type=int, default=512)
+    parser.add_argument("--num-eval-prompts", type=int, default=128)
+    parser.add_argument("--max-operand", type=int, default=arithmetic.DEFAULT_MAX_OPERAND)
+    parser.add_argument("--force", action="store_true", help="rebuild outputs that already exist")
+    args = parser.parse_args(argv)
+    make_assets(
+        args.out,
+        seed=args.seed,
+        num_sft=args.num_sft,
+        num_pref=args.num_pref,
+        num_prompts=args.num_prompts,
+        num_eval_prompts=args.num_eval_prompts,
+        max_operand=args.max_operand,
+        force=args.force,
+        log=print,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

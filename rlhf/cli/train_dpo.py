@@ -1,0 +1,20 @@
+"""DPO-family preference optimisation: ``python -m rlhf.cli.train_dpo [--config FILE_OR_PRESET] key=value ...``
+
+Runs on a local Ray cluster by default, or joins ``RAY_ADDRESS`` (``ray job submit -- python -m rlhf.cli.train_dpo ...``).
+``--help`` lists every configuration key with its default.
+"""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None) -> int:
+    from rlhf.cli.common import run_cli
+    from rlhf.config.schema import DPORunConfig
+    from rlhf.trainers.dpo import train_dpo
+
+    return run_cli(DPORunConfig, train_dpo, prog="python -m rlhf.cli.train_dpo", argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""Supervised fine-tuning: ``python -m rlhf.cli.train_sft [--config FILE_OR_PRESET] key=value ...``
+
+Runs on a local Ray cluster by default, or joins ``RAY_ADDRESS`` (``ray job submit -- python -m rlhf.cli.train_sft ...``).
+``--help`` lists every configuration key with its default.
+"""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None) -> int:
+    from rlhf.cli.common import run_cli
+    from rlhf.config.schema import SFTRunConfig
+    from rlhf.trainers.sft import train_sft
+
+    return run_cli(SFTRunConfig, train_sft, prog="python -m rlhf.cli.train_sft", argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,694 @@
+"""Load run configs from dataclass defaults, YAML files or presets, and dotted ``key=value`` overrides.
+
+Precedence, lowest first::
+
+    dataclass defaults  <  YAML file (after the files in its ``defaults:`` list)  <  overrides
+
+A YAML file is a nested mapping mirroring the run config (``train: {micro_batch_size: 2}``). ``config_file``
+may be a path or the name of a preset shipped in ``rlhf/config/presets`` (``sft_tiny``). A file may start with
+``defaults: [base, ../other.yaml]``: those files (presets or paths relative to the including file) are merged
+first, in order, then the file itself on top.
+
+Overrides look like ``train.micro_batch_size=2``, ``train.adam_betas=[0.9,0.99]`` or
+``strategy.deepspeed_config=`` (empty string). Their values are parsed with ``yaml.safe_load`` and coerced to
+the annotated type of the field; a ``str`` field keeps the override's text as written (``model.path=123``
+gives ``"123"``).
+
+Every error is a :class:`~rlhf.config.schema.ConfigError` whose message names the dotted key. The sections
+are built bottom-up so each one's ``__post_init__`` validation runs, and its message is passed on unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import dataclasses
+import difflib
+import functools
+import inspect
+import io
+import os
+import sys
+import tempfile
+import textwrap
+import tokenize
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping, Sequence, TypeVar, Union
+
+import yaml
+
+from rlhf.config.schema import ConfigError
+
+T = TypeVar("T")
+
+#: Directory of the YAML presets shipped with the package (``--config sft_tiny``).
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+
+_DEFAULTS_KEY = "defaults"
+_NONE_TYPE = type(None)
+_TRUE = frozenset({"true", "yes", "y", "on", "1"})
+_FALSE = frozenset({"false", "no", "n", "off", "0"})
+_OVERRIDE_FORM = "expected KEY=VALUE with a dotted key, e.g. train.micro_batch_size=2"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Override:
+    """A value from the command line: the text as written and its YAML parse."""
+
+    raw: str
+    parsed: Any
+
+
+# --------------------------------------------------------------------------------------------- public API
+
+
+def load_config(
+    cls: type[T],
+    config_file: str | os.PathLike[str] | None = None,
+    overrides: Sequence[str] = (),
+) -> T:
+    """Build a validated run config from defaults, an optional YAML file or preset, and overrides.
+
+    Args:
+        cls: The run config dataclass, e.g. ``SFTRunConfig``.
+        config_file: A YAML path or the name of a preset in ``rlhf/config/presets``; None for none.
+        overrides: Dotted ``key=value`` strings applied last, in order (a later one wins).
+
+    Returns:
+        An instance of ``cls``; every section has run its own validation.
+
+    Raises:
+        ConfigError: For a missing file, bad YAML, an unknown key, a value of the wrong type, or a value the
+            sections' validation rejects. The message names the dotted key.
+    """
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"load_config expects a dataclass type, got {cls!r}")
+    tree = _load_yaml_tree(config_file) if config_file not in (None, "") else {}
+    if isinstance(overrides, str):  # a lone "k=v" rather than a list of them
+        overrides = (overrides,)
+    for text in overrides:
+        key, value = _parse_override(text)
+        _apply_override(tree, cls, key, value)
+    return _build(cls, tree, "", cls)
+
+
+def parse_cli(cls: type[T], argv: Sequence[str] | None = None, prog: str | None = None) -> T:
+    """The shared command-line front end: ``prog [--config FILE_OR_PRESET] [KEY=VALUE ...]``.
+
+    ``--help`` lists every dotted key with its type, default and help text. A configuration error is
+    printed as ``error: <message>`` on stderr and exits with status 2, without a traceback.
+
+    Args:
+        cls: The run config dataclass to build.
+        argv: Arguments without the program name; None reads ``sys.argv[1:]``.
+        prog: Program name shown in the usage line.
+
+    Returns:
+        The validated run config.
+
+    Raises:
+        SystemExit: Status 2 on a bad argument or configuration, 0 after ``--help``.
+    """
+    parser = _build_parser(cls, prog)
+    args = parser.parse_intermixed_args(argv)
+    try:
+        return load_config(cls, args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Convert a config dataclass instance to plain nested dicts (tuples become lists).
+
+    Args:
+        cfg: A config dataclass instance.
+
+    Returns:
+        A dict that ``yaml.safe_dump`` can write and :func:`load_config` can read back.
+    """
+    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+        raise TypeError(f"config_to_dict expects a dataclass instance, got {cfg!r}")
+    return _to_plain(cfg)
+
+
+def save_config(cfg: Any, path: str | os.PathLike[str]) -> Path:
+    """Write ``cfg`` as YAML, atomically (a temporary file in the same directory, then ``os.replace``).
+
+    Args:
+        cfg: A config dataclass instance.
+        path: Destination file; missing parent directories are created.
+
+    Returns:
+        The path written.
+    """
+    path = Path(path)
+    header = f"# {type(cfg).__name__}, resolved (reload with --config {path.name})\n"
+    text = header + yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def describe_keys(cls: type) -> list[tuple[str, str, object, str]]:
+    """List every leaf key of a config dataclass, for ``--help`` and the configuration reference.
+
+    Args:
+        cls: A config dataclass (a run config or a single section).
+
+    Returns:
+        ``(dotted key, type, default, help)`` rows in declaration order. The default is
+        ``dataclasses.MISSING`` for a key without one; the help is the field's trailing ``# comment`` in the
+        source, or ``""``.
+    """
+    rows: list[tuple[str, str, object, str]] = []
+    _describe(cls, "", None, rows)
+    return rows
+
+
+def available_presets() -> list[str]:
+    """Names of the presets shipped in ``rlhf/config/presets`` (usable as ``--config NAME``)."""
+    if not PRESET_DIR.is_dir():
+        return []
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+# ------------------------------------------------------------------------------------- files and presets
+
+
+def _preset_path(name: str) -> Path | None:
+    """The preset file called ``name`` (with or without ``.yaml``), or None."""
+    stem = name[: -len(".yaml")] if name.endswith(".yaml") else name
+    if not stem or "/" in stem or os.sep in stem:
+        return None
+    path = PRESET_DIR / f"{stem}.yaml"
+    return path if path.is_file() else None
+
+
+def _resolve_config_path(ref: str | os.PathLike[str], base_dir: Path | None = None) -> Path:
+    """Find a config file: a path (relative to ``base_dir`` if given, else the CWD), then a preset name."""
+    text = os.fspath(ref)
+    path = Path(text).expanduser()
+    if base_dir is not None and not path.is_absolute():
+        path = base_dir / path
+    if path.is_file():
+        return path.resolve()
+    preset = _preset_path(text)
+    if preset is not None:
+        return preset.resolve()
+    where = f" (looked relative to {base_dir})" if base_dir is not None else ""
+    presets = ", ".join(available_presets()) or "(none)"
+    raise ConfigError(f"config file {text!r} not found{where}: not a file nor a preset. Available presets: {presets}")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    """Parse one YAML file whose top level is a mapping (an empty file is an empty mapping)."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"invalid YAML in {path}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: the top level must be a mapping of config sections, got {type(data).__name__}")
+    return dict(data)
+
+
+def _pop_defaults(data: dict[str, Any], path: Path) -> list[str]:
+    """Remove and return the file's ``defaults:`` list (a single string is a list of one)."""
+    refs = data.pop(_DEFAULTS_KEY, None)
+    if refs is None:
+        return []
+    if isinstance(refs, str):
+        refs = [refs]
+    if not isinstance(refs, list) or not all(isinstance(r, str) and r for r in refs):
+        raise ConfigError(f"{path}: 'defaults' must be a list of preset names or file paths, got {refs!r}")
+    return refs
+
+
+def _load_yaml_tree(
+    ref: str | os.PathLike[str], base_dir: Path | None = None, _stack: tuple[Path, ...] = ()
+) -> dict[str, Any]:
+    """Read a config file with its ``defaults`` merged underneath it, refusing cycles."""
+    path = _resolve_config_path(ref, base_dir)
+    if path in _stack:
+        chain = " -> ".join(str(p) for p in (*_stack, path))
+        raise ConfigError(f"cycle in config 'defaults': {chain}")
+    data = _read_yaml(path)
+    merged: dict[str, Any] = {}
+    for parent in _pop_defaults(data, path):
+        merged = _deep_merge(merged, _load_yaml_tree(parent, path.parent, (*_stack, path)))
+    return _deep_merge(merged, data)
+
+
+def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``; mappings merge key by key, anything else replaces."""
+    out = dict(base)
+    for key, value in over.items():
+        old = out.get(key)
+        if isinstance(old, Mapping) and isinstance(value, Mapping):
+            out[key] = _deep_merge(old, value)
+        elif isinstance(old, Mapping) and value is None:
+            continue  # a section whose keys are all commented out keeps the inherited ones
+        else:
+            out[key] = value
+    return out
+
+
+# ------------------------------------------------------------------------------------------- overrides
+
+
+def _parse_override(text: str) -> tuple[str, _Override]:
+    """Split ``key=value`` and YAML-parse the value (text YAML cannot parse stays text)."""
+    if not isinstance(text, str) or "=" not in text:
+        raise ConfigError(f"invalid override {text!r}: {_OVERRIDE_FORM}")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or not all(part.strip() for part in key.split(".")):
+        raise ConfigError(f"invalid override {text!r}: {_OVERRIDE_FORM}")
+    try:
+        parsed = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        parsed = raw
+    return key, _Override(raw, parsed)
+
+
+def _apply_override(tree: dict[str, Any], root: type, key: str, value: _Override) -> None:
+    """Set ``key`` in the raw nested dict, checking the path against the dataclasses as it goes."""
+    parts = key.split(".")
+    node, section = tree, root
+    for depth, part in enumerate(parts):
+        prefix, dotted = ".".join(parts[:depth]), ".".join(parts[: depth + 1])
+        if part not in _init_fields(section):
+            raise _unknown_key(root, key, section, prefix)
+        sub = _section_type(_hints(section)[part])
+        if depth == len(parts) - 1:
+            node[part] = value if sub is None else _merge_section_override(node.get(part), dotted, sub, value)
+            return
+        if sub is None:  # a path that continues past a leaf, e.g. train.lr.x
+            raise _unknown_key(root, key, section, prefix)
+        node[part] = _as_section(node.get(part), dotted, sub)
+        node, section = node[part], sub
+
+
+def _merge_section_override(current: Any, key: str, section: type, value: _Override) -> dict[str, Any]:
+    """``train={lr: 0.1}`` merges into the section; a scalar for a whole section is an error."""
+    if not isinstance(value.parsed, Mapping):
+        raise _section_scalar_error(key, section, value.parsed)
+    return _deep_merge(_as_section(current, key, section), value.parsed)
+
+
+def _as_section(value: Any, key: str, section: type) -> dict[str, Any]:
+    """A (copied) mapping for a section; None is an empty section, anything else an error."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise _section_scalar_error(key, section, value)
+
+
+# -------------------------------------------------------------------------------------------- building
+
+
+def _build(cls: type[T], data: Any, prefix: str, root: type) -> T:
+    """Construct ``cls`` (and its sections, first) from a raw nested mapping."""
+    data = _as_section(data, prefix, cls) if prefix else data
+    fields = _init_fields(cls)
+    for name in data:
+        if name not in fields:
+            raise _unknown_key(root, _join(prefix, str(name)), cls, prefix)
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        key, tp = _join(prefix, name), hints[name]
+        if name in data:
+            kwargs[name] = _coerce(data[name], tp, key, root)
+        elif not _has_default(f):
+            section = _section_type(tp)
+            if section is None:
+                raise ConfigError(f"{key} is required")
+            kwargs[name] = _build(section, {}, key, root)  # its own validation names the missing keys
+    return _construct(cls, kwargs)
+
+
+def _construct(cls: type[T], kwargs: dict[str, Any]) -> T:
+    """Call the dataclass; validation errors keep their message and become ConfigError."""
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from e
+
+
+def _coerce(value: Any, tp: Any, key: str, root: type) -> Any:
+    """Convert a YAML or override value to the annotated type ``tp``."""
+    inner, optional = _unwrap_optional(tp)
+    override = value if isinstance(value, _Override) else None
+    plain = override.parsed if override is not None else value
+    empty_str = override is not None and inner is str and not override.raw.strip()
+    section = _section_type(inner)
+    if plain is None and not empty_str and (optional or section is None):
+        if optional:
+            return None
+        raise ConfigError(f"{key}: expected {_type_name(inner)}, got null")
+    if section is not None:
+        return _build(section, plain, key, root)  # a null section (keys all commented out) is an empty one
+    if inner is str:
+        return _to_str(plain, key, override)
+    if inner in _SCALARS:
+        return _SCALARS[inner](plain, key)
+    origin = typing.get_origin(inner)
+    if origin is tuple:
+        return _to_tuple(plain, inner, key, root)
+    if origin is list:
+        return _to_list(plain, inner, key, root)
+    return plain
+
+
+def _type_error(key: str, expected: str, value: Any) -> ConfigError:
+    return ConfigError(f"{key}: expected {expected}, got {value!r}")
+
+
+def _to_str(value: Any, key: str, override: _Override | None) -> str:
+    """Strings pass; an override keeps its text as written; YAML numbers are converted."""
+    if isinstance(value, str):
+        return value
+    if override is not None and not isinstance(value, (Mapping, list)):
+        return override.raw.strip()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise _type_error(key, "str", value)
+
+
+def _to_int(value: Any, key: str) -> int:
+    """ints, integral floats (``2.0``) and their text; never bools."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return int(value.strip())
+        with contextlib.suppress(ValueError):
+            number = float(value)
+            if number.is_integer():
+                return int(number)
+    raise _type_error(key, "int", value)
+
+
+def _to_float(value: Any, key: str) -> float:
+    """ints, floats and numeric text (PyYAML reads ``1e-3`` without a dot as a string); never bools."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return float(value)
+    raise _type_error(key, "float", value)
+
+
+def _to_bool(value: Any, key: str) -> bool:
+    """bools, 0/1, and true/false/yes/no/on/off text."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise _type_error(key, "bool", value)
+
+
+_SCALARS = {int: _to_int, float: _to_float, bool: _to_bool}
+
+
+def _to_tuple(value: Any, tp: Any, key: str, root: type) -> tuple[Any, ...]:
+    """A list (or ``a,b`` text) to a tuple, each item coerced; fixed-length tuples check the length."""
+    if isinstance(value, str):
+        value = [item.strip() for item in value.split(",")]
+    if not isinstance(value, (list, tuple)):
+        raise _type_error(key, _type_name(tp), value)
+    args = typing.get_args(tp)
+    if not args:
+        return tuple(value)
+    if len(args) == 2 and args[1] is Ellipsis:
+        args = (args[0],) * len(value)
+    if len(value) != len(args):
+        raise ConfigError(f"{key}: expected a list of {len(args)} values ({_type_name(tp)}), got {list(value)!r}")
+    return tuple(_coerce(v, a, f"{key}[{i}]", root) for i, (v, a) in enumerate(zip(value, args)))
+
+
+def _to_list(value: Any, tp: Any, key: str, root: type) -> list[Any]:
+    """A list with each item coerced to the element type."""
+    if not isinstance(value, (list, tuple)):
+        raise _type_error(key, _type_name(tp), value)
+    args = typing.get_args(tp)
+    if not args:
+        return list(value)
+    return [_coerce(v, args[0], f"{key}[{i}]", root) for i, v in enumerate(value)]
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def _unknown_key(root: type, key: str, section: type, prefix: str) -> ConfigError:
+    """Name the bad key; suggest close dotted keys, else list the section's valid keys."""
+    candidates = _all_keys(root)
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in candidates if k.rsplit(".", 1)[-1] == leaf and k != key]
+    close = list(dict.fromkeys(same_leaf + _close_matches(key, candidates)))[:3]
+    if close:
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}?"
+    else:
+        where = f"in '{prefix}'" if prefix else "at the top level"
+        hint = f"valid keys {where}: {', '.join(_init_fields(section))}"
+    return ConfigError(f"unknown config key {key!r}; {hint}")
+
+
+def _close_matches(key: str, candidates: Sequence[str], cutoff: float = 0.6, spread: float = 0.1) -> list[str]:
+    """Candidates similar to ``key``: above ``cutoff`` and within ``spread`` of the best match, best first."""
+    scored = sorted(
+        ((difflib.SequenceMatcher(None, key, c).ratio(), c) for c in candidates), key=lambda sc: -sc[0]
+    )
+    best = scored[0][0] if scored else 0.0
+    return [c for score, c in scored[:3] if score >= cutoff and score >= best - spread]
+
+
+def _section_scalar_error(key: str, section: type, value: Any) -> ConfigError:
+    example = next(iter(_init_fields(section)), "key")
+    return ConfigError(
+        f"{key}: is a config section; expected a mapping of its keys (e.g. {key}.{example}=...), got {value!r}"
+    )
+
+
+# ---------------------------------------------------------------------------------- dataclass introspection
+
+
+def _init_fields(cls: type) -> dict[str, dataclasses.Field[Any]]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    """Resolved field annotations (the schema uses ``from __future__ import annotations``)."""
+    return typing.get_type_hints(cls)
+
+
+def _lenient_hints(cls: type) -> dict[str, Any]:
+    """Like :func:`_hints`, but falls back to the annotation text (for documentation only)."""
+    try:
+        return _hints(cls)
+    except Exception:  # an unresolvable forward reference must not break --help or the docs
+        return {f.name: f.type for f in dataclasses.fields(cls)}
+
+
+def _has_default(f: dataclasses.Field[Any]) -> bool:
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """``Optional[X]`` -> ``(X, True)``; anything else -> ``(tp, False)``."""
+    if typing.get_origin(tp) not in (Union, types.UnionType):
+        return tp, False
+    args = typing.get_args(tp)
+    rest = tuple(a for a in args if a is not _NONE_TYPE)
+    if len(rest) == len(args):
+        return tp, False
+    return (rest[0] if len(rest) == 1 else Union[rest]), True
+
+
+def _section_type(tp: Any) -> type | None:
+    """The dataclass type of a section field (also through Optional), else None."""
+    inner, _ = _unwrap_optional(tp)
+    return inner if isinstance(inner, type) and dataclasses.is_dataclass(inner) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _all_keys(cls: type, prefix: str = "") -> tuple[str, ...]:
+    """Every valid dotted key, sections included (for suggestions)."""
+    keys: list[str] = []
+    hints = _lenient_hints(cls)
+    for name in _init_fields(cls):
+        key = _join(prefix, name)
+        keys.append(key)
+        section = _section_type(hints.get(name))
+        if section is not None:
+            keys.extend(_all_keys(section, key))
+    return tuple(keys)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {name: _to_plain(getattr(value, name)) for name in _init_fields(type(value))}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    """Readable type: ``int``, ``tuple[float, float]``, ``str | None``."""
+    if tp is _NONE_TYPE or tp is None:
+        return "None"
+    if isinstance(tp, str):
+        return tp
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None:
+        name = getattr(origin, "__name__", str(origin))
+        inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
+        return f"{name}[{inner}]" if args else name
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+# ------------------------------------------------------------------------------------- docs and --help
+
+
+def _describe(cls: type, prefix: str, instance: Any, rows: list[tuple[str, str, object, str]]) -> None:
+    """Append rows for ``cls``'s leaves; ``instance`` (if any) supplies the defaults of a section."""
+    hints = _lenient_hints(cls)
+    for name, f in _init_fields(cls).items():
+        key, tp = _join(prefix, name), hints.get(name, f.type)
+        default = _field_default(f, instance)
+        section = _section_type(tp)
+        if section is not None:
+            sub_instance = default if isinstance(default, section) else None
+            _describe(section, key, sub_instance, rows)
+        else:
+            rows.append((key, _type_name(tp), default, _field_help(cls, name)))
+
+
+def _field_default(f: dataclasses.Field[Any], instance: Any) -> Any:
+    """The default of a field: from the enclosing default instance, the field, or MISSING."""
+    if instance is not None:
+        return getattr(instance, f.name)
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        try:
+            return f.default_factory()
+        except Exception:  # a factory that cannot run without input has no printable default
+            return dataclasses.MISSING
+    return dataclasses.MISSING
+
+
+def _field_help(cls: type, name: str) -> str:
+    """The trailing ``# comment`` of the field in the class (of the MRO) that declares it."""
+    for klass in cls.__mro__:
+        if name in inspect.get_annotations(klass):
+            return _field_comments(klass).get(name, "")
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
+def _field_comments(klass: type) -> dict[str, str]:
+    """Map each annotated field of ``klass`` to the comment on its line(s) in the source, if any."""
+    try:
+        source = textwrap.dedent(inspect.getsource(klass))
+        tree = ast.parse(source)
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (OSError, TypeError, SyntaxError, tokenize.TokenError):
+        return {}
+    comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
+    node = tree.body[0] if tree.body and isinstance(tree.body[0], ast.ClassDef) else None
+    found: dict[str, str] = {}
+    for stmt in node.body if node is not None else []:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            rows = range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1)
+            text = next((comments[r] for r in rows if r in comments), "")
+            if text:
+                found[stmt.target.id] = text
+    return found
+
+
+def _format_default(value: Any) -> str:
+    """A default as it would be typed in an override."""
+    if value is dataclasses.MISSING:
+        return "(required)"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '""' if value == "" else value
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_format_default(v) for v in value) + "]"
+    return repr(value)
+
+
+def _help_epilog(cls: type) -> str:
+    """The key reference printed by ``--help``."""
+    rows = describe_keys(cls)
+    cells = [(key, type_name, _format_default(default), text) for key, type_name, default, text in rows]
+    widths = [max((len(c[i]) for c in cells), default=0) for i in range(3)]
+    lines = ["configuration keys (KEY=VALUE overrides; type, default, notes):"]
+    for key, type_name, default, text in cells:
+        line = f"  {key:<{widths[0]}}  {type_name:<{widths[1]}}  {default:<{widths[2]}}"
+        lines.append(f"{line}  {text}".rstrip())
+    lines += ["", f"presets (--config NAME): {', '.join(available_presets()) or '(none)'}"]
+    return "\n".join(lines)
+
+
+def _build_parser(cls: type, prog: str | None) -> argparse.ArgumentParser:
+    doc = inspect.getdoc(cls) or ""
+    if doc.startswith(f"{cls.__name__}("):  # the signature dataclasses put in place of a missing docstring
+        doc = ""
+    description = "\n\n".join(filter(None, [doc, "Precedence: defaults < --config file < KEY=VALUE overrides."]))
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=_help_epilog(cls),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--config", "-c", metavar="FILE_OR_PRESET", default=None,
+        help="YAML config file, or the name of a shipped preset (see the list below)",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE",
+        help="dotted overrides applied after the config file, e.g. train.micro_batch_size=2",
+    )
+    return parser

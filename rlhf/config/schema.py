@@ -1,0 +1,206 @@
+"""Typed, frozen run configurations.
+
+Each section is a frozen dataclass that validates its own fields in ``__post_init__`` and names the dotted key
+in every error (``train.micro_batch_size must be >= 1, got 0``). A run config (``SFTRunConfig`` ...) groups the
+sections and checks the rules that span them (the global batch must split evenly over micro-batches and ranks).
+Construction is validation: a config object that exists is a valid one, and it exists before any actor starts.
+
+Load one with :func:`rlhf.config.loader.load_config` from YAML and dotted overrides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the dotted key."""
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key} {msg}")
+
+
+def _choice(value: str, key: str, choices: Tuple[str, ...]) -> None:
+    _check(value in choices, key, f"must be one of {', '.join(choices)}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model to train (policy for SFT/DPO/RL, the scorer for reward modelling)."""
+
+    path: str = ""  # HF directory (required)
+    tokenizer_path: str = ""  # defaults to `path`
+    ref_path: str = ""  # DPO/RL reference model; defaults to `path`
+    attn_implementation: str = "auto"  # auto: flash_attention_2 on GPU when installed, else sdpa
+    disable_dropout: bool = True  # dropout breaks split-vs-whole equivalence and RL log-prob ratios
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        _check(bool(self.path), "model.path", "is required (an HF model directory)")
+        _choice(self.attn_implementation, "model.attn_implementation", ("auto", "sdpa", "eager", "flash_attention_2"))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training data: JSONL, Parquet, or a directory written by ``datasets.save_to_disk``."""
+
+    train_path: str = ""  # required
+    eval_path: str = ""
+    split: str = "train"  # which split of a saved DatasetDict
+    max_length: int = 512  # prompt + completion tokens; longer completions are truncated
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    margin_key: str = "margin"  # optional per-pair margin for the reward model
+    add_eos: bool = True  # append the tokenizer's EOS to every completion
+
+    def __post_init__(self) -> None:
+        _check(bool(self.train_path), "data.train_path", "is required (JSONL, Parquet or a saved dataset directory)")
+        _check(self.max_length >= 2, "data.max_length", f"must be >= 2, got {self.max_length}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and batching. See docs/concepts.md for the accumulation contract."""
+
+    global_batch_size: int = 8  # samples per optimizer step, summed over all ranks
+    micro_batch_size: int = 1  # samples per forward, per rank
+    num_workers: int = 1  # data-parallel ranks
+    max_epochs: int = 1
+    max_steps: int = -1  # optimizer steps for the whole run; -1 = no limit
+    lr: float = 1e-5
+    lr_scheduler: str = "cosine"  # constant | linear | cosine (after warmup)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # the schedule decays to lr * min_lr_ratio
+    weight_decay: float = 0.0
+    adam_betas: Tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0  # <= 0 disables clipping (the norm is still measured and logged)
+    seed: int = 42
+    output_dir: str = "outputs/run"
+    save_final: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("global_batch_size", "micro_batch_size", "num_workers", "max_epochs"):
+            value = getattr(self, key)
+            _check(value >= 1, f"train.{key}", f"must be >= 1, got {value}")
+        _check(self.max_steps == -1 or self.max_steps >= 1, "train.max_steps", f"must be -1 or >= 1, got {self.max_steps}")
+        _check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
+        _choice(self.lr_scheduler, "train.lr_scheduler", ("constant", "linear", "cosine"))
+        _check(self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _check(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas), "train.adam_betas",
+               f"must be two numbers in [0, 1), got {self.adam_betas}")
+        per_pass = self.micro_batch_size * self.num_workers
+        _check(self.global_batch_size % per_pass == 0, "train.global_batch_size",
+               f"({self.global_batch_size}) must be divisible by train.micro_batch_size x train.num_workers "
+               f"({self.micro_batch_size} x {self.num_workers} = {per_pass})")
+        _check(bool(self.output_dir), "train.output_dir", "must not be empty")
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per rank per optimizer step."""
+        return self.global_batch_size // (self.micro_batch_size * self.num_workers)
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """How the trainer workers run: DeepSpeed ZeRO stage, precision, resources per worker."""
+
+    zero_stage: int = 2
+    precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    backend: str = "auto"  # auto: nccl on GPU, gloo on CPU
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = -1.0  # -1: 1 when the Ray cluster has GPUs, else 0
+    offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (GPU runs)
+    deepspeed_config: str = ""  # optional user JSON merged under the run's own settings
+
+    def __post_init__(self) -> None:
+        _check(self.zero_stage in (0, 1, 2, 3), "strategy.zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}")
+        _choice(self.precision, "strategy.precision", ("auto", "fp32", "bf16", "fp16"))
+        _choice(self.backend, "strategy.backend", ("auto", "gloo", "nccl"))
+        _check(self.cpus_per_worker > 0, "strategy.cpus_per_worker", f"must be > 0, got {self.cpus_per_worker}")
+        _check(self.gpus_per_worker == -1 or self.gpus_per_worker >= 0, "strategy.gpus_per_worker",
+               f"must be -1 (auto) or >= 0, got {self.gpus_per_worker}")
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """Where the actors run. An empty address starts a local cluster unless RAY_ADDRESS is set."""
+
+    address: str = ""
+    num_cpus: int = -1  # local cluster only; -1 = enough logical CPUs for every actor of the run
+
+    def __post_init__(self) -> None:
+        _check(self.num_cpus == -1 or self.num_cpus >= 1, "ray.num_cpus", f"must be -1 or >= 1, got {self.num_cpus}")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    print_every: int = 1  # driver prints a metrics line every N steps
+
+    def __post_init__(self) -> None:
+        _check(self.print_every >= 1, "logging.print_every", f"must be >= 1, got {self.print_every}")
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    """Direct Preference Optimization (Rafailov et al. 2023) and variants; see rlhf/ops/preference.py."""
+
+    beta: float = 0.1
+    loss_type: str = "sigmoid"  # a name in rlhf.ops.preference.DPO_LOSSES
+    label_smoothing: float = 0.0  # cDPO: assumed probability that a preference label is flipped
+    ref_mode: str = "precompute"  # precompute: score every row once before training; online: every step
+    ref_num_workers: int = 1  # reference workers (precompute and online)
+
+    def __post_init__(self) -> None:
+        _check(self.beta > 0, "dpo.beta", f"must be > 0, got {self.beta}")
+        _check(0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
+        _choice(self.ref_mode, "dpo.ref_mode", ("precompute", "online"))
+        _check(self.ref_num_workers >= 1, "dpo.ref_num_workers", f"must be >= 1, got {self.ref_num_workers}")
+        from rlhf.ops.preference import DPO_LOSSES  # pure torch: keeps `import rlhf.config` light
+
+        try:
+            DPO_LOSSES.get(self.loss_type)
+        except KeyError as e:  # UnknownNameError lists the valid names
+            raise ConfigError(f"dpo.loss_type: {e}") from None
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    """Pairwise Bradley-Terry reward model (Ouyang et al. 2022, eq. 1) with an optional margin (Llama 2)."""
+
+    use_margin: bool = False  # subtract data.margin_key from the reward difference
+
+
+@dataclass(frozen=True)
+class _RunConfig:
+    model: ModelConfig  # no default: model.path is required
+    data: DataConfig  # no default: data.train_path is required
+    train: TrainConfig = field(default_factory=TrainConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+@dataclass(frozen=True)
+class SFTRunConfig(_RunConfig):
+    """``python -m rlhf.cli.train_sft``: supervised fine-tuning, loss on response tokens."""
+
+
+@dataclass(frozen=True)
+class RewardModelRunConfig(_RunConfig):
+    """``python -m rlhf.cli.train_rm``: pairwise reward model."""
+
+    rm: RewardModelConfig = field(default_factory=RewardModelConfig)
+
+
+@dataclass(frozen=True)
+class DPORunConfig(_RunConfig):
+    """``python -m rlhf.cli.train_dpo``: offline preference optimisation against a frozen reference."""
+
+    dpo: DPOConfig = field(default_factory=DPOConfig)

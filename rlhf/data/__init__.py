@@ -1,0 +1,1 @@
+"""Reading and preparing training data."""

@@ -1,0 +1,38 @@
+"""Connecting to Ray: join ``ray.address`` / ``RAY_ADDRESS`` (e.g. under ``ray job submit``), or start a local
+cluster sized for the run's actors."""
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+# Environment every actor gets; DS_ACCELERATOR is added for CPU-only groups.
+ACTOR_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+
+
+def init_ray(address: str = "", num_cpus: int = -1, needed_cpus: float = 1.0) -> str:
+    """Initialise Ray once per driver process; returns ``"local"`` or the address joined."""
+    import ray
+
+    if ray.is_initialized():
+        return "existing"
+    address = address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return address
+    cpus = num_cpus if num_cpus > 0 else max(os.cpu_count() or 1, int(needed_cpus + 0.999))
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": dict(ACTOR_ENV)})
+    return "local"
+
+
+def cluster_gpus() -> float:
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0.0))
+
+
+def actor_env(gpus_per_worker: float) -> Dict[str, str]:
+    env = dict(ACTOR_ENV)
+    if gpus_per_worker <= 0:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env

@@ -1,0 +1,199 @@
+"""The one DeepSpeed engine every trainer uses (SFT, reward model, DPO; PPO's policy and critic later).
+
+Gradient-accumulation contract (docs/concepts.md):
+
+* The caller hands the engine losses that are already normalized over the *whole global batch* (all
+  micro-batches, all ranks) and multiplied by the data-parallel world size, because DeepSpeed averages gradients
+  over ranks. DeepSpeed's own ``1 / gradient_accumulation_steps`` scaling is switched off
+  (``backward(scale_wrt_gas=False)``): exactly one normalization.
+* One optimizer step consumes exactly ``gradient_accumulation_steps`` micro-batches. :meth:`TrainEngine.micro_step`
+  checks that DeepSpeed's boundary and ours agree on every micro-batch, so an accumulation window can never
+  straddle two steps (or two epochs, or a resume).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch
+
+from rlhf.utils.schedule import lr_multiplier
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    """AdamW and its schedule. ``total_steps`` is the run's exact number of optimizer steps."""
+
+    lr: float
+    total_steps: int
+    betas: Tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    scheduler: str = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How DeepSpeed shards and computes. ``precision`` is already resolved (fp32 | bf16 | fp16)."""
+
+    zero_stage: int
+    precision: str
+    micro_batch_size: int
+    grad_accum_steps: int
+    offload_optimizer: bool = False
+    user_config: Optional[Dict[str, Any]] = None
+
+
+def build_ds_config(spec: EngineSpec, world_size: int, max_grad_norm: float, trainable: bool = True) -> Dict[str, Any]:
+    """The DeepSpeed JSON for one worker group. The run's batch sizes and precision always win over a user's
+    file: they are what the accumulation contract is computed from."""
+    config: Dict[str, Any] = copy.deepcopy(spec.user_config) if spec.user_config else {}
+    zero = dict(config.get("zero_optimization", {}))
+    zero["stage"] = spec.zero_stage
+    if spec.offload_optimizer and trainable:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if spec.zero_stage == 3:
+        # Gather the full parameter for every use rather than caching partial prefetches: the tiny and the huge
+        # models then behave the same, and saving / weight sync see complete tensors.
+        zero.setdefault("stage3_param_persistence_threshold", 0)
+    config["zero_optimization"] = zero
+    config["train_micro_batch_size_per_gpu"] = spec.micro_batch_size
+    config["gradient_accumulation_steps"] = spec.grad_accum_steps
+    config["train_batch_size"] = spec.micro_batch_size * spec.grad_accum_steps * world_size
+    # Clipping is applied by DeepSpeed; 0 disables it (the norm is still measured, see TrainEngine.grad_norm).
+    config["gradient_clipping"] = max(0.0, max_grad_norm)
+    config["bf16"] = {"enabled": spec.precision == "bf16"}
+    config["fp16"] = {"enabled": spec.precision == "fp16", **({"loss_scale": 0} if spec.precision == "fp16" else {})}
+    config.setdefault("steps_per_print", 10**9)  # the driver logs; keep DeepSpeed quiet
+    config.setdefault("wall_clock_breakdown", False)
+    return config
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: no weight decay on biases and norm weights (1-D parameters)."""
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def _make_optimizer(model: torch.nn.Module, optim: OptimSpec, offload: bool):
+    groups = parameter_groups(model, optim.weight_decay)
+    kwargs = dict(lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    if torch.cuda.is_available():
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+class TrainEngine:
+    """A DeepSpeed engine with the project's accumulation contract.
+
+    Use: for each micro-batch of a step, ``loss = engine(...)``-derived normalized loss, then
+    ``micro_step(loss, is_last)``; after the last one, :attr:`last_grad_norm` holds the step's pre-clip norm.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, engine: EngineSpec, optim: OptimSpec, world_size: int) -> None:
+        import deepspeed
+
+        self.spec = engine
+        self.optim_spec = optim
+        self.world_size = world_size
+        ds_config = build_ds_config(engine, world_size, optim.max_grad_norm)
+        optimizer = _make_optimizer(model, optim, engine.offload_optimizer)
+
+        def schedule(opt):  # DeepSpeed calls this with the optimizer it wraps
+            return torch.optim.lr_scheduler.LambdaLR(
+                opt,
+                lambda step: lr_multiplier(step, total_steps=optim.total_steps, warmup_steps=optim.warmup_steps,
+                                           kind=optim.scheduler, min_ratio=optim.min_lr_ratio),
+            )
+
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=schedule, config=ds_config
+        )
+        self._micro_in_step = 0
+        self.last_grad_norm: Optional[float] = None
+
+    # ------------------------------------------------------------------ training
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def __call__(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def current_lr(self) -> float:
+        """The LR the next optimizer step will use."""
+        return float(self.engine.get_lr()[0])
+
+    def micro_step(self, loss: torch.Tensor, is_last: bool) -> None:
+        """Backward one micro-batch's already-normalized loss; on the last micro-batch, update the weights."""
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        if boundary != is_last:
+            raise RuntimeError(
+                f"accumulation window out of step: DeepSpeed boundary={boundary} but this is micro-batch "
+                f"{self._micro_in_step + 1} of {self.spec.grad_accum_steps} (is_last={is_last})"
+            )
+        self.engine.backward(loss, scale_wrt_gas=False)
+        stage0_norm = self._local_grad_norm() if is_last and self._measures_norm_itself() else None
+        self.engine.step()
+        self._micro_in_step += 1
+        if is_last:
+            norm = self.engine.get_global_grad_norm()
+            self.last_grad_norm = float(norm) if norm is not None else stage0_norm
+            if isinstance(self.last_grad_norm, torch.Tensor):
+                self.last_grad_norm = float(self.last_grad_norm)
+            self._micro_in_step = 0
+
+    def _measures_norm_itself(self) -> bool:
+        # ZeRO 1-3 and DeepSpeed's bf16/fp16 optimizers compute the global norm; plain fp32 stage 0 wraps a
+        # torch optimizer that does not, so the norm is taken here (gradients are already all-reduced).
+        return self.spec.zero_stage == 0 and self.spec.precision == "fp32"
+
+    def _local_grad_norm(self) -> float:
+        total = torch.zeros((), dtype=torch.float64)
+        for param in self.engine.module.parameters():
+            if param.grad is not None:
+                total += param.grad.detach().double().pow(2).sum().cpu()
+        return math.sqrt(float(total))
+
+
+def iter_full_state(module: torch.nn.Module, zero_stage: int) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield ``(name, full CPU tensor)`` for every entry of the module's state dict, gathering ZeRO-3 shards.
+
+    Collective under ZeRO-3: every rank of the group must iterate in lockstep.
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))  # tied weights appear under both names
+    for name, value in module.state_dict(keep_vars=True).items():
+        param = params.get(name)
+        if param is not None and zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                yield name, param.data.detach().cpu().clone()
+        else:
+            yield name, value.detach().cpu()
+
+
+def ds_config_json(config: Dict[str, Any]) -> str:
+    return json.dumps(config, indent=2, sort_keys=True)

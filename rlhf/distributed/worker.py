@@ -1,0 +1,132 @@
+"""A trainer worker: one data-parallel rank hosting a model and, when trainable, its DeepSpeed engine.
+
+The same class hosts every model role (policy, reference, reward model; PPO's critic later). It is a plain
+class; :class:`rlhf.distributed.group.WorkerGroup` turns it into Ray actors, one per rank, and calls its
+methods. Nothing here imports Ray.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from rlhf.batch import Batch
+from rlhf.distributed.engine import EngineSpec, OptimSpec, TrainEngine, build_ds_config, iter_full_state
+from rlhf.models.loading import ModelSpec, load_model
+from rlhf.objectives.base import Objective, ScoreFn, Sums, add_sums
+from rlhf.ops.losses import normalize
+from rlhf.utils.device import resolve_attn_implementation
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one rank reports for one optimizer step."""
+
+    sums: Sums  # metric sums over this rank's micro-batches
+    grad_norm: Optional[float]  # pre-clip global norm (identical on every rank)
+    lr: float  # LR used by this step
+
+
+class TrainerWorker:
+    def __init__(self, role: str, rank: int, world_size: int, num_threads: int = 1) -> None:
+        self.role, self.rank, self.world_size = role, rank, world_size
+        torch.set_num_threads(max(1, num_threads))
+        self.model: Optional[torch.nn.Module] = None
+        self.engine: Optional[TrainEngine] = None
+        self.zero_stage = 0
+        self.device = torch.device("cpu")
+
+    # ------------------------------------------------------------------ set-up
+    def rendezvous_address(self) -> Tuple[str, int]:
+        """This node's IP and a free port, for rank 0 to host the process group."""
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_process_group(self, master_addr: str, master_port: int, backend: str) -> None:
+        import deepspeed
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        if backend == "nccl":
+            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is device 0 here.
+            torch.cuda.set_device(0)
+            self.device = torch.device("cuda", 0)
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+    def build(self, model: ModelSpec, engine: EngineSpec, optim: Optional[OptimSpec]) -> Dict[str, int]:
+        """Load the model; with ``optim`` wrap it in a training engine, else keep it frozen for scoring."""
+        # Capability is decided where the model runs: flash-attention 2 on a CUDA worker that has it, else sdpa.
+        model = dataclasses.replace(model, attn_implementation=resolve_attn_implementation(model.attn_implementation))
+        zero3 = build_ds_config(engine, self.world_size, 0.0, trainable=optim is not None) if engine.zero_stage == 3 else None
+        module = load_model(model, zero3_config=zero3)
+        self.zero_stage = engine.zero_stage
+        if optim is not None:
+            self.engine = TrainEngine(module, engine=engine, optim=optim, world_size=self.world_size)
+            self.engine.train()
+            self.model = self.engine.module
+        elif engine.zero_stage == 3:
+            import deepspeed
+
+            frozen_engine, *_ = deepspeed.initialize(model=module, config=zero3)
+            frozen_engine.eval()
+            self.model = frozen_engine.module
+        else:
+            self.model = module.to(self.device).eval()
+            self.model.requires_grad_(False)
+        return {"parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.model.parameters())}
+
+    # ------------------------------------------------------------------ work
+    def train_step(self, micro_batches: List[Batch], objective: Objective, normalizer: int) -> StepResult:
+        """One optimizer step over this rank's micro-batches of a global batch.
+
+        Args:
+            micro_batches: exactly ``grad_accum_steps`` micro-batches (this rank's share of the global batch).
+            objective: turns a micro-batch into a loss sum and metric sums.
+            normalizer: the objective's count summed over the *whole* global batch (all ranks).
+        """
+        if self.engine is None:
+            raise RuntimeError(f"{self.role} rank {self.rank} is frozen: train_step needs a trainable worker")
+        if len(micro_batches) != self.engine.spec.grad_accum_steps:
+            raise ValueError(f"{self.role} rank {self.rank} got {len(micro_batches)} micro-batches, "
+                             f"expected grad_accum_steps={self.engine.spec.grad_accum_steps}")
+        lr = self.engine.current_lr()
+        sums: Sums = {}
+        for i, micro in enumerate(micro_batches):
+            micro = micro.to(self.device)
+            loss_sum, micro_sums = objective.loss(self.engine, micro)
+            self.engine.micro_step(normalize(loss_sum, normalizer, self.world_size), is_last=i == len(micro_batches) - 1)
+            sums = add_sums(sums, micro_sums)
+        return StepResult(sums=sums, grad_norm=self.engine.last_grad_norm, lr=lr)
+
+    @torch.no_grad()
+    def score(self, batches: List[Batch], fn: ScoreFn) -> List[torch.Tensor]:
+        """Forward-only ``fn`` over each batch (reference log-probs, rewards, values), results on CPU."""
+        model = self.engine if self.engine is not None else self.model
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return [fn(model, b.to(self.device)).cpu() for b in batches]
+        finally:
+            self.model.train(was_training)
+
+    def save_pretrained(self, path: str) -> None:
+        """Write the full model as an HF directory (safetensors). Collective: call on every rank; rank 0 writes."""
+        state = {}
+        for name, tensor in iter_full_state(self.model, self.zero_stage):
+            if self.rank == 0:
+                state[name] = tensor
+        if self.rank == 0:
+            self.model.save_pretrained(path, state_dict=state)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    def ping(self) -> int:
+        return self.rank

@@ -1,0 +1,157 @@
+"""A tiny, randomly initialised Qwen2 model with a locally trained tokenizer.
+
+Tests, examples and the demo need a real Hugging Face checkpoint that every part of the stack can load
+(transformers for training, vLLM for generation) but the machine has no model hub. This module makes one from
+nothing: a byte-level BPE tokenizer trained on the synthetic arithmetic task and a ~0.5M-parameter Qwen2 model.
+Both are deterministic in the seed, so two builds are byte-identical and a cached copy can be trusted.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # transformers is heavy; import it only where a function needs it
+    from transformers import PreTrainedTokenizerFast
+
+PAD_TOKEN = "<pad>"
+BOS_TOKEN = "<s>"
+EOS_TOKEN = "</s>"
+UNK_TOKEN = "<unk>"
+# Order fixes the ids: <pad>=0, <s>=1, </s>=2, <unk>=3.
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+
+# vLLM's CPU attention backend rejects head sizes below this.
+MIN_HEAD_DIM = 32
+
+
+def build_tokenizer(vocab_size: int = 512, model_max_length: int = 512) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on the arithmetic task corpus.
+
+    The initial alphabet is all 256 byte symbols, so any text encodes without ``<unk>``; merges are learned
+    only from the task corpus. No post-processor adds BOS/EOS: the data pipeline appends EOS itself.
+
+    The normalizer and pre-tokenizer are the ones ``transformers.Qwen2Tokenizer`` builds (NFC, then Qwen's
+    split regex, then byte-level mapping without its own regex). ``AutoTokenizer`` - and vLLM, which calls it -
+    always loads a ``qwen2`` checkpoint's tokenizer as ``Qwen2Tokenizer`` and rebuilds that pipeline around the
+    saved vocab and merges, ignoring the pre-tokenizer in ``tokenizer.json``. Training with the same pipeline
+    makes ``tokenizer.json``, ``AutoTokenizer`` and vLLM tokenize identically. The regex splits every digit
+    into its own pre-token, so numbers are spelled digit by digit and a prompt's tokens are always a prefix of
+    prompt+response tokens.
+
+    Args:
+        vocab_size: Exact vocabulary size; what the corpus does not fill is reserved tokens.
+        model_max_length: Recorded in the tokenizer config.
+
+    Returns:
+        A ``transformers.PreTrainedTokenizerFast`` with pad/bos/eos/unk set and right padding.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    from rlhf.synthetic.arithmetic import tokenizer_corpus
+
+    tok = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    # Digits are never merged, so the corpus yields far fewer than `vocab_size` tokens. Fill the rest with
+    # reserved tokens so that every embedding row of the model is a real token: an untrained policy samples all
+    # ids, and an id the tokenizer does not know decodes to nothing (or to None in convert_ids_to_tokens).
+    # They are not special, so decoded text shows them and a response containing one is visibly malformed.
+    n_reserved = vocab_size - tok.get_vocab_size()
+    tok.add_tokens([AddedToken(f"<|reserved_{i}|>", special=False, normalized=False) for i in range(n_reserved)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        padding_side="right",
+        model_max_length=model_max_length,
+    )
+
+
+def build_tiny_model(
+    out_dir: str,
+    *,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    intermediate_size: int = 384,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 512,
+) -> str:
+    """Write a tiny random Qwen2 causal LM and its tokenizer to ``out_dir``.
+
+    Args:
+        out_dir: Destination directory (created; existing files of the same name are overwritten).
+        seed: Seed for the weight initialisation; the same seed gives byte-identical safetensors.
+        hidden_size: Model width.
+        num_layers: Number of decoder layers.
+        num_heads: Attention heads; ``hidden_size / num_heads`` must be at least 32 for vLLM on CPU.
+        num_kv_heads: Key/value heads (grouped-query attention); must divide ``num_heads``.
+        intermediate_size: MLP width.
+        vocab_size: Embedding rows, equal to the tokenizer's vocabulary size (padded with reserved tokens).
+        max_position_embeddings: Longest sequence the model is configured for.
+
+    Returns:
+        ``out_dir``.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+    head_dim = hidden_size // num_heads
+    assert head_dim >= MIN_HEAD_DIM, f"head_dim {head_dim} < {MIN_HEAD_DIM}: vLLM's CPU attention rejects it"
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not divisible by num_kv_heads {num_kv_heads}")
+
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size=vocab_size, model_max_length=max_position_embeddings)
+    # One embedding row per token, no more (see build_tokenizer) and no fewer (that would crash lookups).
+    assert len(tokenizer) == vocab_size, f"tokenizer has {len(tokenizer)} tokens, vocab_size is {vocab_size}"
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    # Initialisation draws from the global torch RNG; fork it so a caller's RNG state is neither used nor moved.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+    model.generation_config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,34 @@
+"""Supervised fine-tuning: negative log-likelihood of the response tokens, normalized by the number of
+response tokens in the whole global batch (the same number whatever the micro-batch / rank split)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+
+from rlhf.batch import Batch
+from rlhf.objectives.base import Sums, target_count
+from rlhf.ops.logprobs import token_logprobs
+from rlhf.ops.losses import sft_nll_sum
+
+
+def causal_lm_token_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token log-probs ``(B, T)`` of ``input_ids`` under a causal LM (column 0 is 0)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    return token_logprobs(logits, input_ids)
+
+
+@dataclass(frozen=True)
+class SFTObjective:
+    def count(self, batch: Batch) -> int:
+        return target_count(batch.loss_mask)
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, Sums]:
+        logps = causal_lm_token_logps(model, batch.input_ids, batch.attention_mask)
+        nll = sft_nll_sum(logps, batch.loss_mask.to(logps.dtype))
+        return nll, {"loss_sum": nll.item(), "num_tokens": float(self.count(batch))}
+
+    def finalize(self, sums: Sums, normalizer: int) -> Dict[str, float]:
+        loss = sums["loss_sum"] / normalizer
+        return {"loss": loss, "num_tokens": int(sums["num_tokens"])}

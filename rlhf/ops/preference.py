@@ -1,0 +1,202 @@
+"""Pairwise preference losses: DPO and its variants, Bradley-Terry reward modelling, pair accuracy.
+
+Every function returns per-pair values ``(B,)`` or a count; none averages over the micro-batch. The caller sums
+them and divides once by the number of pairs in the global batch (:func:`rlhf.ops.losses.normalize`).
+
+Notation: for a pair, ``chosen_logratio = log pi(y_w|x) - log pi_ref(y_w|x)``, likewise ``rejected_logratio``
+for ``y_l``, and ``h = chosen_logratio - rejected_logratio``. Log-probs are sums over target tokens unless the
+loss sets ``average_logps``, in which case both policy and reference log-probs are divided by the target-token
+count of their completion first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from rlhf.registry import Registry
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class DPOLoss:
+    """One DPO-style loss.
+
+    Attributes:
+        fn: ``fn(chosen_logratio (B,), rejected_logratio (B,), beta, label_smoothing) -> (B,)`` per-pair losses.
+        average_logps: whether the log-probs are per-token averages instead of sums over the completion.
+        paper: the reference the formula follows.
+    """
+
+    fn: Callable[[Tensor, Tensor, float, float], Tensor]
+    average_logps: bool
+    paper: str
+
+
+DPO_LOSSES = Registry[DPOLoss]("DPO loss type")
+
+
+def _check_beta(beta: float) -> None:
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+
+
+def _check_label_smoothing(name: str, label_smoothing: float) -> None:
+    # eps is the probability that a label is flipped; at 0.5 the labels carry no information (and robust DPO
+    # divides by 1 - 2 eps), above it they are more likely wrong than right.
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"{name} loss: label_smoothing must be in [0, 0.5), got {label_smoothing}")
+
+
+def _reject_label_smoothing(name: str, label_smoothing: float) -> None:
+    # Silently ignoring it would let a config believe it trains with noisy-label correction when it does not.
+    if label_smoothing != 0:
+        raise ValueError(f"{name} loss does not use label_smoothing (got {label_smoothing}); set it to 0")
+
+
+def _sigmoid(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, label_smoothing: float) -> Tensor:
+    """DPO (Rafailov et al. 2023, eq. 7) with conservative-DPO label smoothing ``eps`` (cDPO, Mitchell 2023).
+
+    ``-(1 - eps) logsigmoid(beta h) - eps logsigmoid(-beta h)``, i.e. the cross-entropy of the Bradley-Terry
+    implicit-reward model against the soft label ``1 - eps``. Summed log-probs, as in the paper.
+    """
+    _check_beta(beta)
+    _check_label_smoothing("sigmoid", label_smoothing)
+    z = beta * (chosen_logratio - rejected_logratio)
+    return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+
+
+def _ipo(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, label_smoothing: float) -> Tensor:
+    """IPO (Azar et al. 2023, sampled loss): ``(h - 1 / (2 beta))^2`` with ``beta`` the paper's tau.
+
+    Departure from the paper: the paper's ``h`` uses log-probs summed over the completion; following the common
+    practice of OpenRLHF and TRL this loss is registered with ``average_logps=True``, so ``h`` is built from
+    per-token average log-probs, which keeps the target margin ``1 / (2 beta)`` independent of response length.
+    """
+    _check_beta(beta)
+    _reject_label_smoothing("ipo", label_smoothing)
+    return (chosen_logratio - rejected_logratio - 1 / (2 * beta)) ** 2
+
+
+def _hinge(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, label_smoothing: float) -> Tensor:
+    """SLiC hinge loss (Zhao et al. 2023): ``relu(1 - beta h)``.
+
+    Departure from the paper: SLiC-HF's calibration loss is ``max(0, delta - log pi(y_w|x) + log pi(y_l|x))``
+    on policy log-probs alone; here the log-probs are normalized by the reference model and the margin is
+    ``delta = 1 / beta`` (``relu(1 - beta h) = beta * relu(1 / beta - h)``), the reference-normalized form of
+    Liu et al. 2023 (RSO) that DPO libraries ship as "hinge". SLiC's separate SFT regularizer is not included.
+    """
+    _check_beta(beta)
+    _reject_label_smoothing("hinge", label_smoothing)
+    return F.relu(1 - beta * (chosen_logratio - rejected_logratio))
+
+
+def _robust(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, label_smoothing: float) -> Tensor:
+    """Robust DPO (Chowdhury et al. 2024): an unbiased DPO loss under label-flip probability ``eps``.
+
+    ``((1 - eps) * -logsigmoid(beta h) - eps * -logsigmoid(-beta h)) / (1 - 2 eps)``. Unlike cDPO this is not a
+    cross-entropy: for ``eps > 0`` it is unbounded below as ``h -> inf`` (the paper's estimator, by design); with
+    ``eps = 0`` it equals the sigmoid loss. Summed log-probs, as in the paper.
+    """
+    _check_beta(beta)
+    _check_label_smoothing("robust", label_smoothing)
+    z = beta * (chosen_logratio - rejected_logratio)
+    eps = label_smoothing
+    return ((1 - eps) * -F.logsigmoid(z) - eps * -F.logsigmoid(-z)) / (1 - 2 * eps)
+
+
+DPO_LOSSES.register("sigmoid")(DPOLoss(_sigmoid, False, "Rafailov et al. 2023, DPO; cDPO label smoothing"))
+DPO_LOSSES.register("ipo")(DPOLoss(_ipo, True, "Azar et al. 2023, IPO (per-token averaged log-probs)"))
+DPO_LOSSES.register("hinge")(DPOLoss(_hinge, False, "Zhao et al. 2023, SLiC-HF (reference-normalized as in RSO)"))
+DPO_LOSSES.register("robust")(DPOLoss(_robust, False, "Chowdhury et al. 2024, Provably Robust DPO"))
+
+
+def _check_pairs(name: str, x: Tensor) -> None:
+    if x.dim() != 2 or x.shape[1] != 2:
+        raise ValueError(f"{name} must be (B, 2) with index 0 chosen, 1 rejected; got shape {tuple(x.shape)}")
+
+
+def dpo_pair_losses(
+    loss_type: str,
+    policy_logps: Tensor,
+    ref_logps: Tensor,
+    beta: float,
+    label_smoothing: float,
+    lengths: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Per-pair DPO-family losses and implicit rewards.
+
+    Args:
+        loss_type: a name in :data:`DPO_LOSSES` (an unknown name raises an error listing the valid ones).
+        policy_logps: ``(B, 2)`` policy log-probs summed over target tokens (index 0 chosen, 1 rejected).
+        ref_logps: ``(B, 2)`` reference log-probs, same layout.
+        beta: the KL-regularization strength (> 0).
+        label_smoothing: assumed label-flip probability for losses that model it, else must be 0.
+        lengths: ``(B, 2)`` target-token counts of each completion; required (and > 0) when the loss averages
+            log-probs per token, ignored otherwise.
+
+    Returns:
+        ``(losses, chosen_rewards, rejected_rewards)``, each ``(B,)``: per-pair losses (not averaged; the caller
+        divides the global sum by the global number of pairs), and the detached implicit rewards
+        ``beta * (policy - ref)`` of the log-probs the loss used (per-token averages when it averages).
+    """
+    spec = DPO_LOSSES.get(loss_type)
+    _check_pairs("policy_logps", policy_logps)
+    _check_pairs("ref_logps", ref_logps)
+    logratio = policy_logps - ref_logps
+    if spec.average_logps:
+        logratio = logratio / _token_counts(loss_type, lengths, policy_logps.shape)
+    chosen, rejected = logratio[:, 0], logratio[:, 1]
+    losses = spec.fn(chosen, rejected, beta, label_smoothing)
+    return losses, (beta * chosen).detach(), (beta * rejected).detach()
+
+
+def _token_counts(loss_type: str, lengths: Optional[Tensor], shape: torch.Size) -> Tensor:
+    """Validated ``(B, 2)`` target-token counts for a per-token-averaging loss."""
+    if lengths is None:
+        raise ValueError(f"DPO loss {loss_type!r} averages log-probs per token: pass lengths (B, 2)")
+    if lengths.shape != shape:
+        raise ValueError(f"lengths shape {tuple(lengths.shape)} != log-probs shape {tuple(shape)}")
+    if bool((lengths <= 0).any()):
+        raise ValueError("lengths must be > 0: a completion without target tokens has no average log-prob")
+    return lengths
+
+
+def bradley_terry_losses(chosen_scores: Tensor, rejected_scores: Tensor, margin: Optional[Tensor] = None) -> Tensor:
+    """Reward-model loss ``-logsigmoid(chosen - rejected - margin)`` per pair.
+
+    Ouyang et al. 2022 (InstructGPT), eq. 1, without its ``1 / C(K, 2)`` factor (the caller's normalizer counts
+    pairs); the optional margin is the one of Llama 2 (Touvron et al. 2023), which demands a larger score
+    gap for pairs rated as clearly different.
+
+    Args:
+        chosen_scores: ``(B,)`` scalar rewards of the chosen completions.
+        rejected_scores: ``(B,)`` scalar rewards of the rejected completions.
+        margin: ``(B,)`` optional non-negative margins.
+
+    Returns:
+        ``(B,)`` per-pair losses (not averaged).
+    """
+    diff = chosen_scores - rejected_scores
+    if margin is not None:
+        diff = diff - margin
+    return -F.logsigmoid(diff)
+
+
+def pair_accuracy_count(chosen: Tensor, rejected: Tensor) -> Tensor:
+    """Number of pairs ranked correctly, ``sum_b [chosen_b > rejected_b]``; a tie counts as wrong.
+
+    A count rather than a fraction so the caller can sum it over micro-batches and ranks and divide once by the
+    global number of pairs.
+
+    Args:
+        chosen: ``(B,)`` scores (or implicit rewards) of the chosen completions.
+        rejected: ``(B,)`` scores of the rejected completions.
+
+    Returns:
+        0-dim int64 tensor, detached.
+    """
+    return (chosen.detach() > rejected.detach()).sum()

@@ -1,0 +1,1 @@
+"""Synthetic tasks with checkable answers, for tests, examples and demos."""

@@ -1,0 +1,80 @@
+"""DPO-family training against a frozen reference (Rafailov et al. 2023; variants in rlhf.ops.preference).
+
+Reference log-probs come from the reference model on its own worker group, either once for the whole dataset
+before training (``dpo.ref_mode=precompute``, the reference group is then released) or for every step's
+micro-batches (``online``, for datasets too large to score up front). Both give the same numbers.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from rlhf.batch import Batch
+from rlhf.config.schema import DPORunConfig
+from rlhf.data.io import read_rows
+from rlhf.data.tokenize import collate_pairs, tokenize_pairs
+from rlhf.models.loading import CAUSAL_LM
+from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
+from rlhf.trainers.offline import OfflineTask, RunContext, RunResult
+from rlhf.trainers.runner import run_offline
+
+REF_BATCH_SIZE = 16  # pairs per reference forward when precomputing
+
+
+class _PairData:
+    """Tokenized pairs plus, once computed, their reference log-probs ``(N, 2)``."""
+
+    def __init__(self, examples: list, pad_id: int) -> None:
+        self.examples, self.pad_id = examples, pad_id
+        self.ref_logps: torch.Tensor | None = None
+
+    def collate(self, rows: List[int]) -> Batch:
+        ref = None if self.ref_logps is None else self.ref_logps[torch.tensor(rows, dtype=torch.long)]
+        return collate_pairs([self.examples[i] for i in rows], self.pad_id, rows, ref_logps=ref)
+
+
+def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
+    d, p = cfg.data, cfg.dpo
+    rows = read_rows(d.train_path, required=(d.prompt_key, d.chosen_key, d.rejected_key), split=d.split)
+    tok = tokenize_pairs(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key, chosen_key=d.chosen_key,
+                         rejected_key=d.rejected_key, add_eos=d.add_eos)
+    data = _PairData(tok.examples, tokenizer.pad_token_id)
+    task = OfflineTask(name="dpo", model_kind=CAUSAL_LM,
+                       objective=DPOObjective(loss_type=p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing),
+                       num_examples=len(tok.examples), collate=data.collate,
+                       console_keys=("loss", "rewards/accuracy", "rewards/margin", "grad_norm", "lr"),
+                       attach=lambda task_, ctx: attach_reference(task_, ctx, data))
+    return task, tok.skipped_rows
+
+
+def attach_reference(task: OfflineTask, ctx: RunContext, data: _PairData) -> None:
+    """Start the reference group; precompute every pair's log-probs now, or score each step's batches."""
+    cfg: DPORunConfig = ctx.cfg
+    ref = ctx.make_group("reference", cfg.dpo.ref_num_workers)
+    ref.build(ctx.model_spec(cfg.model.ref_path or cfg.model.path, CAUSAL_LM),
+              ctx.engine_spec(micro_batch_size=1, grad_accum_steps=1), optim=None)
+    if cfg.dpo.ref_mode == "precompute":
+        data.ref_logps = precompute_reference(ref, data)
+        ref.shutdown()
+        ctx.groups.remove(ref)
+        print(f"[dpo] reference log-probs precomputed for {len(data.examples)} pairs; reference workers released",
+              flush=True)
+    else:
+        task.prepare = lambda shards: add_reference_logps(ref, shards)
+
+
+def precompute_reference(ref, data: _PairData) -> torch.Tensor:
+    n = len(data.examples)
+    batches = [data.collate(list(range(i, min(i + REF_BATCH_SIZE, n)))) for i in range(0, n, REF_BATCH_SIZE)]
+    return torch.cat(ref.score(batches, ReferenceLogps()), dim=0)
+
+
+def add_reference_logps(ref, shards: List[List[Batch]]) -> List[List[Batch]]:
+    flat = [mb for rank in shards for mb in rank]
+    scored = iter(ref.score(flat, ReferenceLogps()))
+    return [[mb.replace(ref_logps=next(scored)) for mb in rank] for rank in shards]
+
+
+def train_dpo(cfg: DPORunConfig) -> RunResult:
+    return run_offline(cfg, build_dpo_task, policy_role="policy")

@@ -1,0 +1,180 @@
+"""The offline trainer loop shared by SFT, reward modelling and DPO.
+
+    validate everything -> start actors -> for each optimizer step of the plan:
+        cut the global batch into rank x micro-batch pieces -> count the normalizer over all of them
+        -> (DPO online: reference log-probs) -> one train_step per rank -> finalize and log the global metrics
+    -> save ``final/`` atomically
+
+Everything that can be wrong with the inputs (config, paths, data rows, a plan with no step) fails before any
+actor starts. ``final/`` appears only when the run finished: it is written to a temporary directory and renamed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+from rlhf.batch import Batch
+from rlhf.config.schema import ConfigError
+from rlhf.data.plan import EpochPlan, StepPlan
+from rlhf.objectives.base import Objective, Sums, add_sums
+from rlhf.utils.metrics import MetricsWriter, format_row
+
+Collate = Callable[[Sequence[int]], Batch]
+
+
+@dataclass
+class OfflineTask:
+    """What distinguishes SFT, RM and DPO for the shared loop."""
+
+    name: str
+    model_kind: str  # rlhf.models.loading.CAUSAL_LM or SCALAR_HEAD
+    objective: Objective
+    num_examples: int
+    collate: Collate  # dataset row indices -> Batch
+    # Optional hook run on every step's micro-batches before training (DPO online reference log-probs).
+    prepare: Optional[Callable[[List[List[Batch]]], List[List[Batch]]]] = None
+    console_keys: tuple = ("loss", "grad_norm", "lr")
+    # Optional hook run once Ray is up, before the first step (DPO starts its reference model here).
+    attach: Optional[Callable[["OfflineTask", "RunContext"], None]] = None
+
+
+@dataclass(frozen=True)
+class RunResult:
+    output_dir: str
+    steps: int
+    final_metrics: dict
+    final_dir: Optional[str]
+
+
+def check_paths(cfg) -> None:
+    """Fail before Ray starts when a model or data path is wrong, naming the config key."""
+    for key, path in (("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path),
+                      ("model.ref_path", getattr(cfg.model, "ref_path", ""))):
+        if path and not os.path.isfile(os.path.join(path, "config.json")) and key != "model.tokenizer_path":
+            raise ConfigError(f"{key}: {path!r} is not an HF model directory (no config.json)")
+        if path and not os.path.isdir(path):
+            raise ConfigError(f"{key}: {path!r} is not a directory")
+    for key, path in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
+        if path and not os.path.exists(path):
+            raise ConfigError(f"{key}: {path!r} does not exist")
+
+
+def load_tokenizer(cfg):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # attention masks, not the pad id, decide what is padding
+    return tokenizer
+
+
+def micro_batches(plan: StepPlan, collate: Collate, num_workers: int, micro_batch_size: int) -> List[List[Batch]]:
+    """``[rank][micro]`` batches of one step, each padded to its own longest row."""
+    return [[collate(rows) for rows in rank] for rank in plan.shards(num_workers, micro_batch_size)]
+
+
+def run_steps(task: OfflineTask, policy, plan: EpochPlan, train_cfg, writer: MetricsWriter,
+              print_every: int = 1) -> dict:
+    """The optimizer-step loop; returns the last step's metrics."""
+    last: dict = {}
+    for step in plan.steps():
+        started = time.perf_counter()
+        shards = micro_batches(step, task.collate, train_cfg.num_workers, train_cfg.micro_batch_size)
+        if task.prepare is not None:
+            shards = task.prepare(shards)
+        normalizer = sum(task.objective.count(mb) for rank in shards for mb in rank)
+        results = policy.train_step(shards, task.objective, normalizer)
+        sums: Sums = {}
+        for result in results:
+            sums = add_sums(sums, result.sums)
+        row = {"step": step.step, "epoch": step.epoch, **task.objective.finalize(sums, normalizer),
+               "grad_norm": results[0].grad_norm, "lr": results[0].lr, "num_samples": len(step.indices),
+               "step_time_s": round(time.perf_counter() - started, 4)}
+        writer.log(row)
+        if step.step % print_every == 0 or step.step == plan.total_steps:
+            print(f"[{task.name}] step {step.step}/{plan.total_steps} epoch {step.epoch} "
+                  + format_row(row, task.console_keys), flush=True)
+        last = row
+    return last
+
+
+def save_final(policy, tokenizer, output_dir: str) -> str:
+    """Write ``output_dir/final`` atomically: a failed or interrupted save never leaves a ``final/``."""
+    final = os.path.join(output_dir, "final")
+    staging = os.path.join(output_dir, f".final.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    policy.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    return final
+
+
+def describe_plan(task: OfflineTask, plan: EpochPlan, train_cfg, skipped: int) -> str:
+    dropped = plan.num_samples - plan.steps_per_epoch * plan.global_batch_size
+    return (f"[{task.name}] {plan.num_samples} examples ({skipped} skipped: prompt longer than data.max_length), "
+            f"{plan.steps_per_epoch} steps/epoch (drop {dropped} per epoch), {plan.total_steps} optimizer steps; "
+            f"global batch {train_cfg.global_batch_size} = micro {train_cfg.micro_batch_size} x "
+            f"accumulation {train_cfg.grad_accum_steps} x ranks {train_cfg.num_workers}")
+
+
+def config_snapshot(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+@dataclass
+class RunContext:
+    """What a task's ``attach`` hook may use once Ray is up: the resolved run settings and a group factory."""
+
+    cfg: object
+    precision: str
+    backend: str
+    gpus_per_worker: float
+    groups: list = dataclasses.field(default_factory=list)  # every group started, for shutdown
+
+    def model_spec(self, path: str, kind: str):
+        from rlhf.models.loading import ModelSpec
+
+        m = self.cfg.model
+        return ModelSpec(path=path, kind=kind, precision=self.precision, attn_implementation=m.attn_implementation,
+                         disable_dropout=m.disable_dropout, gradient_checkpointing=m.gradient_checkpointing,
+                         seed=self.cfg.train.seed)
+
+    def engine_spec(self, micro_batch_size: int, grad_accum_steps: int):
+        from rlhf.distributed.engine import EngineSpec
+
+        s = self.cfg.strategy
+        return EngineSpec(zero_stage=s.zero_stage, precision=self.precision, micro_batch_size=micro_batch_size,
+                          grad_accum_steps=grad_accum_steps, offload_optimizer=s.offload_optimizer,
+                          user_config=_read_user_ds_config(s.deepspeed_config))
+
+    def make_group(self, role: str, num_workers: int):
+        from rlhf.distributed.cluster import actor_env
+        from rlhf.distributed.group import GroupResources, WorkerGroup
+
+        resources = GroupResources(num_workers=num_workers, cpus_per_worker=self.cfg.strategy.cpus_per_worker,
+                                   gpus_per_worker=self.gpus_per_worker, env_vars=actor_env(self.gpus_per_worker))
+        group = WorkerGroup(role, resources, self.backend)
+        self.groups.append(group)
+        return group
+
+    def shutdown(self) -> None:
+        while self.groups:
+            self.groups.pop().shutdown()
+
+
+def _read_user_ds_config(path: str) -> Optional[dict]:
+    if not path:
+        return None
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"strategy.deepspeed_config: cannot read {path!r}: {exc}") from None

@@ -1,0 +1,33 @@
+"""Pairwise reward-model training on ``{"prompt", "chosen", "rejected"[, "margin"]}`` rows.
+
+The model is saved as an ``AutoModelForSequenceClassification`` (one label) and loads back with
+:func:`rlhf.models.scoring.load_reward_model` for scoring.
+"""
+from __future__ import annotations
+
+from rlhf.config.schema import RewardModelRunConfig
+from rlhf.data.io import read_rows
+from rlhf.data.tokenize import collate_pairs, tokenize_pairs
+from rlhf.models.loading import SCALAR_HEAD
+from rlhf.objectives.reward import RewardObjective
+from rlhf.trainers.offline import OfflineTask, RunResult
+from rlhf.trainers.runner import run_offline
+
+
+def build_rm_task(cfg: RewardModelRunConfig, tokenizer) -> tuple:
+    d = cfg.data
+    margin_field = (d.margin_key,) if cfg.rm.use_margin else ()
+    rows = read_rows(d.train_path, required=(d.prompt_key, d.chosen_key, d.rejected_key) + margin_field,
+                     split=d.split, types={d.margin_key: (int, float)} if margin_field else None)
+    tok = tokenize_pairs(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key, chosen_key=d.chosen_key,
+                         rejected_key=d.rejected_key, margin_key=d.margin_key if margin_field else None, add_eos=d.add_eos)
+    examples, pad = tok.examples, tokenizer.pad_token_id
+    task = OfflineTask(name="rm", model_kind=SCALAR_HEAD, objective=RewardObjective(use_margin=cfg.rm.use_margin),
+                       num_examples=len(examples),
+                       collate=lambda rows_: collate_pairs([examples[i] for i in rows_], pad, rows_),
+                       console_keys=("loss", "accuracy", "grad_norm", "lr"))
+    return task, tok.skipped_rows
+
+
+def train_reward_model(cfg: RewardModelRunConfig) -> RunResult:
+    return run_offline(cfg, build_rm_task, policy_role="reward_model")

@@ -1,0 +1,66 @@
+"""Running an offline task end to end: validation, actors, the step loop, the final save."""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+from rlhf.config.loader import save_config
+from rlhf.data.plan import EpochPlan
+from rlhf.trainers.offline import (RunContext, RunResult, check_paths, describe_plan, load_tokenizer,
+                                   run_steps, save_final)
+from rlhf.utils.metrics import MetricsWriter
+
+# (cfg, tokenizer) -> (task, skipped_rows); reads and tokenizes data, starts nothing.
+TaskBuilder = Callable[[object, object], tuple]
+
+
+def run_offline(cfg, build_task: TaskBuilder, policy_role: str) -> RunResult:
+    check_paths(cfg)
+    tokenizer = load_tokenizer(cfg)
+    task, skipped = build_task(cfg, tokenizer)
+    t = cfg.train
+    plan = EpochPlan(num_samples=task.num_examples, global_batch_size=t.global_batch_size, max_epochs=t.max_epochs,
+                     max_steps=t.max_steps, seed=t.seed)
+    print(describe_plan(task, plan, t, len(skipped)), flush=True)
+    os.makedirs(t.output_dir, exist_ok=True)
+    save_config(cfg, os.path.join(t.output_dir, "config.yaml"))
+
+    ctx = _start_cluster(cfg)
+    writer: Optional[MetricsWriter] = None
+    try:
+        from rlhf.distributed.engine import OptimSpec
+
+        # The driver may have no GPU itself: precision and backend follow the cluster's workers.
+        policy = ctx.make_group(policy_role, t.num_workers)
+
+        optim = OptimSpec(lr=t.lr, total_steps=plan.total_steps, betas=tuple(t.adam_betas), eps=t.adam_eps,
+                          weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, scheduler=t.lr_scheduler,
+                          warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio)
+        policy.build(ctx.model_spec(cfg.model.path, task.model_kind),
+                     ctx.engine_spec(t.micro_batch_size, t.grad_accum_steps), optim)
+        if task.attach is not None:
+            task.attach(task, ctx)
+        writer = MetricsWriter(t.output_dir, tensorboard=cfg.logging.tensorboard)
+        last = run_steps(task, policy, plan, t, writer, cfg.logging.print_every)
+        final_dir = save_final(policy, tokenizer, t.output_dir) if t.save_final else None
+        if final_dir:
+            print(f"[{task.name}] saved {final_dir}", flush=True)
+        return RunResult(output_dir=t.output_dir, steps=plan.total_steps, final_metrics=last, final_dir=final_dir)
+    finally:
+        if writer is not None:
+            writer.close()
+        ctx.shutdown()
+
+
+def _start_cluster(cfg) -> RunContext:
+    from rlhf.distributed.cluster import cluster_gpus, init_ray
+
+    s = cfg.strategy
+    workers = cfg.train.num_workers + getattr(getattr(cfg, "dpo", None), "ref_num_workers", 0)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, needed_cpus=workers * s.cpus_per_worker)
+    gpus = s.gpus_per_worker if s.gpus_per_worker >= 0 else (1.0 if cluster_gpus() > 0 else 0.0)
+    precision = s.precision if s.precision != "auto" else ("bf16" if gpus > 0 else "fp32")
+    backend = s.backend if s.backend != "auto" else ("nccl" if gpus > 0 else "gloo")
+    if backend == "nccl" and gpus <= 0:
+        raise ValueError("strategy.backend=nccl needs GPU workers (strategy.gpus_per_worker > 0)")
+    return RunContext(cfg=cfg, precision=precision, backend=backend, gpus_per_worker=gpus)

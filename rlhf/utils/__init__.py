@@ -1,0 +1,1 @@
+"""Small shared utilities (device capability, LR schedules, atomic files, metric writers)."""

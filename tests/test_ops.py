@@ -1,0 +1,384 @@
+"""Hand-checked values for rlhf.ops: log-probs, entropies, masked sums, SFT/DPO/BT losses, normalization.
+
+Expected numbers are written from first principles with ``math`` on tiny inputs (mostly a 2-token vocabulary,
+where ``softmax([log 3, 0]) = [3/4, 1/4]``), never by calling the function under test a second way.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf.ops import logprobs as lp_mod
+from rlhf.ops.logprobs import entropy_from_logits, masked_mean, masked_sum, sequence_logprobs, token_logprobs
+from rlhf.ops.losses import normalize, sft_nll_sum
+from rlhf.ops.preference import (
+    DPO_LOSSES,
+    bradley_terry_losses,
+    dpo_pair_losses,
+    pair_accuracy_count,
+)
+from rlhf.registry import UnknownNameError
+
+LN3 = math.log(3.0)
+
+
+def t(x, dtype=torch.float32):
+    return torch.tensor(x, dtype=dtype)
+
+
+def softplus(x: float) -> float:
+    """-logsigmoid(-x) = log(1 + e^x), by hand."""
+    return math.log1p(math.exp(x))
+
+
+# --------------------------------------------------------------------------------------------- token_logprobs
+def _two_token_logits() -> torch.Tensor:
+    # position 0 predicts token 1 with softmax([0, 0]) = [1/2, 1/2]; position 1 predicts token 2 with
+    # softmax([log 3, 0]) = [3/4, 1/4]; position 2 predicts nothing inside the sequence (garbage on purpose).
+    return t([[[0.0, 0.0], [LN3, 0.0], [100.0, -100.0]]])
+
+
+def test_token_logprobs_alignment_and_column_zero():
+    ids = torch.tensor([[1, 1, 0]])
+    out = token_logprobs(_two_token_logits(), ids)
+    assert out.shape == (1, 3)
+    expected = [0.0, math.log(0.5), math.log(0.75)]
+    assert out[0].tolist() == pytest.approx(expected, abs=1e-6)
+    # the other target at the same positions: log(1/2) and log(1/4)
+    out = token_logprobs(_two_token_logits(), torch.tensor([[0, 0, 1]]))
+    assert out[0].tolist() == pytest.approx([0.0, math.log(0.5), math.log(0.25)], abs=1e-6)
+
+
+def test_token_logprobs_last_position_has_no_effect_and_no_gradient():
+    logits = _two_token_logits().requires_grad_(True)
+    ids = torch.tensor([[1, 1, 0]])
+    out = token_logprobs(logits, ids)
+    other = _two_token_logits()
+    other[0, 2] = torch.tensor([-7.0, 9.0])
+    assert torch.equal(out.detach(), token_logprobs(other, ids))
+    out.sum().backward()
+    # d log p_y / d z = onehot(y) - softmax(z): position 0 target 1 -> [-1/2, 1/2]; position 1 target 0 ->
+    # [1 - 3/4, -1/4]; position 2 -> 0.
+    assert logits.grad[0].tolist() == [
+        pytest.approx([-0.5, 0.5], abs=1e-6),
+        pytest.approx([0.25, -0.25], abs=1e-6),
+        [0.0, 0.0],
+    ]
+
+
+def test_token_logprobs_temperature():
+    # logits [2 log 3, 0] at temperature 2 are softmax([log 3, 0]) = [3/4, 1/4].
+    logits = t([[[2 * LN3, 0.0], [0.0, 0.0]]]).requires_grad_(True)
+    out = token_logprobs(logits, torch.tensor([[0, 0]]), temperature=2.0)
+    assert out[0].tolist() == pytest.approx([0.0, math.log(0.75)], abs=1e-6)
+    # at temperature 1 the same logits give 9/10
+    assert token_logprobs(logits, torch.tensor([[0, 0]]))[0, 1].item() == pytest.approx(math.log(0.9), abs=1e-6)
+    out[0, 1].backward()
+    # d/dz of log softmax(z / T)[0] = (onehot - p) / T = [1/4, -1/4] / 2
+    assert logits.grad[0, 0].tolist() == pytest.approx([0.125, -0.125], abs=1e-6)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(logits, torch.tensor([[0, 0]]), temperature=0.0)
+
+
+def test_token_logprobs_bf16_logits_computed_in_fp32():
+    # 1.0 and 0.0 are exact in bf16; log softmax([1, 0])[0] = -log(1 + e^-1) = -0.313261687...
+    logits = t([[[1.0, 0.0], [0.0, 0.0]]], dtype=torch.bfloat16).requires_grad_(True)
+    out = token_logprobs(logits, torch.tensor([[0, 0]]))
+    assert out.dtype == torch.float32
+    expected = -math.log1p(math.exp(-1.0))
+    # bf16 arithmetic would be off by ~1e-3 here (8 mantissa bits); float32 is within 1e-6.
+    assert abs(out[0, 1].item() - expected) < 1e-6
+    bf16_result = torch.log_softmax(logits.detach(), -1)[0, 0, 0].item()
+    assert abs(bf16_result - expected) > 1e-4  # the test would catch a bf16 computation
+    out[0, 1].backward()
+    assert logits.grad.dtype == torch.bfloat16
+    p0 = 1 / (1 + math.exp(-1.0))
+    assert logits.grad[0, 0].float().tolist() == pytest.approx([1 - p0, -(1 - p0)], rel=1e-2)
+
+
+def test_token_logprobs_chunking_and_gradcheck(monkeypatch):
+    # 3 elements per chunk with V = 3 -> one row per chunk; result and gradient must not depend on it.
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 3, dtype=torch.float64)
+    ids = torch.randint(0, 3, (2, 4))
+    whole = token_logprobs(logits, ids, temperature=0.7)
+    monkeypatch.setattr(lp_mod, "_CHUNK_ELEMENTS", 3)
+    assert torch.equal(token_logprobs(logits, ids, temperature=0.7), whole)
+    x = logits.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda z: token_logprobs(z, ids, temperature=0.7), (x,))
+
+
+def test_token_logprobs_does_not_modify_float32_logits():
+    logits = _two_token_logits().requires_grad_(True)
+    before = logits.detach().clone()
+    token_logprobs(logits, torch.tensor([[1, 1, 0]])).sum().backward()
+    assert torch.equal(logits.detach(), before)
+
+
+def test_token_logprobs_shape_errors():
+    with pytest.raises(ValueError, match="input_ids"):
+        token_logprobs(torch.zeros(1, 3, 2), torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\(B, T, V\)"):
+        token_logprobs(torch.zeros(3, 2), torch.zeros(1, 3, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------------------------------- entropy
+def test_entropy_of_uniform_is_log_v_and_column_zero():
+    logits = torch.full((2, 3, 5), 1.7)
+    logits[1] = -4.0
+    out = entropy_from_logits(logits)
+    assert out.shape == (2, 3)
+    assert out[:, 0].tolist() == [0.0, 0.0]
+    assert out[:, 1:].flatten().tolist() == pytest.approx([math.log(5)] * 4, abs=1e-6)
+
+
+def test_entropy_alignment_hand_value_and_masked_vocab():
+    # column 1 <- softmax([log 3, 0]) = [3/4, 1/4]; column 2 <- [0, -inf] is a point mass (entropy 0, not NaN).
+    logits = t([[[LN3, 0.0], [0.0, float("-inf")], [0.0, 0.0]]]).requires_grad_(True)
+    out = entropy_from_logits(logits)
+    h = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
+    assert out[0].tolist() == pytest.approx([0.0, h, 0.0], abs=1e-6)
+    out.sum().backward()
+    # dH/dz_i = -p_i (z_i - E_p[z]): z = [log 3, 0], E = 3/4 log 3 -> [-3/4 * 1/4 log 3, +1/4 * 3/4 log 3]
+    g = 3 / 16 * LN3
+    assert logits.grad[0, 0].tolist() == pytest.approx([-g, g], abs=1e-6)
+    assert torch.isfinite(logits.grad).all()
+    assert logits.grad[0, 2].tolist() == [0.0, 0.0]  # the last position predicts nothing
+
+
+def test_entropy_gradcheck_with_chunking(monkeypatch):
+    monkeypatch.setattr(lp_mod, "_CHUNK_ELEMENTS", 4)
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(entropy_from_logits, (x,))
+
+
+# ------------------------------------------------------------------------------------------- masked reductions
+VALUES = [[1.0, 2.0, 3.0], [4.0, 5.0, float("-inf")]]
+MASK = [[0, 1, 1], [1, 0, 0]]
+
+
+def test_masked_sum_ignores_masked_inf():
+    assert masked_sum(t(VALUES), torch.tensor(MASK)).item() == 9.0  # 2 + 3 + 4
+    x = t(VALUES).requires_grad_(True)
+    masked_sum(x, torch.tensor(MASK)).backward()
+    assert x.grad.tolist() == [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+
+
+def test_masked_sum_accumulates_bf16_in_fp32():
+    # 300 + 256 * 1 = 556; bf16 cannot represent 556 (spacing 4 above 512), so a bf16 sum would be off.
+    values = torch.ones(257, dtype=torch.bfloat16)
+    values[0] = 300.0
+    out = masked_sum(values, torch.ones(257))
+    assert out.dtype == torch.float32 and out.item() == 556.0
+
+
+def test_masked_mean_metric():
+    values, mask = t(VALUES), torch.tensor(MASK)
+    assert masked_mean(values, mask).item() == 3.0  # (2 + 3 + 4) / 3
+    assert masked_mean(values, mask, dim=-1).tolist() == [2.5, 4.0]
+    empty = masked_mean(values, torch.tensor([[0, 0, 0], [1, 1, 0]]), dim=-1)
+    assert empty.tolist() == [0.0, 4.5]
+
+
+def test_sequence_logprobs():
+    logps = t([[0.0, -1.0, -2.0, -0.5], [0.0, -3.0, float("nan"), float("nan")]])
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0]])
+    assert sequence_logprobs(logps, mask).tolist() == [-3.0, -3.0]
+
+
+# ------------------------------------------------------------------------------------------------- SFT, normalize
+def test_sft_nll_sum():
+    logps = t([[0.0, -1.0, -2.0], [0.0, -0.5, float("-inf")]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    assert sft_nll_sum(logps, mask).item() == 3.5
+
+
+def test_sft_nll_sum_from_logits_by_hand():
+    # two targets: log(3/4) and log(1/2) -> NLL = -log(3/8)
+    logits = t([[[LN3, 0.0], [0.0, 0.0], [5.0, 5.0]]])
+    ids = torch.tensor([[1, 0, 1]])
+    mask = torch.tensor([[0, 1, 1]])
+    assert sft_nll_sum(token_logprobs(logits, ids), mask).item() == pytest.approx(-math.log(3 / 8), abs=1e-6)
+
+
+def test_normalize_world_size_factor_and_errors():
+    assert normalize(t(6.0), 3, world_size=1).item() == 2.0
+    assert normalize(t(6.0), 3, world_size=4).item() == 8.0
+    for bad in (0, 0.0, -2.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="normalizer"):
+            normalize(t(6.0), bad, world_size=2)
+    with pytest.raises(ValueError, match="world_size"):
+        normalize(t(6.0), 3, world_size=0)
+
+
+def test_normalize_with_averaged_allreduce_gives_global_mean_gradient():
+    # loss = w * c for each micro-batch; 2 ranks with 2 and 1 micro-batches. Global normalizer N = 5 tokens.
+    # Target gradient d/dw [sum c / N] = (1 + 2 + 4) / 5 = 1.4.
+    per_rank = [[1.0, 2.0], [4.0]]
+    world_size, n_tokens = 2, 5
+    rank_grads = []
+    for contribs in per_rank:
+        w = torch.tensor(0.3, requires_grad=True)
+        for c in contribs:  # gradient accumulation: backward per micro-batch, grads add up
+            normalize(w * c, n_tokens, world_size).backward()
+        rank_grads.append(w.grad.item())
+    allreduced = sum(rank_grads) / world_size  # what DDP / DeepSpeed do
+    assert allreduced == pytest.approx(1.4, abs=1e-6)
+
+
+def test_split_vs_whole_batch_normalization():
+    # Three sequences: A has 4 target tokens of NLL 1, B and C have one target of NLL 3 each.
+    # Global token mean = (4 * 1 + 3 + 3) / 6 = 10 / 6.
+    # Micro-batch 1 = [A] (width 5), micro-batch 2 = [B, C] (width 2): different padding widths.
+    mb1_logps = t([[0.0, -1.0, -1.0, -1.0, -1.0]])
+    mb1_mask = torch.tensor([[0, 1, 1, 1, 1]])
+    mb2_logps = t([[0.0, -3.0], [0.0, -3.0]])
+    mb2_mask = torch.tensor([[0, 1], [0, 1]])
+    pieces = [(mb1_logps, mb1_mask), (mb2_logps, mb2_mask)]
+
+    global_tokens = sum(int(m.sum()) for _, m in pieces)
+    assert global_tokens == 6
+    split_total = sum(normalize(sft_nll_sum(l, m), global_tokens, world_size=1) for l, m in pieces)
+    assert split_total.item() == pytest.approx(10 / 6, abs=1e-6)
+
+    # the same batch in one piece, right-padded to width 5 (padding filled with -inf: must be ignored)
+    whole_logps = t([[0.0, -1.0, -1.0, -1.0, -1.0], [0.0, -3.0] + [float("-inf")] * 3, [0.0, -3.0] + [0.0] * 3])
+    whole_mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 0, 0, 0], [0, 1, 0, 0, 0]])
+    whole_mean = sft_nll_sum(whole_logps, whole_mask) / whole_mask.sum()
+    assert split_total.item() == pytest.approx(whole_mean.item(), abs=1e-6)
+
+    # The classic bug: averaging per-micro-batch means gives (4/4 + 6/2) / 2 = 2, not 10/6.
+    mean_of_means = sum(sft_nll_sum(l, m) / m.sum() for l, m in pieces) / len(pieces)
+    assert mean_of_means.item() == pytest.approx(2.0, abs=1e-6)
+    assert abs(mean_of_means.item() - whole_mean.item()) > 0.3
+
+
+# ----------------------------------------------------------------------------------------------------------- DPO
+# beta = 0.5; pairs with h = chosen - rejected logratio of 2, 0.5 and 3 -> beta h = 1, 0.25, 1.5.
+CHOSEN = [1.0, 0.25, 2.0]
+REJECTED = [-1.0, -0.25, -1.0]
+BETA = 0.5
+BH = [1.0, 0.25, 1.5]
+
+
+def _fn(name):
+    return DPO_LOSSES.get(name).fn
+
+
+def test_registered_dpo_losses():
+    assert set(DPO_LOSSES.names()) >= {"sigmoid", "ipo", "hinge", "robust"}
+    assert DPO_LOSSES.get("ipo").average_logps is True
+    assert DPO_LOSSES.get("sigmoid").average_logps is False
+    assert "Rafailov" in DPO_LOSSES.get("sigmoid").paper
+
+
+def test_sigmoid_loss_hand_values():
+    out = _fn("sigmoid")(t(CHOSEN), t(REJECTED), BETA, 0.0)
+    assert out.tolist() == pytest.approx([softplus(-z) for z in BH], abs=1e-6)  # log(1 + e^{-beta h})
+
+
+def test_sigmoid_loss_label_smoothing():
+    eps = 0.1
+    out = _fn("sigmoid")(t(CHOSEN), t(REJECTED), BETA, eps)
+    expected = [(1 - eps) * softplus(-z) + eps * softplus(z) for z in BH]
+    assert out.tolist() == pytest.approx(expected, abs=1e-6)
+    assert out[0].item() == pytest.approx(0.9 * 0.3132616875 + 0.1 * 1.3132616875, abs=1e-6)
+    with pytest.raises(ValueError, match="sigmoid"):
+        _fn("sigmoid")(t(CHOSEN), t(REJECTED), BETA, 0.5)
+
+
+def test_ipo_loss_hand_values():
+    # (h - 1 / (2 beta))^2 = (h - 1)^2 for h = 2, 0.5, 3
+    out = _fn("ipo")(t(CHOSEN), t(REJECTED), BETA, 0.0)
+    assert out.tolist() == pytest.approx([1.0, 0.25, 4.0], abs=1e-6)
+
+
+def test_hinge_loss_hand_values():
+    # relu(1 - beta h) for beta h = 1, 0.25, 1.5
+    out = _fn("hinge")(t(CHOSEN), t(REJECTED), BETA, 0.0)
+    assert out.tolist() == pytest.approx([0.0, 0.75, 0.0], abs=1e-6)
+
+
+def test_robust_loss_hand_values():
+    eps = 0.1
+    out = _fn("robust")(t(CHOSEN), t(REJECTED), BETA, eps)
+    expected = [((1 - eps) * softplus(-z) - eps * softplus(z)) / (1 - 2 * eps) for z in BH]
+    assert out.tolist() == pytest.approx(expected, abs=1e-6)
+    assert out[0].item() == pytest.approx((0.9 * 0.3132616875 - 0.1 * 1.3132616875) / 0.8, abs=1e-6)
+    # eps = 0 is plain DPO
+    plain = _fn("robust")(t(CHOSEN), t(REJECTED), BETA, 0.0)
+    assert plain.tolist() == pytest.approx([softplus(-z) for z in BH], abs=1e-6)
+    with pytest.raises(ValueError, match="robust"):
+        _fn("robust")(t(CHOSEN), t(REJECTED), BETA, 0.5)
+
+
+@pytest.mark.parametrize("name", ["ipo", "hinge"])
+def test_label_smoothing_rejected_where_unused(name):
+    with pytest.raises(ValueError, match=name):
+        _fn(name)(t(CHOSEN), t(REJECTED), BETA, 0.1)
+    with pytest.raises(ValueError, match=name):
+        dpo_pair_losses(name, t([[-1.0, -2.0]]), t([[-1.0, -1.0]]), BETA, 0.1, lengths=torch.tensor([[1, 1]]))
+
+
+def test_unknown_loss_type_lists_valid_names():
+    with pytest.raises(UnknownNameError) as info:
+        dpo_pair_losses("sigmod", t([[0.0, 0.0]]), t([[0.0, 0.0]]), BETA, 0.0)
+    message = str(info.value)
+    assert "'sigmoid'" in message.split("Did you mean")[1]
+    for name in ("sigmoid", "ipo", "hinge", "robust"):
+        assert name in message.split("Valid names:")[1]
+    assert isinstance(info.value, KeyError)
+
+
+def test_dpo_pair_losses_sigmoid_sums_and_rewards():
+    # chosen logratio = -4 - (-6) = 2, rejected = -9 - (-6) = -3 -> h = 5, beta h = 2.5
+    policy = t([[-4.0, -9.0]], dtype=torch.float32).requires_grad_(True)
+    ref = t([[-6.0, -6.0]])
+    losses, chosen_r, rejected_r = dpo_pair_losses("sigmoid", policy, ref, BETA, 0.0)
+    assert losses.tolist() == pytest.approx([softplus(-2.5)], abs=1e-6)
+    assert chosen_r.tolist() == [1.0] and rejected_r.tolist() == [-1.5]
+    assert not chosen_r.requires_grad and not rejected_r.requires_grad
+    losses.sum().backward()
+    # d/d chosen = -beta * sigmoid(-beta h); rejected gets the opposite sign
+    g = BETA / (1 + math.exp(2.5))
+    assert policy.grad.tolist() == [pytest.approx([-g, g], abs=1e-6)]
+
+
+def test_dpo_pair_losses_ipo_averages_per_token():
+    # averaged: policy [-4/2, -9/3] = [-2, -3], ref [-6/2, -6/3] = [-3, -2] -> logratios 1, -1 -> h = 2
+    # (h - 1)^2 = 1. With sums it would be h = 5 -> 16.
+    policy, ref, lengths = t([[-4.0, -9.0]]), t([[-6.0, -6.0]]), torch.tensor([[2, 3]])
+    losses, chosen_r, rejected_r = dpo_pair_losses("ipo", policy, ref, BETA, 0.0, lengths=lengths)
+    assert losses.tolist() == pytest.approx([1.0], abs=1e-6)
+    assert chosen_r.tolist() == pytest.approx([0.5]) and rejected_r.tolist() == pytest.approx([-0.5])
+    with pytest.raises(ValueError, match="lengths"):
+        dpo_pair_losses("ipo", policy, ref, BETA, 0.0)
+    with pytest.raises(ValueError, match="lengths"):
+        dpo_pair_losses("ipo", policy, ref, BETA, 0.0, lengths=torch.tensor([[2, 0]]))
+
+
+def test_dpo_pair_losses_shape_check():
+    with pytest.raises(ValueError, match=r"\(B, 2\)"):
+        dpo_pair_losses("sigmoid", t([-1.0, -2.0]), t([-1.0, -1.0]), BETA, 0.0)
+
+
+# ------------------------------------------------------------------------------------------- Bradley-Terry, acc
+def test_bradley_terry_without_and_with_margin():
+    chosen, rejected = t([2.0, 0.0]), t([1.0, 0.0])
+    assert bradley_terry_losses(chosen, rejected).tolist() == pytest.approx(
+        [softplus(-1.0), math.log(2)], abs=1e-6
+    )
+    # margin 1 on the first pair: -logsigmoid(0) = log 2; margin 2 on the second: log(1 + e^2)
+    out = bradley_terry_losses(chosen, rejected, margin=t([1.0, 2.0]))
+    assert out.tolist() == pytest.approx([math.log(2), softplus(2.0)], abs=1e-6)
+
+
+def test_pair_accuracy_count_ties_are_wrong():
+    chosen = t([1.0, 2.0, 3.0, 4.0, 0.0])
+    rejected = t([0.0, 2.0, 5.0, 3.0, 0.0])
+    count = pair_accuracy_count(chosen, rejected)
+    assert count.item() == 2  # pairs 0 and 3; the ties at 1 and 4 do not count
+    assert count.dtype == torch.int64 and count.dim() == 0
