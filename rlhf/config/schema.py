@@ -82,6 +82,7 @@ class TrainConfig:
     seed: int = 42
     output_dir: str = "outputs/run"
     save_final: bool = True
+    eval_every: int = 0  # with data.eval_path: evaluate every N optimizer steps (0 = only after the last step)
 
     def __post_init__(self) -> None:
         for key in ("global_batch_size", "micro_batch_size", "num_workers", "max_epochs"):
@@ -99,6 +100,7 @@ class TrainConfig:
                f"({self.global_batch_size}) must be divisible by train.micro_batch_size x train.num_workers "
                f"({self.micro_batch_size} x {self.num_workers} = {per_pass})")
         _check(bool(self.output_dir), "train.output_dir", "must not be empty")
+        _check(self.eval_every >= 0, "train.eval_every", f"must be >= 0, got {self.eval_every}")
 
     @property
     def grad_accum_steps(self) -> int:

@@ -69,6 +69,10 @@ def build_ds_config(spec: EngineSpec, world_size: int, max_grad_norm: float, tra
     # Clipping is applied by DeepSpeed; 0 disables it (the norm is still measured, see TrainEngine.grad_norm).
     config["gradient_clipping"] = max(0.0, max_grad_norm)
     config["bf16"] = {"enabled": spec.precision == "bf16"}
+    if spec.precision == "bf16":
+        # Accumulate micro-batch gradients in fp32: summing GA bf16 gradients loses the low bits the exact
+        # normalization is there to keep.
+        config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
     config["fp16"] = {"enabled": spec.precision == "fp16", **({"loss_scale": 0} if spec.precision == "fp16" else {})}
     config.setdefault("steps_per_print", 10**9)  # the driver logs; keep DeepSpeed quiet
     config.setdefault("wall_clock_breakdown", False)

@@ -35,7 +35,7 @@ class WorkerGroup:
 
     def __init__(self, role: str, resources: GroupResources, backend: str) -> None:
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.role = role
@@ -46,6 +46,7 @@ class WorkerGroup:
         self._pg = placement_group([dict(bundle) for _ in range(self.size)], strategy="PACK")
         ready, _ = ray.wait([self._pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
+            remove_placement_group(self._pg)  # do not leave a pending request holding the queue
             raise WorkerError(
                 f"{role}: could not place {self.size} workers x {bundle} within {PLACEMENT_TIMEOUT_S:.0f}s; "
                 f"cluster has {ray.cluster_resources()}"
@@ -78,16 +79,39 @@ class WorkerGroup:
     def score(self, batches: Sequence[Batch], fn: ScoreFn) -> List[Any]:
         """Run ``fn`` over ``batches`` spread across the ranks; results in the order of ``batches``.
 
-        Every rank receives the same number of batches (the last one repeated as filler, its result dropped):
-        under ZeRO-3 each forward is a collective, so ranks must run in lockstep.
+        Every rank runs the same number of forwards (see :meth:`_spread`); filler results are dropped.
         """
         if not batches:
             return []
-        per_rank = -(-len(batches) // self.size)
-        padded = list(batches) + [batches[-1]] * (per_rank * self.size - len(batches))
-        shards = [padded[r * per_rank:(r + 1) * per_rank] for r in range(self.size)]
+        shards, _ = self._spread(batches)
         results = self._gather([w.score.remote(s, fn) for w, s in zip(self.workers, shards)], "score")
         return [out for shard in results for out in shard][: len(batches)]
+
+    def evaluate(self, batches: Sequence[Batch], objective: Objective) -> Dict[str, float]:
+        """Forward-only objective sums over ``batches`` spread across the ranks, added over ranks."""
+        from rlhf.objectives.base import add_sums
+
+        shards, counted = self._spread(batches)
+        results = self._gather([w.evaluate.remote(s, objective, c) for w, s, c in zip(self.workers, shards, counted)],
+                               "evaluate")
+        total: Dict[str, float] = {}
+        for sums in results:
+            total = add_sums(total, sums)
+        return total
+
+    def _spread(self, batches: Sequence[Batch]):
+        """Contiguous equal shards per rank. Under ZeRO-3 every forward is a collective, so ranks must run the
+        same number of them: short shards are topped up with a repeat of the last batch, marked not counted."""
+        per_rank = -(-len(batches) // self.size)
+        filler = per_rank * self.size - len(batches)
+        padded = list(batches) + [batches[-1]] * filler
+        counted = [True] * len(batches) + [False] * filler
+        cut = lambda xs: [xs[r * per_rank:(r + 1) * per_rank] for r in range(self.size)]  # noqa: E731
+        return cut(padded), cut(counted)
+
+    def ping(self) -> List[int]:
+        """Every rank's number, in order: a liveness check."""
+        return self._gather([w.ping.remote() for w in self.workers], "ping")
 
     def save_pretrained(self, path: str) -> None:
         self._gather([w.save_pretrained.remote(path) for w in self.workers], "save_pretrained")

@@ -117,6 +117,22 @@ class TrainerWorker:
         finally:
             self.model.train(was_training)
 
+    @torch.no_grad()
+    def evaluate(self, batches: List[Batch], objective: Objective, counted: List[bool]) -> Sums:
+        """Forward-only objective sums over ``batches`` (those with ``counted[i]`` False are lockstep fillers)."""
+        model = self.engine if self.engine is not None else self.model
+        was_training = self.model.training
+        self.model.eval()
+        sums: Sums = {}
+        try:
+            for batch, keep in zip(batches, counted):
+                _, micro_sums = objective.loss(model, batch.to(self.device))
+                if keep:
+                    sums = add_sums(sums, micro_sums)
+        finally:
+            self.model.train(was_training)
+        return sums
+
     def save_pretrained(self, path: str) -> None:
         """Write the full model as an HF directory (safetensors). Collective: call on every rank; rank 0 writes."""
         state = {}

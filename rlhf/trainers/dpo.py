@@ -13,7 +13,7 @@ import torch
 from rlhf.batch import Batch
 from rlhf.config.schema import DPORunConfig
 from rlhf.data.io import read_rows
-from rlhf.data.tokenize import collate_pairs, tokenize_pairs
+from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
 from rlhf.trainers.offline import OfflineTask, RunContext, RunResult
@@ -34,38 +34,50 @@ class _PairData:
         return collate_pairs([self.examples[i] for i in rows], self.pad_id, rows, ref_logps=ref)
 
 
+def _read(cfg: DPORunConfig, tokenizer, path: str) -> Tokenized:
+    d = cfg.data
+    rows = read_rows(path, required=(d.prompt_key, d.chosen_key, d.rejected_key), split=d.split)
+    return tokenize_pairs(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key, chosen_key=d.chosen_key,
+                          rejected_key=d.rejected_key, add_eos=d.add_eos)
+
+
 def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
-    d, p = cfg.data, cfg.dpo
-    rows = read_rows(d.train_path, required=(d.prompt_key, d.chosen_key, d.rejected_key), split=d.split)
-    tok = tokenize_pairs(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key, chosen_key=d.chosen_key,
-                         rejected_key=d.rejected_key, add_eos=d.add_eos)
-    data = _PairData(tok.examples, tokenizer.pad_token_id)
+    p = cfg.dpo
+    train = _read(cfg, tokenizer, cfg.data.train_path)
+    data = _PairData(train.examples, tokenizer.pad_token_id)
+    held_out = _PairData(_read(cfg, tokenizer, cfg.data.eval_path).examples if cfg.data.eval_path else [],
+                         tokenizer.pad_token_id)
     task = OfflineTask(name="dpo", model_kind=CAUSAL_LM,
                        objective=DPOObjective(loss_type=p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing),
-                       num_examples=len(tok.examples), collate=data.collate,
+                       num_examples=len(train.examples), collate=data.collate,
+                       eval_num_examples=len(held_out.examples), eval_collate=held_out.collate,
                        console_keys=("loss", "rewards/accuracy", "rewards/margin", "grad_norm", "lr"),
-                       attach=lambda task_, ctx: attach_reference(task_, ctx, data))
-    return task, tok.skipped_rows
+                       attach=lambda task_, ctx: attach_reference(task_, ctx, [data, held_out]))
+    return task, train.skipped_rows
 
 
-def attach_reference(task: OfflineTask, ctx: RunContext, data: _PairData) -> None:
-    """Start the reference group; precompute every pair's log-probs now, or score each step's batches."""
+def attach_reference(task: OfflineTask, ctx: RunContext, datasets: List[_PairData]) -> None:
+    """Start the reference group; precompute every pair's log-probs now (train and held-out data), or score
+    each step's batches."""
     cfg: DPORunConfig = ctx.cfg
     ref = ctx.make_group("reference", cfg.dpo.ref_num_workers)
     ref.build(ctx.model_spec(cfg.model.ref_path or cfg.model.path, CAUSAL_LM),
               ctx.engine_spec(micro_batch_size=1, grad_accum_steps=1), optim=None)
     if cfg.dpo.ref_mode == "precompute":
-        data.ref_logps = precompute_reference(ref, data)
+        for data in datasets:
+            data.ref_logps = precompute_reference(ref, data)
         ref.shutdown()
         ctx.groups.remove(ref)
-        print(f"[dpo] reference log-probs precomputed for {len(data.examples)} pairs; reference workers released",
-              flush=True)
+        print(f"[dpo] reference log-probs precomputed for {sum(len(d.examples) for d in datasets)} pairs; "
+              "reference workers released", flush=True)
     else:
         task.prepare = lambda shards: add_reference_logps(ref, shards)
 
 
 def precompute_reference(ref, data: _PairData) -> torch.Tensor:
     n = len(data.examples)
+    if n == 0:
+        return torch.zeros(0, 2)
     batches = [data.collate(list(range(i, min(i + REF_BATCH_SIZE, n)))) for i in range(0, n, REF_BATCH_SIZE)]
     return torch.cat(ref.score(batches, ReferenceLogps()), dim=0)
 

@@ -38,6 +38,9 @@ class OfflineTask:
     # Optional hook run on every step's micro-batches before training (DPO online reference log-probs).
     prepare: Optional[Callable[[List[List[Batch]]], List[List[Batch]]]] = None
     console_keys: tuple = ("loss", "grad_norm", "lr")
+    # Held-out data (data.eval_path): number of examples and their collate.
+    eval_num_examples: int = 0
+    eval_collate: Optional[Collate] = None
     # Optional hook run once Ray is up, before the first step (DPO starts its reference model here).
     attach: Optional[Callable[["OfflineTask", "RunContext"], None]] = None
 
@@ -77,8 +80,18 @@ def micro_batches(plan: StepPlan, collate: Collate, num_workers: int, micro_batc
     return [[collate(rows) for rows in rank] for rank in plan.shards(num_workers, micro_batch_size)]
 
 
+def evaluate(task: OfflineTask, policy, micro_batch_size: int) -> dict:
+    """The objective's metrics over the whole held-out set, each normalized once over all of it."""
+    n = task.eval_num_examples
+    batches = [task.eval_collate(list(range(i, min(i + micro_batch_size, n)))) for i in range(0, n, micro_batch_size)]
+    if task.prepare is not None:
+        batches = task.prepare([batches])[0]
+    sums = policy.evaluate(batches, task.objective)
+    return task.objective.finalize(sums, sum(task.objective.count(b) for b in batches))
+
+
 def run_steps(task: OfflineTask, policy, plan: EpochPlan, train_cfg, writer: MetricsWriter,
-              print_every: int = 1) -> dict:
+              print_every: int = 1, eval_writer: Optional[MetricsWriter] = None) -> dict:
     """The optimizer-step loop; returns the last step's metrics."""
     last: dict = {}
     for step in plan.steps():
@@ -99,6 +112,11 @@ def run_steps(task: OfflineTask, policy, plan: EpochPlan, train_cfg, writer: Met
             print(f"[{task.name}] step {step.step}/{plan.total_steps} epoch {step.epoch} "
                   + format_row(row, task.console_keys), flush=True)
         last = row
+        if eval_writer is not None and (step.step == plan.total_steps or
+                                        (train_cfg.eval_every and step.step % train_cfg.eval_every == 0)):
+            metrics = evaluate(task, policy, train_cfg.micro_batch_size)
+            eval_writer.log({"step": step.step, "epoch": step.epoch, **metrics})
+            print(f"[{task.name}] eval at step {step.step}: " + format_row(metrics, task.console_keys), flush=True)
     return last
 
 

@@ -7,26 +7,36 @@ from __future__ import annotations
 
 from rlhf.config.schema import RewardModelRunConfig
 from rlhf.data.io import read_rows
-from rlhf.data.tokenize import collate_pairs, tokenize_pairs
+from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.models.loading import SCALAR_HEAD
 from rlhf.objectives.reward import RewardObjective
 from rlhf.trainers.offline import OfflineTask, RunResult
 from rlhf.trainers.runner import run_offline
 
 
-def build_rm_task(cfg: RewardModelRunConfig, tokenizer) -> tuple:
+def _read(cfg: RewardModelRunConfig, tokenizer, path: str) -> Tokenized:
     d = cfg.data
     margin_field = (d.margin_key,) if cfg.rm.use_margin else ()
-    rows = read_rows(d.train_path, required=(d.prompt_key, d.chosen_key, d.rejected_key) + margin_field,
-                     split=d.split, types={d.margin_key: (int, float)} if margin_field else None)
-    tok = tokenize_pairs(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key, chosen_key=d.chosen_key,
-                         rejected_key=d.rejected_key, margin_key=d.margin_key if margin_field else None, add_eos=d.add_eos)
-    examples, pad = tok.examples, tokenizer.pad_token_id
+    rows = read_rows(path, required=(d.prompt_key, d.chosen_key, d.rejected_key) + margin_field, split=d.split,
+                     types={d.margin_key: (int, float)} if margin_field else None)
+    return tokenize_pairs(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key, chosen_key=d.chosen_key,
+                          rejected_key=d.rejected_key, margin_key=d.margin_key if margin_field else None,
+                          add_eos=d.add_eos)
+
+
+def _collate(examples: list, pad_id: int):
+    return lambda rows: collate_pairs([examples[i] for i in rows], pad_id, rows)
+
+
+def build_rm_task(cfg: RewardModelRunConfig, tokenizer) -> tuple:
+    train = _read(cfg, tokenizer, cfg.data.train_path)
+    held_out = _read(cfg, tokenizer, cfg.data.eval_path).examples if cfg.data.eval_path else []
+    pad = tokenizer.pad_token_id
     task = OfflineTask(name="rm", model_kind=SCALAR_HEAD, objective=RewardObjective(use_margin=cfg.rm.use_margin),
-                       num_examples=len(examples),
-                       collate=lambda rows_: collate_pairs([examples[i] for i in rows_], pad, rows_),
+                       num_examples=len(train.examples), collate=_collate(train.examples, pad),
+                       eval_num_examples=len(held_out), eval_collate=_collate(held_out, pad),
                        console_keys=("loss", "accuracy", "grad_norm", "lr"))
-    return task, tok.skipped_rows
+    return task, train.skipped_rows
 
 
 def train_reward_model(cfg: RewardModelRunConfig) -> RunResult:

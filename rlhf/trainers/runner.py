@@ -27,6 +27,7 @@ def run_offline(cfg, build_task: TaskBuilder, policy_role: str) -> RunResult:
 
     ctx = _start_cluster(cfg)
     writer: Optional[MetricsWriter] = None
+    eval_writer: Optional[MetricsWriter] = None
     try:
         from rlhf.distributed.engine import OptimSpec
 
@@ -41,14 +42,17 @@ def run_offline(cfg, build_task: TaskBuilder, policy_role: str) -> RunResult:
         if task.attach is not None:
             task.attach(task, ctx)
         writer = MetricsWriter(t.output_dir, tensorboard=cfg.logging.tensorboard)
-        last = run_steps(task, policy, plan, t, writer, cfg.logging.print_every)
+        if task.eval_num_examples:
+            eval_writer = MetricsWriter(t.output_dir, "eval.jsonl", tensorboard=cfg.logging.tensorboard, tb_prefix="eval/")
+        last = run_steps(task, policy, plan, t, writer, cfg.logging.print_every, eval_writer)
         final_dir = save_final(policy, tokenizer, t.output_dir) if t.save_final else None
         if final_dir:
             print(f"[{task.name}] saved {final_dir}", flush=True)
         return RunResult(output_dir=t.output_dir, steps=plan.total_steps, final_metrics=last, final_dir=final_dir)
     finally:
-        if writer is not None:
-            writer.close()
+        for w in (writer, eval_writer):
+            if w is not None:
+                w.close()
         ctx.shutdown()
 
 

@@ -3,23 +3,32 @@ from __future__ import annotations
 
 from rlhf.config.schema import SFTRunConfig
 from rlhf.data.io import read_rows
-from rlhf.data.tokenize import collate_sft, tokenize_sft
+from rlhf.data.tokenize import Tokenized, collate_sft, tokenize_sft
 from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.sft import SFTObjective
 from rlhf.trainers.offline import OfflineTask, RunResult
 from rlhf.trainers.runner import run_offline
 
 
-def build_sft_task(cfg: SFTRunConfig, tokenizer) -> tuple:
+def _read(cfg: SFTRunConfig, tokenizer, path: str) -> Tokenized:
     d = cfg.data
-    rows = read_rows(d.train_path, required=(d.prompt_key, d.response_key), split=d.split)
-    tok = tokenize_sft(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key,
-                       response_key=d.response_key, add_eos=d.add_eos)
-    examples, pad = tok.examples, tokenizer.pad_token_id
-    task = OfflineTask(name="sft", model_kind=CAUSAL_LM, objective=SFTObjective(), num_examples=len(examples),
-                       collate=lambda rows_: collate_sft([examples[i] for i in rows_], pad, rows_),
-                       console_keys=("loss", "grad_norm", "lr", "num_tokens"))
-    return task, tok.skipped_rows
+    rows = read_rows(path, required=(d.prompt_key, d.response_key), split=d.split)
+    return tokenize_sft(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key,
+                        response_key=d.response_key, add_eos=d.add_eos)
+
+
+def _collate(examples: list, pad_id: int):
+    return lambda rows: collate_sft([examples[i] for i in rows], pad_id, rows)
+
+
+def build_sft_task(cfg: SFTRunConfig, tokenizer) -> tuple:
+    train = _read(cfg, tokenizer, cfg.data.train_path)
+    held_out = _read(cfg, tokenizer, cfg.data.eval_path).examples if cfg.data.eval_path else []
+    pad = tokenizer.pad_token_id
+    task = OfflineTask(name="sft", model_kind=CAUSAL_LM, objective=SFTObjective(), num_examples=len(train.examples),
+                       collate=_collate(train.examples, pad), eval_num_examples=len(held_out),
+                       eval_collate=_collate(held_out, pad), console_keys=("loss", "grad_norm", "lr", "num_tokens"))
+    return task, train.skipped_rows
 
 
 def train_sft(cfg: SFTRunConfig) -> RunResult:

@@ -9,11 +9,12 @@ from typing import Any, Dict, Optional
 
 class MetricsWriter:
     def __init__(self, output_dir: str, filename: str = "metrics.jsonl", tensorboard: bool = True,
-                 append: bool = False) -> None:
+                 append: bool = False, tb_prefix: str = "") -> None:
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, filename)
         self._file = open(self.path, "a" if append else "w", encoding="utf-8")
         self._tb = None
+        self._prefix = tb_prefix
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -26,7 +27,7 @@ class MetricsWriter:
             step = row.get("step", 0) if step is None else step
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+                    self._tb.add_scalar(self._prefix + key, value, step)
 
     def close(self) -> None:
         self._file.close()

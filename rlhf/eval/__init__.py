@@ -1,0 +1,1 @@
+"""Evaluation helpers (generation accuracy on tasks with checkable answers)."""

@@ -1,0 +1,39 @@
+"""The DeepSpeed config the engine builds (pure dict logic)."""
+from __future__ import annotations
+
+from rlhf.distributed.engine import EngineSpec, build_ds_config, parameter_groups
+
+
+def test_run_batch_sizes_and_precision_override_a_user_file():
+    user = {"train_batch_size": 999, "gradient_accumulation_steps": 7, "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 1, "overlap_comm": True}, "steps_per_print": 5}
+    spec = EngineSpec(zero_stage=3, precision="fp32", micro_batch_size=2, grad_accum_steps=4, user_config=user)
+    cfg = build_ds_config(spec, world_size=2, max_grad_norm=1.0)
+    assert cfg["train_batch_size"] == 16 and cfg["gradient_accumulation_steps"] == 4
+    assert cfg["train_micro_batch_size_per_gpu"] == 2
+    assert cfg["zero_optimization"]["stage"] == 3 and cfg["zero_optimization"]["overlap_comm"] is True
+    assert cfg["bf16"]["enabled"] is False and cfg["fp16"]["enabled"] is False
+    assert cfg["steps_per_print"] == 5  # user settings that do not touch the contract are kept
+    assert user["zero_optimization"]["stage"] == 1  # the user's dict is not mutated
+
+
+def test_bf16_accumulates_gradients_in_fp32_and_clipping_zero_disables():
+    spec = EngineSpec(zero_stage=2, precision="bf16", micro_batch_size=1, grad_accum_steps=8)
+    cfg = build_ds_config(spec, world_size=1, max_grad_norm=0.0)
+    assert cfg["bf16"]["enabled"] is True and cfg["data_types"]["grad_accum_dtype"] == "fp32"
+    assert cfg["gradient_clipping"] == 0.0
+
+
+def test_offload_only_for_trainable_groups():
+    spec = EngineSpec(zero_stage=3, precision="fp32", micro_batch_size=1, grad_accum_steps=1, offload_optimizer=True)
+    assert build_ds_config(spec, 1, 1.0)["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert "offload_optimizer" not in build_ds_config(spec, 1, 1.0, trainable=False)["zero_optimization"]
+
+
+def test_no_weight_decay_on_biases_and_norms():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    decay, no_decay = parameter_groups(model, 0.1)
+    assert [p.shape for p in decay["params"]] == [torch.Size([4, 3])] and decay["weight_decay"] == 0.1
+    assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
