@@ -55,12 +55,15 @@ class RunResult:
 
 def check_paths(cfg) -> None:
     """Fail before Ray starts when a model or data path is wrong, naming the config key."""
-    for key, path in (("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path),
-                      ("model.ref_path", getattr(cfg.model, "ref_path", ""))):
-        if path and not os.path.isfile(os.path.join(path, "config.json")) and key != "model.tokenizer_path":
-            raise ConfigError(f"{key}: {path!r} is not an HF model directory (no config.json)")
-        if path and not os.path.isdir(path):
+    models = (("model.path", cfg.model.path, True), ("model.ref_path", cfg.model.ref_path, True),
+              ("model.tokenizer_path", cfg.model.tokenizer_path, False))
+    for key, path, needs_config in models:
+        if not path:
+            continue
+        if not os.path.isdir(path):
             raise ConfigError(f"{key}: {path!r} is not a directory")
+        if needs_config and not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"{key}: {path!r} is not an HF model directory (no config.json)")
     for key, path in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
         if path and not os.path.exists(path):
             raise ConfigError(f"{key}: {path!r} does not exist")

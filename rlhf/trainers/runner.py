@@ -5,6 +5,7 @@ import os
 from typing import Callable, Optional
 
 from rlhf.config.loader import save_config
+from rlhf.config.schema import ConfigError
 from rlhf.data.plan import EpochPlan
 from rlhf.trainers.offline import (RunContext, RunResult, check_paths, describe_plan, load_tokenizer,
                                    run_steps, save_final)
@@ -29,21 +30,15 @@ def run_offline(cfg, build_task: TaskBuilder, policy_role: str) -> RunResult:
     writer: Optional[MetricsWriter] = None
     eval_writer: Optional[MetricsWriter] = None
     try:
-        from rlhf.distributed.engine import OptimSpec
-
-        # The driver may have no GPU itself: precision and backend follow the cluster's workers.
         policy = ctx.make_group(policy_role, t.num_workers)
-
-        optim = OptimSpec(lr=t.lr, total_steps=plan.total_steps, betas=tuple(t.adam_betas), eps=t.adam_eps,
-                          weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, scheduler=t.lr_scheduler,
-                          warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio)
         policy.build(ctx.model_spec(cfg.model.path, task.model_kind),
-                     ctx.engine_spec(t.micro_batch_size, t.grad_accum_steps), optim)
+                     ctx.engine_spec(t.micro_batch_size, t.grad_accum_steps), optim_spec(t, plan.total_steps))
         if task.attach is not None:
             task.attach(task, ctx)
         writer = MetricsWriter(t.output_dir, tensorboard=cfg.logging.tensorboard)
         if task.eval_num_examples:
-            eval_writer = MetricsWriter(t.output_dir, "eval.jsonl", tensorboard=cfg.logging.tensorboard, tb_prefix="eval/")
+            eval_writer = MetricsWriter(t.output_dir, "eval.jsonl", tensorboard=cfg.logging.tensorboard,
+                                        tb_prefix="eval/")
         last = run_steps(task, policy, plan, t, writer, cfg.logging.print_every, eval_writer)
         final_dir = save_final(policy, tokenizer, t.output_dir) if t.save_final else None
         if final_dir:
@@ -56,7 +51,17 @@ def run_offline(cfg, build_task: TaskBuilder, policy_role: str) -> RunResult:
         ctx.shutdown()
 
 
+def optim_spec(t, total_steps: int):
+    """AdamW + schedule from ``train.*``; the schedule's horizon is the run's exact optimizer-step count."""
+    from rlhf.distributed.engine import OptimSpec
+
+    return OptimSpec(lr=t.lr, total_steps=total_steps, betas=tuple(t.adam_betas), eps=t.adam_eps,
+                     weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, scheduler=t.lr_scheduler,
+                     warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio)
+
+
 def _start_cluster(cfg) -> RunContext:
+    """Join or start Ray; precision and backend follow the cluster's workers (the driver may have no GPU)."""
     from rlhf.distributed.cluster import cluster_gpus, init_ray
 
     s = cfg.strategy
@@ -66,5 +71,5 @@ def _start_cluster(cfg) -> RunContext:
     precision = s.precision if s.precision != "auto" else ("bf16" if gpus > 0 else "fp32")
     backend = s.backend if s.backend != "auto" else ("nccl" if gpus > 0 else "gloo")
     if backend == "nccl" and gpus <= 0:
-        raise ValueError("strategy.backend=nccl needs GPU workers (strategy.gpus_per_worker > 0)")
+        raise ConfigError("strategy.backend=nccl needs GPU workers (strategy.gpus_per_worker > 0)")
     return RunContext(cfg=cfg, precision=precision, backend=backend, gpus_per_worker=gpus)

@@ -1,7 +1,8 @@
-"""Capability detection: which backend, precision and attention kernel this process can use.
+"""Capability detection: which attention kernel and dtype this process can use.
 
-GPU-only paths (NCCL, bf16, flash-attention 2) are selected here by what the process can actually do, so the
-same configs run on a CPU laptop (gloo, fp32, sdpa) and on a GPU cluster without edits.
+flash-attention 2 is selected by what the worker process can actually do, so the same configs run on a CPU
+laptop (sdpa) and on a GPU cluster without edits. Backend and precision are decided by the driver from the
+cluster's resources (rlhf.trainers.runner).
 """
 from __future__ import annotations
 
@@ -12,26 +13,6 @@ def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def resolve_backend(requested: str) -> str:
-    """``auto`` -> ``nccl`` when CUDA is available, else ``gloo``."""
-    if requested != "auto":
-        if requested == "nccl" and not cuda_available():
-            raise RuntimeError("strategy.backend=nccl needs CUDA devices; this process has none (use gloo or auto)")
-        return requested
-    return "nccl" if cuda_available() else "gloo"
-
-
-def resolve_precision(requested: str) -> str:
-    """``auto`` -> ``bf16`` on GPUs that support it, else ``fp32`` (CPU kernels are fastest and exact in fp32)."""
-    if requested != "auto":
-        return requested
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        return "bf16"
-    return "fp32"
 
 
 def resolve_attn_implementation(requested: str) -> str:
