@@ -382,3 +382,12 @@ def test_pair_accuracy_count_ties_are_wrong():
     count = pair_accuracy_count(chosen, rejected)
     assert count.item() == 2  # pairs 0 and 3; the ties at 1 and 4 do not count
     assert count.dtype == torch.int64 and count.dim() == 0
+
+
+def test_chosen_nll_is_per_pair_token_average():
+    from rlhf.ops.preference import chosen_nll
+
+    out = chosen_nll(torch.tensor([-6.0, -1.5]), torch.tensor([3, 1]))
+    assert out.tolist() == pytest.approx([2.0, 1.5])
+    with pytest.raises(ValueError, match="chosen_lengths must be > 0"):
+        chosen_nll(torch.tensor([-1.0]), torch.tensor([0]))

@@ -20,12 +20,15 @@ def _rows(path):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rlhf.cli.demo", description=__doc__)
     ap.add_argument("--workdir", default=".assets/demo")
-    ap.add_argument("--sft-epochs", type=int, default=3)
+    ap.add_argument("--sft-epochs", type=int, default=6)
     ap.add_argument("--dpo-epochs", type=int, default=1)
     ap.add_argument("--num-workers", type=int, default=2, help="data-parallel ranks per trainer")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from rlhf.cli.common import quiet_environment
+
+    quiet_environment()
     from rlhf.cli.make_assets import make_assets
     from rlhf.config import DPORunConfig, SFTRunConfig, load_config
     from rlhf.distributed.cluster import init_ray
@@ -43,16 +46,19 @@ def main(argv=None) -> int:
 
     sft_cfg = load_config(SFTRunConfig, "sft_tiny", [
         f"model.path={assets['model']}", f"data.train_path={assets['sft']}", f"train.output_dir={runs}/sft",
-        f"train.max_epochs={args.sft_epochs}", "train.global_batch_size=32", "train.micro_batch_size=8", *common])
+        f"train.max_epochs={args.sft_epochs}", "train.lr=2e-3", "train.global_batch_size=32", "train.micro_batch_size=8",
+        *common])
     sft = train_sft(sft_cfg)
 
     dpo_cfg = load_config(DPORunConfig, "dpo_tiny", [
         f"model.path={sft.final_dir}", f"data.train_path={assets['preference']}", f"train.output_dir={runs}/dpo",
-        f"train.max_epochs={args.dpo_epochs}", "train.global_batch_size=32", "train.micro_batch_size=8", *common])
+        f"train.max_epochs={args.dpo_epochs}", "train.global_batch_size=32", "train.micro_batch_size=8",
+        # RPO: DPO + NLL of the chosen answer; plain DPO lowers the chosen likelihood too and greedy accuracy drops.
+        "dpo.nll_coef=1.0", *common])
     dpo = train_dpo(dpo_cfg)
 
     table = [("base (random init)", assets["model"], None), ("after SFT", sft.final_dir, runs + "/sft"),
-             ("after DPO", dpo.final_dir, runs + "/dpo")]
+             ("after DPO (+NLL)", dpo.final_dir, runs + "/dpo")]
     print("\n" + "=" * 78)
     print(f"{'model':<20} {'held-out accuracy':>18} {'first loss':>12} {'last loss':>12} {'steps':>7}")
     for name, model_dir, run_dir in table:

@@ -156,12 +156,14 @@ class DPOConfig:
     beta: float = 0.1
     loss_type: str = "sigmoid"  # a name in rlhf.ops.preference.DPO_LOSSES
     label_smoothing: float = 0.0  # cDPO: assumed probability that a preference label is flipped
+    nll_coef: float = 0.0  # RPO: + coef x token-averaged NLL of the chosen completion (keeps its likelihood up)
     ref_mode: str = "precompute"  # precompute: score every row once before training; online: every step
     ref_num_workers: int = 1  # reference workers (precompute and online)
 
     def __post_init__(self) -> None:
         _check(self.beta > 0, "dpo.beta", f"must be > 0, got {self.beta}")
         _check(0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
+        _check(self.nll_coef >= 0, "dpo.nll_coef", f"must be >= 0, got {self.nll_coef}")
         _choice(self.ref_mode, "dpo.ref_mode", ("precompute", "online"))
         _check(self.ref_num_workers >= 1, "dpo.ref_num_workers", f"must be >= 1, got {self.ref_num_workers}")
         from rlhf.ops.preference import DPO_LOSSES  # pure torch: keeps `import rlhf.config` light

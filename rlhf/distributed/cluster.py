@@ -6,7 +6,13 @@ import os
 from typing import Dict
 
 # Environment every actor gets; DS_ACCELERATOR is added for CPU-only groups.
-ACTOR_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+ACTOR_ENV = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    # DeepSpeed calls torch.distributed APIs that torch 2.13 marks deprecated, once per collective.
+    "PYTHONWARNINGS": "ignore::FutureWarning",
+}
 
 
 def init_ray(address: str = "", num_cpus: int = -1, needed_cpus: float = 1.0) -> str:

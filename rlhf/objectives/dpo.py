@@ -16,7 +16,7 @@ from rlhf.batch import Batch
 from rlhf.objectives.base import Sums, target_count
 from rlhf.objectives.sft import causal_lm_token_logps
 from rlhf.ops.logprobs import sequence_logprobs
-from rlhf.ops.preference import DPO_LOSSES, dpo_pair_losses
+from rlhf.ops.preference import DPO_LOSSES, chosen_nll, dpo_pair_losses
 
 
 def pair_sequence_logps(model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +43,7 @@ class DPOObjective:
     loss_type: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
+    nll_coef: float = 0.0  # RPO regularizer (see rlhf.ops.preference.chosen_nll)
 
     def __post_init__(self) -> None:
         DPO_LOSSES.get(self.loss_type)  # fail on the driver, with the valid names, not inside a worker
@@ -57,8 +58,13 @@ class DPOObjective:
         losses, chosen_rewards, rejected_rewards = dpo_pair_losses(
             self.loss_type, policy, batch.ref_logps.to(policy.dtype), self.beta, self.label_smoothing, lengths
         )
+        sums = {}
+        if self.nll_coef:
+            nll = chosen_nll(policy[:, 0], lengths[:, 0])
+            losses = losses + self.nll_coef * nll
+            sums["chosen_nll_sum"] = nll.detach().sum().item()
         total = losses.sum()
-        sums = {
+        sums.update({
             "loss_sum": total.item(),
             "chosen_reward_sum": chosen_rewards.sum().item(),
             "rejected_reward_sum": rejected_rewards.sum().item(),
@@ -66,12 +72,13 @@ class DPOObjective:
             "chosen_logp_sum": policy[:, 0].detach().sum().item(),
             "rejected_logp_sum": policy[:, 1].detach().sum().item(),
             "num_tokens": float(target_count(batch.loss_mask)),
-        }
+        })
         return total, sums
 
     def finalize(self, sums: Sums, normalizer: int) -> Dict[str, float]:
         pairs = normalizer
         chosen, rejected = sums["chosen_reward_sum"] / pairs, sums["rejected_reward_sum"] / pairs
+        extra = {"nll/chosen": sums["chosen_nll_sum"] / pairs} if "chosen_nll_sum" in sums else {}
         return {
             "loss": sums["loss_sum"] / pairs,
             "rewards/chosen": chosen,
@@ -81,4 +88,5 @@ class DPOObjective:
             "logps/chosen": sums["chosen_logp_sum"] / pairs,
             "logps/rejected": sums["rejected_logp_sum"] / pairs,
             "num_tokens": int(sums["num_tokens"]),
+            **extra,
         }

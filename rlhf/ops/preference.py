@@ -165,6 +165,24 @@ def _token_counts(loss_type: str, lengths: Optional[Tensor], shape: torch.Size) 
     return lengths
 
 
+def chosen_nll(chosen_logps: Tensor, chosen_lengths: Tensor) -> Tensor:
+    """Per-pair token-averaged NLL of the chosen completion, ``(B,)``: the regularizer of RPO (Pang et al. 2024,
+    "Iterative Reasoning Preference Optimization", DPO + NLL), which keeps DPO from lowering the likelihood of
+    the preferred answers along with the rejected ones.
+
+    Args:
+        chosen_logps: ``(B,)`` policy log-probs summed over the chosen completion's target tokens.
+        chosen_lengths: ``(B,)`` target-token counts (> 0).
+
+    Departure: the paper normalizes by the chosen tokens of the batch; averaging per sequence makes the term a
+    per-pair quantity, so it is normalized with the DPO loss by the number of pairs in the global batch and is
+    independent of how the batch is split.
+    """
+    if bool((chosen_lengths <= 0).any()):
+        raise ValueError("chosen_lengths must be > 0")
+    return -chosen_logps / chosen_lengths.to(chosen_logps.dtype)
+
+
 def bradley_terry_losses(chosen_scores: Tensor, rejected_scores: Tensor, margin: Optional[Tensor] = None) -> Tensor:
     """Reward-model loss ``-logsigmoid(chosen - rejected - margin)`` per pair.
 

@@ -48,7 +48,8 @@ def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
     held_out = _PairData(_read(cfg, tokenizer, cfg.data.eval_path).examples if cfg.data.eval_path else [],
                          tokenizer.pad_token_id)
     task = OfflineTask(name="dpo", model_kind=CAUSAL_LM,
-                       objective=DPOObjective(loss_type=p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing),
+                       objective=DPOObjective(loss_type=p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing,
+                                              nll_coef=p.nll_coef),
                        num_examples=len(train.examples), collate=data.collate,
                        eval_num_examples=len(held_out.examples), eval_collate=held_out.collate,
                        console_keys=("loss", "rewards/accuracy", "rewards/margin", "grad_norm", "lr"),
