@@ -120,7 +120,8 @@ def throughput(model_dir, sft_path, pair_path, out, steps):
 
     init_ray(needed_cpus=4)
     results = {}
-    for trainer, cls, fn, data in (("sft", SFTRunConfig, train_sft, sft_path), ("dpo", DPORunConfig, train_dpo, pair_path)):
+    trainers = (("sft", SFTRunConfig, train_sft, sft_path), ("dpo", DPORunConfig, train_dpo, pair_path))
+    for trainer, cls, fn, data in trainers:
         runs = {}
         for micro, workers in ((16, 1), (4, 1), (8, 2)):
             name = f"{trainer} micro={micro} ga={16 // (micro * workers)} ranks={workers}"

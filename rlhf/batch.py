@@ -91,10 +91,11 @@ class Batch:
     def trim(self) -> "Batch":
         """Drop trailing columns that are padding in every row (keeps at least one column)."""
         length = int(self.attention_mask.reshape(-1, self.attention_mask.shape[-1]).sum(-1).max().clamp(min=1))
-        out = {}
-        for k, v in self.present().items():
-            out[k] = v[..., :length] if v.shape[-1] == self.input_ids.shape[-1] and v.dim() == self.input_ids.dim() else v
-        return Batch(**out)
+        return Batch(**{k: v[..., :length] if self._is_sequence_field(v) else v for k, v in self.present().items()})
+
+    def _is_sequence_field(self, value: Tensor) -> bool:
+        """Per-token fields share ``input_ids``' rank and last dimension; per-sample ones do not."""
+        return value.dim() == self.input_ids.dim() and value.shape[-1] == self.input_ids.shape[-1]
 
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(**{k: v.to(device) for k, v in self.present().items()})
@@ -109,12 +110,11 @@ class Batch:
         for b in batches[1:]:
             if list(b.present()) != names:
                 raise ValueError(f"Batch.concat: fields differ ({names} vs {list(b.present())})")
-        seq_dim = batches[0].input_ids.dim()
         width = max(b.input_ids.shape[-1] for b in batches)
         out = {}
         for name in names:
             parts = [getattr(b, name) for b in batches]
-            if parts[0].dim() == seq_dim and parts[0].shape[-1] == batches[0].input_ids.shape[-1]:
+            if batches[0]._is_sequence_field(parts[0]):
                 fill = pad_id if name == "input_ids" else 0
                 parts = [_pad_last(p, width, fill) for p in parts]
             out[name] = torch.cat(parts, dim=0)

@@ -41,3 +41,30 @@ def test_impossible_placement_fails_naming_the_role(monkeypatch):
     monkeypatch.setattr(group_mod, "PLACEMENT_TIMEOUT_S", 3.0)
     with pytest.raises(WorkerError, match=r"reward: could not place 2 workers"):
         WorkerGroup("reward", GroupResources(num_workers=2, cpus_per_worker=64.0), "gloo")
+
+
+def test_partial_accumulation_window_is_refused(tiny_model):
+    """A train_step is exactly one accumulation window: fewer micro-batches than grad_accum_steps is an error,
+    never a silent step on a partial window."""
+    from transformers import AutoTokenizer
+
+    from rlhf.data.tokenize import collate_sft, tokenize_sft
+    from rlhf.distributed.engine import EngineSpec, OptimSpec
+    from rlhf.models.loading import ModelSpec
+    from rlhf.objectives.sft import SFTObjective
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    examples = tokenize_sft([{"prompt": "1+2=", "response": "3"}] * 2, tokenizer, max_length=32,
+                            prompt_key="prompt", response_key="response").examples
+    micro = collate_sft(examples, tokenizer.pad_token_id)
+    group = _group("policy", 1)
+    try:
+        group.build(ModelSpec(path=tiny_model), EngineSpec(zero_stage=0, precision="fp32", micro_batch_size=2,
+                                                           grad_accum_steps=2), OptimSpec(lr=1e-3, total_steps=1))
+        with pytest.raises(WorkerError, match=r"policy rank 0 failed in train_step: .*got 1 micro-batches, "
+                                              r"expected grad_accum_steps=2"):
+            group.train_step([[micro]], SFTObjective(), normalizer=SFTObjective().count(micro))
+        (result,) = group.train_step([[micro, micro]], SFTObjective(), normalizer=2 * SFTObjective().count(micro))
+        assert result.grad_norm is not None and result.grad_norm > 0
+    finally:
+        group.shutdown()

@@ -46,8 +46,8 @@ def main(argv=None) -> int:
 
     sft_cfg = load_config(SFTRunConfig, "sft_tiny", [
         f"model.path={assets['model']}", f"data.train_path={assets['sft']}", f"train.output_dir={runs}/sft",
-        f"train.max_epochs={args.sft_epochs}", "train.lr=2e-3", "train.global_batch_size=32", "train.micro_batch_size=8",
-        *common])
+        f"train.max_epochs={args.sft_epochs}", "train.lr=2e-3", "train.global_batch_size=32",
+        "train.micro_batch_size=8", *common])
     sft = train_sft(sft_cfg)
 
     dpo_cfg = load_config(DPORunConfig, "dpo_tiny", [

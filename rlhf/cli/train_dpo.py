@@ -1,6 +1,7 @@
 """DPO-family preference optimisation: ``python -m rlhf.cli.train_dpo [--config FILE_OR_PRESET] key=value ...``
 
-Runs on a local Ray cluster by default, or joins ``RAY_ADDRESS`` (``ray job submit -- python -m rlhf.cli.train_dpo ...``).
+Runs on a local Ray cluster by default, or joins ``RAY_ADDRESS``
+(``ray job submit -- python -m rlhf.cli.train_dpo ...``).
 ``--help`` lists every configuration key with its default.
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Pairwise reward-model training: ``python -m rlhf.cli.train_rm [--config FILE_OR_PRESET] key=value ...``
 
-Runs on a local Ray cluster by default, or joins ``RAY_ADDRESS`` (``ray job submit -- python -m rlhf.cli.train_rm ...``).
+Runs on a local Ray cluster by default, or joins ``RAY_ADDRESS``
+(``ray job submit -- python -m rlhf.cli.train_rm ...``).
 ``--help`` lists every configuration key with its default.
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Supervised fine-tuning: ``python -m rlhf.cli.train_sft [--config FILE_OR_PRESET] key=value ...``
 
-Runs on a local Ray cluster by default, or joins ``RAY_ADDRESS`` (``ray job submit -- python -m rlhf.cli.train_sft ...``).
+Runs on a local Ray cluster by default, or joins ``RAY_ADDRESS``
+(``ray job submit -- python -m rlhf.cli.train_sft ...``).
 ``--help`` lists every configuration key with its default.
 """
 from __future__ import annotations

@@ -88,7 +88,8 @@ class TrainConfig:
         for key in ("global_batch_size", "micro_batch_size", "num_workers", "max_epochs"):
             value = getattr(self, key)
             _check(value >= 1, f"train.{key}", f"must be >= 1, got {value}")
-        _check(self.max_steps == -1 or self.max_steps >= 1, "train.max_steps", f"must be -1 or >= 1, got {self.max_steps}")
+        _check(self.max_steps == -1 or self.max_steps >= 1, "train.max_steps",
+               f"must be -1 or >= 1, got {self.max_steps}")
         _check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         _choice(self.lr_scheduler, "train.lr_scheduler", ("constant", "linear", "cosine"))
         _check(self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
@@ -162,7 +163,8 @@ class DPOConfig:
 
     def __post_init__(self) -> None:
         _check(self.beta > 0, "dpo.beta", f"must be > 0, got {self.beta}")
-        _check(0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
+        _check(0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing",
+               f"must be in [0, 0.5), got {self.label_smoothing}")
         _check(self.nll_coef >= 0, "dpo.nll_coef", f"must be >= 0, got {self.nll_coef}")
         _choice(self.ref_mode, "dpo.ref_mode", ("precompute", "online"))
         _check(self.ref_num_workers >= 1, "dpo.ref_num_workers", f"must be >= 1, got {self.ref_num_workers}")

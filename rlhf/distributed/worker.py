@@ -65,7 +65,9 @@ class TrainerWorker:
         """Load the model; with ``optim`` wrap it in a training engine, else keep it frozen for scoring."""
         # Capability is decided where the model runs: flash-attention 2 on a CUDA worker that has it, else sdpa.
         model = dataclasses.replace(model, attn_implementation=resolve_attn_implementation(model.attn_implementation))
-        zero3 = build_ds_config(engine, self.world_size, 0.0, trainable=optim is not None) if engine.zero_stage == 3 else None
+        zero3 = None
+        if engine.zero_stage == 3:  # load straight into partitions, and reuse the config for a frozen engine
+            zero3 = build_ds_config(engine, self.world_size, 0.0, trainable=optim is not None)
         module = load_model(model, zero3_config=zero3)
         self.zero_stage = engine.zero_stage
         if optim is not None:
@@ -99,10 +101,10 @@ class TrainerWorker:
                              f"expected grad_accum_steps={self.engine.spec.grad_accum_steps}")
         lr = self.engine.current_lr()
         sums: Sums = {}
+        last = len(micro_batches) - 1
         for i, micro in enumerate(micro_batches):
-            micro = micro.to(self.device)
-            loss_sum, micro_sums = objective.loss(self.engine, micro)
-            self.engine.micro_step(normalize(loss_sum, normalizer, self.world_size), is_last=i == len(micro_batches) - 1)
+            loss_sum, micro_sums = objective.loss(self.engine, micro.to(self.device))
+            self.engine.micro_step(normalize(loss_sum, normalizer, self.world_size), is_last=i == last)
             sums = add_sums(sums, micro_sums)
         return StepResult(sums=sums, grad_norm=self.engine.last_grad_norm, lr=lr)
 

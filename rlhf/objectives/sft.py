@@ -13,7 +13,8 @@ from rlhf.ops.logprobs import token_logprobs
 from rlhf.ops.losses import sft_nll_sum
 
 
-def causal_lm_token_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def causal_lm_token_logps(model: torch.nn.Module, input_ids: torch.Tensor,
+                          attention_mask: torch.Tensor) -> torch.Tensor:
     """Per-token log-probs ``(B, T)`` of ``input_ids`` under a causal LM (column 0 is 0)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
     return token_logprobs(logits, input_ids)

@@ -26,13 +26,17 @@ class MetricsWriter:
         if self._tb is not None:
             step = row.get("step", 0) if step is None else step
             for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                if key != "step" and _is_number(value):
                     self._tb.add_scalar(self._prefix + key, value, step)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def format_row(row: Dict[str, Any], keys: tuple = ()) -> str:
