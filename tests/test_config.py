@@ -505,7 +505,8 @@ def test_describe_keys():
 
 
 def test_describe_keys_sections_and_optionals():
-    assert ("dpo.beta", "float", 0.1) == describe_keys(DPORunConfig)[-5][:3]
+    rows = {key: (type_, default) for key, type_, default, _ in describe_keys(DPORunConfig)}
+    assert rows["dpo.beta"] == ("float", 0.1) and rows["dpo.nll_coef"] == ("float", 0.0)
     rows = {key: (type_name, default) for key, type_name, default, _ in describe_keys(_Outer)}
     assert rows["inner.count"] == ("int | None", None)
     assert rows["sizes"] == ("list[int]", [])

@@ -4,14 +4,8 @@ Importing this package needs only the standard library and PyYAML (no torch, no 
 """
 from __future__ import annotations
 
-from rlhf.config.loader import (
-    available_presets,
-    config_to_dict,
-    describe_keys,
-    load_config,
-    parse_cli,
-    save_config,
-)
+from rlhf.config.cli import describe_keys, parse_cli
+from rlhf.config.loader import available_presets, config_to_dict, load_config, save_config
 from rlhf.config.schema import (
     ConfigError,
     DataConfig,

@@ -1,0 +1,189 @@
+"""The command-line and documentation side of the run configs: ``parse_cli``, ``--help`` and ``describe_keys``.
+
+``parse_cli`` is the shared front end of the training commands (``prog [--config FILE_OR_PRESET]
+[KEY=VALUE ...]``); its ``--help`` lists every dotted key with its type, default and the field's trailing
+``# comment`` from :mod:`rlhf.config.schema`. :func:`describe_keys` exposes the same rows, for the generated
+configuration reference (``docs/gen_config_reference.py``). Loading and validation live in
+:mod:`rlhf.config.loader`.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import io
+import sys
+import textwrap
+import tokenize
+from typing import Any, Sequence, TypeVar
+
+from rlhf.config.loader import (
+    _init_fields,
+    _join,
+    _lenient_hints,
+    _section_type,
+    _type_name,
+    available_presets,
+    load_config,
+)
+from rlhf.config.schema import ConfigError
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------------------------- public API
+
+
+def parse_cli(cls: type[T], argv: Sequence[str] | None = None, prog: str | None = None) -> T:
+    """The shared command-line front end: ``prog [--config FILE_OR_PRESET] [KEY=VALUE ...]``.
+
+    ``--help`` lists every dotted key with its type, default and help text. A configuration error is
+    printed as ``error: <message>`` on stderr and exits with status 2, without a traceback.
+
+    Args:
+        cls: The run config dataclass to build.
+        argv: Arguments without the program name; None reads ``sys.argv[1:]``.
+        prog: Program name shown in the usage line.
+
+    Returns:
+        The validated run config.
+
+    Raises:
+        SystemExit: Status 2 on a bad argument or configuration, 0 after ``--help``.
+    """
+    parser = _build_parser(cls, prog)
+    args = parser.parse_intermixed_args(argv)
+    try:
+        return load_config(cls, args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def describe_keys(cls: type) -> list[tuple[str, str, object, str]]:
+    """List every leaf key of a config dataclass, for ``--help`` and the configuration reference.
+
+    Args:
+        cls: A config dataclass (a run config or a single section).
+
+    Returns:
+        ``(dotted key, type, default, help)`` rows in declaration order. The default is
+        ``dataclasses.MISSING`` for a key without one; the help is the field's trailing ``# comment`` in the
+        source, or ``""``.
+    """
+    rows: list[tuple[str, str, object, str]] = []
+    _describe(cls, "", None, rows)
+    return rows
+
+
+# ------------------------------------------------------------------------------------- docs and --help
+
+
+def _describe(cls: type, prefix: str, instance: Any, rows: list[tuple[str, str, object, str]]) -> None:
+    """Append rows for ``cls``'s leaves; ``instance`` (if any) supplies the defaults of a section."""
+    hints = _lenient_hints(cls)
+    for name, f in _init_fields(cls).items():
+        key, tp = _join(prefix, name), hints.get(name, f.type)
+        default = _field_default(f, instance)
+        section = _section_type(tp)
+        if section is not None:
+            sub_instance = default if isinstance(default, section) else None
+            _describe(section, key, sub_instance, rows)
+        else:
+            rows.append((key, _type_name(tp), default, _field_help(cls, name)))
+
+
+def _field_default(f: dataclasses.Field[Any], instance: Any) -> Any:
+    """The default of a field: from the enclosing default instance, the field, or MISSING."""
+    if instance is not None:
+        return getattr(instance, f.name)
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        try:
+            return f.default_factory()
+        except Exception:  # a factory that cannot run without input has no printable default
+            return dataclasses.MISSING
+    return dataclasses.MISSING
+
+
+def _field_help(cls: type, name: str) -> str:
+    """The trailing ``# comment`` of the field in the class (of the MRO) that declares it."""
+    for klass in cls.__mro__:
+        if name in inspect.get_annotations(klass):
+            return _field_comments(klass).get(name, "")
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
+def _field_comments(klass: type) -> dict[str, str]:
+    """Map each annotated field of ``klass`` to the comment on its line(s) in the source, if any."""
+    try:
+        source = textwrap.dedent(inspect.getsource(klass))
+        tree = ast.parse(source)
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (OSError, TypeError, SyntaxError, tokenize.TokenError):
+        return {}
+    comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
+    node = tree.body[0] if tree.body and isinstance(tree.body[0], ast.ClassDef) else None
+    found: dict[str, str] = {}
+    for stmt in node.body if node is not None else []:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            rows = range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1)
+            text = next((comments[r] for r in rows if r in comments), "")
+            if text:
+                found[stmt.target.id] = text
+    return found
+
+
+def _format_default(value: Any) -> str:
+    """A default as it would be typed in an override."""
+    if value is dataclasses.MISSING:
+        return "(required)"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '""' if value == "" else value
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_format_default(v) for v in value) + "]"
+    return repr(value)
+
+
+def _help_epilog(cls: type) -> str:
+    """The key reference printed by ``--help``."""
+    rows = describe_keys(cls)
+    cells = [(key, type_name, _format_default(default), text) for key, type_name, default, text in rows]
+    widths = [max((len(c[i]) for c in cells), default=0) for i in range(3)]
+    lines = ["configuration keys (KEY=VALUE overrides; type, default, notes):"]
+    for key, type_name, default, text in cells:
+        line = f"  {key:<{widths[0]}}  {type_name:<{widths[1]}}  {default:<{widths[2]}}"
+        lines.append(f"{line}  {text}".rstrip())
+    lines += ["", f"presets (--config NAME): {', '.join(available_presets()) or '(none)'}"]
+    return "\n".join(lines)
+
+
+def _build_parser(cls: type, prog: str | None) -> argparse.ArgumentParser:
+    doc = inspect.getdoc(cls) or ""
+    if doc.startswith(f"{cls.__name__}("):  # the signature dataclasses put in place of a missing docstring
+        doc = ""
+    description = "\n\n".join(filter(None, [doc, "Precedence: defaults < --config file < KEY=VALUE overrides."]))
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=_help_epilog(cls),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--config", "-c", metavar="FILE_OR_PRESET", default=None,
+        help="YAML config file, or the name of a shipped preset (see the list below)",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE",
+        help="dotted overrides applied after the config file, e.g. train.micro_batch_size=2",
+    )
+    return parser
