@@ -1,0 +1,290 @@
+"""Per-token policy-gradient losses (PPO clip family, GSPO) and the clipped value loss.
+
+Every loss here is returned per token, ``(B, T)``, exactly 0 outside the mask, together with per-token statistics
+(also ``(B, T)``, detached, 0 outside the mask). Nothing is averaged: the caller reduces losses and statistics
+alike with :mod:`rlhf.ops.aggregation` (a numerator per micro-batch, one denominator counted over the whole train
+batch), so a clip fraction is the fraction of the global batch's tokens (or sequences) that were clipped.
+
+Conventions as in :mod:`rlhf.batch`: ``logps[b, t]`` is the log-prob of token ``t`` under the policy being
+trained (differentiable), ``old_logps`` the same under the policy that the advantages were computed for (the
+trainer's recomputation at rollout time; detached here), and ``mask`` marks response tokens. Inputs outside the
+mask are replaced by constants *before* any arithmetic, so inf/NaN in padding can reach neither the loss nor its
+gradient.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from rlhf.registry import Registry
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """Settings of the clipped policy losses.
+
+    Attributes:
+        clip_low: ``eps_low``: the ratio is clipped below at ``1 - clip_low`` (in ``[0, 1)``).
+        clip_high: ``eps_high``: the ratio is clipped above at ``1 + clip_high`` (>= 0). ``clip_high > clip_low``
+            is DAPO's "clip-higher" (Yu et al. 2025), which leaves more room for raising unlikely tokens.
+        dual_clip: the dual-clip constant ``c > 1`` (Ye et al. 2020), bounding the loss of a token with a negative
+            advantage by ``-c * A``; ``None`` disables it. PPO only.
+        tis_cap: truncated importance sampling cap ``C`` (> 0) for the rollout-engine / trainer log-prob mismatch
+            (Yao et al. 2025); requires ``rollout_logps``; ``None`` disables it. PPO only.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: Optional[float] = None
+    tis_cap: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.clip_low < 1.0):
+            raise ValueError(f"clip_low must be in [0, 1) (lower bound 1 - clip_low > 0), got {self.clip_low}")
+        if not (self.clip_high >= 0.0 and math.isfinite(self.clip_high)):
+            raise ValueError(f"clip_high must be a finite number >= 0, got {self.clip_high}")
+        if self.dual_clip is not None and not (self.dual_clip > 1.0 and math.isfinite(self.dual_clip)):
+            raise ValueError(f"dual_clip must be a finite number > 1 (or None), got {self.dual_clip}")
+        if self.tis_cap is not None and not (self.tis_cap > 0.0 and math.isfinite(self.tis_cap)):
+            raise ValueError(f"tis_cap must be a finite number > 0 (or None), got {self.tis_cap}")
+
+
+PolicyLossFn = Callable[..., Tuple[Tensor, Dict[str, Tensor]]]
+POLICY_LOSSES = Registry[PolicyLossFn]("policy loss")
+
+
+def policy_loss(
+    name: str,
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: PolicyLossConfig,
+    rollout_logps: Optional[Tensor] = None,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """``POLICY_LOSSES.get(name)(logps, old_logps, advantages, mask, cfg, rollout_logps=rollout_logps)``."""
+    return POLICY_LOSSES.get(name)(logps, old_logps, advantages, mask, cfg, rollout_logps=rollout_logps)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _dtype(*tensors: Optional[Tensor]) -> torch.dtype:
+    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in tensors) else torch.float32
+
+
+def _check_shapes(mask: Tensor, **tensors: Optional[Tensor]) -> None:
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be (B, T), got shape {tuple(mask.shape)}")
+    for name, x in tensors.items():
+        if x is not None and x.shape != mask.shape:
+            raise ValueError(f"{name} shape {tuple(x.shape)} != mask shape {tuple(mask.shape)}")
+
+
+def _on_mask(x: Tensor, m: Tensor, dtype: torch.dtype, fill: float = 0.0) -> Tensor:
+    """``x`` in ``dtype`` on the mask, the constant ``fill`` elsewhere (no gradient reaches ``x`` there)."""
+    return torch.where(m, x.to(dtype), torch.tensor(fill, dtype=dtype, device=x.device))
+
+
+def _clip_surrogate(ratio: Tensor, adv: Tensor, cfg: PolicyLossConfig) -> Tuple[Tensor, Tensor]:
+    """``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`` and where the clipped branch is the larger.
+
+    ``where`` rather than ``torch.maximum``: identical values, but the gradient is exactly that of the selected
+    branch (``maximum`` splits it between equal branches, which sums to the same only by luck of ``clamp``).
+    """
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    is_clipped = clipped > unclipped
+    return torch.where(is_clipped, clipped, unclipped), is_clipped
+
+
+def _approx_kl(log_ratio: Tensor) -> Tensor:
+    """``k3`` estimate of ``KL(pi_old || pi)`` per token from ``log r = log pi - log pi_old`` (samples from
+    ``pi_old``): ``(r - 1) - log r``; non-negative, unbiased (Schulman 2020)."""
+    return torch.expm1(log_ratio) - log_ratio
+
+
+# ------------------------------------------------------------------------------------------------ losses
+@POLICY_LOSSES.register("ppo")
+def ppo_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: PolicyLossConfig,
+    rollout_logps: Optional[Tensor] = None,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """PPO clipped surrogate per token (Schulman et al. 2017, eq. 7), negated to a loss, with optional asymmetric
+    clipping, dual clipping and truncated importance sampling.
+
+    With ``r = exp(logps - old_logps)`` and advantage ``A``:
+
+    * ``loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` (clip-higher when ``clip_high > clip_low``,
+      DAPO, Yu et al. 2025);
+    * dual clip (Ye et al. 2020, "Mastering complex control in MOBA games with deep RL", eq. 5), for ``A < 0``
+      only: ``loss = min(loss, -c A)``, so a token whose ratio has grown huge cannot produce an unbounded loss;
+    * TIS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"): the tokens
+      were sampled by the rollout engine (e.g. vLLM) whose log-probs ``rollout_logps`` differ from the trainer's
+      ``old_logps``; the per-token loss is multiplied by the detached weight
+      ``w = min(exp(old_logps - rollout_logps), tis_cap)``.
+
+    Args:
+        logps: ``(B, T)`` log-probs under the current policy (differentiable).
+        old_logps: ``(B, T)`` log-probs under the behaviour policy of the PPO step (detached here).
+        advantages: ``(B, T)`` advantages (detached here).
+        mask: ``(B, T)`` 0/1 or bool, 1 on response tokens.
+        cfg: clip settings; ``tis_cap`` must be set exactly when ``rollout_logps`` is given.
+        rollout_logps: ``(B, T)`` log-probs reported by the rollout engine, for TIS.
+
+    Returns:
+        ``(loss, stats)``: ``loss`` ``(B, T)`` per-token losses in at least float32, 0 outside the mask; ``stats``
+        per-token ``(B, T)`` detached tensors, 0 outside the mask: ``clipped`` (1 where the clipped branch is the
+        larger, i.e. the token gets no gradient from clipping), ``dual_clipped`` (1 where the dual clip binds),
+        ``ratio`` (``r``), ``approx_kl`` (``k3`` estimate of ``KL(pi_old || pi)``: ``(r - 1) - log r``), and with
+        TIS ``tis_weight`` (``w``) and ``tis_capped`` (1 where ``w`` hit the cap).
+    """
+    _check_shapes(mask, logps=logps, old_logps=old_logps, advantages=advantages, rollout_logps=rollout_logps)
+    _check_tis(cfg, rollout_logps)
+    m = mask != 0
+    dtype = _dtype(logps, old_logps, advantages, rollout_logps)
+    log_ratio = _on_mask(logps, m, dtype) - _on_mask(old_logps.detach(), m, dtype)
+    ratio = torch.exp(log_ratio)
+    adv = _on_mask(advantages.detach(), m, dtype)
+    loss, clipped = _clip_surrogate(ratio, adv, cfg)
+    dual = torch.zeros_like(clipped)
+    if cfg.dual_clip is not None:
+        bound = -cfg.dual_clip * adv
+        dual = (adv < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+    stats: Dict[str, Tensor] = {}
+    if rollout_logps is not None:
+        weight, capped = _tis_weight(old_logps, rollout_logps, m, dtype, cfg.tis_cap)
+        loss = loss * weight
+        stats["tis_weight"] = torch.where(m, weight, 0.0)
+        stats["tis_capped"] = capped.to(dtype)
+    zero = torch.zeros((), dtype=dtype, device=loss.device)
+    loss = torch.where(m, loss, zero)
+    stats.update(
+        clipped=(clipped & m).to(dtype),
+        dual_clipped=(dual & m).to(dtype),
+        ratio=torch.where(m, ratio.detach(), zero),
+        approx_kl=torch.where(m, _approx_kl(log_ratio.detach()), zero),
+    )
+    return loss, stats
+
+
+def _check_tis(cfg: PolicyLossConfig, rollout_logps: Optional[Tensor]) -> None:
+    # Either half without the other is a configuration mistake that would otherwise go unnoticed.
+    if cfg.tis_cap is not None and rollout_logps is None:
+        raise ValueError("tis_cap is set but rollout_logps was not given: TIS needs the rollout engine's log-probs")
+    if cfg.tis_cap is None and rollout_logps is not None:
+        raise ValueError("rollout_logps was given but tis_cap is None: set tis_cap to apply the TIS correction")
+
+
+def _tis_weight(old_logps: Tensor, rollout_logps: Tensor, m: Tensor, dtype: torch.dtype, cap: float):
+    """Detached ``min(exp(old - rollout), cap)`` (1 outside the mask) and where the cap binds."""
+    log_w = _on_mask(old_logps.detach(), m, dtype) - _on_mask(rollout_logps.detach(), m, dtype)
+    w = torch.exp(log_w)
+    capped = (w > cap) & m
+    return torch.where(capped, torch.tensor(cap, dtype=dtype, device=w.device), w), capped
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: PolicyLossConfig,
+    rollout_logps: Optional[Tensor] = None,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): PPO clipping on the length-normalized
+    *sequence* importance ratio ``s_i = exp(mean_t (logps - old_logps))`` over the row's response tokens.
+
+    Implemented in the paper's GSPO-token form (its eq. 13-14): token ``t`` uses
+    ``s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]``, whose *value* is ``s_i`` on every token and whose gradient is
+    ``s_i grad log pi(y_t)``, and the per-token loss is the clipped surrogate
+    ``max(-A_{i,t} s_{i,t}, -A_{i,t} clip(s_{i,t}, 1 - clip_low, 1 + clip_high))``. With a sequence-constant
+    advantage (GRPO-style) every token of row ``i`` carries the loss value of the sequence, and the per-sequence
+    token mean has exactly the value and gradient of GSPO's sequence objective, so
+
+    * aggregate with ``seq-mean-token-mean`` to get the paper's objective (``1 / G sum_i``); ``token-mean``
+      weights each sequence by its length instead;
+    * the clip ranges of the paper are tiny (``3e-4`` / ``4e-4``) because ``s_i`` is a per-token geometric mean;
+      the :class:`PolicyLossConfig` defaults (0.2) are PPO's and must be set explicitly.
+
+    Dual clip and TIS are token-level corrections with no sequence-level counterpart in the paper; they are
+    rejected rather than applied in some invented form. A row with no response token contributes nothing.
+
+    Args and returns as :func:`ppo_loss`; ``stats`` has ``clipped`` (the row's clip indicator on its tokens),
+    ``ratio`` (``s_i`` on every token of row ``i``) and ``approx_kl`` (per-token ``k3`` of ``KL(pi_old || pi)``).
+    """
+    _check_shapes(mask, logps=logps, old_logps=old_logps, advantages=advantages, rollout_logps=rollout_logps)
+    if cfg.dual_clip is not None or cfg.tis_cap is not None or rollout_logps is not None:
+        raise ValueError("policy loss 'gspo' supports neither dual_clip nor TIS (tis_cap / rollout_logps)")
+    m = mask != 0
+    dtype = _dtype(logps, old_logps, advantages)
+    lp = _on_mask(logps, m, dtype)
+    log_ratio = lp - _on_mask(old_logps.detach(), m, dtype)
+    counts = m.sum(-1).clamp(min=1).to(dtype)
+    seq_log_ratio = log_ratio.sum(-1) / counts  # (B,); 0 for a row without tokens
+    token_log_ratio = seq_log_ratio.detach()[:, None] + (lp - lp.detach())  # value s_i, gradient grad log pi_t
+    ratio = torch.exp(token_log_ratio)
+    adv = _on_mask(advantages.detach(), m, dtype)
+    loss, clipped = _clip_surrogate(ratio, adv, cfg)
+    zero = torch.zeros((), dtype=dtype, device=loss.device)
+    stats = {
+        "clipped": (clipped & m).to(dtype),
+        "ratio": torch.where(m, ratio.detach(), zero),
+        "approx_kl": torch.where(m, _approx_kl(log_ratio.detach()), zero),
+    }
+    return torch.where(m, loss, zero), stats
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    clip: Optional[float] = None,
+    mask: Optional[Tensor] = None,
+) -> Tensor:
+    """Per-token critic loss, with PPO's value clipping when ``clip`` is set.
+
+    ``0.5 (V - R)^2`` without clipping; with it, ``0.5 max((V - R)^2, (V_clip - R)^2)`` where
+    ``V_clip = V_old + clamp(V - V_old, -clip, clip)`` (the value clipping of the PPO reference implementation,
+    OpenAI baselines ``ppo2``; Andrychowicz et al. 2021 found it rarely helps, hence optional).
+
+    Args:
+        values: ``(B, T)`` current critic values (differentiable).
+        old_values: ``(B, T)`` the values at rollout time (detached here).
+        returns: ``(B, T)`` value targets, e.g. the GAE returns (detached here).
+        clip: the clip range (> 0) or ``None``.
+        mask: optional ``(B, T)`` response mask; when given, the output is exactly 0 outside it and inputs there
+            (even inf/NaN) cannot reach the gradient. Without it every position is computed, and the caller's
+            aggregation drops the padding (whose inputs must then be finite for a finite gradient).
+
+    Returns:
+        ``(B, T)`` per-token losses in at least float32 (not summed).
+    """
+    if not (values.shape == old_values.shape == returns.shape):
+        raise ValueError(
+            f"values {tuple(values.shape)}, old_values {tuple(old_values.shape)} and returns {tuple(returns.shape)} "
+            "must have the same shape"
+        )
+    if clip is not None and not (clip > 0 and math.isfinite(clip)):
+        raise ValueError(f"value clip must be a positive finite number or None, got {clip}")
+    dtype = _dtype(values, old_values, returns)
+    v, v_old, ret = values.to(dtype), old_values.detach().to(dtype), returns.detach().to(dtype)
+    if mask is not None:
+        _check_shapes(mask, values=values)
+        m = mask != 0
+        v, v_old, ret = _on_mask(v, m, dtype), _on_mask(v_old, m, dtype), _on_mask(ret, m, dtype)
+    loss = (v - ret).square()
+    if clip is not None:
+        v_clipped = v_old + (v - v_old).clamp(-clip, clip)
+        clipped_loss = (v_clipped - ret).square()
+        loss = torch.where(clipped_loss > loss, clipped_loss, loss)
+    return 0.5 * loss
