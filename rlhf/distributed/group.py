@@ -109,6 +109,11 @@ class WorkerGroup:
         cut = lambda xs: [xs[r * per_rank:(r + 1) * per_rank] for r in range(self.size)]  # noqa: E731
         return cut(padded), cut(counted)
 
+    def push_weights(self, engines: Sequence[Any], bucket_bytes: int = 64 << 20) -> Dict[str, float]:
+        """Full weights -> every vLLM engine actor, bucketed; returns rank 0's transfer stats."""
+        return self._gather([w.push_weights.remote(list(engines), bucket_bytes) for w in self.workers],
+                            "push_weights")[0]
+
     def ping(self) -> List[int]:
         """Every rank's number, in order: a liveness check."""
         return self._gather([w.ping.remote() for w in self.workers], "ping")

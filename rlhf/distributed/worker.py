@@ -146,5 +146,32 @@ class TrainerWorker:
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
 
+    def push_weights(self, engines: list, bucket_bytes: int) -> Dict[str, float]:
+        """Send the full weights to vLLM engine actors in buckets (CPU / object-store path).
+
+        Collective under ZeRO-3 (every rank gathers each parameter in lockstep); rank 0 packs and sends. All
+        engines receive each bucket concurrently; the next bucket is packed while they load.
+        """
+        import time
+
+        import ray
+
+        from rlhf.rollout.weight_sync import iter_buckets
+
+        started, sent, tensors, pending = time.perf_counter(), 0, 0, []
+        state = iter_full_state(self.model, self.zero_stage)
+        if self.rank != 0:
+            for _ in state:  # take part in the ZeRO-3 gathers; nothing to send
+                pass
+            return {}
+        ray.get([engine.begin_weight_update.remote() for engine in engines])
+        for bucket in iter_buckets(state, bucket_bytes):
+            ray.get(pending)  # bound memory: at most one bucket in flight
+            pending = [engine.load_weights.remote(bucket) for engine in engines]
+            sent, tensors = sent + bucket.nbytes, tensors + len(bucket.metas)
+        ray.get(pending)
+        ray.get([engine.finish_weight_update.remote() for engine in engines])
+        return {"bytes": float(sent), "tensors": float(tensors), "seconds": time.perf_counter() - started}
+
     def ping(self) -> int:
         return self.rank

