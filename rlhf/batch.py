@@ -36,6 +36,12 @@ class Batch:
             ``(B, T)`` per-token reference log-probs (RL).
         margin: ``(B,)`` optional reward-model margin per pair.
         sample_index: ``(B,)`` int64 index of each row in its dataset (bookkeeping, never in the maths).
+        old_logps: ``(B, T)`` per-token log-probs under the policy that generated the rollout (RL), computed by
+            the trainer before the update (PPO's pi_old).
+        rollout_logps: ``(B, T)`` per-token log-probs reported by the rollout engine (vLLM) for the same tokens.
+        values: ``(B, T)`` critic values before the update (PPO value clipping, GAE).
+        advantages: ``(B, T)`` per-token advantages (0 outside ``loss_mask``).
+        returns: ``(B, T)`` per-token value targets.
     """
 
     input_ids: Tensor
@@ -44,6 +50,11 @@ class Batch:
     ref_logps: Optional[Tensor] = None
     margin: Optional[Tensor] = None
     sample_index: Optional[Tensor] = None
+    old_logps: Optional[Tensor] = None
+    rollout_logps: Optional[Tensor] = None
+    values: Optional[Tensor] = None
+    advantages: Optional[Tensor] = None
+    returns: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         n = self.input_ids.shape[0]
@@ -75,6 +86,11 @@ class Batch:
     def slice(self, start: int, stop: int) -> "Batch":
         """Rows ``start:stop`` of every field."""
         return Batch(**{k: v[start:stop] for k, v in self.present().items()})
+
+    def select(self, rows: Sequence[int]) -> "Batch":
+        """The given rows (in that order) of every field."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        return Batch(**{k: v[index] for k, v in self.present().items()})
 
     def split(self, size: int) -> List["Batch"]:
         """Consecutive pieces of ``size`` rows; ``len(self)`` must be a multiple of ``size``."""

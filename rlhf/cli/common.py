@@ -20,12 +20,13 @@ def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]
     from rlhf.config.schema import ConfigError
     from rlhf.data.io import DataError
     from rlhf.data.plan import PlanError
+    from rlhf.rewards.functions import RewardFunctionError
 
     quiet_environment()
     cfg = parse_cli(config_cls, argv, prog=prog)
     try:
         train(cfg)
-    except (ConfigError, DataError, PlanError) as exc:
+    except (ConfigError, DataError, PlanError, RewardFunctionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - a worker failure is reported as one line naming role and rank

@@ -26,7 +26,8 @@ def run_offline(cfg, build_task: TaskBuilder, policy_role: str) -> RunResult:
     os.makedirs(t.output_dir, exist_ok=True)
     save_config(cfg, os.path.join(t.output_dir, "config.yaml"))
 
-    ctx = _start_cluster(cfg)
+    workers = cfg.train.num_workers + getattr(getattr(cfg, "dpo", None), "ref_num_workers", 0)
+    ctx = start_cluster(cfg, needed_cpus=workers * cfg.strategy.cpus_per_worker)
     writer: Optional[MetricsWriter] = None
     eval_writer: Optional[MetricsWriter] = None
     try:
@@ -60,13 +61,12 @@ def optim_spec(t, total_steps: int):
                      warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio)
 
 
-def _start_cluster(cfg) -> RunContext:
+def start_cluster(cfg, needed_cpus: float) -> RunContext:
     """Join or start Ray; precision and backend follow the cluster's workers (the driver may have no GPU)."""
     from rlhf.distributed.cluster import cluster_gpus, init_ray
 
     s = cfg.strategy
-    workers = cfg.train.num_workers + getattr(getattr(cfg, "dpo", None), "ref_num_workers", 0)
-    init_ray(cfg.ray.address, cfg.ray.num_cpus, needed_cpus=workers * s.cpus_per_worker)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, needed_cpus=needed_cpus)
     gpus = s.gpus_per_worker if s.gpus_per_worker >= 0 else (1.0 if cluster_gpus() > 0 else 0.0)
     precision = s.precision if s.precision != "auto" else ("bf16" if gpus > 0 else "fp32")
     backend = s.backend if s.backend != "auto" else ("nccl" if gpus > 0 else "gloo")

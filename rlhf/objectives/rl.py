@@ -1,0 +1,324 @@
+"""RL objectives: the PPO-family actor loss, the clipped critic loss, and the forward-only score functions that
+build an RL train batch (old / reference log-probs, old values, sequence rewards).
+
+Alignment (see :mod:`rlhf.batch`): every per-token ``(B, T)`` tensor is indexed by ``input_ids`` columns, and
+column ``t`` belongs to token ``t``:
+
+* log-probs and entropies at column ``t`` are those of the distribution predicted at position ``t - 1``
+  (:func:`rlhf.ops.logprobs.token_logprobs`); column 0 is 0;
+* values at column ``t`` are ``V`` of the state *before* token ``t`` is emitted, i.e. the critic head applied to
+  the hidden state at position ``t - 1`` (:func:`token_values`); column 0 is 0. This is the state in which the
+  action ``input_ids[:, t]`` is taken, the convention of :mod:`rlhf.ops.advantages`;
+* ``loss_mask[b, t] == 1`` marks response token ``t`` (an action); column 0 is never one (nothing predicts it)
+  and is ignored even if set.
+
+Normalization follows the objective contract (:mod:`rlhf.objectives`): ``count`` is the micro-batch's share of the
+denominator of the aggregation mode (:mod:`rlhf.ops.aggregation`), ``loss`` returns the un-normalized numerator,
+and every metric is returned as a numerator of the *same* aggregation, so ``finalize`` divides each one once by
+the global count and a metric is the same whatever the micro-batch / rank split.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from rlhf.batch import Batch
+from rlhf.models.loading import last_token_values, scalar_head_values
+from rlhf.objectives.base import Sums
+from rlhf.ops.aggregation import LOSS_AGGREGATIONS, aggregate_count, aggregate_sum
+from rlhf.ops.kl import KL_ESTIMATORS, kl_estimate
+from rlhf.ops.logprobs import entropy_from_logits, token_logprobs
+from rlhf.ops.policy_loss import POLICY_LOSSES, PolicyLossConfig, policy_loss, value_loss
+
+Tensor = torch.Tensor
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def response_mask(batch: Batch) -> Tensor:
+    """``(B, T)`` bool mask of the response tokens: ``batch.loss_mask`` with column 0 forced off."""
+    if batch.loss_mask is None:
+        raise ValueError("RL micro-batch has no loss_mask (the response-token mask)")
+    if batch.is_pairwise:
+        raise ValueError("RL objectives take (B, T) batches, got a pairwise (B, 2, T) batch")
+    mask = batch.loss_mask != 0
+    mask[:, 0] = False  # `!=` made a new tensor: the batch's own mask is untouched
+    return mask
+
+
+def _require(batch: Batch, *names: str, why: str) -> None:
+    missing = [name for name in names if getattr(batch, name) is None]
+    if missing:
+        raise ValueError(f"RL micro-batch has no {', '.join(missing)}: {why}")
+
+
+def _check_agg_mode(agg_mode: str) -> None:
+    LOSS_AGGREGATIONS.get(agg_mode)  # fail on the driver, with the valid names, not inside a worker
+
+
+def _policy_forward(model: torch.nn.Module, batch: Batch) -> Tensor:
+    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+
+
+def tempered_entropy(logits: Tensor, temperature: float) -> Tensor:
+    """Entropy ``(B, T)`` of ``softmax(logits / temperature)``, aligned like :func:`token_logprobs`.
+
+    The division is done in the compute dtype (float32, float64 for float64 logits), exactly as
+    :func:`token_logprobs` scales the logits, so the entropy is that of the very distribution whose log-probs
+    the loss uses (a bf16 division would round every logit). For ``temperature != 1`` the scaled copy is made one
+    row at a time, so outside autograd at most one row's copy is alive; under autograd the entropy's backward
+    keeps each row's copy (one float32 copy of the logits in all).
+    """
+    if temperature == 1.0:
+        return entropy_from_logits(logits)
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    rows = [entropy_from_logits(logits[i:i + 1].to(dtype) / temperature) for i in range(logits.shape[0])]
+    return torch.cat(rows, dim=0)
+
+
+def token_values(model: torch.nn.Module, batch: Batch) -> Tensor:
+    """Per-token critic values ``(B, T)`` float32 aligned with the tokens (the one definition used both when the
+    old values are computed for the experience batch and inside :class:`ValueObjective`).
+
+    ``out[:, t]`` is the value of the state before token ``t`` is emitted: the scalar head applied to the final
+    hidden state at position ``t - 1`` (which has seen tokens ``0 .. t-1``). ``out[:, 0] = 0`` (no state precedes
+    the first token; it is never a response token). The head output at the last position (the state after the
+    whole sequence) is never used.
+    """
+    raw = scalar_head_values(model, batch.input_ids, batch.attention_mask)
+    return torch.nn.functional.pad(raw[:, :-1], (1, 0))
+
+
+def _agg(mode: str, per_token: Tensor, mask: Tensor) -> float:
+    """A metric numerator (detached), as a Python float."""
+    with torch.no_grad():
+        return aggregate_sum(mode, per_token.detach(), mask).item()
+
+
+# ------------------------------------------------------------------------------------------------ actor
+@dataclass(frozen=True)
+class PolicyObjective:
+    """PPO-family actor loss for one micro-batch of an RL train batch.
+
+    Per response token ``t``: ``pg_t - entropy_coef * H_t + kl_loss_coef * KL_t`` with ``pg_t`` the policy loss
+    ``loss_type`` of :data:`rlhf.ops.policy_loss.POLICY_LOSSES` (ratio against ``batch.old_logps``, advantage
+    ``batch.advantages``, TIS weight from ``batch.rollout_logps`` when ``use_tis``), ``H_t`` the entropy of the
+    tempered next-token distribution and ``KL_t`` the ``kl_estimator`` estimate of KL(policy || reference) from
+    ``batch.ref_logps`` (GRPO-style KL loss). The per-token total is reduced with ``agg_mode``.
+
+    Attributes:
+        loss_type: a name in ``POLICY_LOSSES`` (``ppo``, ``gspo``).
+        clip: clip ranges, dual clip and TIS cap.
+        agg_mode: a name in :data:`rlhf.ops.aggregation.LOSS_AGGREGATIONS`.
+        temperature: the sampling temperature of the rollout (log-probs and entropy are of ``logits / T``).
+        entropy_coef: weight of the entropy bonus (0: entropy is only reported, computed without autograd).
+        kl_loss_coef: weight of the KL-to-reference loss (needs ``batch.ref_logps``).
+        kl_estimator: ``k1`` / ``k2`` / ``k3`` (:mod:`rlhf.ops.kl`); also used for the reported ``kl``.
+        use_tis: apply truncated importance sampling with ``batch.rollout_logps``; requires ``clip.tis_cap``
+            (and ``clip.tis_cap`` requires it).
+    """
+
+    loss_type: str = "ppo"
+    clip: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    agg_mode: str = "token-mean"
+    temperature: float = 1.0
+    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0
+    kl_estimator: str = "k3"
+    use_tis: bool = False
+
+    def __post_init__(self) -> None:
+        POLICY_LOSSES.get(self.loss_type)
+        _check_agg_mode(self.agg_mode)
+        KL_ESTIMATORS.get(self.kl_estimator)
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a positive finite number, got {self.temperature}")
+        if not math.isfinite(self.entropy_coef):
+            raise ValueError(f"entropy_coef must be finite, got {self.entropy_coef}")
+        if not (self.kl_loss_coef >= 0 and math.isfinite(self.kl_loss_coef)):
+            raise ValueError(f"kl_loss_coef must be a finite number >= 0, got {self.kl_loss_coef}")
+        if self.use_tis and self.clip.tis_cap is None:
+            raise ValueError("use_tis=True needs clip.tis_cap (the truncation cap of the importance weight)")
+        if not self.use_tis and self.clip.tis_cap is not None:
+            raise ValueError(f"clip.tis_cap={self.clip.tis_cap} is set but use_tis=False; enable TIS or unset the cap")
+        # Probe the loss on one token so a combination the loss rejects (e.g. gspo with dual_clip) fails here, on
+        # the driver, rather than in every worker at the first step.
+        one = torch.zeros(1, 1)
+        policy_loss(self.loss_type, one, one, one, torch.ones(1, 1, dtype=torch.bool), self.clip,
+                    rollout_logps=one if self.use_tis else None)
+
+    def count(self, batch: Batch) -> int:
+        return aggregate_count(self.agg_mode, response_mask(batch))
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[Tensor, Sums]:
+        _require(batch, "old_logps", "advantages", why="the experience batch must be built before the update")
+        if self.use_tis:
+            _require(batch, "rollout_logps", why="use_tis needs the rollout engine's log-probs")
+        if self.kl_loss_coef:
+            _require(batch, "ref_logps", why="kl_loss_coef > 0 needs reference log-probs")
+        if batch.ref_logps is not None and batch.ref_logps.shape != batch.input_ids.shape:
+            raise ValueError(f"RL ref_logps must be per-token {tuple(batch.input_ids.shape)}, "
+                             f"got {tuple(batch.ref_logps.shape)}")
+        mask = response_mask(batch)
+        mode = self.agg_mode
+
+        logits = _policy_forward(model, batch)
+        logps = token_logprobs(logits, batch.input_ids, self.temperature)
+        pg, stats = policy_loss(self.loss_type, logps, batch.old_logps, batch.advantages, mask, self.clip,
+                                rollout_logps=batch.rollout_logps if self.use_tis else None)
+        per_token = pg
+
+        if self.entropy_coef:
+            entropy = tempered_entropy(logits, self.temperature)
+            per_token = per_token - self.entropy_coef * entropy
+        else:
+            with torch.no_grad():
+                entropy = tempered_entropy(logits.detach(), self.temperature)
+
+        kl = None
+        if batch.ref_logps is not None:
+            # Outside the mask the reference is replaced by the policy itself (log-ratio 0), so whatever the
+            # padding holds cannot reach the value or the gradient.
+            ref = torch.where(mask, batch.ref_logps.detach().to(logps.dtype), logps.detach())
+            if self.kl_loss_coef:
+                kl = kl_estimate(self.kl_estimator, logps, ref)
+                per_token = per_token + self.kl_loss_coef * kl
+            else:
+                kl = kl_estimate(self.kl_estimator, logps.detach(), ref)
+
+        total = aggregate_sum(mode, per_token, mask)
+        sums: Sums = {
+            "loss_sum": total.item(),
+            "policy_loss_sum": _agg(mode, pg, mask),
+            "entropy_sum": _agg(mode, entropy, mask),
+            "clipfrac_sum": _agg(mode, stats["clipped"], mask),
+            "approx_kl_sum": _agg(mode, stats["approx_kl"], mask),
+            "num_tokens": float(mask.sum().item()),
+        }
+        if kl is not None:
+            sums["kl_sum"] = _agg(mode, kl, mask)
+        if self.clip.dual_clip is not None and "dual_clipped" in stats:
+            sums["dual_clipfrac_sum"] = _agg(mode, stats["dual_clipped"], mask)
+        if "tis_weight" in stats:
+            sums["tis_weight_sum"] = _agg(mode, stats["tis_weight"], mask)
+            sums["tis_capped_sum"] = _agg(mode, stats["tis_capped"], mask)
+        if batch.rollout_logps is not None:
+            zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+            gap = torch.where(mask, (batch.old_logps.double() - batch.rollout_logps.double()).abs(), zero)
+            sums["logp_mismatch_sum"] = _agg(mode, gap, mask)
+        return total, sums
+
+    def finalize(self, sums: Sums, normalizer: int) -> Dict[str, float]:
+        """Metrics of the global batch. ``kl`` only when reference log-probs were present, ``logp_mismatch``
+        (mean |old_logps - rollout_logps|) only when rollout log-probs were, ``dual_clip_frac`` / ``tis_weight`` /
+        ``tis_capped_frac`` only when those corrections are on."""
+        n = normalizer
+        out = {
+            "loss": sums["loss_sum"] / n,
+            "policy_loss": sums["policy_loss_sum"] / n,
+            "entropy": sums["entropy_sum"] / n,
+            "clip_frac": sums["clipfrac_sum"] / n,
+            "approx_kl": sums["approx_kl_sum"] / n,
+            "num_tokens": int(sums["num_tokens"]),
+        }
+        optional = {"kl_sum": "kl", "logp_mismatch_sum": "logp_mismatch", "dual_clipfrac_sum": "dual_clip_frac",
+                    "tis_weight_sum": "tis_weight", "tis_capped_sum": "tis_capped_frac"}
+        for key, name in optional.items():
+            if key in sums:
+                out[name] = sums[key] / n
+        return out
+
+
+# ------------------------------------------------------------------------------------------------ critic
+@dataclass(frozen=True)
+class ValueObjective:
+    """Critic loss ``0.5 (V - R)^2`` per response token, with PPO value clipping around ``batch.values`` when
+    ``clip`` is set (:func:`rlhf.ops.policy_loss.value_loss`), reduced with ``agg_mode``. ``V`` comes from
+    :func:`token_values` (column ``t`` = value of the state before token ``t``), targets from ``batch.returns``.
+    """
+
+    clip: Optional[float] = 0.2
+    agg_mode: str = "token-mean"
+
+    def __post_init__(self) -> None:
+        _check_agg_mode(self.agg_mode)
+        if self.clip is not None and not (self.clip > 0 and math.isfinite(self.clip)):
+            raise ValueError(f"value clip must be a positive finite number or None, got {self.clip}")
+
+    def count(self, batch: Batch) -> int:
+        return aggregate_count(self.agg_mode, response_mask(batch))
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[Tensor, Sums]:
+        _require(batch, "returns", why="value targets must be computed before the critic update")
+        if self.clip is not None:
+            _require(batch, "values", why="value clipping needs the critic's values at rollout time")
+        mask = response_mask(batch)
+        mode = self.agg_mode
+        values = token_values(model, batch)
+        old = batch.values if batch.values is not None else values.detach()  # unused without clipping
+        per_token = value_loss(values, old, batch.returns, self.clip, mask)
+        total = aggregate_sum(mode, per_token, mask)
+        sums: Sums = {
+            "value_loss_sum": total.item(),
+            "value_clipfrac_sum": _agg(mode, self._clipped(values.detach(), old, batch.returns, mask), mask),
+            "values_sum": _agg(mode, values, mask),
+            "num_tokens": float(mask.sum().item()),
+        }
+        return total, sums
+
+    def _clipped(self, values: Tensor, old: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+        """1 where the clipped branch of :func:`value_loss` is the one used (its condition, strictly larger)."""
+        if self.clip is None:
+            return torch.zeros(values.shape, dtype=torch.float32, device=values.device)
+        # value_loss's working dtype, so the indicator is computed from the very numbers it compared.
+        work = torch.float64 if torch.float64 in (values.dtype, old.dtype, returns.dtype) else torch.float32
+        zero = torch.zeros((), dtype=work, device=values.device)
+        v, v_old, ret = (torch.where(mask, x.detach().to(work), zero) for x in (values, old, returns))
+        unclipped = (v - ret).square()
+        clipped = (v_old + (v - v_old).clamp(-self.clip, self.clip) - ret).square()
+        return ((clipped > unclipped) & mask).to(work)
+
+    def finalize(self, sums: Sums, normalizer: int) -> Dict[str, float]:
+        n = normalizer
+        return {
+            "value_loss": sums["value_loss_sum"] / n,
+            "value_clip_frac": sums["value_clipfrac_sum"] / n,
+            "values": sums["values_sum"] / n,
+            "num_tokens": int(sums["num_tokens"]),
+        }
+
+
+# ------------------------------------------------------------------------------------------------ score fns
+@dataclass(frozen=True)
+class TokenLogps:
+    """Score function: per-token log-probs ``(B, T)`` float32 at ``temperature`` (old log-probs from the policy,
+    reference log-probs from the reference). Aligned like :func:`token_logprobs`: column 0 is 0, padding columns
+    hold meaningless values for the response mask to drop."""
+
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a positive finite number, got {self.temperature}")
+
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
+        return token_logprobs(_policy_forward(model, batch), batch.input_ids, self.temperature).float()
+
+
+@dataclass(frozen=True)
+class TokenValues:
+    """Score function: critic values ``(B, T)`` float32 via :func:`token_values` (column t = state before token t)."""
+
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
+        return token_values(model, batch).float()
+
+
+@dataclass(frozen=True)
+class SequenceScores:
+    """Score function: reward-model scores ``(B,)`` float32 at each row's last real token (attention mask)."""
+
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
+        values = scalar_head_values(model, batch.input_ids, batch.attention_mask)
+        return last_token_values(values, batch.attention_mask).float()
