@@ -77,7 +77,8 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+        # Logical CPUs: an RL run holds policy, reference, critic and vLLM actors at once; they take turns on 2 cores.
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     ray.shutdown()

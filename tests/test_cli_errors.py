@@ -81,7 +81,20 @@ def test_too_few_rows_for_one_step(tiny_model, tmp_path):
     assert proc.returncode == 2 and "3 usable rows" in proc.stderr and "train.global_batch_size=4" in proc.stderr
 
 
-@pytest.mark.parametrize("module", ["train_sft", "train_dpo", "train_rm"])
+def test_rl_bad_reward_function_is_named_before_any_actor(tiny_model, sft_data, tmp_path):
+    proc = _cli("train_ppo", f"model.path={tiny_model}", f"data.train_path={sft_data}",
+                f"train.output_dir={tmp_path / 'out'}", f"reward.functions=[{tmp_path}/nope.py:score]")
+    assert proc.returncode == 2 and "nope.py:score" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "final").exists()
+
+
+def test_rl_unknown_estimator_lists_valid_names(tiny_model, sft_data, tmp_path):
+    proc = _cli("train_ppo", f"model.path={tiny_model}", f"data.train_path={sft_data}",
+                "reward.functions=[rlhf.synthetic.arithmetic:reward]", "algo.advantage_estimator=grop")
+    assert proc.returncode == 2 and "Did you mean 'grpo'" in proc.stderr and "reinforce_pp" in proc.stderr
+
+
+@pytest.mark.parametrize("module", ["train_sft", "train_dpo", "train_rm", "train_ppo"])
 def test_help_lists_every_key(module):
     proc = _cli(module, "--help")
     assert proc.returncode == 0

@@ -35,12 +35,24 @@ def test_worker_exception_is_reported_with_role_rank_and_cause():
         group.shutdown()
 
 
-def test_impossible_placement_fails_naming_the_role(monkeypatch):
+def test_impossible_placement_fails_naming_the_role():
+    with pytest.raises(WorkerError, match=r"reward: 2 workers x 64 CPU exceed the cluster's total"):
+        WorkerGroup("reward", GroupResources(num_workers=2, cpus_per_worker=64.0), "gloo")
+
+
+def test_placement_that_does_not_fit_now_times_out_naming_the_role(monkeypatch):
     import rlhf.distributed.group as group_mod
 
     monkeypatch.setattr(group_mod, "PLACEMENT_TIMEOUT_S", 3.0)
-    with pytest.raises(WorkerError, match=r"reward: could not place 2 workers"):
-        WorkerGroup("reward", GroupResources(num_workers=2, cpus_per_worker=64.0), "gloo")
+    hog = _group("hog", 1)  # holds CPUs so that a feasible request cannot be placed right now
+    try:
+        import ray
+
+        cpus = ray.cluster_resources()["CPU"]
+        with pytest.raises(WorkerError, match=r"reward: could not place 1 workers"):
+            WorkerGroup("reward", GroupResources(num_workers=1, cpus_per_worker=cpus), "gloo")
+    finally:
+        hog.shutdown()
 
 
 def test_partial_accumulation_window_is_refused(tiny_model):

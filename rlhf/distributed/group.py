@@ -30,6 +30,17 @@ class GroupResources:
     env_vars: Dict[str, str] = field(default_factory=dict)
 
 
+def _check_feasible(role: str, bundle: Dict[str, float], count: int) -> None:
+    """Fail at once when the whole cluster could never hold the group (waiting would only time out)."""
+    import ray
+
+    total = ray.cluster_resources()
+    for resource, amount in bundle.items():
+        if amount * count > total.get(resource, 0.0) + 1e-9:
+            raise WorkerError(f"{role}: {count} workers x {amount:g} {resource} exceed the cluster's total "
+                              f"{total.get(resource, 0.0):g} {resource}")
+
+
 class WorkerGroup:
     """``resources.num_workers`` :class:`TrainerWorker` actors for one ``role``."""
 
@@ -43,6 +54,7 @@ class WorkerGroup:
         bundle = {"CPU": resources.cpus_per_worker}
         if resources.gpus_per_worker > 0:
             bundle["GPU"] = resources.gpus_per_worker
+        _check_feasible(role, bundle, self.size)
         self._pg = placement_group([dict(bundle) for _ in range(self.size)], strategy="PACK")
         ready, _ = ray.wait([self._pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:

@@ -172,12 +172,13 @@ class RLTrainer:
 
     def log(self, step: StepPlan, scores, per_source, batch: Batch, train_stats: dict, sync: dict,
             timer: StageTimer) -> dict:
-        binary = bool(per_source) and all(bool(((v == 0) | (v == 1)).all()) for v in per_source.values())
+        # accuracy: a sample is correct when every 0/1-valued (verifiable) reward source says so
+        binary = [v for v in per_source.values() if bool(((v == 0) | (v == 1)).all())]
         total_s = sum(timer.seconds.values())
         row = {"step": step.step, "epoch": step.epoch,
                "reward_mean": float(scores.mean()), "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
                **{f"reward/{k}": float(v.float().mean()) for k, v in per_source.items()},
-               **({"accuracy": float(torch.stack(list(per_source.values())).min(0).values.mean())} if binary else {}),
+               **({"accuracy": float(torch.stack(binary).min(0).values.mean())} if binary else {}),
                "response_length": float(batch.loss_mask.sum(-1).float().mean()),
                **train_stats,
                "logp_mismatch": logp_mismatch(batch),
