@@ -13,7 +13,6 @@ Gradient-accumulation contract (docs/concepts.md):
 from __future__ import annotations
 
 import copy
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Optional, Tuple
@@ -197,7 +196,3 @@ def iter_full_state(module: torch.nn.Module, zero_stage: int) -> Iterator[Tuple[
                 yield name, param.data.detach().cpu().clone()
         else:
             yield name, value.detach().cpu()
-
-
-def ds_config_json(config: Dict[str, Any]) -> str:
-    return json.dumps(config, indent=2, sort_keys=True)

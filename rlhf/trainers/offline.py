@@ -144,10 +144,6 @@ def describe_plan(task: OfflineTask, plan: EpochPlan, train_cfg, skipped: int) -
             f"accumulation {train_cfg.grad_accum_steps} x ranks {train_cfg.num_workers}")
 
 
-def config_snapshot(cfg) -> dict:
-    return dataclasses.asdict(cfg)
-
-
 @dataclass
 class RunContext:
     """What a task's ``attach`` hook may use once Ray is up: the resolved run settings and a group factory."""
