@@ -16,7 +16,7 @@ from rlhf.data.io import read_rows
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
-from rlhf.trainers.offline import OfflineTask, RunContext, RunResult
+from rlhf.trainers.offline import OfflineTask, RunContext, RunResult, read_train_and_eval
 from rlhf.trainers.runner import run_offline
 
 REF_BATCH_SIZE = 16  # pairs per reference forward when precomputing
@@ -43,10 +43,9 @@ def _read(cfg: DPORunConfig, tokenizer, path: str) -> Tokenized:
 
 def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
     p = cfg.dpo
-    train = _read(cfg, tokenizer, cfg.data.train_path)
+    train, held_out_examples = read_train_and_eval(cfg, tokenizer, _read)
     data = _PairData(train.examples, tokenizer.pad_token_id)
-    held_out = _PairData(_read(cfg, tokenizer, cfg.data.eval_path).examples if cfg.data.eval_path else [],
-                         tokenizer.pad_token_id)
+    held_out = _PairData(held_out_examples, tokenizer.pad_token_id)
     task = OfflineTask(name="dpo", model_kind=CAUSAL_LM,
                        objective=DPOObjective(loss_type=p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing,
                                               nll_coef=p.nll_coef),

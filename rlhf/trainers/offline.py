@@ -69,6 +69,14 @@ def check_paths(cfg) -> None:
             raise ConfigError(f"{key}: {path!r} does not exist")
 
 
+def read_train_and_eval(cfg, tokenizer, read: Callable) -> tuple:
+    """``read(cfg, tokenizer, path) -> Tokenized`` for ``data.train_path`` and, when set, ``data.eval_path``;
+    returns ``(train Tokenized, held-out examples)``."""
+    train = read(cfg, tokenizer, cfg.data.train_path)
+    held_out = read(cfg, tokenizer, cfg.data.eval_path).examples if cfg.data.eval_path else []
+    return train, held_out
+
+
 def load_tokenizer(cfg):
     from transformers import AutoTokenizer
 

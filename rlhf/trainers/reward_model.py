@@ -10,7 +10,7 @@ from rlhf.data.io import read_rows
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.models.loading import SCALAR_HEAD
 from rlhf.objectives.reward import RewardObjective
-from rlhf.trainers.offline import OfflineTask, RunResult
+from rlhf.trainers.offline import OfflineTask, RunResult, read_train_and_eval
 from rlhf.trainers.runner import run_offline
 
 
@@ -29,8 +29,7 @@ def _collate(examples: list, pad_id: int):
 
 
 def build_rm_task(cfg: RewardModelRunConfig, tokenizer) -> tuple:
-    train = _read(cfg, tokenizer, cfg.data.train_path)
-    held_out = _read(cfg, tokenizer, cfg.data.eval_path).examples if cfg.data.eval_path else []
+    train, held_out = read_train_and_eval(cfg, tokenizer, _read)
     pad = tokenizer.pad_token_id
     task = OfflineTask(name="rm", model_kind=SCALAR_HEAD, objective=RewardObjective(use_margin=cfg.rm.use_margin),
                        num_examples=len(train.examples), collate=_collate(train.examples, pad),

@@ -6,7 +6,7 @@ from rlhf.data.io import read_rows
 from rlhf.data.tokenize import Tokenized, collate_sft, tokenize_sft
 from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.sft import SFTObjective
-from rlhf.trainers.offline import OfflineTask, RunResult
+from rlhf.trainers.offline import OfflineTask, RunResult, read_train_and_eval
 from rlhf.trainers.runner import run_offline
 
 
@@ -22,8 +22,7 @@ def _collate(examples: list, pad_id: int):
 
 
 def build_sft_task(cfg: SFTRunConfig, tokenizer) -> tuple:
-    train = _read(cfg, tokenizer, cfg.data.train_path)
-    held_out = _read(cfg, tokenizer, cfg.data.eval_path).examples if cfg.data.eval_path else []
+    train, held_out = read_train_and_eval(cfg, tokenizer, _read)
     pad = tokenizer.pad_token_id
     task = OfflineTask(name="sft", model_kind=CAUSAL_LM, objective=SFTObjective(), num_examples=len(train.examples),
                        collate=_collate(train.examples, pad), eval_num_examples=len(held_out),
