@@ -38,6 +38,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench_offline.py
+	$(PY) bench/bench_rl.py
+
+docs: $(STAMP)
+	$(PY) docs/gen_config_reference.py
+	$(VENV)/bin/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) $(ASSETS) outputs
+	rm -rf $(VENV) $(ASSETS) outputs site

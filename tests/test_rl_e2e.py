@@ -10,6 +10,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
@@ -73,7 +74,7 @@ def grpo_pair(tiny_model, prompts, shaping, tmp_path_factory):
     base = tmp_path_factory.mktemp("grpo")
     one = _run(tiny_model, prompts, shaping, str(base / "m8w1"))
     two = _run(tiny_model, prompts, shaping, str(base / "m2w2z3"), "train.micro_batch_size=2", "train.num_workers=2",
-               "strategy.zero_stage=3")
+               "strategy.zero_stage=3", "rollout.num_engines=2")
     return one, two
 
 
@@ -85,20 +86,53 @@ def test_grpo_runs_and_logs_every_stage(grpo_pair):
     assert os.path.isfile(os.path.join(result.final_dir, "model.safetensors"))
 
 
-def test_rl_policy_loss_is_invariant_to_micro_batches_and_ranks(grpo_pair):
+def test_rl_step_is_invariant_to_micro_batches_ranks_and_engine_count(grpo_pair):
     (a, _), (b, _) = grpo_pair
-    # same seeds -> the same prompts, the same vLLM samples, the same rewards at step 1
+    # same seeds -> the same prompts, the same vLLM samples (whether one engine or two draws them: sample j
+    # always gets seed base + j), the same rewards at step 1
     assert a[0]["reward_mean"] == b[0]["reward_mean"] and a[0]["response_length"] == b[0]["response_length"]
     assert a[0]["grad_norm"] > 1e-3  # non-trivial: the compared gradients are not zero
     for key in ("policy_loss", "grad_norm", "entropy", "kl"):
         assert a[0][key] == pytest.approx(b[0][key], rel=1e-5, abs=1e-7), key
 
 
-def test_gae_ppo_with_critic(tiny_model, prompts, shaping, tmp_path):
-    rows, _ = _run(tiny_model, prompts, shaping, str(tmp_path / "ppo"), "algo.advantage_estimator=gae", "algo.gamma=1.0",
-                   "algo.lam=0.95", "critic.lr=1e-4", "algo.kl_coef=0.01", "algo.kl_mode=reward")
-    _check_rows(rows, extra_keys=("kl", "value_loss", "critic_grad_norm", "reward_kl_penalty"))
+def _without_timings(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k not in ("samples_per_s", "sync_mb_per_s")}
+            for r in rows]
+
+
+def test_grpo_stopped_and_resumed_equals_uninterrupted(grpo_pair, tiny_model, prompts, shaping, tmp_path):
+    """The resumed step 2 draws the same rollouts (vLLM gets the checkpointed policy's weights before it
+    generates), takes the same update, and ends with bit-identical weights."""
+    (whole, whole_result), _ = grpo_pair
+    out = str(tmp_path / "split")
+    rows, stopped = _run(tiny_model, prompts, shaping, out, "train.stop_after_steps=1")
+    assert stopped.stopped_at == 1 and stopped.final_dir is None and len(rows) == 1
+    rows, resumed = _run(tiny_model, prompts, shaping, out, "train.resume=true")
+    assert _without_timings(rows) == _without_timings(whole)
+    from safetensors.torch import load_file
+
+    a = load_file(os.path.join(whole_result.final_dir, "model.safetensors"))
+    b = load_file(os.path.join(resumed.final_dir, "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_gae_ppo_with_critic_reward_model_and_colocation(tiny_model, prompts, shaping, tmp_path):
+    """GAE-PPO with every role at once: critic, reference, a reward model next to the reward functions, with
+    policy+reference+engine (hybrid engine) and critic+reward model each sharing bundles."""
+    out = tmp_path / "ppo"
+    rows, _ = _run(tiny_model, prompts, shaping, str(out), "algo.advantage_estimator=gae", "algo.gamma=1.0",
+                   "algo.lam=0.95", "critic.lr=1e-4", "algo.kl_coef=0.01", "algo.kl_mode=reward",
+                   f"reward.model_path={tiny_model}", "reward.model_weight=0.5",  # a random scalar head on it
+                   "colocate.policy_reference=true", "colocate.hybrid_engine=true", "colocate.critic_reward=true")
+    _check_rows(rows, extra_keys=("kl", "value_loss", "critic_grad_norm", "reward_kl_penalty", "reward/reward_model"))
     assert all(r["value_loss"] > 0 for r in rows)
+    assert rows[0]["reward/reward_model"] != 0.0
+    where = json.loads((out / "placement.json").read_text())
+    group = {role: {rank["placement_group"] for rank in ranks} for role, ranks in where.items()}
+    assert group["policy"] == group["reference"] == group["rollout"]
+    assert group["critic"] == group["reward_model"] != group["policy"]
+    assert all(rank["resources"]["CPU"] == pytest.approx(1 / 3, abs=1e-3) for rank in where["policy"] + where["rollout"])
 
 
 def test_reinforce_pp_with_kl_in_reward(tiny_model, prompts, shaping, tmp_path):

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf.rollout.vllm_engine import EngineSpec, SamplingSpec, VLLMEngine
+from rlhf.distributed.errors import WorkerError
+from rlhf.rollout.vllm_engine import EngineSpec, SamplingSpec
 from rlhf.rollout.weight_sync import iter_buckets, pack_bucket, unpack_bucket
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -31,13 +32,15 @@ def _hf_greedy(model, prompt_ids, n_new):
     return out_ids, out_logps
 
 
-def _assert_engine_matches(engine, model, tokenizer):
-    import ray
+def _greedy(engines, prompt_ids, max_new_tokens, stop_token_ids=()):
+    return engines.generate(prompt_ids, lambda engine, first: SamplingSpec(
+        max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids))
 
+
+def _assert_engine_matches(engines, model, tokenizer):
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     # no EOS stop: compare every position even if the random model emits EOS
-    gens = ray.get(engine.generate.remote(prompt_ids, SamplingSpec(max_new_tokens=NEW_TOKENS, temperature=0.0,
-                                                                   stop_token_ids=())))
+    gens = _greedy(engines, prompt_ids, NEW_TOKENS)
     for p, gen in zip(prompt_ids, gens):
         want_ids, want_logps = _hf_greedy(model, p, len(gen.response_ids))
         assert list(gen.prompt_ids) == p
@@ -55,12 +58,27 @@ def other_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    import ray
+    from rlhf.distributed.cluster import actor_env
+    from rlhf.rollout.engines import RolloutEngines
 
-    actor = ray.remote(VLLMEngine).options(num_cpus=1).remote(EngineSpec(model_path=tiny_model, max_model_len=128))
-    ray.get(actor.ready.remote())
-    yield actor
-    ray.kill(actor)
+    engines = RolloutEngines(EngineSpec(model_path=tiny_model, max_model_len=128), num_engines=1,
+                             env_vars=actor_env(0))
+    yield engines
+    engines.shutdown()
+
+
+def _policy(model_path, num_workers=2, zero_stage=3):
+    from rlhf.distributed.cluster import actor_env
+    from rlhf.distributed.engine import EngineSpec as DSEngineSpec
+    from rlhf.distributed.engine import OptimSpec
+    from rlhf.distributed.group import GroupResources, WorkerGroup
+    from rlhf.models.loading import ModelSpec
+
+    policy = WorkerGroup("policy", GroupResources(num_workers=num_workers, cpus_per_worker=0.5,
+                                                  env_vars=actor_env(0)), "gloo")
+    policy.build(ModelSpec(path=model_path), DSEngineSpec(zero_stage=zero_stage, precision="fp32", micro_batch_size=1,
+                                                          grad_accum_steps=1), OptimSpec(lr=1e-3, total_steps=1))
+    return policy
 
 
 def _load(path):
@@ -89,25 +107,30 @@ def test_engine_logprobs_match_the_model(engine, tiny_model):
 def test_policy_weight_sync_from_zero3_ranks(engine, tiny_model, other_model):
     """A 2-rank ZeRO-3 policy holding different weights pushes them (gathered, bucketed) into the engine; the
     engine then generates exactly what those weights generate."""
-    import ray
-
-    from rlhf.distributed.cluster import actor_env
-    from rlhf.distributed.engine import EngineSpec as DSEngineSpec
-    from rlhf.distributed.engine import OptimSpec
-    from rlhf.distributed.group import GroupResources, WorkerGroup
-    from rlhf.models.loading import ModelSpec
-
-    before = ray.get(engine.generate.remote([[1, 2, 3]], SamplingSpec(max_new_tokens=4, temperature=0.0)))
-    policy = WorkerGroup("policy", GroupResources(num_workers=2, cpus_per_worker=0.5, env_vars=actor_env(0)), "gloo")
+    before = _greedy(engine, [[1, 2, 3]], 4)
+    policy = _policy(other_model)
     try:
-        policy.build(ModelSpec(path=other_model), DSEngineSpec(zero_stage=3, precision="fp32", micro_batch_size=1,
-                                                               grad_accum_steps=1), OptimSpec(lr=1e-3, total_steps=1))
-        stats = policy.push_weights([engine], bucket_bytes=1 << 20)
+        stats = policy.push_weights(engine.handles, bucket_bytes=1 << 20)
     finally:
         policy.shutdown()
     model, tokenizer = _load(other_model)
     n_params = sum(1 for _ in model.state_dict())
     assert stats["tensors"] == n_params and stats["bytes"] == sum(t.numel() * 4 for t in model.state_dict().values())
     after = _assert_engine_matches(engine, model, tokenizer)
-    assert after and before[0].response_logps != ray.get(
-        engine.generate.remote([[1, 2, 3]], SamplingSpec(max_new_tokens=4, temperature=0.0)))[0].response_logps
+    assert after and before[0].response_logps != _greedy(engine, [[1, 2, 3]], 4)[0].response_logps
+
+
+def test_a_dead_engine_is_named_in_generation_and_weight_sync(engine, other_model):
+    """Runs last in this module: it kills the module's engine."""
+    import ray
+
+    policy = _policy(other_model, num_workers=1, zero_stage=0)
+    try:
+        ray.kill(engine.handles[0])
+        with pytest.raises(WorkerError, match=r"^rollout engine 0 died during generate"):
+            _greedy(engine, [[1, 2, 3]], 2)
+        with pytest.raises(WorkerError, match=r"^policy rank 0 failed in push_weights: WorkerError: rollout engine 0 "
+                                              r"died during begin_weight_update"):
+            policy.push_weights(engine.handles)
+    finally:
+        policy.shutdown()

@@ -26,6 +26,43 @@ def test_dead_actor_is_reported_with_role_rank_and_call():
         group.shutdown()
 
 
+def test_colocated_roles_share_bundles_rank_by_rank():
+    """policy + reference on one placement group: rank r of each sits on bundle r with half of it, so two
+    2-rank roles hold 2 bundles' worth of CPUs, not 4."""
+    from rlhf.distributed.placement import Placement
+
+    shared = Placement("policy+reference", num_bundles=2, cpus=1.0, share=2)
+    res = GroupResources(num_workers=2, cpus_per_worker=1.0, env_vars=actor_env(0))
+    policy = WorkerGroup("policy", res, "gloo", placement=shared)
+    reference = WorkerGroup("reference", res, "gloo", placement=shared)
+    try:
+        where_policy, where_ref = policy.placements(), reference.placements()
+        assert {w["placement_group"] for w in where_policy + where_ref} == {shared.group.id.hex()}
+        assert all(w["resources"]["CPU"] == pytest.approx(0.5) for w in where_policy + where_ref)
+        assert policy.ping() == reference.ping() == [0, 1]  # two process groups, side by side
+    finally:
+        policy.shutdown()
+        reference.shutdown()
+        shared.remove()
+    own = _group("critic", 2)
+    try:
+        groups = {w["placement_group"] for w in own.placements()}
+        assert len(groups) == 1 and shared.group.id.hex() not in groups
+    finally:
+        own.shutdown()
+
+
+def test_sharing_a_placement_needs_one_bundle_per_rank():
+    from rlhf.distributed.placement import Placement
+
+    shared = Placement("policy+reference", num_bundles=1, cpus=1.0, share=2)
+    try:
+        with pytest.raises(ValueError, match=r"reference: 2 workers cannot share policy\+reference's 1 bundles"):
+            WorkerGroup("reference", GroupResources(num_workers=2, env_vars=actor_env(0)), "gloo", placement=shared)
+    finally:
+        shared.remove()
+
+
 def test_worker_exception_is_reported_with_role_rank_and_cause():
     group = _group("policy", 1)
     try:
@@ -41,9 +78,9 @@ def test_impossible_placement_fails_naming_the_role():
 
 
 def test_placement_that_does_not_fit_now_times_out_naming_the_role(monkeypatch):
-    import rlhf.distributed.group as group_mod
+    import rlhf.distributed.placement as placement_mod
 
-    monkeypatch.setattr(group_mod, "PLACEMENT_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(placement_mod, "PLACEMENT_TIMEOUT_S", 3.0)
     hog = _group("hog", 1)  # holds CPUs so that a feasible request cannot be placed right now
     try:
         import ray

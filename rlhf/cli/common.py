@@ -30,9 +30,10 @@ def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - a worker failure is reported as one line naming role and rank
-        from rlhf.distributed.group import WorkerError
+        from rlhf.distributed.errors import WorkerError
+        from rlhf.trainers.health import TrainingHealthError
 
-        if isinstance(exc, WorkerError):
+        if isinstance(exc, (WorkerError, TrainingHealthError)):
             print(f"error: {exc}", file=sys.stderr)
             return 1
         raise

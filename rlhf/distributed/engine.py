@@ -105,6 +105,9 @@ def _make_optimizer(model: torch.nn.Module, optim: OptimSpec, offload: bool):
     return torch.optim.AdamW(groups, **kwargs)
 
 
+CHECKPOINT_TAG = "state"  # DeepSpeed's sub-directory of a role's checkpoint directory
+
+
 class TrainEngine:
     """A DeepSpeed engine with the project's accumulation contract.
 
@@ -167,6 +170,26 @@ class TrainEngine:
             if isinstance(self.last_grad_norm, torch.Tensor):
                 self.last_grad_norm = float(self.last_grad_norm)
             self._micro_in_step = 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: str) -> None:
+        """Model, optimizer and LR-schedule state (this rank's ZeRO partitions) plus this rank's RNG states.
+
+        Collective: every rank of the group calls it with the same ``directory``.
+        """
+        rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available()
+               else None}
+        self.engine.save_checkpoint(directory, tag=CHECKPOINT_TAG, client_state={"rng": rng},
+                                    save_latest=False)
+
+    def load_checkpoint(self, directory: str) -> None:
+        _, client = self.engine.load_checkpoint(directory, tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+        if client is None:
+            raise RuntimeError(f"no checkpoint under {directory}/{CHECKPOINT_TAG}")
+        torch.set_rng_state(client["rng"]["torch"])
+        if client["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(client["rng"]["cuda"])
 
     def _measures_norm_itself(self) -> bool:
         # ZeRO 1-3 and DeepSpeed's bf16/fp16 optimizers compute the global norm; plain fp32 stage 0 wraps a

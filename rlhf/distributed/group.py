@@ -5,21 +5,18 @@ order, and turns any actor failure into a :class:`WorkerError` naming the role, 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from rlhf.batch import Batch
 from rlhf.distributed.engine import EngineSpec, OptimSpec
+from rlhf.distributed.errors import WorkerError, gather
+from rlhf.distributed.placement import Placement
 from rlhf.distributed.worker import StepResult, TrainerWorker
 from rlhf.models.loading import ModelSpec
 from rlhf.objectives.base import Objective, ScoreFn
 
-PLACEMENT_TIMEOUT_S = float(os.environ.get("RLHF_PLACEMENT_TIMEOUT_S", "600"))
-
-
-class WorkerError(RuntimeError):
-    """An actor of a worker group failed or died; the message names the role, rank and call."""
+__all__ = ["GroupResources", "WorkerError", "WorkerGroup"]
 
 
 @dataclass(frozen=True)
@@ -30,48 +27,28 @@ class GroupResources:
     env_vars: Dict[str, str] = field(default_factory=dict)
 
 
-def _check_feasible(role: str, bundle: Dict[str, float], count: int) -> None:
-    """Fail at once when the whole cluster could never hold the group (waiting would only time out)."""
-    import ray
-
-    total = ray.cluster_resources()
-    for resource, amount in bundle.items():
-        if amount * count > total.get(resource, 0.0) + 1e-9:
-            raise WorkerError(f"{role}: {count} workers x {amount:g} {resource} exceed the cluster's total "
-                              f"{total.get(resource, 0.0):g} {resource}")
-
-
 class WorkerGroup:
     """``resources.num_workers`` :class:`TrainerWorker` actors for one ``role``."""
 
-    def __init__(self, role: str, resources: GroupResources, backend: str) -> None:
+    def __init__(self, role: str, resources: GroupResources, backend: str,
+                 placement: Optional[Placement] = None) -> None:
+        """``placement``: a placement group shared with colocated roles (rank r on its bundle r); by default
+        the group makes and owns one of its own."""
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.role = role
         self.size = resources.num_workers
-        bundle = {"CPU": resources.cpus_per_worker}
-        if resources.gpus_per_worker > 0:
-            bundle["GPU"] = resources.gpus_per_worker
-        _check_feasible(role, bundle, self.size)
-        self._pg = placement_group([dict(bundle) for _ in range(self.size)], strategy="PACK")
-        ready, _ = ray.wait([self._pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
-        if not ready:
-            remove_placement_group(self._pg)  # do not leave a pending request holding the queue
-            raise WorkerError(
-                f"{role}: could not place {self.size} workers x {bundle} within {PLACEMENT_TIMEOUT_S:.0f}s; "
-                f"cluster has {ray.cluster_resources()}"
-            )
+        self._owns_placement = placement is None
+        if placement is None:
+            placement = Placement(role, self.size, resources.cpus_per_worker, resources.gpus_per_worker)
+        elif placement.num_bundles != self.size:
+            raise ValueError(f"{role}: {self.size} workers cannot share {placement.name}'s "
+                             f"{placement.num_bundles} bundles")
+        self.placement = placement
         actor_cls = ray.remote(TrainerWorker)
-        threads = max(1, int(resources.cpus_per_worker))
         self.workers = [
-            actor_cls.options(
-                num_cpus=resources.cpus_per_worker,
-                num_gpus=resources.gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
-                runtime_env={"env_vars": dict(resources.env_vars)},
-            ).remote(role, rank, self.size, threads)
+            actor_cls.options(**placement.actor_options(rank), runtime_env={"env_vars": dict(resources.env_vars)})
+            .remote(role, rank, self.size, placement.threads_per_actor)
             for rank in range(self.size)
         ]
         addr, port = self._gather([self.workers[0].rendezvous_address.remote()], "rendezvous_address")[0]
@@ -130,35 +107,30 @@ class WorkerGroup:
         """Every rank's number, in order: a liveness check."""
         return self._gather([w.ping.remote() for w in self.workers], "ping")
 
+    def save_checkpoint(self, directory: str) -> None:
+        """Every rank's model / optimizer / schedule / RNG state under ``directory`` (shared storage)."""
+        self._gather([w.save_checkpoint.remote(directory) for w in self.workers], "save_checkpoint")
+
+    def load_checkpoint(self, directory: str) -> None:
+        self._gather([w.load_checkpoint.remote(directory) for w in self.workers], "load_checkpoint")
+
+    def placements(self) -> List[dict]:
+        """Every rank's placement group id and assigned resources, in rank order."""
+        return self._gather([w.placement.remote() for w in self.workers], "placement")
+
     def save_pretrained(self, path: str) -> None:
         self._gather([w.save_pretrained.remote(path) for w in self.workers], "save_pretrained")
 
     def shutdown(self) -> None:
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         for worker in self.workers:
             ray.kill(worker)
-        remove_placement_group(self._pg)
+        if self._owns_placement:
+            self.placement.remove()
         self.workers = []
 
     # ------------------------------------------------------------------ errors
     def _gather(self, refs: List[Any], call: str) -> List[Any]:
-        """``ray.get`` in rank order, failing fast on the first rank that errors (a collective peer of a dead
-        rank would otherwise wait forever)."""
-        import ray
-
-        index = {ref: rank for rank, ref in enumerate(refs)}
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            try:
-                ray.get(ready[0])
-            except ray.exceptions.RayActorError as exc:
-                raise WorkerError(f"{self.role} rank {index[ready[0]]} died during {call}: {exc}") from exc
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-                raise WorkerError(
-                    f"{self.role} rank {index[ready[0]]} failed in {call}: {type(cause).__name__}: {cause}"
-                ) from exc
-        return ray.get(refs)
+        """``ray.get`` in rank order; the first failure raises a :class:`WorkerError` naming role and rank."""
+        return gather(refs, [f"{self.role} rank {r}" for r in range(len(refs))], call)

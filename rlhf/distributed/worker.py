@@ -154,24 +154,42 @@ class TrainerWorker:
         """
         import time
 
-        import ray
-
+        from rlhf.distributed.errors import gather
         from rlhf.rollout.weight_sync import iter_buckets
 
+        names = [f"rollout engine {e}" for e in range(len(engines))]
         started, sent, tensors, pending = time.perf_counter(), 0, 0, []
         state = iter_full_state(self.model, self.zero_stage)
         if self.rank != 0:
             for _ in state:  # take part in the ZeRO-3 gathers; nothing to send
                 pass
             return {}
-        ray.get([engine.begin_weight_update.remote() for engine in engines])
+        gather([engine.begin_weight_update.remote() for engine in engines], names, "begin_weight_update")
         for bucket in iter_buckets(state, bucket_bytes):
-            ray.get(pending)  # bound memory: at most one bucket in flight
+            gather(pending, names, "load_weights")  # bound memory: at most one bucket in flight
             pending = [engine.load_weights.remote(bucket) for engine in engines]
             sent, tensors = sent + bucket.nbytes, tensors + len(bucket.metas)
-        ray.get(pending)
-        ray.get([engine.finish_weight_update.remote() for engine in engines])
+        gather(pending, names, "load_weights")
+        gather([engine.finish_weight_update.remote() for engine in engines], names, "finish_weight_update")
         return {"bytes": float(sent), "tensors": float(tensors), "seconds": time.perf_counter() - started}
 
     def ping(self) -> int:
         return self.rank
+
+    def save_checkpoint(self, directory: str) -> None:
+        self._trainable("save_checkpoint").save_checkpoint(directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        self._trainable("load_checkpoint").load_checkpoint(directory)
+
+    def _trainable(self, call: str) -> TrainEngine:
+        if self.engine is None:
+            raise RuntimeError(f"{self.role} rank {self.rank}: {call} needs a trainable worker (built with an "
+                               f"optimizer); this one is frozen")
+        return self.engine
+
+    def placement(self) -> dict:
+        """This rank's placement group and resources (how colocation is checked)."""
+        from rlhf.distributed.cluster import actor_placement
+
+        return actor_placement()

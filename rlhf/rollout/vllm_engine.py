@@ -112,6 +112,11 @@ class VLLMEngine:
     def ready(self) -> bool:
         return True
 
+    def placement(self) -> dict:
+        from rlhf.distributed.cluster import actor_placement
+
+        return actor_placement()
+
 
 def _to_generation(out) -> Generation:
     completion = out.outputs[0]

@@ -14,11 +14,29 @@ Two transports:
 """
 from __future__ import annotations
 
+import logging
 from typing import List, Sequence, Tuple
 
 import torch
 
 from rlhf.rollout.weight_sync import WeightBucket, unpack_bucket
+
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _BufferOnlyLayerFilter(logging.Filter):
+    """Drops "RotaryEmbedding: Failed to load weights", logged on every reload: the rotary layer holds only a
+    computed cos/sin buffer, never in a checkpoint, which the reload restores as it was. Any other layer that
+    fails to load is still reported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+def _quiet_buffer_only_layers() -> None:
+    logger = logging.getLogger(_RELOAD_LOGGER)
+    if not any(isinstance(f, _BufferOnlyLayerFilter) for f in logger.filters):
+        logger.addFilter(_BufferOnlyLayerFilter())
 
 
 class WeightSyncExtension:
@@ -33,6 +51,7 @@ class WeightSyncExtension:
     def rlhf_begin_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
+        _quiet_buffer_only_layers()
         initialize_layerwise_reload(self.model_runner.model)
 
     def rlhf_finish_weight_update(self) -> None:

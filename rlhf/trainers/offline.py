@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 from rlhf.batch import Batch
+from rlhf.config.deepspeed_check import check_user_config, read_user_config
 from rlhf.config.schema import ConfigError
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.objectives.base import Objective, Sums, add_sums
-from rlhf.utils.metrics import MetricsWriter, format_row
+from rlhf.utils.metrics import MetricsWriter, Progress, format_row
 
 Collate = Callable[[Sequence[int]], Batch]
 
@@ -51,6 +52,7 @@ class RunResult:
     steps: int
     final_metrics: dict
     final_dir: Optional[str]
+    stopped_at: Optional[int] = None  # train.stop_after_steps ended the run here (a checkpoint is there)
 
 
 def check_paths(cfg) -> None:
@@ -67,6 +69,7 @@ def check_paths(cfg) -> None:
     for key, path in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
         if path and not os.path.exists(path):
             raise ConfigError(f"{key}: {path!r} does not exist")
+    check_user_config(cfg)  # precision-independent fields now; the rest once `auto` is resolved
 
 
 def read_train_and_eval(cfg, tokenizer, read: Callable) -> tuple:
@@ -102,10 +105,28 @@ def evaluate(task: OfflineTask, policy, micro_batch_size: int) -> dict:
 
 
 def run_steps(task: OfflineTask, policy, plan: EpochPlan, train_cfg, writer: MetricsWriter,
-              print_every: int = 1, eval_writer: Optional[MetricsWriter] = None) -> dict:
-    """The optimizer-step loop; returns the last step's metrics."""
+              print_every: int = 1, eval_writer: Optional[MetricsWriter] = None, start_after: int = 0,
+              after_step: Optional[Callable[[StepPlan], bool]] = None, progress_bar: Optional[bool] = None,
+              check_row: Optional[Callable[[dict], None]] = None) -> dict:
+    """The optimizer-step loop from step ``start_after + 1``; returns the last step's metrics.
+
+    ``check_row(row)`` (the health guard) sees every logged row and may raise before the step is checkpointed;
+    ``after_step(step)`` runs next (checkpointing); returning True stops the loop there.
+    """
+    progress = Progress(plan.total_steps, start_after, progress_bar, desc=task.name)
+    try:
+        return _step_loop(task, policy, plan, train_cfg, writer, print_every, eval_writer, start_after, after_step,
+                          progress, check_row)
+    finally:
+        progress.close()
+
+
+def _step_loop(task, policy, plan, train_cfg, writer, print_every, eval_writer, start_after, after_step,
+               progress: Progress, check_row) -> dict:
     last: dict = {}
     for step in plan.steps():
+        if step.step <= start_after:  # done before a resume: the plan is a pure function of the seed
+            continue
         started = time.perf_counter()
         shards = micro_batches(step, task.collate, train_cfg.num_workers, train_cfg.micro_batch_size)
         if task.prepare is not None:
@@ -119,15 +140,20 @@ def run_steps(task: OfflineTask, policy, plan: EpochPlan, train_cfg, writer: Met
                "grad_norm": results[0].grad_norm, "lr": results[0].lr, "num_samples": len(step.indices),
                "step_time_s": round(time.perf_counter() - started, 4)}
         writer.log(row)
+        progress.advance(step.step)
         if step.step % print_every == 0 or step.step == plan.total_steps:
-            print(f"[{task.name}] step {step.step}/{plan.total_steps} epoch {step.epoch} "
-                  + format_row(row, task.console_keys), flush=True)
+            progress.print(f"[{task.name}] step {step.step}/{plan.total_steps} epoch {step.epoch} "
+                           + format_row(row, task.console_keys) + f" ({progress.eta()})")
+        if check_row is not None:
+            check_row(row)
         last = row
         if eval_writer is not None and (step.step == plan.total_steps or
                                         (train_cfg.eval_every and step.step % train_cfg.eval_every == 0)):
             metrics = evaluate(task, policy, train_cfg.micro_batch_size)
             eval_writer.log({"step": step.step, "epoch": step.epoch, **metrics})
-            print(f"[{task.name}] eval at step {step.step}: " + format_row(metrics, task.console_keys), flush=True)
+            progress.print(f"[{task.name}] eval at step {step.step}: " + format_row(metrics, task.console_keys))
+        if after_step is not None and after_step(step):
+            break
     return last
 
 
@@ -161,6 +187,7 @@ class RunContext:
     backend: str
     gpus_per_worker: float
     groups: list = dataclasses.field(default_factory=list)  # every group started, for shutdown
+    placements: list = dataclasses.field(default_factory=list)  # shared placement groups, removed last
 
     def model_spec(self, path: str, kind: str):
         from rlhf.models.loading import ModelSpec
@@ -176,30 +203,30 @@ class RunContext:
         s = self.cfg.strategy
         return EngineSpec(zero_stage=s.zero_stage, precision=self.precision, micro_batch_size=micro_batch_size,
                           grad_accum_steps=grad_accum_steps, offload_optimizer=s.offload_optimizer,
-                          user_config=_read_user_ds_config(s.deepspeed_config))
+                          user_config=read_user_config(s.deepspeed_config))
 
-    def make_group(self, role: str, num_workers: int):
+    def make_group(self, role: str, num_workers: int, placement=None):
+        """A worker group for ``role``; ``placement`` (from :meth:`shared_placement`) colocates it."""
         from rlhf.distributed.cluster import actor_env
         from rlhf.distributed.group import GroupResources, WorkerGroup
 
         resources = GroupResources(num_workers=num_workers, cpus_per_worker=self.cfg.strategy.cpus_per_worker,
                                    gpus_per_worker=self.gpus_per_worker, env_vars=actor_env(self.gpus_per_worker))
-        group = WorkerGroup(role, resources, self.backend)
+        group = WorkerGroup(role, resources, self.backend, placement=placement)
         self.groups.append(group)
         return group
+
+    def shared_placement(self, roles, num_workers: int):
+        """One bundle per rank, shared by ``roles`` (each actor takes ``1/len(roles)`` of a bundle)."""
+        from rlhf.distributed.placement import Placement
+
+        placement = Placement("+".join(roles), num_workers, self.cfg.strategy.cpus_per_worker,
+                              self.gpus_per_worker, share=len(roles))
+        self.placements.append(placement)
+        return placement
 
     def shutdown(self) -> None:
         while self.groups:
             self.groups.pop().shutdown()
-
-
-def _read_user_ds_config(path: str) -> Optional[dict]:
-    if not path:
-        return None
-    import json
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"strategy.deepspeed_config: cannot read {path!r}: {exc}") from None
+        while self.placements:
+            self.placements.pop().remove()

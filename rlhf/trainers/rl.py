@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -21,10 +21,15 @@ from rlhf.batch import Batch
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.objectives.base import add_sums
 from rlhf.trainers.rl_experience import PromptSet, advantages_for, logp_mismatch, rollout_batch
-from rlhf.utils.metrics import MetricsWriter, format_row
+from rlhf.utils.metrics import ConsoleTable, MetricsWriter, Progress, format_row, progress_bar_setting
 
 CONSOLE_KEYS = ("reward_mean", "accuracy", "kl", "policy_loss", "value_loss", "entropy", "clip_frac",
                 "response_length", "logp_mismatch", "samples_per_s")
+EVAL_SEED_BASE = 1 << 40  # evaluation seeds live far from the training steps' (seed * 1_000_003 + step * 10_007 + j)
+TABLE_COLUMNS = (("step", "step"), ("reward_mean", "reward"), ("reward_std", "reward_std"), ("accuracy", "accuracy"),
+                 ("kl", "kl"), ("entropy", "entropy"), ("policy_loss", "pg_loss"), ("value_loss", "v_loss"),
+                 ("clip_frac", "clip_frac"), ("response_length", "resp_len"), ("logp_mismatch", "mismatch"),
+                 ("samples_per_s", "samples/s"), ("eta", "eta"))
 
 
 class StageTimer:
@@ -41,7 +46,7 @@ class StageTimer:
 @dataclass
 class RLActors:
     policy: object  # WorkerGroup (trainable)
-    engines: List  # VLLMEngine actor handles
+    engines: object  # RolloutEngines
     reference: Optional[object] = None  # WorkerGroup (frozen), when a KL term is used
     critic: Optional[object] = None  # WorkerGroup (trainable), for GAE
     reward_model: Optional[object] = None  # WorkerGroup (frozen scalar head)
@@ -49,20 +54,43 @@ class RLActors:
 
 class RLTrainer:
     def __init__(self, cfg, tokenizer, prompts: PromptSet, plan: EpochPlan, actors: RLActors, scorer,
-                 policy_objective, value_objective, writer: MetricsWriter) -> None:
+                 policy_objective, value_objective, writer: MetricsWriter,
+                 eval_prompts: Optional[PromptSet] = None, eval_writer: Optional[MetricsWriter] = None,
+                 check_row: Optional[Callable[[dict], None]] = None) -> None:
         self.cfg, self.tokenizer, self.prompts, self.plan = cfg, tokenizer, prompts, plan
         self.actors, self.scorer, self.writer = actors, scorer, writer
+        self.eval_prompts, self.eval_writer = eval_prompts, eval_writer
+        self.check_row = check_row  # the health guard; may raise before the step is checkpointed
         self.policy_objective, self.value_objective = policy_objective, value_objective
+        columns = [c for c in TABLE_COLUMNS if c[0] != "value_loss" or actors.critic is not None]
+        self.table = ConsoleTable(columns) if cfg.logging.console == "table" else None
+        self.progress: Optional[Progress] = None  # while fit() runs
 
     # ---------------------------------------------------------------------------------------- the loop
-    def fit(self) -> dict:
+    def fit(self, start_after: int = 0, after_step: Optional[Callable[[int], bool]] = None) -> dict:
+        """RL steps ``start_after + 1 ..``; ``after_step(step)`` runs after each (checkpointing) and may stop."""
+        self.progress = Progress(self.plan.total_steps, start_after,
+                                 progress_bar_setting(self.cfg.logging.progress_bar), desc="rl")
+        try:
+            return self._fit(start_after, after_step)
+        finally:
+            self.progress.close()
+
+    def _fit(self, start_after: int, after_step: Optional[Callable[[int], bool]]) -> dict:
         last: dict = {}
+        if start_after == 0:
+            self.maybe_evaluate(0)  # the starting point, on the same held-out samples as every later evaluation
+        else:
+            self.push_weights()  # the engines started from model.path; give them the resumed policy
         for step in self.plan.steps():
+            if step.step <= start_after:  # done before a resume: prompts and seeds are functions of the step
+                continue
             timer = StageTimer()
             with timer("generate"):
                 generations, prompt_index = self.generate(step)
+                self.actors.engines.sleep()  # hybrid engine on GPUs: hand the devices to training
             with timer("score"):
-                scores, per_source = self.score(generations, prompt_index)
+                scores, per_source = self.score(generations, prompt_index, self.prompts)
             batch = rollout_batch(generations, self.tokenizer.pad_token_id)
             with timer("logprobs"):
                 batch = self.annotate(batch)
@@ -70,35 +98,38 @@ class RLTrainer:
             with timer("train"):
                 train_stats = self.update(batch, step.step)
             with timer("sync"):
-                sync = self.actors.policy.push_weights(self.actors.engines,
-                                                       self.cfg.rollout.weight_sync_bucket_mb << 20)
+                sync = self.push_weights()
             last = self.log(step, scores, per_source, batch, {**train_stats, **kl_stats}, sync, timer)
+            if self.check_row is not None:
+                self.check_row(last)
+            self.maybe_evaluate(step.step)
+            if after_step is not None and after_step(step.step):
+                break
         return last
 
     # ---------------------------------------------------------------------------------------- stages
     def generate(self, step: StepPlan):
         """``n_samples_per_prompt`` samples of each prompt of the step, spread over the engines."""
-        import ray
+        r = self.cfg.rollout
+        prompt_index = [i for i in step.indices for _ in range(r.n_samples_per_prompt)]
+        seed_base = self.cfg.train.seed * 1_000_003 + step.step * 10_007
+        return self._sample(self.prompts, prompt_index, seed_base), prompt_index
 
+    def _sample(self, prompts: PromptSet, prompt_index: List[int], seed_base: int):
         from rlhf.rollout.vllm_engine import SamplingSpec
 
         r = self.cfg.rollout
-        prompt_index = [i for i in step.indices for _ in range(r.n_samples_per_prompt)]
-        ids = [self.prompts.prompt_ids[i] for i in prompt_index]
-        engines = self.actors.engines
-        per_engine = -(-len(ids) // len(engines))
-        sampling = [SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                 seed=self.cfg.train.seed * 1_000_003 + step.step * 10_007 + e * per_engine,
-                                 stop_token_ids=(self.tokenizer.eos_token_id,))
-                    for e in range(len(engines))]
-        refs = [engine.generate.remote(ids[e * per_engine:(e + 1) * per_engine], sampling[e])
-                for e, engine in enumerate(engines)]
-        return [g for chunk in ray.get(refs) for g in chunk], prompt_index
+        # Sample j is drawn with seed base + j whichever engine serves it: reproducible rollouts that do not
+        # depend on rollout.num_engines.
+        sampling = lambda engine, first: SamplingSpec(  # noqa: E731
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, seed=seed_base + first,
+            stop_token_ids=(self.tokenizer.eos_token_id,))
+        return self.actors.engines.generate([prompts.prompt_ids[i] for i in prompt_index], sampling)
 
-    def score(self, generations, prompt_index):
+    def score(self, generations, prompt_index, prompt_set: PromptSet):
         responses = self.tokenizer.batch_decode([list(g.response_ids) for g in generations], skip_special_tokens=True)
-        prompts = [self.prompts.texts[i] for i in prompt_index]
-        columns = {k: [v[i] for i in prompt_index] for k, v in self.prompts.columns.items()}
+        prompts = [prompt_set.texts[i] for i in prompt_index]
+        columns = {k: [v[i] for i in prompt_index] for k, v in prompt_set.columns.items()}
         total = torch.zeros(len(generations))
         per_source: Dict[str, torch.Tensor] = {}
         if self.scorer is not None:
@@ -145,7 +176,41 @@ class RLTrainer:
         steps = plan.total_steps
         return {k: v / steps for k, v in {**policy_sums, **value_sums}.items()}  # mean over optimizer steps
 
+    def push_weights(self) -> dict:
+        self.actors.engines.wake_up()
+        return self.actors.policy.push_weights(self.actors.engines.handles,
+                                               self.cfg.rollout.weight_sync_bucket_mb << 20)
+
+    def maybe_evaluate(self, rl_step: int) -> Optional[dict]:
+        """Held-out prompts (``data.eval_path``), ``rollout.eval_samples_per_prompt`` samples each, scored like
+        training samples, before the first step, every ``train.eval_every`` steps and after the last.
+
+        The seeds are the same at every evaluation, so successive rows differ only by the policy.
+        """
+        every, last = self.cfg.train.eval_every, self.plan.total_steps
+        if self.eval_prompts is None or not (rl_step in (0, last) or (every and rl_step % every == 0)):
+            return None
+        n = self.cfg.rollout.eval_samples_per_prompt
+        index = [i for i in range(len(self.eval_prompts.prompt_ids)) for _ in range(n)]
+        generations = self._sample(self.eval_prompts, index, seed_base=EVAL_SEED_BASE + self.cfg.train.seed * 1_000_003)
+        scores, per_source = self.score(generations, index, self.eval_prompts)
+        lengths = torch.tensor([float(len(g.response_ids)) for g in generations])
+        row = {"step": rl_step, "reward_mean": float(scores.mean()),
+               **{f"reward/{k}": float(v.float().mean()) for k, v in per_source.items()},
+               **_accuracy(per_source), "response_length": float(lengths.mean()), "num_samples": len(generations)}
+        self.eval_writer.log(row)
+        line = f"[rl] eval at step {rl_step}: " + format_row(row, ("reward_mean", "accuracy", "response_length",
+                                                                   "num_samples"))
+        self._say(line)
+        return row
+
     # ---------------------------------------------------------------------------------------- helpers
+    def _say(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress.print(line)
+        else:
+            print(line, flush=True)
+
     def _train(self, group, objective, batch: Batch, step: StepPlan, num_workers: int) -> dict:
         shards = [[batch.select(rows).trim() for rows in rank]
                   for rank in step.shards(num_workers, self.cfg.train.micro_batch_size)]
@@ -172,13 +237,11 @@ class RLTrainer:
 
     def log(self, step: StepPlan, scores, per_source, batch: Batch, train_stats: dict, sync: dict,
             timer: StageTimer) -> dict:
-        # accuracy: a sample is correct when every 0/1-valued (verifiable) reward source says so
-        binary = [v for v in per_source.values() if bool(((v == 0) | (v == 1)).all())]
         total_s = sum(timer.seconds.values())
         row = {"step": step.step, "epoch": step.epoch,
                "reward_mean": float(scores.mean()), "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
                **{f"reward/{k}": float(v.float().mean()) for k, v in per_source.items()},
-               **({"accuracy": float(torch.stack(binary).min(0).values.mean())} if binary else {}),
+               **_accuracy(per_source),
                "response_length": float(batch.loss_mask.sum(-1).float().mean()),
                **train_stats,
                "logp_mismatch": logp_mismatch(batch),
@@ -189,6 +252,19 @@ class RLTrainer:
                "prompts_skipped": self.prompts.skipped, "prompts_truncated": self.prompts.truncated}
         row = {k: v for k, v in row.items() if v is not None}
         self.writer.log(row)
+        if self.progress is not None:
+            self.progress.advance(step.step)
         if step.step % self.cfg.logging.print_every == 0 or step.step == self.plan.total_steps:
-            print(f"[rl] step {step.step}/{self.plan.total_steps} " + format_row(row, CONSOLE_KEYS), flush=True)
+            if self.table is not None:
+                self._say(self.table.render({**row, "eta": self.progress.remaining() if self.progress else "-"}))
+            else:
+                self._say(f"[rl] step {step.step}/{self.plan.total_steps} " + format_row(row, CONSOLE_KEYS)
+                          + (f" ({self.progress.eta()})" if self.progress else ""))
         return row
+
+
+def _accuracy(per_source: Dict[str, torch.Tensor]) -> dict:
+    """``{"accuracy": ...}`` when some reward source is 0/1-valued (verifiable): a sample counts as correct when
+    every such source says so. ``{}`` otherwise (no made-up accuracy for a learned reward)."""
+    binary = [v for v in per_source.values() if bool(((v == 0) | (v == 1)).all())]
+    return {"accuracy": float(torch.stack(binary).min(0).values.mean())} if binary else {}

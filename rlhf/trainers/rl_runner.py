@@ -10,11 +10,15 @@ from rlhf.config.schema import ConfigError
 from rlhf.data.io import read_rows
 from rlhf.data.plan import EpochPlan
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
+from rlhf.trainers.checkpoint import RunCheckpoints
 from rlhf.trainers.offline import RunResult, check_paths, load_tokenizer, save_final
 from rlhf.trainers.rl import RLActors, RLTrainer
 from rlhf.trainers.rl_experience import prepare_prompts
-from rlhf.trainers.runner import optim_spec, start_cluster
-from rlhf.utils.metrics import MetricsWriter
+from rlhf.trainers.runner import health_check, optim_spec, run_identity, start_cluster, with_restarts
+
+# Metrics the health guard keeps finite. No zero-loss check: an RL step whose groups all tie has a zero loss.
+RL_WATCHED = ("policy_loss", "grad_norm", "kl", "value_loss", "critic_grad_norm", "reward_mean")
+from rlhf.utils.metrics import RunWriters
 
 
 def _objectives(cfg: RLRunConfig):
@@ -43,59 +47,126 @@ def _check_rl_paths(cfg: RLRunConfig) -> None:
                           f"train.micro_batch_size x critic.num_workers ({per_pass})")
 
 
-def _start_engines(cfg: RLRunConfig, ctx) -> list:
-    import ray
+def _engine_sleep(cfg: RLRunConfig, gpus: float) -> bool:
+    """vLLM sleep mode is CUDA-only; ``auto`` turns it on for the hybrid engine on GPUs."""
+    c = cfg.colocate
+    if c.engine_sleep == "on" and gpus <= 0:
+        raise ConfigError("colocate.engine_sleep=on needs GPU engines (vLLM sleep mode is CUDA-only); use auto")
+    return c.engine_sleep == "on" or (c.engine_sleep == "auto" and c.hybrid_engine and gpus > 0)
 
+
+def _start_engines(cfg: RLRunConfig, ctx, placement):
     from rlhf.distributed.cluster import actor_env
-    from rlhf.rollout.vllm_engine import EngineSpec, VLLMEngine
+    from rlhf.rollout.engines import RolloutEngines
+    from rlhf.rollout.vllm_engine import EngineSpec
 
     r = cfg.rollout
+    gpus = r.tensor_parallel_size if ctx.gpus_per_worker > 0 else 0
+    sleep = _engine_sleep(cfg, gpus)
     spec = EngineSpec(model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size, seed=cfg.train.seed,
                       max_model_len=r.max_prompt_length + r.max_new_tokens,
                       dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[ctx.precision],
-                      gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib)
-    gpus = r.tensor_parallel_size if ctx.gpus_per_worker > 0 else 0
-    actor = ray.remote(VLLMEngine).options(num_cpus=r.cpus_per_engine, num_gpus=gpus,
-                                           runtime_env={"env_vars": actor_env(gpus)})
-    engines = [actor.remote(spec) for _ in range(r.num_engines)]
-    ray.get([e.ready.remote() for e in engines])
+                      gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib,
+                      enable_sleep_mode=sleep)
+    engines = RolloutEngines(spec, r.num_engines, cpus_per_engine=r.cpus_per_engine, gpus_per_engine=gpus,
+                             env_vars=actor_env(gpus), placement=placement, sleep=sleep)
+    ctx.groups.append(engines)  # shut down with the worker groups, before the placement groups go
     return engines
+
+
+def _policy_side_roles(cfg: RLRunConfig) -> list:
+    """The roles sharing the policy's bundles: ``["policy"]`` plus colocated reference / engines."""
+    c = cfg.colocate
+    return (["policy"] + (["reference"] if c.policy_reference else [])
+            + (["rollout"] if c.hybrid_engine else []))
 
 
 def _start_actors(cfg: RLRunConfig, ctx, total_optimizer_steps: int) -> RLActors:
     import dataclasses
 
-    t = cfg.train
-    engine = ctx.engine_spec(t.micro_batch_size, t.grad_accum_steps)
-    policy = ctx.make_group("policy", t.num_workers)
-    policy.build(ctx.model_spec(cfg.model.path, CAUSAL_LM), engine, optim_spec(t, total_optimizer_steps))
-    actors = RLActors(policy=policy, engines=_start_engines(cfg, ctx))
+    t, c = cfg.train, cfg.colocate
+    roles = _policy_side_roles(cfg)
+    shared = ctx.shared_placement(roles, t.num_workers) if len(roles) > 1 else None
+    policy = ctx.make_group("policy", t.num_workers, placement=shared)
+    policy.build(ctx.model_spec(cfg.model.path, CAUSAL_LM), ctx.engine_spec(t.micro_batch_size, t.grad_accum_steps),
+                 optim_spec(t, total_optimizer_steps))
+    actors = RLActors(policy=policy, engines=_start_engines(cfg, ctx, shared if c.hybrid_engine else None))
     frozen = ctx.engine_spec(micro_batch_size=1, grad_accum_steps=1)
     if cfg.algo.kl_coef > 0:
-        actors.reference = ctx.make_group("reference", t.num_workers)
+        actors.reference = ctx.make_group("reference", t.num_workers,
+                                          placement=shared if c.policy_reference else None)
         actors.reference.build(ctx.model_spec(cfg.model.ref_path or cfg.model.path, CAUSAL_LM), frozen, None)
+    critic_side = (ctx.shared_placement(["critic", "reward_model"], cfg.critic.num_workers)
+                   if c.critic_reward else None)
     if cfg.algo.needs_critic:
-        actors.critic = ctx.make_group("critic", cfg.critic.num_workers)
+        actors.critic = ctx.make_group("critic", cfg.critic.num_workers, placement=critic_side)
         critic_engine = ctx.engine_spec(t.micro_batch_size,
                                         t.global_batch_size // (t.micro_batch_size * cfg.critic.num_workers))
         critic_optim = dataclasses.replace(optim_spec(t, total_optimizer_steps), lr=cfg.critic.lr)
         actors.critic.build(ctx.model_spec(cfg.critic.path or cfg.model.path, SCALAR_HEAD), critic_engine,
                             critic_optim)
     if cfg.reward.model_path:
-        actors.reward_model = ctx.make_group("reward_model", cfg.reward.model_num_workers)
+        actors.reward_model = ctx.make_group("reward_model", cfg.reward.model_num_workers, placement=critic_side)
         actors.reward_model.build(ctx.model_spec(cfg.reward.model_path, SCALAR_HEAD), frozen, None)
     return actors
 
 
+def _needed_cpus(cfg: RLRunConfig) -> float:
+    """CPUs the run's actors ask for: one bundle per rank of each placement, plus engines of their own."""
+    t, r, c = cfg.train, cfg.rollout, cfg.colocate
+    reference = cfg.algo.kl_coef > 0 and not c.policy_reference
+    critic = cfg.critic.num_workers if cfg.algo.needs_critic else 0
+    reward_model = cfg.reward.model_num_workers if cfg.reward.model_path and not c.critic_reward else 0
+    bundles = t.num_workers * (1 + reference) + critic + reward_model
+    engines = 0 if c.hybrid_engine else r.num_engines * r.cpus_per_engine
+    return bundles * cfg.strategy.cpus_per_worker + engines
+
+
+def _write_placement(actors: RLActors, output_dir: str) -> None:
+    """``placement.json``: every rank's placement group and resources, by role (shows what is colocated)."""
+    import json
+
+    roles = {"policy": actors.policy, "rollout": actors.engines, "reference": actors.reference,
+             "critic": actors.critic, "reward_model": actors.reward_model}
+    where = {role: group.placements() for role, group in roles.items() if group is not None}
+    with open(os.path.join(output_dir, "placement.json"), "w", encoding="utf-8") as f:
+        json.dump(where, f, indent=1)
+    groups: dict = {}
+    for role, ranks in where.items():
+        for rank in ranks:
+            groups.setdefault(rank["placement_group"], set()).add(role)
+    shared = [" + ".join(sorted(roles)) for roles in groups.values() if len(roles) > 1]
+    print(f"[rl] colocated: {'; '.join(shared)}" if shared else "[rl] every role on its own resources", flush=True)
+
+
+def _identity(cfg: RLRunConfig, plan: EpochPlan) -> dict:
+    """What an RL checkpoint must share with the run that resumes it."""
+    r = cfg.rollout
+    return {**run_identity(cfg, plan), "rollout.prompts_per_step": r.prompts_per_step,
+            "rollout.n_samples_per_prompt": r.n_samples_per_prompt, "algo.ppo_epochs": cfg.algo.ppo_epochs,
+            "critic.num_workers": cfg.critic.num_workers if cfg.algo.needs_critic else 0}
+
+
+def _read_prompts(cfg: RLRunConfig, tokenizer, path: str):
+    d, r = cfg.data, cfg.rollout
+    rows = read_rows(path, required=(d.prompt_key,), optional=cfg.reward.columns, split=d.split)
+    return prepare_prompts(rows, tokenizer, prompt_key=d.prompt_key, columns=cfg.reward.columns,
+                           max_prompt_length=r.max_prompt_length, overflow=r.prompt_overflow)
+
+
 def train_rl(cfg: RLRunConfig) -> RunResult:
+    """Online RL end to end (see the module docstring); ``train.on_failure=restart`` restarts from checkpoints."""
+    return with_restarts(cfg, _train_rl_once)
+
+
+def _train_rl_once(cfg: RLRunConfig) -> RunResult:
     from rlhf.rewards.functions import RewardFunctionScorer
 
     _check_rl_paths(cfg)
     tokenizer = load_tokenizer(cfg)
     d, r, t = cfg.data, cfg.rollout, cfg.train
-    rows = read_rows(d.train_path, required=(d.prompt_key,), optional=cfg.reward.columns, split=d.split)
-    prompts = prepare_prompts(rows, tokenizer, prompt_key=d.prompt_key, columns=cfg.reward.columns,
-                              max_prompt_length=r.max_prompt_length, overflow=r.prompt_overflow)
+    prompts = _read_prompts(cfg, tokenizer, d.train_path)
+    eval_prompts = _read_prompts(cfg, tokenizer, d.eval_path) if d.eval_path else None
     plan = EpochPlan(num_samples=len(prompts.prompt_ids), global_batch_size=r.prompts_per_step,
                      max_epochs=t.max_epochs, max_steps=t.max_steps, seed=t.seed)
     scorer = RewardFunctionScorer(tuple(cfg.reward.functions)) if cfg.reward.functions else None
@@ -105,28 +176,30 @@ def train_rl(cfg: RLRunConfig) -> RunResult:
     print(f"[rl] {len(prompts.prompt_ids)} prompts ({prompts.skipped} skipped, {prompts.truncated} truncated), "
           f"{plan.total_steps} RL steps x {r.samples_per_step} samples, {optimizer_steps} optimizer steps; "
           f"{cfg.algo.advantage_estimator} / {cfg.algo.policy_loss}", flush=True)
+    checkpoints = RunCheckpoints(t, _identity(cfg, plan), "rl")
+    checkpoints.prepare()  # a checkpoint of another run fails here, before anything is written or started
     os.makedirs(t.output_dir, exist_ok=True)
     save_config(cfg, os.path.join(t.output_dir, "config.yaml"))
-
-    actors_cpus = (t.num_workers * (2 if cfg.algo.kl_coef > 0 else 1) + r.num_engines * r.cpus_per_engine
-                   + (cfg.critic.num_workers if cfg.algo.needs_critic else 0)
-                   + (cfg.reward.model_num_workers if cfg.reward.model_path else 0))
-    ctx = start_cluster(cfg, needed_cpus=actors_cpus * cfg.strategy.cpus_per_worker)
-    writer, actors = None, None
+    ctx = start_cluster(cfg, needed_cpus=_needed_cpus(cfg))
+    writers = None
     try:
         actors = _start_actors(cfg, ctx, optimizer_steps)
-        writer = MetricsWriter(t.output_dir, tensorboard=cfg.logging.tensorboard)
+        _write_placement(actors, t.output_dir)
+        trained = {"policy": actors.policy, **({"critic": actors.critic} if actors.critic is not None else {})}
+        done = checkpoints.restore(trained)
+        writers = RunWriters(cfg, append=done > 0, with_eval=eval_prompts is not None)
         policy_objective, value_objective = _objectives(cfg)
-        trainer = RLTrainer(cfg, tokenizer, prompts, plan, actors, scorer, policy_objective, value_objective, writer)
-        last = trainer.fit()
+        trainer = RLTrainer(cfg, tokenizer, prompts, plan, actors, scorer, policy_objective, value_objective,
+                            writers.metrics, eval_prompts=eval_prompts, eval_writer=writers.eval,
+                            check_row=health_check(cfg, watch=RL_WATCHED, zero_loss_key=None))
+        last = trainer.fit(start_after=done,
+                           after_step=lambda step: checkpoints.after_step(step, plan.total_steps, trained))
+        if checkpoints.stopped_early:
+            return RunResult(output_dir=t.output_dir, steps=plan.total_steps, final_metrics=last, final_dir=None,
+                             stopped_at=last.get("step"))
         final_dir = save_final(actors.policy, tokenizer, t.output_dir) if t.save_final else None
         return RunResult(output_dir=t.output_dir, steps=plan.total_steps, final_metrics=last, final_dir=final_dir)
     finally:
-        if writer is not None:
-            writer.close()
+        if writers is not None:
+            writers.close()
         ctx.shutdown()
-        if actors is not None:
-            import ray
-
-            for engine in actors.engines:
-                ray.kill(engine)

@@ -4,16 +4,20 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 
 class MetricsWriter:
+    """One JSON line per step into ``output_dir/filename``, and the numbers to TensorBoard and W&B (``wandb``, a
+    :class:`~rlhf.utils.wandb_sink.WandbSink` shared by the run's writers) under ``tb_prefix``."""
+
     def __init__(self, output_dir: str, filename: str = "metrics.jsonl", tensorboard: bool = True,
-                 append: bool = False, tb_prefix: str = "") -> None:
+                 append: bool = False, tb_prefix: str = "", wandb=None) -> None:
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, filename)
         self._file = open(self.path, "a" if append else "w", encoding="utf-8")
         self._tb = None
+        self._wandb = wandb
         self._prefix = tb_prefix
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -28,11 +32,39 @@ class MetricsWriter:
             for key, value in row.items():
                 if key != "step" and _is_number(value):
                     self._tb.add_scalar(self._prefix + key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(row, prefix=self._prefix)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class RunWriters:
+    """A run's ``metrics.jsonl`` writer and, with held-out data, its ``eval.jsonl`` writer, sharing one W&B run.
+
+    ``append`` continues the files of a resumed run (already cut back to the checkpoint's step).
+    """
+
+    def __init__(self, cfg, append: bool, with_eval: bool) -> None:
+        lg, out = cfg.logging, cfg.train.output_dir
+        self.wandb = None
+        if lg.wandb:
+            from rlhf.config.loader import config_to_dict
+            from rlhf.utils.wandb_sink import WandbSink
+
+            self.wandb = WandbSink(out, lg.wandb_project, lg.wandb_mode, lg.wandb_run_name, config_to_dict(cfg))
+        self.metrics = MetricsWriter(out, tensorboard=lg.tensorboard, append=append, wandb=self.wandb)
+        self.eval = (MetricsWriter(out, "eval.jsonl", tensorboard=lg.tensorboard, append=append, tb_prefix="eval/",
+                                   wandb=self.wandb) if with_eval else None)
+
+    def close(self) -> None:
+        for writer in (self.metrics, self.eval):
+            if writer is not None:
+                writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def _is_number(value: Any) -> bool:
@@ -48,3 +80,96 @@ def format_row(row: Dict[str, Any], keys: tuple = ()) -> str:
         value = row[key]
         parts.append(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
     return " ".join(parts)
+
+
+class Progress:
+    """Steps done out of the run's total with elapsed time and ETA (from this invocation's mean step time).
+
+    ``bar``: draw a tqdm progress bar on stderr (per-step lines then go through ``tqdm.write`` so the bar stays
+    at the bottom); ``None`` draws it when stderr is a terminal.
+    """
+
+    def __init__(self, total: int, done: int = 0, bar: Optional[bool] = None, desc: str = "") -> None:
+        import sys
+        import time
+
+        self.total, self.start_done, self._started = total, done, time.perf_counter()
+        self.done = done
+        if bar is None:
+            bar = sys.stderr.isatty()
+        self._bar = None
+        if bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=done, desc=desc, dynamic_ncols=True, unit="step")
+
+    def advance(self, step: int) -> None:
+        if self._bar is not None:
+            self._bar.update(step - self.done)
+        self.done = step
+
+    def eta(self) -> str:
+        """``"elapsed 1m02s, eta 3m10s"`` (no ETA before the first step of this invocation)."""
+        import time
+
+        elapsed = time.perf_counter() - self._started
+        left = self.remaining()
+        return f"elapsed {_clock(elapsed)}" + (f", eta {left}" if left != "-" else "")
+
+    def remaining(self) -> str:
+        """Time left at this invocation's mean step time, e.g. ``"3m10s"``; ``"-"`` before the first step."""
+        import time
+
+        steps = self.done - self.start_done
+        if not steps:
+            return "-"
+        return _clock((self.total - self.done) * (time.perf_counter() - self._started) / steps)
+
+    def print(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return (f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s")
+
+
+class ConsoleTable:
+    """Per-step rows in aligned columns, the header printed first and again every ``header_every`` rows.
+
+    Args:
+        columns: ``(metric key, heading)`` pairs; a metric missing from a row prints as ``-``.
+    """
+
+    def __init__(self, columns: Sequence[Tuple[str, str]], width: int = 10, header_every: int = 20) -> None:
+        self.columns, self.width, self.header_every = tuple(columns), width, header_every
+        self._rows = 0
+
+    def render(self, row: Dict[str, Any]) -> str:
+        lines = []
+        if self._rows % self.header_every == 0:
+            lines.append(" ".join(f"{heading:>{self.width}}" for _, heading in self.columns))
+        self._rows += 1
+        lines.append(" ".join(f"{_cell(row.get(key)):>{self.width}}" for key, _ in self.columns))
+        return "\n".join(lines)
+
+
+def progress_bar_setting(value: str) -> Optional[bool]:
+    """``logging.progress_bar`` -> the ``bar`` argument of :class:`Progress`."""
+    return {"auto": None, "on": True, "off": False}[value]
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
+    return str(value)

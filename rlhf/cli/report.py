@@ -1,0 +1,106 @@
+"""``python -m rlhf.cli.report OUTPUT_DIR [OUTPUT_DIR ...]``: PNG plots of runs' ``metrics.jsonl``.
+
+One panel per metric any of the runs logged (loss, reward, KL, grad norm, lr, stage timings, ...), one line per
+run, held-out evaluations (``eval.jsonl``) as points. With one run the figure goes to ``OUTPUT_DIR/report.png``;
+with several, to ``--out`` (default ``report.png``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List, Sequence, Tuple
+
+# (metric key, panel title), in display order; only the ones present are drawn.
+PANELS: Tuple[Tuple[str, str], ...] = (
+    ("loss", "loss"), ("reward_mean", "reward"), ("accuracy", "accuracy"), ("rewards/accuracy", "DPO reward accuracy"),
+    ("rewards/margin", "DPO reward margin"), ("kl", "KL to the reference"), ("policy_loss", "policy loss"),
+    ("value_loss", "value loss"), ("entropy", "entropy"), ("response_length", "response length"),
+    ("clip_frac", "clip fraction"), ("logp_mismatch", "vLLM / trainer log-prob mismatch"),
+    ("grad_norm", "grad norm"), ("critic_grad_norm", "critic grad norm"), ("lr", "learning rate"),
+    ("samples_per_s", "samples / s"),
+)
+TIMING_PREFIX = "time/"
+
+
+class ReportError(ValueError):
+    """A run directory or metrics file that cannot be read; the message names the file (and line)."""
+
+
+def read_jsonl(path: str) -> List[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ReportError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or "step" not in row:
+                raise ReportError(f"{path}:{number}: a metrics row must be an object with a 'step'")
+            rows.append(row)
+    return rows
+
+
+def run_names(dirs: Sequence[str]) -> List[str]:
+    """Short unique names: the directory's base name, with parents added while two runs would share one."""
+    parts = [os.path.normpath(os.path.abspath(d)).split(os.sep) for d in dirs]
+    depth = 1
+    while True:
+        names = [os.sep.join(p[-depth:]) for p in parts]
+        if len(set(names)) == len(names) or depth >= max(len(p) for p in parts):
+            return names
+        depth += 1
+
+
+def load_runs(dirs: Sequence[str]) -> Tuple[Dict[str, List[dict]], List[str]]:
+    """Run name -> metrics rows (and ``<name> (held-out)`` -> eval rows); the names of the held-out series."""
+    runs: Dict[str, List[dict]] = {}
+    held_out: List[str] = []
+    for name, run_dir in zip(run_names(dirs), dirs):
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        if not os.path.isfile(metrics):
+            raise ReportError(f"{run_dir}: no metrics.jsonl (is it a run's train.output_dir?)")
+        runs[name] = read_jsonl(metrics)
+        evals = os.path.join(run_dir, "eval.jsonl")
+        if os.path.isfile(evals):
+            held_out.append(f"{name} (held-out)")
+            runs[held_out[-1]] = read_jsonl(evals)
+    return runs, held_out
+
+
+def panels_for(runs: Dict[str, List[dict]]) -> List[Tuple[str, str]]:
+    keys = {k for rows in runs.values() for row in rows for k in row}
+    timings = sorted(k for k in keys if k.startswith(TIMING_PREFIX))
+    return [p for p in PANELS if p[0] in keys] + [(k, f"seconds: {k[len(TIMING_PREFIX):]}") for k in timings]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rlhf.cli.report", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", metavar="OUTPUT_DIR", help="run directories (train.output_dir)")
+    ap.add_argument("--out", default="", help="PNG path (default: OUTPUT_DIR/report.png, or report.png for several)")
+    ap.add_argument("--smooth", type=int, default=1, help="moving-average window over each run's steps (1 = raw)")
+    args = ap.parse_args(argv)
+
+    from rlhf.reports.plots import plot_runs
+
+    try:
+        runs, held_out = load_runs(args.runs)
+        panels = panels_for(runs)
+        if not panels:
+            raise ReportError(f"no metric to plot in {', '.join(args.runs)}")
+    except (ReportError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or (os.path.join(args.runs[0], "report.png") if len(args.runs) == 1 else "report.png")
+    drawn = plot_runs(runs, panels, out, smooth=args.smooth, unsmoothed=held_out,
+                      title=" vs ".join(n for n in runs if n not in held_out))
+    print(f"wrote {out} ({len(drawn)} panels: {', '.join(drawn)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Turning a failed or dead Ray actor into an error that names who failed: the role, the rank and the call."""
+from __future__ import annotations
+
+from typing import Any, List, Sequence
+
+
+class WorkerError(RuntimeError):
+    """An actor of a worker group or a rollout engine failed or died; the message names the role, rank and call."""
+
+
+def gather(refs: List[Any], names: Sequence[str], call: str) -> List[Any]:
+    """``ray.get(refs)`` in order, failing fast on the first that errors.
+
+    ``names[i]`` names the actor behind ``refs[i]`` (e.g. ``"policy rank 1"``, ``"rollout engine 0"``). Waiting
+    on all refs at once instead would hang: the collective peers of a dead rank wait for it forever.
+    """
+    import ray
+
+    index = {ref: i for i, ref in enumerate(refs)}
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(ready[0])
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerError(f"{names[index[ready[0]]]} died during {call}: {exc}") from exc
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            failed = f"{names[index[ready[0]]]} failed in {call}: {type(cause).__name__}: {cause}"
+            dead = _dead_peer(pending, index, names, call)
+            if dead is not None:  # a collective peer's death is the cause; this rank's error is its echo
+                raise WorkerError(f"{dead[0]}; then {failed}") from dead[1]
+            raise WorkerError(failed) from exc
+    return ray.get(refs)
+
+
+def _dead_peer(pending: List[Any], index: dict, names: Sequence[str], call: str, wait_s: float = 5.0):
+    """``(message, error)`` for the first of ``pending`` whose actor died within ``wait_s``, else ``None``."""
+    import ray
+
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            return f"{names[index[ref]]} died during {call}: {exc}", exc
+        except Exception:  # noqa: BLE001 - another echo; keep looking for a death
+            continue
+    return None

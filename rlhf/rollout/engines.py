@@ -1,0 +1,79 @@
+"""The rollout engines as one group: start them (own resources, or on the policy's bundles for the hybrid
+engine), spread a batch of prompts over them, sleep/wake them, and name the engine when one fails."""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+from rlhf.distributed.errors import gather
+from rlhf.distributed.placement import Placement
+from rlhf.rollout.vllm_engine import EngineSpec, Generation, SamplingSpec
+
+ROLE = "rollout engine"
+
+
+class RolloutEngines:
+    """``num_engines`` :class:`~rlhf.rollout.vllm_engine.VLLMEngine` actors.
+
+    Args:
+        spec: How each engine starts.
+        num_engines: Engine count (data parallel across engines; ``spec.tensor_parallel_size`` within one).
+        cpus_per_engine, gpus_per_engine: Resources of an engine with its own placement.
+        env_vars: Actor environment.
+        placement: Hybrid engine: engine ``e`` goes on bundle ``e`` of the policy's placement group (with
+            ``tensor_parallel_size=1``); ``None`` gives the engines resources of their own.
+        sleep: Release weights and KV cache between rollouts (vLLM sleep mode; GPU only).
+    """
+
+    def __init__(self, spec: EngineSpec, num_engines: int, cpus_per_engine: float = 1.0, gpus_per_engine: float = 0.0,
+                 env_vars: Optional[dict] = None, placement: Optional[Placement] = None, sleep: bool = False) -> None:
+        import ray
+
+        from rlhf.rollout.vllm_engine import VLLMEngine
+
+        self.size, self.sleeps = num_engines, sleep
+        self.placement = placement
+        actor = ray.remote(VLLMEngine)
+        runtime_env = {"env_vars": dict(env_vars or {})}
+        if placement is not None:
+            options = [placement.actor_options(e) for e in range(num_engines)]
+        else:
+            options = [{"num_cpus": cpus_per_engine, "num_gpus": gpus_per_engine}] * num_engines
+        self.handles = [actor.options(**opts, runtime_env=runtime_env).remote(spec) for opts in options]
+        self._gather([h.ready.remote() for h in self.handles], "start-up")
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling_for: Callable[[int, int], SamplingSpec]
+                 ) -> List[Generation]:
+        """Contiguous equal shares of ``prompt_ids`` per engine; results in prompt order.
+
+        ``sampling_for(engine_index, first_prompt_index)`` gives an engine its sampling settings (its seed base).
+        """
+        per_engine = -(-len(prompt_ids) // self.size)
+        starts = range(0, len(prompt_ids), per_engine)
+        refs = [self.handles[e].generate.remote(list(prompt_ids[s:s + per_engine]), sampling_for(e, s))
+                for e, s in enumerate(starts)]
+        return [g for chunk in self._gather(refs, "generate") for g in chunk]
+
+    def sleep(self) -> None:
+        """Hybrid engine on GPUs: free the devices for training. A no-op unless sleep mode is on."""
+        if self.sleeps:
+            self._gather([h.sleep.remote() for h in self.handles], "sleep")
+
+    def wake_up(self) -> None:
+        if self.sleeps:
+            self._gather([h.wake_up.remote() for h in self.handles], "wake_up")
+
+    def ping(self) -> List[bool]:
+        return self._gather([h.ready.remote() for h in self.handles], "ping")
+
+    def placements(self) -> List[dict]:
+        return self._gather([h.placement.remote() for h in self.handles], "placement")
+
+    def shutdown(self) -> None:
+        import ray
+
+        for handle in self.handles:
+            ray.kill(handle)
+        self.handles = []
+
+    def _gather(self, refs, call: str):
+        return gather(refs, [f"{ROLE} {e}" for e in range(len(refs))], call)

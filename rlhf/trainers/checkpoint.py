@@ -1,0 +1,175 @@
+"""Checkpoints for exact resume, written atomically, the last ``keep`` kept.
+
+Layout under ``output_dir/checkpoints/``::
+
+    step_000012/            a complete checkpoint (only complete ones carry this name)
+        driver.json         the driver's state: step, epoch, anything the next step depends on
+        policy/state/...    DeepSpeed: every rank's model, optimizer, LR-schedule partitions and RNG state
+        critic/state/...    (RL with a critic)
+    step_000016.tmp/        being written; never read, removed on the next start
+
+A checkpoint is assembled in ``step_N.tmp`` and renamed to ``step_N`` only after every group and the driver
+state are on disk, so a crash mid-write leaves no directory that :meth:`Checkpoints.latest` would pick. The data
+position needs no saving: which samples step ``k`` uses is a pure function of (seed, epoch, k)
+(:class:`~rlhf.data.plan.EpochPlan`), so a resumed run skips the first ``k`` steps of the same plan.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Dict, List, Optional, Tuple
+
+_NAME = re.compile(r"^step_(\d{6,})$")
+DRIVER_FILE = "driver.json"
+
+
+class Checkpoints:
+    def __init__(self, output_dir: str, keep: int) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.root, self.keep = os.path.join(output_dir, "checkpoints"), keep
+
+    def complete(self) -> List[Tuple[int, str]]:
+        """``(step, path)`` of every complete checkpoint, oldest first."""
+        if not os.path.isdir(self.root):
+            return []
+        found = []
+        for name in os.listdir(self.root):
+            match = _NAME.match(name)
+            path = os.path.join(self.root, name)
+            if match and os.path.isfile(os.path.join(path, DRIVER_FILE)):
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def latest(self) -> Optional[Tuple[str, dict]]:
+        """The newest complete checkpoint's path and driver state, or ``None``."""
+        found = self.complete()
+        if not found:
+            return None
+        path = found[-1][1]
+        with open(os.path.join(path, DRIVER_FILE), encoding="utf-8") as f:
+            return path, json.load(f)
+
+    def save(self, step: int, groups: Dict[str, object], driver_state: dict) -> str:
+        """Write ``groups`` (name -> WorkerGroup) and ``driver_state`` as the checkpoint of ``step``."""
+        final = os.path.join(self.root, f"step_{step:06d}")
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        for name, group in groups.items():
+            group.save_checkpoint(os.path.join(tmp, name))
+        with open(os.path.join(tmp, DRIVER_FILE), "w", encoding="utf-8") as f:  # last: it marks completeness
+            json.dump({**driver_state, "step": step}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final):  # re-saving a step (e.g. the final one) replaces it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        self._prune()
+        return final
+
+    def remove_partial(self) -> None:
+        """Delete ``*.tmp`` directories left by a crash."""
+        if os.path.isdir(self.root):
+            for name in os.listdir(self.root):
+                if name.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def _prune(self) -> None:
+        for _, path in self.complete()[:-self.keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def load_groups(path: str, groups: Dict[str, object]) -> None:
+    """Restore every group's state from the checkpoint at ``path``."""
+    for name, group in groups.items():
+        directory = os.path.join(path, name)
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"checkpoint {path} has no state for {name!r}")
+        group.load_checkpoint(directory)
+
+
+def truncate_jsonl(path: str, last_step: int) -> int:
+    """Keep the rows of a metrics file with ``step <= last_step`` (a resumed run re-logs the later ones); returns
+    the number of rows kept. A missing file is left missing."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    return len(kept)
+
+
+class RunCheckpoints:
+    """``train.save_every`` / ``keep_checkpoints`` / ``resume`` / ``stop_after_steps`` for one run.
+
+    Args:
+        train: the run's ``train`` config.
+        identity: config keys (dotted) -> values that a checkpoint must share with the run resuming it: the
+            plan (seed, batch, data size, step count) and the layout of the saved state (ranks, ZeRO stage).
+        name: log prefix, e.g. ``"sft"``.
+    """
+
+    def __init__(self, train, identity: Dict[str, object], name: str) -> None:
+        self.train, self.identity, self.name = train, dict(identity), name
+        self.store = Checkpoints(train.output_dir, train.keep_checkpoints)
+        self.stopped_early = False
+        self.started_after = 0  # steps done before this invocation (a resume point)
+        self._resume_from: Optional[Tuple[str, int]] = None
+
+    def prepare(self) -> int:
+        """Before any actor starts: clean up partial checkpoints and, with ``train.resume``, find the newest
+        complete one and check it belongs to this run. Returns the step it was taken at (0: fresh start)."""
+        from rlhf.config.schema import ConfigError
+
+        self.store.remove_partial()
+        self._resume_from = None
+        if not self.train.resume:
+            return 0
+        found = self.store.latest()
+        if found is None:
+            print(f"[{self.name}] train.resume: no checkpoint under {self.store.root}; starting from step 1",
+                  flush=True)
+            return 0
+        path, state = found
+        saved = state.get("identity", {})
+        differ = [f"{k}={saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in self.identity.items()
+                  if saved.get(k) != v]
+        if differ:
+            raise ConfigError(f"train.resume: {path} belongs to another run: " + "; ".join(differ))
+        self._resume_from = (path, int(state["step"]))
+        return self._resume_from[1]
+
+    def restore(self, groups: Dict[str, object], metric_files: Tuple[str, ...] = ("metrics.jsonl", "eval.jsonl")
+                ) -> int:
+        """Load the checkpoint :meth:`prepare` found into ``groups`` and cut the metric files back to its step;
+        returns the number of steps already done (0 for a fresh start)."""
+        if self._resume_from is None:
+            return 0
+        path, done = self._resume_from
+        load_groups(path, groups)
+        self.started_after = done
+        for filename in metric_files:
+            truncate_jsonl(os.path.join(self.train.output_dir, filename), done)
+        print(f"[{self.name}] resumed from {path} (step {done})", flush=True)
+        return done
+
+    def after_step(self, step: int, total_steps: int, groups: Dict[str, object], state: Optional[dict] = None
+                   ) -> bool:
+        """Checkpoint when due; True when the run should stop here (``train.stop_after_steps``)."""
+        t = self.train
+        stop = bool(t.stop_after_steps) and step - self.started_after >= t.stop_after_steps and step < total_steps
+        if stop or (t.save_every and step % t.save_every == 0):
+            path = self.store.save(step, groups, {**(state or {}), "identity": self.identity})
+            print(f"[{self.name}] checkpoint {path}", flush=True)
+        if stop:
+            self.stopped_early = True
+            print(f"[{self.name}] stopped after step {step} (train.stop_after_steps); continue with "
+                  f"train.resume=true", flush=True)
+        return stop

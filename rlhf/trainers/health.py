@@ -1,0 +1,86 @@
+"""The training health guard: stop a run whose numbers show it is broken, before it wastes the cluster.
+
+Checked after every step, on the driver, from the logged metrics:
+
+* a non-finite value (NaN / inf) of a watched metric (loss, grad norm, ...);
+* the loss exactly zero for ``zero_loss_steps`` steps in a row (the signature of a precision setting that
+  underflows every gradient, or of a loss mask that selects nothing);
+* the grad norm above ``spike_factor`` times its running median over the last ``spike_window`` steps.
+
+``health.action=stop`` raises :class:`TrainingHealthError` naming the step, the metric and the value. The guard
+runs before the step's checkpoint is written, so the newest checkpoint is the last good state.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from typing import Deque, Optional, Sequence
+
+
+class TrainingHealthError(RuntimeError):
+    """A run stopped by the health guard; the message names the step, metric and value."""
+
+
+class HealthGuard:
+    """Args:
+        watch: metrics that must stay finite.
+        zero_loss_key: the loss whose exact zeros are counted (``None``: not checked, e.g. RL, where an
+            all-equal reward group legitimately gives a zero policy loss).
+        zero_loss_steps: consecutive exact zeros that trip the guard (0: off).
+        spike_key: the metric checked for spikes (a grad norm).
+        spike_factor: trip when ``value > spike_factor * median`` (0: off).
+        spike_window: steps in the running median; the check starts once the window holds ``min_history``.
+    """
+
+    def __init__(self, watch: Sequence[str], zero_loss_key: Optional[str] = "loss", zero_loss_steps: int = 3,
+                 spike_key: str = "grad_norm", spike_factor: float = 10.0, spike_window: int = 20,
+                 min_history: int = 5) -> None:
+        self.watch, self.zero_loss_key, self.zero_loss_steps = tuple(watch), zero_loss_key, zero_loss_steps
+        self.spike_key, self.spike_factor, self.min_history = spike_key, spike_factor, min_history
+        self._history: Deque[float] = deque(maxlen=spike_window)
+        self._zeros = 0
+
+    def problem(self, row: dict) -> Optional[str]:
+        """What is wrong with this step's metrics, or ``None``; updates the running statistics."""
+        step = row.get("step")
+        for key in self.watch:
+            value = row.get(key)
+            if isinstance(value, (int, float)) and not math.isfinite(value):
+                return f"step {step}: {key} = {value} (not finite)"
+        if self.zero_loss_key is not None and self.zero_loss_steps:
+            self._zeros = self._zeros + 1 if row.get(self.zero_loss_key) == 0.0 else 0
+            if self._zeros >= self.zero_loss_steps:
+                return (f"step {step}: {self.zero_loss_key} = 0.0 exactly for {self._zeros} steps in a row "
+                        f"(a precision setting or a loss mask that removes every gradient?)")
+        value = row.get(self.spike_key)
+        if self.spike_factor and isinstance(value, (int, float)):
+            if len(self._history) >= self.min_history:
+                median = statistics.median(self._history)
+                if median > 0 and value > self.spike_factor * median:
+                    return (f"step {step}: {self.spike_key} = {value:.4g} is {value / median:.1f}x the running "
+                            f"median {median:.4g} of the last {len(self._history)} steps (limit "
+                            f"{self.spike_factor:g}x)")
+            self._history.append(float(value))
+        return None
+
+
+def guard_from_config(health, watch: Sequence[str], zero_loss_key: Optional[str], spike_key: str = "grad_norm"):
+    """The run's guard from its ``health`` config section, or ``None`` when ``health.action=off``."""
+    if health.action == "off":
+        return None
+    return HealthGuard(watch, zero_loss_key=zero_loss_key, zero_loss_steps=health.zero_loss_steps,
+                       spike_key=spike_key, spike_factor=health.spike_factor, spike_window=health.spike_window)
+
+
+def check_health(guard: Optional[HealthGuard], action: str, row: dict, say=print) -> None:
+    """Apply ``guard`` to a logged row: raise (``stop``) or print a warning (``warn``)."""
+    if guard is None:
+        return
+    problem = guard.problem(row)
+    if problem is None:
+        return
+    if action == "stop":
+        raise TrainingHealthError(f"health guard: {problem}; stopped (health.action=stop), the newest checkpoint "
+                                  f"is the last good state")
+    say(f"[health] warning: {problem}")

@@ -1,0 +1,39 @@
+"""Weights & Biases as a third destination of the per-step metrics (after ``metrics.jsonl`` and TensorBoard).
+
+``logging.wandb_mode=offline`` (the default) needs no network or account: the run is written under
+``output_dir/wandb/`` and can be uploaded later with ``wandb sync output_dir/wandb/offline-run-*``. A resumed
+run continues the same W&B run (its id is kept in ``output_dir/wandb_run_id``).
+"""
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from typing import Any, Dict
+
+
+class WandbSink:
+    def __init__(self, output_dir: str, project: str, mode: str, name: str, config: Dict[str, Any]) -> None:
+        import wandb
+
+        os.makedirs(output_dir, exist_ok=True)
+        id_file = os.path.join(output_dir, "wandb_run_id")
+        if os.path.isfile(id_file):
+            with open(id_file, encoding="utf-8") as f:
+                run_id = f.read().strip()
+        else:
+            run_id = uuid.uuid4().hex[:12]
+            with open(id_file, "w", encoding="utf-8") as f:
+                f.write(run_id)
+        self._run = wandb.init(project=project, name=name or os.path.basename(os.path.normpath(output_dir)),
+                               dir=output_dir, mode=mode, config=config, id=run_id, resume="allow",
+                               settings=wandb.Settings(console="off", silent=True))
+
+    def log(self, row: Dict[str, Any], prefix: str = "") -> None:
+        step = int(row.get("step", 0))
+        scalars = {prefix + k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))
+                   and not isinstance(v, bool) and math.isfinite(v)}
+        self._run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._run.finish()

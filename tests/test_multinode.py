@@ -1,0 +1,131 @@
+"""Multi-node placement on a simulated cluster (several Ray nodes on this machine, ``ray.cluster_utils``), and the
+cluster manifests in ``ray_cluster/`` parse and point at real entry points."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Runs in its own process: the session's Ray cluster must not be the one joined.
+SCRIPT = r'''
+import json, os, sys
+os.environ["DS_ACCELERATOR"] = "cpu"
+import ray, torch
+from ray.cluster_utils import Cluster
+from rlhf.batch import Batch
+from rlhf.distributed.cluster import actor_env
+from rlhf.distributed.engine import EngineSpec, OptimSpec
+from rlhf.distributed.group import GroupResources, WorkerGroup
+from rlhf.models.loading import ModelSpec
+from rlhf.objectives.sft import SFTObjective
+
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+for _ in range(2):
+    cluster.add_node(num_cpus=2)
+ray.init(address=cluster.address, log_to_driver=False)
+cluster.wait_for_nodes()
+# Two ranks of 2 CPUs: no node holds both, so PACK must spread them over two nodes.
+group = WorkerGroup("policy", GroupResources(num_workers=2, cpus_per_worker=2, env_vars=actor_env(0)), "gloo")
+group.build(ModelSpec(path=sys.argv[1]), EngineSpec(zero_stage=2, precision="fp32", micro_batch_size=1,
+                                                    grad_accum_steps=1), OptimSpec(lr=1e-3, total_steps=1))
+ids = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 2, 0]])
+mb = Batch(input_ids=ids, attention_mask=(ids > 0).long(), loss_mask=torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 1, 0]]))
+objective = SFTObjective()
+results = group.train_step([[mb.slice(0, 1)], [mb.slice(1, 2)]], objective, objective.count(mb))
+print("RESULT " + json.dumps({"nodes": [p["node"] for p in group.placements()], "grad_norm": results[0].grad_norm,
+                  "grad_norms_agree": results[0].grad_norm == results[1].grad_norm,
+                  "alive_nodes": len([n for n in ray.nodes() if n["Alive"]])}), flush=True)
+group.shutdown()
+ray.shutdown()
+cluster.shutdown()
+'''
+
+
+def test_ranks_are_placed_across_nodes_and_train_together(tiny_model, tmp_path):
+    script = tmp_path / "multinode.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    result = subprocess.run([sys.executable, str(script), tiny_model], capture_output=True, text=True, timeout=300,
+                            env=env, cwd=str(ROOT))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(next(line[len("RESULT "):] for line in result.stdout.splitlines()
+                             if line.startswith("RESULT ")))
+    assert report["alive_nodes"] == 3
+    assert len(set(report["nodes"])) == 2, report  # one rank per worker node
+    assert report["grad_norm"] > 0 and report["grad_norms_agree"]
+
+
+@pytest.mark.parametrize("name", ["cluster.yaml", "kuberay-raycluster.yaml", "kuberay-rayjob.yaml"])
+def test_cluster_manifests_parse(name):
+    doc = yaml.safe_load((ROOT / "ray_cluster" / name).read_text())
+    assert isinstance(doc, dict)
+    if name.startswith("kuberay"):
+        assert doc["apiVersion"] == "ray.io/v1" and doc["kind"] in ("RayCluster", "RayJob")
+        spec = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
+        assert spec["headGroupSpec"] and spec["workerGroupSpecs"]
+    if name == "kuberay-rayjob.yaml":
+        module = doc["spec"]["entrypoint"].split()[2]
+        assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), module
+
+
+def test_slurm_script_is_valid_bash():
+    result = subprocess.run(["bash", "-n", str(ROOT / "ray_cluster" / "slurm.sbatch")], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ray_job_submit_against_a_locally_started_head(tiny_model, sft_data, tmp_path):
+    """A real Ray job: ``ray start --head`` in its own process group, ``ray job submit`` of the SFT CLI, the job
+    joins that cluster (RAY_ADDRESS set by the job supervisor) and writes final/."""
+    import signal
+    import time
+
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_AUTH_MODE"] = "token"  # Ray 2.60 heads use token auth; the job client must send the token
+    gcs, dashboard = _free_port(), _free_port()
+    head = subprocess.Popen([str(bin_dir / "ray"), "start", "--head", "--block", f"--port={gcs}",
+                             f"--dashboard-port={dashboard}", "--num-cpus=3", "--include-dashboard=true",
+                             "--disable-usage-stats"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True)
+    out = tmp_path / "job-run"
+    try:
+        address = f"http://127.0.0.1:{dashboard}"
+        for _ in range(120):  # the dashboard's job API takes a few seconds to come up
+            probe = subprocess.run([str(bin_dir / "ray"), "job", "list", "--address", address], env=env,
+                                   capture_output=True, text=True)
+            if probe.returncode == 0:
+                break
+            time.sleep(1)
+        job = subprocess.run(
+            [str(bin_dir / "ray"), "job", "submit", "--address", address, "--", sys.executable, "-m",
+             "rlhf.cli.train_sft", f"model.path={tiny_model}", f"data.train_path={sft_data}",
+             f"train.output_dir={out}", "train.global_batch_size=4", "train.micro_batch_size=2", "train.max_steps=3",
+             "logging.tensorboard=false"],
+            env=env, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
+        assert job.returncode == 0, (job.stdout[-3000:], job.stderr[-3000:])
+        assert "succeeded" in job.stdout + job.stderr
+        assert (out / "final" / "model.safetensors").is_file()
+        with open(out / "metrics.jsonl") as f:
+            assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)  # --block: stopping `ray start` stops this head's processes only
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
