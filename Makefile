@@ -31,7 +31,7 @@ demo: $(STAMP)
 	$(PY) -m rlhf.cli.demo --workdir $(ASSETS)/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=20
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"
