@@ -1,8 +1,9 @@
 """A custom online-RL loop from the toolkit's parts (the Python API): RLOO with a reward computed in the driver.
 
-Run from the repo root: ``.venv/bin/python examples/custom_rl_loop.py``. On the random tiny model it learns to
-answer with digits only (reward = fraction of the response's characters that are digits), which a random model
-does rarely, in ~20 steps on a laptop CPU.
+Run from the repo root: ``.venv/bin/python examples/custom_rl_loop.py`` (about a minute on 2 CPU cores). The
+reward is the fraction of the response's characters that are digits; on the random tiny model it moves from
+0.15 to ~0.18 in 20 steps (a random 512-token model has far to go). The point is the wiring: swap in your model,
+prompts and reward. The log-prob mismatch printed each step (~2e-7) shows that every weight sync landed.
 
 The parts: a :class:`WorkerGroup` of DeepSpeed ranks for the policy, :class:`RolloutEngines` (vLLM), the typed
 :class:`Batch` built by :func:`rollout_batch`, :func:`advantages_for` (any estimator of ``rlhf.ops.advantages``),
@@ -49,7 +50,7 @@ def main() -> None:
     policy = WorkerGroup("policy", GroupResources(num_workers=1, env_vars=actor_env(0)), backend="gloo")
     policy.build(ModelSpec(path=model_dir), EngineSpec(zero_stage=0, precision="fp32", micro_batch_size=MICRO,
                                                        grad_accum_steps=train_batch // MICRO),
-                 OptimSpec(lr=3e-4, total_steps=STEPS, warmup_steps=2))
+                 OptimSpec(lr=2e-3, total_steps=STEPS, warmup_steps=2))
     engines = RolloutEngines(VLLMSpec(model_path=model_dir, max_model_len=64), num_engines=1, env_vars=actor_env(0))
     objective = PolicyObjective(agg_mode="token-mean")
     try:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -99,10 +101,13 @@ def test_ray_job_submit_against_a_locally_started_head(tiny_model, sft_data, tmp
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_AUTH_MODE"] = "token"  # Ray 2.60 heads use token auth; the job client must send the token
     gcs, dashboard = _free_port(), _free_port()
+    # Its own temp dir (short: Ray's socket paths have a length limit), so that this head does not become the
+    # machine's "current cluster" that a later plain `ray.init()` would try to join.
+    temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")
     head = subprocess.Popen([str(bin_dir / "ray"), "start", "--head", "--block", f"--port={gcs}",
                              f"--dashboard-port={dashboard}", "--num-cpus=3", "--include-dashboard=true",
-                             "--disable-usage-stats"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True)
+                             "--disable-usage-stats", f"--temp-dir={temp_dir}"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True, text=True)
     out = tmp_path / "job-run"
     try:
         address = f"http://127.0.0.1:{dashboard}"
@@ -129,3 +134,4 @@ def test_ray_job_submit_against_a_locally_started_head(tiny_model, sft_data, tmp
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -394,3 +394,24 @@ def test_sequence_scores_match_hf_pooling(critic):
     # HF pools at the last non-pad id; the ids avoid the pad id, so it must agree on every row.
     torch.testing.assert_close(got.double(), hf, rtol=1e-6, atol=1e-6)
     assert len(set(got.tolist())) == len(LENGTHS)
+
+
+@pytest.mark.parametrize("mode", ["whiten", "scale"])
+def test_advantage_whitening_options_use_the_whole_rollout_batch(mode):
+    from rlhf.trainers.rl_experience import advantages_for
+
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0], [0, 1, 0, 0], [0, 1, 1, 1]])
+    batch = Batch(input_ids=torch.ones(4, 4, dtype=torch.long), attention_mask=torch.ones(4, 4, dtype=torch.long),
+                  loss_mask=mask)
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    kwargs = dict(estimator="rloo", gamma=1.0, lam=1.0, kl_coef=0.0, kl_estimator="k3", kl_in_reward=False)
+    raw, _ = advantages_for(batch, scores, torch.tensor([0, 0, 1, 1]), **kwargs)
+    out, _ = advantages_for(batch, scores, torch.tensor([0, 0, 1, 1]), whiten_advantages=mode, **kwargs)
+    on = mask.bool()
+    a, r = out.advantages[on].double(), raw.advantages[on].double()
+    assert torch.all(out.advantages[~on] == 0)
+    if mode == "whiten":
+        assert abs(float(a.mean())) < 1e-6 and abs(float(a.var(unbiased=False)) - 1.0) < 1e-4
+    else:  # a pure rescaling by the batch std: signs and ratios kept
+        assert torch.equal(torch.sign(a), torch.sign(r))
+        assert torch.allclose(a, r / r.std(unbiased=False), atol=1e-5)

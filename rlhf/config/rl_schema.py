@@ -79,6 +79,7 @@ class AlgorithmConfig:
     kl_mode: str = "loss"  # loss (GRPO-style term) | reward (per-token penalty in the reward)
     kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(pi || ref))
     entropy_coef: float = 0.0  # entropy bonus in the policy loss
+    whiten_advantages: str = "none"  # none | whiten (batch mean/std) | scale (batch std only), whole rollout batch
     gamma: float = 1.0  # discount (GAE, REINFORCE++ returns)
     lam: float = 1.0  # GAE lambda
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum, over the train batch
@@ -101,6 +102,7 @@ class AlgorithmConfig:
         _check(self.tis_cap >= 0, "algo.tis_cap", f"must be >= 0, got {self.tis_cap}")
         _check(self.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {self.kl_coef}")
         _choice(self.kl_mode, "algo.kl_mode", ("loss", "reward"))
+        _choice(self.whiten_advantages, "algo.whiten_advantages", ("none", "whiten", "scale"))
         _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "and algo.lam must be in [0, 1]")
 
     @property

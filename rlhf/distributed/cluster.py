@@ -26,7 +26,9 @@ def init_ray(address: str = "", num_cpus: int = -1, needed_cpus: float = 1.0) ->
         ray.init(address=address, log_to_driver=True)
         return address
     cpus = num_cpus if num_cpus > 0 else max(os.cpu_count() or 1, int(needed_cpus + 0.999))
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True,
+    # address="local": always a new local cluster, as documented. Without it Ray would try to join whatever
+    # `ray start` last left in /tmp/ray/ray_current_cluster on this machine, even a cluster long gone.
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": dict(ACTOR_ENV)})
     return "local"
 

@@ -159,7 +159,8 @@ class RLTrainer:
         a = self.cfg.algo
         return advantages_for(batch, scores, torch.tensor(prompt_index, dtype=torch.long),
                               estimator=a.advantage_estimator, gamma=a.gamma, lam=a.lam, kl_coef=a.kl_coef,
-                              kl_estimator=a.kl_estimator, kl_in_reward=a.kl_mode == "reward")
+                              kl_estimator=a.kl_estimator, kl_in_reward=a.kl_mode == "reward",
+                              whiten_advantages=a.whiten_advantages)
 
     def update(self, batch: Batch, rl_step: int) -> dict:
         """``algo.ppo_epochs`` passes over the rollout batch in exact global train batches (policy, critic)."""

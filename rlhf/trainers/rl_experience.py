@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlhf.batch import Batch, pad_sequences
-from rlhf.ops.advantages import AdvantageInputs, compute_advantages, token_level_rewards
+from rlhf.ops.advantages import AdvantageInputs, compute_advantages, token_level_rewards, whiten
 from rlhf.ops.kl import kl_estimate
 
 
@@ -62,8 +62,13 @@ def rollout_batch(generations: Sequence, pad_id: int) -> Batch:
 
 
 def advantages_for(batch: Batch, scores: torch.Tensor, group_ids: torch.Tensor, *, estimator: str, gamma: float,
-                   lam: float, kl_coef: float, kl_estimator: str, kl_in_reward: bool) -> Tuple[Batch, dict]:
-    """Attach ``advantages`` and ``returns`` to the whole rollout batch; returns it with KL-penalty stats."""
+                   lam: float, kl_coef: float, kl_estimator: str, kl_in_reward: bool,
+                   whiten_advantages: str = "none") -> Tuple[Batch, dict]:
+    """Attach ``advantages`` and ``returns`` to the whole rollout batch; returns it with KL-penalty stats.
+
+    ``whiten_advantages``: ``none``; ``whiten`` (subtract the batch mean, divide by the batch std, over every
+    response token of the whole rollout batch); ``scale`` (divide by the std only, keeping each sign).
+    """
     mask = batch.loss_mask.float()
     kl = None
     if kl_in_reward and kl_coef > 0:
@@ -72,6 +77,8 @@ def advantages_for(batch: Batch, scores: torch.Tensor, group_ids: torch.Tensor, 
     inputs = AdvantageInputs(token_rewards=rewards, scores=scores, response_mask=mask, values=batch.values,
                              group_ids=group_ids, gamma=gamma, lam=lam)
     advantages, returns = compute_advantages(estimator, inputs)
+    if whiten_advantages != "none":
+        advantages = whiten(advantages, mask, shift_mean=whiten_advantages == "whiten")
     stats = {"reward_kl_penalty": float((kl * kl_coef).sum() / mask.sum().clamp(min=1)) if kl is not None else 0.0}
     return batch.replace(advantages=advantages, returns=returns), stats
 
