@@ -174,7 +174,7 @@ class HealthConfig:
     """The training health guard (rlhf/trainers/health.py): checks every step's logged metrics."""
 
     action: str = "stop"  # stop (exit 1, naming step, metric, value) | warn (print and go on) | off
-    zero_loss_steps: int = 3  # the loss exactly 0 this many steps in a row trips it (0 = off; not used in RL)
+    zero_loss_steps: int = 3  # loss or grad norm exactly 0 this many steps in a row trips it (0 = off; not in RL)
     spike_factor: float = 10.0  # grad norm above this x its running median trips it (0 = off)
     spike_window: int = 20  # steps in the running median
 

@@ -3,8 +3,8 @@
 Checked after every step, on the driver, from the logged metrics:
 
 * a non-finite value (NaN / inf) of a watched metric (loss, grad norm, ...);
-* the loss exactly zero for ``zero_loss_steps`` steps in a row (the signature of a precision setting that
-  underflows every gradient, or of a loss mask that selects nothing);
+* the loss, or the grad norm, exactly zero for ``zero_loss_steps`` steps in a row (the signature of a precision
+  setting that underflows every gradient, a loss mask that selects nothing, or a saturated, dead model);
 * the grad norm above ``spike_factor`` times its running median over the last ``spike_window`` steps.
 
 ``health.action=stop`` raises :class:`TrainingHealthError` naming the step, the metric and the value. The guard
@@ -25,9 +25,10 @@ class TrainingHealthError(RuntimeError):
 class HealthGuard:
     """Args:
         watch: metrics that must stay finite.
-        zero_loss_key: the loss whose exact zeros are counted (``None``: not checked, e.g. RL, where an
-            all-equal reward group legitimately gives a zero policy loss).
-        zero_loss_steps: consecutive exact zeros that trip the guard (0: off).
+        zero_loss_key: the loss whose exact zeros are counted, together with those of ``spike_key`` (``None``:
+            neither is checked, e.g. RL, where a batch of all-tied reward groups legitimately gives a zero policy
+            loss and gradient).
+        zero_loss_steps: consecutive exact zeros (of either) that trip the guard (0: off).
         spike_key: the metric checked for spikes (a grad norm).
         spike_factor: trip when ``value > spike_factor * median`` (0: off).
         spike_window: steps in the running median; the check starts once the window holds ``min_history``.
@@ -39,7 +40,7 @@ class HealthGuard:
         self.watch, self.zero_loss_key, self.zero_loss_steps = tuple(watch), zero_loss_key, zero_loss_steps
         self.spike_key, self.spike_factor, self.min_history = spike_key, spike_factor, min_history
         self._history: Deque[float] = deque(maxlen=spike_window)
-        self._zeros = 0
+        self._zeros = {key: 0 for key in (zero_loss_key, spike_key) if key is not None}
 
     def problem(self, row: dict) -> Optional[str]:
         """What is wrong with this step's metrics, or ``None``; updates the running statistics."""
@@ -49,10 +50,11 @@ class HealthGuard:
             if isinstance(value, (int, float)) and not math.isfinite(value):
                 return f"step {step}: {key} = {value} (not finite)"
         if self.zero_loss_key is not None and self.zero_loss_steps:
-            self._zeros = self._zeros + 1 if row.get(self.zero_loss_key) == 0.0 else 0
-            if self._zeros >= self.zero_loss_steps:
-                return (f"step {step}: {self.zero_loss_key} = 0.0 exactly for {self._zeros} steps in a row "
-                        f"(a precision setting or a loss mask that removes every gradient?)")
+            for key in self._zeros:
+                self._zeros[key] = self._zeros[key] + 1 if row.get(key) == 0.0 else 0
+                if self._zeros[key] >= self.zero_loss_steps:
+                    return (f"step {step}: {key} = 0.0 exactly for {self._zeros[key]} steps in a row (a precision "
+                            f"setting, a loss mask or a saturated model that stops every gradient?)")
         value = row.get(self.spike_key)
         if self.spike_factor and isinstance(value, (int, float)):
             if len(self._history) >= self.min_history:
