@@ -89,9 +89,9 @@ class RLTrainer:
             with timer("generate"):
                 generations, prompt_index = self.generate(step)
                 self.actors.engines.sleep()  # hybrid engine on GPUs: hand the devices to training
-            with timer("score"):
-                scores, per_source = self.score(generations, prompt_index, self.prompts)
             batch = rollout_batch(generations, self.tokenizer.pad_token_id)
+            with timer("score"):
+                scores, per_source = self.score(generations, batch, prompt_index, self.prompts)
             with timer("logprobs"):
                 batch = self.annotate(batch)
             batch, kl_stats = self.advantages(batch, scores, prompt_index)
@@ -126,7 +126,9 @@ class RLTrainer:
             stop_token_ids=(self.tokenizer.eos_token_id,))
         return self.actors.engines.generate([prompts.prompt_ids[i] for i in prompt_index], sampling)
 
-    def score(self, generations, prompt_index, prompt_set: PromptSet):
+    def score(self, generations, batch: Batch, prompt_index, prompt_set: PromptSet):
+        """Summed reward per sample and each source's ``(B,)`` scores; ``batch`` is the generations' rollout
+        batch (what a reward model scores)."""
         responses = self.tokenizer.batch_decode([list(g.response_ids) for g in generations], skip_special_tokens=True)
         prompts = [prompt_set.texts[i] for i in prompt_index]
         columns = {k: [v[i] for i in prompt_index] for k, v in prompt_set.columns.items()}
@@ -137,7 +139,6 @@ class RLTrainer:
         if self.actors.reward_model is not None:
             from rlhf.objectives.rl import SequenceScores
 
-            batch = rollout_batch(generations, self.tokenizer.pad_token_id)
             rm = torch.cat(self.actors.reward_model.score(self._chunks(batch), SequenceScores()))
             per_source["reward_model"] = rm
             total = total + self.cfg.reward.model_weight * rm
@@ -194,11 +195,9 @@ class RLTrainer:
         n = self.cfg.rollout.eval_samples_per_prompt
         index = [i for i in range(len(self.eval_prompts.prompt_ids)) for _ in range(n)]
         generations = self._sample(self.eval_prompts, index, seed_base=EVAL_SEED_BASE + self.cfg.train.seed * 1_000_003)
-        scores, per_source = self.score(generations, index, self.eval_prompts)
-        lengths = torch.tensor([float(len(g.response_ids)) for g in generations])
-        row = {"step": rl_step, "reward_mean": float(scores.mean()),
-               **{f"reward/{k}": float(v.float().mean()) for k, v in per_source.items()},
-               **_accuracy(per_source), "response_length": float(lengths.mean()), "num_samples": len(generations)}
+        batch = rollout_batch(generations, self.tokenizer.pad_token_id)
+        scores, per_source = self.score(generations, batch, index, self.eval_prompts)
+        row = {"step": rl_step, **_sample_stats(scores, per_source, batch), "num_samples": len(batch)}
         self.eval_writer.log(row)
         line = f"[rl] eval at step {rl_step}: " + format_row(row, ("reward_mean", "accuracy", "response_length",
                                                                    "num_samples"))
@@ -240,10 +239,8 @@ class RLTrainer:
             timer: StageTimer) -> dict:
         total_s = sum(timer.seconds.values())
         row = {"step": step.step, "epoch": step.epoch,
-               "reward_mean": float(scores.mean()), "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
-               **{f"reward/{k}": float(v.float().mean()) for k, v in per_source.items()},
-               **_accuracy(per_source),
-               "response_length": float(batch.loss_mask.sum(-1).float().mean()),
+               **_sample_stats(scores, per_source, batch),
+               "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
                **train_stats,
                "logp_mismatch": logp_mismatch(batch),
                "num_samples": len(batch),
@@ -262,6 +259,15 @@ class RLTrainer:
                 self._say(f"[rl] step {step.step}/{self.plan.total_steps} " + format_row(row, CONSOLE_KEYS)
                           + (f" ({self.progress.eta()})" if self.progress else ""))
         return row
+
+
+def _sample_stats(scores: torch.Tensor, per_source: Dict[str, torch.Tensor], batch: Batch) -> dict:
+    """What a training step and a held-out evaluation both report about their samples: mean reward, each source's
+    mean, accuracy (when verifiable) and mean response length in tokens."""
+    return {"reward_mean": float(scores.mean()),
+            **{f"reward/{k}": float(v.float().mean()) for k, v in per_source.items()},
+            **_accuracy(per_source),
+            "response_length": float(batch.loss_mask.sum(-1).float().mean())}
 
 
 def _accuracy(per_source: Dict[str, torch.Tensor]) -> dict:
