@@ -74,12 +74,13 @@ def contradictions(user: dict, *, zero_stage: int, micro_batch_size: int, grad_a
     return found
 
 
-def check_user_config(cfg, precision: Optional[str] = None) -> None:
-    """Raise :class:`ConfigError` listing every contradiction between ``strategy.deepspeed_config`` and ``cfg``."""
+def check_user_config(cfg, precision: Optional[str] = None) -> Optional[dict]:
+    """Raise :class:`ConfigError` listing every contradiction between ``strategy.deepspeed_config`` and ``cfg``;
+    returns the (checked) user JSON, ``None`` without one."""
     s, t = cfg.strategy, cfg.train
     user = read_user_config(s.deepspeed_config)
     if user is None:
-        return
+        return None
     if precision is None and s.precision != "auto":
         precision = s.precision
     found = contradictions(user, zero_stage=s.zero_stage, micro_batch_size=t.micro_batch_size,
@@ -88,3 +89,4 @@ def check_user_config(cfg, precision: Optional[str] = None) -> None:
     if found:
         raise ConfigError(f"strategy.deepspeed_config ({s.deepspeed_config}) contradicts the run:\n  "
                           + "\n  ".join(found))
+    return user

@@ -160,13 +160,12 @@ class RunCheckpoints:
         print(f"[{self.name}] resumed from {path} (step {done})", flush=True)
         return done
 
-    def after_step(self, step: int, total_steps: int, groups: Dict[str, object], state: Optional[dict] = None
-                   ) -> bool:
+    def after_step(self, step: int, total_steps: int, groups: Dict[str, object]) -> bool:
         """Checkpoint when due; True when the run should stop here (``train.stop_after_steps``)."""
         t = self.train
         stop = bool(t.stop_after_steps) and step - self.started_after >= t.stop_after_steps and step < total_steps
         if stop or (t.save_every and step % t.save_every == 0):
-            path = self.store.save(step, groups, {**(state or {}), "identity": self.identity})
+            path = self.store.save(step, groups, {"identity": self.identity})
             print(f"[{self.name}] checkpoint {path}", flush=True)
         if stop:
             self.stopped_early = True

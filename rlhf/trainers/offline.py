@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 from rlhf.batch import Batch
-from rlhf.config.deepspeed_check import check_user_config, read_user_config
+from rlhf.config.deepspeed_check import check_user_config
 from rlhf.config.schema import ConfigError
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.objectives.base import Objective, Sums, add_sums
@@ -188,6 +188,7 @@ class RunContext:
     gpus_per_worker: float
     groups: list = dataclasses.field(default_factory=list)  # every group started, for shutdown
     placements: list = dataclasses.field(default_factory=list)  # shared placement groups, removed last
+    user_ds_config: Optional[dict] = None  # strategy.deepspeed_config, read and checked once
 
     def model_spec(self, path: str, kind: str):
         from rlhf.models.loading import ModelSpec
@@ -203,7 +204,7 @@ class RunContext:
         s = self.cfg.strategy
         return EngineSpec(zero_stage=s.zero_stage, precision=self.precision, micro_batch_size=micro_batch_size,
                           grad_accum_steps=grad_accum_steps, offload_optimizer=s.offload_optimizer,
-                          user_config=read_user_config(s.deepspeed_config))
+                          user_config=self.user_ds_config)
 
     def make_group(self, role: str, num_workers: int, placement=None):
         """A worker group for ``role``; ``placement`` (from :meth:`shared_placement`) colocates it."""

@@ -11,10 +11,10 @@ from rlhf.data.io import read_rows
 from rlhf.data.plan import EpochPlan
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
 from rlhf.trainers.checkpoint import RunCheckpoints
-from rlhf.trainers.offline import RunResult, check_paths, load_tokenizer, save_final
+from rlhf.trainers.offline import RunResult, check_paths, load_tokenizer
 from rlhf.trainers.rl import RLActors, RLTrainer
 from rlhf.trainers.rl_experience import prepare_prompts
-from rlhf.trainers.runner import health_check, optim_spec, run_identity, start_cluster, with_restarts
+from rlhf.trainers.runner import finish_run, health_check, optim_spec, run_identity, start_cluster, with_restarts
 
 # Metrics the health guard keeps finite. No zero-loss check: an RL step whose groups all tie has a zero loss.
 RL_WATCHED = ("policy_loss", "grad_norm", "kl", "value_loss", "critic_grad_norm", "reward_mean")
@@ -194,11 +194,7 @@ def _train_rl_once(cfg: RLRunConfig) -> RunResult:
                             check_row=health_check(cfg, watch=RL_WATCHED, zero_loss_key=None))
         last = trainer.fit(start_after=done,
                            after_step=lambda step: checkpoints.after_step(step, plan.total_steps, trained))
-        if checkpoints.stopped_early:
-            return RunResult(output_dir=t.output_dir, steps=plan.total_steps, final_metrics=last, final_dir=None,
-                             stopped_at=last.get("step"))
-        final_dir = save_final(actors.policy, tokenizer, t.output_dir) if t.save_final else None
-        return RunResult(output_dir=t.output_dir, steps=plan.total_steps, final_metrics=last, final_dir=final_dir)
+        return finish_run(checkpoints, actors.policy, tokenizer, t, plan.total_steps, last, "rl")
     finally:
         if writers is not None:
             writers.close()

@@ -72,17 +72,24 @@ def _run_offline_once(cfg, build_task: TaskBuilder, policy_role: str) -> RunResu
                          start_after=done, progress_bar=progress_bar_setting(cfg.logging.progress_bar),
                          check_row=health_check(cfg, watch=("loss", "grad_norm"), zero_loss_key="loss"),
                          after_step=lambda step: checkpoints.after_step(step.step, plan.total_steps, trained))
-        if checkpoints.stopped_early:
-            return RunResult(output_dir=t.output_dir, steps=plan.total_steps, final_metrics=last, final_dir=None,
-                             stopped_at=last.get("step"))
-        final_dir = save_final(policy, tokenizer, t.output_dir) if t.save_final else None
-        if final_dir:
-            print(f"[{task.name}] saved {final_dir}", flush=True)
-        return RunResult(output_dir=t.output_dir, steps=plan.total_steps, final_metrics=last, final_dir=final_dir)
+        return finish_run(checkpoints, policy, tokenizer, t, plan.total_steps, last, task.name)
     finally:
         if writers is not None:
             writers.close()
         ctx.shutdown()
+
+
+def finish_run(checkpoints: RunCheckpoints, policy, tokenizer, t, total_steps: int, last: dict,
+               name: str) -> RunResult:
+    """The run's result: ``final/`` saved unless ``train.stop_after_steps`` ended it early (then its checkpoint is
+    what there is) or ``train.save_final`` is off."""
+    if checkpoints.stopped_early:
+        return RunResult(output_dir=t.output_dir, steps=total_steps, final_metrics=last, final_dir=None,
+                         stopped_at=last.get("step"))
+    final_dir = save_final(policy, tokenizer, t.output_dir) if t.save_final else None
+    if final_dir:
+        print(f"[{name}] saved {final_dir}", flush=True)
+    return RunResult(output_dir=t.output_dir, steps=total_steps, final_metrics=last, final_dir=final_dir)
 
 
 def health_check(cfg, watch, zero_loss_key):
@@ -119,5 +126,6 @@ def start_cluster(cfg, needed_cpus: float) -> RunContext:
     backend = s.backend if s.backend != "auto" else ("nccl" if gpus > 0 else "gloo")
     if backend == "nccl" and gpus <= 0:
         raise ConfigError("strategy.backend=nccl needs GPU workers (strategy.gpus_per_worker > 0)")
-    check_user_config(cfg, precision)  # before any actor starts
-    return RunContext(cfg=cfg, precision=precision, backend=backend, gpus_per_worker=gpus)
+    user_ds_config = check_user_config(cfg, precision)  # before any actor starts
+    return RunContext(cfg=cfg, precision=precision, backend=backend, gpus_per_worker=gpus,
+                      user_ds_config=user_ds_config)
