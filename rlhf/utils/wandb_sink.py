@@ -6,10 +6,11 @@ run continues the same W&B run (its id is kept in ``output_dir/wandb_run_id``).
 """
 from __future__ import annotations
 
-import math
 import os
 import uuid
 from typing import Any, Dict
+
+from rlhf.utils.metrics import is_finite_number
 
 
 class WandbSink:
@@ -31,8 +32,7 @@ class WandbSink:
 
     def log(self, row: Dict[str, Any], prefix: str = "") -> None:
         step = int(row.get("step", 0))
-        scalars = {prefix + k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))
-                   and not isinstance(v, bool) and math.isfinite(v)}
+        scalars = {prefix + k: v for k, v in row.items() if k != "step" and is_finite_number(v)}
         self._run.log(scalars, step=step)
 
     def close(self) -> None:
