@@ -30,11 +30,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m rlhf.cli.demo --workdir $(ASSETS)/demo
 
+# Two test processes (see tests/conftest.py); PYTEST_ARGS="-n 0" runs them in one.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=20
+	$(PY) -m pytest -q -ra --durations=20 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not slow"
+	$(PY) -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/bench_offline.py

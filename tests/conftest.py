@@ -1,6 +1,11 @@
 """Shared fixtures: the tiny model and data built locally, and one local Ray cluster for the session.
 
 Integration tests run real Ray actors hosting real DeepSpeed engines (CPU accelerator, gloo) on the tiny model.
+
+``make test`` runs two test processes (pytest-xdist, ``--dist loadfile``), each with its own local Ray cluster:
+part of an integration test is waiting (actor start-up, process spawns), which the other process fills. A test
+file goes to one process whole, so a module fixture that trains (several runs) runs once; the long files are
+handed out first so that both processes finish together.
 """
 from __future__ import annotations
 
@@ -17,8 +22,22 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+# Longest first (longest-processing-time scheduling over the two test processes); the rest keep their order.
+LONG_MODULES = ("test_rl_e2e", "test_resume", "test_dpo_training", "test_resume_dpo", "test_rl_algorithms",
+                "test_multinode", "test_offline_training", "test_workers", "test_cli_errors", "test_vllm_rollout",
+                "test_rm_training", "test_health")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long end-to-end runs (deselect with -m 'not slow')")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.module.__name__.rsplit(".", 1)[-1]
+        return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
+
+    items.sort(key=rank)  # stable: a module's tests keep their order
 
 
 def _digits(rng: random.Random, lo: int, hi: int) -> str:
@@ -47,6 +66,41 @@ def uneven_pair_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def kill_an_actor_once(checkpoint_dir: str, title: str, while_saving: bool = False):
+    """A thread that SIGKILLs one live actor process titled ``title...`` (Ray names an actor's process
+    ``ray::<Class>``) once ``checkpoint_dir`` exists (``while_saving``: once its ``.tmp`` is being written): a real
+    crash. A test process runs one training at a time, so its live actors belong to that run. Returns the thread
+    and a dict that gets the killed ``pid``."""
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    killed = {}
+
+    def watch():
+        deadline = time.time() + 300
+        watched = (checkpoint_dir + ".tmp", checkpoint_dir) if while_saving else (checkpoint_dir,)
+        while time.time() < deadline and not any(map(os.path.isdir, watched)):
+            time.sleep(0.02)
+        # Only this test process's own actors (its local Ray cluster's workers descend from it): a parallel
+        # test process's run is left alone.
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                cmdline = proc.cmdline()
+            except psutil.Error:
+                continue
+            if cmdline and cmdline[0].startswith(title):
+                killed["pid"] = proc.pid
+                os.kill(proc.pid, signal.SIGKILL)
+                return
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread, killed
+
+
 def write_jsonl(path, rows) -> str:
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
@@ -71,6 +125,27 @@ def pair_data(tmp_path_factory) -> str:
     return write_jsonl(tmp_path_factory.mktemp("data") / "pairs.jsonl", uneven_pair_rows(19, seed=4))
 
 
+RL_SHAPING = """
+def length_bonus(prompts, responses):
+    # a continuous, content-dependent reward so that even the random tiny model gets non-zero advantages
+    return [(sum(map(ord, r)) % 97) / 96.0 for r in responses]
+"""
+
+
+@pytest.fixture(scope="session")
+def rl_shaping(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rewards") / "shaping.py"
+    path.write_text(RL_SHAPING)
+    return f"{path}:length_bonus@0.5"
+
+
+@pytest.fixture(scope="session")
+def rl_prompts(tmp_path_factory):
+    from rlhf.synthetic.arithmetic import make_rl_prompts, write_jsonl
+
+    return write_jsonl(str(tmp_path_factory.mktemp("rl") / "prompts.jsonl"), make_rl_prompts(64, seed=5))
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray cluster for every integration test (starting one costs ~6 s)."""
@@ -78,7 +153,9 @@ def ray_session():
 
     if not ray.is_initialized():
         # Logical CPUs: an RL run holds policy, reference, critic and vLLM actors at once; they take turns on 2 cores.
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+        # address="local": always a cluster of this process's own (parallel test processes each start one),
+        # never one found through RAY_ADDRESS or /tmp/ray/ray_current_cluster.
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     ray.shutdown()

@@ -1,10 +1,13 @@
 """The training health guard: non-finite values, an exactly-zero loss, grad-norm spikes; stop or warn."""
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 
 import pytest
+import torch
 
 from rlhf.trainers.health import HealthGuard, TrainingHealthError, check_health
 
@@ -49,10 +52,45 @@ def test_grad_norm_spike_against_the_running_median():
     assert _first_problem(calm, _rows([1.0] * 6, [1.0, 2.0, 1.5, 1.0, 2.0, 17.0])) is None
 
 
+def test_skipped_rows_are_neither_judged_nor_counted():
+    guard = HealthGuard(("loss",), zero_loss_steps=2)
+    assert guard.problem({"step": 1, "loss": 0.0}) is None
+    assert guard.problem({"step": 2, "epoch": 0, "skipped": 1}) is None  # neither a zero nor a streak breaker
+    assert guard.problem({"step": 3, "loss": 0.0}).startswith("step 3: loss = 0.0 exactly for 2 steps in a row")
+
+
+def test_observed_history_decides_like_the_uninterrupted_guard():
+    """A resumed or rewound run rebuilds the guard from the rows kept: the next step is judged the same."""
+    rows = _rows([1.0] * 6, [1.0, 2.0, 1.5, 1.0, 2.0, 1.2])
+    spike = {"step": 7, "loss": 1.0, "grad_norm": 30.0}
+    whole = HealthGuard(("grad_norm",), spike_factor=10.0, spike_window=4, min_history=3)
+    assert _first_problem(whole, rows) is None
+    rebuilt = HealthGuard(("grad_norm",), spike_factor=10.0, spike_window=4, min_history=3)
+    rebuilt.observe(rows)
+    assert rebuilt.problem(dict(spike)) == whole.problem(dict(spike)) is not None
+    assert HealthGuard(("grad_norm",), spike_factor=10.0, min_history=3).problem(dict(spike)) is None  # no history
+
+
+def test_skip_needs_checkpoints_and_skip_steps_need_step_numbers():
+    from rlhf.config.loader import load_config
+    from rlhf.config.schema import ConfigError, SFTRunConfig
+
+    base = ["model.path=m", "data.train_path=d.jsonl"]
+    with pytest.raises(ConfigError, match=r"^health\.action is skip, which needs train\.save_every > 0"):
+        load_config(SFTRunConfig, None, base + ["health.action=skip"])
+    assert load_config(SFTRunConfig, None, base + ["health.action=skip", "train.save_every=5"]).health.action == "skip"
+    with pytest.raises(ConfigError, match=r"^train\.skip_steps must be step numbers >= 1, got \[3, 0\]"):
+        load_config(SFTRunConfig, None, base + ["train.skip_steps=[3,0]"])
+
+
 def test_stop_raises_and_warn_reports():
     row = {"step": 4, "loss": math.nan}
-    with pytest.raises(TrainingHealthError, match=r"health guard: step 4: loss = nan .*newest checkpoint"):
+    with pytest.raises(TrainingHealthError, match=r"health guard: step 4: loss = nan .*newest checkpoint") as caught:
         check_health(HealthGuard(("loss",)), "stop", row)
+    assert caught.value.step == 4
+    with pytest.raises(TrainingHealthError, match=r"^health guard: step 4: loss = nan \(not finite\)$") as caught:
+        check_health(HealthGuard(("loss",)), "skip", row)  # the runner rewinds and skips step 4
+    assert caught.value.step == 4
     said = []
     check_health(HealthGuard(("loss",)), "warn", row, say=said.append)
     assert said == ["[health] warning: step 4: loss = nan (not finite)"]
@@ -84,6 +122,45 @@ def test_a_diverging_run_stops_naming_step_and_metric_and_keeps_the_last_good_ch
     assert tripped >= 2  # step 1 is healthy: there is a good state to keep
     assert Checkpoints(str(out), keep=1).latest()[1]["step"] == tripped - 1
     assert not (out / "final").exists()
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_skip_rewinds_and_ends_bit_identical_to_a_run_told_to_skip_those_steps(tiny_model, sft_data, tmp_path,
+                                                                                capsys):
+    """health.action=skip with a hair-trigger spike limit trips on ordinary steps: each trip rewinds the live
+    actors to the newest checkpoint, replays to the tripping step and passes over it. The run must end exactly as
+    a run given those steps in train.skip_steps from the start (no guard): same rows, same weights."""
+    from safetensors.torch import load_file
+
+    from rlhf.config.loader import load_config
+    from rlhf.config.schema import SFTRunConfig
+    from rlhf.trainers.sft import train_sft
+
+    def run(name, *extra):
+        out = tmp_path / name
+        cfg = load_config(SFTRunConfig, None, [
+            f"model.path={tiny_model}", f"data.train_path={sft_data}", f"train.output_dir={out}",
+            "train.global_batch_size=4", "train.micro_batch_size=2", "train.max_epochs=3", "train.lr=1e-3",
+            "train.save_every=3", "logging.tensorboard=false", *extra])
+        result = train_sft(cfg)
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k != "step_time_s"} for r in rows], result
+
+    guarded, guarded_result = run("guarded", "health.action=skip", "health.spike_factor=1.05", "health.spike_window=5")
+    said = capsys.readouterr().out
+    skipped = [r["step"] for r in guarded if r.get("skipped")]
+    assert skipped, "the hair-trigger guard never tripped: the test exercises nothing"
+    assert [r["step"] for r in guarded] == list(range(1, 16))  # every step once, replays not duplicated
+    for step in skipped:
+        assert re.search(rf"\[health\] health guard: step {step}: grad_norm = .*rewound to the checkpoint of step "
+                         rf"\d+, step {step} will be skipped", said)
+        assert guarded[step - 1] == {"step": step, "epoch": guarded[step - 1]["epoch"], "skipped": 1}
+
+    told, told_result = run("told", "health.action=off", f"train.skip_steps=[{','.join(map(str, skipped))}]")
+    assert told == guarded
+    a = load_file(os.path.join(guarded_result.final_dir, "model.safetensors"))
+    b = load_file(os.path.join(told_result.final_dir, "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_cli_reports_a_tripped_guard_in_one_line_with_exit_code_1(monkeypatch, capsys):

@@ -100,12 +100,15 @@ def test_ray_job_submit_against_a_locally_started_head(tiny_model, sft_data, tmp
     bin_dir = Path(sys.executable).parent
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_AUTH_MODE"] = "token"  # Ray 2.60 heads use token auth; the job client must send the token
-    gcs, dashboard = _free_port(), _free_port()
+    gcs, dashboard, agent = _free_port(), _free_port(), _free_port()
     # Its own temp dir (short: Ray's socket paths have a length limit), so that this head does not become the
     # machine's "current cluster" that a later plain `ray.init()` would try to join.
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")
     head = subprocess.Popen([str(bin_dir / "ray"), "start", "--head", "--block", f"--port={gcs}",
                              f"--dashboard-port={dashboard}", "--num-cpus=3", "--include-dashboard=true",
+                             # not the default 52365, which the tests' own local cluster's agent already holds:
+                             # the job API would answer, with no agent to run the job ("No available agent")
+                             f"--dashboard-agent-listen-port={agent}",
                              "--disable-usage-stats", f"--temp-dir={temp_dir}"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True, text=True)
     out = tmp_path / "job-run"
@@ -117,12 +120,11 @@ def test_ray_job_submit_against_a_locally_started_head(tiny_model, sft_data, tmp
             if probe.returncode == 0:
                 break
             time.sleep(1)
-        job = subprocess.run(
-            [str(bin_dir / "ray"), "job", "submit", "--address", address, "--", sys.executable, "-m",
-             "rlhf.cli.train_sft", f"model.path={tiny_model}", f"data.train_path={sft_data}",
-             f"train.output_dir={out}", "train.global_batch_size=4", "train.micro_batch_size=2", "train.max_steps=3",
-             "logging.tensorboard=false"],
-            env=env, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
+        submit = [str(bin_dir / "ray"), "job", "submit", "--address", address, "--", sys.executable, "-m",
+                  "rlhf.cli.train_sft", f"model.path={tiny_model}", f"data.train_path={sft_data}",
+                  f"train.output_dir={out}", "train.global_batch_size=4", "train.micro_batch_size=2",
+                  "train.max_steps=3", "logging.tensorboard=false"]
+        job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
         assert job.returncode == 0, (job.stdout[-3000:], job.stderr[-3000:])
         assert "succeeded" in job.stdout + job.stderr
         assert (out / "final" / "model.safetensors").is_file()

@@ -153,6 +153,7 @@ class RLRunConfig(_RunConfig):
     colocate: ColocateConfig = field(default_factory=ColocateConfig)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         samples, gb = self.rollout.samples_per_step, self.train.global_batch_size
         _check(samples >= gb, "train.global_batch_size",
                f"({gb}) must not exceed the rollout batch, rollout.prompts_per_step x rollout.n_samples_per_prompt "

@@ -89,6 +89,8 @@ class TrainConfig:
     stop_after_steps: int = 0  # stop after N steps of this invocation, with a checkpoint (job time limits); 0 = off
     on_failure: str = "exit"  # a dead or failing actor: exit (code 1, checkpoints intact) | restart (from the last one)
     max_restarts: int = 3  # with on_failure=restart: restarts allowed per invocation
+    # Passed over: no forward, no update, the LR schedule waits; a row {"step": N, "skipped": 1} is logged.
+    skip_steps: Tuple[int, ...] = ()  # steps (RL: RL steps) whose batch is consumed but not trained on
 
     def __post_init__(self) -> None:
         for key in ("global_batch_size", "micro_batch_size", "num_workers", "max_epochs", "keep_checkpoints"):
@@ -112,6 +114,8 @@ class TrainConfig:
                "=restart needs train.save_every > 0: a restart continues from the last checkpoint")
         for key in ("eval_every", "save_every", "stop_after_steps", "max_restarts"):
             _check(getattr(self, key) >= 0, f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
+        _check(all(s >= 1 for s in self.skip_steps), "train.skip_steps",
+               f"must be step numbers >= 1, got {list(self.skip_steps)}")
 
     @property
     def grad_accum_steps(self) -> int:
@@ -173,13 +177,15 @@ class LoggingConfig:
 class HealthConfig:
     """The training health guard (rlhf/trainers/health.py): checks every step's logged metrics."""
 
-    action: str = "stop"  # stop (exit 1, naming step, metric, value) | warn (print and go on) | off
+    action: str = "stop"  # stop (exit 1) | skip (rewind to the newest checkpoint, pass over the step) | warn | off
     zero_loss_steps: int = 3  # loss or grad norm exactly 0 this many steps in a row trips it (0 = off; not in RL)
     spike_factor: float = 10.0  # grad norm above this x its running median trips it (0 = off)
     spike_window: int = 20  # steps in the running median
+    max_skips: int = 5  # with action=skip: steps it may pass over per invocation before it stops instead
 
     def __post_init__(self) -> None:
-        _choice(self.action, "health.action", ("stop", "warn", "off"))
+        _choice(self.action, "health.action", ("stop", "skip", "warn", "off"))
+        _check(self.max_skips >= 1, "health.max_skips", f"must be >= 1, got {self.max_skips}")
         _check(self.zero_loss_steps >= 0, "health.zero_loss_steps", f"must be >= 0, got {self.zero_loss_steps}")
         _check(self.spike_factor == 0 or self.spike_factor > 1, "health.spike_factor",
                f"must be 0 (off) or > 1, got {self.spike_factor}")
@@ -228,6 +234,10 @@ class _RunConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.health.action != "skip" or self.train.save_every > 0, "health.action",
+               "is skip, which needs train.save_every > 0: a skip rewinds to the newest checkpoint")
 
 
 @dataclass(frozen=True)

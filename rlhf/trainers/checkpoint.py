@@ -91,21 +91,6 @@ def load_groups(path: str, groups: Dict[str, object]) -> None:
         group.load_checkpoint(directory)
 
 
-def truncate_jsonl(path: str, last_step: int) -> int:
-    """Keep the rows of a metrics file with ``step <= last_step`` (a resumed run re-logs the later ones); returns
-    the number of rows kept. A missing file is left missing."""
-    if not os.path.isfile(path):
-        return 0
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
-    return len(kept)
-
-
 class RunCheckpoints:
     """``train.save_every`` / ``keep_checkpoints`` / ``resume`` / ``stop_after_steps`` for one run.
 
@@ -146,19 +131,31 @@ class RunCheckpoints:
         self._resume_from = (path, int(state["step"]))
         return self._resume_from[1]
 
-    def restore(self, groups: Dict[str, object], metric_files: Tuple[str, ...] = ("metrics.jsonl", "eval.jsonl")
-                ) -> int:
-        """Load the checkpoint :meth:`prepare` found into ``groups`` and cut the metric files back to its step;
-        returns the number of steps already done (0 for a fresh start)."""
+    def restore(self, groups: Dict[str, object]) -> int:
+        """Load the checkpoint :meth:`prepare` found into ``groups``; returns the number of steps already done (0
+        for a fresh start). The metric writers cut their files back to that step (``RunWriters``)."""
         if self._resume_from is None:
             return 0
         path, done = self._resume_from
         load_groups(path, groups)
         self.started_after = done
-        for filename in metric_files:
-            truncate_jsonl(os.path.join(self.train.output_dir, filename), done)
         print(f"[{self.name}] resumed from {path} (step {done})", flush=True)
         return done
+
+    def save_start(self, groups: Dict[str, object]) -> None:
+        """Checkpoint the starting state as step 0 unless a checkpoint exists: a health-guard skip before the
+        first ``save_every`` checkpoint then has a state to rewind to."""
+        if self.store.latest() is None:
+            self.store.save(0, groups, {"identity": self.identity})
+
+    def rewind(self, groups: Dict[str, object]) -> int:
+        """Load the newest complete checkpoint into the live ``groups``; returns its step."""
+        found = self.store.latest()
+        if found is None:
+            raise FileNotFoundError(f"no checkpoint under {self.store.root} to rewind to")
+        path, state = found
+        load_groups(path, groups)
+        return int(state["step"])
 
     def after_step(self, step: int, total_steps: int, groups: Dict[str, object]) -> bool:
         """Checkpoint when due; True when the run should stop here (``train.stop_after_steps``)."""

@@ -8,7 +8,12 @@ Checked after every step, on the driver, from the logged metrics:
 * the grad norm above ``spike_factor`` times its running median over the last ``spike_window`` steps.
 
 ``health.action=stop`` raises :class:`TrainingHealthError` naming the step, the metric and the value. The guard
-runs before the step's checkpoint is written, so the newest checkpoint is the last good state.
+runs before the step's checkpoint is written, so the newest checkpoint is the last good state. With
+``health.action=skip`` the same error carries the step to the runner, which rewinds to that checkpoint and passes
+over the step (``rlhf.trainers.runner.train_with_rewinds``).
+
+The guard's state (running median, zero streaks) is a function of the logged rows alone: a resumed or rewound
+run rebuilds it from ``metrics.jsonl`` (:meth:`HealthGuard.observe`), so it decides as the uninterrupted run would.
 """
 from __future__ import annotations
 
@@ -19,7 +24,11 @@ from typing import Deque, Optional, Sequence
 
 
 class TrainingHealthError(RuntimeError):
-    """A run stopped by the health guard; the message names the step, metric and value."""
+    """A run stopped by the health guard; the message names the step, metric and value; ``step`` is the step."""
+
+    def __init__(self, message: str, step: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class HealthGuard:
@@ -42,8 +51,16 @@ class HealthGuard:
         self._history: Deque[float] = deque(maxlen=spike_window)
         self._zeros = {key: 0 for key in (zero_loss_key, spike_key) if key is not None}
 
+    def observe(self, rows: Sequence[dict]) -> None:
+        """Take in the rows of steps already done (a resumed or rewound run) without judging them."""
+        for row in rows:
+            self.problem(row)
+
     def problem(self, row: dict) -> Optional[str]:
-        """What is wrong with this step's metrics, or ``None``; updates the running statistics."""
+        """What is wrong with this step's metrics, or ``None``; updates the running statistics. A skipped step
+        (``"skipped"`` in the row) trained nothing: it is neither judged nor counted."""
+        if row.get("skipped"):
+            return None
         step = row.get("step")
         for key in self.watch:
             value = row.get(key)
@@ -60,7 +77,7 @@ class HealthGuard:
             if len(self._history) >= self.min_history:
                 median = statistics.median(self._history)
                 if median > 0 and value > self.spike_factor * median:
-                    return (f"step {step}: {self.spike_key} = {value:.4g} is {value / median:.1f}x the running "
+                    return (f"step {step}: {self.spike_key} = {value:.4g} is {value / median:.3g}x the running "
                             f"median {median:.4g} of the last {len(self._history)} steps (limit "
                             f"{self.spike_factor:g}x)")
             self._history.append(float(value))
@@ -76,7 +93,7 @@ def guard_from_config(health, watch: Sequence[str], zero_loss_key: Optional[str]
 
 
 def check_health(guard: Optional[HealthGuard], action: str, row: dict, say=print) -> None:
-    """Apply ``guard`` to a logged row: raise (``stop``) or print a warning (``warn``)."""
+    """Apply ``guard`` to a logged row: raise (``stop``, ``skip``: the runner rewinds) or print (``warn``)."""
     if guard is None:
         return
     problem = guard.problem(row)
@@ -84,5 +101,7 @@ def check_health(guard: Optional[HealthGuard], action: str, row: dict, say=print
         return
     if action == "stop":
         raise TrainingHealthError(f"health guard: {problem}; stopped (health.action=stop), the newest checkpoint "
-                                  f"is the last good state")
+                                  f"is the last good state", step=row.get("step"))
+    if action == "skip":
+        raise TrainingHealthError(f"health guard: {problem}", step=row.get("step"))
     say(f"[health] warning: {problem}")

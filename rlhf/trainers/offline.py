@@ -15,14 +15,14 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, FrozenSet, List, Optional, Sequence
 
 from rlhf.batch import Batch
 from rlhf.config.deepspeed_check import check_user_config
 from rlhf.config.schema import ConfigError
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.objectives.base import Objective, Sums, add_sums
-from rlhf.utils.metrics import MetricsWriter, Progress, format_row
+from rlhf.utils.metrics import SKIPPED_NOTE, MetricsWriter, Progress, format_row, skipped_row
 
 Collate = Callable[[Sequence[int]], Batch]
 
@@ -107,54 +107,80 @@ def evaluate(task: OfflineTask, policy, micro_batch_size: int) -> dict:
 def run_steps(task: OfflineTask, policy, plan: EpochPlan, train_cfg, writer: MetricsWriter,
               print_every: int = 1, eval_writer: Optional[MetricsWriter] = None, start_after: int = 0,
               after_step: Optional[Callable[[StepPlan], bool]] = None, progress_bar: Optional[bool] = None,
-              check_row: Optional[Callable[[dict], None]] = None) -> dict:
+              check_row: Optional[Callable[[dict], None]] = None, skip_steps: FrozenSet[int] = frozenset()) -> dict:
     """The optimizer-step loop from step ``start_after + 1``; returns the last step's metrics.
 
-    ``check_row(row)`` (the health guard) sees every logged row and may raise before the step is checkpointed;
+    ``skip_steps`` are passed over (no forward, no update; a ``skipped`` row is logged). ``check_row(row)`` (the
+    health guard) sees every trained step's row and may raise before the step is checkpointed;
     ``after_step(step)`` runs next (checkpointing); returning True stops the loop there.
     """
     progress = Progress(plan.total_steps, start_after, progress_bar, desc=task.name)
+    loop = _StepLoop(task, policy, plan, train_cfg, writer, print_every, eval_writer, progress)
     try:
-        return _step_loop(task, policy, plan, train_cfg, writer, print_every, eval_writer, start_after, after_step,
-                          progress, check_row)
+        return loop.run(start_after, after_step, check_row, skip_steps)
     finally:
         progress.close()
 
 
-def _step_loop(task, policy, plan, train_cfg, writer, print_every, eval_writer, start_after, after_step,
-               progress: Progress, check_row) -> dict:
-    last: dict = {}
-    for step in plan.steps():
-        if step.step <= start_after:  # done before a resume: the plan is a pure function of the seed
-            continue
+@dataclass
+class _StepLoop:
+    task: OfflineTask
+    policy: object
+    plan: EpochPlan
+    train_cfg: object
+    writer: MetricsWriter
+    print_every: int
+    eval_writer: Optional[MetricsWriter]
+    progress: Progress
+
+    def run(self, start_after: int, after_step, check_row, skip_steps: FrozenSet[int]) -> dict:
+        last: dict = {}
+        for step in self.plan.steps():
+            if step.step <= start_after:  # done before a resume: the plan is a pure function of the seed
+                continue
+            if step.step in skip_steps:
+                last = self._log(skipped_row(step.step, step.epoch), step, SKIPPED_NOTE)
+            else:
+                last = self._log(self._train(step), step)
+                if check_row is not None:
+                    check_row(last)
+            self._maybe_evaluate(step)
+            if after_step is not None and after_step(step):
+                break
+        return last
+
+    def _train(self, step: StepPlan) -> dict:
+        task, t = self.task, self.train_cfg
         started = time.perf_counter()
-        shards = micro_batches(step, task.collate, train_cfg.num_workers, train_cfg.micro_batch_size)
+        shards = micro_batches(step, task.collate, t.num_workers, t.micro_batch_size)
         if task.prepare is not None:
             shards = task.prepare(shards)
         normalizer = sum(task.objective.count(mb) for rank in shards for mb in rank)
-        results = policy.train_step(shards, task.objective, normalizer)
+        results = self.policy.train_step(shards, task.objective, normalizer)
         sums: Sums = {}
         for result in results:
             sums = add_sums(sums, result.sums)
-        row = {"step": step.step, "epoch": step.epoch, **task.objective.finalize(sums, normalizer),
-               "grad_norm": results[0].grad_norm, "lr": results[0].lr, "num_samples": len(step.indices),
-               "step_time_s": round(time.perf_counter() - started, 4)}
-        writer.log(row)
-        progress.advance(step.step)
-        if step.step % print_every == 0 or step.step == plan.total_steps:
-            progress.print(f"[{task.name}] step {step.step}/{plan.total_steps} epoch {step.epoch} "
-                           + format_row(row, task.console_keys) + f" ({progress.eta()})")
-        if check_row is not None:
-            check_row(row)
-        last = row
-        if eval_writer is not None and (step.step == plan.total_steps or
-                                        (train_cfg.eval_every and step.step % train_cfg.eval_every == 0)):
-            metrics = evaluate(task, policy, train_cfg.micro_batch_size)
-            eval_writer.log({"step": step.step, "epoch": step.epoch, **metrics})
-            progress.print(f"[{task.name}] eval at step {step.step}: " + format_row(metrics, task.console_keys))
-        if after_step is not None and after_step(step):
-            break
-    return last
+        return {"step": step.step, "epoch": step.epoch, **task.objective.finalize(sums, normalizer),
+                "grad_norm": results[0].grad_norm, "lr": results[0].lr, "num_samples": len(step.indices),
+                "step_time_s": round(time.perf_counter() - started, 4)}
+
+    def _log(self, row: dict, step: StepPlan, note: str = "") -> dict:
+        self.writer.log(row)
+        self.progress.advance(step.step)
+        total = self.plan.total_steps
+        if step.step % self.print_every == 0 or step.step == total or note:
+            self.progress.print(f"[{self.task.name}] step {step.step}/{total} epoch {step.epoch} "
+                                + (note or format_row(row, self.task.console_keys)) + f" ({self.progress.eta()})")
+        return row
+
+    def _maybe_evaluate(self, step: StepPlan) -> None:
+        every = self.train_cfg.eval_every
+        if self.eval_writer is None or not (step.step == self.plan.total_steps or (every and step.step % every == 0)):
+            return
+        metrics = evaluate(self.task, self.policy, self.train_cfg.micro_batch_size)
+        self.eval_writer.log({"step": step.step, "epoch": step.epoch, **metrics})
+        self.progress.print(f"[{self.task.name}] eval at step {step.step}: "
+                            + format_row(metrics, self.task.console_keys))
 
 
 def save_final(policy, tokenizer, output_dir: str) -> str:

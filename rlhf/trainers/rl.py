@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, FrozenSet, List, Optional
 
 import torch
 
@@ -21,7 +21,8 @@ from rlhf.batch import Batch
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.objectives.base import add_sums
 from rlhf.trainers.rl_experience import PromptSet, advantages_for, logp_mismatch, rollout_batch
-from rlhf.utils.metrics import ConsoleTable, MetricsWriter, Progress, format_row, progress_bar_setting
+from rlhf.utils.metrics import (SKIPPED_NOTE, ConsoleTable, MetricsWriter, Progress, format_row,
+                                progress_bar_setting, skipped_row)
 
 CONSOLE_KEYS = ("reward_mean", "accuracy", "kl", "policy_loss", "value_loss", "entropy", "clip_frac",
                 "response_length", "logp_mismatch", "samples_per_s")
@@ -55,57 +56,70 @@ class RLActors:
 class RLTrainer:
     def __init__(self, cfg, tokenizer, prompts: PromptSet, plan: EpochPlan, actors: RLActors, scorer,
                  policy_objective, value_objective, writer: MetricsWriter,
-                 eval_prompts: Optional[PromptSet] = None, eval_writer: Optional[MetricsWriter] = None,
-                 check_row: Optional[Callable[[dict], None]] = None) -> None:
+                 eval_prompts: Optional[PromptSet] = None, eval_writer: Optional[MetricsWriter] = None) -> None:
         self.cfg, self.tokenizer, self.prompts, self.plan = cfg, tokenizer, prompts, plan
         self.actors, self.scorer, self.writer = actors, scorer, writer
         self.eval_prompts, self.eval_writer = eval_prompts, eval_writer
-        self.check_row = check_row  # the health guard; may raise before the step is checkpointed
         self.policy_objective, self.value_objective = policy_objective, value_objective
         columns = [c for c in TABLE_COLUMNS if c[0] != "value_loss" or actors.critic is not None]
         self.table = ConsoleTable(columns) if cfg.logging.console == "table" else None
         self.progress: Optional[Progress] = None  # while fit() runs
+        self._fits = 0  # fit() calls so far; before the first, the engines hold model.path's weights
 
     # ---------------------------------------------------------------------------------------- the loop
-    def fit(self, start_after: int = 0, after_step: Optional[Callable[[int], bool]] = None) -> dict:
-        """RL steps ``start_after + 1 ..``; ``after_step(step)`` runs after each (checkpointing) and may stop."""
+    def fit(self, start_after: int = 0, after_step: Optional[Callable[[int], bool]] = None,
+            skip_steps: FrozenSet[int] = frozenset(), check_row: Optional[Callable[[dict], None]] = None) -> dict:
+        """RL steps ``start_after + 1 ..``; returns the last step's row.
+
+        ``skip_steps``: steps passed over (no rollout, no update; a ``skipped`` row is logged). ``check_row(row)``
+        (the health guard) sees each step's row and may raise before ``after_step(step)`` (checkpointing), which
+        may stop the loop. A later call (a rewind to a checkpoint) continues from the policy's state then.
+        """
         self.progress = Progress(self.plan.total_steps, start_after,
                                  progress_bar_setting(self.cfg.logging.progress_bar), desc="rl")
         try:
-            return self._fit(start_after, after_step)
+            return self._fit(start_after, after_step, skip_steps, check_row)
         finally:
             self.progress.close()
+            self._fits += 1
 
-    def _fit(self, start_after: int, after_step: Optional[Callable[[int], bool]]) -> dict:
+    def _fit(self, start_after: int, after_step, skip_steps: FrozenSet[int], check_row) -> dict:
         last: dict = {}
-        if start_after == 0:
+        if start_after == 0 and self._fits == 0:
             self.maybe_evaluate(0)  # the starting point, on the same held-out samples as every later evaluation
         else:
-            self.push_weights()  # the engines started from model.path; give them the resumed policy
+            self.push_weights()  # the engines hold model.path (resume) or a later step's weights (rewind)
         for step in self.plan.steps():
             if step.step <= start_after:  # done before a resume: prompts and seeds are functions of the step
                 continue
-            timer = StageTimer()
-            with timer("generate"):
-                generations, prompt_index = self.generate(step)
-                self.actors.engines.sleep()  # hybrid engine on GPUs: hand the devices to training
-            batch = rollout_batch(generations, self.tokenizer.pad_token_id)
-            with timer("score"):
-                scores, per_source = self.score(generations, batch, prompt_index, self.prompts)
-            with timer("logprobs"):
-                batch = self.annotate(batch)
-            batch, kl_stats = self.advantages(batch, scores, prompt_index)
-            with timer("train"):
-                train_stats = self.update(batch, step.step)
-            with timer("sync"):
-                sync = self.push_weights()
-            last = self.log(step, scores, per_source, batch, {**train_stats, **kl_stats}, sync, timer)
-            if self.check_row is not None:
-                self.check_row(last)
+            if step.step in skip_steps:
+                last = self.log_skipped(step)
+            else:
+                last = self.run_step(step)
+                if check_row is not None:
+                    check_row(last)
             self.maybe_evaluate(step.step)
             if after_step is not None and after_step(step.step):
                 break
         return last
+
+    def run_step(self, step: StepPlan) -> dict:
+        """One RL step (the module docstring's pipeline); returns its logged row."""
+        timer = StageTimer()
+        with timer("generate"):
+            generations, prompt_index = self.generate(step)
+            self.actors.engines.sleep()  # hybrid engine on GPUs: hand the devices to training
+        batch = rollout_batch(generations, self.tokenizer.pad_token_id)
+        with timer("score"):
+            scores, per_source = self.score(generations, batch, prompt_index, self.prompts)
+        with timer("logprobs"):
+            batch = self.annotate(batch)
+        batch, kl_stats = self.advantages(batch, scores, prompt_index)
+        with timer("train"):
+            train_stats = self.update(batch, step.step)
+        with timer("sync"):
+            sync = self.push_weights()
+        return self.log(step, scores, per_source, batch, {**train_stats, **kl_stats}, sync, timer)
 
     # ---------------------------------------------------------------------------------------- stages
     def generate(self, step: StepPlan):
@@ -258,6 +272,13 @@ class RLTrainer:
             else:
                 self._say(f"[rl] step {step.step}/{self.plan.total_steps} " + format_row(row, CONSOLE_KEYS)
                           + (f" ({self.progress.eta()})" if self.progress else ""))
+        return row
+
+    def log_skipped(self, step: StepPlan) -> dict:
+        row = skipped_row(step.step, step.epoch)
+        self.writer.log(row)
+        self.progress.advance(step.step)
+        self._say(f"[rl] step {step.step}/{self.plan.total_steps} {SKIPPED_NOTE}")
         return row
 
 

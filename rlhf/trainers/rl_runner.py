@@ -14,11 +14,13 @@ from rlhf.trainers.checkpoint import RunCheckpoints
 from rlhf.trainers.offline import RunResult, check_paths, load_tokenizer
 from rlhf.trainers.rl import RLActors, RLTrainer
 from rlhf.trainers.rl_experience import prepare_prompts
-from rlhf.trainers.runner import finish_run, health_check, optim_spec, run_identity, start_cluster, with_restarts
+from rlhf.trainers.health import guard_from_config
+from rlhf.trainers.runner import (check_skip_steps, finish_run, optim_spec, run_identity, start_cluster,
+                                  train_with_rewinds, with_restarts)
+from rlhf.utils.metrics import RunWriters
 
 # Metrics the health guard keeps finite. No zero-loss check: an RL step whose groups all tie has a zero loss.
 RL_WATCHED = ("policy_loss", "grad_norm", "kl", "value_loss", "critic_grad_norm", "reward_mean")
-from rlhf.utils.metrics import RunWriters
 
 
 def _objectives(cfg: RLRunConfig):
@@ -176,6 +178,7 @@ def _train_rl_once(cfg: RLRunConfig) -> RunResult:
     print(f"[rl] {len(prompts.prompt_ids)} prompts ({prompts.skipped} skipped, {prompts.truncated} truncated), "
           f"{plan.total_steps} RL steps x {r.samples_per_step} samples, {optimizer_steps} optimizer steps; "
           f"{cfg.algo.advantage_estimator} / {cfg.algo.policy_loss}", flush=True)
+    check_skip_steps(t, plan.total_steps)
     checkpoints = RunCheckpoints(t, _identity(cfg, plan), "rl")
     checkpoints.prepare()  # a checkpoint of another run fails here, before anything is written or started
     os.makedirs(t.output_dir, exist_ok=True)
@@ -187,13 +190,14 @@ def _train_rl_once(cfg: RLRunConfig) -> RunResult:
         _write_placement(actors, t.output_dir)
         trained = {"policy": actors.policy, **({"critic": actors.critic} if actors.critic is not None else {})}
         done = checkpoints.restore(trained)
-        writers = RunWriters(cfg, append=done > 0, with_eval=eval_prompts is not None)
+        writers = RunWriters(cfg, resume_after=done or None, with_eval=eval_prompts is not None)
         policy_objective, value_objective = _objectives(cfg)
         trainer = RLTrainer(cfg, tokenizer, prompts, plan, actors, scorer, policy_objective, value_objective,
-                            writers.metrics, eval_prompts=eval_prompts, eval_writer=writers.eval,
-                            check_row=health_check(cfg, watch=RL_WATCHED, zero_loss_key=None))
-        last = trainer.fit(start_after=done,
-                           after_step=lambda step: checkpoints.after_step(step, plan.total_steps, trained))
+                            writers.metrics, eval_prompts=eval_prompts, eval_writer=writers.eval)
+        after_step = lambda step: checkpoints.after_step(step, plan.total_steps, trained)  # noqa: E731
+        last = train_with_rewinds(
+            cfg, checkpoints, trained, writers, done, lambda: guard_from_config(cfg.health, RL_WATCHED, None),
+            lambda start_after, skip_steps, check_row: trainer.fit(start_after, after_step, skip_steps, check_row))
         return finish_run(checkpoints, actors.policy, tokenizer, t, plan.total_steps, last, "rl")
     finally:
         if writers is not None:

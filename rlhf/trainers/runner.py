@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from typing import Callable, Dict, FrozenSet, Optional
 
 from rlhf.config.deepspeed_check import check_user_config
 from rlhf.config.loader import save_config
@@ -11,8 +11,8 @@ from rlhf.data.plan import EpochPlan
 from rlhf.trainers.offline import (RunContext, RunResult, check_paths, describe_plan, load_tokenizer,
                                    run_steps, save_final)
 from rlhf.trainers.checkpoint import RunCheckpoints
-from rlhf.trainers.health import check_health, guard_from_config
-from rlhf.utils.metrics import RunWriters, progress_bar_setting
+from rlhf.trainers.health import HealthGuard, TrainingHealthError, check_health, guard_from_config
+from rlhf.utils.metrics import RunWriters, progress_bar_setting, read_rows
 
 # (cfg, tokenizer) -> (task, skipped_rows); reads and tokenizes data, starts nothing.
 TaskBuilder = Callable[[object, object], tuple]
@@ -51,6 +51,7 @@ def _run_offline_once(cfg, build_task: TaskBuilder, policy_role: str) -> RunResu
     plan = EpochPlan(num_samples=task.num_examples, global_batch_size=t.global_batch_size, max_epochs=t.max_epochs,
                      max_steps=t.max_steps, seed=t.seed)
     print(describe_plan(task, plan, t, len(skipped)), flush=True)
+    check_skip_steps(t, plan.total_steps)
     checkpoints = RunCheckpoints(t, run_identity(cfg, plan), task.name)
     checkpoints.prepare()  # a checkpoint of another run fails here, before anything is written or started
     os.makedirs(t.output_dir, exist_ok=True)
@@ -67,11 +68,16 @@ def _run_offline_once(cfg, build_task: TaskBuilder, policy_role: str) -> RunResu
             task.attach(task, ctx)
         trained = {"policy": policy}
         done = checkpoints.restore(trained)
-        writers = RunWriters(cfg, append=done > 0, with_eval=bool(task.eval_num_examples))
-        last = run_steps(task, policy, plan, t, writers.metrics, cfg.logging.print_every, writers.eval,
-                         start_after=done, progress_bar=progress_bar_setting(cfg.logging.progress_bar),
-                         check_row=health_check(cfg, watch=("loss", "grad_norm"), zero_loss_key="loss"),
-                         after_step=lambda step: checkpoints.after_step(step.step, plan.total_steps, trained))
+        writers = RunWriters(cfg, resume_after=done or None, with_eval=bool(task.eval_num_examples))
+
+        def train_from(start_after: int, skip_steps, check_row) -> dict:
+            return run_steps(task, policy, plan, t, writers.metrics, cfg.logging.print_every, writers.eval,
+                             start_after=start_after, progress_bar=progress_bar_setting(cfg.logging.progress_bar),
+                             check_row=check_row, skip_steps=skip_steps,
+                             after_step=lambda step: checkpoints.after_step(step.step, plan.total_steps, trained))
+
+        guard = lambda: guard_from_config(cfg.health, ("loss", "grad_norm"), zero_loss_key="loss")  # noqa: E731
+        last = train_with_rewinds(cfg, checkpoints, trained, writers, done, guard, train_from)
         return finish_run(checkpoints, policy, tokenizer, t, plan.total_steps, last, task.name)
     finally:
         if writers is not None:
@@ -92,10 +98,49 @@ def finish_run(checkpoints: RunCheckpoints, policy, tokenizer, t, total_steps: i
     return RunResult(output_dir=t.output_dir, steps=total_steps, final_metrics=last, final_dir=final_dir)
 
 
-def health_check(cfg, watch, zero_loss_key):
-    """The health guard of ``cfg.health`` as a row check (``None`` when off)."""
-    guard = guard_from_config(cfg.health, watch, zero_loss_key)
-    return None if guard is None else (lambda row: check_health(guard, cfg.health.action, row))
+def train_with_rewinds(cfg, checkpoints: RunCheckpoints, trained: Dict[str, object], writers: RunWriters,
+                       done: int, make_guard: Callable[[], Optional[HealthGuard]],
+                       train_from: Callable[[int, FrozenSet[int], Optional[Callable[[dict], None]]], dict]) -> dict:
+    """``train_from(start_after, skip_steps, check_row)`` from step ``done + 1``, under the health guard; returns
+    the last step's row.
+
+    With ``health.action=skip``, a guard that trips at step ``k`` does not end the run: the ``trained`` groups are
+    loaded from the newest checkpoint (step ``c < k``: the guard runs before a step's checkpoint), the metric
+    files go back to ``c``, ``k`` joins the skipped steps, and training goes on from ``c + 1``. Steps ``c+1 ..
+    k-1`` replay exactly, so the run ends as one started with ``k`` in ``train.skip_steps`` (the large-run recipe
+    of rewinding past a loss spike and skipping its data, Chowdhery et al. 2022, PaLM sec. 5.1).
+    """
+    h = cfg.health
+    skip_steps = set(cfg.train.skip_steps)
+    if h.action == "skip":
+        checkpoints.save_start(trained)  # a trip before the first save_every checkpoint rewinds to the start
+    skipped_here = 0
+    while True:
+        guard = make_guard()
+        if guard is not None:  # decide as the uninterrupted run would: its statistics from the rows kept
+            guard.observe(read_rows(writers.metrics.path, done))
+        check_row = None if guard is None else (lambda row, g=guard: check_health(g, h.action, row))
+        try:
+            return train_from(done, frozenset(skip_steps), check_row)
+        except TrainingHealthError as exc:
+            if h.action != "skip" or exc.step is None:
+                raise
+            if skipped_here >= h.max_skips:
+                raise TrainingHealthError(f"{exc}; stopped: health.max_skips={h.max_skips} steps were skipped "
+                                          f"already", step=exc.step) from None
+            skipped_here += 1
+            done = checkpoints.rewind(trained)
+            writers.rewind(done)
+            skip_steps.add(exc.step)
+            print(f"[health] {exc}; rewound to the checkpoint of step {done}, step {exc.step} will be skipped "
+                  f"(health.action=skip, {skipped_here}/{h.max_skips})", flush=True)
+
+
+def check_skip_steps(t, total_steps: int) -> None:
+    """``train.skip_steps`` must name steps of the run (before any actor starts)."""
+    beyond = sorted(s for s in t.skip_steps if s > total_steps)
+    if beyond:
+        raise ConfigError(f"train.skip_steps: {beyond} past the run's last step ({total_steps})")
 
 
 def run_identity(cfg, plan: EpochPlan) -> dict:

@@ -4,25 +4,40 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 
 class MetricsWriter:
     """One JSON line per step into ``output_dir/filename``, and the numbers to TensorBoard and W&B (``wandb``, a
-    :class:`~rlhf.utils.wandb_sink.WandbSink` shared by the run's writers) under ``tb_prefix``."""
+    :class:`~rlhf.utils.wandb_sink.WandbSink` shared by the run's writers) under ``tb_prefix``.
+
+    ``resume_after``: ``None`` starts the file afresh; a step number continues a resumed (or rewound) run: rows of
+    later steps are cut from the file, and TensorBoard drops its events from that step on (``purge_step``), so the
+    re-run steps are not shown twice. W&B keeps the first record of a step (its steps only move forward).
+    """
 
     def __init__(self, output_dir: str, filename: str = "metrics.jsonl", tensorboard: bool = True,
-                 append: bool = False, tb_prefix: str = "", wandb=None) -> None:
+                 resume_after: Optional[int] = None, tb_prefix: str = "", wandb=None) -> None:
         os.makedirs(output_dir, exist_ok=True)
-        self.path = os.path.join(output_dir, filename)
-        self._file = open(self.path, "a" if append else "w", encoding="utf-8")
-        self._tb = None
-        self._wandb = wandb
-        self._prefix = tb_prefix
-        if tensorboard:
+        self.output_dir, self.path = output_dir, os.path.join(output_dir, filename)
+        self._tensorboard, self._wandb, self._prefix = tensorboard, wandb, tb_prefix
+        self._file = self._tb = None
+        self._open(resume_after)
+
+    def _open(self, resume_after: Optional[int]) -> None:
+        if resume_after is not None:
+            truncate_jsonl(self.path, resume_after)
+        self._file = open(self.path, "w" if resume_after is None else "a", encoding="utf-8")
+        if self._tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            purge = None if resume_after is None else resume_after + 1
+            self._tb = SummaryWriter(os.path.join(self.output_dir, "tensorboard"), purge_step=purge)
+
+    def rewind(self, step: int) -> None:
+        """Continue after ``step``: forget what was logged for later steps."""
+        self._close_files()
+        self._open(step)
 
     def log(self, row: Dict[str, Any], step: Optional[int] = None) -> None:
         self._file.write(json.dumps(row, sort_keys=False) + "\n")
@@ -36,18 +51,54 @@ class MetricsWriter:
             self._wandb.log(row, prefix=self._prefix)
 
     def close(self) -> None:
+        self._close_files()
+
+    def _close_files(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
+
+
+def truncate_jsonl(path: str, last_step: int) -> int:
+    """Keep the rows of a metrics file with ``step <= last_step``; returns the number kept. A missing file is left
+    missing. Written to a temporary file and renamed: a crash leaves the old file or the new one."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    return len(kept)
+
+
+SKIPPED_NOTE = "skipped (train.skip_steps or the health guard)"
+
+
+def skipped_row(step: int, epoch: int) -> dict:
+    """The row logged for a step passed over (``train.skip_steps`` or a health-guard skip): nothing trained."""
+    return {"step": step, "epoch": epoch, "skipped": 1}
+
+
+def read_rows(path: str, last_step: Optional[int] = None) -> List[Dict[str, Any]]:
+    """The rows of a metrics file (``[]`` when it does not exist), up to ``last_step`` when given."""
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if last_step is None or r.get("step", 0) <= last_step]
 
 
 class RunWriters:
     """A run's ``metrics.jsonl`` writer and, with held-out data, its ``eval.jsonl`` writer, sharing one W&B run.
 
-    ``append`` continues the files of a resumed run (already cut back to the checkpoint's step).
+    ``resume_after``: the step a resumed run continues after (``None``: a fresh run); see :class:`MetricsWriter`.
     """
 
-    def __init__(self, cfg, append: bool, with_eval: bool) -> None:
+    def __init__(self, cfg, resume_after: Optional[int], with_eval: bool) -> None:
         lg, out = cfg.logging, cfg.train.output_dir
         self.wandb = None
         if lg.wandb:
@@ -55,9 +106,15 @@ class RunWriters:
             from rlhf.utils.wandb_sink import WandbSink
 
             self.wandb = WandbSink(out, lg.wandb_project, lg.wandb_mode, lg.wandb_run_name, config_to_dict(cfg))
-        self.metrics = MetricsWriter(out, tensorboard=lg.tensorboard, append=append, wandb=self.wandb)
-        self.eval = (MetricsWriter(out, "eval.jsonl", tensorboard=lg.tensorboard, append=append, tb_prefix="eval/",
-                                   wandb=self.wandb) if with_eval else None)
+        self.metrics = MetricsWriter(out, tensorboard=lg.tensorboard, resume_after=resume_after, wandb=self.wandb)
+        self.eval = (MetricsWriter(out, "eval.jsonl", tensorboard=lg.tensorboard, resume_after=resume_after,
+                                   tb_prefix="eval/", wandb=self.wandb) if with_eval else None)
+
+    def rewind(self, step: int) -> None:
+        """Go back to just after ``step`` (a health-guard rewind to a checkpoint)."""
+        for writer in (self.metrics, self.eval):
+            if writer is not None:
+                writer.rewind(step)
 
     def close(self) -> None:
         for writer in (self.metrics, self.eval):

@@ -1,0 +1,100 @@
+"""Shared by the offline end-to-end test files (SFT, DPO, reward model): run overrides, metric rows, weight
+comparisons, and plain single-process PyTorch references (no DeepSpeed, no Ray, no project loss code)."""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+
+import torch
+
+
+LOSS_RTOL = 1e-5  # fp32; observed ~1e-7
+ABS_TOL = 1e-5  # for quantities that are ~0 (DPO reward margin at step 1, where policy == reference)
+WEIGHT_RTOL = 1e-3  # Adam turns rounding noise in ~zero gradients (attention k biases) into lr-sized steps
+
+
+def _overrides(model, data, out, gb, mbs, nw, zero, epochs=2, lr=1e-3, extra=()):
+    return [f"model.path={model}", f"data.train_path={data}", f"train.output_dir={out}",
+            f"train.global_batch_size={gb}", f"train.micro_batch_size={mbs}", f"train.num_workers={nw}",
+            f"strategy.zero_stage={zero}", f"train.max_epochs={epochs}", f"train.lr={lr}", "train.seed=7",
+            "train.warmup_steps=1", "data.max_length=64", "logging.tensorboard=false", *extra]
+
+
+def _rows(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _weights(final_dir):
+    from safetensors.torch import load_file
+
+    out = {}
+    for path in glob.glob(os.path.join(final_dir, "*.safetensors")):
+        out.update(load_file(path))
+    return out
+
+
+def _assert_same_runs(runs, keys, tight_steps=None, loose_rtol=1e-3):
+    """Same step count, samples and tokens; ``keys`` equal to float rounding for the first ``tight_steps`` steps
+    (all by default) and to ``loose_rtol`` after that (training dynamics amplify rounding step by step)."""
+    (ref_name, ref_rows), *others = runs.items()
+    for name, rows in others:
+        assert len(rows) == len(ref_rows), f"{name}: {len(rows)} steps vs {len(ref_rows)}"
+        for a, b in zip(ref_rows, rows):
+            assert a["num_samples"] == b["num_samples"] and a["num_tokens"] == b["num_tokens"], (name, a, b)
+            rtol = LOSS_RTOL if tight_steps is None or a["step"] <= tight_steps else loose_rtol
+            for key in keys:
+                assert abs(a[key] - b[key]) <= rtol * abs(a[key]) + ABS_TOL, \
+                    f"{name} step {a['step']} {key}: {a[key]} vs {b[key]}"
+
+
+def _assert_same_weights(dirs):
+    ref = _weights(dirs[0])
+    assert ref, f"no safetensors in {dirs[0]}"
+    for other in dirs[1:]:
+        w = _weights(other)
+        assert set(w) == set(ref)
+        for k in ref:
+            diff = (ref[k].double() - w[k].double()).norm() / max(ref[k].double().norm().item(), 1e-12)
+            assert diff < WEIGHT_RTOL, f"{other} {k}: relative weight difference {diff:.2e}"
+
+
+def _plain_model(path, kind="causal"):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    torch.manual_seed(7)  # same seed as train.seed: the reward head initialises identically
+    if kind == "causal":
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
+                                                                   attn_implementation="eager")
+    return model.train()
+
+
+def _grad_norm(model):
+    return math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
+
+
+def _tokenize_whole(tokenizer, prompt, completion):
+    """Independent of rlhf.data.tokenize: prompt ids, completion ids + EOS."""
+    p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return p, c
+
+
+def _completion_nll_and_count(model, tokenizer, prompt, completion):
+    p, c = _tokenize_whole(tokenizer, prompt, completion)
+    ids = torch.tensor([p + c])
+    logits = model(input_ids=ids).logits[0, :-1]
+    nll = torch.nn.functional.cross_entropy(logits[len(p) - 1:], ids[0, len(p):], reduction="sum")
+    return nll, len(c)
+
+
+def _read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------- SFT
