@@ -2,10 +2,10 @@
 
 Integration tests run real Ray actors hosting real DeepSpeed engines (CPU accelerator, gloo) on the tiny model.
 
-``make test`` runs two test processes (pytest-xdist, ``--dist loadfile``), each with its own local Ray cluster:
-part of an integration test is waiting (actor start-up, process spawns), which the other process fills. A test
+``make test`` runs three test processes (pytest-xdist, ``--dist loadfile``), each with its own local Ray cluster:
+part of an integration test is waiting (actor start-up, process spawns), which the other processes fill. A test
 file goes to one process whole, so a module fixture that trains (several runs) runs once; the long files are
-handed out first so that both processes finish together.
+handed out first so that the processes finish together.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
-# Longest first (longest-processing-time scheduling over the two test processes); the rest keep their order.
+# Longest first (longest-processing-time scheduling over the test processes); the rest keep their order.
 LONG_MODULES = ("test_rl_e2e", "test_resume", "test_dpo_training", "test_resume_dpo", "test_rl_algorithms",
                 "test_multinode", "test_offline_training", "test_workers", "test_cli_errors", "test_vllm_rollout",
                 "test_rm_training", "test_health")
@@ -99,6 +99,22 @@ def kill_an_actor_once(checkpoint_dir: str, title: str, while_saving: bool = Fal
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread, killed
+
+
+def wait_until_dead(handle, timeout_s: float = 120.0) -> None:
+    """``ray.kill`` is asynchronous: on a loaded machine a call made right after it can still be served."""
+    import time
+
+    import ray
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the killed actor still answers")
 
 
 def write_jsonl(path, rows) -> str:

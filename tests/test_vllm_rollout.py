@@ -12,6 +12,8 @@ from rlhf.distributed.errors import WorkerError
 from rlhf.rollout.vllm_engine import EngineSpec, SamplingSpec
 from rlhf.rollout.weight_sync import iter_buckets, pack_bucket, unpack_bucket
 
+from conftest import wait_until_dead
+
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 PROMPTS = ["1+2=", "13+7=", "20+20=", "5+16="]
@@ -127,6 +129,7 @@ def test_a_dead_engine_is_named_in_generation_and_weight_sync(engine, other_mode
     policy = _policy(other_model, num_workers=1, zero_stage=0)
     try:
         ray.kill(engine.handles[0])
+        wait_until_dead(engine.handles[0])
         with pytest.raises(WorkerError, match=r"^rollout engine 0 died during generate"):
             _greedy(engine, [[1, 2, 3]], 2)
         with pytest.raises(WorkerError, match=r"^policy rank 0 failed in push_weights: WorkerError: rollout engine 0 "

@@ -6,6 +6,8 @@ import pytest
 from rlhf.distributed.cluster import actor_env
 from rlhf.distributed.group import GroupResources, WorkerError, WorkerGroup
 
+from conftest import wait_until_dead
+
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
@@ -20,6 +22,7 @@ def test_dead_actor_is_reported_with_role_rank_and_call():
     try:
         assert group.ping() == [0, 1]
         ray.kill(group.workers[1])
+        wait_until_dead(group.workers[1])
         with pytest.raises(WorkerError, match=r"critic rank 1 died during ping"):
             group.ping()
     finally:
