@@ -50,7 +50,8 @@ def main(argv=None) -> int:
     from rlhf.config.rl_schema import RLRunConfig
     from rlhf.distributed.cluster import init_ray
     from rlhf.eval.generation import accuracy, sampled_accuracy
-    from rlhf.reports.plots import RL_PANELS, plot_runs, read_metrics
+    from rlhf.reports.plots import RL_PANELS, plot_runs
+    from rlhf.utils.metrics import read_metrics
     from rlhf.synthetic.arithmetic import is_correct
     from rlhf.trainers.rl_runner import train_rl
     from rlhf.trainers.sft import train_sft

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Dict, List, Sequence, Tuple
 
-from rlhf.reports.plots import MetricsFileError, read_metrics
+from rlhf.utils.metrics import MetricsFileError, read_metrics
 
 # (metric key, panel title), in display order; only the ones present are drawn.
 PANELS: Tuple[Tuple[str, str], ...] = (

@@ -5,34 +5,12 @@ drawn over the raw values.
 """
 from __future__ import annotations
 
-import json
 from typing import Dict, List, Sequence, Tuple
 
 Panel = Tuple[str, str]  # (metric key, title)
 
 RL_PANELS: Tuple[Panel, ...] = (("reward_mean", "reward (mean over samples)"), ("accuracy", "accuracy (sampled)"),
                                 ("kl", "KL to the reference"), ("response_length", "response length (tokens)"))
-
-
-class MetricsFileError(ValueError):
-    """A metrics file that cannot be read; the message names the file and line."""
-
-
-def read_metrics(path: str) -> List[dict]:
-    """The rows of a ``metrics.jsonl`` / ``eval.jsonl``; every row must be a JSON object with a ``step``."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise MetricsFileError(f"{path}:{number}: not JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or "step" not in row:
-                raise MetricsFileError(f"{path}:{number}: a metrics row must be an object with a 'step'")
-            rows.append(row)
-    return rows
 
 
 def moving_average(values: Sequence[float], window: int) -> List[float]:

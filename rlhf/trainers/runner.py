@@ -12,7 +12,7 @@ from rlhf.trainers.offline import (RunContext, RunResult, check_paths, describe_
                                    run_steps, save_final)
 from rlhf.trainers.checkpoint import RunCheckpoints
 from rlhf.trainers.health import HealthGuard, TrainingHealthError, check_health, guard_from_config
-from rlhf.utils.metrics import RunWriters, progress_bar_setting, read_rows
+from rlhf.utils.metrics import RunWriters, progress_bar_setting, read_metrics
 
 # (cfg, tokenizer) -> (task, skipped_rows); reads and tokenizes data, starts nothing.
 TaskBuilder = Callable[[object, object], tuple]
@@ -118,7 +118,7 @@ def train_with_rewinds(cfg, checkpoints: RunCheckpoints, trained: Dict[str, obje
     while True:
         guard = make_guard()
         if guard is not None:  # decide as the uninterrupted run would: its statistics from the rows kept
-            guard.observe(read_rows(writers.metrics.path, done))
+            guard.observe([row for row in read_metrics(writers.metrics.path) if row["step"] <= done])
         check_row = None if guard is None else (lambda row, g=guard: check_health(g, h.action, row))
         try:
             return train_from(done, frozenset(skip_steps), check_row)

@@ -83,13 +83,25 @@ def skipped_row(step: int, epoch: int) -> dict:
     return {"step": step, "epoch": epoch, "skipped": 1}
 
 
-def read_rows(path: str, last_step: Optional[int] = None) -> List[Dict[str, Any]]:
-    """The rows of a metrics file (``[]`` when it does not exist), up to ``last_step`` when given."""
-    if not os.path.isfile(path):
-        return []
+class MetricsFileError(ValueError):
+    """A metrics file that cannot be read; the message names the file and line."""
+
+
+def read_metrics(path: str) -> List[dict]:
+    """The rows of a ``metrics.jsonl`` / ``eval.jsonl``; every row must be a JSON object with a ``step``."""
+    rows = []
     with open(path, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if last_step is None or r.get("step", 0) <= last_step]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise MetricsFileError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or "step" not in row:
+                raise MetricsFileError(f"{path}:{number}: a metrics row must be an object with a 'step'")
+            rows.append(row)
+    return rows
 
 
 class RunWriters:
