@@ -30,8 +30,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m rlhf.cli.demo --workdir $(ASSETS)/demo
 
-# Three test processes (see tests/conftest.py); PYTEST_ARGS="-n 0" runs the suite in one.
-PYTEST_ARGS ?= -n 3 --dist loadfile
+# Two test processes (see tests/conftest.py); PYTEST_ARGS="-n 0" runs the suite in one.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 test: $(STAMP)
 	$(PY) -m pytest -q -ra --durations=20 $(PYTEST_ARGS)
 

@@ -2,8 +2,8 @@
 
 Integration tests run real Ray actors hosting real DeepSpeed engines (CPU accelerator, gloo) on the tiny model.
 
-``make test`` runs three test processes (pytest-xdist, ``--dist loadfile``), each with its own local Ray cluster:
-part of an integration test is waiting (actor start-up, process spawns), which the other processes fill. A test
+``make test`` runs two test processes (pytest-xdist, ``--dist loadfile``), each with its own local Ray cluster:
+part of an integration test is waiting (actor start-up, process spawns), which the other process fills. A test
 file goes to one process whole, so a module fixture that trains (several runs) runs once; the long files are
 handed out first so that the processes finish together.
 """
