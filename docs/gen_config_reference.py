@@ -65,8 +65,10 @@ python -m rlhf.cli.train_sft --config my.yaml train.lr=2e-5 'train.adam_betas=[0
 ```
 
 `python -m rlhf.cli.train_sft --help` (or `train_dpo`, `train_rm`, `train_ppo`) prints the same keys, types and defaults, and
-lists the presets. Defaults are written as an override would spell them (`null`, `true`, `""`); *required* keys
-have no usable default and must be set.
+lists the presets. `--dry-run` validates a configuration and prints what it would ask the cluster for (placement
+groups, GPUs per node, precision, batch sizes) without starting anything; see [Multi-node](multinode.md#dry-run).
+Defaults are written as an override would spell them (`null`, `true`, `""`); *required* keys have no usable default
+and must be set.
 """
 
 

@@ -53,6 +53,8 @@ def main() -> None:
                  OptimSpec(lr=2e-3, total_steps=STEPS, warmup_steps=2))
     engines = RolloutEngines(VLLMSpec(model_path=model_dir, max_model_len=64), num_engines=1, env_vars=actor_env(0))
     objective = PolicyObjective(agg_mode="token-mean")
+    # once: the policy's rank 0 and the engine form the weight-sync group (gloo here, NCCL on GPUs)
+    engines.connect_weight_sync(policy, "broadcast", bucket_bytes=64 << 20, backend="gloo")
     try:
         for step in range(1, STEPS + 1):
             chunk = prompts[(step - 1) * PROMPTS:step * PROMPTS]
@@ -72,7 +74,7 @@ def main() -> None:
             micro = [batch.slice(i, i + MICRO).trim() for i in range(0, len(batch), MICRO)]
             normalizer = sum(objective.count(mb) for mb in micro)  # whole train batch, before any backward
             result = policy.train_step([micro], objective, normalizer)[0]
-            policy.push_weights(engines.handles)
+            policy.push_weights()
             print(f"step {step:2d}  reward {scores.mean():.3f}  grad_norm {result.grad_norm:.3f}  "
                   f"logp mismatch {logp_mismatch(batch):.1e}", flush=True)
     finally:

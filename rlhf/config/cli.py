@@ -17,7 +17,7 @@ import io
 import sys
 import textwrap
 import tokenize
-from typing import Any, Sequence, TypeVar
+from typing import Any, Generic, Sequence, TypeVar
 
 from rlhf.config.loader import (
     _init_fields,
@@ -36,11 +36,21 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------------------------- public API
 
 
+@dataclasses.dataclass(frozen=True)
+class CliRequest(Generic[T]):
+    """What a training command was asked to do: the validated config, and whether only to plan it."""
+
+    config: T
+    dry_run: bool = False  # --dry-run: validate and print the resource plan; start nothing
+    cluster: str = ""  # --cluster SHAPE: the simulated cluster a dry run plans against
+
+
 def parse_cli(cls: type[T], argv: Sequence[str] | None = None, prog: str | None = None) -> T:
     """The shared command-line front end: ``prog [--config FILE_OR_PRESET] [KEY=VALUE ...]``.
 
     ``--help`` lists every dotted key with its type, default and help text. A configuration error is
-    printed as ``error: <message>`` on stderr and exits with status 2, without a traceback.
+    printed as ``error: <message>`` on stderr and exits with status 2, without a traceback. ``--dry-run`` and
+    ``--cluster`` are accepted and ignored here; :func:`parse_cli_args` returns them (``rlhf.cli.common.run_cli``).
 
     Args:
         cls: The run config dataclass to build.
@@ -53,13 +63,25 @@ def parse_cli(cls: type[T], argv: Sequence[str] | None = None, prog: str | None 
     Raises:
         SystemExit: Status 2 on a bad argument or configuration, 0 after ``--help``.
     """
+    return parse_cli_args(cls, argv, prog).config
+
+
+def parse_cli_args(cls: type[T], argv: Sequence[str] | None = None, prog: str | None = None) -> CliRequest[T]:
+    """:func:`parse_cli`, also returning ``--dry-run`` and ``--cluster``.
+
+    Raises:
+        SystemExit: As :func:`parse_cli`; also status 2 for ``--cluster`` without ``--dry-run``.
+    """
     parser = _build_parser(cls, prog)
     args = parser.parse_intermixed_args(argv)
+    if args.cluster and not args.dry_run:
+        parser.error("--cluster only applies to a --dry-run (a real run uses the cluster it joins)")
     try:
-        return load_config(cls, args.config, args.overrides)
+        config = load_config(cls, args.config, args.overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    return CliRequest(config=config, dry_run=args.dry_run, cluster=args.cluster)
 
 
 def describe_keys(cls: type) -> list[tuple[str, str, object, str]]:
@@ -181,6 +203,18 @@ def _build_parser(cls: type, prog: str | None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--config", "-c", metavar="FILE_OR_PRESET", default=None,
         help="YAML config file, or the name of a shipped preset (see the list below)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true",
+        help="validate the config and print the resource plan (placement groups, bundles per node, shared devices, "
+             "engines, precision, weight sync, batch sizes) without starting Ray or loading weights; exit 0 when "
+             "the plan fits the cluster, 2 naming the role that does not",
+    )
+    parser.add_argument(
+        "--cluster", metavar="SHAPE", default="",
+        help="with --dry-run: plan against a simulated cluster, NxGgpu[:Ccpu] or NxCcpu nodes joined with '+' "
+             "(2x8gpu, 2x8gpu:96cpu, 1x4cpu, 1x16cpu+2x8gpu; a GPU node without :Ccpu has 8 CPUs per GPU). "
+             "Default: the live cluster at ray.address / RAY_ADDRESS (read, nothing started), else this machine",
     )
     parser.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE",

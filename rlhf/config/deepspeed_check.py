@@ -13,8 +13,9 @@ from typing import Any, List, Optional
 
 from rlhf.config.schema import ConfigError
 
-_DTYPE_NAMES = {"fp32": {"fp32", "float32", "float"}, "bf16": {"bf16", "bfloat16"},
-                "fp16": {"fp16", "float16", "half"}}
+# The spellings DeepSpeed's DtypeEnum accepts for each precision.
+_DTYPE_NAMES = {"fp32": {"fp32", "float32", "float", "torch.float32"}, "bf16": {"bf16", "bfloat16", "torch.bfloat16"},
+                "fp16": {"fp16", "float16", "half", "torch.float16"}}
 
 
 def read_user_config(path: str) -> Optional[dict]:
@@ -71,7 +72,26 @@ def contradictions(user: dict, *, zero_stage: int, micro_batch_size: int, grad_a
         if comm is not None and str(comm).lower() not in _DTYPE_NAMES[precision]:
             found.append(f"communication_data_type: {comm!r} with {precision} training (strategy.precision); "
                          f"remove it to communicate in the training precision")
+        found += _grad_accum_contradiction(user, precision, zero_stage)
     return found
+
+
+def _grad_accum_contradiction(user: dict, precision: str, zero_stage: int) -> List[str]:
+    """``data_types.grad_accum_dtype`` belongs to the run (``rlhf.distributed.engine.grad_accum_dtype``: fp32 for
+    bf16 on ZeRO 1-3, else the model dtype), so a different value would be overridden: report it. (Honouring it
+    is not an option either: bf16 weights with fp32 accumulation on ZeRO 0 is a ``NotImplementedError`` in every
+    actor, bf16 accumulation on ZeRO 1-3 rounds each micro-batch's sum.)"""
+    data_types = user.get("data_types")
+    value = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
+    if value is None:
+        return []
+    from rlhf.distributed.engine import grad_accum_dtype  # torch; only when the JSON sets the field
+
+    run_value = grad_accum_dtype(precision, zero_stage)
+    if str(value).lower() in _DTYPE_NAMES[run_value]:
+        return []
+    return [f"data_types.grad_accum_dtype: {value!r} but {precision} training on ZeRO {zero_stage} accumulates "
+            f"gradients in {run_value} (strategy.precision, strategy.zero_stage); remove it"]
 
 
 def check_user_config(cfg, precision: Optional[str] = None) -> Optional[dict]:

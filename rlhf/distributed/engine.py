@@ -39,7 +39,7 @@ class OptimSpec:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """How DeepSpeed shards and computes. ``precision`` is already resolved (fp32 | bf16 | fp16)."""
+    """How DeepSpeed shards and computes. ``precision`` is already resolved (fp32 | bf16)."""
 
     zero_stage: int
     precision: str
@@ -47,6 +47,19 @@ class EngineSpec:
     grad_accum_steps: int
     offload_optimizer: bool = False
     user_config: Optional[Dict[str, Any]] = None
+
+
+def grad_accum_dtype(precision: str, zero_stage: int) -> str:
+    """The dtype DeepSpeed sums micro-batch gradients in (``data_types.grad_accum_dtype``) for a run.
+
+    bf16 on ZeRO 1-3: fp32, because summing ``grad_accum_steps`` bf16 gradients rounds away the low bits the exact
+    global normalization keeps. bf16 on ZeRO 0: bf16, the only mix DeepSpeed 0.19 implements without ZeRO (its
+    optimizer check raises ``NotImplementedError`` for bf16 weights with fp32 accumulation there). fp32: fp32. What
+    each stage does with it: docs/concepts.md, "Precision".
+    """
+    if precision == "bf16":
+        return "fp32" if zero_stage > 0 else "bf16"
+    return precision
 
 
 def build_ds_config(spec: EngineSpec, world_size: int, max_grad_norm: float, trainable: bool = True) -> Dict[str, Any]:
@@ -65,14 +78,13 @@ def build_ds_config(spec: EngineSpec, world_size: int, max_grad_norm: float, tra
     config["train_micro_batch_size_per_gpu"] = spec.micro_batch_size
     config["gradient_accumulation_steps"] = spec.grad_accum_steps
     config["train_batch_size"] = spec.micro_batch_size * spec.grad_accum_steps * world_size
-    # Clipping is applied by DeepSpeed; 0 disables it (the norm is still measured, see TrainEngine.grad_norm).
+    # Clipping is applied by DeepSpeed; 0 disables it (the norm is still measured, see TrainEngine._step_grad_norm).
     config["gradient_clipping"] = max(0.0, max_grad_norm)
     config["bf16"] = {"enabled": spec.precision == "bf16"}
-    if spec.precision == "bf16":
-        # Accumulate micro-batch gradients in fp32: summing GA bf16 gradients loses the low bits the exact
-        # normalization is there to keep.
-        config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
-    config["fp16"] = {"enabled": spec.precision == "fp16", **({"loss_scale": 0} if spec.precision == "fp16" else {})}
+    config["fp16"] = {"enabled": False}  # refused by StrategyConfig (docs/concepts.md, "Precision")
+    data_types = dict(config.get("data_types", {}))
+    data_types["grad_accum_dtype"] = grad_accum_dtype(spec.precision, spec.zero_stage)
+    config["data_types"] = data_types
     config.setdefault("steps_per_print", 10**9)  # the driver logs; keep DeepSpeed quiet
     config.setdefault("wall_clock_breakdown", False)
     return config
@@ -105,6 +117,35 @@ def _make_optimizer(model: torch.nn.Module, optim: OptimSpec, offload: bool):
     return torch.optim.AdamW(groups, **kwargs)
 
 
+def _undo_construction_step(optimizer) -> None:
+    """Make DeepSpeed's ZeRO-0 bf16 optimizer start where every other stage starts.
+
+    ``FP16_Optimizer`` and ``FP16_UnfusedOptimizer`` (what DeepSpeed wraps the optimizer in for fp16 or bf16 without
+    ZeRO) create Adam's state by running one optimizer step on zero gradients while they are built. That step
+    counts: Adam's bias correction then runs one step ahead for the whole run (the first real update is ~0.73x the
+    size it has under ZeRO 1-3 or fp32 with betas (0.9, 0.95)), and AdamW's decoupled weight decay has already
+    shrunk the fp32 master weights once. Forget that state and copy the masters back from the model's weights.
+    Other wrappers take no such step and are left alone.
+    """
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if isinstance(optimizer, FP16_Optimizer):
+        pairs = zip(optimizer.fp32_groups_flat, optimizer.fp16_groups_flat)
+    elif isinstance(optimizer, FP16_UnfusedOptimizer):
+        pairs = ((hp, lp) for hps, lps in zip(optimizer.fp32_groups, optimizer.fp16_groups) for hp, lp in zip(hps, lps))
+    else:
+        return
+    with torch.no_grad():
+        for master, weight in pairs:
+            master.copy_(weight)
+    inner = optimizer.optimizer
+    inner.state.clear()
+    for group in inner.param_groups:
+        if "step" in group:  # DeepSpeed's FusedAdam also counts steps per group
+            group["step"] = 0
+
+
 CHECKPOINT_TAG = "state"  # DeepSpeed's sub-directory of a role's checkpoint directory
 
 
@@ -134,8 +175,12 @@ class TrainEngine:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=schedule, config=ds_config
         )
+        _undo_construction_step(self.engine.optimizer)
         self._micro_in_step = 0
         self.last_grad_norm: Optional[float] = None
+        # False when DeepSpeed skipped the last optimizer step (a non-finite gradient in bf16): weights, Adam state
+        # and the LR schedule stayed where they were.
+        self.last_step_applied = True
 
     # ------------------------------------------------------------------ training
     @property
@@ -161,15 +206,23 @@ class TrainEngine:
                 f"{self._micro_in_step + 1} of {self.spec.grad_accum_steps} (is_last={is_last})"
             )
         self.engine.backward(loss, scale_wrt_gas=False)
-        stage0_norm = self._local_grad_norm() if is_last and self._measures_norm_itself() else None
+        own_norm = self._local_grad_norm() if is_last and self._measures_norm_itself() else None
         self.engine.step()
         self._micro_in_step += 1
         if is_last:
-            norm = self.engine.get_global_grad_norm()
-            self.last_grad_norm = float(norm) if norm is not None else stage0_norm
-            if isinstance(self.last_grad_norm, torch.Tensor):
-                self.last_grad_norm = float(self.last_grad_norm)
+            self.last_step_applied = bool(self.engine.was_step_applied())
+            self.last_grad_norm = self._step_grad_norm(own_norm)
             self._micro_in_step = 0
+
+    def _step_grad_norm(self, own_norm: Optional[float]) -> Optional[float]:
+        """The step's pre-clip global gradient norm, identical on every rank; ``None`` only if a user's DeepSpeed
+        JSON turned ``zero_optimization.compute_grad_norm`` off."""
+        if not self.last_step_applied:
+            return float("inf")  # DeepSpeed's own report for a skipped step: the gradient was not finite
+        if own_norm is not None:
+            return own_norm
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str) -> None:
@@ -192,9 +245,11 @@ class TrainEngine:
             torch.cuda.set_rng_state_all(client["rng"]["cuda"])
 
     def _measures_norm_itself(self) -> bool:
-        # ZeRO 1-3 and DeepSpeed's bf16/fp16 optimizers compute the global norm; plain fp32 stage 0 wraps a
-        # torch optimizer that does not, so the norm is taken here (gradients are already all-reduced).
-        return self.spec.zero_stage == 0 and self.spec.precision == "fp32"
+        # ZeRO 0 keeps whole, already all-reduced gradients in `.grad`, so the norm is taken here for every
+        # precision: fp32 wraps a torch optimizer that computes none, and DeepSpeed's bf16 wrapper at stage 0
+        # (FP16_UnfusedOptimizer in bf16 mode) reports its norm through a loss-scale path. ZeRO 1-3 partition the
+        # gradients: DeepSpeed's norm is used (BF16_Optimizer and the ZeRO optimizers reduce it over ranks, in fp32).
+        return self.spec.zero_stage == 0
 
     def _local_grad_norm(self) -> float:
         total = torch.zeros((), dtype=torch.float64)
@@ -204,10 +259,12 @@ class TrainEngine:
         return math.sqrt(float(total))
 
 
-def iter_full_state(module: torch.nn.Module, zero_stage: int) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield ``(name, full CPU tensor)`` for every entry of the module's state dict, gathering ZeRO-3 shards.
+def iter_full_state(module: torch.nn.Module, zero_stage: int, device: Optional[torch.device] = torch.device("cpu")
+                    ) -> Iterator[Tuple[str, Optional[torch.Tensor]]]:
+    """Yield ``(name, full tensor on device)`` for every entry of the module's state dict, gathering ZeRO-3 shards.
 
-    Collective under ZeRO-3: every rank of the group must iterate in lockstep.
+    ``device=None`` yields ``(name, None)``: the caller only takes part in the gathers. Collective under ZeRO-3:
+    every rank of the group must iterate in lockstep.
     """
     params = dict(module.named_parameters(remove_duplicate=False))  # tied weights appear under both names
     for name, value in module.state_dict(keep_vars=True).items():
@@ -216,6 +273,7 @@ def iter_full_state(module: torch.nn.Module, zero_stage: int) -> Iterator[Tuple[
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                yield name, param.data.detach().cpu().clone()
+                # a copy: the gathered storage is released when the context exits
+                yield name, None if device is None else param.data.detach().to(device, copy=True)
         else:
-            yield name, value.detach().cpu()
+            yield name, None if device is None else value.detach().to(device)

@@ -98,10 +98,24 @@ class WorkerGroup:
         cut = lambda xs: [xs[r * per_rank:(r + 1) * per_rank] for r in range(self.size)]  # noqa: E731
         return cut(padded), cut(counted)
 
-    def push_weights(self, engines: Sequence[Any], bucket_bytes: int = 64 << 20) -> Dict[str, float]:
-        """Full weights -> every vLLM engine actor, bucketed; returns rank 0's transfer stats."""
-        return self._gather([w.push_weights.remote(list(engines), bucket_bytes) for w in self.workers],
-                            "push_weights")[0]
+    def attach_weight_senders(self, senders: Sequence[Any]) -> List[Any]:
+        """Give rank r ``senders[r]`` (a ``WeightSender`` or ``None``); returns what each one's ``listen`` gave."""
+        if len(senders) != self.size:
+            raise ValueError(f"{self.role}: {len(senders)} weight senders for {self.size} workers")
+        return self._gather([w.attach_weight_sender.remote(s) for w, s in zip(self.workers, senders)],
+                            "attach_weight_sender")
+
+    def connect_weight_senders_async(self) -> List[Any]:
+        """Start every rank's ``connect``; the caller gathers the refs after telling the peers to join."""
+        return [w.connect_weight_sender.remote() for w in self.workers]
+
+    def push_weights(self) -> Dict[str, float]:
+        """Full weights -> the rollout engines through the attached senders; the sending ranks' stats merged
+        (bytes and tensors per engine as rank 0 saw them, seconds of the slowest rank)."""
+        stats = [s for s in self._gather([w.push_weights.remote() for w in self.workers], "push_weights") if s]
+        if not stats:
+            return {}
+        return {**stats[0], "seconds": max(s["seconds"] for s in stats)}
 
     def ping(self) -> List[int]:
         """Every rank's number, in order: a liveness check."""

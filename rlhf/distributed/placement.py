@@ -11,6 +11,7 @@ import os
 from typing import Dict
 
 from rlhf.distributed.errors import WorkerError
+from rlhf.distributed.resource_plan import bundle_resources
 
 PLACEMENT_TIMEOUT_S = float(os.environ.get("RLHF_PLACEMENT_TIMEOUT_S", "600"))
 
@@ -44,7 +45,7 @@ class Placement:
             raise ValueError(f"{name}: share must be >= 1, got {share}")
         self.name, self.num_bundles, self.share = name, num_bundles, share
         self.cpus, self.gpus = cpus, gpus
-        bundle = {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
+        bundle = bundle_resources(cpus, gpus)  # the shape --dry-run packs (rlhf.distributed.resource_plan)
         _check_feasible(name, bundle, num_bundles)
         self.group = placement_group([dict(bundle) for _ in range(num_bundles)], strategy="PACK")
         ready, _ = ray.wait([self.group.ready()], timeout=PLACEMENT_TIMEOUT_S)

@@ -2,7 +2,7 @@
 
 The same class hosts every model role (policy, reference, reward model; PPO's critic later). It is a plain
 class; :class:`rlhf.distributed.group.WorkerGroup` turns it into Ray actors, one per rank, and calls its
-methods. Nothing here imports Ray.
+methods. Ray is imported only where a method needs the cluster (the rendezvous address).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import dataclasses
 import os
 import socket
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -20,6 +20,23 @@ from rlhf.models.loading import ModelSpec, load_model
 from rlhf.objectives.base import Objective, ScoreFn, Sums, add_sums
 from rlhf.ops.losses import normalize
 from rlhf.utils.device import resolve_attn_implementation
+
+
+class WeightSender(Protocol):
+    """The policy side of a weight sync, as a trainer worker sees it (``rlhf.rollout.senders`` implements it).
+
+    ``listen`` runs when the sender is attached to its rank (it may host a rendezvous and return its address),
+    ``connect`` once the peers were told that address, ``send`` at every sync with the full named tensors on
+    ``device``.
+    """
+
+    device: torch.device
+
+    def listen(self) -> Optional[object]: ...
+
+    def connect(self) -> None: ...
+
+    def send(self, named: Iterator[Tuple[str, torch.Tensor]]) -> Dict[str, float]: ...
 
 
 @dataclass(frozen=True)
@@ -39,6 +56,7 @@ class TrainerWorker:
         self.engine: Optional[TrainEngine] = None
         self.zero_stage = 0
         self.device = torch.device("cpu")
+        self.weight_sender: Optional[WeightSender] = None
 
     # ------------------------------------------------------------------ set-up
     def rendezvous_address(self) -> Tuple[str, int]:
@@ -146,32 +164,29 @@ class TrainerWorker:
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
 
-    def push_weights(self, engines: list, bucket_bytes: int) -> Dict[str, float]:
-        """Send the full weights to vLLM engine actors in buckets (CPU / object-store path).
+    # ------------------------------------------------------------------ weight sync
+    def attach_weight_sender(self, sender: Optional[WeightSender]) -> Optional[object]:
+        """Keep this rank's sender (``None``: the rank only takes part in ZeRO-3 gathers); returns the address
+        its peers join at, if it hosts a group."""
+        self.weight_sender = sender
+        return sender.listen() if sender is not None else None
 
-        Collective under ZeRO-3 (every rank gathers each parameter in lockstep); rank 0 packs and sends. All
-        engines receive each bucket concurrently; the next bucket is packed while they load.
+    def connect_weight_sender(self) -> None:
+        """Join the sender's peers (blocks until they have joined too)."""
+        if self.weight_sender is not None:
+            self.weight_sender.connect()
+
+    def push_weights(self) -> Dict[str, float]:
+        """Stream the full weights into this rank's sender.
+
+        Collective under ZeRO-3: every rank gathers each parameter in lockstep, whether or not it sends.
         """
-        import time
-
-        from rlhf.distributed.errors import gather
-        from rlhf.rollout.weight_sync import iter_buckets
-
-        names = [f"rollout engine {e}" for e in range(len(engines))]
-        started, sent, tensors, pending = time.perf_counter(), 0, 0, []
-        state = iter_full_state(self.model, self.zero_stage)
-        if self.rank != 0:
-            for _ in state:  # take part in the ZeRO-3 gathers; nothing to send
+        sender = self.weight_sender
+        if sender is None:
+            for _ in iter_full_state(self.model, self.zero_stage, device=None):
                 pass
             return {}
-        gather([engine.begin_weight_update.remote() for engine in engines], names, "begin_weight_update")
-        for bucket in iter_buckets(state, bucket_bytes):
-            gather(pending, names, "load_weights")  # bound memory: at most one bucket in flight
-            pending = [engine.load_weights.remote(bucket) for engine in engines]
-            sent, tensors = sent + bucket.nbytes, tensors + len(bucket.metas)
-        gather(pending, names, "load_weights")
-        gather([engine.finish_weight_update.remote() for engine in engines], names, "finish_weight_update")
-        return {"bytes": float(sent), "tensors": float(tensors), "seconds": time.perf_counter() - started}
+        return sender.send(iter_full_state(self.model, self.zero_stage, device=sender.device))
 
     def ping(self) -> int:
         return self.rank

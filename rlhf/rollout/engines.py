@@ -31,6 +31,8 @@ class RolloutEngines:
         from rlhf.rollout.vllm_engine import VLLMEngine
 
         self.size, self.sleeps = num_engines, sleep
+        self.tensor_parallel_size = spec.tensor_parallel_size
+        self.gpus_per_engine = gpus_per_engine if placement is None else placement.gpus / placement.share
         self.placement = placement
         actor = ray.remote(VLLMEngine)
         runtime_env = {"env_vars": dict(env_vars or {})}
@@ -61,6 +63,28 @@ class RolloutEngines:
     def wake_up(self) -> None:
         if self.sleeps:
             self._gather([h.wake_up.remote() for h in self.handles], "wake_up")
+
+    def connect_weight_sync(self, policy, method: str, bucket_bytes: int, backend: str) -> None:
+        """Attach a sender per policy rank (``policy``: the trainable ``WorkerGroup``) and connect it to these
+        engines by ``method`` (``broadcast`` | ``ipc`` | ``object_store``, already resolved); for a broadcast,
+        the policy's rank 0 and every engine worker form the weight-sync process group here.
+
+        Raises :class:`WorkerError` naming the rank or engine when the transport cannot be set up.
+        """
+        from rlhf.rollout.senders import make_senders
+
+        workers = [self.tensor_parallel_size] * self.size
+        senders = make_senders(method, self.handles, workers, policy.size, bucket_bytes, backend)
+        addresses = policy.attach_weight_senders(senders)
+        joins = []
+        if method == "broadcast":
+            address = addresses[0]
+            offsets = [1 + sum(workers[:e]) for e in range(self.size)]
+            joins = [h.join_weight_group.remote(address.host, address.port, address.world_size, address.backend,
+                                                offset) for h, offset in zip(self.handles, offsets)]
+        refs = policy.connect_weight_senders_async() + joins
+        names = [f"{policy.role} rank {r}" for r in range(policy.size)] + [f"{ROLE} {e}" for e in range(len(joins))]
+        gather(refs, names, "connect_weight_sync")
 
     def ping(self) -> List[bool]:
         return self._gather([h.ready.remote() for h in self.handles], "ping")

@@ -11,8 +11,6 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from rlhf.rollout.weight_sync import WeightBucket
-
 EXTENSION = "rlhf.rollout.vllm_extension.WeightSyncExtension"
 
 
@@ -111,15 +109,22 @@ class VLLMEngine:
     def finish_weight_update(self) -> None:
         self.llm.collective_rpc("rlhf_finish_weight_update")
 
-    def load_weights(self, bucket: WeightBucket) -> int:
-        """Load one bucket into every worker of this engine (tensor-parallel workers each take their shard)."""
-        return self.llm.collective_rpc("rlhf_load_bucket", args=bucket.to_wire())[0]
+    # Weight sync: one method per transport (rlhf.rollout.senders), each run on every worker of the engine.
+    def load_weights(self, metas: list, payload: bytes) -> int:
+        """Object store: one bucket (``WeightBucket.wire_metas()`` and its bytes)."""
+        return self.llm.collective_rpc("rlhf_load_bucket", args=(metas, payload))[0]
 
-    def init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
-        self.llm.collective_rpc("rlhf_init_weight_group", args=(master_address, master_port, rank_offset, world_size))
+    def join_weight_group(self, host: str, port: int, world_size: int, backend: str, rank_offset: int) -> None:
+        """Broadcast: every worker joins the weight-sync process group (rank ``rank_offset`` + its TP rank)."""
+        self.llm.collective_rpc("rlhf_join_weight_group", args=(host, port, world_size, backend, rank_offset))
 
-    def receive_broadcast(self, metas) -> int:
-        return self.llm.collective_rpc("rlhf_receive_broadcast", args=(metas,))[0]
+    def receive_bucket(self, metas: list, nbytes: int) -> int:
+        """Broadcast: take part in one bucket's broadcast and load it."""
+        return self.llm.collective_rpc("rlhf_receive_bucket", args=(metas, nbytes))[0]
+
+    def load_shared_bucket(self, metas: list, handle, nbytes: int) -> int:
+        """IPC: load a bucket the colocated policy rank shares by handle."""
+        return self.llm.collective_rpc("rlhf_load_shared_bucket", args=(metas, handle, nbytes))[0]
 
     def sleep(self) -> None:
         """GPU hybrid engine: release KV cache and weights while the policy trains on the same devices."""

@@ -4,22 +4,21 @@ vLLM mixes this class into its worker, so ``self`` is the worker and ``self.mode
 method names carry an ``rlhf_`` prefix: a name that clashes with one of the worker's own methods would silently
 replace it (``update_weights`` does).
 
-Two transports:
+Three transports carry the same packed buckets (``rlhf.rollout.senders``), and all load them the same way:
 
-* CPU / any device: :meth:`rlhf_load_bucket` receives a packed :class:`~rlhf.rollout.weight_sync.WeightBucket`
-  through ``LLM.collective_rpc`` (the Ray object store carries it to the engine actor).
-* GPU: :meth:`rlhf_init_weight_group` joins a NCCL group with the policy's rank 0, then
-  :meth:`rlhf_receive_broadcast` receives each bucket's tensors by broadcast straight into device memory.
-  Selected when the policy and the engines have GPUs; the CPU path is what the tests exercise.
+* broadcast: :meth:`rlhf_join_weight_group` joins the weight-sync process group once (NCCL on GPUs, gloo on
+  CPU), then :meth:`rlhf_receive_bucket` receives each bucket straight into device memory;
+* ipc: :meth:`rlhf_load_shared_bucket` opens the colocated policy rank's bucket by CUDA-IPC handle (shared
+  memory on CPU);
+* object store: :meth:`rlhf_load_bucket` gets the bucket's bytes through ``LLM.collective_rpc``.
 """
 from __future__ import annotations
 
 import logging
-from typing import List, Sequence, Tuple
 
 import torch
 
-from rlhf.rollout.weight_sync import WeightBucket, unpack_bucket
+from rlhf.rollout.weight_sync import bucket_from_bytes, metas_from_wire, unpack_bucket
 
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
@@ -63,33 +62,33 @@ class WeightSyncExtension:
                 getattr(self.model_runner, reset)()
 
     def rlhf_load_bucket(self, metas: list, payload: bytes) -> int:
-        """Load one bucket (``WeightBucket.to_wire()``) of HF-named tensors through vLLM's own loader."""
+        """Object-store transport: one bucket's bytes (``WeightBucket.wire_metas()`` + bytes)."""
+        return self._rlhf_load(metas, bucket_from_bytes(payload))
+
+    def rlhf_join_weight_group(self, host: str, port: int, world_size: int, backend: str, rank_offset: int) -> None:
+        """Broadcast transport: join the weight-sync group as rank ``rank_offset`` + this worker's TP rank."""
+        from rlhf.rollout.sync_group import GroupAddress, SyncGroup
+
+        rank = rank_offset + self.rank  # the vLLM worker's rank within its engine (tensor parallel)
+        self._rlhf_group = SyncGroup(GroupAddress(host, port, world_size, backend), rank=rank)
+
+    def rlhf_receive_bucket(self, metas: list, nbytes: int) -> int:
+        """Broadcast transport: receive one bucket from rank 0 into a new buffer (never reused: the reload keeps
+        references to loaded tensors until their layer is complete) and load it."""
+        group = self._rlhf_group
+        data = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+        group.broadcast(data, src=0)
+        return self._rlhf_load(metas, data)
+
+    def rlhf_load_shared_bucket(self, metas: list, handle, nbytes: int) -> int:
+        """IPC transport: the policy rank's packed bucket on this device. It is copied out first: the sender
+        reuses its buffer for the next bucket, and the reload keeps references until a layer is complete."""
+        from rlhf.rollout.ipc import open_shared
+
+        return self._rlhf_load(metas, open_shared(handle)[:nbytes].clone())
+
+    def _rlhf_load(self, metas: list, data: torch.Tensor) -> int:
         device = self.model_runner.device  # not the parameters' device: mid-reload they live on "meta"
-        bucket = WeightBucket.from_wire(metas, payload)
-        weights = [(name, tensor.to(device)) for name, tensor in unpack_bucket(bucket)]
+        weights = [(name, tensor.to(device)) for name, tensor in unpack_bucket(metas_from_wire(metas), data)]
         self.model_runner.model.load_weights(weights=weights)
         return len(weights)
-
-    def rlhf_init_weight_group(self, master_address: str, master_port: int, rank_offset: int,
-                               world_size: int) -> None:
-        """Join the NCCL group ``{policy rank 0} + every engine worker`` used for GPU weight broadcast."""
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-
-        rank = rank_offset + torch.distributed.get_rank()
-        group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=rank, world_size=world_size)
-        self._rlhf_comm = PyNcclCommunicator(group, device=torch.cuda.current_device())
-
-    def rlhf_receive_broadcast(self, metas: list) -> int:
-        """Receive one bucket broadcast from the policy's rank 0 (GPU path; ``metas`` as in ``to_wire``)."""
-        from rlhf.rollout.weight_sync import _DTYPES
-
-        weights: List[Tuple[str, torch.Tensor]] = []
-        for m in WeightBucket.from_wire(metas, b"").metas:
-            tensor = torch.empty(m.shape, dtype=_DTYPES[m.dtype], device="cuda")
-            self._rlhf_comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
-            weights.append((m.name, tensor))
-        torch.cuda.synchronize()
-        self.model_runner.model.load_weights(weights=weights)
-        return len(weights)
-

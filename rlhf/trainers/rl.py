@@ -194,8 +194,7 @@ class RLTrainer:
 
     def push_weights(self) -> dict:
         self.actors.engines.wake_up()
-        return self.actors.policy.push_weights(self.actors.engines.handles,
-                                               self.cfg.rollout.weight_sync_bucket_mb << 20)
+        return self.actors.policy.push_weights()  # through the transport connected at start-up
 
     def maybe_evaluate(self, rl_step: int) -> Optional[dict]:
         """Held-out prompts (``data.eval_path``), ``rollout.eval_samples_per_prompt`` samples each, scored like

@@ -18,6 +18,7 @@ from rlhf.trainers.health import guard_from_config
 from rlhf.trainers.runner import (check_skip_steps, finish_run, optim_spec, run_identity, start_cluster,
                                   train_with_rewinds, with_restarts)
 from rlhf.utils.metrics import RunWriters
+from rlhf.utils.versions import check_versions
 
 # Metrics the health guard keeps finite. No zero-loss check: an RL step whose groups all tie has a zero loss.
 RL_WATCHED = ("policy_loss", "grad_norm", "kl", "value_loss", "critic_grad_norm", "reward_mean")
@@ -76,11 +77,45 @@ def _start_engines(cfg: RLRunConfig, ctx, placement):
     return engines
 
 
+def _connect_weight_sync(cfg: RLRunConfig, ctx, actors: RLActors) -> None:
+    """Form the policy -> engines transport before the first step. ``auto`` falls back to the object store when a
+    process group cannot be formed (and says so); a method asked for by name that cannot be set up is an error
+    naming ``rollout.weight_sync``."""
+    from rlhf.distributed.errors import WorkerError
+    from rlhf.rollout.weight_sync import resolve_weight_sync
+
+    r = cfg.rollout
+    gpus = actors.engines.gpus_per_engine
+    method = resolve_weight_sync(r.weight_sync, hybrid_engine=cfg.colocate.hybrid_engine, gpus_per_engine=gpus)
+    bucket_bytes = r.weight_sync_bucket_mb << 20
+    backend = "nccl" if gpus > 0 and ctx.gpus_per_worker > 0 else "gloo"  # both ends on GPUs, else host memory
+    try:
+        actors.engines.connect_weight_sync(actors.policy, method, bucket_bytes, backend)
+    except WorkerError as exc:
+        if _actor_died(exc):  # not a transport that cannot form: the run's actors are gone
+            raise
+        if r.weight_sync != "auto" or method == "object_store":
+            raise ConfigError(f"rollout.weight_sync={r.weight_sync}: cannot set up the {method} transport: "
+                              f"{exc}") from exc
+        print(f"[rl] weight sync: a {method} group could not be formed ({exc}); using the object store "
+              f"(rollout.weight_sync=auto)", flush=True)
+        method = "object_store"
+        actors.engines.connect_weight_sync(actors.policy, method, bucket_bytes, backend)
+    print(f"[rl] weight sync: {method} in {r.weight_sync_bucket_mb} MB buckets"
+          + (f" ({backend})" if method == "broadcast" else ""), flush=True)
+
+
+def _actor_died(exc: BaseException) -> bool:
+    import ray
+
+    return isinstance(exc.__cause__, ray.exceptions.RayActorError)
+
+
 def _policy_side_roles(cfg: RLRunConfig) -> list:
     """The roles sharing the policy's bundles: ``["policy"]`` plus colocated reference / engines."""
-    c = cfg.colocate
-    return (["policy"] + (["reference"] if c.policy_reference else [])
-            + (["rollout"] if c.hybrid_engine else []))
+    from rlhf.distributed.resource_plan import policy_side_roles
+
+    return list(policy_side_roles(cfg.colocate))
 
 
 def _start_actors(cfg: RLRunConfig, ctx, total_optimizer_steps: int) -> RLActors:
@@ -93,6 +128,7 @@ def _start_actors(cfg: RLRunConfig, ctx, total_optimizer_steps: int) -> RLActors
     policy.build(ctx.model_spec(cfg.model.path, CAUSAL_LM), ctx.engine_spec(t.micro_batch_size, t.grad_accum_steps),
                  optim_spec(t, total_optimizer_steps))
     actors = RLActors(policy=policy, engines=_start_engines(cfg, ctx, shared if c.hybrid_engine else None))
+    _connect_weight_sync(cfg, ctx, actors)
     frozen = ctx.engine_spec(micro_batch_size=1, grad_accum_steps=1)
     if cfg.algo.kl_coef > 0:
         actors.reference = ctx.make_group("reference", t.num_workers,
@@ -114,14 +150,11 @@ def _start_actors(cfg: RLRunConfig, ctx, total_optimizer_steps: int) -> RLActors
 
 
 def _needed_cpus(cfg: RLRunConfig) -> float:
-    """CPUs the run's actors ask for: one bundle per rank of each placement, plus engines of their own."""
-    t, r, c = cfg.train, cfg.rollout, cfg.colocate
-    reference = cfg.algo.kl_coef > 0 and not c.policy_reference
-    critic = cfg.critic.num_workers if cfg.algo.needs_critic else 0
-    reward_model = cfg.reward.model_num_workers if cfg.reward.model_path and not c.critic_reward else 0
-    bundles = t.num_workers * (1 + reference) + critic + reward_model
-    engines = 0 if c.hybrid_engine else r.num_engines * r.cpus_per_engine
-    return bundles * cfg.strategy.cpus_per_worker + engines
+    """CPUs the run's actors ask for: one bundle per rank of each placement, plus engines of their own (the plan
+    ``--dry-run`` prints; CPU counts do not depend on the GPUs per worker, unknown before the cluster is joined)."""
+    from rlhf.distributed.resource_plan import rl_plan
+
+    return rl_plan(cfg, gpus_per_worker=0.0).needed_cpus
 
 
 def _write_placement(actors: RLActors, output_dir: str) -> None:
@@ -164,6 +197,7 @@ def train_rl(cfg: RLRunConfig) -> RunResult:
 def _train_rl_once(cfg: RLRunConfig) -> RunResult:
     from rlhf.rewards.functions import RewardFunctionScorer
 
+    check_versions(("torch", "transformers", "deepspeed", "ray", "vllm"))
     _check_rl_paths(cfg)
     tokenizer = load_tokenizer(cfg)
     d, r, t = cfg.data, cfg.rollout, cfg.train

@@ -8,11 +8,13 @@ from rlhf.config.deepspeed_check import check_user_config
 from rlhf.config.loader import save_config
 from rlhf.config.schema import ConfigError
 from rlhf.data.plan import EpochPlan
+from rlhf.distributed.resource_plan import offline_plan, resolve_devices
 from rlhf.trainers.offline import (RunContext, RunResult, check_paths, describe_plan, load_tokenizer,
                                    run_steps, save_final)
 from rlhf.trainers.checkpoint import RunCheckpoints
 from rlhf.trainers.health import HealthGuard, TrainingHealthError, check_health, guard_from_config
 from rlhf.utils.metrics import RunWriters, progress_bar_setting, read_metrics
+from rlhf.utils.versions import check_versions
 
 # (cfg, tokenizer) -> (task, skipped_rows); reads and tokenizes data, starts nothing.
 TaskBuilder = Callable[[object, object], tuple]
@@ -44,6 +46,7 @@ def with_restarts(cfg, run: Callable[[object], RunResult]) -> RunResult:
 
 
 def _run_offline_once(cfg, build_task: TaskBuilder, policy_role: str) -> RunResult:
+    check_versions()
     check_paths(cfg)
     tokenizer = load_tokenizer(cfg)
     task, skipped = build_task(cfg, tokenizer)
@@ -57,8 +60,8 @@ def _run_offline_once(cfg, build_task: TaskBuilder, policy_role: str) -> RunResu
     os.makedirs(t.output_dir, exist_ok=True)
     save_config(cfg, os.path.join(t.output_dir, "config.yaml"))
 
-    workers = cfg.train.num_workers + getattr(getattr(cfg, "dpo", None), "ref_num_workers", 0)
-    ctx = start_cluster(cfg, needed_cpus=workers * cfg.strategy.cpus_per_worker)
+    # CPUs do not depend on the GPUs per worker, which are known only once the cluster is joined.
+    ctx = start_cluster(cfg, needed_cpus=offline_plan(cfg, 0.0, policy_role).needed_cpus)
     writers: Optional[RunWriters] = None
     try:
         policy = ctx.make_group(policy_role, t.num_workers)
@@ -164,13 +167,8 @@ def start_cluster(cfg, needed_cpus: float) -> RunContext:
     """Join or start Ray; precision and backend follow the cluster's workers (the driver may have no GPU)."""
     from rlhf.distributed.cluster import cluster_gpus, init_ray
 
-    s = cfg.strategy
     init_ray(cfg.ray.address, cfg.ray.num_cpus, needed_cpus=needed_cpus)
-    gpus = s.gpus_per_worker if s.gpus_per_worker >= 0 else (1.0 if cluster_gpus() > 0 else 0.0)
-    precision = s.precision if s.precision != "auto" else ("bf16" if gpus > 0 else "fp32")
-    backend = s.backend if s.backend != "auto" else ("nccl" if gpus > 0 else "gloo")
-    if backend == "nccl" and gpus <= 0:
-        raise ConfigError("strategy.backend=nccl needs GPU workers (strategy.gpus_per_worker > 0)")
-    user_ds_config = check_user_config(cfg, precision)  # before any actor starts
-    return RunContext(cfg=cfg, precision=precision, backend=backend, gpus_per_worker=gpus,
-                      user_ds_config=user_ds_config)
+    devices = resolve_devices(cfg.strategy, cluster_gpus())  # what --dry-run resolves for its cluster too
+    user_ds_config = check_user_config(cfg, devices.precision)  # before any actor starts
+    return RunContext(cfg=cfg, precision=devices.precision, backend=devices.backend,
+                      gpus_per_worker=devices.gpus_per_worker, user_ds_config=user_ds_config)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# What every launcher here does after naming its module, config and cluster shape:
+#
+#   examples/launchers/submit.sh LAUNCHER MODULE CONFIG [KEY=VALUE ...]
+#
+# DRY_RUN=1: plan the run here against the cluster shape in LAUNCHER's "# cluster:" line (--dry-run --cluster);
+# nothing starts. Otherwise submit it as a Ray job to RAY_ADDRESS (the head node's dashboard), uploading the
+# repository root as the job's working directory, with NCCL settings from this shell passed to every actor:
+# NCCL_DEBUG (default WARN), and NCCL_SOCKET_IFNAME / NCCL_IB_HCA / NCCL_IB_DISABLE / RLHF_WEIGHT_SYNC_TIMEOUT_S
+# when set. Ray 2.60 clusters use token authentication: RAY_AUTH_MODE=token makes the job client send the token in
+# ~/.ray/auth_token (copy it from the head node).
+set -euo pipefail
+
+LAUNCHER=$1 MODULE=$2 CONFIG=$3
+shift 3
+CLUSTER=$(sed -n 's/^# cluster: *//p' "$LAUNCHER" | head -n 1)
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # the repository root: the job's working directory
+
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  PYTHON=${PYTHON:-$(if [ -x .venv/bin/python ]; then echo .venv/bin/python; else echo python; fi)}
+  exec "$PYTHON" -m "$MODULE" --config "$CONFIG" --dry-run --cluster "$CLUSTER" "$@"
+fi
+
+: "${RAY_ADDRESS:?set RAY_ADDRESS=http://HEAD_IP:8265 (the dashboard of the head node), or DRY_RUN=1 to print the plan}"
+env_vars="\"NCCL_DEBUG\": \"${NCCL_DEBUG:-WARN}\""
+for var in NCCL_SOCKET_IFNAME NCCL_IB_HCA NCCL_IB_DISABLE RLHF_WEIGHT_SYNC_TIMEOUT_S; do
+  if [ -n "${!var:-}" ]; then env_vars+=", \"$var\": \"${!var}\""; fi
+done
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+exec ray job submit --address "$RAY_ADDRESS" --working-dir . \
+  --runtime-env-json "{\"env_vars\": {$env_vars}, \"excludes\": [\".git\", \".venv\", \".assets\", \"outputs\"]}" \
+  -- python -m "$MODULE" --config "$CONFIG" "$@"

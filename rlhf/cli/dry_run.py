@@ -1,0 +1,323 @@
+"""``--dry-run``: validate a run config and print what the run would ask the cluster for, starting nothing.
+
+The plan is :func:`rlhf.distributed.resource_plan.plan_for`, the same one the runners size their clusters and
+colocate their roles from, packed onto the cluster's nodes by :func:`rlhf.distributed.packing.pack`. The cluster
+is ``--cluster SHAPE`` (simulated), else the live one at ``ray.address`` / ``RAY_ADDRESS`` (its nodes are read; no
+actor starts), else this machine as a local run would size it. Paths that exist only on the cluster (a data set
+under ``/data``, a model directory) are listed as such, not refused; every other check a real run makes before
+its first actor (the config's own validation, a contradicting ``strategy.deepspeed_config``, reward function
+specs, precision / backend / sleep-mode rules) still applies.
+
+Exit status (through ``rlhf.cli.common.run_cli``): 0 when the plan fits, 2 with ``error: ...`` naming the placement
+group or role that does not fit, or the bad setting.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import List, Sequence, Tuple
+
+from rlhf.config.schema import ConfigError
+from rlhf.distributed.packing import (NodeShape, Packing, check_feasible, describe_cluster, nodes_from_ray,
+                                      pack, parse_cluster)
+from rlhf.distributed.resource_plan import (ROLLOUT, ActorPlan, Devices, GroupPlan, ResourcePlan, engine_gpus,
+                                            plan_for, resolve_devices)
+
+NOT_HERE = "not on this machine (checked at run time)"
+
+
+def dry_run(cfg, prog: str, cluster: str = "") -> None:
+    """Print the resource plan of ``cfg`` on the cluster; raise when it does not fit or a setting is wrong.
+
+    Args:
+        cfg: A validated run config (SFT, reward model, DPO or RL).
+        prog: The command, for the header line.
+        cluster: ``--cluster`` shape; ``""`` reads the live cluster or this machine.
+
+    Raises:
+        ConfigError: A setting a real run would refuse before starting actors (names the key).
+        InfeasiblePlan: A placement group or actor that does not fit (names it), after the plan is printed.
+    """
+    name, label, nodes = cluster_nodes(cfg, cluster)
+    devices = resolve_devices(cfg.strategy, sum(n.gpus for n in nodes))
+    plan = plan_for(cfg, devices.gpus_per_worker)
+    paths = check_paths(cfg, devices.precision)
+    rollout = _rollout_lines(cfg, plan, devices) if hasattr(cfg, "rollout") else []
+    packing = pack(plan, nodes, cluster=name)
+    lines = [f"dry run: {prog}: the configuration is valid; nothing was started (no Ray actor, no weights loaded)",
+             "", f"cluster: {label}: {describe_cluster(nodes)}"]
+    lines += [f"  node {i}: {n.describe()}" for i, n in enumerate(nodes)]
+    lines += ["", "paths:"] + _table(paths)
+    lines += ["", _devices_line(cfg, devices)] + rollout
+    lines += ["", "placement groups (Ray PACK, in the order the runner creates them):"] + placement_lines(packing)
+    lines += ["", "actors:"] + actor_lines(plan)
+    lines += ["", "shared devices: " + _sharing(plan, packing)]
+    lines += ["", "batch:"] + batch_lines(cfg)
+    lines += ["", _verdict(packing, name)]
+    print("\n".join(lines), flush=True)
+    check_feasible(packing)
+
+
+# ------------------------------------------------------------------------------------------------- the cluster
+
+
+def cluster_nodes(cfg, cluster: str) -> Tuple[str, str, Tuple[NodeShape, ...]]:
+    """``(name, description, nodes)`` of the simulated ``cluster``, else of the live one at the run's address, else
+    of this machine."""
+    if cluster:
+        try:
+            return cluster, f"{cluster} (simulated)", parse_cluster(cluster)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        return "the live cluster", f"live cluster at {address}", _live_nodes(address)
+    from rlhf.distributed.cluster import local_num_cpus
+
+    cpus = local_num_cpus(cfg.ray.num_cpus, plan_for(cfg, 0.0).needed_cpus)
+    return ("this machine", f"this machine (the local Ray cluster a run here would start: {cpus} logical CPUs)",
+            (NodeShape(cpus=float(cpus), gpus=_local_gpus()),))
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _live_nodes(address: str) -> Tuple[NodeShape, ...]:
+    """The alive nodes of a running cluster: connect as a driver, read ``ray.nodes()``, disconnect."""
+    import ray
+
+    joined = not ray.is_initialized()
+    try:
+        if joined:
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        nodes = nodes_from_ray(ray.nodes())
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the cluster is reported as one line
+        raise ConfigError(f"cannot read the Ray cluster at {address} ({type(exc).__name__}: {exc}); give "
+                          f"--cluster SHAPE to plan against a simulated one") from None
+    finally:
+        if joined and ray.is_initialized():
+            ray.shutdown()
+    if not nodes:
+        raise ConfigError(f"the Ray cluster at {address} has no alive node")
+    return nodes
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+
+def check_paths(cfg, precision: str) -> List[Tuple[str, str, str]]:
+    """``(key, path, status)`` rows; a path that exists here must pass the runner's check, one that does not is
+    left to the run (it may exist only on the cluster)."""
+    from rlhf.config.deepspeed_check import check_user_config
+
+    m, d = cfg.model, cfg.data
+    models = [("model.path", m.path), ("model.ref_path", m.ref_path)]
+    if hasattr(cfg, "rollout"):
+        models += [("reward.model_path", cfg.reward.model_path), ("critic.path", cfg.critic.path)]
+    rows = []
+    for key, path in models:
+        if path:
+            rows.append((key, path, _model_dir_status(key, path)))
+    for key, path in (("model.tokenizer_path", m.tokenizer_path), ("data.train_path", d.train_path),
+                      ("data.eval_path", d.eval_path)):
+        if path:
+            rows.append((key, path, "found" if os.path.exists(path) else NOT_HERE))
+    ds = cfg.strategy.deepspeed_config
+    if ds:
+        found = os.path.isfile(ds)
+        if found:
+            check_user_config(cfg, precision)  # a contradiction is refused as a real run would
+        rows.append(("strategy.deepspeed_config", ds, "found, consistent with the run" if found else NOT_HERE))
+    for spec in getattr(getattr(cfg, "reward", None), "functions", ()):
+        rows.append(("reward.functions", spec, _reward_status(spec)))
+    out = cfg.train.output_dir
+    rows.append(("train.output_dir", out, ("exists" if os.path.isdir(out) else "created at run time")
+                 + ", on storage every node writes"))
+    return rows
+
+
+def _model_dir_status(key: str, path: str) -> str:
+    if not os.path.exists(path):
+        return NOT_HERE + (", where it must be a local HF directory (no hub download)" if _hub_id(path) else "")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{key}: {path!r} is not an HF model directory (no config.json)")
+    return "found"
+
+
+def _hub_id(path: str) -> bool:
+    """``Qwen/Qwen2.5-7B-Instruct``: one slash, relative; the runs read local directories only (offline hub)."""
+    return not os.path.isabs(path) and path.count("/") == 1 and not path.startswith(".")
+
+
+def _reward_status(spec: str) -> str:
+    """Load a reward function that resolves here (a bad one is an error); one that does not is left to the run."""
+    from rlhf.rewards.functions import RewardFunctionScorer, load_reward_function
+
+    RewardFunctionScorer((spec,))  # spec form and weight, nothing imported
+    head, at, tail = spec.rpartition("@")
+    name = head if at and ":" not in tail else spec
+    target = name.rpartition(":")[0]
+    is_file = target.endswith(".py") or "/" in target
+    here = os.path.isfile(target) if is_file else importlib.util.find_spec(target.split(".")[0]) is not None
+    if not here:
+        return NOT_HERE
+    load_reward_function(name)
+    return "found, loads"
+
+
+def _rollout_lines(cfg, plan: ResourcePlan, devices: Devices) -> List[str]:
+    """Engines, devices per engine, vLLM sleep mode and the weight-sync transport, as the RL runner resolves them."""
+    from rlhf.rollout.weight_sync import resolve_weight_sync
+    from rlhf.trainers.rl_runner import _engine_sleep
+
+    r, c = cfg.rollout, cfg.colocate
+    engines = next(a for a in plan.actors if a.role == ROLLOUT)
+    sleep = _engine_sleep(cfg, engine_gpus(r.tensor_parallel_size, devices.gpus_per_worker))
+    sync = resolve_weight_sync(r.weight_sync, hybrid_engine=c.hybrid_engine, gpus_per_engine=engines.gpus)
+    device = (f"{r.tensor_parallel_size:g} GPU" if engines.gpus >= 1 else "CPU") + " per engine"
+    if engines.group:
+        device = f"engine e on policy rank e's {'device' if engines.gpus else 'bundle'} (colocate.hybrid_engine)"
+    backend = "nccl" if engines.gpus > 0 and devices.gpus_per_worker > 0 else "gloo"  # both ends on GPUs
+    transport = {"ipc": "CUDA IPC handles, policy rank e -> engine e on their shared device",
+                 "object_store": "buckets through the Ray object store",
+                 "broadcast": f"policy rank 0 -> every engine worker over a {backend} process group"}.get(sync, sync)
+    return [f"rollout: {_count(r.num_engines, 'vLLM engine')}, tensor_parallel_size {r.tensor_parallel_size}, "
+            f"{device}",
+            f"  max_model_len {r.max_prompt_length + r.max_new_tokens} (rollout.max_prompt_length + max_new_tokens)",
+            f"  vLLM sleep mode: {'on' if sleep else 'off'} (colocate.engine_sleep={c.engine_sleep})",
+            f"  weight sync: {sync}: {transport} (rollout.weight_sync={r.weight_sync}), "
+            f"{r.weight_sync_bucket_mb} MB buckets"]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+# ------------------------------------------------------------------------------------------------- rendering
+
+
+def _table(rows: Sequence[Tuple[str, ...]], indent: str = "  ") -> List[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)] if rows else []
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+
+
+def _res(actor: ActorPlan) -> str:
+    return "{" + ", ".join(f"{k}: {v:.3g}" for k, v in actor.request.items()) + "}"
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2, 5``."""
+    out: List[Tuple[int, int]] = []
+    for v in sorted(values):
+        if out and out[-1][1] == v - 1:
+            out[-1] = (out[-1][0], v)
+        else:
+            out.append((v, v))
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
+
+
+def _devices_line(cfg, devices: Devices) -> str:
+    s = cfg.strategy
+    gpus = f"{devices.gpus_per_worker:g} GPU per rank" if devices.gpus_per_worker else "CPU ranks"
+    auto = " (auto)" if s.gpus_per_worker < 0 else ""
+    extras = ", gradient checkpointing" if cfg.model.gradient_checkpointing else ""
+    extras += ", optimizer offloaded to CPU" if s.offload_optimizer else ""
+    return (f"devices: {gpus}{auto}; {devices.precision} (strategy.precision={s.precision}), "
+            f"{devices.backend} (strategy.backend={s.backend}); DeepSpeed ZeRO-{s.zero_stage}{extras}")
+
+
+def placement_lines(packing: Packing) -> List[str]:
+    """One line per request, then where its bundles (or actors) landed, node by node."""
+    lines = []
+    for i, (request, slots) in enumerate(zip(packing.plan.requests, packing.slots), 1):
+        if isinstance(request, GroupPlan):
+            bundle = "{" + ", ".join(f"{k}: {v:g}" for k, v in request.bundle.items()) + "}"
+            shared = f", shared by {request.share} roles" if request.share > 1 else ""
+            lines.append(f"  {i}. {request.name}: {_count(request.num_bundles, 'bundle')} x {bundle}{shared}")
+            what = "bundles"
+        else:
+            lines.append(f"  {i}. {request.role}: {_count(request.count, 'actor')} x {_res(request)}, no placement "
+                         f"group (Ray's default scheduler)")
+            what = "actors"
+        if slots is None:
+            lines.append("       NOT PLACED" if packing.failure and _first_failed(packing) == i - 1
+                         else "       (not tried: an earlier request did not fit)")
+            continue
+        by_node: dict = {}
+        for index, slot in enumerate(slots):
+            by_node.setdefault(slot.node, ([], set()))[0].append(index)
+            by_node[slot.node][1].update(slot.gpu_ids)
+        lines.append("       " + "; ".join(
+            f"node {node}: {what} {_ranges(ix)}" + (f" (GPUs {_ranges(sorted(g))})" if g else "")
+            for node, (ix, g) in sorted(by_node.items())))
+    return lines
+
+
+def _first_failed(packing: Packing) -> int:
+    return next(i for i, s in enumerate(packing.slots) if s is None)
+
+
+def actor_lines(plan: ResourcePlan) -> List[str]:
+    rows = []
+    for a in plan.actors:
+        unit = "engine" if a.role == ROLLOUT else "rank"
+        where = f"{unit} r on bundle r of {a.group}" if a.group else "own resources"
+        rows.append((a.role, _count(a.count, unit), f"{_res(a)} each", where))
+    return _table(rows)
+
+
+def _sharing(plan: ResourcePlan, packing: Packing) -> str:
+    shared = [f"{' + '.join(g.roles)} (rank r of each on bundle r, 1/{g.share} of it each)"
+              for g in plan.groups if g.share > 1]
+    text = "; ".join(shared) if shared else "none (every role on its own bundles)"
+    crowded = packing.shared_devices()
+    if crowded:
+        text += "; WARNING, ranks of one role on one device: " + "; ".join(crowded)
+    return text
+
+
+def batch_lines(cfg) -> List[str]:
+    """The global-batch arithmetic: offline, global = micro x accumulation x ranks; RL, the rollout batch and the
+    optimizer steps it makes."""
+    t = cfg.train
+    lines = [f"  train.global_batch_size {t.global_batch_size} = micro {t.micro_batch_size} x accumulation "
+             f"{t.grad_accum_steps} x ranks {t.num_workers} (samples per optimizer step)"]
+    if not hasattr(cfg, "rollout"):
+        dpo = getattr(cfg, "dpo", None)
+        if dpo is not None:
+            lines.append(f"  reference: {dpo.ref_num_workers} ranks, dpo.ref_mode={dpo.ref_mode}"
+                         + (" (scores every pair once, then released)" if dpo.ref_mode == "precompute" else ""))
+        lines.append(f"  optimizer steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
+                     f"floor(rows / {t.global_batch_size})), rows counted at run time; data.max_length "
+                     f"{cfg.data.max_length}")
+        return lines
+    r, a = cfg.rollout, cfg.algo
+    per_pass, dropped = divmod(r.samples_per_step, t.global_batch_size)
+    lines.insert(0, f"  RL step: {r.prompts_per_step} prompts x {r.n_samples_per_prompt} samples = rollout batch "
+                    f"{r.samples_per_step} ({-(-r.samples_per_step // r.num_engines)} samples per engine)")
+    lines.append(f"  optimizer steps per RL step: algo.ppo_epochs {a.ppo_epochs} x floor({r.samples_per_step} / "
+                 f"{t.global_batch_size}) = {a.ppo_epochs * per_pass}"
+                 + (f" ({dropped} samples per pass dropped)" if dropped else ""))
+    if a.needs_critic:
+        per_critic = t.micro_batch_size * cfg.critic.num_workers
+        if t.global_batch_size % per_critic:  # the rule rl_runner._check_rl_paths applies before any actor
+            raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+                              f"train.micro_batch_size x critic.num_workers ({per_critic})")
+        lines.append(f"  critic: micro {t.micro_batch_size} x accumulation {t.global_batch_size // per_critic} x "
+                     f"ranks {cfg.critic.num_workers}")
+    lines.append(f"  RL steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
+                 f"floor(prompts / {r.prompts_per_step})), prompts counted at run time")
+    return lines
+
+
+def _verdict(packing: Packing, cluster: str) -> str:
+    if not packing.feasible:
+        return f"result: does NOT fit on {cluster} (see the error below)"
+    used = []
+    for i, (node, (cpus, gpus)) in enumerate(zip(packing.nodes, packing.free)):
+        gpu_text = f"{node.gpus - sum(gpus):g}/{node.gpus} GPU, " if node.gpus else ""
+        used.append(f"node {i} {gpu_text}{node.cpus - cpus:g}/{node.cpus:g} CPU")
+    return f"result: fits on {cluster}; held: " + "; ".join(used)

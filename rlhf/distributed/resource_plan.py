@@ -1,0 +1,236 @@
+"""What a run asks Ray for, as data: placement groups, their bundles, and every role's actors, in creation order.
+
+The runners size their clusters and colocate their roles from these plans (``rlhf.trainers.runner`` for SFT,
+reward model and DPO, ``rlhf.trainers.rl_runner`` for online RL), and ``--dry-run`` prints the same plans and packs
+them onto a cluster's nodes (:mod:`rlhf.distributed.packing`), so a dry run cannot drift from what a real run
+requests. ``tests/test_launchers.py`` records the requests the runner's actor start-up makes and compares them
+with the plan.
+
+Pure: no Ray, no torch; the config objects are only read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple, Union
+
+from rlhf.config.schema import ConfigError
+
+ROLLOUT = "rollout"  # the vLLM engines' role name in plans and shared placement groups
+
+
+@dataclass(frozen=True)
+class Devices:
+    """The device settings of a run once the cluster is known (``strategy.*=auto`` resolved)."""
+
+    gpus_per_worker: float  # GPUs of one trainer rank's bundle (0: CPU workers)
+    precision: str  # fp32 | bf16
+    backend: str  # gloo | nccl
+
+
+def resolve_devices(strategy, cluster_gpus: float) -> Devices:
+    """``strategy.gpus_per_worker`` / ``precision`` / ``backend`` with ``auto`` (-1) resolved for a cluster.
+
+    The driver may have no GPU, so ``auto`` follows the cluster: one GPU per rank and bf16 + NCCL when the cluster
+    has any GPU, else CPU workers with fp32 + gloo.
+
+    Args:
+        strategy: The run's :class:`~rlhf.config.schema.StrategyConfig`.
+        cluster_gpus: GPUs in the whole cluster.
+
+    Raises:
+        ConfigError: ``strategy.backend=nccl`` without GPU workers.
+    """
+    gpus = strategy.gpus_per_worker if strategy.gpus_per_worker >= 0 else (1.0 if cluster_gpus > 0 else 0.0)
+    precision = strategy.precision if strategy.precision != "auto" else ("bf16" if gpus > 0 else "fp32")
+    backend = strategy.backend if strategy.backend != "auto" else ("nccl" if gpus > 0 else "gloo")
+    if backend == "nccl" and gpus <= 0:
+        raise ConfigError("strategy.backend=nccl needs GPU workers (strategy.gpus_per_worker > 0)")
+    return Devices(gpus_per_worker=gpus, precision=precision, backend=backend)
+
+
+def bundle_resources(cpus: float, gpus: float) -> Dict[str, float]:
+    """One bundle as Ray takes it: ``{"CPU": cpus}`` plus ``"GPU"`` only when there are GPUs."""
+    return {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
+
+
+def engine_gpus(tensor_parallel_size: int, gpus_per_worker: float) -> float:
+    """GPUs of a vLLM engine with resources of its own: one per tensor-parallel rank on a GPU run, else none."""
+    return float(tensor_parallel_size) if gpus_per_worker > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One placement group: ``num_bundles`` bundles of ``cpus`` (+ ``gpus``), shared by ``roles``.
+
+    Rank ``r`` of every role in ``roles`` sits on bundle ``r`` and asks for ``1/len(roles)`` of it.
+    """
+
+    roles: Tuple[str, ...]
+    num_bundles: int
+    cpus: float
+    gpus: float
+
+    @property
+    def name(self) -> str:
+        """The name the runner gives the placement group (``policy``, ``policy+reference``, ...)."""
+        return "+".join(self.roles)
+
+    @property
+    def share(self) -> int:
+        return len(self.roles)
+
+    @property
+    def bundle(self) -> Dict[str, float]:
+        return bundle_resources(self.cpus, self.gpus)
+
+
+@dataclass(frozen=True)
+class ActorPlan:
+    """``count`` actors of one role, each asking for ``cpus`` / ``gpus``.
+
+    ``group`` names the placement group they sit on (actor ``i`` on bundle ``i``); ``None`` means resources of
+    their own, placed by Ray's default scheduler (the vLLM engines unless the hybrid engine is on).
+    """
+
+    role: str
+    count: int
+    cpus: float
+    gpus: float
+    group: Optional[str] = None
+
+    @property
+    def request(self) -> Dict[str, float]:
+        return bundle_resources(self.cpus, self.gpus)
+
+
+Request = Union[GroupPlan, ActorPlan]  # what the runner asks Ray for, one after another
+
+
+@dataclass(frozen=True)
+class ResourcePlan:
+    """Every request of a run in the order the runner makes it, and every role's actors.
+
+    ``requests`` holds the placement groups and the actors with resources of their own (these take cluster
+    resources); ``actors`` lists every role, including those sitting on a placement group's bundles.
+    """
+
+    requests: Tuple[Request, ...]
+    actors: Tuple[ActorPlan, ...]
+
+    @property
+    def groups(self) -> Tuple[GroupPlan, ...]:
+        return tuple(r for r in self.requests if isinstance(r, GroupPlan))
+
+    @property
+    def needed_cpus(self) -> float:
+        """CPUs the run holds at once: every bundle plus every actor with resources of its own."""
+        return sum(_total(r, "CPU") for r in self.requests)
+
+    @property
+    def needed_gpus(self) -> float:
+        return sum(_total(r, "GPU") for r in self.requests)
+
+    def group(self, name: str) -> GroupPlan:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"no placement group {name!r} in the plan (groups: {[g.name for g in self.groups]})")
+
+
+def _total(request: Request, resource: str) -> float:
+    count = request.num_bundles if isinstance(request, GroupPlan) else request.count
+    per = request.bundle if isinstance(request, GroupPlan) else request.request
+    return count * per.get(resource, 0.0)
+
+
+class _Builder:
+    """Collects requests and actors in creation order; trainer ranks all get the same bundle shape."""
+
+    def __init__(self, cpus_per_worker: float, gpus_per_worker: float) -> None:
+        self.cpus, self.gpus = cpus_per_worker, gpus_per_worker
+        self.requests: List[Request] = []
+        self.actors: List[ActorPlan] = []
+
+    def group(self, roles: Tuple[str, ...], num_bundles: int) -> GroupPlan:
+        group = GroupPlan(roles=tuple(roles), num_bundles=num_bundles, cpus=self.cpus, gpus=self.gpus)
+        self.requests.append(group)
+        return group
+
+    def on(self, group: GroupPlan, role: str, count: int) -> None:
+        """``count`` actors of ``role`` on ``group``'s bundles, each with its share of a bundle."""
+        if role not in group.roles or count != group.num_bundles:
+            raise ValueError(f"{role}: {count} actors cannot share {group.name}'s {group.num_bundles} bundles")
+        self.actors.append(ActorPlan(role, count, group.cpus / group.share, group.gpus / group.share, group.name))
+
+    def own(self, role: str, count: int, cpus: float, gpus: float) -> None:
+        actors = ActorPlan(role, count, cpus, gpus, group=None)
+        self.requests.append(actors)
+        self.actors.append(actors)
+
+    def build(self) -> ResourcePlan:
+        return ResourcePlan(requests=tuple(self.requests), actors=tuple(self.actors))
+
+
+def offline_plan(cfg, gpus_per_worker: float, policy_role: str = "policy") -> ResourcePlan:
+    """SFT, reward model and DPO: the trained model's group, then (DPO) the reference's.
+
+    The DPO reference group is started once the policy is built (``rlhf.trainers.dpo.attach_reference``), so
+    both hold their resources at once, even with ``dpo.ref_mode=precompute`` (which releases it before training).
+
+    Args:
+        cfg: An SFT / reward-model / DPO run config.
+        gpus_per_worker: Resolved GPUs per rank (:func:`resolve_devices`).
+        policy_role: The trained model's role name (``policy``; ``reward_model`` for reward modelling).
+    """
+    b = _Builder(cfg.strategy.cpus_per_worker, gpus_per_worker)
+    b.on(b.group((policy_role,), cfg.train.num_workers), policy_role, cfg.train.num_workers)
+    dpo = getattr(cfg, "dpo", None)
+    if dpo is not None:
+        b.on(b.group(("reference",), dpo.ref_num_workers), "reference", dpo.ref_num_workers)
+    return b.build()
+
+
+def policy_side_roles(colocate) -> Tuple[str, ...]:
+    """The roles sharing the policy's bundles: ``policy`` plus a colocated reference and hybrid-engine engines."""
+    return (("policy",) + (("reference",) if colocate.policy_reference else ())
+            + ((ROLLOUT,) if colocate.hybrid_engine else ()))
+
+
+def rl_plan(cfg, gpus_per_worker: float) -> ResourcePlan:
+    """Online RL, in ``rl_runner._start_actors``' order: policy side, engines, reference, critic side.
+
+    Args:
+        cfg: An :class:`~rlhf.config.rl_schema.RLRunConfig`.
+        gpus_per_worker: Resolved GPUs per trainer rank (:func:`resolve_devices`); CPU counts do not depend on it.
+    """
+    t, r, c = cfg.train, cfg.rollout, cfg.colocate
+    b = _Builder(cfg.strategy.cpus_per_worker, gpus_per_worker)
+    policy_side = b.group(policy_side_roles(c), t.num_workers)
+    b.on(policy_side, "policy", t.num_workers)
+    if c.hybrid_engine:
+        b.on(policy_side, ROLLOUT, r.num_engines)
+    else:
+        b.own(ROLLOUT, r.num_engines, r.cpus_per_engine, engine_gpus(r.tensor_parallel_size, gpus_per_worker))
+    if cfg.algo.kl_coef > 0:
+        b.on(policy_side if c.policy_reference else b.group(("reference",), t.num_workers), "reference",
+             t.num_workers)
+    critic_side = b.group(("critic", "reward_model"), cfg.critic.num_workers) if c.critic_reward else None
+    if cfg.algo.needs_critic:
+        n = cfg.critic.num_workers
+        b.on(critic_side or b.group(("critic",), n), "critic", n)
+    if cfg.reward.model_path:
+        n = cfg.reward.model_num_workers
+        b.on(critic_side or b.group(("reward_model",), n), "reward_model", n)
+    return b.build()
+
+
+def trainer_role(cfg) -> str:
+    """The trained model's role name of an offline run config (what its trainer passes to ``run_offline``)."""
+    return "reward_model" if hasattr(cfg, "rm") else "policy"
+
+
+def plan_for(cfg, gpus_per_worker: float) -> ResourcePlan:
+    """The plan of any run config: online RL when it has a rollout section, else offline."""
+    if hasattr(cfg, "rollout"):
+        return rl_plan(cfg, gpus_per_worker)
+    return offline_plan(cfg, gpus_per_worker, trainer_role(cfg))

@@ -1,0 +1,185 @@
+"""The policy side of a weight sync: one sender object per policy rank, living in that rank's actor.
+
+The trainer worker knows only the small protocol below (:class:`rlhf.distributed.worker.WeightSender`): it
+streams its named full tensors into ``send`` (ZeRO-3 shards gathered) and reports the stats. Every transport
+packs the same buckets (``rlhf.rollout.weight_sync``) and the engines load them through the same in-place reload;
+only how a bucket's bytes travel differs:
+
+* :class:`BroadcastSender` (``rollout.weight_sync=broadcast``): policy rank 0 and every engine worker form one
+  process group at start-up (``rlhf.rollout.sync_group``); each bucket is broadcast, NCCL on GPUs, gloo on CPU.
+* :class:`IpcSender` (``ipc``, the hybrid engine): every policy rank hands *its* engine, on the same device, a
+  CUDA-IPC handle to the packed bucket (shared memory on CPU).
+* :class:`ObjectStoreSender` (``object_store``): rank 0 puts each bucket's bytes in Ray's object store once; every
+  engine reads it. Works anywhere, costs a device-to-host copy and a serialisation.
+
+At most one bucket is in flight: the next is packed while the engines load the last, so memory stays bounded by
+two buckets whatever the model size. A buffer the engines read in place (IPC) is therefore double-buffered; a
+broadcast has delivered its bytes before it returns, so its sender reuses one buffer.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from rlhf.distributed.errors import WorkerError, gather
+from rlhf.rollout.sync_group import GroupAddress, SyncGroup, listen
+from rlhf.rollout.weight_sync import ALIGN, bucket_groups, bucket_to_bytes, layout, pack_bucket
+
+ENGINE_ROLE = "rollout engine"
+Named = Iterable[Tuple[str, torch.Tensor]]
+
+
+class _Sender:
+    """Shared bookkeeping: begin/finish the engines' reload, time and count what was sent."""
+
+    method = ""
+
+    def __init__(self, engines: Sequence, bucket_bytes: int, engine_ids: Optional[Sequence[int]] = None) -> None:
+        self.engines = list(engines)
+        self.bucket_bytes = bucket_bytes
+        self.names = [f"{ENGINE_ROLE} {e}" for e in (engine_ids if engine_ids is not None else range(len(engines)))]
+        self.device = torch.device("cpu")
+
+    # The protocol's set-up steps; only the broadcast sender needs them.
+    def listen(self) -> Optional[GroupAddress]:
+        return None
+
+    def connect(self) -> None:
+        pass
+
+    def send(self, named: Named) -> dict:
+        started, sent, tensors, buckets = time.perf_counter(), 0, 0, 0
+        self._all("begin_weight_update", [e.begin_weight_update.remote() for e in self.engines])
+        pending: list = []
+        for group in bucket_groups(named, self.bucket_bytes):
+            bucket = pack_bucket(group, out=self._buffer(group))  # packed while the engines load the last one
+            self._all("load_weights", pending)
+            pending = self._ship(bucket)
+            sent, tensors, buckets = sent + bucket.nbytes, tensors + len(bucket.metas), buckets + 1
+        self._all("load_weights", pending)
+        self._all("finish_weight_update", [e.finish_weight_update.remote() for e in self.engines])
+        return {"bytes": float(sent), "tensors": float(tensors), "buckets": float(buckets),
+                "seconds": time.perf_counter() - started, "method": self.method}
+
+    def _buffer(self, group) -> Optional[torch.Tensor]:
+        """Where to pack ``group``: ``None`` for a new tensor on :attr:`device`."""
+        return None
+
+    def _ship(self, bucket) -> list:
+        raise NotImplementedError
+
+    def _all(self, call: str, refs: list) -> list:
+        return gather(refs, self.names, call)
+
+
+class ObjectStoreSender(_Sender):
+    method = "object_store"
+
+    def _ship(self, bucket) -> list:
+        import ray
+
+        payload = ray.put(bucket_to_bytes(bucket))  # once, however many engines read it
+        wire = bucket.wire_metas()
+        return [e.load_weights.remote(wire, payload) for e in self.engines]
+
+
+class BroadcastSender(_Sender):
+    """Rank 0 of the weight-sync group; ``engine_workers[e]`` is engine ``e``'s worker count (its TP size)."""
+
+    method = "broadcast"
+
+    def __init__(self, engines: Sequence, engine_workers: Sequence[int], bucket_bytes: int, backend: str) -> None:
+        super().__init__(engines, bucket_bytes)
+        self.world_size = 1 + sum(engine_workers)
+        self.backend = backend
+        self._store = None
+        self._address: Optional[GroupAddress] = None
+        self._group: Optional[SyncGroup] = None
+        self._reused: Optional[torch.Tensor] = None
+
+    def listen(self) -> GroupAddress:
+        self._store, self._address = listen(self.world_size, self.backend)
+        return self._address
+
+    def connect(self) -> None:
+        if self._address is None:
+            raise RuntimeError("BroadcastSender.connect() before listen()")
+        self._group = SyncGroup(self._address, rank=0, store=self._store)
+        self.device = self._group.device
+
+    def _buffer(self, group) -> torch.Tensor:
+        """The sender's buffer is reused: a broadcast has delivered every byte before the next bucket is packed."""
+        if _too_small(self._reused, group):
+            self._reused = _new_buffer(group, self.bucket_bytes, self.device)
+        return self._reused
+
+    def _ship(self, bucket) -> list:
+        wire = bucket.wire_metas()
+        refs = [e.receive_bucket.remote(wire, bucket.nbytes) for e in self.engines]
+        try:
+            self._group.broadcast(bucket.data, src=0)
+        except Exception as exc:  # a dead or failing engine: name it rather than the group's echo
+            self._all("receive_bucket", refs)
+            raise WorkerError(f"weight broadcast to the rollout engines failed: {exc}") from exc
+        return refs
+
+
+class IpcSender(_Sender):
+    """Policy rank ``r`` -> engine ``r`` on the same device (the hybrid engine): a handle instead of a copy."""
+
+    method = "ipc"
+
+    def __init__(self, engine, engine_id: int, bucket_bytes: int) -> None:
+        super().__init__([engine], bucket_bytes, engine_ids=[engine_id])
+        # Two shared buffers, used in turn: bucket k+1 is packed while the engine still reads bucket k, and a buffer
+        # is packed again only after the load of the bucket it held was waited for (the base class's order).
+        self._shared: List[Optional[torch.Tensor]] = [None, None]
+        self._turn = 0
+
+    def connect(self) -> None:
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+
+    def _buffer(self, group) -> torch.Tensor:
+        self._turn ^= 1
+        if _too_small(self._shared[self._turn], group):
+            self._shared[self._turn] = _new_buffer(group, self.bucket_bytes, self.device)
+        return self._shared[self._turn]
+
+    def _ship(self, bucket) -> list:
+        from rlhf.rollout.ipc import share
+
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the packing copies must land before the engine reads
+        # A new handle for every bucket: each handle carries one reference to the memory, given back when the
+        # engine opens it (a handle opened twice would release the memory under the sender).
+        return [self.engines[0].load_shared_bucket.remote(bucket.wire_metas(), share(self._shared[self._turn]),
+                                                          bucket.nbytes)]
+
+
+def _too_small(buffer: Optional[torch.Tensor], group) -> bool:
+    return buffer is None or buffer.numel() < layout(group)[1]
+
+
+def _new_buffer(group, bucket_bytes: int, device: torch.device) -> torch.Tensor:
+    """Room for a full bucket (its tensors' alignment padding included), or for ``group`` if larger."""
+    return torch.empty(max(layout(group)[1], bucket_bytes + ALIGN), dtype=torch.uint8, device=device)
+
+
+def make_senders(method: str, engines: Sequence, engine_workers: Sequence[int], num_ranks: int,
+                 bucket_bytes: int, backend: str) -> List[Optional[_Sender]]:
+    """One entry per policy rank (``None``: the rank only takes part in the ZeRO-3 gathers)."""
+    if method == "ipc":
+        if len(engines) != num_ranks:
+            raise ValueError(f"ipc weight sync needs one engine per policy rank; got {len(engines)} engines for "
+                             f"{num_ranks} ranks")
+        return [IpcSender(engine, r, bucket_bytes) for r, engine in enumerate(engines)]
+    if method == "broadcast":
+        first: _Sender = BroadcastSender(engines, engine_workers, bucket_bytes, backend)
+    elif method == "object_store":
+        first = ObjectStoreSender(engines, bucket_bytes)
+    else:
+        raise ValueError(f"unknown weight-sync method {method!r}")
+    return [first] + [None] * (num_ranks - 1)
