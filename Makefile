@@ -13,6 +13,8 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONUNBUFFERED ?= 1
+# DeepSpeed's JIT-built ops live in the venv (rlhf/distributed/cluster.py says why); `install` builds them once.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: install install-gpu demo test test-fast bench docs doctor clean
 
@@ -25,6 +27,8 @@ $(STAMP): pyproject.toml
 	# `import transformers` models with "operator torchvision::nms does not exist". Nothing here needs them.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	$(PY) -c "import torch, transformers, deepspeed, ray, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'ray', ray.__version__, 'vllm', vllm.__version__)"
+	@echo "compiling DeepSpeed's CPU communication op into $(TORCH_EXTENSIONS_DIR) (first install only, ~1 min)"
+	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=False)"
 	touch $(STAMP)
 
 # GPU nodes (CUDA 13.0 driver, >= 580): torch 2.13.0 first, then vLLM 0.32.0 and flash-attn built against it

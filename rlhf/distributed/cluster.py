@@ -3,10 +3,18 @@ cluster sized for the run's actors."""
 from __future__ import annotations
 
 import os
+import sys
 from typing import Dict
+
+# DeepSpeed JIT-compiles its CPU communication op (~1 min on 2 cores) into TORCH_EXTENSIONS_DIR. torch's default,
+# ~/.cache/torch_extensions, is shared by every checkout and venv of a machine, and a build is keyed by its source
+# paths: two checkouts used in turn rebuilt it on every switch. One cache per environment (the venv's own
+# directory, `make install` fills it) is built once. Set for this process too: an in-process engine loads it here.
+TORCH_EXTENSIONS_DIR = os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 # Environment every actor gets; DS_ACCELERATOR is added for CPU-only groups.
 ACTOR_ENV = {
+    "TORCH_EXTENSIONS_DIR": TORCH_EXTENSIONS_DIR,
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
