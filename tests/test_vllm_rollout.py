@@ -11,7 +11,7 @@ import torch
 
 from rlhf.distributed.errors import WorkerError
 from rlhf.rollout.vllm_engine import EngineSpec, SamplingSpec
-from rlhf.rollout.weight_sync import ALIGN, iter_buckets, pack_bucket, unpack_bucket
+from rlhf.rollout.weight_sync import ALIGN, bucket_groups, pack_bucket, unpack_bucket
 
 from conftest import wait_until_dead
 from rl_helpers import greedy_reference
@@ -90,7 +90,7 @@ def test_bucket_round_trip_is_bit_exact_and_aligned():
     assert [n for n, _ in back] == [n for n, _ in tensors]
     for (_, x), (_, y) in zip(tensors, back):
         assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
-    buckets = list(iter_buckets(tensors, bucket_bytes=64))
+    buckets = [pack_bucket(group) for group in bucket_groups(tensors, bucket_bytes=64)]
     assert len(buckets) > 1 and sum(len(b.metas) for b in buckets) == len(tensors)
     assert all(b.nbytes <= 64 + ALIGN or len(b.metas) == 1 for b in buckets)
 

@@ -111,8 +111,7 @@ class BroadcastSender(_Sender):
 
     def _buffer(self, group) -> torch.Tensor:
         """The sender's buffer is reused: a broadcast has delivered every byte before the next bucket is packed."""
-        if _too_small(self._reused, group):
-            self._reused = _new_buffer(group, self.bucket_bytes, self.device)
+        self._reused = _fitting(self._reused, group, self.bucket_bytes, self.device)
         return self._reused
 
     def _ship(self, bucket) -> list:
@@ -144,8 +143,7 @@ class IpcSender(_Sender):
 
     def _buffer(self, group) -> torch.Tensor:
         self._turn ^= 1
-        if _too_small(self._shared[self._turn], group):
-            self._shared[self._turn] = _new_buffer(group, self.bucket_bytes, self.device)
+        self._shared[self._turn] = _fitting(self._shared[self._turn], group, self.bucket_bytes, self.device)
         return self._shared[self._turn]
 
     def _ship(self, bucket) -> list:
@@ -159,13 +157,13 @@ class IpcSender(_Sender):
                                                           bucket.nbytes)]
 
 
-def _too_small(buffer: Optional[torch.Tensor], group) -> bool:
-    return buffer is None or buffer.numel() < layout(group)[1]
-
-
-def _new_buffer(group, bucket_bytes: int, device: torch.device) -> torch.Tensor:
-    """Room for a full bucket (its tensors' alignment padding included), or for ``group`` if larger."""
-    return torch.empty(max(layout(group)[1], bucket_bytes + ALIGN), dtype=torch.uint8, device=device)
+def _fitting(buffer: Optional[torch.Tensor], group, bucket_bytes: int, device: torch.device) -> torch.Tensor:
+    """``buffer`` when ``group`` fits it, else a new one with room for a full bucket (alignment padding
+    included) or for ``group`` if larger."""
+    size = layout(group)[1]
+    if buffer is not None and buffer.numel() >= size:
+        return buffer
+    return torch.empty(max(size, bucket_bytes + ALIGN), dtype=torch.uint8, device=device)
 
 
 def make_senders(method: str, engines: Sequence, engine_workers: Sequence[int], num_ranks: int,

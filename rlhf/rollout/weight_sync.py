@@ -44,11 +44,7 @@ class WeightBucket:
 
     def wire_metas(self) -> list:
         """Plain lists: vLLM's RPC serializer (msgspec) turns dataclasses into dicts."""
-        return metas_to_wire(self.metas)
-
-
-def metas_to_wire(metas: Sequence[TensorMeta]) -> list:
-    return [[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in metas]
+        return [[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in self.metas]
 
 
 def metas_from_wire(wire: list) -> Tuple[TensorMeta, ...]:
@@ -122,13 +118,6 @@ def bucket_groups(named: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int
         size += nbytes + (-nbytes % ALIGN)
     if pending:
         yield pending
-
-
-def iter_buckets(named: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
-                 device: Optional[torch.device] = None) -> Iterator[WeightBucket]:
-    """:func:`bucket_groups` packed, each into a new buffer."""
-    for group in bucket_groups(named, bucket_bytes):
-        yield pack_bucket(group, device=device)
 
 
 def bucket_to_bytes(bucket: WeightBucket) -> bytes:

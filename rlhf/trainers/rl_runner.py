@@ -60,11 +60,12 @@ def _engine_sleep(cfg: RLRunConfig, gpus: float) -> bool:
 
 def _start_engines(cfg: RLRunConfig, ctx, placement):
     from rlhf.distributed.cluster import actor_env
+    from rlhf.distributed.resource_plan import engine_gpus
     from rlhf.rollout.engines import RolloutEngines
     from rlhf.rollout.vllm_engine import EngineSpec
 
     r = cfg.rollout
-    gpus = r.tensor_parallel_size if ctx.gpus_per_worker > 0 else 0
+    gpus = engine_gpus(r.tensor_parallel_size, ctx.gpus_per_worker)  # what the plan and --dry-run count
     sleep = _engine_sleep(cfg, gpus)
     spec = EngineSpec(model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size, seed=cfg.train.seed,
                       max_model_len=r.max_prompt_length + r.max_new_tokens,
