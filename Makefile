@@ -27,8 +27,9 @@ $(STAMP): pyproject.toml
 	# `import transformers` models with "operator torchvision::nms does not exist". Nothing here needs them.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	$(PY) -c "import torch, transformers, deepspeed, ray, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'ray', ray.__version__, 'vllm', vllm.__version__)"
-	@echo "compiling DeepSpeed's CPU communication op into $(TORCH_EXTENSIONS_DIR) (first install only, ~1 min)"
-	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=False)"
+	# DeepSpeed's CPU communication op, compiled once into TORCH_EXTENSIONS_DIR, saying so (without this, the first
+	# run compiles it before its first actor starts: rlhf/distributed/cluster.py ensure_cpu_comm_op).
+	$(PY) -c "from rlhf.distributed.cluster import ensure_cpu_comm_op; ensure_cpu_comm_op()"
 	touch $(STAMP)
 
 # GPU nodes (CUDA 13.0 driver, >= 580): torch 2.13.0 first, then vLLM 0.32.0 and flash-attn built against it

@@ -131,7 +131,7 @@ def throughput(model_dir, sft_path, pair_path, out, steps):
                 "train.global_batch_size=16", f"train.micro_batch_size={micro}", f"train.num_workers={workers}",
                 f"train.max_steps={steps}", "train.max_epochs=100", "train.lr=1e-3", "data.max_length=64",
                 "strategy.zero_stage=2", "logging.tensorboard=false", "logging.print_every=1000",
-                "train.save_final=false"])
+                "train.save_final=false", "train.overwrite=true"])  # --workdir again: replace the last bench
             fn(cfg)
             with open(os.path.join(run_dir, "metrics.jsonl")) as f:
                 rows = [json.loads(line) for line in f]

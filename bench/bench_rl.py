@@ -35,7 +35,8 @@ def stage_breakdown(model, prompts, workdir, steps):
 
     cfg = load_config(RLRunConfig, "grpo_tiny", [
         f"model.path={model}", f"data.train_path={prompts}", f"train.output_dir={workdir}/rl",
-        f"train.max_steps={steps}", "logging.print_every=1000", "logging.tensorboard=false", "train.save_final=false"])
+        f"train.max_steps={steps}", "logging.print_every=1000", "logging.tensorboard=false", "train.save_final=false",
+        "train.overwrite=true"])  # --workdir again: replace the last bench's run
     train_rl(cfg)
     with open(os.path.join(workdir, "rl", "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f][1:]

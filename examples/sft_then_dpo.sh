@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # SFT, then DPO from the SFT model, then a reward model, on the tiny local model and synthetic addition task.
+# Running it again replaces the runs in WORKDIR (train.overwrite=true; without it a finished run is kept and
+# the new one refused).
 # Usage: examples/sft_then_dpo.sh [WORKDIR]      (run from the repo root after `make install`)
-# On a running Ray cluster, prefix each python command with `ray job submit --address http://HEAD:8265 --`.
+# On a Ray cluster, submit it from the repo root as one job (every step joins the cluster through RAY_ADDRESS;
+# WORKDIR on storage every node can write):
+#   RAY_AUTH_MODE=token ray job submit --address http://HEAD_IP:8265 --working-dir . -- bash examples/sft_then_dpo.sh /shared/runs/example
 set -euo pipefail
 WORK=${1:-.assets/example}
-PY=${PY:-.venv/bin/python}
+PY=${PY:-$(if [ -x .venv/bin/python ]; then echo .venv/bin/python; else echo python; fi)}
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 
 $PY -m rlhf.cli.make_assets --out "$WORK/assets"
 $PY -m rlhf.cli.train_sft --config sft_tiny \
     model.path="$WORK/assets/model" data.train_path="$WORK/assets/sft.jsonl" \
-    train.output_dir="$WORK/sft" train.max_epochs=2 train.num_workers=2 train.micro_batch_size=2
+    train.output_dir="$WORK/sft" train.overwrite=true train.max_epochs=2 train.num_workers=2 train.micro_batch_size=2
 $PY -m rlhf.cli.train_dpo --config dpo_tiny \
     model.path="$WORK/sft/final" data.train_path="$WORK/assets/preference.jsonl" \
-    train.output_dir="$WORK/dpo" dpo.loss_type=sigmoid dpo.label_smoothing=0.1
+    train.output_dir="$WORK/dpo" train.overwrite=true dpo.loss_type=sigmoid dpo.label_smoothing=0.1
 $PY -m rlhf.cli.train_rm --config rm_tiny \
     model.path="$WORK/sft/final" data.train_path="$WORK/assets/preference.jsonl" \
-    train.output_dir="$WORK/rm" rm.use_margin=true
+    train.output_dir="$WORK/rm" train.overwrite=true rm.use_margin=true
 echo "metrics: $WORK/{sft,dpo,rm}/metrics.jsonl   models: $WORK/{sft,dpo,rm}/final"

@@ -25,7 +25,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Longest first (longest-processing-time scheduling over the test processes); the rest keep their order.
 LONG_MODULES = ("test_rl_e2e", "test_resume", "test_dpo_training", "test_resume_dpo", "test_rl_algorithms",
                 "test_multinode", "test_doctor", "test_precision", "test_offline_training", "test_workers",
-                "test_cli_errors", "test_vllm_rollout", "test_rm_training", "test_health")
+                "test_cli_errors", "test_vllm_rollout", "test_rm_training", "test_health", "test_chat_chain",
+                "test_comm_op_build", "test_hub")
 
 
 def pytest_configure(config):
@@ -117,6 +118,18 @@ def wait_until_dead(handle, timeout_s: float = 120.0) -> None:
     raise AssertionError("the killed actor still answers")
 
 
+def run_main(module: str, argv, cwd, capsys, monkeypatch):
+    """``python -m <module> argv...`` in this process, from ``cwd`` and outside any Ray cluster:
+    ``(exit status, stdout, stderr)``."""
+    import importlib
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    rc = importlib.import_module(module).main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
 def write_jsonl(path, rows) -> str:
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
@@ -129,6 +142,21 @@ def tiny_model(tmp_path_factory) -> str:
     from rlhf.models.tiny import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("model") / "tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model(tmp_path_factory, tiny_model) -> str:
+    """The tiny model with a seeded random scalar head, saved as ``train_rm`` saves a reward model."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = str(tmp_path_factory.mktemp("reward_model") / "tiny_rm")
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1)
+    model.config.pad_token_id = model.config.eos_token_id
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="session")

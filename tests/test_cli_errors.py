@@ -29,6 +29,25 @@ def test_unknown_key_suggests_the_close_match(tiny_model, sft_data, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("args,corrected", [(["--train.lr", "1e-4"], "train.lr=1e-4"),
+                                           (["--train.lr=1e-4"], "train.lr=1e-4"),
+                                           (["--lr", "1e-4"], "train.lr=1e-4")])
+def test_an_override_written_as_an_option_gets_its_key_value_form(args, corrected, tiny_model, sft_data, tmp_path):
+    proc = _cli("train_sft", *_base(tiny_model, sft_data, tmp_path / "o"), *args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"overrides are KEY=VALUE without dashes; write: {corrected}" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_dotted_key_in_a_yaml_file_is_read(tiny_model, sft_data, tmp_path):
+    """``model.path: x`` in a YAML file used to be 'unknown config key 'model.path'; did you mean 'model.path'?'."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model.path: {tiny_model}\ndata.train_path: {sft_data}\ntrain.learning_rate: 1e-4\n")
+    proc = _cli("train_sft", "--config", str(config), f"train.output_dir={tmp_path / 'o'}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: unknown config key 'train.learning_rate'; did you mean 'train.lr'?"
+
+
 def test_indivisible_global_batch_names_the_keys(tiny_model, sft_data, tmp_path):
     proc = _cli("train_sft", *_base(tiny_model, sft_data, tmp_path / "o"), "train.num_workers=3")
     assert proc.returncode == 2

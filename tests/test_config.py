@@ -132,18 +132,19 @@ def test_dpo_preset():
     assert cfg.train.global_batch_size == 16
 
 
-@pytest.mark.parametrize("name", ["sft_tiny", "dpo_tiny", "rm_tiny"])
+@pytest.mark.parametrize("name", ["sft_tiny", "dpo_tiny", "rm_tiny", "grpo_tiny"])
 def test_presets_do_not_set_paths(name):
     from rlhf.config.loader import PRESET_DIR
 
     data = yaml.safe_load((PRESET_DIR / f"{name}.yaml").read_text())
     assert "path" not in (data.get("model") or {})
     assert "train_path" not in (data.get("data") or {})
+    assert "output_dir" not in (data.get("train") or {})  # one fixed directory per preset: runs overwrote each other
 
 
 def test_preset_still_requires_model_path():
     message = _error_without_required(SFTRunConfig, "sft_tiny", [])
-    assert message == "model.path is required (an HF model directory)"
+    assert message == "model.path is required (an HF model directory or a hub id, org/name)"
 
 
 def test_missing_config_file_lists_presets():
@@ -353,7 +354,8 @@ def test_unknown_key_without_match_lists_section_keys():
 
 
 def test_unknown_key_past_a_leaf():
-    assert _error(SFTRunConfig, None, ["train.lr.x=1"]).startswith("unknown config key 'train.lr.x'")
+    assert _error(SFTRunConfig, None, ["train.lr.x=1"]).startswith(
+        "unknown config key 'train.lr.x'; did you mean 'train.lr'")
 
 
 def test_unknown_yaml_keys(tmp_path):
@@ -363,6 +365,100 @@ def test_unknown_yaml_keys(tmp_path):
     )
     top = _write(tmp_path / "top.yaml", "trainer:\n  lr: 1\n")
     assert _error(SFTRunConfig, top).startswith("unknown config key 'trainer'; did you mean 'train'")
+
+
+def test_dotted_keys_in_yaml_are_read_as_the_nested_form(tmp_path):
+    path = _write(tmp_path / "run.yaml", "model.path: /m\ndata:\n  train_path: /d\ntrain.lr: 0.5\ntrain:\n  seed: 3\n"
+                                         "strategy: {zero_stage: 1}\nlogging:\n  wandb_project: p\n")
+    cfg = load_config(SFTRunConfig, path)
+    assert (cfg.model.path, cfg.data.train_path, cfg.train.lr, cfg.train.seed) == ("/m", "/d", 0.5, 3)
+    assert cfg.strategy.zero_stage == 1 and cfg.logging.wandb_project == "p"
+    nested = _write(tmp_path / "nested.yaml", "strategy:\n  zero.stage: 1\n")  # a dotted key inside a section
+    assert _error(SFTRunConfig, nested) == (
+        "unknown config key 'strategy.zero'; did you mean 'strategy.zero_stage'?")
+
+
+def test_dotted_keys_in_yaml_below_the_top_level_expand_too(tmp_path):
+    path = _write(tmp_path / "run.yaml", "train:\n  lr: 0.25\nmodel:\n  path: /m\ndata: {train_path: /d}\n")
+    assert load_config(SFTRunConfig, path).train.lr == 0.25
+    dpo = _write(tmp_path / "dpo.yaml", "dpo.beta: 0.3\n")
+    _dpo_losses()
+    assert load_config(DPORunConfig, dpo, REQUIRED).dpo.beta == pytest.approx(0.3)
+    assert load_config(SFTRunConfig, None, [*REQUIRED, "train={lr: 0.5, seed: 9}"]).train.seed == 9
+
+
+def test_a_key_set_both_dotted_and_nested_in_one_file_is_named(tmp_path):
+    path = _write(tmp_path / "run.yaml", "train.lr: 0.5\ntrain:\n  lr: 0.1\n")
+    assert _error(SFTRunConfig, path) == (
+        f"{path}: 'train.lr' is set twice (as a dotted key and inside its section); keep one")
+    scalar = _write(tmp_path / "scalar.yaml", "train: 3\ntrain.lr: 0.5\n")
+    assert "'train' is set twice" in _error(SFTRunConfig, scalar)
+
+
+def test_dotted_keys_override_a_defaults_file_like_nested_ones(tmp_path):
+    _write(tmp_path / "base.yaml", "train:\n  lr: 0.1\n  seed: 4\n")
+    child = _write(tmp_path / "child.yaml", "defaults: [base.yaml]\ntrain.lr: 0.2\n")
+    cfg = load_config(SFTRunConfig, child, REQUIRED)
+    assert (cfg.train.lr, cfg.train.seed) == (0.2, 4)  # across files the later one wins: no "set twice"
+
+
+@pytest.mark.parametrize("cls,key,expected", [
+    (SFTRunConfig, "learning_rate", "'train.lr'"),
+    (SFTRunConfig, "train.learning_rate", "'train.lr'"),
+    (SFTRunConfig, "per_device_train_batch_size", "'train.micro_batch_size'"),
+    (SFTRunConfig, "train.per_device_train_batch_size", "'train.micro_batch_size'"),
+    (SFTRunConfig, "micro_train_batch_size", "'train.micro_batch_size'"),
+    (SFTRunConfig, "num_train_epochs", "'train.max_epochs'"),
+    (SFTRunConfig, "pretrain", "'model.path'"),
+    (SFTRunConfig, "model_name_or_path", "'model.path'"),
+    (SFTRunConfig, "max_len", "'data.max_length'"),
+    (SFTRunConfig, "save_path", "'train.output_dir'"),
+    (SFTRunConfig, "train_batch_size", "'train.global_batch_size'"),
+    (SFTRunConfig, "logging_steps", "'logging.print_every'"),
+    (SFTRunConfig, "save_steps", "'train.save_every'"),
+    (DPORunConfig, "beta", "'dpo.beta'"),
+    ("rl", "beta", "'algo.kl_coef'"),
+    ("rl", "num_generations", "'rollout.n_samples_per_prompt'"),
+    ("rl", "max_completion_length", "'rollout.max_new_tokens'"),
+    ("rl", "rollout_batch_size", "'rollout.prompts_per_step'"),
+])
+def test_names_from_other_toolkits_suggest_this_projects_key(cls, key, expected):
+    from rlhf.config.rl_schema import RLRunConfig
+
+    cls = RLRunConfig if cls == "rl" else cls
+    if cls is DPORunConfig:
+        _dpo_losses()
+    extra = ["reward.functions=[m:f]"] if cls is RLRunConfig else []
+    message = _error(cls, None, [*extra, f"{key}=1"])
+    assert message.startswith(f"unknown config key {key!r}; did you mean {expected}"), message
+
+
+def test_learning_rate_under_train_suggests_lr_only():
+    message = _error(SFTRunConfig, None, ["train.learning_rate=1e-4"])
+    assert message == "unknown config key 'train.learning_rate'; did you mean 'train.lr'?"  # not min_lr_ratio
+
+
+def test_gradient_accumulation_steps_explains_that_it_is_derived():
+    message = _error(SFTRunConfig, None, ["gradient_accumulation_steps=4"])
+    assert "did you mean 'train.global_batch_size'?" in message
+    assert "train.global_batch_size / (train.micro_batch_size x train.num_workers)" in message
+
+
+def test_a_suggestion_is_never_the_key_itself():
+    """Every foreign name, bare and under every section, and every valid leaf one level too deep: the keys
+    suggested never include the key written (the old message for a YAML 'model.path' key suggested itself)."""
+    from rlhf.config.loader import _all_keys
+    from rlhf.config.suggest import FOREIGN_KEYS
+
+    sections = ["", "model.", "data.", "train.", "strategy.", "logging."]
+    keys = [prefix + name for name in FOREIGN_KEYS for prefix in sections]
+    keys += [f"{key}.x" for key in _all_keys(SFTRunConfig) if "." in key]
+    for key in keys:
+        with pytest.raises(ConfigError) as info:
+            load_config(SFTRunConfig, None, [*REQUIRED, f"{key}=1"])
+        message = str(info.value)
+        assert message.startswith(f"unknown config key {key!r}; "), message
+        assert f"did you mean {key!r}" not in message and f"or {key!r}" not in message, message
 
 
 def test_dpo_section_unknown_for_sft():
@@ -402,7 +498,7 @@ def _error_without_required(cls: type, config_file: str | None, overrides: list[
 
 def test_missing_model_path():
     assert _error_without_required(SFTRunConfig, None, ["data.train_path=/d"]) == (
-        "model.path is required (an HF model directory)"
+        "model.path is required (an HF model directory or a hub id, org/name)"
     )
 
 
@@ -470,11 +566,35 @@ def test_parse_cli_config_error_exits_2(capsys):
     assert "did you mean 'train.micro_batch_size'" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("args,corrected", [
+    (["--train.lr", "1e-4"], "train.lr=1e-4"),
+    (["--train.lr=1e-4"], "train.lr=1e-4"),
+    (["--lr", "1e-4"], "train.lr=1e-4"),
+    (["--lr"], "train.lr=VALUE"),
+    (["--learning-rate", "3e-5", "--seed", "3"], "train.lr=3e-5 train.seed=3"),
+    (["--train.resume"], "train.resume=true"),
+    (["--train.max_steps", "-1"], "train.max_steps=-1"),
+])
+def test_parse_cli_overrides_written_as_options_get_their_key_value_form(args, corrected, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_cli(SFTRunConfig, [*REQUIRED, *args, "train.seed=1"], prog="train_sft")
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"overrides are KEY=VALUE without dashes; write: {corrected}\n" in err, err
+    assert f"unrecognized arguments {' '.join(args)!r}" in err
+
+
+def test_parse_cli_own_options_are_not_taken_for_overrides():
+    cfg = parse_cli(SFTRunConfig, ["--config", "sft_tiny", *REQUIRED, "--dry-run", "-c", "sft_tiny",
+                                   "--config=sft_tiny", "train.seed=-3"])
+    assert cfg.train.seed == -3 and cfg.train.micro_batch_size == 4
+
+
 def test_parse_cli_missing_required_exits_2(capsys):
     with pytest.raises(SystemExit) as info:
         parse_cli(SFTRunConfig, ["--config", "sft_tiny"])
     assert info.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: model.path is required (an HF model directory)"
+    assert capsys.readouterr().err.strip() == "error: model.path is required (an HF model directory or a hub id, org/name)"
 
 
 def test_parse_cli_help_lists_keys(capsys):
@@ -497,7 +617,7 @@ def test_describe_keys():
     by_key = {key: (type_name, default, text) for key, type_name, default, text in rows}
     assert len(by_key) == len(rows)  # no duplicates
     assert by_key["train.micro_batch_size"] == ("int", 1, "samples per forward, per rank")
-    assert by_key["model.path"] == ("str", "", "HF directory (required)")
+    assert by_key["model.path"] == ("str", "", "required: an HF model directory or a hub id (org/name[@revision])")
     assert by_key["train.adam_betas"][:2] == ("tuple[float, float]", (0.9, 0.95))
     assert by_key["logging.tensorboard"] == ("bool", True, "")
     assert "dpo.beta" not in by_key and "train" not in by_key  # leaves only, of this run config

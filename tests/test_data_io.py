@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.data import io as data_io
 from rlhf.data.io import DataError, read_rows
 
 PREF = ("prompt", "chosen", "rejected")
@@ -47,17 +46,15 @@ def test_json_extension_and_optional_null_is_absent(tmp_path: Path) -> None:
     assert read_rows(path, ["prompt", "response"], optional=["margin"]) == [{"prompt": "1+1=", "response": "2"}]
 
 
-def test_jsonl_falls_back_to_plain_parse_when_datasets_fails(tmp_path: Path, monkeypatch, caplog) -> None:
-    path = _write_lines(tmp_path / "pref.jsonl", [json.dumps(_pair(0, margin=1)), json.dumps(_pair(1))])
-
-    def broken(builder: str, p: str):
-        raise ValueError("schema inference failed")
-
-    monkeypatch.setattr(data_io, "_load_with_datasets", broken)
-    with caplog.at_level("WARNING", logger="rlhf.data.io"):
-        rows = read_rows(path, PREF, optional=["margin"], types=MARGIN_TYPES)
-    assert rows == [_pair(0, margin=1), _pair(1)]
-    assert "schema inference failed" in caplog.text
+def test_jsonl_rows_are_the_json_as_written(tmp_path: Path) -> None:
+    # An Arrow round trip would unify each column's type across rows: the text "3" beside a row whose field holds
+    # messages came back as the int 3, and every message dict got every key seen in any message.
+    rows = [{"prompt": "1+2=", "response": "007"},
+            {"prompt": [{"role": "user", "content": "a", "name": "x"}], "response": [{"role": "assistant",
+                                                                                    "content": "b"}]}]
+    path = _write_lines(tmp_path / "mixed.jsonl", [json.dumps(r) for r in rows])
+    assert read_rows(path, (), optional=["prompt", "response"],
+                     types={"prompt": (str, list), "response": (str, list)}) == rows
 
 
 def test_parquet(tmp_path: Path) -> None:
@@ -248,3 +245,52 @@ def test_saved_dataset_dict_with_an_empty_split(tmp_path: Path) -> None:
     with pytest.raises(DataError) as err:
         read_rows(path, ["prompt", "answer"], split="eval")
     assert str(err.value) == f"{path}: no rows"
+
+
+# --------------------------------------------------------------------------- JSON arrays
+
+
+def test_json_array_of_objects_is_read(tmp_path: Path) -> None:
+    rows = [_pair(0, margin=1.0), _pair(1), _pair(2, margin=None)]
+    pretty = tmp_path / "pairs.json"
+    pretty.write_text("\ufeff" + json.dumps(rows, indent=2), encoding="utf-8")  # an editor's byte-order mark too
+    expected = [_pair(0, margin=1.0), _pair(1), _pair(2)]
+    assert read_rows(str(pretty), PREF, optional=["margin"], types=MARGIN_TYPES) == expected
+    one_line = _write_lines(tmp_path / "pairs_one_line.jsonl", [json.dumps(rows)])
+    assert read_rows(one_line, PREF, optional=["margin"], types=MARGIN_TYPES) == expected
+
+
+def test_json_array_errors_name_the_row(tmp_path: Path) -> None:
+    path = tmp_path / "pairs.json"
+    path.write_text(json.dumps([_pair(0), {"prompt": "p", "rejected": "r"}], indent=2), encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        read_rows(str(path), PREF)
+    assert str(err.value) == f"{path}: row 1: missing field 'chosen' (row has: prompt, rejected)"
+    path.write_text(json.dumps([_pair(0), ["a", "b"]]), encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        read_rows(str(path), PREF)
+    assert str(err.value) == f"{path}: row 1: expected a JSON object, got list"
+
+
+def test_json_array_with_a_syntax_error_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "pairs.json"
+    path.write_text('[\n  {"prompt": "1+1=", "chosen": "2", "rejected": "3"},\n  {"prompt": "2+2=",\n]\n',
+                    encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        read_rows(str(path), PREF)
+    assert str(err.value).startswith(f"{path}:4: invalid JSON: ")
+
+
+def test_empty_json_array(tmp_path: Path) -> None:
+    path = tmp_path / "empty.json"
+    path.write_text("[]\n", encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        read_rows(str(path), PREF)
+    assert str(err.value) == f"{path}: no rows"
+
+
+def test_json_lines_starting_with_an_array_stay_json_lines(tmp_path: Path) -> None:
+    path = _write_lines(tmp_path / "rows.jsonl", [json.dumps(["a", "b"]), json.dumps(_pair(0))])
+    with pytest.raises(DataError) as err:
+        read_rows(path, PREF)
+    assert str(err.value) == f"{path}:1: expected a JSON object, got list"

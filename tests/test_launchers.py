@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_main
 
 from rlhf.config import DPORunConfig, RewardModelRunConfig, SFTRunConfig, load_config
 from rlhf.config.rl_schema import RLRunConfig
@@ -53,11 +54,7 @@ def _launcher(path: Path) -> Launcher:
 
 
 def _cli(module: str, argv, capsys, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    rc = importlib.import_module(module).main(list(argv))
-    out = capsys.readouterr()
-    return rc, out.out, out.err
+    return run_main(module, argv, ROOT, capsys, monkeypatch)
 
 
 # ------------------------------------------------------------------------------------------------ the launchers

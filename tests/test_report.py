@@ -73,3 +73,12 @@ def test_missing_run_and_bad_line_are_named(tmp_path, two_runs, capsys):
 def test_moving_average_is_trailing():
     assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert moving_average([2.0, 4.0], 1) == [2.0, 4.0]
+
+
+def test_without_matplotlib_the_report_says_what_to_install(two_runs, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    assert main([str(two_runs[0])]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: the report draws with matplotlib")
+    assert "pip install matplotlib" in err and "Traceback" not in err
+    assert not (two_runs[0] / "report.png").exists()

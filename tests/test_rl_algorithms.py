@@ -13,7 +13,8 @@ from rl_helpers import check_rows, run_rl
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
-def test_gae_ppo_with_critic_reward_model_and_colocation(tiny_model, rl_prompts, rl_shaping, tmp_path, capsys):
+def test_gae_ppo_with_critic_reward_model_and_colocation(tiny_model, tiny_reward_model, rl_prompts, rl_shaping,
+                                                         tmp_path, capsys):
     """GAE-PPO with every role at once: critic, reference, a reward model next to the reward functions, with
     policy+reference+engine (hybrid engine) and critic+reward model each sharing bundles. The weights reach the
     colocated engines by IPC (shared memory here, CUDA IPC handles on GPUs): step 2's log-prob mismatch shows that
@@ -21,7 +22,7 @@ def test_gae_ppo_with_critic_reward_model_and_colocation(tiny_model, rl_prompts,
     out = tmp_path / "ppo"
     rows, _ = run_rl(tiny_model, rl_prompts, rl_shaping, str(out), "algo.advantage_estimator=gae",
                      "algo.gamma=1.0", "algo.lam=0.95", "critic.lr=1e-4", "algo.kl_coef=0.01", "algo.kl_mode=reward",
-                     f"reward.model_path={tiny_model}", "reward.model_weight=0.5",  # a random scalar head on it
+                     f"reward.model_path={tiny_reward_model}", "reward.model_weight=0.5",  # a random scalar head
                      "colocate.policy_reference=true", "colocate.hybrid_engine=true", "colocate.critic_reward=true",
                      "rollout.weight_sync=ipc", "rollout.weight_sync_bucket_mb=1")  # several buckets a sync
     assert "[rl] weight sync: ipc in 1 MB buckets" in capsys.readouterr().out

@@ -4,10 +4,15 @@
 #   examples/launchers/submit.sh LAUNCHER MODULE CONFIG [KEY=VALUE ...]
 #
 # DRY_RUN=1: plan the run here against the cluster shape in LAUNCHER's "# cluster:" line (--dry-run --cluster);
-# nothing starts. Otherwise submit it as a Ray job to RAY_ADDRESS (the head node's dashboard), uploading the
-# repository root as the job's working directory, with NCCL settings from this shell passed to every actor:
-# NCCL_DEBUG (default WARN), and NCCL_SOCKET_IFNAME / NCCL_IB_HCA / NCCL_IB_DISABLE / RLHF_WEIGHT_SYNC_TIMEOUT_S
-# when set. Ray 2.60 clusters use token authentication: RAY_AUTH_MODE=token makes the job client send the token in
+# nothing starts. Otherwise submit it as a Ray job to RAY_ADDRESS (the head node's dashboard) with the submit
+# command of every page here (README.md, docs/multinode.md), plus NCCL settings from this shell for every actor:
+#
+#   RAY_AUTH_MODE=token ray job submit --address "$RAY_ADDRESS" --working-dir . \
+#     --runtime-env-json '{"env_vars": {"NCCL_DEBUG": "WARN"}}' -- python -m MODULE --config CONFIG [KEY=VALUE ...]
+#
+# The repository root is uploaded as the job's working directory (minus what .gitignore lists). NCCL_DEBUG
+# defaults to WARN; NCCL_SOCKET_IFNAME / NCCL_IB_HCA / NCCL_IB_DISABLE / RLHF_WEIGHT_SYNC_TIMEOUT_S are added when
+# set. Ray 2.60 clusters use token authentication: RAY_AUTH_MODE=token makes the job client send the token in
 # ~/.ray/auth_token (copy it from the head node).
 set -euo pipefail
 
@@ -26,7 +31,5 @@ env_vars="\"NCCL_DEBUG\": \"${NCCL_DEBUG:-WARN}\""
 for var in NCCL_SOCKET_IFNAME NCCL_IB_HCA NCCL_IB_DISABLE RLHF_WEIGHT_SYNC_TIMEOUT_S; do
   if [ -n "${!var:-}" ]; then env_vars+=", \"$var\": \"${!var}\""; fi
 done
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
-exec ray job submit --address "$RAY_ADDRESS" --working-dir . \
-  --runtime-env-json "{\"env_vars\": {$env_vars}, \"excludes\": [\".git\", \".venv\", \".assets\", \"outputs\"]}" \
-  -- python -m "$MODULE" --config "$CONFIG" "$@"
+RAY_AUTH_MODE=token exec ray job submit --address "$RAY_ADDRESS" --working-dir . \
+  --runtime-env-json "{\"env_vars\": {$env_vars}}" -- python -m "$MODULE" --config "$CONFIG" "$@"

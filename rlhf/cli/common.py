@@ -9,9 +9,14 @@ from typing import Callable, Optional, Sequence
 
 
 def quiet_environment() -> None:
-    """Offline hub, no per-file progress bars: the driver prints one line per step instead."""
-    for key, value in (("TOKENIZERS_PARALLELISM", "false"), ("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
-                       ("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")):
+    """No per-file progress bars: the driver prints one line per step instead.
+
+    The hub is left as the user set it: online, a hub id (``model.path=Qwen/Qwen2.5-0.5B-Instruct``) is downloaded
+    into the HF cache; with ``HF_HUB_OFFLINE=1`` only cached ones resolve (``rlhf.hub``). Local paths never reach
+    the network either way.
+    """
+    for key, value in (("TOKENIZERS_PARALLELISM", "false"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+                       ("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")):
         os.environ.setdefault(key, value)
 
 
@@ -26,6 +31,7 @@ def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]
     from rlhf.data.io import DataError
     from rlhf.data.plan import PlanError
     from rlhf.distributed.packing import InfeasiblePlan
+    from rlhf.hub import HubError
     from rlhf.rewards.functions import RewardFunctionError
     from rlhf.utils.versions import UnsupportedVersionError
 
@@ -38,7 +44,8 @@ def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]
             dry_run(request.config, prog=prog, cluster=request.cluster)
         else:
             train(request.config)
-    except (ConfigError, DataError, PlanError, RewardFunctionError, InfeasiblePlan, UnsupportedVersionError) as exc:
+    except (ConfigError, DataError, HubError, PlanError, RewardFunctionError, InfeasiblePlan,
+            UnsupportedVersionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - a worker failure is reported as one line naming role and rank

@@ -8,7 +8,8 @@ Builds the tiny model and data locally (no hub) and trains through the same Pyth
    and updates the policy; the accuracy of sampled answers rises. A table row per RL step is printed.
 
 Writes ``rl_curves.png`` (reward, accuracy, KL, response length per step) next to the run's ``metrics.jsonl``
-and ends with a before/after summary.
+and ends with a before/after summary. The runs go to ``WORKDIR/runs/{sft,grpo}``; running the demo again replaces
+them (``train.overwrite=true``).
 """
 from __future__ import annotations
 
@@ -60,17 +61,19 @@ def main(argv=None) -> int:
     assets = make_assets(os.path.join(args.workdir, "assets"), log=print)
     eval_rows = _rows(assets["eval_prompts"])
     runs = os.path.join(args.workdir, "runs")
-    # Both configs are validated before anything starts (model.path of GRPO is written by the SFT stage).
+    # Both configs are validated before anything starts (model.path of GRPO is written by the SFT stage). The
+    # runs go to fixed directories (the README points at them), so a second demo replaces the first one's runs.
     sft_cfg = load_config(SFTRunConfig, "sft_tiny", [
         f"model.path={assets['model']}", f"data.train_path={assets['sft']}", f"train.output_dir={runs}/sft",
         f"train.max_epochs={args.sft_epochs}", "train.lr=2e-3", "train.global_batch_size=32",
-        "train.micro_batch_size=8", f"train.num_workers={args.num_workers}", "logging.print_every=25"])
+        "train.micro_batch_size=8", f"train.num_workers={args.num_workers}", "logging.print_every=25",
+        "train.overwrite=true"])
     sft_final = os.path.join(runs, "sft", "final")
     rl_cfg = load_config(RLRunConfig, "grpo_tiny", [
         f"model.path={sft_final}", f"data.train_path={assets['prompts']}", f"train.output_dir={runs}/grpo",
         f"train.max_steps={args.rl_steps}", "train.max_epochs=100", "logging.console=table",
         f"data.eval_path={assets['eval_prompts']}", "train.eval_every=10",
-        f"rollout.eval_samples_per_prompt={EVAL_SAMPLES}", *args.overrides])
+        f"rollout.eval_samples_per_prompt={EVAL_SAMPLES}", "train.overwrite=true", *args.overrides])
     init_ray(needed_cpus=4)
 
     print(f"\n== 1. SFT: {args.sft_epochs} epochs on {assets['sft']}", flush=True)

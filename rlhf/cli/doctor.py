@@ -9,8 +9,9 @@ engines and hybrid engine), vLLM sleep mode. Then it runs, on the hardware it fi
 GRPO with a weight sync into vLLM (on GPUs also the hybrid engine: IPC and sleep mode), each on a tiny model it
 builds locally, and reports pass/fail per capability. Exit status 0 when everything passed, 1 otherwise.
 
-On a GPU cluster it is the first thing to run (``ray job submit -- python -m rlhf.cli.doctor``); the test suite
-runs it on CPU.
+On a GPU cluster it is the first thing to run
+(``RAY_AUTH_MODE=token ray job submit --address http://HEAD_IP:8265 --working-dir . -- python -m rlhf.cli.doctor``);
+the test suite runs it on CPU.
 """
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ def _sft(assets: dict, workdir: str, precision: str) -> str:
     cfg = load_config(SFTRunConfig, "sft_tiny", [
         f"model.path={assets['model']}", f"data.train_path={assets['sft']}", f"train.output_dir={workdir}/sft",
         "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=2", "train.save_final=false",
-        "logging.tensorboard=false", "logging.progress_bar=off"])
+        "logging.tensorboard=false", "logging.progress_bar=off", "train.overwrite=true"])  # --workdir may be reused
     result = train_sft(cfg)
     row = result.final_metrics
     _finite(row, ("loss", "grad_norm"))
@@ -157,7 +158,7 @@ def _grpo(assets: dict, workdir: str, name: str, precision: str, extra: tuple = 
         f"model.path={assets['model']}", f"data.train_path={assets['prompts']}", f"train.output_dir={out}",
         "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
         "train.global_batch_size=16", "train.micro_batch_size=8", "train.max_steps=2", "train.lr=1e-3",
-        "train.save_final=false", "logging.tensorboard=false", "logging.progress_bar=off",
+        "train.save_final=false", "logging.tensorboard=false", "logging.progress_bar=off", "train.overwrite=true",
         *extra])
     train_rl(cfg)
     rows = read_metrics(os.path.join(out, "metrics.jsonl"))

@@ -4,7 +4,9 @@ The plan is :func:`rlhf.distributed.resource_plan.plan_for`, the same one the ru
 colocate their roles from, packed onto the cluster's nodes by :func:`rlhf.distributed.packing.pack`. The cluster
 is ``--cluster SHAPE`` (simulated), else the live one at ``ray.address`` / ``RAY_ADDRESS`` (its nodes are read; no
 actor starts), else this machine as a local run would size it. Paths that exist only on the cluster (a data set
-under ``/data``, a model directory) are listed as such, not refused; every other check a real run makes before
+under ``/data``, a model directory) are listed as such, not refused; a hub id (``org/name[@revision]``) is looked up
+without downloading anything (the commit it resolves to, from the cache offline, else from the hub), and refused
+only when the hub says it does not exist. Every other check a real run makes before
 its first actor (the config's own validation, a contradicting ``strategy.deepspeed_config``, reward function
 specs, precision / backend / sleep-mode rules) still applies.
 
@@ -18,6 +20,8 @@ import os
 from typing import List, Sequence, Tuple
 
 from rlhf.config.schema import ConfigError
+from rlhf.hub import DATASET, MODEL, is_hub_ref, offline
+from rlhf.trainers.output_dir import output_dir_status
 from rlhf.distributed.packing import (NodeShape, Packing, check_feasible, describe_cluster, nodes_from_ray,
                                       pack, parse_cluster)
 from rlhf.distributed.resource_plan import (ROLLOUT, ActorPlan, Devices, GroupPlan, ResourcePlan, engine_gpus,
@@ -121,10 +125,12 @@ def check_paths(cfg, precision: str) -> List[Tuple[str, str, str]]:
     for key, path in models:
         if path:
             rows.append((key, path, _model_dir_status(key, path)))
-    for key, path in (("model.tokenizer_path", m.tokenizer_path), ("data.train_path", d.train_path),
-                      ("data.eval_path", d.eval_path)):
+    for key, path, repo_type in (("model.tokenizer_path", m.tokenizer_path, MODEL),
+                                 ("data.train_path", d.train_path, DATASET), ("data.eval_path", d.eval_path, DATASET)):
         if path:
-            rows.append((key, path, "found" if os.path.exists(path) else NOT_HERE))
+            status = _hub_status(key, path, repo_type) if is_hub_ref(path, repo_type) else \
+                "found" if os.path.exists(path) else NOT_HERE
+            rows.append((key, path, status))
     ds = cfg.strategy.deepspeed_config
     if ds:
         found = os.path.isfile(ds)
@@ -133,23 +139,40 @@ def check_paths(cfg, precision: str) -> List[Tuple[str, str, str]]:
         rows.append(("strategy.deepspeed_config", ds, "found, consistent with the run" if found else NOT_HERE))
     for spec in getattr(getattr(cfg, "reward", None), "functions", ()):
         rows.append(("reward.functions", spec, _reward_status(spec)))
-    out = cfg.train.output_dir
-    rows.append(("train.output_dir", out, ("exists" if os.path.isdir(out) else "created at run time")
-                 + ", on storage every node writes"))
+    rows.append(("train.output_dir", cfg.train.output_dir or '""', output_dir_status(cfg)
+                 + ("" if not cfg.train.output_dir else ", on storage every node writes")))
     return rows
 
 
 def _model_dir_status(key: str, path: str) -> str:
+    if is_hub_ref(path, MODEL):
+        return _hub_status(key, path, MODEL)
     if not os.path.exists(path):
-        return NOT_HERE + (", where it must be a local HF directory (no hub download)" if _hub_id(path) else "")
+        return NOT_HERE
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{key}: {path!r} is not an HF model directory (no config.json)")
     return "found"
 
 
-def _hub_id(path: str) -> bool:
-    """``Qwen/Qwen2.5-7B-Instruct``: one slash, relative; the runs read local directories only (offline hub)."""
-    return not os.path.isabs(path) and path.count("/") == 1 and not path.startswith(".")
+def _hub_status(key: str, ref: str, repo_type: str) -> str:
+    """Where a hub reference stands, downloading nothing: the commit it resolves to (from the cache offline, else
+    from the hub) and whether this machine's cache holds it. One the hub says does not exist is refused."""
+    from rlhf.hub import HubError, cache_dir, locate
+
+    try:
+        sha, snapshot = locate(ref, repo_type)
+    except HubError as exc:
+        if exc.not_found:
+            raise ConfigError(f"{key}: {ref!r} is not a local path, and {exc}") from None
+        if offline():
+            return (f"hub {repo_type}, not in the HF cache here ({cache_dir()}; HF_HUB_OFFLINE=1): a run resolves it "
+                    f"at start, through the cache of the machine it starts on")
+        return f"hub {repo_type}, the hub is not reachable from here: resolved when a run starts"
+    if snapshot and repo_type == MODEL and key != "model.tokenizer_path" and \
+            not os.path.isfile(os.path.join(snapshot, "config.json")):
+        raise ConfigError(f"{key}: hub repository {ref!r} (snapshot {snapshot}) is not an HF model (no config.json)")
+    where = "cached here" if snapshot else "downloaded when a run starts"
+    return f"hub {repo_type} at commit {sha[:12]}, {where} (a run pins it in config.yaml)"
 
 
 def _reward_status(spec: str) -> str:

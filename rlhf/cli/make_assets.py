@@ -5,9 +5,10 @@ Usage::
     python -m rlhf.cli.make_assets --out assets/ [--seed 0] [--num-sft 2000] [--num-pref 2000]
         [--num-prompts 512] [--num-eval-prompts 128] [--max-operand 20] [--force]
 
-Writes ``model/`` (tiny Qwen2 + tokenizer), ``sft.jsonl``, ``preference.jsonl``, ``prompts.jsonl`` and
-``eval_prompts.jsonl`` under ``--out``. Anything that already exists is kept unless ``--force``; every output
-appears atomically, so an existing path is always a complete one.
+Writes ``model/`` (tiny Qwen2 + tokenizer with a ChatML chat template), ``sft.jsonl``, ``preference.jsonl``,
+``prompts.jsonl`` and ``eval_prompts.jsonl`` under ``--out``, and the conversational forms of the training files
+(``sft_chat.jsonl``, ``preference_chat.jsonl``, ``prompts_chat.jsonl``). Anything that already exists is kept
+unless ``--force``; every output appears atomically, so an existing path is always a complete one.
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def make_assets(
         log: Called with one line per output (e.g. ``print``); silent if None.
 
     Returns:
-        Paths keyed ``model``, ``sft``, ``preference``, ``prompts``, ``eval_prompts``.
+        Paths keyed ``model``, ``sft``, ``preference``, ``prompts``, ``eval_prompts``, ``sft_chat``,
+        ``preference_chat``, ``prompts_chat``.
     """
     say = log or (lambda _msg: None)
     os.makedirs(out, exist_ok=True)
@@ -83,6 +85,9 @@ def make_assets(
         "preference": os.path.join(out, "preference.jsonl"),
         "prompts": os.path.join(out, "prompts.jsonl"),
         "eval_prompts": os.path.join(out, "eval_prompts.jsonl"),
+        "sft_chat": os.path.join(out, "sft_chat.jsonl"),
+        "preference_chat": os.path.join(out, "preference_chat.jsonl"),
+        "prompts_chat": os.path.join(out, "prompts_chat.jsonl"),
     }
     makers: dict[str, Callable[[], list[dict]]] = {
         "sft": lambda: arithmetic.make_sft_rows(num_sft, _derived_seed(seed, _SFT), max_operand),
@@ -91,6 +96,10 @@ def make_assets(
         "eval_prompts": lambda: arithmetic.make_rl_prompts(
             num_eval_prompts, _derived_seed(seed, _EVAL), max_operand
         ),
+        # The same draws as conversations (the chat template of the tiny tokenizer renders them).
+        "sft_chat": lambda: arithmetic.to_chat_sft(makers["sft"]()),
+        "preference_chat": lambda: arithmetic.to_chat_preference(makers["preference"]()),
+        "prompts_chat": lambda: arithmetic.to_chat_prompts(makers["prompts"]()),
     }
 
     if os.path.exists(paths["model"]) and not force:

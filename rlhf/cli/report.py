@@ -62,6 +62,16 @@ def panels_for(runs: Dict[str, List[dict]]) -> List[Tuple[str, str]]:
     return [p for p in PANELS if p[0] in keys] + [(k, f"seconds: {k[len(TIMING_PREFIX):]}") for k in timings]
 
 
+def _missing_matplotlib() -> str:
+    """``""`` when matplotlib imports, else a one-line message naming what to install."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        return (f"the report draws with matplotlib, which does not import here ({exc}); install it with "
+                f"`pip install matplotlib` (it is a dependency of rlhf: `pip install -e .` brings it)")
+    return ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rlhf.cli.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,6 +79,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="", help="PNG path (default: OUTPUT_DIR/report.png, or report.png for several)")
     ap.add_argument("--smooth", type=int, default=1, help="moving-average window over each run's steps (1 = raw)")
     args = ap.parse_args(argv)
+    missing = _missing_matplotlib()
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 1
 
     from rlhf.reports.plots import plot_runs
 

@@ -1,7 +1,8 @@
 """DPO-family preference optimisation: ``python -m rlhf.cli.train_dpo [--config FILE_OR_PRESET] key=value ...``
 
 Runs on a local Ray cluster by default, or joins ``RAY_ADDRESS``
-(``ray job submit -- python -m rlhf.cli.train_dpo ...``).
+(``RAY_AUTH_MODE=token ray job submit --address http://HEAD_IP:8265 --working-dir . --
+    python -m rlhf.cli.train_dpo ...``).
 ``--help`` lists every configuration key with its default.
 """
 from __future__ import annotations

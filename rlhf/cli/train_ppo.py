@@ -2,7 +2,8 @@
 ``python -m rlhf.cli.train_ppo [--config FILE_OR_PRESET] key=value ...``
 
 Runs on a local Ray cluster by default, or joins ``RAY_ADDRESS``
-(``ray job submit -- python -m rlhf.cli.train_ppo ...``). ``--help`` lists every configuration key.
+(``RAY_AUTH_MODE=token ray job submit --address http://HEAD_IP:8265 --working-dir . --
+    python -m rlhf.cli.train_ppo ...``). ``--help`` lists every configuration key.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Supervised fine-tuning: ``python -m rlhf.cli.train_sft [--config FILE_OR_PRESET] key=value ...``
 
 Runs on a local Ray cluster by default, or joins ``RAY_ADDRESS``
-(``ray job submit -- python -m rlhf.cli.train_sft ...``).
+(``RAY_AUTH_MODE=token ray job submit --address http://HEAD_IP:8265 --working-dir . --
+    python -m rlhf.cli.train_sft ...``).
 ``--help`` lists every configuration key with its default.
 """
 from __future__ import annotations

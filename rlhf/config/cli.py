@@ -20,6 +20,7 @@ import tokenize
 from typing import Any, Generic, Sequence, TypeVar
 
 from rlhf.config.loader import (
+    _all_keys,
     _init_fields,
     _join,
     _lenient_hints,
@@ -29,6 +30,7 @@ from rlhf.config.loader import (
     load_config,
 )
 from rlhf.config.schema import ConfigError
+from rlhf.config.suggest import suggest_keys
 
 T = TypeVar("T")
 
@@ -49,7 +51,8 @@ def parse_cli(cls: type[T], argv: Sequence[str] | None = None, prog: str | None 
     """The shared command-line front end: ``prog [--config FILE_OR_PRESET] [KEY=VALUE ...]``.
 
     ``--help`` lists every dotted key with its type, default and help text. A configuration error is
-    printed as ``error: <message>`` on stderr and exits with status 2, without a traceback. ``--dry-run`` and
+    printed as ``error: <message>`` on stderr and exits with status 2, without a traceback, as does an override
+    written as an option (``--train.lr 1e-4``, ``--lr``), naming its ``KEY=VALUE`` form. ``--dry-run`` and
     ``--cluster`` are accepted and ignored here; :func:`parse_cli_args` returns them (``rlhf.cli.common.run_cli``).
 
     Args:
@@ -73,6 +76,12 @@ def parse_cli_args(cls: type[T], argv: Sequence[str] | None = None, prog: str | 
         SystemExit: As :func:`parse_cli`; also status 2 for ``--cluster`` without ``--dry-run``.
     """
     parser = _build_parser(cls, prog)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    dashed = dashed_overrides(cls, argv)
+    if dashed:
+        written, corrected = " ".join(w for w, _ in dashed), " ".join(c for _, c in dashed)
+        parser.error(f"unrecognized arguments {written!r}: overrides are KEY=VALUE without dashes; write: "
+                     f"{corrected}")
     args = parser.parse_intermixed_args(argv)
     if args.cluster and not args.dry_run:
         parser.error("--cluster only applies to a --dry-run (a real run uses the cluster it joins)")
@@ -98,6 +107,78 @@ def describe_keys(cls: type) -> list[tuple[str, str, object, str]]:
     rows: list[tuple[str, str, object, str]] = []
     _describe(cls, "", None, rows)
     return rows
+
+
+def dashed_overrides(cls: type, argv: Sequence[str]) -> list[tuple[str, str]]:
+    """Arguments written as options but meant as overrides (``--train.lr 1e-4``, ``--train.lr=1e-4``, ``--lr``),
+    each with its corrected ``KEY=VALUE`` form (a name that is not a key becomes the key it probably means).
+
+    Args:
+        cls: The run config dataclass.
+        argv: The command line without the program name.
+
+    Returns:
+        ``(as written, corrected)`` pairs in order; empty when every option is one the commands know.
+    """
+    found: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg == "--":
+            break
+        if arg in _OPTIONS_WITH_VALUE:
+            i += 1  # its value, whatever it looks like
+            continue
+        if not arg.startswith("-") or arg == "-" or _is_number(arg) or _known_option(arg):
+            continue
+        written = arg
+        name, eq, value = arg.lstrip("-").partition("=")
+        if not eq and i < len(argv) and _is_value(argv[i]):  # --key value
+            value, eq, written = argv[i], "=", f"{arg} {argv[i]}"
+            i += 1
+        key = _meant_key(cls, name)
+        found.append((written, f"{key}={value if eq else _placeholder(cls, key)}"))
+    return found
+
+
+def _is_value(arg: str) -> bool:
+    """The value of a ``--key value`` pair rather than the next option or override."""
+    return "=" not in arg and (not arg.startswith("-") or _is_number(arg))
+
+
+_OPTIONS_WITH_VALUE = ("--config", "-c", "--cluster")
+_OPTIONS = ("--config", "-c", "--cluster", "--dry-run", "--help", "-h")
+
+
+def _known_option(arg: str) -> bool:
+    """One of the commands' own options (``--config=x`` and ``-cx`` forms included)."""
+    return (arg in _OPTIONS or arg.split("=", 1)[0] in _OPTIONS
+            or (arg.startswith("-c") and not arg.startswith("--")))
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _meant_key(cls: type, name: str) -> str:
+    """``name`` as a key of ``cls`` (dashes inside it read as ``_``), or the key it probably means."""
+    key = ".".join(part.replace("-", "_") for part in name.split("."))
+    leaves = {row[0] for row in describe_keys(cls)}
+    if key in leaves:
+        return key
+    close = [k for k in suggest_keys(key, _all_keys(cls))[0] if k in leaves]
+    return close[0] if close else key
+
+
+def _placeholder(cls: type, key: str) -> str:
+    """What to write for a value left out: ``true`` for a bool flag, else ``VALUE``."""
+    types = {row[0]: row[1] for row in describe_keys(cls)}
+    return "true" if types.get(key) == "bool" else "VALUE"
 
 
 # ------------------------------------------------------------------------------------- docs and --help

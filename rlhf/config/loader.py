@@ -4,7 +4,8 @@ Precedence, lowest first::
 
     dataclass defaults  <  YAML file (after the files in its ``defaults:`` list)  <  overrides
 
-A YAML file is a nested mapping mirroring the run config (``train: {micro_batch_size: 2}``). ``config_file``
+A YAML file is a nested mapping mirroring the run config (``train: {micro_batch_size: 2}``); a dotted key
+(``train.micro_batch_size: 2``, at any level) is read as its nested form. ``config_file``
 may be a path or the name of a preset shipped in ``rlhf/config/presets`` (``sft_tiny``). A file may start with
 ``defaults: [base, ../other.yaml]``: those files (presets or paths relative to the including file) are merged
 first, in order, then the file itself on top.
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import functools
 import os
 import tempfile
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar, Union
 import yaml
 
 from rlhf.config.schema import ConfigError
+from rlhf.config.suggest import suggest_keys
 
 T = TypeVar("T")
 
@@ -47,6 +48,8 @@ _NONE_TYPE = type(None)
 _TRUE = frozenset({"true", "yes", "y", "on", "1"})
 _FALSE = frozenset({"false", "no", "n", "off", "0"})
 _OVERRIDE_FORM = "expected KEY=VALUE with a dotted key, e.g. train.micro_batch_size=2"
+_SAVED_MARK = "resolved (reload with --config "  # in the header line save_config writes
+_MISSING = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +118,7 @@ def save_config(cfg: Any, path: str | os.PathLike[str]) -> Path:
         The path written.
     """
     path = Path(path)
-    header = f"# {type(cfg).__name__}, resolved (reload with --config {path.name})\n"
+    header = f"# {type(cfg).__name__}, {_SAVED_MARK}{path.name})\n"
     text = header + yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -131,6 +134,16 @@ def save_config(cfg: Any, path: str | os.PathLike[str]) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def is_saved_config(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a file :func:`save_config` wrote (its header line), as opposed to one a user wrote."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline(400)
+    except (OSError, UnicodeDecodeError):
+        return False
+    return first.startswith("# ") and _SAVED_MARK in first
 
 
 def available_presets() -> list[str]:
@@ -204,10 +217,58 @@ def _load_yaml_tree(
         chain = " -> ".join(str(p) for p in (*_stack, path))
         raise ConfigError(f"cycle in config 'defaults': {chain}")
     data = _read_yaml(path)
+    parents = _pop_defaults(data, path)
+    data = _expand_dotted(data, str(path))
     merged: dict[str, Any] = {}
-    for parent in _pop_defaults(data, path):
+    for parent in parents:
         merged = _deep_merge(merged, _load_yaml_tree(parent, path.parent, (*_stack, path)))
     return _deep_merge(merged, data)
+
+
+def _expand_dotted(data: Mapping[Any, Any], where: str, prefix: str = "") -> dict[Any, Any]:
+    """Dotted keys in nested form, at every level: ``{"model.path": x}`` -> ``{"model": {"path": x}}``.
+
+    A key given both ways in one mapping (``train.lr`` and ``train: {lr: ...}``) is an error naming it, as is
+    a dotted key below one set to a plain value. Keys with an empty part (``train..lr``) stay as written and
+    are reported as unknown keys.
+    """
+    out: dict[Any, Any] = {}
+    for key, value in data.items():
+        parts = key.split(".") if isinstance(key, str) else [key]
+        if not all(isinstance(p, str) and p.strip() for p in parts) or len(parts) == 1:
+            parts = [key]
+        if isinstance(value, Mapping):
+            value = _expand_dotted(value, where, _join(prefix, str(key)))
+        node, path = out, prefix
+        for part in parts[:-1]:
+            path = _join(path, part)
+            if node.get(part) is None:
+                node[part] = {}
+            elif not isinstance(node[part], Mapping):
+                raise _set_twice(where, path)
+            node = node[part]
+        _put_once(node, parts[-1], value, _join(path, str(parts[-1])), where)
+    return out
+
+
+def _put_once(node: dict[Any, Any], name: Any, value: Any, key: str, where: str) -> None:
+    """``node[name] = value``, merging two mappings that set different keys; the same key twice is an error."""
+    old = node.get(name, _MISSING)
+    if old is _MISSING or (old is None and isinstance(value, Mapping)):
+        node[name] = value
+    elif value is None and isinstance(old, Mapping):
+        return  # a section whose keys are all commented out adds nothing
+    elif isinstance(old, Mapping) and isinstance(value, Mapping):
+        merged = dict(old)
+        for sub, sub_value in value.items():
+            _put_once(merged, sub, sub_value, _join(key, str(sub)), where)
+        node[name] = merged
+    else:
+        raise _set_twice(where, key)
+
+
+def _set_twice(where: str, key: str) -> ConfigError:
+    return ConfigError(f"{where}: {key!r} is set twice (as a dotted key and inside its section); keep one")
 
 
 def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -264,7 +325,7 @@ def _merge_section_override(current: Any, key: str, section: type, value: _Overr
     """``train={lr: 0.1}`` merges into the section; a scalar for a whole section is an error."""
     if not isinstance(value.parsed, Mapping):
         raise _section_scalar_error(key, section, value.parsed)
-    return _deep_merge(_as_section(current, key, section), value.parsed)
+    return _deep_merge(_as_section(current, key, section), _expand_dotted(value.parsed, f"override {key}"))
 
 
 def _as_section(value: Any, key: str, section: type) -> dict[str, Any]:
@@ -420,26 +481,15 @@ def _to_list(value: Any, tp: Any, key: str, root: type) -> list[Any]:
 
 
 def _unknown_key(root: type, key: str, section: type, prefix: str) -> ConfigError:
-    """Name the bad key; suggest close dotted keys, else list the section's valid keys."""
-    candidates = _all_keys(root)
-    leaf = key.rsplit(".", 1)[-1]
-    same_leaf = [k for k in candidates if k.rsplit(".", 1)[-1] == leaf and k != key]
-    close = list(dict.fromkeys(same_leaf + _close_matches(key, candidates)))[:3]
+    """Name the bad key; suggest what it probably meant (:func:`~rlhf.config.suggest.suggest_keys`: other
+    toolkits' names, the same name in another section, close spellings), else list the section's valid keys."""
+    close, note = suggest_keys(key, _all_keys(root))
     if close:
-        hint = f"did you mean {' or '.join(repr(c) for c in close)}?"
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}?" + (f" ({note})" if note else "")
     else:
         where = f"in '{prefix}'" if prefix else "at the top level"
         hint = f"valid keys {where}: {', '.join(_init_fields(section))}"
     return ConfigError(f"unknown config key {key!r}; {hint}")
-
-
-def _close_matches(key: str, candidates: Sequence[str], cutoff: float = 0.6, spread: float = 0.1) -> list[str]:
-    """Candidates similar to ``key``: above ``cutoff`` and within ``spread`` of the best match, best first."""
-    scored = sorted(
-        ((difflib.SequenceMatcher(None, key, c).ratio(), c) for c in candidates), key=lambda sc: -sc[0]
-    )
-    best = scored[0][0] if scored else 0.0
-    return [c for score, c in scored[:3] if score >= cutoff and score >= best - spread]
 
 
 def _section_scalar_error(key: str, section: type, value: Any) -> ConfigError:

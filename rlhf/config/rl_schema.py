@@ -58,7 +58,7 @@ class RewardConfig:
     """Where scores come from: rule-based functions and/or a trained reward model, weighted and summed."""
 
     functions: Tuple[str, ...] = ()  # "path/to/file.py:fn@weight" or "package.module:fn@weight"
-    model_path: str = ""  # a directory saved by train_rm
+    model_path: str = ""  # a reward model saved by train_rm: a directory or a hub id (a scalar head is required)
     model_weight: float = 1.0  # weight of the reward model's score in the summed reward
     model_num_workers: int = 1  # reward-model ranks
     columns: Tuple[str, ...] = ("answer",)  # prompt-data fields passed to reward functions when present

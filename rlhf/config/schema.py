@@ -10,7 +10,7 @@ Load one with :func:`rlhf.config.loader.load_config` from YAML and dotted overri
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Tuple
 
 
 class ConfigError(ValueError):
@@ -30,7 +30,7 @@ def _choice(value: str, key: str, choices: Tuple[str, ...]) -> None:
 class ModelConfig:
     """The model to train (policy for SFT/DPO/RL, the scorer for reward modelling)."""
 
-    path: str = ""  # HF directory (required)
+    path: str = ""  # required: an HF model directory or a hub id (org/name[@revision])
     tokenizer_path: str = ""  # defaults to `path`
     ref_path: str = ""  # DPO/RL reference model; defaults to `path`
     attn_implementation: str = "auto"  # auto: flash_attention_2 on GPU when installed, else sdpa
@@ -38,7 +38,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        _check(bool(self.path), "model.path", "is required (an HF model directory)")
+        _check(bool(self.path), "model.path", "is required (an HF model directory or a hub id, org/name)")
         _choice(self.attn_implementation, "model.attn_implementation", ("auto", "sdpa", "eager", "flash_attention_2"))
 
 
@@ -46,20 +46,29 @@ class ModelConfig:
 class DataConfig:
     """Training data: JSONL, Parquet, or a directory written by ``datasets.save_to_disk``."""
 
-    train_path: str = ""  # required
-    eval_path: str = ""
-    split: str = "train"  # which split of a saved DatasetDict
+    train_path: str = ""  # required: a file, a saved dataset directory, or a hub dataset id (org/name[@revision])
+    eval_path: str = ""  # held-out data, same forms as data.train_path
+    split: str = "train"  # split of data.train_path (a hub dataset or a saved DatasetDict)
+    eval_split: str = ""  # split of data.eval_path; "" = data.split
+    config_name: str = ""  # hub dataset: the configuration (subset) to read; "" = its default
     max_length: int = 512  # prompt + completion tokens; longer completions are truncated
-    prompt_key: str = "prompt"
-    response_key: str = "response"
+    prompt_key: str = "prompt"  # text, or a list of {role, content} messages (conversational)
+    response_key: str = "response"  # SFT completion: text, or a list of assistant messages
+    messages_key: str = "messages"  # conversational SFT rows: one list of system/user/assistant messages
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     margin_key: str = "margin"  # optional per-pair margin for the reward model
-    add_eos: bool = True  # append the tokenizer's EOS to every completion
+    add_eos: bool = True  # plain-text rows: append the tokenizer's EOS to every completion
+    # Conversational rows are rendered with a chat template (docs/your_model_and_data.md); plain text never is.
+    chat_template: str = "auto"  # auto (the tokenizer's own) | none (conversational rows refused) | a .jinja file
+    assistant_turns: str = "all"  # conversational SFT: loss on all assistant turns | last (only the final one)
 
     def __post_init__(self) -> None:
-        _check(bool(self.train_path), "data.train_path", "is required (JSONL, Parquet or a saved dataset directory)")
+        _check(bool(self.train_path), "data.train_path", "is required (JSON lines, Parquet, a saved dataset directory or a hub dataset id)")
         _check(self.max_length >= 2, "data.max_length", f"must be >= 2, got {self.max_length}")
+        _choice(self.assistant_turns, "data.assistant_turns", ("all", "last"))
+        _check(self.chat_template in ("auto", "none") or self.chat_template.endswith((".jinja", ".j2", ".txt")),
+               "data.chat_template", f"must be auto, none or a template file (.jinja), got {self.chat_template!r}")
 
 
 @dataclass(frozen=True)
@@ -80,12 +89,13 @@ class TrainConfig:
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0  # <= 0 disables clipping (the norm is still measured and logged)
     seed: int = 42
-    output_dir: str = "outputs/run"
+    output_dir: str = ""  # "" = a new directory outputs/TRAINER-YYYYmmdd-HHMMSS, printed at the start
+    overwrite: bool = False  # output_dir holds a run: delete its artifacts first (logs, TensorBoard, checkpoints...)
     save_final: bool = True
     eval_every: int = 0  # with data.eval_path: evaluate every N steps (RL: RL steps); 0 = only after the last
     save_every: int = 0  # checkpoint every N steps (RL: RL steps) into output_dir/checkpoints; 0 = off
     keep_checkpoints: int = 2  # newest complete checkpoints kept
-    resume: bool = False  # continue from output_dir's newest complete checkpoint (fresh start if there is none)
+    resume: bool = False  # continue output_dir's run from its newest checkpoint (none: an unfinished run starts over)
     stop_after_steps: int = 0  # stop after N steps of this invocation, with a checkpoint (job time limits); 0 = off
     on_failure: str = "exit"  # a dead or failing actor: exit (code 1, checkpoints intact) | restart (from the last one)
     max_restarts: int = 3  # with on_failure=restart: restarts allowed per invocation
@@ -108,7 +118,8 @@ class TrainConfig:
         _check(self.global_batch_size % per_pass == 0, "train.global_batch_size",
                f"({self.global_batch_size}) must be divisible by train.micro_batch_size x train.num_workers "
                f"({self.micro_batch_size} x {self.num_workers} = {per_pass})")
-        _check(bool(self.output_dir), "train.output_dir", "must not be empty")
+        _check(bool(self.output_dir) or not self.resume, "train.output_dir",
+               "must name the run to continue when train.resume=true (it is empty: a new directory)")
         _choice(self.on_failure, "train.on_failure", ("exit", "restart"))
         _check(self.on_failure != "restart" or self.save_every > 0, "train.on_failure",
                "=restart needs train.save_every > 0: a restart continues from the last checkpoint")

@@ -2,25 +2,31 @@
 
 The HF ``datasets`` library is the reader; this module adds the validation it does not do. A JSON-lines file is
 first scanned line by line so that a bad row is reported as ``file:line``, which ``datasets`` cannot do (its
-errors name an Arrow block, not a line). Parquet files and ``save_to_disk`` directories have no lines, so their
-errors name the 0-based row index instead.
+errors name an Arrow block, not a line). A ``.json`` file holding one JSON array of objects, Parquet files and
+``save_to_disk`` directories have no row per line, so their errors name the 0-based row index instead
+(``file: row 3``). A hub dataset id (``org/name[@revision]``, see :mod:`rlhf.hub`) is read file by file from its
+snapshot in the HF cache, each data file as a local one would be.
 
 Rows come back as plain dicts holding only the requested fields that are present; a ``null`` in an optional
 field counts as absent, so downstream code only has to test ``"margin" in row``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import tempfile
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 logger = logging.getLogger(__name__)
 
 _JSON_EXTS = (".jsonl", ".json")
 _PARQUET_EXTS = (".parquet",)
-_SUPPORTED = ".jsonl, .json (JSON lines), .parquet, or a directory written by datasets' save_to_disk"
+# datasets' reader of a hub dataset's data file by extension (JSON is read here, with line numbers)
+_READERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+_SUPPORTED = (".jsonl, .json (JSON lines, or one JSON array of objects), .parquet, a directory written by datasets' "
+              "save_to_disk, or a hub dataset id (org/name[@revision])")
 
 
 class DataError(ValueError):
@@ -52,12 +58,18 @@ def _resolve_types(
     return resolved
 
 
+#: ``check(row)`` validates a row beyond field presence and types (e.g. its conversational format); it raises
+#: ``ValueError`` with a message that the reader prefixes with the row's location.
+RowCheck = Callable[[dict], None]
+
+
 def _validate_row(
     row: Any,
     where: str,
     required: Sequence[str],
     optional: Sequence[str],
     types: Mapping[str, tuple[type, ...]],
+    check: RowCheck | None = None,
 ) -> dict:
     """Check one row and return the dict of requested fields that are present.
 
@@ -67,9 +79,11 @@ def _validate_row(
         required: Fields that must be present.
         optional: Fields that are kept when present.
         types: Allowed Python types per field.
+        check: Optional further validation of the kept fields.
 
     Raises:
-        DataError: If the row is not an object, lacks a required field, or has a field of the wrong type.
+        DataError: If the row is not an object, lacks a required field, has a field of the wrong type, or fails
+            ``check``.
     """
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {_type_name(row)}")
@@ -88,6 +102,11 @@ def _validate_row(
         if allowed is not None and not _is_instance(value, allowed):
             raise DataError(f"{where}: field {name!r} must be {_expected(allowed)}, got {_type_name(value)}")
         out[name] = value
+    if check is not None:
+        try:
+            check(out)
+        except ValueError as e:
+            raise DataError(f"{where}: {e}") from None
     return out
 
 
@@ -114,10 +133,21 @@ def _scan_jsonl(path: str) -> list[tuple[int, Any]]:
     return values
 
 
-def _set_offline_env() -> None:
-    # Reading local files never needs the network; without these, datasets may still try to reach the Hub.
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+@contextlib.contextmanager
+def _offline_datasets():
+    """``datasets`` (yielded) with its hub access off while it reads local files.
+
+    Only its own flag, and only meanwhile: the process environment (``HF_HUB_OFFLINE``), which huggingface_hub
+    reads once when imported, stays the user's, so that a hub download later in the run is not silently refused.
+    """
+    import datasets
+
+    saved = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield datasets
+    finally:
+        datasets.config.HF_HUB_OFFLINE = saved
 
 
 def _load_with_datasets(builder: str, path: str) -> list[dict]:
@@ -126,10 +156,7 @@ def _load_with_datasets(builder: str, path: str) -> list[dict]:
     The Arrow cache goes to a temporary directory that is removed afterwards: the rows are copied into Python
     objects anyway, and a shared cache keyed on file fingerprints can serve stale data after an in-place edit.
     """
-    _set_offline_env()
-    import datasets
-
-    with tempfile.TemporaryDirectory(prefix="rlhf-datasets-") as cache_dir:
+    with _offline_datasets() as datasets, tempfile.TemporaryDirectory(prefix="rlhf-datasets-") as cache_dir:
         ds = datasets.load_dataset(builder, data_files=path, split="train", cache_dir=cache_dir)
         rows = ds.to_list()
         del ds  # drop the memory map before the cache directory goes away
@@ -137,31 +164,18 @@ def _load_with_datasets(builder: str, path: str) -> list[dict]:
 
 
 def _read_jsonl(
-    path: str, required: Sequence[str], optional: Sequence[str], types: Mapping[str, tuple[type, ...]]
+    path: str, required: Sequence[str], optional: Sequence[str], types: Mapping[str, tuple[type, ...]],
+    check: RowCheck | None = None,
 ) -> list[dict]:
     scanned = _scan_jsonl(path)
     if not scanned:
         raise DataError(f"{path}: no rows")
     # Validate on our own parse: it is the one that knows line numbers and which keys each row really had.
-    checked = [_validate_row(value, f"{path}:{lineno}", required, optional, types) for lineno, value in scanned]
-    try:
-        loaded = _load_with_datasets("json", path)
-    except Exception as e:  # noqa: BLE001 - any schema-inference failure means "use our parse instead"
-        # datasets infers one Arrow schema for the whole file; columns whose type varies between rows (an
-        # unrequested field that is a string here and a number there) make it fail on data that is fine for us.
-        logger.warning("%s: datasets could not load the file (%s: %s); using the plain JSON parse",
-                       path, type(e).__name__, e)
-        return checked
-    if len(loaded) != len(checked):
-        logger.warning("%s: datasets read %d rows but the file has %d; using the plain JSON parse",
-                       path, len(loaded), len(checked))
-        return checked
-    # Arrow gives every row every column (missing -> None); keep only the keys the row actually had.
-    try:
-        return [{k: row[k] for k in mine} for row, mine in zip(loaded, checked)]
-    except KeyError as e:  # datasets dropped or renamed a column; our parse is the authority on content
-        logger.warning("%s: datasets returned no column %s; using the plain JSON parse", path, e)
-        return checked
+    checked = [_validate_row(value, f"{path}:{lineno}", required, optional, types, check)
+               for lineno, value in scanned]
+    # The rows are our parse, not an Arrow round trip: Arrow unifies a column's type across rows, which turns a
+    # text "3" into 3 beside rows whose field holds messages, and gives every message dict every key seen anywhere.
+    return checked
 
 
 def _validate_table(
@@ -170,8 +184,9 @@ def _validate_table(
     required: Sequence[str],
     optional: Sequence[str],
     types: Mapping[str, tuple[type, ...]],
+    check: RowCheck | None = None,
 ) -> list[dict]:
-    out = [_validate_row(row, f"{path}: row {i}", required, optional, types) for i, row in enumerate(rows)]
+    out = [_validate_row(row, f"{path}: row {i}", required, optional, types, check) for i, row in enumerate(rows)]
     if not out:
         raise DataError(f"{path}: no rows")
     return out
@@ -195,7 +210,6 @@ def _saved_without_data(target: str) -> bool:
 
 def _read_saved_dir(path: str, split: str) -> list[dict]:
     """Rows of a ``Dataset``/``DatasetDict`` directory written by ``save_to_disk``."""
-    _set_offline_env()
     import datasets
 
     splits_file = os.path.join(path, datasets.config.DATASETDICT_JSON_FILENAME)
@@ -223,7 +237,8 @@ def _read_saved_dir(path: str, split: str) -> list[dict]:
     if _saved_without_data(target):
         return []
     try:
-        loaded = datasets.load_from_disk(target)
+        with _offline_datasets():
+            loaded = datasets.load_from_disk(target)
     except FileNotFoundError as e:
         raise DataError(
             f"{path}: directory is not a dataset written by save_to_disk ({e}); supported: {_SUPPORTED}"
@@ -235,44 +250,136 @@ def _read_saved_dir(path: str, split: str) -> list[dict]:
     return loaded.to_list()
 
 
+def _read_json_file(
+    path: str, required: Sequence[str], optional: Sequence[str], types: Mapping[str, tuple[type, ...]],
+    check: RowCheck | None = None,
+) -> list[dict]:
+    """A ``.json``/``.jsonl`` file: JSON lines (errors ``file:line``) or one JSON array of objects (``file: row i``)."""
+    array = _json_array(path)
+    if array is None:
+        return _read_jsonl(path, required, optional, types, check)
+    return _validate_table(path, array, required, optional, types, check)
+
+
+def _json_array(path: str) -> list | None:
+    """The elements of a file that holds one JSON array, or None when it does not start like one (JSON lines)."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if not head.startswith(b"["):
+        return None
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            value = json.load(f)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid UTF-8: {e}") from None
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # a first line that is a whole array, then more lines: JSON lines after all
+            return None
+        raise DataError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+    return value if isinstance(value, list) else None
+
+
+def _read_hub_rows(
+    ref: str, split: str, config_name: str, required: Sequence[str], optional: Sequence[str],
+    types: Mapping[str, tuple[type, ...]], check: RowCheck | None = None,
+) -> list[dict]:
+    """Rows of ``split`` of a hub dataset: each data file of the split, read and validated as a local file is."""
+    module, files = _hub_split_files(ref, split, config_name)
+    rows: list[dict] = []
+    for file in files:
+        ext = os.path.splitext(file)[1].lower()
+        if ext in _JSON_EXTS:
+            rows += _read_json_file(file, required, optional, types, check)
+            continue
+        module = _READERS.get(ext, module)  # datasets picks one reader per repository; a file's own name decides
+        try:
+            table = _load_with_datasets(module, file)
+        except Exception as e:  # noqa: BLE001 - report any reader failure as a data error on this file
+            raise DataError(f"{file}: could not read it with datasets' {module!r} reader: {type(e).__name__}: "
+                            f"{e}") from e
+        if table:  # an empty shard among others is no error; an empty split is (below)
+            rows += _validate_table(file, table, required, optional, types, check)
+    if not rows:
+        raise DataError(f"{ref}: split {split!r} has no rows")
+    return rows
+
+
+def _hub_split_files(ref: str, split: str, config_name: str) -> tuple[str, list[str]]:
+    """``(datasets reader name, data files)`` of a split of a hub dataset, as ``datasets`` resolves the snapshot's
+    configurations (the card's ``configs:``, else its file layout)."""
+    from rlhf.hub import HubError, dataset_dir
+
+    try:
+        root = dataset_dir(ref, config_name)
+    except HubError as e:
+        raise DataError(f"{ref}: no such file or directory, and {e}" if e.of_repository else str(e)) from None
+    with _offline_datasets() as datasets:
+        try:
+            names = datasets.get_dataset_config_names(root)
+            if config_name and config_name not in names:
+                raise DataError(f"{ref}: no config {config_name!r} (available configs: {', '.join(names)})")
+            builder = datasets.load_dataset_builder(root, name=config_name or None)
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001 - no data files, a card datasets cannot parse, no default config
+            raise DataError(f"{ref}: datasets cannot find its data in {root}: {type(e).__name__}: "
+                            f"{str(e).strip()}") from None
+    data_files = builder.config.data_files or {}
+    if split not in data_files:
+        which = f" in config {builder.config.name!r}" if len(names) > 1 else ""
+        raise DataError(f"{ref}: no split {split!r}{which} (available splits: {', '.join(data_files) or 'none'})")
+    return type(builder).__module__.rsplit(".", 1)[-1], [str(f) for f in data_files[split]]
+
+
 def read_rows(
     path: str,
     required: Sequence[str],
     optional: Sequence[str] = (),
     split: str = "train",
     types: Mapping[str, tuple[type, ...]] | None = None,
+    check: RowCheck | None = None,
+    config_name: str = "",
 ) -> list[dict]:
     """Read and validate training rows.
 
     Args:
-        path: A ``.jsonl``/``.json`` JSON-lines file, a ``.parquet`` file, or a directory written by
-            ``datasets.Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``.
+        path: A ``.jsonl``/``.json`` file (JSON lines, or one JSON array of objects), a ``.parquet`` file, a
+            directory written by ``datasets.Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``, or a hub dataset
+            id ``org/name[@revision]`` (:mod:`rlhf.hub`; a local path of that name wins).
         required: Fields every row must have. Unless ``types`` says otherwise they must be strings.
         optional: Fields kept when present (and not null).
-        split: Split to read from a saved ``DatasetDict``.
+        split: Split to read from a saved ``DatasetDict`` or a hub dataset.
         types: Allowed Python types per field, e.g. ``{"margin": (int, float)}``; overrides the ``str`` default
             for required fields. ``bool`` is not accepted as ``int`` unless listed.
+        check: Optional ``check(row)`` run on each row's kept fields; its ``ValueError`` becomes a
+            :class:`DataError` at the row's location.
+        config_name: Hub dataset: the configuration to read (its default one when empty).
 
     Returns:
         One plain dict per row with the required fields and whichever optional fields are present.
 
     Raises:
         DataError: With the file and line (JSON lines) or row index (other formats) of the first bad row, or
-            for a missing path, an empty dataset, an unknown split or an unsupported format.
+            for a missing path, an unresolvable hub id, an empty dataset, an unknown split or configuration (the
+            available ones listed) or an unsupported format.
     """
     path = os.fspath(path)
     resolved = _resolve_types(required, optional, types)
     if not os.path.exists(path):
+        from rlhf.hub import DATASET, is_hub_ref
+
+        if is_hub_ref(path, DATASET):
+            return _read_hub_rows(path, split, config_name, required, optional, resolved, check)
         raise DataError(f"{path}: no such file or directory")
     if os.path.isdir(path):
-        return _validate_table(path, _read_saved_dir(path, split), required, optional, resolved)
+        return _validate_table(path, _read_saved_dir(path, split), required, optional, resolved, check)
     ext = os.path.splitext(path)[1].lower()
     if ext in _JSON_EXTS:
-        return _read_jsonl(path, required, optional, resolved)
+        return _read_json_file(path, required, optional, resolved, check)
     if ext in _PARQUET_EXTS:
         try:
             rows = _load_with_datasets("parquet", path)
         except Exception as e:  # noqa: BLE001 - report any reader failure as a data error on this file
             raise DataError(f"{path}: could not read Parquet file: {type(e).__name__}: {e}") from e
-        return _validate_table(path, rows, required, optional, resolved)
+        return _validate_table(path, rows, required, optional, resolved, check)
     raise DataError(f"{path}: unsupported format {ext or '(no extension)'!r}; supported: {_SUPPORTED}")

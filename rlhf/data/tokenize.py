@@ -1,12 +1,16 @@
 """Tokenizing rows into examples and collating examples into :class:`rlhf.batch.Batch`.
 
-Prompt and completion are tokenized separately (the prompt with the tokenizer's own special tokens, e.g. a BOS,
-the completion without, plus EOS) so the boundary between them is exact: ``loss_mask`` is 1 on completion tokens
-only. A completion that does not fit ``max_length`` is truncated (and then has no EOS); a row whose prompt alone
-leaves no room for one completion token is skipped and counted.
+Plain rows: prompt and completion are tokenized separately (the prompt with the tokenizer's own special tokens,
+e.g. a BOS, the completion without, plus EOS) so the boundary between them is exact: ``loss_mask`` is 1 on
+completion tokens only. A completion that does not fit ``max_length`` is truncated (and then has no EOS); a row
+whose prompt alone leaves no room for one completion token is skipped and counted.
+
+Conversational rows are rendered with a chat template and tokenized once; their masks come from token offsets
+(:mod:`rlhf.data.chat`). They are cut at ``max_length`` tokens, and skipped when no trained token is left.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -55,6 +59,8 @@ def _join(prompt_ids: Sequence[int], completion_ids: Sequence[int], max_length: 
 
 
 def _encode(tokenizer, texts: Sequence[str], special: bool) -> List[List[int]]:
+    if not texts:  # HF tokenizers fail on an empty batch
+        return []
     return tokenizer(list(texts), add_special_tokens=special)["input_ids"]
 
 
@@ -67,28 +73,92 @@ def _completions(tokenizer, texts: Sequence[str], add_eos: bool) -> List[List[in
     return ids
 
 
+class RowError(ValueError):
+    """A row that cannot be tokenized; ``index`` is its 0-based position among the rows read."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(f"row {index} (0-based): {message}")
+        self.index = index
+
+
+@contextlib.contextmanager
+def _row_errors(index: int):
+    try:
+        yield
+    except RowError:
+        raise
+    except ValueError as e:  # the chat template refused the conversation, or it has no assistant turn
+        raise RowError(index, str(e)) from None
+
+
+def _truncated(encoded, max_length: int) -> Optional[Example]:
+    """A rendered conversation cut to ``max_length`` tokens, or None when no target token is left in it."""
+    ids, mask = encoded.input_ids[:max_length], (0,) + tuple(encoded.loss_mask[1:max_length])
+    return Example(tuple(ids), mask) if any(mask) else None
+
+
+def _conversational_sft(row: dict, chat, *, prompt_key: str, response_key: str, messages_key: str,
+                        assistant_turns: str):
+    from rlhf.data.chat import sft_turns
+
+    if messages_key in row:
+        messages = row[messages_key]
+        return chat.encode(messages, sft_turns(messages, assistant_turns))
+    prompt, completion = row[prompt_key], row[response_key]
+    return chat.encode(prompt + completion, range(len(prompt), len(prompt) + len(completion)))
+
+
 def tokenize_sft(rows: Sequence[dict], tokenizer, *, max_length: int, prompt_key: str, response_key: str,
-                 add_eos: bool = True) -> Tokenized:
-    prompts = _encode(tokenizer, [r[prompt_key] for r in rows], special=True)
-    responses = _completions(tokenizer, [r[response_key] for r in rows], add_eos)
-    examples, skipped = [], []
-    for i, (p, c) in enumerate(zip(prompts, responses)):
-        ex = _join(p, c, max_length)
-        if ex is None:
-            skipped.append(i)
-        else:
-            examples.append(ex)
-    return Tokenized(examples, skipped)
+                 add_eos: bool = True, messages_key: str = "messages", chat=None,
+                 assistant_turns: str = "all") -> Tokenized:
+    """Plain rows (``prompt`` + ``response`` text) and conversational rows (see :mod:`rlhf.data.chat`, rendered
+    with ``chat``, a :class:`~rlhf.data.chat.ChatFormatter`) -> examples; rows left without a target are skipped."""
+    plain = [i for i, r in enumerate(rows) if isinstance(r.get(prompt_key), str) and messages_key not in r]
+    prompts = _encode(tokenizer, [rows[i][prompt_key] for i in plain], special=True)
+    responses = _completions(tokenizer, [rows[i][response_key] for i in plain], add_eos)
+    by_row = {i: _join(p, c, max_length) for i, p, c in zip(plain, prompts, responses)}
+    for i, row in enumerate(rows):
+        if i not in by_row:
+            with _row_errors(i):
+                encoded = _conversational_sft(row, chat, prompt_key=prompt_key, response_key=response_key,
+                                              messages_key=messages_key, assistant_turns=assistant_turns)
+            by_row[i] = _truncated(encoded, max_length)
+    examples = [by_row[i] for i in range(len(rows)) if by_row[i] is not None]
+    return Tokenized(examples, [i for i in range(len(rows)) if by_row[i] is None])
+
+
+def _conversational_pair(row: dict, chat, *, prompt_key: str, chosen_key: str, rejected_key: str):
+    from rlhf.data.chat import split_implicit_prompt
+
+    chosen, rejected = row[chosen_key], row[rejected_key]
+    if prompt_key in row:
+        prompt = row[prompt_key]
+    else:
+        prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
+    start = len(prompt)
+    return (chat.encode(prompt + chosen, range(start, start + len(chosen))),
+            chat.encode(prompt + rejected, range(start, start + len(rejected))))
 
 
 def tokenize_pairs(rows: Sequence[dict], tokenizer, *, max_length: int, prompt_key: str, chosen_key: str,
-                   rejected_key: str, margin_key: Optional[str] = None, add_eos: bool = True) -> Tokenized:
-    prompts = _encode(tokenizer, [r[prompt_key] for r in rows], special=True)
-    chosen = _completions(tokenizer, [r[chosen_key] for r in rows], add_eos)
-    rejected = _completions(tokenizer, [r[rejected_key] for r in rows], add_eos)
+                   rejected_key: str, margin_key: Optional[str] = None, add_eos: bool = True, chat=None) -> Tokenized:
+    """Plain pairs (prompt, chosen and rejected text) and conversational pairs (rendered with ``chat``) ->
+    :class:`PairExample`; a pair is skipped when either side is left without a target."""
+    plain = [i for i, r in enumerate(rows) if isinstance(r[chosen_key], str)]
+    prompts = _encode(tokenizer, [rows[i][prompt_key] for i in plain], special=True)
+    chosen = _completions(tokenizer, [rows[i][chosen_key] for i in plain], add_eos)
+    rejected = _completions(tokenizer, [rows[i][rejected_key] for i in plain], add_eos)
+    sides = {i: (_join(p, c, max_length), _join(p, r, max_length))
+             for i, p, c, r in zip(plain, prompts, chosen, rejected)}
+    for i, row in enumerate(rows):
+        if i not in sides:
+            with _row_errors(i):
+                encoded = _conversational_pair(row, chat, prompt_key=prompt_key, chosen_key=chosen_key,
+                                               rejected_key=rejected_key)
+            sides[i] = tuple(_truncated(e, max_length) for e in encoded)
     examples, skipped = [], []
-    for i, (p, c, r) in enumerate(zip(prompts, chosen, rejected)):
-        ec, er = _join(p, c, max_length), _join(p, r, max_length)
+    for i in range(len(rows)):
+        ec, er = sides[i]
         if ec is None or er is None:
             skipped.append(i)
             continue

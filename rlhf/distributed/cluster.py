@@ -1,10 +1,15 @@
 """Connecting to Ray: join ``ray.address`` / ``RAY_ADDRESS`` (e.g. under ``ray job submit``), or start a local
-cluster sized for the run's actors."""
+cluster sized for the run's actors; on a cluster without GPUs, compile DeepSpeed's CPU communication op once before
+the first actor needs it."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
-from typing import Dict
+import time
+from typing import Dict, Optional
+
+from rlhf.hub import hub_env
 
 # DeepSpeed JIT-compiles its CPU communication op (~1 min on 2 cores) into TORCH_EXTENSIONS_DIR. torch's default,
 # ~/.cache/torch_extensions, is shared by every checkout and venv of a machine, and a build is keyed by its source
@@ -12,11 +17,11 @@ from typing import Dict
 # directory, `make install` fills it) is built once. Set for this process too: an in-process engine loads it here.
 TORCH_EXTENSIONS_DIR = os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
-# Environment every actor gets; DS_ACCELERATOR is added for CPU-only groups.
+# Environment every actor gets; DS_ACCELERATOR is added for CPU-only groups, and the driver's hub settings
+# (rlhf.hub.hub_env: cache directory, HF_HUB_OFFLINE) so that workers resolve the run's pinned snapshots as it did.
 ACTOR_ENV = {
     "TORCH_EXTENSIONS_DIR": TORCH_EXTENSIONS_DIR,
     "TOKENIZERS_PARALLELISM": "false",
-    "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     # DeepSpeed calls torch.distributed APIs that torch 2.13 marks deprecated, once per collective.
     "PYTHONWARNINGS": "ignore::FutureWarning",
@@ -24,21 +29,27 @@ ACTOR_ENV = {
 
 
 def init_ray(address: str = "", num_cpus: int = -1, needed_cpus: float = 1.0) -> str:
-    """Initialise Ray once per driver process; returns ``"local"`` or the address joined."""
+    """Initialise Ray once per driver process; returns ``"local"``, ``"existing"`` or the address joined.
+
+    On a cluster without GPUs the trainer ranks run DeepSpeed's CPU accelerator: its communication op is compiled
+    here, once, before any actor starts (``ensure_cpu_comm_op``), rather than silently inside the first actor.
+    """
     import ray
 
     if ray.is_initialized():
-        return "existing"
-    address = address or os.environ.get("RAY_ADDRESS", "")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return address
-    cpus = local_num_cpus(num_cpus, needed_cpus)
-    # address="local": always a new local cluster, as documented. Without it Ray would try to join whatever
-    # `ray start` last left in /tmp/ray/ray_current_cluster on this machine, even a cluster long gone.
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": dict(ACTOR_ENV)})
-    return "local"
+        joined = "existing"
+    elif address or os.environ.get("RAY_ADDRESS", ""):
+        joined = address or os.environ["RAY_ADDRESS"]
+        ray.init(address=joined, log_to_driver=True)
+    else:
+        # address="local": always a new local cluster, as documented. Without it Ray would try to join whatever
+        # `ray start` last left in /tmp/ray/ray_current_cluster on this machine, even a cluster long gone.
+        ray.init(address="local", num_cpus=local_num_cpus(num_cpus, needed_cpus), include_dashboard=False,
+                 log_to_driver=True, runtime_env={"env_vars": {**ACTOR_ENV, **hub_env()}})
+        joined = "local"
+    if cluster_gpus() == 0:
+        ensure_cpu_comm_op()
+    return joined
 
 
 def local_num_cpus(num_cpus: int, needed_cpus: float) -> int:
@@ -54,7 +65,7 @@ def cluster_gpus() -> float:
 
 
 def actor_env(gpus_per_worker: float) -> Dict[str, str]:
-    env = dict(ACTOR_ENV)
+    env = {**ACTOR_ENV, **hub_env()}  # read now: a driver may set its hub cache after importing this module
     if gpus_per_worker <= 0:
         env["DS_ACCELERATOR"] = "cpu"
     return env
@@ -67,3 +78,92 @@ def actor_placement() -> Dict[str, object]:
     ctx = ray.get_runtime_context()
     return {"node": ctx.get_node_id(), "placement_group": ctx.get_placement_group_id(),
             "resources": dict(ctx.get_assigned_resources())}
+
+
+# ---------------------------------------------------------------------------- DeepSpeed's CPU communication op
+
+SHM_COMM_OP = "deepspeed_shm_comm"  # ShareMemCommBuilder.NAME: the op's directory and library name
+BUILD_MESSAGE = "compiling DeepSpeed's CPU communication op, first run only, ~1 min"
+# What every CPU trainer rank does on its first DeepSpeed engine (deepspeed/comm/torch.py build_shm_op); run in a
+# child process so that the driver imports no DeepSpeed and the build sees the CPU accelerator.
+_BUILD_CODE = "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=False)"
+
+
+def _comm_op_inputs() -> Optional[Dict[str, object]]:
+    """This environment's op sources and torch headers as torch's build file names them, found without importing
+    DeepSpeed; ``None`` when DeepSpeed is not installed or the op is not built here (it is Linux-only)."""
+    import importlib.util
+
+    ds, torch_spec = importlib.util.find_spec("deepspeed"), importlib.util.find_spec("torch")
+    if sys.platform != "linux" or ds is None or torch_spec is None:
+        return None
+    # DeepSpeed passes absolute source paths under deepspeed/ops (OpBuilder.deepspeed_src_path), torch its headers
+    comm = os.path.join(os.path.abspath(ds.submodule_search_locations[0]), "ops", "csrc", "cpu", "comm")
+    return {"sources": [os.path.join(comm, name) for name in ("shm_interface.cpp", "shm.cpp")],
+            "torch_include": os.path.join(os.path.abspath(torch_spec.submodule_search_locations[0]), "include")}
+
+
+def cpu_comm_op_built(extensions_dir: str = "") -> bool:
+    """Whether DeepSpeed's CPU communication op is compiled in ``extensions_dir`` (default ``TORCH_EXTENSIONS_DIR``)
+    for this environment, by file checks only.
+
+    torch (``cpp_extension.load``) builds into ``<dir>/deepspeed_shm_comm/`` with ninja, which recompiles when the
+    build file changes (other source paths or torch headers, i.e. another DeepSpeed or torch install; the
+    ``-O2 -fopenmp`` flags are fixed) or a source is newer than the library. The same tests here: the library
+    exists, is newer than its build file and sources, and the build file names this environment's sources and
+    torch headers.
+    """
+    inputs = _comm_op_inputs()
+    if inputs is None:
+        return True  # nothing that DeepSpeed would build
+    build_dir = os.path.join(extensions_dir or TORCH_EXTENSIONS_DIR, SHM_COMM_OP)
+    ninja_file = os.path.join(build_dir, "build.ninja")
+    try:
+        built = os.path.getmtime(os.path.join(build_dir, SHM_COMM_OP + ".so"))
+        newest_input = max(os.path.getmtime(path) for path in [ninja_file, *inputs["sources"]])
+        with open(ninja_file, encoding="utf-8") as f:
+            rules = f.read()
+    except OSError:
+        return False
+    names_this_env = all(f": compile {src}\n" in rules for src in inputs["sources"]) and \
+        f"-isystem {inputs['torch_include']} " in rules
+    return names_this_env and built >= newest_input
+
+
+def ensure_cpu_comm_op(extensions_dir: str = "") -> bool:
+    """Compile DeepSpeed's CPU communication op into ``extensions_dir`` (default ``TORCH_EXTENSIONS_DIR``, the
+    directory every actor is given) unless it is there, saying so; returns whether this call compiled it.
+
+    Every process that loads the op afterwards (actors, test processes) finds it built. Processes that start a
+    build at once do not build twice: torch holds a lock file (``<dir>/deepspeed_shm_comm/lock``) while it builds
+    and the others wait for it, then load the library. Nodes other than the driver's build their own copy in
+    their first actor.
+
+    Raises:
+        RuntimeError: the build failed (no C++ compiler, no ninja); the message ends with the compiler's output.
+    """
+    extensions_dir = extensions_dir or TORCH_EXTENSIONS_DIR
+    if cpu_comm_op_built(extensions_dir):
+        return False
+    lock = os.path.join(extensions_dir, SHM_COMM_OP, "lock")
+    if os.path.exists(lock):
+        _say(f"waiting for another process compiling DeepSpeed's CPU communication op into {extensions_dir} "
+             f"(if none is running, a killed build left {lock}: delete it)")
+    else:
+        _say(f"{BUILD_MESSAGE} (into {extensions_dir})")
+    start = time.time()
+    env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=extensions_dir)
+    done = subprocess.run([sys.executable, "-c", _BUILD_CODE], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling DeepSpeed's CPU communication op into {extensions_dir} failed "
+                           f"(exit {done.returncode}):\n{_tail(done.stdout + done.stderr)}")
+    _say(f"DeepSpeed's CPU communication op is ready ({time.time() - start:.0f} s)")
+    return True
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _tail(text: str, lines: int = 30) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])

@@ -21,7 +21,7 @@ SCALAR_HEAD = "scalar_head"
 class ModelSpec:
     """What a worker loads. ``precision`` and ``attn_implementation`` are already resolved for the worker."""
 
-    path: str
+    path: str  # a local HF directory or a hub reference (org/name@sha, see rlhf.hub), resolved where it loads
     kind: str = CAUSAL_LM
     precision: str = "fp32"
     attn_implementation: str = "sdpa"
@@ -31,19 +31,23 @@ class ModelSpec:
 
 
 def load_model(spec: ModelSpec, zero3_config: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
-    """Load ``spec.path``. With ``zero3_config`` (a DeepSpeed ZeRO-3 config) the weights are partitioned while
-    loading, so a model larger than one device's memory never materialises whole on any rank."""
+    """Load ``spec.path`` (a hub reference from this node's HF cache). With ``zero3_config`` (a DeepSpeed ZeRO-3
+    config) the weights are partitioned while loading, so a model larger than one device's memory never
+    materialises whole on any rank."""
     import transformers
 
+    from rlhf.hub import model_dir
     from rlhf.utils.device import torch_dtype
+
+    path = model_dir(spec.path)
 
     kwargs = dict(dtype=torch_dtype(spec.precision), attn_implementation=spec.attn_implementation)
     torch.manual_seed(spec.seed)
     with _zero3_init(zero3_config):
         if spec.kind == CAUSAL_LM:
-            model = transformers.AutoModelForCausalLM.from_pretrained(spec.path, **kwargs)
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
         elif spec.kind == SCALAR_HEAD:
-            model = transformers.AutoModelForSequenceClassification.from_pretrained(spec.path, num_labels=1, **kwargs)
+            model = transformers.AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
             if model.config.pad_token_id is None:
                 # HF pooling needs a pad id to find the last token when the model is used on its own later.
                 model.config.pad_token_id = _pad_id_from_generation(model)

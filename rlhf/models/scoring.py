@@ -14,10 +14,15 @@ from rlhf.models.loading import last_token_values, scalar_head_values
 
 
 def load_reward_model(path: str, device: str = "cpu") -> Tuple[torch.nn.Module, object]:
+    """``(model, tokenizer)`` of a reward model: a directory saved by ``train_rm`` or a hub reference
+    (``org/name[@revision]``, resolved through the HF cache by :func:`rlhf.hub.model_dir`)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(path)
+    from rlhf.hub import model_dir
+
+    directory = model_dir(path)
+    model = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(directory)
 
 
 @torch.no_grad()

@@ -19,6 +19,18 @@ EOS_TOKEN = "</s>"
 UNK_TOKEN = "<unk>"
 # Order fixes the ids: <pad>=0, <s>=1, </s>=2, <unk>=3.
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+# ChatML turn markers (Qwen's), added after the learned vocabulary: plain arithmetic text never contains them, so
+# they leave its tokenization unchanged.
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+# ChatML with a BOS in front: a template that writes special tokens itself, like most instruct models' templates
+# (the tests check the loss mask against it and that no second BOS is added).
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
 
 # vLLM's CPU attention backend rejects head sizes below this.
 MIN_HEAD_DIM = 32
@@ -72,10 +84,12 @@ def build_tokenizer(vocab_size: int = 512, model_max_length: int = 512) -> PreTr
     # reserved tokens so that every embedding row of the model is a real token: an untrained policy samples all
     # ids, and an id the tokenizer does not know decodes to nothing (or to None in convert_ids_to_tokens).
     # They are not special, so decoded text shows them and a response containing one is visibly malformed.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_TOKENS])
     n_reserved = vocab_size - tok.get_vocab_size()
     tok.add_tokens([AddedToken(f"<|reserved_{i}|>", special=False, normalized=False) for i in range(n_reserved)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
+        chat_template=CHAT_TEMPLATE,
         pad_token=PAD_TOKEN,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,

@@ -18,7 +18,7 @@ EXTENSION = "rlhf.rollout.vllm_extension.WeightSyncExtension"
 class EngineSpec:
     """How to start one engine. ``dtype`` follows the policy's precision (float32 on CPU)."""
 
-    model_path: str
+    model_path: str  # a local HF directory or a hub reference (org/name@sha), resolved on the engine's node
     tensor_parallel_size: int = 1
     seed: int = 0
     max_model_len: int = 512
@@ -74,9 +74,11 @@ class VLLMEngine:
             _settle_cpu_process()
         from vllm import LLM
 
+        from rlhf.hub import model_dir
+
         self.spec = spec
         self.llm = LLM(
-            model=spec.model_path,
+            model=model_dir(spec.model_path),  # this node's snapshot of the pinned commit, as every trainer loads
             tensor_parallel_size=spec.tensor_parallel_size,
             seed=spec.seed,
             max_model_len=spec.max_model_len,

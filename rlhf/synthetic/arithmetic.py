@@ -116,6 +116,43 @@ def make_rl_prompts(n: int, seed: int, max_operand: int = DEFAULT_MAX_OPERAND) -
     return rows
 
 
+SYSTEM_PROMPT = "Answer with the sum."
+
+
+def _user(prompt: str) -> dict:
+    return {"role": "user", "content": prompt}
+
+
+def _assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def to_chat_sft(rows: list[dict]) -> list[dict]:
+    """SFT rows as conversations (``{"messages": [...]}``). Every third conversation asks a second question after
+    the first answer, so it has two assistant turns (``data.assistant_turns`` all vs last)."""
+    out = []
+    for i, row in enumerate(rows):
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, _user(row["prompt"]), _assistant(row["response"])]
+        if i % 3 == 2:
+            previous = rows[i - 1]
+            messages += [_user(previous["prompt"]), _assistant(previous["response"])]
+        out.append({"messages": messages})
+    return out
+
+
+def to_chat_preference(rows: list[dict]) -> list[dict]:
+    """Preference rows as a prompt conversation with one assistant message chosen and one rejected."""
+    return [{"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, _user(r["prompt"])],
+             "chosen": [_assistant(r["chosen"])], "rejected": [_assistant(r["rejected"])], "margin": r["margin"]}
+            for r in rows]
+
+
+def to_chat_prompts(rows: list[dict]) -> list[dict]:
+    """RL prompts as conversations, answered after the chat template's generation prompt."""
+    return [{"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, _user(r["prompt"])], "answer": r["answer"]}
+            for r in rows]
+
+
 def extract_answer(response: str) -> str | None:
     """The first integer in ``response`` (after stripping whitespace), or None if there is none.
 

@@ -23,13 +23,14 @@ from typing import Dict, List, Optional, Tuple
 
 _NAME = re.compile(r"^step_(\d{6,})$")
 DRIVER_FILE = "driver.json"
+CHECKPOINT_DIR = "checkpoints"  # under output_dir
 
 
 class Checkpoints:
     def __init__(self, output_dir: str, keep: int) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.root, self.keep = os.path.join(output_dir, "checkpoints"), keep
+        self.root, self.keep = os.path.join(output_dir, CHECKPOINT_DIR), keep
 
     def complete(self) -> List[Tuple[int, str]]:
         """``(step, path)`` of every complete checkpoint, oldest first."""
@@ -130,6 +131,11 @@ class RunCheckpoints:
             raise ConfigError(f"train.resume: {path} belongs to another run: " + "; ".join(differ))
         self._resume_from = (path, int(state["step"]))
         return self._resume_from[1]
+
+    @property
+    def resuming(self) -> bool:
+        """Whether :meth:`prepare` found a checkpoint to continue from (else the run starts at step 1)."""
+        return self._resume_from is not None
 
     def restore(self, groups: Dict[str, object]) -> int:
         """Load the checkpoint :meth:`prepare` found into ``groups``; returns the number of steps already done (0

@@ -12,6 +12,7 @@ import torch
 
 from rlhf.batch import Batch
 from rlhf.config.schema import DPORunConfig
+from rlhf.data.formats import chat_formatter, pair_fields
 from rlhf.data.io import read_rows
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.models.loading import CAUSAL_LM
@@ -34,11 +35,13 @@ class _PairData:
         return collate_pairs([self.examples[i] for i in rows], self.pad_id, rows, ref_logps=ref)
 
 
-def _read(cfg: DPORunConfig, tokenizer, path: str) -> Tokenized:
+def _read(cfg: DPORunConfig, tokenizer, path: str, split: str) -> Tokenized:
     d = cfg.data
-    rows = read_rows(path, required=(d.prompt_key, d.chosen_key, d.rejected_key), split=d.split)
+    rows = read_rows(path, split=split, config_name=d.config_name,
+                     **pair_fields(d.prompt_key, d.chosen_key, d.rejected_key))
+    chat = chat_formatter(tokenizer, d.chat_template, rows, keys=(d.chosen_key,))
     return tokenize_pairs(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key, chosen_key=d.chosen_key,
-                          rejected_key=d.rejected_key, add_eos=d.add_eos)
+                          rejected_key=d.rejected_key, add_eos=d.add_eos, chat=chat)
 
 
 def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:

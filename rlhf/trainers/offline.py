@@ -21,6 +21,7 @@ from rlhf.batch import Batch
 from rlhf.config.deepspeed_check import check_user_config
 from rlhf.config.schema import ConfigError
 from rlhf.data.plan import EpochPlan, StepPlan
+from rlhf.hub import DATASET, MODEL, is_hub_ref, model_dir
 from rlhf.objectives.base import Objective, Sums, add_sums
 from rlhf.utils.metrics import SKIPPED_NOTE, MetricsWriter, Progress, format_row, skipped_row
 
@@ -56,37 +57,60 @@ class RunResult:
 
 
 def check_paths(cfg) -> None:
-    """Fail before Ray starts when a model or data path is wrong, naming the config key."""
+    """Fail before Ray starts when a model or data path is wrong, naming the config key.
+
+    Hub references (``org/name@sha``) were resolved, and their repositories checked, by
+    :func:`rlhf.hub.pin_run_sources`; local paths are checked here.
+    """
     models = (("model.path", cfg.model.path, True), ("model.ref_path", cfg.model.ref_path, True),
               ("model.tokenizer_path", cfg.model.tokenizer_path, False))
     for key, path, needs_config in models:
-        if not path:
+        if not path or is_hub_ref(path, MODEL):
             continue
         if not os.path.isdir(path):
             raise ConfigError(f"{key}: {path!r} is not a directory")
         if needs_config and not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(f"{key}: {path!r} is not an HF model directory (no config.json)")
     for key, path in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
-        if path and not os.path.exists(path):
+        if path and not is_hub_ref(path, DATASET) and not os.path.exists(path):
             raise ConfigError(f"{key}: {path!r} does not exist")
     check_user_config(cfg)  # precision-independent fields now; the rest once `auto` is resolved
 
 
 def read_train_and_eval(cfg, tokenizer, read: Callable) -> tuple:
-    """``read(cfg, tokenizer, path) -> Tokenized`` for ``data.train_path`` and, when set, ``data.eval_path``;
-    returns ``(train Tokenized, held-out examples)``."""
-    train = read(cfg, tokenizer, cfg.data.train_path)
-    held_out = read(cfg, tokenizer, cfg.data.eval_path).examples if cfg.data.eval_path else []
+    """``read(cfg, tokenizer, path, split) -> Tokenized`` for ``data.train_path`` and, when set, ``data.eval_path``;
+    returns ``(train Tokenized, held-out examples)``. A row the chat template cannot render is reported with its
+    source; a training set left without any example (every row's prompt fills ``data.max_length``) is refused."""
+    from rlhf.data.io import DataError
+    from rlhf.data.tokenize import RowError
+
+    d = cfg.data
+
+    def read_one(key: str, path: str, split: str):
+        try:
+            return read(cfg, tokenizer, path, split)
+        except RowError as e:
+            raise DataError(f"{key}={path}: {e}") from None
+
+    train = read_one("data.train_path", d.train_path, d.split)
+    if not train.examples:
+        raise DataError(f"data.train_path={d.train_path}: none of its {len(train.skipped_rows)} rows has a token to "
+                        f"train on within data.max_length={d.max_length} (each prompt fills it); raise "
+                        f"data.max_length or shorten the prompts")
+    held_out = read_one("data.eval_path", d.eval_path, d.eval_split or d.split).examples if d.eval_path else []
     return train, held_out
 
 
 def load_tokenizer(cfg):
+    """The run's tokenizer (``model.tokenizer_path``, else ``model.path``), checked before anything starts."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # attention masks, not the pad id, decide what is padding
-    return tokenizer
+    from rlhf.data.vocab import check_tokenizer, config_vocab_size
+
+    key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
+    ref = cfg.model.tokenizer_path or cfg.model.path
+    tokenizer = AutoTokenizer.from_pretrained(model_dir(ref))
+    return check_tokenizer(tokenizer, key, ref, config_vocab_size(model_dir(cfg.model.path)))
 
 
 def micro_batches(plan: StepPlan, collate: Collate, num_workers: int, micro_batch_size: int) -> List[List[Batch]]:
@@ -198,7 +222,8 @@ def save_final(policy, tokenizer, output_dir: str) -> str:
 
 def describe_plan(task: OfflineTask, plan: EpochPlan, train_cfg, skipped: int) -> str:
     dropped = plan.num_samples - plan.steps_per_epoch * plan.global_batch_size
-    return (f"[{task.name}] {plan.num_samples} examples ({skipped} skipped: prompt longer than data.max_length), "
+    return (f"[{task.name}] {plan.num_samples} examples ({skipped} skipped: no token to train on within "
+            f"data.max_length), "
             f"{plan.steps_per_epoch} steps/epoch (drop {dropped} per epoch), {plan.total_steps} optimizer steps; "
             f"global batch {train_cfg.global_batch_size} = micro {train_cfg.micro_batch_size} x "
             f"accumulation {train_cfg.grad_accum_steps} x ranks {train_cfg.num_workers}")

@@ -1,4 +1,4 @@
-"""Pairwise reward-model training on ``{"prompt", "chosen", "rejected"[, "margin"]}`` rows.
+"""Pairwise reward-model training on ``{"prompt", "chosen", "rejected"[, "margin"]}`` rows (text or messages).
 
 The model is saved as an ``AutoModelForSequenceClassification`` (one label) and loads back with
 :func:`rlhf.models.scoring.load_reward_model` for scoring.
@@ -6,6 +6,7 @@ The model is saved as an ``AutoModelForSequenceClassification`` (one label) and 
 from __future__ import annotations
 
 from rlhf.config.schema import RewardModelRunConfig
+from rlhf.data.formats import chat_formatter, pair_fields
 from rlhf.data.io import read_rows
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.models.loading import SCALAR_HEAD
@@ -14,14 +15,15 @@ from rlhf.trainers.offline import OfflineTask, RunResult, read_train_and_eval
 from rlhf.trainers.runner import run_offline
 
 
-def _read(cfg: RewardModelRunConfig, tokenizer, path: str) -> Tokenized:
-    d = cfg.data
-    margin_field = (d.margin_key,) if cfg.rm.use_margin else ()
-    rows = read_rows(path, required=(d.prompt_key, d.chosen_key, d.rejected_key) + margin_field, split=d.split,
-                     types={d.margin_key: (int, float)} if margin_field else None)
+def _read(cfg: RewardModelRunConfig, tokenizer, path: str, split: str) -> Tokenized:
+    d, margin = cfg.data, cfg.rm.use_margin
+    rows = read_rows(path, split=split, config_name=d.config_name,
+                     **pair_fields(d.prompt_key, d.chosen_key, d.rejected_key, d.margin_key if margin else "",
+                                 margin_required=margin))
+    chat = chat_formatter(tokenizer, d.chat_template, rows, keys=(d.chosen_key,))
     return tokenize_pairs(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key, chosen_key=d.chosen_key,
-                          rejected_key=d.rejected_key, margin_key=d.margin_key if margin_field else None,
-                          add_eos=d.add_eos)
+                          rejected_key=d.rejected_key, margin_key=d.margin_key if margin else None,
+                          add_eos=d.add_eos, chat=chat)
 
 
 def _collate(examples: list, pad_id: int):

@@ -137,7 +137,7 @@ class RLTrainer:
         # depend on rollout.num_engines.
         sampling = lambda engine, first: SamplingSpec(  # noqa: E731
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, seed=seed_base + first,
-            stop_token_ids=(self.tokenizer.eos_token_id,))
+            stop_token_ids=prompts.stop_token_ids or (self.tokenizer.eos_token_id,))
         return self.actors.engines.generate([prompts.prompt_ids[i] for i in prompt_index], sampling)
 
     def score(self, generations, batch: Batch, prompt_index, prompt_set: PromptSet):

@@ -23,17 +23,23 @@ from rlhf.ops.kl import kl_estimate
 @dataclass(frozen=True)
 class PromptSet:
     prompt_ids: List[List[int]]
-    texts: List[str]
+    texts: List[str]  # what reward functions see as the prompt: the text, or the rendered conversation
     columns: Dict[str, List]  # extra fields for reward functions, aligned with prompts
     skipped: int
     truncated: int
+    stop_token_ids: Tuple[int, ...] = ()  # generation ends on these: EOS, and the chat template's end of turn
 
 
 def prepare_prompts(rows: Sequence[dict], tokenizer, *, prompt_key: str, columns: Sequence[str],
-                    max_prompt_length: int, overflow: str) -> PromptSet:
-    encoded = tokenizer([r[prompt_key] for r in rows], add_special_tokens=True)["input_ids"]
+                    max_prompt_length: int, overflow: str, chat=None) -> PromptSet:
+    """Tokenize every prompt once: text with the tokenizer's special tokens, messages through ``chat`` (a
+    :class:`~rlhf.data.chat.ChatFormatter`) with the generation prompt; apply ``max_prompt_length``."""
+    plain = [i for i, r in enumerate(rows) if isinstance(r[prompt_key], str)]
+    encoded = dict(zip(plain, tokenizer([rows[i][prompt_key] for i in plain], add_special_tokens=True)["input_ids"]
+                       if plain else []))
     keep, ids, skipped, truncated = [], [], 0, 0
-    for i, seq in enumerate(encoded):
+    for i, row in enumerate(rows):
+        seq = encoded[i] if i in encoded else chat.prompt_ids(row[prompt_key])
         if len(seq) > max_prompt_length:
             if overflow == "skip":
                 skipped += 1
@@ -41,9 +47,13 @@ def prepare_prompts(rows: Sequence[dict], tokenizer, *, prompt_key: str, columns
             seq, truncated = seq[-max_prompt_length:], truncated + 1
         keep.append(i)
         ids.append(list(seq))
+    texts = [rows[i][prompt_key] if i in encoded else chat.render(rows[i][prompt_key], generation_prompt=True)
+             for i in keep]
     present = [c for c in columns if all(c in rows[i] for i in keep)]
-    return PromptSet(prompt_ids=ids, texts=[rows[i][prompt_key] for i in keep],
-                     columns={c: [rows[i][c] for i in keep] for c in present}, skipped=skipped, truncated=truncated)
+    stops = (tokenizer.eos_token_id,) + tuple(t for t in (chat.end_of_turn_ids() if chat else ())
+                                              if t != tokenizer.eos_token_id)
+    return PromptSet(prompt_ids=ids, texts=texts, columns={c: [rows[i][c] for i in keep] for c in present},
+                     skipped=skipped, truncated=truncated, stop_token_ids=stops)
 
 
 def rollout_batch(generations: Sequence, pad_id: int) -> Batch:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 
-from rlhf.config.loader import save_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
-from rlhf.data.io import read_rows
+from rlhf.data.formats import chat_formatter, prompt_fields
+from rlhf.data.io import DataError, read_rows
 from rlhf.data.plan import EpochPlan
+from rlhf.hub import is_hub_ref, model_dir, pin_run_sources
+from rlhf.models.checks import check_scalar_head
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
 from rlhf.trainers.checkpoint import RunCheckpoints
 from rlhf.trainers.offline import RunResult, check_paths, load_tokenizer
+from rlhf.trainers.output_dir import claim_output_dir, prepare_output_dir
 from rlhf.trainers.rl import RLActors, RLTrainer
 from rlhf.trainers.rl_experience import prepare_prompts
 from rlhf.trainers.health import guard_from_config
@@ -42,7 +45,8 @@ def _objectives(cfg: RLRunConfig):
 def _check_rl_paths(cfg: RLRunConfig) -> None:
     check_paths(cfg)
     for key, path in (("reward.model_path", cfg.reward.model_path), ("critic.path", cfg.critic.path)):
-        if path and not os.path.isfile(os.path.join(path, "config.json")):
+        # a hub reference's repository was checked when it was pinned (rlhf.hub.pin_run_sources)
+        if path and not is_hub_ref(path) and not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(f"{key}: {path!r} is not an HF model directory (no config.json)")
     per_pass = cfg.train.micro_batch_size * cfg.critic.num_workers
     if cfg.algo.needs_critic and cfg.train.global_batch_size % per_pass:
@@ -183,16 +187,18 @@ def _identity(cfg: RLRunConfig, plan: EpochPlan) -> dict:
             "critic.num_workers": cfg.critic.num_workers if cfg.algo.needs_critic else 0}
 
 
-def _read_prompts(cfg: RLRunConfig, tokenizer, path: str):
+def _read_prompts(cfg: RLRunConfig, tokenizer, path: str, split: str, chat_setting: str):
     d, r = cfg.data, cfg.rollout
-    rows = read_rows(path, required=(d.prompt_key,), optional=cfg.reward.columns, split=d.split)
+    rows = read_rows(path, split=split, config_name=d.config_name, **prompt_fields(d.prompt_key, cfg.reward.columns))
+    chat = chat_formatter(tokenizer, chat_setting, rows, keys=(d.prompt_key,))
     return prepare_prompts(rows, tokenizer, prompt_key=d.prompt_key, columns=cfg.reward.columns,
-                           max_prompt_length=r.max_prompt_length, overflow=r.prompt_overflow)
+                           max_prompt_length=r.max_prompt_length, overflow=r.prompt_overflow, chat=chat)
 
 
 def train_rl(cfg: RLRunConfig) -> RunResult:
     """Online RL end to end (see the module docstring); ``train.on_failure=restart`` restarts from checkpoints."""
-    return with_restarts(cfg, _train_rl_once)
+    # hub ids -> org/name@<sha>: config.yaml and every actor get the pins
+    return with_restarts(pin_run_sources(claim_output_dir(cfg)), _train_rl_once)
 
 
 def _train_rl_once(cfg: RLRunConfig) -> RunResult:
@@ -200,10 +206,17 @@ def _train_rl_once(cfg: RLRunConfig) -> RunResult:
 
     check_versions(("torch", "transformers", "deepspeed", "ray", "vllm"))
     _check_rl_paths(cfg)
+    if cfg.reward.model_path:
+        check_scalar_head(model_dir(cfg.reward.model_path), "reward.model_path", cfg.reward.model_path)
     tokenizer = load_tokenizer(cfg)
     d, r, t = cfg.data, cfg.rollout, cfg.train
-    prompts = _read_prompts(cfg, tokenizer, d.train_path)
-    eval_prompts = _read_prompts(cfg, tokenizer, d.eval_path) if d.eval_path else None
+    prompts = _read_prompts(cfg, tokenizer, d.train_path, d.split, d.chat_template)
+    eval_prompts = (_read_prompts(cfg, tokenizer, d.eval_path, d.eval_split or d.split, d.chat_template)
+                    if d.eval_path else None)
+    if not prompts.prompt_ids:
+        raise DataError(f"data.train_path={d.train_path}: every prompt is longer than rollout.max_prompt_length="
+                        f"{r.max_prompt_length} ({prompts.skipped} skipped); raise it or set "
+                        f"rollout.prompt_overflow=truncate")
     plan = EpochPlan(num_samples=len(prompts.prompt_ids), global_batch_size=r.prompts_per_step,
                      max_epochs=t.max_epochs, max_steps=t.max_steps, seed=t.seed)
     scorer = RewardFunctionScorer(tuple(cfg.reward.functions)) if cfg.reward.functions else None
@@ -216,8 +229,7 @@ def _train_rl_once(cfg: RLRunConfig) -> RunResult:
     check_skip_steps(t, plan.total_steps)
     checkpoints = RunCheckpoints(t, _identity(cfg, plan), "rl")
     checkpoints.prepare()  # a checkpoint of another run fails here, before anything is written or started
-    os.makedirs(t.output_dir, exist_ok=True)
-    save_config(cfg, os.path.join(t.output_dir, "config.yaml"))
+    prepare_output_dir(cfg, checkpoints)  # an old run there is refused, or deleted (train.overwrite); config.yaml
     ctx = start_cluster(cfg, needed_cpus=_needed_cpus(cfg))
     writers = None
     try:

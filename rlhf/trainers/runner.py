@@ -1,18 +1,18 @@
 """Running an offline task end to end: validation, actors, the step loop, the final save."""
 from __future__ import annotations
 
-import os
 from typing import Callable, Dict, FrozenSet, Optional
 
 from rlhf.config.deepspeed_check import check_user_config
-from rlhf.config.loader import save_config
 from rlhf.config.schema import ConfigError
 from rlhf.data.plan import EpochPlan
 from rlhf.distributed.resource_plan import offline_plan, resolve_devices
+from rlhf.hub import pin_run_sources
 from rlhf.trainers.offline import (RunContext, RunResult, check_paths, describe_plan, load_tokenizer,
                                    run_steps, save_final)
 from rlhf.trainers.checkpoint import RunCheckpoints
 from rlhf.trainers.health import HealthGuard, TrainingHealthError, check_health, guard_from_config
+from rlhf.trainers.output_dir import claim_output_dir, prepare_output_dir
 from rlhf.utils.metrics import RunWriters, progress_bar_setting, read_metrics
 from rlhf.utils.versions import check_versions
 
@@ -21,6 +21,7 @@ TaskBuilder = Callable[[object, object], tuple]
 
 
 def run_offline(cfg, build_task: TaskBuilder, policy_role: str) -> RunResult:
+    cfg = pin_run_sources(claim_output_dir(cfg))  # hub ids -> org/name@<sha>: config.yaml and every actor get them
     return with_restarts(cfg, lambda c: _run_offline_once(c, build_task, policy_role))
 
 
@@ -57,8 +58,7 @@ def _run_offline_once(cfg, build_task: TaskBuilder, policy_role: str) -> RunResu
     check_skip_steps(t, plan.total_steps)
     checkpoints = RunCheckpoints(t, run_identity(cfg, plan), task.name)
     checkpoints.prepare()  # a checkpoint of another run fails here, before anything is written or started
-    os.makedirs(t.output_dir, exist_ok=True)
-    save_config(cfg, os.path.join(t.output_dir, "config.yaml"))
+    prepare_output_dir(cfg, checkpoints)  # an old run there is refused, or deleted (train.overwrite); config.yaml
 
     # CPUs do not depend on the GPUs per worker, which are known only once the cluster is joined.
     ctx = start_cluster(cfg, needed_cpus=offline_plan(cfg, 0.0, policy_role).needed_cpus)

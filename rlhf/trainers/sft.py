@@ -1,7 +1,9 @@
-"""Supervised fine-tuning on ``{"prompt", "response"}`` rows; loss on response tokens only."""
+"""Supervised fine-tuning on ``{"prompt", "response"}`` rows or conversations (``{"messages": [...]}``); loss on
+response / assistant tokens only."""
 from __future__ import annotations
 
 from rlhf.config.schema import SFTRunConfig
+from rlhf.data.formats import chat_formatter, sft_fields
 from rlhf.data.io import read_rows
 from rlhf.data.tokenize import Tokenized, collate_sft, tokenize_sft
 from rlhf.models.loading import CAUSAL_LM
@@ -10,11 +12,14 @@ from rlhf.trainers.offline import OfflineTask, RunResult, read_train_and_eval
 from rlhf.trainers.runner import run_offline
 
 
-def _read(cfg: SFTRunConfig, tokenizer, path: str) -> Tokenized:
+def _read(cfg: SFTRunConfig, tokenizer, path: str, split: str) -> Tokenized:
     d = cfg.data
-    rows = read_rows(path, required=(d.prompt_key, d.response_key), split=d.split)
+    rows = read_rows(path, split=split, config_name=d.config_name,
+                     **sft_fields(d.prompt_key, d.response_key, d.messages_key))
+    chat = chat_formatter(tokenizer, d.chat_template, rows, keys=(d.messages_key, d.prompt_key))
     return tokenize_sft(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key,
-                        response_key=d.response_key, add_eos=d.add_eos)
+                        response_key=d.response_key, add_eos=d.add_eos, messages_key=d.messages_key, chat=chat,
+                        assistant_turns=d.assistant_turns)
 
 
 def _collate(examples: list, pad_id: int):

@@ -6,6 +6,11 @@ import math
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+# What the writers put in a run's output_dir (rlhf/trainers/output_dir.py counts them as the run's artifacts).
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
 
 class MetricsWriter:
     """One JSON line per step into ``output_dir/filename``, and the numbers to TensorBoard and W&B (``wandb``, a
@@ -16,7 +21,7 @@ class MetricsWriter:
     re-run steps are not shown twice. W&B keeps the first record of a step (its steps only move forward).
     """
 
-    def __init__(self, output_dir: str, filename: str = "metrics.jsonl", tensorboard: bool = True,
+    def __init__(self, output_dir: str, filename: str = METRICS_FILE, tensorboard: bool = True,
                  resume_after: Optional[int] = None, tb_prefix: str = "", wandb=None) -> None:
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir, self.path = output_dir, os.path.join(output_dir, filename)
@@ -32,7 +37,7 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             purge = None if resume_after is None else resume_after + 1
-            self._tb = SummaryWriter(os.path.join(self.output_dir, "tensorboard"), purge_step=purge)
+            self._tb = SummaryWriter(os.path.join(self.output_dir, TENSORBOARD_DIR), purge_step=purge)
 
     def rewind(self, step: int) -> None:
         """Continue after ``step``: forget what was logged for later steps."""
@@ -119,7 +124,7 @@ class RunWriters:
 
             self.wandb = WandbSink(out, lg.wandb_project, lg.wandb_mode, lg.wandb_run_name, config_to_dict(cfg))
         self.metrics = MetricsWriter(out, tensorboard=lg.tensorboard, resume_after=resume_after, wandb=self.wandb)
-        self.eval = (MetricsWriter(out, "eval.jsonl", tensorboard=lg.tensorboard, resume_after=resume_after,
+        self.eval = (MetricsWriter(out, EVAL_FILE, tensorboard=lg.tensorboard, resume_after=resume_after,
                                    tb_prefix="eval/", wandb=self.wandb) if with_eval else None)
 
     def rewind(self, step: int) -> None:

@@ -1,0 +1,63 @@
+"""Checking a tokenizer before a run relies on it.
+
+``AutoTokenizer.from_pretrained`` on a model directory without tokenizer files does not fail: it can build an
+empty tokenizer that encodes every row to nothing, and the run then dies much later with a zero normalizer. These
+checks run on the driver before any actor starts and name the config key to fix.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+#: A real vocabulary has thousands of tokens; fewer than this means the tokenizer files are missing or broken.
+MIN_VOCAB = 32
+
+
+def check_tokenizer(tokenizer, key: str, ref: str, model_vocab_size: Optional[int] = None):
+    """Refuse a tokenizer that cannot serve training; give it a pad token (EOS) when it has none, saying so.
+
+    Args:
+        tokenizer: The loaded HF tokenizer.
+        key: The config key it came from (``model.tokenizer_path`` or ``model.path``).
+        ref: That key's value, for messages.
+        model_vocab_size: The model's embedding rows (config.json ``vocab_size``), when known: every token id
+            must have one.
+
+    Returns:
+        The tokenizer.
+
+    Raises:
+        ConfigError: Too few tokens (tokenizer files missing), no EOS, or ids beyond the model's embeddings.
+    """
+    from rlhf.config.schema import ConfigError
+
+    size = len(tokenizer)
+    if size < MIN_VOCAB:
+        raise ConfigError(f"{key}: the tokenizer loaded from {ref!r} has {size} token(s): the directory has no usable "
+                          f"tokenizer files (tokenizer.json, or vocab + merges); add them or set "
+                          f"model.tokenizer_path to a directory or hub id that has them")
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"{key}: the tokenizer loaded from {ref!r} has no eos_token: completions are ended and "
+                          f"generation is stopped with it; set eos_token in its tokenizer_config.json")
+    if model_vocab_size is not None and size > model_vocab_size:
+        raise ConfigError(f"{key}: the tokenizer from {ref!r} has {size} tokens but the model has {model_vocab_size} "
+                          f"embedding rows (config.json vocab_size): ids past them would crash; use the model's own "
+                          f"tokenizer (model.tokenizer_path)")
+    if tokenizer.pad_token_id is None:
+        # Attention masks, not the pad id, decide what is padding everywhere in this project, so EOS is safe.
+        tokenizer.pad_token = tokenizer.eos_token
+        print(f"[data] the tokenizer has no pad token; padding with its EOS {tokenizer.eos_token!r} "
+              f"(attention masks mark the padding)", flush=True)
+    return tokenizer
+
+
+def config_vocab_size(model_dir: str) -> Optional[int]:
+    """``vocab_size`` from a model directory's config.json (top level or ``text_config``), or None."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) else None
