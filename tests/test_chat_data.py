@@ -243,3 +243,20 @@ def test_reward_model_needs_a_scalar_head(tiny_model, tmp_path):
                                                 "id2label": {"0": "a", "1": "b"}}))
     with pytest.raises(ConfigError, match="2-label classification head"):
         check_scalar_head(str(rm), "reward.model_path", str(rm))
+
+
+def test_reward_model_reads_conversational_pairs_with_margins(tokenizer, tmp_path):
+    from rlhf.config import RewardModelRunConfig, load_config
+    from rlhf.synthetic.arithmetic import make_preference_rows, to_chat_preference
+    from rlhf.trainers.reward_model import _read
+
+    rows = to_chat_preference(make_preference_rows(6, seed=0, max_operand=9))
+    path = _write(tmp_path / "pref.jsonl", rows)
+    cfg = load_config(RewardModelRunConfig, None, ["model.path=m", f"data.train_path={path}", "rm.use_margin=true"])
+    out = _read(cfg, tokenizer, path, "train")
+    assert [e.margin for e in out.examples] == [r["margin"] for r in rows]
+    pick = lambda e: tokenizer.decode([t for t, m in zip(e.input_ids, e.loss_mask) if m])  # noqa: E731
+    assert [pick(e.chosen) for e in out.examples] == [r["chosen"][0]["content"] + "<|im_end|>" for r in rows]
+    without = [{k: v for k, v in r.items() if k != "margin"} for r in rows]
+    with pytest.raises(DataError, match=r"pref2.jsonl:1: missing field 'margin'"):
+        _read(cfg, tokenizer, _write(tmp_path / "pref2.jsonl", without), "train")

@@ -31,6 +31,11 @@ FOREIGN_KEYS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "train_files": (("data.train_path",), ""),  # verl
     "eval_dataset": (("data.eval_path",), ""),
     "val_files": (("data.eval_path",), ""),
+    "dataset_config": (("data.config_name",), ""),  # TRL
+    "dataset_config_name": (("data.config_name",), ""),
+    "apply_chat_template": (("data.chat_template",), "conversational rows use the tokenizer's template (auto)"),
+    "chat_template_path": (("data.chat_template",), ""),
+    "assistant_only_loss": (("data.assistant_turns",), "conversational rows train on assistant tokens only"),
     "input_key": (("data.prompt_key",), ""),
     "output_key": (("data.response_key",), ""),
     "max_len": (("data.max_length",), ""),
