@@ -148,13 +148,16 @@ class ChatFormatter:
             raise ValueError(f"message {i} is a {messages[i].get('role')!r} message; only assistant turns are trained")
         before = self.render(messages[:i], generation_prompt=True) if i else ""
         through = self.render(messages[: i + 1])
-        if not (full.startswith(before) and full.startswith(through)) or len(through) <= len(before):
+        if not (full.startswith(before) and full.startswith(through)) or len(through) < len(before):
             raise ValueError(f"the chat template renders earlier turns differently once later turns follow, so "
                              f"assistant turn {i} cannot be located in the rendered conversation; train on the last "
                              f"turn only (data.assistant_turns=last) or use a prefix-stable template "
                              f"(data.chat_template)")
         end = len(through.rstrip())
-        return len(before), max(end, len(before) + 1)
+        if end <= len(before):
+            raise ValueError(f"assistant turn {i} renders to no text at all (empty content and no end-of-turn "
+                             f"marker in the template): it has no token to train on")
+        return len(before), end
 
     def _encode(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
         # The template writes any BOS itself; the tokenizer must not add a second one.

@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from rlhf.batch import Batch, pad_sequences
+from rlhf.data.chat import sft_turns, split_implicit_prompt
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,6 @@ def _truncated(encoded, max_length: int) -> Optional[Example]:
 
 def _conversational_sft(row: dict, chat, *, prompt_key: str, response_key: str, messages_key: str,
                         assistant_turns: str):
-    from rlhf.data.chat import sft_turns
-
     if messages_key in row:
         messages = row[messages_key]
         return chat.encode(messages, sft_turns(messages, assistant_turns))
@@ -128,8 +127,6 @@ def tokenize_sft(rows: Sequence[dict], tokenizer, *, max_length: int, prompt_key
 
 
 def _conversational_pair(row: dict, chat, *, prompt_key: str, chosen_key: str, rejected_key: str):
-    from rlhf.data.chat import split_implicit_prompt
-
     chosen, rejected = row[chosen_key], row[rejected_key]
     if prompt_key in row:
         prompt = row[prompt_key]
