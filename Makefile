@@ -49,6 +49,7 @@ PYTEST_ARGS ?= -n 2 --dist loadfile
 test: $(STAMP)
 	$(PY) -m pytest -q -ra --durations=20 $(PYTEST_ARGS)
 
+# The unit tests: no Ray cluster, no actors (tests/conftest.py marks the rest `slow`); about a minute.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
 

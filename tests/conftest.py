@@ -30,14 +30,24 @@ LONG_MODULES = ("test_rl_e2e", "test_resume", "test_dpo_training", "test_resume_
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long end-to-end runs (deselect with -m 'not slow')")
+    config.addinivalue_line("markers", "slow: starts Ray actors or trains end to end (`make test-fast` deselects "
+                                       "them with -m 'not slow')")
+
+
+def _module(item) -> str:
+    return item.module.__name__.rsplit(".", 1)[-1]
 
 
 def pytest_collection_modifyitems(config, items):
     def rank(item):
-        name = item.module.__name__.rsplit(".", 1)[-1]
+        name = _module(item)
         return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
 
+    # Every test of the long modules and every test on the shared Ray cluster is `slow`: `make test-fast` is the
+    # unit tests (pure maths, config, data, docs), no actors.
+    for item in items:
+        if _module(item) in LONG_MODULES or "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=rank)  # stable: a module's tests keep their order
 
 

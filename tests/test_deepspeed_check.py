@@ -79,6 +79,7 @@ def _train_sft_cli(tmp_path, tiny_model, sft_data, *overrides, timeout=180):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # starts a local Ray cluster to resolve precision=auto
 def test_cli_checks_precision_fields_once_auto_is_resolved(tmp_path, tiny_model, sft_data):
     """``strategy.precision=auto`` is resolved against the cluster the CLI starts (fp32: CPU workers); the JSON's
     precision fields are then checked against fp32 and the run exits 2 before any actor starts."""
