@@ -260,3 +260,20 @@ def test_reward_model_reads_conversational_pairs_with_margins(tokenizer, tmp_pat
     without = [{k: v for k, v in r.items() if k != "margin"} for r in rows]
     with pytest.raises(DataError, match=r"pref2.jsonl:1: missing field 'margin'"):
         _read(cfg, tokenizer, _write(tmp_path / "pref2.jsonl", without), "train")
+
+
+def test_an_rl_prompt_the_template_refuses_names_its_source(tokenizer, tmp_path):
+    from rlhf.config import load_config
+    from rlhf.config.rl_schema import RLRunConfig
+    from rlhf.trainers.rl_runner import _read_prompts
+
+    strict = tmp_path / "strict.jinja"
+    strict.write_text("{%- if messages[0]['role'] != 'user' -%}{{ raise_exception('the first message must be the "
+                      "user') }}{%- endif -%}{%- for m in messages -%}{{ m['content'] }}{%- endfor -%}")
+    path = _write(tmp_path / "prompts.jsonl", [{"prompt": _conv(("u", "1+1=")), "answer": "2"},
+                                               {"prompt": _conv(("s", "Add."), ("u", "2+2=")), "answer": "4"}])
+    cfg = load_config(RLRunConfig, None, ["model.path=m", f"data.train_path={path}", f"data.chat_template={strict}",
+                                          "reward.functions=[rlhf.synthetic.arithmetic:reward]"])
+    with pytest.raises(DataError, match=r"data.train_path=.*prompts.jsonl: row 1 \(0-based\): the chat template "
+                                        r"cannot render.*the first message must be the user"):
+        _read_prompts(cfg, tokenizer, "data.train_path", path, "train")

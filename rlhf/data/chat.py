@@ -33,11 +33,6 @@ class ChatTemplateError(ConfigError):
     """Conversational rows with no usable chat template (the message names ``data.chat_template``)."""
 
 
-def is_conversation(value: Any) -> bool:
-    """Whether a field holds messages (a non-empty list of dicts with a ``role``)."""
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
-
-
 def check_messages(value: Any, field: str, *, assistant_only: bool = False) -> Messages:
     """Validate a conversational field and return it; ``ValueError`` names the field and the message index."""
     if not isinstance(value, list) or not value:
@@ -130,7 +125,11 @@ class ChatFormatter:
 
     def prompt_ids(self, messages: Messages) -> List[int]:
         """Token ids of ``messages`` followed by the generation prompt: what the model answers after."""
-        return self._encode(self.render(messages, generation_prompt=True))[0]
+        return self.tokenize(self.render(messages, generation_prompt=True))
+
+    def tokenize(self, rendered: str) -> List[int]:
+        """Token ids of text this template rendered (no special tokens added: the template wrote them)."""
+        return self._encode(rendered)[0]
 
     def encode(self, messages: Messages, trained_turns: Sequence[int]) -> Encoded:
         """Render ``messages`` once; ``loss_mask`` is 1 exactly on the tokens of the assistant turns whose message

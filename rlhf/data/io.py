@@ -1,11 +1,11 @@
 """Reading training rows from disk, with errors that say where the data is wrong.
 
-The HF ``datasets`` library is the reader; this module adds the validation it does not do. A JSON-lines file is
-first scanned line by line so that a bad row is reported as ``file:line``, which ``datasets`` cannot do (its
-errors name an Arrow block, not a line). A ``.json`` file holding one JSON array of objects, Parquet files and
-``save_to_disk`` directories have no row per line, so their errors name the 0-based row index instead
-(``file: row 3``). A hub dataset id (``org/name[@revision]``, see :mod:`rlhf.hub`) is read file by file from its
-snapshot in the HF cache, each data file as a local one would be.
+A JSON-lines file is parsed here, line by line, so that a bad row is reported as ``file:line`` (``datasets``
+names an Arrow block, not a line) and each row is the JSON as written (an Arrow round trip unifies a column's type
+across rows). Parquet, CSV and Arrow files and ``save_to_disk`` directories are read with the HF ``datasets``
+library; they, like a ``.json`` file holding one JSON array of objects, have no row per line, so their errors name
+the 0-based row index instead (``file: row 3``). A hub dataset id (``org/name[@revision]``, see :mod:`rlhf.hub`)
+is read file by file from its snapshot in the HF cache, each data file as a local one would be.
 
 Rows come back as plain dicts holding only the requested fields that are present; a ``null`` in an optional
 field counts as absent, so downstream code only has to test ``"margin" in row``.
@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import tempfile
 from typing import Any, Callable, Iterable, Mapping, Sequence
-
-logger = logging.getLogger(__name__)
 
 _JSON_EXTS = (".jsonl", ".json")
 _PARQUET_EXTS = (".parquet",)
@@ -171,11 +168,9 @@ def _read_jsonl(
     if not scanned:
         raise DataError(f"{path}: no rows")
     # Validate on our own parse: it is the one that knows line numbers and which keys each row really had.
-    checked = [_validate_row(value, f"{path}:{lineno}", required, optional, types, check)
-               for lineno, value in scanned]
     # The rows are our parse, not an Arrow round trip: Arrow unifies a column's type across rows, which turns a
     # text "3" into 3 beside rows whose field holds messages, and gives every message dict every key seen anywhere.
-    return checked
+    return [_validate_row(value, f"{path}:{lineno}", required, optional, types, check) for lineno, value in scanned]
 
 
 def _validate_table(
@@ -250,6 +245,15 @@ def _read_saved_dir(path: str, split: str) -> list[dict]:
     return loaded.to_list()
 
 
+def _read_table(path: str, reader: str) -> list[dict]:
+    """The rows of one file read by ``datasets``' ``reader`` (``parquet``, ``csv``, ``arrow``)."""
+    try:
+        return _load_with_datasets(reader, path)
+    except Exception as e:  # noqa: BLE001 - report any reader failure as a data error on this file
+        raise DataError(f"{path}: could not read it with datasets' {reader!r} reader: {type(e).__name__}: "
+                        f"{e}") from e
+
+
 def _read_json_file(
     path: str, required: Sequence[str], optional: Sequence[str], types: Mapping[str, tuple[type, ...]],
     check: RowCheck | None = None,
@@ -291,12 +295,8 @@ def _read_hub_rows(
         if ext in _JSON_EXTS:
             rows += _read_json_file(file, required, optional, types, check)
             continue
-        module = _READERS.get(ext, module)  # datasets picks one reader per repository; a file's own name decides
-        try:
-            table = _load_with_datasets(module, file)
-        except Exception as e:  # noqa: BLE001 - report any reader failure as a data error on this file
-            raise DataError(f"{file}: could not read it with datasets' {module!r} reader: {type(e).__name__}: "
-                            f"{e}") from e
+        # datasets picks one reader per repository; a file's own name decides
+        table = _read_table(file, _READERS.get(ext, module))
         if table:  # an empty shard among others is no error; an empty split is (below)
             rows += _validate_table(file, table, required, optional, types, check)
     if not rows:
@@ -377,9 +377,5 @@ def read_rows(
     if ext in _JSON_EXTS:
         return _read_json_file(path, required, optional, resolved, check)
     if ext in _PARQUET_EXTS:
-        try:
-            rows = _load_with_datasets("parquet", path)
-        except Exception as e:  # noqa: BLE001 - report any reader failure as a data error on this file
-            raise DataError(f"{path}: could not read Parquet file: {type(e).__name__}: {e}") from e
-        return _validate_table(path, rows, required, optional, resolved, check)
+        return _validate_table(path, _read_table(path, "parquet"), required, optional, resolved, check)
     raise DataError(f"{path}: unsupported format {ext or '(no extension)'!r}; supported: {_SUPPORTED}")

@@ -83,7 +83,8 @@ class RowError(ValueError):
 
 
 @contextlib.contextmanager
-def _row_errors(index: int):
+def row_errors(index: int):
+    """A ``ValueError`` raised for row ``index`` (e.g. by the chat template) becomes a :class:`RowError`."""
     try:
         yield
     except RowError:
@@ -118,7 +119,7 @@ def tokenize_sft(rows: Sequence[dict], tokenizer, *, max_length: int, prompt_key
     by_row = {i: _join(p, c, max_length) for i, p, c in zip(plain, prompts, responses)}
     for i, row in enumerate(rows):
         if i not in by_row:
-            with _row_errors(i):
+            with row_errors(i):
                 encoded = _conversational_sft(row, chat, prompt_key=prompt_key, response_key=response_key,
                                               messages_key=messages_key, assistant_turns=assistant_turns)
             by_row[i] = _truncated(encoded, max_length)
@@ -149,7 +150,7 @@ def tokenize_pairs(rows: Sequence[dict], tokenizer, *, max_length: int, prompt_k
              for i, p, c, r in zip(plain, prompts, chosen, rejected)}
     for i, row in enumerate(rows):
         if i not in sides:
-            with _row_errors(i):
+            with row_errors(i):
                 encoded = _conversational_pair(row, chat, prompt_key=prompt_key, chosen_key=chosen_key,
                                                rejected_key=rejected_key)
             sides[i] = tuple(_truncated(e, max_length) for e in encoded)

@@ -12,8 +12,7 @@ import torch
 
 from rlhf.batch import Batch
 from rlhf.config.schema import DPORunConfig
-from rlhf.data.formats import chat_formatter, pair_fields
-from rlhf.data.io import read_rows
+from rlhf.data.formats import pair_fields, read_formatted
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
@@ -37,9 +36,8 @@ class _PairData:
 
 def _read(cfg: DPORunConfig, tokenizer, path: str, split: str) -> Tokenized:
     d = cfg.data
-    rows = read_rows(path, split=split, config_name=d.config_name,
-                     **pair_fields(d.prompt_key, d.chosen_key, d.rejected_key))
-    chat = chat_formatter(tokenizer, d.chat_template, rows, keys=(d.chosen_key,))
+    rows, chat = read_formatted(d, path, split, tokenizer, pair_fields(d.prompt_key, d.chosen_key, d.rejected_key),
+                                chat_keys=(d.chosen_key,))
     return tokenize_pairs(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key, chosen_key=d.chosen_key,
                           rejected_key=d.rejected_key, add_eos=d.add_eos, chat=chat)
 

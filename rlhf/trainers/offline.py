@@ -81,23 +81,20 @@ def read_train_and_eval(cfg, tokenizer, read: Callable) -> tuple:
     """``read(cfg, tokenizer, path, split) -> Tokenized`` for ``data.train_path`` and, when set, ``data.eval_path``;
     returns ``(train Tokenized, held-out examples)``. A row the chat template cannot render is reported with its
     source; a training set left without any example (every row's prompt fills ``data.max_length``) is refused."""
+    from rlhf.data.formats import located
     from rlhf.data.io import DataError
-    from rlhf.data.tokenize import RowError
 
     d = cfg.data
-
-    def read_one(key: str, path: str, split: str):
-        try:
-            return read(cfg, tokenizer, path, split)
-        except RowError as e:
-            raise DataError(f"{key}={path}: {e}") from None
-
-    train = read_one("data.train_path", d.train_path, d.split)
+    with located("data.train_path", d.train_path):
+        train = read(cfg, tokenizer, d.train_path, d.split)
     if not train.examples:
         raise DataError(f"data.train_path={d.train_path}: none of its {len(train.skipped_rows)} rows has a token to "
                         f"train on within data.max_length={d.max_length} (each prompt fills it); raise "
                         f"data.max_length or shorten the prompts")
-    held_out = read_one("data.eval_path", d.eval_path, d.eval_split or d.split).examples if d.eval_path else []
+    held_out = []
+    if d.eval_path:
+        with located("data.eval_path", d.eval_path):
+            held_out = read(cfg, tokenizer, d.eval_path, d.eval_split or d.split).examples
     return train, held_out
 
 

@@ -118,9 +118,7 @@ def claim_output_dir(cfg):
         path = new_output_dir(name)
         print(f"[{name}] output directory: {path} (new: train.output_dir is not set)", flush=True)
         return dataclasses.replace(cfg, train=dataclasses.replace(t, output_dir=path))
-    found = _artifacts(t.output_dir)
-    action = _decide(t, found, resumable=bool(Checkpoints(t.output_dir, keep=1).complete()))
-    print(f"[{name}] output directory: {t.output_dir}{_ANNOUNCE[action]}", flush=True)
+    print(f"[{name}] output directory: {t.output_dir}{_ANNOUNCE[_planned(t)]}", flush=True)
     return cfg
 
 
@@ -133,7 +131,7 @@ def output_dir_status(cfg) -> str:
     t = cfg.train
     if not t.output_dir:
         return f"not set: a new {OUTPUTS_ROOT}/{trainer_name(cfg)}-<date>-<time> is made at run time"
-    action = _decide(t, _artifacts(t.output_dir), resumable=bool(Checkpoints(t.output_dir, keep=1).complete()))
+    action = _planned(t)
     return {"new": "exists, holds no run" if os.path.isdir(t.output_dir) else "created at run time",
             "resume": "holds a run with a checkpoint: continued (train.resume=true)",
             "overwrite": "holds a run: deleted before this one writes (train.overwrite=true)",
@@ -167,6 +165,11 @@ def prepare_output_dir(cfg, checkpoints) -> None:
     os.makedirs(t.output_dir, exist_ok=True)
     spent = dataclasses.replace(cfg, train=dataclasses.replace(t, overwrite=False))
     save_config(spent, os.path.join(t.output_dir, CONFIG_FILE))
+
+
+def _planned(t) -> str:
+    """What a run starting now does with ``t.output_dir`` (:func:`_decide`, before any checkpoint is read)."""
+    return _decide(t, _artifacts(t.output_dir), resumable=bool(Checkpoints(t.output_dir, keep=1).complete()))
 
 
 _ANNOUNCE = {

@@ -6,8 +6,7 @@ The model is saved as an ``AutoModelForSequenceClassification`` (one label) and 
 from __future__ import annotations
 
 from rlhf.config.schema import RewardModelRunConfig
-from rlhf.data.formats import chat_formatter, pair_fields
-from rlhf.data.io import read_rows
+from rlhf.data.formats import pair_fields, read_formatted
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.models.loading import SCALAR_HEAD
 from rlhf.objectives.reward import RewardObjective
@@ -17,10 +16,9 @@ from rlhf.trainers.runner import run_offline
 
 def _read(cfg: RewardModelRunConfig, tokenizer, path: str, split: str) -> Tokenized:
     d, margin = cfg.data, cfg.rm.use_margin
-    rows = read_rows(path, split=split, config_name=d.config_name,
-                     **pair_fields(d.prompt_key, d.chosen_key, d.rejected_key, d.margin_key if margin else "",
-                                 margin_required=margin))
-    chat = chat_formatter(tokenizer, d.chat_template, rows, keys=(d.chosen_key,))
+    fields = pair_fields(d.prompt_key, d.chosen_key, d.rejected_key, d.margin_key if margin else "",
+                         margin_required=margin)
+    rows, chat = read_formatted(d, path, split, tokenizer, fields, chat_keys=(d.chosen_key,))
     return tokenize_pairs(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key, chosen_key=d.chosen_key,
                           rejected_key=d.rejected_key, margin_key=d.margin_key if margin else None,
                           add_eos=d.add_eos, chat=chat)

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlhf.batch import Batch, pad_sequences
+from rlhf.data.tokenize import row_errors
 from rlhf.ops.advantages import AdvantageInputs, compute_advantages, token_level_rewards, whiten
 from rlhf.ops.kl import kl_estimate
 
@@ -37,9 +38,15 @@ def prepare_prompts(rows: Sequence[dict], tokenizer, *, prompt_key: str, columns
     plain = [i for i, r in enumerate(rows) if isinstance(r[prompt_key], str)]
     encoded = dict(zip(plain, tokenizer([rows[i][prompt_key] for i in plain], add_special_tokens=True)["input_ids"]
                        if plain else []))
-    keep, ids, skipped, truncated = [], [], 0, 0
+    texts = [r[prompt_key] for r in rows]
     for i, row in enumerate(rows):
-        seq = encoded[i] if i in encoded else chat.prompt_ids(row[prompt_key])
+        if i not in encoded:  # rendered once: its text is what reward functions see, its ids what the engine gets
+            with row_errors(i):
+                texts[i] = chat.render(row[prompt_key], generation_prompt=True)
+            encoded[i] = chat.tokenize(texts[i])
+    keep, ids, skipped, truncated = [], [], 0, 0
+    for i in range(len(rows)):
+        seq = encoded[i]
         if len(seq) > max_prompt_length:
             if overflow == "skip":
                 skipped += 1
@@ -47,13 +54,12 @@ def prepare_prompts(rows: Sequence[dict], tokenizer, *, prompt_key: str, columns
             seq, truncated = seq[-max_prompt_length:], truncated + 1
         keep.append(i)
         ids.append(list(seq))
-    texts = [rows[i][prompt_key] if i in encoded else chat.render(rows[i][prompt_key], generation_prompt=True)
-             for i in keep]
     present = [c for c in columns if all(c in rows[i] for i in keep)]
     stops = (tokenizer.eos_token_id,) + tuple(t for t in (chat.end_of_turn_ids() if chat else ())
                                               if t != tokenizer.eos_token_id)
-    return PromptSet(prompt_ids=ids, texts=texts, columns={c: [rows[i][c] for i in keep] for c in present},
-                     skipped=skipped, truncated=truncated, stop_token_ids=stops)
+    return PromptSet(prompt_ids=ids, texts=[texts[i] for i in keep],
+                     columns={c: [rows[i][c] for i in keep] for c in present}, skipped=skipped, truncated=truncated,
+                     stop_token_ids=stops)
 
 
 def rollout_batch(generations: Sequence, pad_id: int) -> Batch:

@@ -6,8 +6,8 @@ import os
 
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
-from rlhf.data.formats import chat_formatter, prompt_fields
-from rlhf.data.io import DataError, read_rows
+from rlhf.data.formats import located, prompt_fields, read_formatted
+from rlhf.data.io import DataError
 from rlhf.data.plan import EpochPlan
 from rlhf.hub import is_hub_ref, model_dir, pin_run_sources
 from rlhf.models.checks import check_scalar_head
@@ -187,12 +187,13 @@ def _identity(cfg: RLRunConfig, plan: EpochPlan) -> dict:
             "critic.num_workers": cfg.critic.num_workers if cfg.algo.needs_critic else 0}
 
 
-def _read_prompts(cfg: RLRunConfig, tokenizer, path: str, split: str, chat_setting: str):
+def _read_prompts(cfg: RLRunConfig, tokenizer, key: str, path: str, split: str):
     d, r = cfg.data, cfg.rollout
-    rows = read_rows(path, split=split, config_name=d.config_name, **prompt_fields(d.prompt_key, cfg.reward.columns))
-    chat = chat_formatter(tokenizer, chat_setting, rows, keys=(d.prompt_key,))
-    return prepare_prompts(rows, tokenizer, prompt_key=d.prompt_key, columns=cfg.reward.columns,
-                           max_prompt_length=r.max_prompt_length, overflow=r.prompt_overflow, chat=chat)
+    rows, chat = read_formatted(d, path, split, tokenizer, prompt_fields(d.prompt_key, cfg.reward.columns),
+                                chat_keys=(d.prompt_key,))
+    with located(key, path):
+        return prepare_prompts(rows, tokenizer, prompt_key=d.prompt_key, columns=cfg.reward.columns,
+                               max_prompt_length=r.max_prompt_length, overflow=r.prompt_overflow, chat=chat)
 
 
 def train_rl(cfg: RLRunConfig) -> RunResult:
@@ -210,8 +211,8 @@ def _train_rl_once(cfg: RLRunConfig) -> RunResult:
         check_scalar_head(model_dir(cfg.reward.model_path), "reward.model_path", cfg.reward.model_path)
     tokenizer = load_tokenizer(cfg)
     d, r, t = cfg.data, cfg.rollout, cfg.train
-    prompts = _read_prompts(cfg, tokenizer, d.train_path, d.split, d.chat_template)
-    eval_prompts = (_read_prompts(cfg, tokenizer, d.eval_path, d.eval_split or d.split, d.chat_template)
+    prompts = _read_prompts(cfg, tokenizer, "data.train_path", d.train_path, d.split)
+    eval_prompts = (_read_prompts(cfg, tokenizer, "data.eval_path", d.eval_path, d.eval_split or d.split)
                     if d.eval_path else None)
     if not prompts.prompt_ids:
         raise DataError(f"data.train_path={d.train_path}: every prompt is longer than rollout.max_prompt_length="

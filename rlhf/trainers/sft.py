@@ -3,8 +3,7 @@ response / assistant tokens only."""
 from __future__ import annotations
 
 from rlhf.config.schema import SFTRunConfig
-from rlhf.data.formats import chat_formatter, sft_fields
-from rlhf.data.io import read_rows
+from rlhf.data.formats import read_formatted, sft_fields
 from rlhf.data.tokenize import Tokenized, collate_sft, tokenize_sft
 from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.sft import SFTObjective
@@ -14,9 +13,8 @@ from rlhf.trainers.runner import run_offline
 
 def _read(cfg: SFTRunConfig, tokenizer, path: str, split: str) -> Tokenized:
     d = cfg.data
-    rows = read_rows(path, split=split, config_name=d.config_name,
-                     **sft_fields(d.prompt_key, d.response_key, d.messages_key))
-    chat = chat_formatter(tokenizer, d.chat_template, rows, keys=(d.messages_key, d.prompt_key))
+    rows, chat = read_formatted(d, path, split, tokenizer, sft_fields(d.prompt_key, d.response_key, d.messages_key),
+                                chat_keys=(d.messages_key, d.prompt_key))
     return tokenize_sft(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key,
                         response_key=d.response_key, add_eos=d.add_eos, messages_key=d.messages_key, chat=chat,
                         assistant_turns=d.assistant_turns)
