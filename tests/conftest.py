@@ -26,7 +26,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 LONG_MODULES = ("test_rl_e2e", "test_resume", "test_dpo_training", "test_resume_dpo", "test_rl_algorithms",
                 "test_multinode", "test_doctor", "test_precision", "test_offline_training", "test_workers",
                 "test_cli_errors", "test_vllm_rollout", "test_rm_training", "test_health", "test_chat_chain",
-                "test_comm_op_build", "test_hub")
+                "test_comm_op_build", "test_hub", "test_rl_reference")
+# Modules with unit tests and a few long ones (those on the shared Ray cluster are `slow`): scheduled early too.
+MIXED_MODULES = ("test_audit", "test_fp64")
 
 
 def pytest_configure(config):
@@ -40,8 +42,9 @@ def _module(item) -> str:
 
 def pytest_collection_modifyitems(config, items):
     def rank(item):
+        order = LONG_MODULES + MIXED_MODULES  # the longest first, so the two test processes end together
         name = _module(item)
-        return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
+        return order.index(name) if name in order else len(order)
 
     # Every test of the long modules and every test on the shared Ray cluster is `slow`: `make test-fast` is the
     # unit tests (pure maths, config, data, docs), no actors.

@@ -37,3 +37,17 @@ def test_no_weight_decay_on_biases_and_norms():
     decay, no_decay = parameter_groups(model, 0.1)
     assert [p.shape for p in decay["params"]] == [torch.Size([4, 3])] and decay["weight_decay"] == 0.1
     assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
+
+
+def test_weight_decay_follows_the_full_shape_of_zero3_partitioned_weights():
+    """ZeRO-3 leaves an empty 1-D placeholder in every parameter and the real shape in ``ds_shape``: a weight matrix
+    must still be decayed (test_rl_reference.py shows the effect on a real ZeRO-3 critic)."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    for param in model.parameters():
+        param.ds_shape = param.shape
+        param.data = torch.empty(0)
+    decay, no_decay = parameter_groups(model, 0.1)
+    assert [p.ds_shape for p in decay["params"]] == [torch.Size([4, 3])]
+    assert len(no_decay["params"]) == 3

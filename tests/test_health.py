@@ -141,7 +141,7 @@ def test_a_skip_rewinds_and_ends_bit_identical_to_a_run_told_to_skip_those_steps
         cfg = load_config(SFTRunConfig, None, [
             f"model.path={tiny_model}", f"data.train_path={sft_data}", f"train.output_dir={out}",
             "train.global_batch_size=4", "train.micro_batch_size=2", "train.max_epochs=3", "train.lr=1e-3",
-            "train.save_every=3", "logging.tensorboard=false", *extra])
+            "train.save_every=3", "train.min_lr_ratio=0.1", "logging.tensorboard=false", *extra])
         result = train_sft(cfg)
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in r.items() if k != "step_time_s"} for r in rows], result
@@ -156,6 +156,14 @@ def test_a_skip_rewinds_and_ends_bit_identical_to_a_run_told_to_skip_those_steps
                          rf"\d+, step {step} will be skipped", said)
         assert guarded[step - 1] == {"step": step, "epoch": guarded[step - 1]["epoch"], "skipped": 1}
 
+    # A skipped step advances the LR schedule: every trained step has its planned LR, so a cosine still reaches
+    # its floor at step 15 (a schedule that waited would give every step after a skip its predecessor's LR).
+    from rlhf.utils.schedule import lr_multiplier
+
+    for r in guarded:
+        if not r.get("skipped"):
+            planned = 1e-3 * lr_multiplier(r["step"] - 1, total_steps=15, warmup_steps=0, kind="cosine", min_ratio=0.1)
+            assert r["lr"] == pytest.approx(planned, rel=1e-12), r["step"]
     told, told_result = run("told", "health.action=off", f"train.skip_steps=[{','.join(map(str, skipped))}]")
     assert told == guarded
     a = load_file(os.path.join(guarded_result.final_dir, "model.safetensors"))

@@ -13,18 +13,17 @@ a new engine): actor start-up is most of the cost. Tolerances: see ``BF16_RTOL``
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from rlhf.batch import Batch
 from rlhf.config.schema import ConfigError
-from rlhf.data.plan import StepPlan
 from rlhf.data.tokenize import collate_pairs, collate_sft, tokenize_pairs, tokenize_sft
 from rlhf.distributed.engine import EngineSpec, OptimSpec, build_ds_config
 
 from conftest import uneven_pair_rows, uneven_sft_rows
+from precision_helpers import in_parallel as _in_parallel, started_groups, step as _step
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -82,35 +81,12 @@ def batches(tiny_model):
     return {"sft": sft, "dpo": pairs, "rl": rl}
 
 
-def _shards(batch: Batch, ranks: int, micro: int):
-    """``[rank][micro]`` pieces of a global batch, cut like the trainers cut it, each padded to its own longest."""
-    step = StepPlan(step=1, epoch=1, indices=list(range(len(batch))))
-    return [[batch.select(rows).trim() for rows in rank] for rank in step.shards(ranks, micro)]
-
-
 # ------------------------------------------------------------------------------------------------ groups
-def _in_parallel(calls: dict) -> dict:
-    """``name -> result`` of the zero-argument ``calls``, run side by side (the groups' actors share 2 cores;
-    one group's waits are the other's turn)."""
-    with ThreadPoolExecutor(len(calls)) as pool:
-        futures = {name: pool.submit(call) for name, call in calls.items()}
-        return {name: future.result() for name, future in futures.items()}
-
-
 @pytest.fixture(scope="module")
 def groups():
     """name -> (WorkerGroup, ranks, micro): the whole and the split group, started once for the file."""
-    from rlhf.distributed.cluster import actor_env
-    from rlhf.distributed.group import GroupResources, WorkerGroup
-
-    def start(ranks):
-        return WorkerGroup("policy", GroupResources(num_workers=ranks, cpus_per_worker=0.5, env_vars=actor_env(0)),
-                           "gloo")
-
-    started = _in_parallel({name: (lambda r=ranks: start(r)) for name, (ranks, _) in LAYOUTS.items()})
-    yield {name: (group, *LAYOUTS[name]) for name, group in started.items()}
-    for group in started.values():
-        group.shutdown()
+    with started_groups(LAYOUTS) as started:
+        yield started
 
 
 def _build(group, ranks: int, micro: int, tiny_model: str, zero_stage: int) -> None:
@@ -138,20 +114,6 @@ def _bf16_probe():
                              float(fp32), min(steps), max(steps)])
 
     return probe
-
-
-def _step(group, ranks: int, micro: int, objective, batch: Batch) -> dict:
-    """One optimizer step over ``batch``; the global loss and grad norm, finalized as the trainers do."""
-    from rlhf.objectives.base import add_sums
-
-    shards = _shards(batch, ranks, micro)
-    normalizer = sum(objective.count(mb) for rank in shards for mb in rank)
-    results = group.train_step(shards, objective, normalizer)
-    sums: dict = {}
-    for result in results:
-        sums = add_sums(sums, result.sums)
-    assert len({r.grad_norm for r in results}) == 1, "ranks disagree on the grad norm"
-    return {"loss": objective.finalize(sums, normalizer)["loss"], "grad_norm": results[0].grad_norm}
 
 
 def _train_in_lockstep(groups: dict, batches: dict) -> dict:

@@ -333,6 +333,10 @@ def batch_lines(cfg) -> List[str]:
                      f"ranks {cfg.critic.num_workers}")
     lines.append(f"  RL steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
                  f"floor(prompts / {r.prompts_per_step})), prompts counted at run time")
+    decay = ("constant" if t.lr_scheduler == "constant" else
+             f"{t.lr_scheduler} to lr x {t.min_lr_ratio} at the last optimizer step (RL steps x {a.ppo_epochs * per_pass})")
+    lines.append(f"  LR: warmup {t.warmup_steps} optimizer steps, then {decay}; skipped steps advance it")
+    lines.append(f"  loss aggregation: {a.describe_aggregation()}")
     return lines
 
 

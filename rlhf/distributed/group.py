@@ -58,11 +58,13 @@ class WorkerGroup:
     def build(self, model: ModelSpec, engine: EngineSpec, optim: Optional[OptimSpec]) -> List[Dict[str, int]]:
         return self._gather([w.build.remote(model, engine, optim) for w in self.workers], "build")
 
-    def train_step(self, per_rank: Sequence[List[Batch]], objective: Objective, normalizer: int) -> List[StepResult]:
-        """One optimizer step; ``per_rank[r]`` holds rank r's micro-batches of the global batch."""
+    def train_step(self, per_rank: Sequence[List[Batch]], objective: Objective, normalizer: int,
+                   schedule_step: Optional[int] = None) -> List[StepResult]:
+        """One optimizer step; ``per_rank[r]`` holds rank r's micro-batches of the global batch, ``schedule_step``
+        the run's 0-based optimizer step (its LR; see :meth:`TrainerWorker.train_step`)."""
         if len(per_rank) != self.size:
             raise ValueError(f"{self.role}: {len(per_rank)} rank shards for {self.size} workers")
-        refs = [w.train_step.remote(mb, objective, normalizer) for w, mb in zip(self.workers, per_rank)]
+        refs = [w.train_step.remote(mb, objective, normalizer, schedule_step) for w, mb in zip(self.workers, per_rank)]
         return self._gather(refs, "train_step")
 
     def score(self, batches: Sequence[Batch], fn: ScoreFn) -> List[Any]:

@@ -23,7 +23,7 @@ class Devices:
     """The device settings of a run once the cluster is known (``strategy.*=auto`` resolved)."""
 
     gpus_per_worker: float  # GPUs of one trainer rank's bundle (0: CPU workers)
-    precision: str  # fp32 | bf16
+    precision: str  # fp32 | bf16 | fp64
     backend: str  # gloo | nccl
 
 

@@ -104,19 +104,24 @@ class TrainerWorker:
         return {"parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.model.parameters())}
 
     # ------------------------------------------------------------------ work
-    def train_step(self, micro_batches: List[Batch], objective: Objective, normalizer: int) -> StepResult:
+    def train_step(self, micro_batches: List[Batch], objective: Objective, normalizer: int,
+                   schedule_step: Optional[int] = None) -> StepResult:
         """One optimizer step over this rank's micro-batches of a global batch.
 
         Args:
             micro_batches: exactly ``grad_accum_steps`` micro-batches (this rank's share of the global batch).
             objective: turns a micro-batch into a loss sum and metric sums.
             normalizer: the objective's count summed over the *whole* global batch (all ranks).
+            schedule_step: the run's 0-based optimizer step this is, which sets its LR
+                (:meth:`TrainEngine.position_schedule`); ``None`` continues from the previous step.
         """
         if self.engine is None:
             raise RuntimeError(f"{self.role} rank {self.rank} is frozen: train_step needs a trainable worker")
         if len(micro_batches) != self.engine.spec.grad_accum_steps:
             raise ValueError(f"{self.role} rank {self.rank} got {len(micro_batches)} micro-batches, "
                              f"expected grad_accum_steps={self.engine.spec.grad_accum_steps}")
+        if schedule_step is not None:
+            self.engine.position_schedule(schedule_step)
         lr = self.engine.current_lr()
         sums: Sums = {}
         last = len(micro_batches) - 1

@@ -13,6 +13,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from rlhf.ops.logprobs import at_least_float32
+
 CAUSAL_LM = "causal_lm"
 SCALAR_HEAD = "scalar_head"
 
@@ -93,7 +95,7 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 def scalar_head_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-token scalar outputs of a sequence-classification model, ``(B, T)`` float32.
+    """Per-token scalar outputs of a sequence-classification model, ``(B, T)`` float32 (float64 for a float64 model).
 
     ``model`` may be the HF module or a DeepSpeed engine around it. The forward goes through the engine so its
     backward bookkeeping (ZeRO hooks) sees an output the loss depends on (the final hidden states); the score head
@@ -102,7 +104,7 @@ def scalar_head_values(model: Any, input_ids: torch.Tensor, attention_mask: torc
     """
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
     head = getattr(model, "module", model).score
-    return head(out.hidden_states[-1]).squeeze(-1).float()
+    return at_least_float32(head(out.hidden_states[-1]).squeeze(-1))
 
 
 def last_token_values(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

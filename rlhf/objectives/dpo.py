@@ -15,7 +15,7 @@ import torch
 from rlhf.batch import Batch
 from rlhf.objectives.base import Sums, target_count
 from rlhf.objectives.sft import causal_lm_token_logps
-from rlhf.ops.logprobs import sequence_logprobs
+from rlhf.ops.logprobs import at_least_float32, sequence_logprobs
 from rlhf.ops.preference import DPO_LOSSES, chosen_nll, dpo_pair_losses
 
 
@@ -32,10 +32,11 @@ def pair_sequence_logps(model: torch.nn.Module, batch: Batch) -> Tuple[torch.Ten
 
 @dataclass(frozen=True)
 class ReferenceLogps:
-    """Score function for the frozen reference: summed target log-probs ``(B, 2)`` of a pair batch."""
+    """Score function for the frozen reference: summed target log-probs ``(B, 2)`` of a pair batch, float32
+    (float64 from a float64 model: an fp64 run's DPO loss then sees no float32 rounding)."""
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-        return pair_sequence_logps(model, batch)[0].float()
+        return at_least_float32(pair_sequence_logps(model, batch)[0])
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from rlhf.models.loading import last_token_values, scalar_head_values
 from rlhf.objectives.base import Sums
 from rlhf.ops.aggregation import LOSS_AGGREGATIONS, aggregate_count, aggregate_sum
 from rlhf.ops.kl import KL_ESTIMATORS, kl_estimate
-from rlhf.ops.logprobs import entropy_from_logits, token_logprobs
+from rlhf.ops.logprobs import at_least_float32, entropy_from_logits, token_logprobs
 from rlhf.ops.policy_loss import POLICY_LOSSES, PolicyLossConfig, policy_loss, value_loss
 
 Tensor = torch.Tensor
@@ -79,8 +79,9 @@ def tempered_entropy(logits: Tensor, temperature: float) -> Tensor:
 
 
 def token_values(model: torch.nn.Module, batch: Batch) -> Tensor:
-    """Per-token critic values ``(B, T)`` float32 aligned with the tokens (the one definition used both when the
-    old values are computed for the experience batch and inside :class:`ValueObjective`).
+    """Per-token critic values ``(B, T)`` float32 (float64 for a float64 critic) aligned with the tokens (the one
+    definition used both when the old values are computed for the experience batch and inside
+    :class:`ValueObjective`).
 
     ``out[:, t]`` is the value of the state before token ``t`` is emitted: the scalar head applied to the final
     hidden state at position ``t - 1`` (which has seen tokens ``0 .. t-1``). ``out[:, 0] = 0`` (no state precedes
@@ -291,6 +292,8 @@ class ValueObjective:
 
 
 # ------------------------------------------------------------------------------------------------ score fns
+# Score functions return float32, or float64 from a float64 model (strategy.precision=fp64): the experience batch of
+# an fp64 run is then float64 throughout, so its factorisations agree to float64 rounding at every step.
 @dataclass(frozen=True)
 class TokenLogps:
     """Score function: per-token log-probs ``(B, T)`` float32 at ``temperature`` (old log-probs from the policy,
@@ -304,7 +307,7 @@ class TokenLogps:
             raise ValueError(f"temperature must be a positive finite number, got {self.temperature}")
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
-        return token_logprobs(_policy_forward(model, batch), batch.input_ids, self.temperature).float()
+        return at_least_float32(token_logprobs(_policy_forward(model, batch), batch.input_ids, self.temperature))
 
 
 @dataclass(frozen=True)
@@ -312,7 +315,7 @@ class TokenValues:
     """Score function: critic values ``(B, T)`` float32 via :func:`token_values` (column t = state before token t)."""
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
-        return token_values(model, batch).float()
+        return at_least_float32(token_values(model, batch))
 
 
 @dataclass(frozen=True)
@@ -321,4 +324,4 @@ class SequenceScores:
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
         values = scalar_head_values(model, batch.input_ids, batch.attention_mask)
-        return last_token_values(values, batch.attention_mask).float()
+        return at_least_float32(last_token_values(values, batch.attention_mask))

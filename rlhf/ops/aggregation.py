@@ -25,6 +25,11 @@ numerator and are not counted in any denominator: they are not samples of the lo
 ``seq-mean-token-sum`` divides by all rows, so empty rows dilute its mean; ``seq-mean-token-mean`` would divide 0
 by 0 for them.) A train batch in which no row has a token has count 0, which ``normalize`` rejects.
 
+``token-mean`` weights every token of the train batch equally, so a long response counts more than a short one:
+that is DAPO's token-level policy-gradient loss (Yu et al. 2025, sec. 3.3), not GRPO's per-sequence mean
+(``seq-mean-token-mean``, DeepSeekMath sec. 4.1). :data:`PAPER_AGGREGATIONS` says which mode each algorithm's paper
+uses; ``algo.loss_agg_mode=auto`` picks it.
+
 Dr. GRPO (Liu et al. 2025) divides the token sums by a constant (the generation budget) instead of ``n_b``;
 ``seq-mean-token-sum`` is that objective up to the constant factor ``1 / max_len``, which only rescales the
 learning rate.
@@ -90,6 +95,25 @@ def _seq_mean_token_sum_sum(per_token: Tensor, mask: Tensor) -> Tensor:
 LOSS_AGGREGATIONS.register("token-mean")(LossAggregation(_token_mean_sum, _token_count))
 LOSS_AGGREGATIONS.register("seq-mean-token-mean")(LossAggregation(_seq_mean_token_mean_sum, _row_count))
 LOSS_AGGREGATIONS.register("seq-mean-token-sum")(LossAggregation(_seq_mean_token_sum_sum, _row_count))
+
+
+# What each algorithm's paper averages its per-token objective with (``algo.loss_agg_mode=auto``). A sequence-level
+# policy loss (GSPO) is averaged per sequence whatever the estimator: its ratio is one number per sequence.
+PAPER_AGGREGATIONS = {
+    "grpo": "seq-mean-token-mean",  # DeepSeekMath (Shao et al. 2024) sec. 4.1: 1/G sum_i 1/|o_i| sum_t
+    "dr_grpo": "seq-mean-token-sum",  # Dr. GRPO (Liu et al. 2025) sec. 3.2: token sums over a constant budget
+    "rloo": "seq-mean-token-sum",  # Ahmadian et al. 2024: the whole completion is one action, log pi(y|x)
+    "gae": "token-mean",  # PPO over response tokens, as InstructGPT-style implementations average it
+    "reinforce_pp": "token-mean",  # REINFORCE++ (Hu 2025) as its reference implementation (OpenRLHF) averages
+    "reinforce_pp_baseline": "token-mean",
+}
+SEQUENCE_LEVEL_LOSSES = {"gspo": "seq-mean-token-mean"}  # GSPO (Zheng et al. 2025): 1/G sum_i over sequences
+
+
+def paper_aggregation(estimator: str, policy_loss: str) -> str:
+    """The aggregation of ``estimator``'s paper (and ``policy_loss``'s, when it is sequence-level): what
+    ``algo.loss_agg_mode=auto`` trains with. ``token-mean`` for an estimator no paper pins down."""
+    return SEQUENCE_LEVEL_LOSSES.get(policy_loss) or PAPER_AGGREGATIONS.get(estimator, "token-mean")
 
 
 def _bool_mask(mask: Tensor, shape: torch.Size | None = None) -> Tensor:

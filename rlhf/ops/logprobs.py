@@ -36,6 +36,11 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def at_least_float32(x: Tensor) -> Tensor:
+    """``x`` upcast to float32 when it is half precision; float32 and float64 (an fp64 run) are kept as they are."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _scaled_upcast(logits: Tensor, temperature: float) -> Tensor:
     """``logits / temperature`` in at least float32.
 

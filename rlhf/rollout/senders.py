@@ -53,7 +53,7 @@ class _Sender:
         started, sent, tensors, buckets = time.perf_counter(), 0, 0, 0
         self._all("begin_weight_update", [e.begin_weight_update.remote() for e in self.engines])
         pending: list = []
-        for group in bucket_groups(named, self.bucket_bytes):
+        for group in bucket_groups(_engine_dtypes(named), self.bucket_bytes):
             bucket = pack_bucket(group, out=self._buffer(group))  # packed while the engines load the last one
             self._all("load_weights", pending)
             pending = self._ship(bucket)
@@ -155,6 +155,13 @@ class IpcSender(_Sender):
         # engine opens it (a handle opened twice would release the memory under the sender).
         return [self.engines[0].load_shared_bucket.remote(bucket.wire_metas(), share(self._shared[self._turn]),
                                                           bucket.nbytes)]
+
+
+def _engine_dtypes(named: Named) -> Named:
+    """The weights as the engines hold them: vLLM runs no float64, so a float64 policy (``strategy.precision=fp64``,
+    whose engines run in float32) sends float32; any other dtype is sent as it is."""
+    for name, tensor in named:
+        yield name, tensor.float() if tensor.dtype == torch.float64 else tensor
 
 
 def _fitting(buffer: Optional[torch.Tensor], group, bucket_bytes: int, device: torch.device) -> torch.Tensor:

@@ -177,7 +177,8 @@ class _StepLoop:
         if task.prepare is not None:
             shards = task.prepare(shards)
         normalizer = sum(task.objective.count(mb) for rank in shards for mb in rank)
-        results = self.policy.train_step(shards, task.objective, normalizer)
+        # one optimizer step per plan step: a skipped step's LR is passed over, never shifted onto the next
+        results = self.policy.train_step(shards, task.objective, normalizer, schedule_step=step.step - 1)
         sums: Sums = {}
         for result in results:
             sums = add_sums(sums, result.sums)

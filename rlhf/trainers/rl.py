@@ -11,8 +11,9 @@ Each stage is one method below; the maths lives in ``rlhf.ops`` and ``rlhf.objec
 from __future__ import annotations
 
 import contextlib
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, List, Optional
 
 import torch
@@ -178,19 +179,28 @@ class RLTrainer:
                               whiten_advantages=a.whiten_advantages)
 
     def update(self, batch: Batch, rl_step: int) -> dict:
-        """``algo.ppo_epochs`` passes over the rollout batch in exact global train batches (policy, critic)."""
+        """``algo.ppo_epochs`` passes over the rollout batch in exact global train batches (policy, critic).
+
+        The returned numbers are the RL step's global quantities (docs/concepts.md, "Steps and the LR schedule"):
+        each objective's sums over *all* the step's optimizer steps divided once by their summed normalizer, so they
+        do not depend on how the rollout batch was shuffled into optimizer steps. ``num_tokens`` is the loss tokens trained on
+        (summed over the optimizer steps), ``lr`` the LR of the last optimizer step, ``grad_norm`` the largest
+        pre-clip norm among them (a non-finite one wins), ``optimizer_steps`` how many there were.
+        """
         t, a = self.cfg.train, self.cfg.algo
         plan = EpochPlan(num_samples=len(batch), global_batch_size=t.global_batch_size, max_epochs=a.ppo_epochs,
                          seed=t.seed * 7919 + rl_step)
-        policy_sums, value_sums = {}, {}
+        first = (rl_step - 1) * plan.total_steps  # the run's 0-based optimizer step where this RL step starts
+        policy, critic = _UpdateTotals(), _UpdateTotals()
         for train_step in plan.steps():
-            policy_sums = add_sums(policy_sums, self._train(self.actors.policy, self.policy_objective, batch,
-                                                            train_step, t.num_workers))
+            schedule_step = first + train_step.step - 1  # skipped RL steps advance the schedule too
+            policy.add(*self._train(self.actors.policy, self.policy_objective, batch, train_step, t.num_workers,
+                                    schedule_step))
             if self.actors.critic is not None:
-                value_sums = add_sums(value_sums, self._train(self.actors.critic, self.value_objective, batch,
-                                                              train_step, self.cfg.critic.num_workers))
-        steps = plan.total_steps
-        return {k: v / steps for k, v in {**policy_sums, **value_sums}.items()}  # mean over optimizer steps
+                critic.add(*self._train(self.actors.critic, self.value_objective, batch, train_step,
+                                        self.cfg.critic.num_workers, schedule_step))
+        return {**critic.metrics(self.value_objective, "critic_"), **policy.metrics(self.policy_objective, ""),
+                "optimizer_steps": plan.total_steps}
 
     def push_weights(self) -> dict:
         self.actors.engines.wake_up()
@@ -224,29 +234,24 @@ class RLTrainer:
         else:
             print(line, flush=True)
 
-    def _train(self, group, objective, batch: Batch, step: StepPlan, num_workers: int) -> dict:
+    def _train(self, group, objective, batch: Batch, step: StepPlan, num_workers: int, schedule_step: int):
+        """One optimizer step of ``group`` on ``step``'s rows -> ``(per-rank results, global normalizer)``."""
         shards = [[batch.select(rows).trim() for rows in rank]
                   for rank in step.shards(num_workers, self.cfg.train.micro_batch_size)]
         normalizer = sum(objective.count(mb) for rank in shards for mb in rank)
-        results = group.train_step(shards, objective, normalizer)
-        sums: dict = {}
-        for result in results:
-            sums = add_sums(sums, result.sums)
-        metrics = objective.finalize(sums, normalizer)
-        prefix = "critic_" if objective is self.value_objective else ""
-        metrics[prefix + "grad_norm"] = results[0].grad_norm
-        metrics[prefix + "lr"] = results[0].lr
-        return metrics
+        return group.train_step(shards, objective, normalizer, schedule_step=schedule_step), normalizer
 
     def _chunks(self, batch: Batch) -> List[Batch]:
         size = self.cfg.train.micro_batch_size
         return [batch.slice(i, min(i + size, len(batch))).trim() for i in range(0, len(batch), size)]
 
     def _score_rows(self, group, batch: Batch, fn) -> torch.Tensor:
-        """``fn`` over the batch in micro-batch chunks, re-padded to the batch width -> ``(B, T)``."""
+        """``fn`` over the batch in micro-batch chunks, re-padded to the batch width -> ``(B, T)`` float32 (float64
+        as the score functions return it from an fp64 run's models)."""
         width = batch.input_ids.shape[1]
         parts = group.score(self._chunks(batch), fn)
-        return torch.cat([torch.nn.functional.pad(p.float(), (0, width - p.shape[1])) for p in parts])
+        return torch.cat([torch.nn.functional.pad(p if p.dtype == torch.float64 else p.float(), (0, width - p.shape[1]))
+                          for p in parts])
 
     def log(self, step: StepPlan, scores, per_source, batch: Batch, train_stats: dict, sync: dict,
             timer: StageTimer) -> dict:
@@ -279,6 +284,36 @@ class RLTrainer:
         self.progress.advance(step.step)
         self._say(f"[rl] step {step.step}/{self.plan.total_steps} {SKIPPED_NOTE}")
         return row
+
+
+@dataclass
+class _UpdateTotals:
+    """One trained role's sums over the optimizer steps of an RL step, finalized once (:meth:`RLTrainer.update`)."""
+
+    sums: Dict[str, float] = field(default_factory=dict)
+    normalizer: int = 0
+    grad_norms: List[Optional[float]] = field(default_factory=list)
+    lr: Optional[float] = None
+
+    def add(self, results: list, normalizer: int) -> None:
+        for result in results:
+            self.sums = add_sums(self.sums, result.sums)
+        self.normalizer += normalizer
+        self.grad_norms.append(results[0].grad_norm)  # identical on every rank
+        self.lr = results[0].lr
+
+    def metrics(self, objective, prefix: str) -> dict:
+        if not self.grad_norms:
+            return {}
+        return {**objective.finalize(self.sums, self.normalizer), prefix + "grad_norm": _largest(self.grad_norms),
+                prefix + "lr": self.lr}
+
+
+def _largest(norms: List[Optional[float]]) -> Optional[float]:
+    """The largest norm; a NaN or inf one if any (``max`` would drop a NaN); ``None`` when none was measured."""
+    measured = [n for n in norms if n is not None]
+    bad = [n for n in measured if not math.isfinite(n)]
+    return bad[0] if bad else max(measured, default=None)
 
 
 def _sample_stats(scores: torch.Tensor, per_source: Dict[str, torch.Tensor], batch: Batch) -> dict:

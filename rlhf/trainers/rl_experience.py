@@ -85,7 +85,10 @@ def advantages_for(batch: Batch, scores: torch.Tensor, group_ids: torch.Tensor, 
     ``whiten_advantages``: ``none``; ``whiten`` (subtract the batch mean, divide by the batch std, over every
     response token of the whole rollout batch); ``scale`` (divide by the std only, keeping each sign).
     """
-    mask = batch.loss_mask.float()
+    # float64 when the policy's log-probs are (strategy.precision=fp64): the advantages are then float64 too
+    fp64 = batch.old_logps is not None and batch.old_logps.dtype == torch.float64
+    mask = batch.loss_mask.to(torch.float64 if fp64 else torch.float32)
+    scores = scores.double() if fp64 else scores
     kl = None
     if kl_in_reward and kl_coef > 0:
         kl = kl_estimate(kl_estimator, batch.old_logps, batch.ref_logps) * mask

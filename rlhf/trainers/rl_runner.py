@@ -34,11 +34,11 @@ def _objectives(cfg: RLRunConfig):
     a = cfg.algo
     clip = PolicyLossConfig(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip or None,
                             tis_cap=a.tis_cap or None)
-    policy = PolicyObjective(loss_type=a.policy_loss, clip=clip, agg_mode=a.loss_agg_mode,
+    policy = PolicyObjective(loss_type=a.policy_loss, clip=clip, agg_mode=a.aggregation,
                              temperature=cfg.rollout.temperature, entropy_coef=a.entropy_coef,
                              kl_loss_coef=a.kl_coef if a.kl_mode == "loss" else 0.0, kl_estimator=a.kl_estimator,
                              use_tis=a.tis_cap > 0)
-    value = ValueObjective(clip=cfg.critic.value_clip or None, agg_mode=a.loss_agg_mode)
+    value = ValueObjective(clip=cfg.critic.value_clip or None, agg_mode=a.aggregation)
     return policy, value
 
 
@@ -71,9 +71,10 @@ def _start_engines(cfg: RLRunConfig, ctx, placement):
     r = cfg.rollout
     gpus = engine_gpus(r.tensor_parallel_size, ctx.gpus_per_worker)  # what the plan and --dry-run count
     sleep = _engine_sleep(cfg, gpus)
+    # vLLM runs no float64: an fp64 run's engines sample in float32 (the weight sync casts, rlhf.rollout.senders)
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float32"}[ctx.precision]
     spec = EngineSpec(model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size, seed=cfg.train.seed,
-                      max_model_len=r.max_prompt_length + r.max_new_tokens,
-                      dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[ctx.precision],
+                      max_model_len=r.max_prompt_length + r.max_new_tokens, dtype=dtype,
                       gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib,
                       enable_sleep_mode=sleep)
     engines = RolloutEngines(spec, r.num_engines, cpus_per_engine=r.cpus_per_engine, gpus_per_engine=gpus,
@@ -226,7 +227,7 @@ def _train_rl_once(cfg: RLRunConfig) -> RunResult:
     optimizer_steps = plan.total_steps * cfg.algo.ppo_epochs * (r.samples_per_step // t.global_batch_size)
     print(f"[rl] {len(prompts.prompt_ids)} prompts ({prompts.skipped} skipped, {prompts.truncated} truncated), "
           f"{plan.total_steps} RL steps x {r.samples_per_step} samples, {optimizer_steps} optimizer steps; "
-          f"{cfg.algo.advantage_estimator} / {cfg.algo.policy_loss}", flush=True)
+          f"{cfg.algo.advantage_estimator} / {cfg.algo.policy_loss} / {cfg.algo.describe_aggregation()}", flush=True)
     check_skip_steps(t, plan.total_steps)
     checkpoints = RunCheckpoints(t, _identity(cfg, plan), "rl")
     checkpoints.prepare()  # a checkpoint of another run fails here, before anything is written or started

@@ -31,4 +31,4 @@ def _has_flash_attn() -> bool:
 def torch_dtype(precision: str):
     import torch
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[precision]

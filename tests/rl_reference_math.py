@@ -1,0 +1,231 @@
+"""One RL step written out by hand in plain PyTorch, for tests/test_rl_reference.py (its clipped AdamW step and
+weight comparison also serve tests/test_multinode.py).
+
+Nothing here imports ``rlhf``: the maths is transcribed from the papers and docs/algorithms/*.md, one sample at a
+time, so it shares no code (and no padding, alignment, masking or micro-batching convention) with the project it
+checks. A sample is ``(prompt ids, response ids)``; per-token quantities are 1-D tensors over the response tokens
+of one sample, ``(R_i,)``, kept in a list over samples (ragged, never padded).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+Tensor = torch.Tensor
+Ragged = List[Tensor]  # one (R_i,) tensor per sample
+
+
+# ------------------------------------------------------------------------------------------------ forwards
+def response_logits(model, prompt: Sequence[int], response: Sequence[int], temperature: float) -> Tensor:
+    """``(R, V)`` logits / temperature of the distributions that response token ``j`` was drawn from (predicted at
+    position ``len(prompt) + j - 1``), from one unpadded forward of the whole sequence."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    logits = model(input_ids=ids).logits[0]
+    p = len(prompt)
+    return logits[p - 1:p - 1 + len(response)] / temperature
+
+
+def logps_and_entropy(model, samples, temperature: float) -> Tuple[Ragged, Ragged]:
+    """Per response token: ``log pi(y_j)`` and the entropy of the distribution it was drawn from."""
+    logps, entropies = [], []
+    for prompt, response in samples:
+        z = response_logits(model, prompt, response, temperature)
+        log_p = z - torch.logsumexp(z, dim=-1, keepdim=True)
+        logps.append(log_p[torch.arange(len(response)), torch.tensor(list(response))])
+        entropies.append(-(log_p.exp() * log_p).sum(-1))
+    return logps, entropies
+
+
+def values(critic, samples) -> Ragged:
+    """``V_j``: the scalar head on the final hidden state at position ``len(prompt) + j - 1``, the state in which
+    response token ``j`` is emitted (docs/algorithms/ppo.md, "the value of the state before response token t is
+    read at position t - 1")."""
+    out = []
+    for prompt, response in samples:
+        ids = torch.tensor([list(prompt) + list(response)])
+        hidden = critic.model(input_ids=ids).last_hidden_state[0]
+        v = critic.score(hidden)[:, 0]
+        p = len(prompt)
+        out.append(v[p - 1:p - 1 + len(response)])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ KL
+def kl(estimator: str, logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """Schulman's estimators of KL(pi || ref) from ``log r = log pi - log ref``
+    (http://joschu.net/blog/kl-approx.html)."""
+    x = logp - ref_logp
+    if estimator == "k1":
+        return x
+    if estimator == "k2":
+        return 0.5 * x * x
+    if estimator == "k3":
+        return torch.exp(-x) - 1 + x
+    raise ValueError(estimator)
+
+
+# ------------------------------------------------------------------------------------------------ advantages
+def grpo_advantages(scores: Sequence[float], groups: Sequence[int], lengths: Sequence[int],
+                    eps: float = 1e-6) -> Ragged:
+    """``(s_i - mean_g) / (std_g + eps)`` with the unbiased (n - 1) std, on every token; a group whose scores are
+    all equal gets 0 (docs/algorithms/grpo.md)."""
+    out = []
+    for i, n in enumerate(lengths):
+        group = [s for s, g in zip(scores, groups) if g == groups[i]]
+        if max(group) == min(group):
+            a = 0.0
+        else:
+            mean = sum(group) / len(group)
+            std = math.sqrt(sum((s - mean) ** 2 for s in group) / (len(group) - 1))
+            a = (scores[i] - mean) / (std + eps)
+        out.append(torch.full((n,), a, dtype=torch.float64))
+    return out
+
+
+def token_rewards(scores: Sequence[float], kl_penalty: Ragged, kl_coef: float) -> Ragged:
+    """``-kl_coef * KL_j`` on every response token plus the sequence score on the last one."""
+    out = []
+    for s, k in zip(scores, kl_penalty):
+        r = -kl_coef * k.detach().clone()
+        r[-1] = r[-1] + s
+        out.append(r)
+    return out
+
+
+def discounted_returns(rewards: Ragged, gamma: float) -> Ragged:
+    """``G_j = r_j + gamma G_{j+1}``, ``G_R = 0``."""
+    out = []
+    for r in rewards:
+        g, acc = torch.zeros_like(r), 0.0
+        for j in reversed(range(len(r))):
+            acc = r[j] + gamma * acc
+            g[j] = acc
+        out.append(g)
+    return out
+
+
+def whiten_all(x: Ragged, eps: float = 1e-8) -> Ragged:
+    """Over every token of every sample at once: ``(x - mean) / sqrt(var + eps)``, population variance
+    (docs/algorithms/reinforce_pp.md)."""
+    flat = torch.cat(x)
+    mean = flat.mean()
+    var = ((flat - mean) ** 2).mean()
+    return [(v - mean) / torch.sqrt(var + eps) for v in x]
+
+
+def gae(rewards: Ragged, vals: Ragged, gamma: float, lam: float) -> Tuple[Ragged, Ragged]:
+    """GAE (Schulman et al. 2016, eq. 16): ``delta_j = r_j + gamma V_{j+1} - V_j`` with ``V_R = 0``,
+    ``A_j = delta_j + gamma lam A_{j+1}``; returns ``R_j = A_j + V_j``."""
+    advs, rets = [], []
+    for r, v in zip(rewards, vals):
+        v = v.detach()
+        a, nxt_a, nxt_v = torch.zeros_like(r), 0.0, 0.0
+        for j in reversed(range(len(r))):
+            delta = r[j] + gamma * nxt_v - v[j]
+            nxt_a = delta + gamma * lam * nxt_a
+            nxt_v = v[j]
+            a[j] = nxt_a
+        advs.append(a)
+        rets.append(a + v)
+    return advs, rets
+
+
+# ------------------------------------------------------------------------------------------------ losses
+def ppo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, clip_low: float, clip_high: float,
+                   dual_clip: float = 0.0, tis_weight: Tensor = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7) as a loss,
+    ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; dual clip (Ye et al. 2020) bounds it by ``-c A`` for
+    ``A < 0``; TIS multiplies it by the detached weight. Returns the loss and 0/1 indicators of what bound."""
+    ratio = torch.exp(logp - old_logp)
+    plain = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    is_clipped = clipped > plain
+    loss = torch.where(is_clipped, clipped, plain)
+    dual = torch.zeros_like(is_clipped)
+    if dual_clip:
+        dual = (adv < 0) & (loss > -dual_clip * adv)
+        loss = torch.where(dual, -dual_clip * adv, loss)
+    if tis_weight is not None:
+        loss = loss * tis_weight
+    return loss, {"clipped": is_clipped.double(), "dual_clipped": dual.double()}
+
+
+def value_token_loss(v: Tensor, v_old: Tensor, ret: Tensor, clip: float) -> Tensor:
+    """``0.5 max((V - R)^2, (V_old + clamp(V - V_old, -clip, clip) - R)^2)`` (PPO's value clipping)."""
+    plain = (v - ret) ** 2
+    if not clip:
+        return 0.5 * plain
+    v_clip = v_old + torch.clamp(v - v_old, -clip, clip)
+    return 0.5 * torch.maximum(plain, (v_clip - ret) ** 2)
+
+
+def aggregate(mode: str, per_token: Ragged) -> Tensor:
+    """The whole train batch's loss from per-token values (verl's ``loss_agg_mode`` names)."""
+    if mode == "token-mean":
+        return torch.cat(per_token).sum() / sum(len(x) for x in per_token)
+    if mode == "seq-mean-token-mean":
+        return torch.stack([x.mean() for x in per_token]).mean()
+    if mode == "seq-mean-token-sum":
+        return torch.stack([x.sum() for x in per_token]).mean()
+    raise ValueError(mode)
+
+
+# ------------------------------------------------------------------------------------------------ optimizer
+def grad_norm(model) -> float:
+    return math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters() if p.grad is not None))
+
+
+def clip_scale(norm: float, max_grad_norm: float) -> float:
+    """DeepSpeed's clipping factor: the gradient is divided by ``max(1, (norm + 1e-6) / max_grad_norm)``."""
+    return 1.0 / max(1.0, (norm + 1e-6) / max_grad_norm) if max_grad_norm > 0 else 1.0
+
+
+@torch.no_grad()
+def clipped_adamw_first_step(model, *, lr: float, betas: Tuple[float, float], eps: float, weight_decay: float,
+                             max_grad_norm: float) -> float:
+    """Clip the gradient to ``max_grad_norm`` (:func:`clip_scale`), then the first AdamW step (Loshchilov & Hutter
+    2019) from zero moments: ``m = (1 - b1) g``, ``v = (1 - b2) g^2``, bias-corrected,
+    ``w <- w (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)``, no weight decay on 1-D parameters (biases, norms).
+    ``.grad`` keeps the pre-clip gradient. Returns the pre-clip norm."""
+    norm = grad_norm(model)
+    scale = clip_scale(norm, max_grad_norm)
+    b1, b2 = betas
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        g = p.grad * scale
+        m_hat = (1 - b1) * g / (1 - b1)
+        v_hat = (1 - b2) * g * g / (1 - b2)
+        decay = weight_decay if p.ndim >= 2 else 0.0
+        p.mul_(1 - lr * decay)
+        p.sub_(lr * m_hat / (torch.sqrt(v_hat) + eps))
+    return norm
+
+
+def weight_agreement(got: Dict[str, Tensor], model, *, lr: float, eps: float, norm: float, max_grad_norm: float,
+                     update_rtol: float, grad_rtol: float) -> Tuple[float, float, str]:
+    """How far the weights ``got`` (name -> tensor) are from ``model``'s after :func:`clipped_adamw_first_step`.
+
+    The first Adam step moves a weight by ``lr g / (|g| + eps')`` (``eps' = eps / clip scale``, the clipped
+    gradient's eps seen on the unclipped one), ~``lr`` wherever ``|g| >> eps'``. An error ``dg`` in a gradient
+    element moves that by up to ``lr dg / (|g| + eps')``: nothing where the gradient is large, up to
+    ``lr dg / eps'`` where it vanishes (the attention key biases' gradient is identically 0: softmax ignores a
+    constant added to every score of a row). So each element is allowed
+    ``lr (update_rtol + grad_rtol * norm / (|g| + eps'))``: ``update_rtol`` of the step for the weights' own
+    rounding, plus a gradient error of ``grad_rtol`` times the gradient norm.
+
+    Returns the largest ``|got - want| / lr``, the largest ratio of the error to its allowance (<= 1 passes) and
+    the parameter where that ratio is reached. ``model``'s ``.grad`` must hold the pre-clip gradient.
+    """
+    eps_seen = eps / clip_scale(norm, max_grad_norm)
+    worst_lr, worst_ratio, where = 0.0, 0.0, ""
+    for name, param in model.named_parameters():
+        err = (got[name].double() - param.detach()).abs()
+        allowed = lr * (update_rtol + grad_rtol * norm / (param.grad.abs() + eps_seen))
+        ratio = float((err / allowed).max())
+        worst_lr = max(worst_lr, float(err.max()) / lr)
+        if ratio > worst_ratio:
+            worst_ratio, where = ratio, name
+    return worst_lr, worst_ratio, where

@@ -1,0 +1,161 @@
+"""The RL step's logged numbers are global quantities (docs/concepts.md, "RL steps"): sums over all the step's
+optimizer steps divided once by the summed normalizer, whatever the shuffle into optimizer steps and the split
+into ranks and micro-batches; and each optimizer step's LR position is the run's planned step.
+
+The driver's bookkeeping is unit-tested here with an in-process stand-in for the policy's worker group that runs
+the real objective on the real tiny model without updating it (so every optimizer step sees the same weights and
+the global value is known: the objective over the whole rollout batch at once). That Ray workers keep the same
+contract per optimizer step is test_rl_e2e.py's and test_rl_reference.py's business.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf.batch import Batch
+from rlhf.config.loader import load_config
+from rlhf.config.rl_schema import RLRunConfig
+from rlhf.distributed.worker import StepResult
+from rlhf.objectives.base import add_sums
+from rlhf.objectives.rl import PolicyObjective, TokenLogps
+from rlhf.trainers.rl import RLActors, RLTrainer, _largest
+
+ROWS = 16  # the rollout batch; optimizer steps of 4 -> 4 of them per RL step
+
+
+class InProcessGroup:
+    """What RLTrainer.update needs of a WorkerGroup: per-rank sums of the objective (forward only, no update) and
+    the LR position it was asked for. Records every call."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def train_step(self, per_rank, objective, normalizer, schedule_step=None):
+        self.calls.append((len(per_rank), [len(mb) for mb in per_rank[0]], normalizer, schedule_step))
+        results = []
+        with torch.no_grad():
+            for micro_batches in per_rank:
+                sums = {}
+                for mb in micro_batches:
+                    sums = add_sums(sums, objective.loss(self.model, mb)[1])
+                results.append(StepResult(sums=sums, grad_norm=1.0 + schedule_step, lr=0.01 * (schedule_step + 1)))
+        return results
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+
+
+@pytest.fixture(scope="module")
+def rollout(model):
+    """16 rows of uneven prompt and response lengths, right-padded; old log-probs from a perturbed copy of the model
+    (ratios != 1, so clipping binds on some tokens) and per-row advantages of both signs."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = model.config.vocab_size
+    rows, masks = [], []
+    for i in range(ROWS):
+        prompt, response = 2 + i % 3, 1 + (5 * i) % 7  # response lengths 1..7: token weighting matters
+        rows.append(torch.randint(4, vocab, (prompt + response,), generator=gen).tolist())
+        masks.append([0] * prompt + [1] * response)
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    batch = Batch(input_ids=ids, attention_mask=torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
+                  loss_mask=torch.tensor([m + [0] * (width - len(m)) for m in masks]))
+    logps = TokenLogps()(model, batch)
+    old = logps + 0.3 * torch.randn(logps.shape, generator=gen)
+    advantages = torch.randn(ROWS, 1, generator=gen).expand(-1, width) * batch.loss_mask
+    return batch.replace(old_logps=old, advantages=advantages.contiguous())
+
+
+def _config(micro: int, ranks: int, ppo_epochs: int = 1) -> RLRunConfig:
+    return load_config(RLRunConfig, "grpo_tiny", [
+        "model.path=unused", "data.train_path=unused", "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
+        "train.global_batch_size=4", f"train.micro_batch_size={micro}", f"train.num_workers={ranks}",
+        f"algo.ppo_epochs={ppo_epochs}", "logging.console=line"])
+
+
+def _update(cfg, objective, model, batch, rl_step):
+    group = InProcessGroup(model)
+    trainer = RLTrainer(cfg, None, None, None, RLActors(policy=group, engines=None), None, objective, None, None)
+    return trainer.update(batch, rl_step), group.calls
+
+
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_rl_metrics_are_the_whole_rollouts_whatever_the_shuffle_and_split(model, rollout, agg_mode):
+    objective = PolicyObjective(agg_mode=agg_mode)
+    with torch.no_grad():
+        whole = objective.finalize(objective.loss(model, rollout)[1], objective.count(rollout))
+    logged = {}
+    for micro, ranks in ((4, 1), (1, 2)):
+        for rl_step in (1, 2):  # the update plan's shuffle is seeded by the RL step
+            logged[micro, ranks, rl_step], calls = _update(_config(micro, ranks), objective, model, rollout, rl_step)
+            assert [c[3] for c in calls] == [4 * (rl_step - 1) + k for k in range(4)]  # the run's planned steps
+    for row in logged.values():
+        for key, value in whole.items():
+            assert row[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+        assert row["num_tokens"] == int(rollout.loss_mask[:, 1:].sum())
+        assert row["optimizer_steps"] == 4
+    # the per-optimizer-step values the old mean-of-means averaged really differ, so the check above can fail
+    per_step = [objective.finalize(*_step_sums(objective, model, rollout, rows)) for rows in _shuffled_steps()]
+    assert max(s["policy_loss"] for s in per_step) - min(s["policy_loss"] for s in per_step) > 0.05
+    mean_of_means = sum(s["policy_loss"] for s in per_step) / len(per_step)
+    if agg_mode == "token-mean":  # uneven token counts per step: the mean of means is not the global mean
+        assert abs(mean_of_means - whole["policy_loss"]) > 1e-3
+
+
+def _shuffled_steps():
+    order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(11)).tolist()
+    return [order[i:i + 4] for i in range(0, ROWS, 4)]
+
+
+def _step_sums(objective, model, batch, rows):
+    part = batch.select(rows).trim()
+    with torch.no_grad():
+        return objective.loss(model, part)[1], objective.count(part)
+
+
+def test_rl_row_lr_is_the_last_optimizer_steps_and_ppo_epochs_count_every_pass(model, rollout):
+    row, calls = _update(_config(4, 1, ppo_epochs=2), PolicyObjective(), model, rollout, rl_step=3)
+    assert [c[3] for c in calls] == list(range(16, 24))  # 8 optimizer steps per RL step; RL step 3 starts at 16
+    assert row["lr"] == pytest.approx(0.01 * 24) and row["grad_norm"] == 24.0  # the last step's LR, the largest norm
+    assert row["optimizer_steps"] == 8
+    assert row["num_tokens"] == 2 * int(rollout.loss_mask[:, 1:].sum())  # both passes' tokens
+
+
+def test_the_largest_grad_norm_keeps_a_non_finite_one():
+    assert _largest([1.0, 3.0, 2.0]) == 3.0
+    assert _largest([1.0, float("nan"), 2.0]) != _largest([1.0, float("nan"), 2.0])  # NaN, not 2.0
+    assert _largest([float("inf"), 1.0]) == float("inf")
+    assert _largest([None, None]) is None
+
+
+@pytest.mark.parametrize("estimator, policy_loss, expected", [
+    ("grpo", "ppo", "seq-mean-token-mean"), ("grpo", "gspo", "seq-mean-token-mean"),
+    ("gae", "gspo", "seq-mean-token-mean"), ("dr_grpo", "ppo", "seq-mean-token-sum"),
+    ("rloo", "ppo", "seq-mean-token-sum"), ("gae", "ppo", "token-mean"), ("reinforce_pp", "ppo", "token-mean")])
+def test_auto_aggregation_is_the_papers(estimator, policy_loss, expected):
+    from rlhf.config.rl_schema import AlgorithmConfig
+
+    algo = AlgorithmConfig(advantage_estimator=estimator, policy_loss=policy_loss)
+    assert algo.loss_agg_mode == "auto" and algo.aggregation == expected
+    assert AlgorithmConfig(advantage_estimator=estimator, policy_loss=policy_loss,
+                           loss_agg_mode="token-mean").aggregation == "token-mean"  # a chosen mode wins
+
+
+def test_an_unknown_aggregation_lists_auto_too():
+    from rlhf.config.rl_schema import AlgorithmConfig
+    from rlhf.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=r"algo\.loss_agg_mode: .*token-mean.*or auto"):
+        AlgorithmConfig(loss_agg_mode="tokens")
+
+
+def test_the_run_says_when_the_aggregation_is_not_the_papers():
+    from rlhf.config.rl_schema import AlgorithmConfig
+
+    assert AlgorithmConfig().describe_aggregation() == "seq-mean-token-mean (the paper's; algo.loss_agg_mode=auto)"
+    assert AlgorithmConfig(loss_agg_mode="token-mean").describe_aggregation() == \
+        "token-mean (the paper's is seq-mean-token-mean)"
+    assert AlgorithmConfig(advantage_estimator="gae", loss_agg_mode="token-mean").describe_aggregation() == "token-mean"
