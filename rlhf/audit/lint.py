@@ -32,7 +32,8 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rlhf.config.deepspeed_check import _DTYPE_NAMES, contradictions
+from rlhf.config.deepspeed_check import DTYPE_NAMES, contradictions, section_enabled
+from rlhf.data.plan import EpochPlan
 
 ERROR, WARNING = "error", "warning"
 
@@ -135,15 +136,10 @@ def deepspeed_findings(cfg, user: dict) -> List[Finding]:
     return findings + _fp16_loss_scale(user)
 
 
-def _enabled(user: dict, section: str) -> bool:
-    value = user.get(section)
-    return isinstance(value, dict) and value.get("enabled") in (True, "true", "auto")
-
-
 def _fp16_loss_scale(user: dict) -> List[Finding]:
     """DeepSpeed's fp16 ``loss_scale``: 0 (the default) is dynamic scaling; any other value is a static scale whose
     overflow check never fires, and 1 is no scaling at all."""
-    if not _enabled(user, "fp16"):
+    if not section_enabled(user, "fp16"):
         return []
     scale = user["fp16"].get("loss_scale", 0)
     if scale in (0, "0", None):
@@ -160,10 +156,10 @@ def _fp16_loss_scale(user: dict) -> List[Finding]:
 def _autocast(user: dict, precision: str) -> List[str]:
     """``torch_autocast`` enabled in another dtype than the run trains in: DeepSpeed then runs the forward in that
     dtype and communicates the gradients of autocast modules (``Linear`` ...) in it too."""
-    if not _enabled(user, "torch_autocast"):
+    if not section_enabled(user, "torch_autocast"):
         return []
     dtype = user["torch_autocast"].get("dtype")
-    if dtype is not None and str(dtype).lower() in _DTYPE_NAMES.get(precision, ()):
+    if dtype is not None and str(dtype).lower() in DTYPE_NAMES.get(precision, ()):
         return []
     shown = repr(dtype) if dtype is not None else "the device default (fp16 on CUDA, bf16 on CPU)"
     return [f"torch_autocast.enabled: true with dtype {shown} but the run trains in {precision} "
@@ -178,14 +174,15 @@ def _epochs(batch: int, key: str, unit: str, rows: int, t) -> List[Finding]:
     """Rows against one step's batch: not one step, rows left over each epoch, ``max_steps`` beyond the epochs."""
     if rows < batch:
         return [Finding(ERROR, f"{key}={batch}", f"data.train_path has only {rows} {unit}: not one step fits")]
-    per_epoch, left = divmod(rows, batch)
+    plan = EpochPlan(num_samples=rows, global_batch_size=batch, max_epochs=t.max_epochs)  # the trainers' own rule
+    per_epoch, total = plan.steps_per_epoch, plan.total_steps
+    left = rows - per_epoch * batch
     found = []
     if left:
         found.append(Finding(WARNING, f"{key}={batch}",
                              f"data.train_path's {rows} {unit} give {per_epoch} steps per epoch and leave {left} "
                              f"{unit} unused per epoch (dropped after each reshuffle, a different {left} each epoch; "
                              f"never a partial accumulation window)"))
-    total = per_epoch * t.max_epochs
     if t.max_steps != -1 and t.max_steps > total:
         epochs = math.ceil(t.max_steps / per_epoch)
         found.append(Finding(ERROR, f"train.max_steps={t.max_steps}",
@@ -204,12 +201,8 @@ def _rl_batches(cfg, prompts: Optional[int]) -> List[Finding]:
                              f"each rollout batch of {samples} samples (rollout.prompts_per_step x "
                              f"rollout.n_samples_per_prompt) gives {samples // batch} optimizer steps and leaves "
                              f"{samples % batch} samples out of every pass: generated and scored, never trained on"))
-    critic_ranks = cfg.critic.num_workers
-    if cfg.algo.needs_critic and batch % (t.micro_batch_size * critic_ranks):
-        found.append(Finding(ERROR, f"critic.num_workers={critic_ranks}",
-                             f"train.global_batch_size ({batch}) must be divisible by train.micro_batch_size x "
-                             f"critic.num_workers ({t.micro_batch_size} x {critic_ranks}): the critic trains on the "
-                             f"same batches"))
+    if cfg.critic_batch_problem():
+        found.append(Finding(ERROR, f"critic.num_workers={cfg.critic.num_workers}", cfg.critic_batch_problem()))
     return found
 
 

@@ -318,23 +318,22 @@ def batch_lines(cfg) -> List[str]:
                      f"{cfg.data.max_length}")
         return lines
     r, a = cfg.rollout, cfg.algo
-    per_pass, dropped = divmod(r.samples_per_step, t.global_batch_size)
+    dropped = r.samples_per_step % t.global_batch_size
     lines.insert(0, f"  RL step: {r.prompts_per_step} prompts x {r.n_samples_per_prompt} samples = rollout batch "
                     f"{r.samples_per_step} ({-(-r.samples_per_step // r.num_engines)} samples per engine)")
     lines.append(f"  optimizer steps per RL step: algo.ppo_epochs {a.ppo_epochs} x floor({r.samples_per_step} / "
-                 f"{t.global_batch_size}) = {a.ppo_epochs * per_pass}"
+                 f"{t.global_batch_size}) = {cfg.optimizer_steps_per_rl_step}"
                  + (f" ({dropped} samples per pass dropped)" if dropped else ""))
     if a.needs_critic:
+        if cfg.critic_batch_problem():  # the rule rl_runner._check_rl_paths applies before any actor
+            raise ConfigError(cfg.critic_batch_problem())
         per_critic = t.micro_batch_size * cfg.critic.num_workers
-        if t.global_batch_size % per_critic:  # the rule rl_runner._check_rl_paths applies before any actor
-            raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
-                              f"train.micro_batch_size x critic.num_workers ({per_critic})")
         lines.append(f"  critic: micro {t.micro_batch_size} x accumulation {t.global_batch_size // per_critic} x "
                      f"ranks {cfg.critic.num_workers}")
     lines.append(f"  RL steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
                  f"floor(prompts / {r.prompts_per_step})), prompts counted at run time")
     decay = ("constant" if t.lr_scheduler == "constant" else
-             f"{t.lr_scheduler} to lr x {t.min_lr_ratio} at the last optimizer step (RL steps x {a.ppo_epochs * per_pass})")
+             f"{t.lr_scheduler} to lr x {t.min_lr_ratio} at the last optimizer step (RL steps x {cfg.optimizer_steps_per_rl_step})")
     lines.append(f"  LR: warmup {t.warmup_steps} optimizer steps, then {decay}; skipped steps advance it")
     lines.append(f"  loss aggregation: {a.describe_aggregation()}")
     return lines

@@ -16,7 +16,7 @@ from rlhf.config.schema import ConfigError
 # The spellings DeepSpeed's DtypeEnum accepts for each precision. It has none for fp64: in an fp64 run any
 # `communication_data_type` or `data_types.grad_accum_dtype` contradicts the run (float64 gradients, summed in their
 # `.grad` and all-reduced in float64; rlhf.distributed.engine), and DeepSpeed would refuse an fp64 spelling itself.
-_DTYPE_NAMES = {"fp32": {"fp32", "float32", "float", "torch.float32"}, "bf16": {"bf16", "bfloat16", "torch.bfloat16"},
+DTYPE_NAMES = {"fp32": {"fp32", "float32", "float", "torch.float32"}, "bf16": {"bf16", "bfloat16", "torch.bfloat16"},
                 "fp16": {"fp16", "float16", "half", "torch.float16"}, "fp64": set()}
 _NO_FP64_NAME = {"fp64": " (DeepSpeed has no fp64 value for it; the run keeps float64 without it)"}
 
@@ -35,7 +35,7 @@ def read_user_config(path: str) -> Optional[dict]:
     return config
 
 
-def _enabled(config: dict, section: str) -> bool:
+def section_enabled(config: dict, section: str) -> bool:
     value = config.get(section, {})
     return isinstance(value, dict) and value.get("enabled") in (True, "true", "auto")
 
@@ -65,14 +65,14 @@ def contradictions(user: dict, *, zero_stage: int, micro_batch_size: int, grad_a
                            ("scheduler", "the schedule from train.lr_scheduler / warmup_steps")):
         if section in user:
             found.append(f"{section}: the run builds {owner}; remove this section")
-    if _enabled(user, "fp16") and _enabled(user, "bf16"):
+    if section_enabled(user, "fp16") and section_enabled(user, "bf16"):
         found.append("fp16.enabled and bf16.enabled: both on; DeepSpeed trains in one precision")
     if precision is not None:
         for section in ("bf16", "fp16"):
-            if _enabled(user, section) and precision != section:
+            if section_enabled(user, section) and precision != section:
                 found.append(f"{section}.enabled: true but the run trains in {precision} (strategy.precision)")
         comm = user.get("communication_data_type")
-        if comm is not None and str(comm).lower() not in _DTYPE_NAMES[precision]:
+        if comm is not None and str(comm).lower() not in DTYPE_NAMES[precision]:
             found.append(f"communication_data_type: {comm!r} with {precision} training (strategy.precision); "
                          f"remove it to communicate in the training precision{_NO_FP64_NAME.get(precision, '')}")
         found += _grad_accum_contradiction(user, precision, zero_stage)
@@ -91,7 +91,7 @@ def _grad_accum_contradiction(user: dict, precision: str, zero_stage: int) -> Li
     from rlhf.distributed.engine import grad_accum_dtype  # torch; only when the JSON sets the field
 
     run_value = grad_accum_dtype(precision, zero_stage)
-    if str(value).lower() in _DTYPE_NAMES[run_value]:
+    if str(value).lower() in DTYPE_NAMES[run_value]:
         return []
     return [f"data_types.grad_accum_dtype: {value!r} but {precision} training on ZeRO {zero_stage} accumulates "
             f"gradients in {run_value} (strategy.precision, strategy.zero_stage); remove it"

@@ -192,6 +192,20 @@ class RLRunConfig(_RunConfig):
                    f"must be >= 2 for algo.advantage_estimator={self.algo.advantage_estimator} (group baselines)")
         self._check_colocation()
 
+    @property
+    def optimizer_steps_per_rl_step(self) -> int:
+        """``algo.ppo_epochs`` passes of ``floor(rollout batch / train.global_batch_size)`` optimizer steps."""
+        return self.algo.ppo_epochs * (self.rollout.samples_per_step // self.train.global_batch_size)
+
+    def critic_batch_problem(self) -> str:
+        """Why the critic cannot cut ``train.global_batch_size`` into its micro-batches and ranks; ``""`` when it
+        can (or there is no critic). Checked before any actor starts (the runner, ``--dry-run``, the audit)."""
+        t, ranks = self.train, self.critic.num_workers
+        if not self.algo.needs_critic or t.global_batch_size % (t.micro_batch_size * ranks) == 0:
+            return ""
+        return (f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size x "
+                f"critic.num_workers ({t.micro_batch_size} x {ranks}): the critic trains on the same batches")
+
     def _check_colocation(self) -> None:
         c, r = self.colocate, self.rollout
         if c.policy_reference:

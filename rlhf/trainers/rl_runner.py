@@ -48,10 +48,8 @@ def _check_rl_paths(cfg: RLRunConfig) -> None:
         # a hub reference's repository was checked when it was pinned (rlhf.hub.pin_run_sources)
         if path and not is_hub_ref(path) and not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(f"{key}: {path!r} is not an HF model directory (no config.json)")
-    per_pass = cfg.train.micro_batch_size * cfg.critic.num_workers
-    if cfg.algo.needs_critic and cfg.train.global_batch_size % per_pass:
-        raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be divisible by "
-                          f"train.micro_batch_size x critic.num_workers ({per_pass})")
+    if cfg.critic_batch_problem():
+        raise ConfigError(cfg.critic_batch_problem())
 
 
 def _engine_sleep(cfg: RLRunConfig, gpus: float) -> bool:
@@ -224,7 +222,7 @@ def _train_rl_once(cfg: RLRunConfig) -> RunResult:
     scorer = RewardFunctionScorer(tuple(cfg.reward.functions)) if cfg.reward.functions else None
     if scorer is not None:
         scorer.load()  # a bad spec fails here, before any actor starts
-    optimizer_steps = plan.total_steps * cfg.algo.ppo_epochs * (r.samples_per_step // t.global_batch_size)
+    optimizer_steps = plan.total_steps * cfg.optimizer_steps_per_rl_step
     print(f"[rl] {len(prompts.prompt_ids)} prompts ({prompts.skipped} skipped, {prompts.truncated} truncated), "
           f"{plan.total_steps} RL steps x {r.samples_per_step} samples, {optimizer_steps} optimizer steps; "
           f"{cfg.algo.advantage_estimator} / {cfg.algo.policy_loss} / {cfg.algo.describe_aggregation()}", flush=True)
