@@ -44,14 +44,16 @@ install-gpu:
 demo: $(STAMP)
 	$(PY) -m rlhf.cli.demo --workdir $(ASSETS)/demo
 
-# Two test processes (see tests/conftest.py); PYTEST_ARGS="-n 0" runs the suite in one.
+# Two test processes, longest files first by the times recorded in .pytest_cache (see tests/conftest.py);
+# PYTEST_ARGS="-n 0" runs the suite in one. tests/unit and tests/integration (Ray actors, all marked `slow`).
 PYTEST_ARGS ?= -n 2 --dist loadfile
 test: $(STAMP)
 	$(PY) -m pytest -q -ra --durations=20 $(PYTEST_ARGS)
 
-# The unit tests: no Ray cluster, no actors (tests/conftest.py marks the rest `slow`); about a minute.
+# The unit tests, tests/unit: no Ray cluster, no actors (tests/unit/conftest.py fails one that starts Ray); about a
+# minute.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests/unit
 
 # What this machine / Ray cluster offers, what a run would select, and a 2-step SFT + GRPO with a weight sync.
 doctor: $(STAMP)

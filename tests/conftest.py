@@ -1,17 +1,29 @@
 """Shared fixtures: the tiny model and data built locally, and one local Ray cluster for the session.
 
-Integration tests run real Ray actors hosting real DeepSpeed engines (CPU accelerator, gloo) on the tiny model.
+Layout: ``tests/unit`` holds the tests that start no Ray actors and train nothing (pure maths, config, data, docs,
+CLI validation); ``tests/integration`` the rest, which run real Ray actors hosting real DeepSpeed engines (CPU
+accelerator, gloo) on the tiny model. The directory is the truth: every test under ``tests/integration`` is marked
+``slow`` here, and ``tests/unit/conftest.py`` fails a unit test that asks for ``ray_session`` or calls ``ray.init``.
+``make test-fast`` is ``pytest tests/unit``. Helpers shared by both directories live next to this file
+(``shared_helpers.py``, ``rl_helpers.py``, ...), which is put on ``sys.path`` below; test module basenames must be
+unique across both directories (rootdir-less "prepend" import mode, no ``__init__.py``).
 
-``make test`` runs two test processes (pytest-xdist, ``--dist loadfile``), each with its own local Ray cluster:
-part of an integration test is waiting (actor start-up, process spawns), which the other process fills. A test
-file goes to one process whole, so a module fixture that trains (several runs) runs once; the long files are
-handed out first so that the processes finish together.
+Scheduling: ``make test`` runs two test processes (pytest-xdist, ``--dist loadfile``), each with its own local Ray
+cluster: part of an integration test is waiting (actor start-up, process spawns), which the other process fills. A
+test file goes to one process whole, so a module fixture that trains (several runs) runs once, and files are handed
+out in collection order, so the longest go first (longest-processing-time scheduling) and the processes finish
+together. No list is kept by hand: every run records each test's seconds (setup + call + teardown, as reported to
+the controlling process, xdist workers included) in pytest's cache under ``rlhf/test_seconds`` (``.pytest_cache``;
+``--cache-clear`` forgets them), and collection orders files by the summed seconds of their collected tests, longest
+first. Files with no record yet (a fresh clone, a new file) go first, integration before unit, since an unknown one
+may be long. Inside a file the tests keep their order. Under xdist the controlling process reads the cache once and
+hands the same figures to every worker, so the workers' collections agree even if the cache changes meanwhile.
 """
 from __future__ import annotations
 
-import json
 import os
-import random
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,133 +33,78 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+TESTS_DIR = Path(__file__).resolve().parent
+INTEGRATION_DIR = TESTS_DIR / "integration"
+# The shared helpers (``from rl_helpers import ...``) import from tests in either directory.
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
 
-# Longest first (longest-processing-time scheduling over the test processes); the rest keep their order.
-LONG_MODULES = ("test_rl_e2e", "test_resume", "test_dpo_training", "test_resume_dpo", "test_rl_algorithms",
-                "test_multinode", "test_doctor", "test_precision", "test_offline_training", "test_workers",
-                "test_cli_errors", "test_vllm_rollout", "test_rm_training", "test_health", "test_chat_chain",
-                "test_comm_op_build", "test_hub", "test_rl_reference")
-# Modules with unit tests and a few long ones (those on the shared Ray cluster are `slow`): scheduled early too.
-MIXED_MODULES = ("test_audit", "test_fp64")
+from shared_helpers import uneven_pair_rows, uneven_sft_rows, write_jsonl  # noqa: E402
+
+SECONDS_KEY = "rlhf/test_seconds"  # pytest cache key: {node id: seconds of its last run}
+_SECONDS = pytest.StashKey[dict]()  # the recorded seconds this session orders by
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+class _TestSeconds:
+    """On the controlling process (the only one without xdist): sums each test's reported seconds and merges them
+    into the cache at the end. Reports from xdist workers reach the controller through ``pytest_runtest_logreport``."""
+
+    def __init__(self, config):
+        self.config, self.ran = config, {}
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node):  # xdist: the workers order by the figures the controller read
+        node.workerinput["rlhf_test_seconds"] = self.config.stash[_SECONDS]
+
+    def pytest_runtest_logreport(self, report):
+        self.ran[report.nodeid] = self.ran.get(report.nodeid, 0.0) + float(report.duration or 0.0)
+
+    def pytest_sessionfinish(self):
+        cache = getattr(self.config, "cache", None)
+        if cache is None or not self.ran:
+            return
+        recorded = cache.get(SECONDS_KEY, {})  # re-read: another session may have written meanwhile
+        recorded = dict(recorded) if isinstance(recorded, dict) else {}
+        recorded.update({nodeid: round(s, 3) for nodeid, s in self.ran.items()})
+        root = Path(self.config.rootpath)
+        cache.set(SECONDS_KEY, {nodeid: s for nodeid, s in sorted(recorded.items())
+                                if (root / _file(nodeid)).is_file()})  # files since removed are forgotten
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: starts Ray actors or trains end to end (`make test-fast` deselects "
-                                       "them with -m 'not slow')")
-
-
-def _module(item) -> str:
-    return item.module.__name__.rsplit(".", 1)[-1]
+    config.addinivalue_line("markers", "slow: starts Ray actors or trains end to end: every test under "
+                                       "tests/integration (`make test-fast` runs tests/unit only)")
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller read the cache and records the times
+        config.stash[_SECONDS] = config.workerinput.get("rlhf_test_seconds", {})
+        return
+    cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
+    recorded = cache.get(SECONDS_KEY, {}) if cache is not None else {}
+    config.stash[_SECONDS] = recorded if isinstance(recorded, dict) else {}
+    config.pluginmanager.register(_TestSeconds(config), "rlhf_test_seconds")
 
 
 def pytest_collection_modifyitems(config, items):
-    def rank(item):
-        order = LONG_MODULES + MIXED_MODULES  # the longest first, so the two test processes end together
-        name = _module(item)
-        return order.index(name) if name in order else len(order)
-
-    # Every test of the long modules and every test on the shared Ray cluster is `slow`: `make test-fast` is the
-    # unit tests (pure maths, config, data, docs), no actors.
     for item in items:
-        if _module(item) in LONG_MODULES or "ray_session" in getattr(item, "fixturenames", ()):
+        if INTEGRATION_DIR in Path(item.path).parents:
             item.add_marker(pytest.mark.slow)
-    items.sort(key=rank)  # stable: a module's tests keep their order
 
+    recorded = config.stash.get(_SECONDS, {})
+    seconds = {}  # file -> summed recorded seconds of its collected tests
+    for item in items:
+        if item.nodeid in recorded:
+            seconds[_file(item.nodeid)] = seconds.get(_file(item.nodeid), 0.0) + float(recorded[item.nodeid])
 
-def _digits(rng: random.Random, lo: int, hi: int) -> str:
-    return " ".join(str(rng.randrange(10)) for _ in range(rng.randint(lo, hi)))
+    def rank(item):
+        name = _file(item.nodeid)
+        if name not in seconds:  # never run here: first, integration before unit
+            return (0, INTEGRATION_DIR not in Path(item.path).parents, 0.0)
+        return (1, False, -seconds[name])
 
-
-def uneven_sft_rows(n: int, seed: int) -> list[dict]:
-    """Addition rows whose responses have very different lengths (1 to ~40 tokens), so micro-batches pad
-    differently under every factorisation."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randrange(30), rng.randrange(30)
-        rows.append({"prompt": f"{a}+{b}=", "response": f"{a + b} {_digits(rng, 0, 18)}".strip()})
-    return rows
-
-
-def uneven_pair_rows(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randrange(30), rng.randrange(30)
-        rows.append({"prompt": f"{a}+{b}=", "chosen": f"{a + b} {_digits(rng, 0, 12)}".strip(),
-                     "rejected": f"{a + b + rng.randint(1, 5)} {_digits(rng, 0, 18)}".strip(),
-                     "margin": float(rng.randint(1, 3))})
-    return rows
-
-
-def kill_an_actor_once(checkpoint_dir: str, title: str, while_saving: bool = False):
-    """A thread that SIGKILLs one live actor process titled ``title...`` (Ray names an actor's process
-    ``ray::<Class>``) once ``checkpoint_dir`` exists (``while_saving``: once its ``.tmp`` is being written): a real
-    crash. A test process runs one training at a time, so its live actors belong to that run. Returns the thread
-    and a dict that gets the killed ``pid``."""
-    import signal
-    import threading
-    import time
-
-    import psutil
-
-    killed = {}
-
-    def watch():
-        deadline = time.time() + 300
-        watched = (checkpoint_dir + ".tmp", checkpoint_dir) if while_saving else (checkpoint_dir,)
-        while time.time() < deadline and not any(map(os.path.isdir, watched)):
-            time.sleep(0.02)
-        # Only this test process's own actors (its local Ray cluster's workers descend from it): a parallel
-        # test process's run is left alone.
-        for proc in psutil.Process().children(recursive=True):
-            try:
-                cmdline = proc.cmdline()
-            except psutil.Error:
-                continue
-            if cmdline and cmdline[0].startswith(title):
-                killed["pid"] = proc.pid
-                os.kill(proc.pid, signal.SIGKILL)
-                return
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread, killed
-
-
-def wait_until_dead(handle, timeout_s: float = 120.0) -> None:
-    """``ray.kill`` is asynchronous: on a loaded machine a call made right after it can still be served."""
-    import time
-
-    import ray
-
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            ray.get(handle.__ray_ready__.remote(), timeout=timeout_s)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.1)
-    raise AssertionError("the killed actor still answers")
-
-
-def run_main(module: str, argv, cwd, capsys, monkeypatch):
-    """``python -m <module> argv...`` in this process, from ``cwd`` and outside any Ray cluster:
-    ``(exit status, stdout, stderr)``."""
-    import importlib
-
-    monkeypatch.chdir(cwd)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    rc = importlib.import_module(module).main(list(argv))
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
-def write_jsonl(path, rows) -> str:
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return str(path)
+    items.sort(key=rank)  # stable: a file's tests keep their order, files of equal rank their collection order
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Shared by the precision test files (bf16: test_precision.py, fp64: test_fp64.py): worker groups trained in
-lockstep under several (ranks x micro-batch) layouts of the same global batch, the batch cut exactly as the trainers
-cut it (``StepPlan.shards``) and the normalizer counted once over every micro-batch of every rank."""
+lockstep under several (ranks x micro-batch) layouts of the same global batch, each step through
+``WorkerGroup.train_batch``: the batch cut exactly as the trainers cut it and the normalizer counted once over every
+micro-batch of every rank."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -9,13 +10,6 @@ from contextlib import contextmanager
 import torch
 
 from rlhf.batch import Batch
-from rlhf.data.plan import StepPlan
-
-
-def shards(batch: Batch, ranks: int, micro: int):
-    """``[rank][micro]`` pieces of a global batch, cut like the trainers cut it, each padded to its own longest."""
-    step = StepPlan(step=1, epoch=1, indices=list(range(len(batch))))
-    return [[batch.select(rows).trim() for rows in rank] for rank in step.shards(ranks, micro)]
 
 
 def in_parallel(calls: dict) -> dict:
@@ -45,22 +39,15 @@ def started_groups(layouts: dict, role: str = "policy"):
 
 
 def step(group, ranks: int, micro: int, objective, batch: Batch) -> dict:
-    """One optimizer step over ``batch``; the global loss and grad norm, finalized as the trainers do."""
-    from rlhf.objectives.base import add_sums
-
-    pieces = shards(batch, ranks, micro)
-    normalizer = sum(objective.count(mb) for rank in pieces for mb in rank)
-    results = group.train_step(pieces, objective, normalizer)
-    sums: dict = {}
-    for result in results:
-        sums = add_sums(sums, result.sums)
-    assert len({r.grad_norm for r in results}) == 1, "ranks disagree on the grad norm"
-    return {"loss": objective.finalize(sums, normalizer)["loss"], "grad_norm": results[0].grad_norm}
+    """One optimizer step over ``batch`` through ``WorkerGroup.train_batch`` (the trainers' path): the global loss
+    and grad norm. ``ranks`` and ``micro`` are the layout the group was built with (checked)."""
+    assert (group.size, group.engine_spec.micro_batch_size) == (ranks, micro)
+    result = group.train_batch(batch, objective)
+    return {"loss": result.metrics["loss"], "grad_norm": result.grad_norm}
 
 
 def score_rows(group, ranks: int, micro: int, batch: Batch, fn) -> torch.Tensor:
     """``fn`` over ``batch`` in this layout's micro-batches (spread over its ranks), re-padded to the batch width:
-    ``(B, T)``, as the RL driver builds old log-probs (``RLTrainer._score_rows``)."""
-    pieces = [mb for rank in shards(batch, ranks, micro) for mb in rank]
-    width = batch.input_ids.shape[1]
-    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in group.score(pieces, fn)])
+    ``(B, T)``, as the RL driver builds old log-probs (``WorkerGroup.score_batch``)."""
+    assert (group.size, group.engine_spec.micro_batch_size) == (ranks, micro)
+    return group.score_batch(batch, fn)

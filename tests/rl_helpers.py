@@ -17,7 +17,7 @@ STEP_KEYS = ("step", "epoch", "reward_mean", "reward_std", "accuracy", "policy_l
 
 
 def run_rl(tiny_model, prompts, shaping, out, *extra):
-    from rlhf.trainers.rl_runner import train_rl
+    from rlhf.trainers.rl_runner import train_ppo
 
     cfg = load_config(RLRunConfig, "grpo_tiny", [
         f"model.path={tiny_model}", f"data.train_path={prompts}", f"train.output_dir={out}",
@@ -25,7 +25,7 @@ def run_rl(tiny_model, prompts, shaping, out, *extra):
         "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=4",
         "train.global_batch_size=8", "train.micro_batch_size=8", "train.max_steps=2", "train.lr=1e-4",
         "logging.tensorboard=false", *extra])
-    result = train_rl(cfg)
+    result = train_ppo(cfg)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f], result
 

@@ -1,5 +1,5 @@
-"""One RL step written out by hand in plain PyTorch, for tests/test_rl_reference.py (its clipped AdamW step and
-weight comparison also serve tests/test_multinode.py).
+"""One RL step written out by hand in plain PyTorch, for tests/integration/test_rl_reference.py (its clipped AdamW
+step and weight comparison also serve tests/integration/test_multinode.py).
 
 Nothing here imports ``rlhf``: the maths is transcribed from the papers and docs/algorithms/*.md, one sample at a
 time, so it shares no code (and no padding, alignment, masking or micro-batching convention) with the project it

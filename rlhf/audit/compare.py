@@ -52,7 +52,8 @@ class Tolerances:
 
 
 # fp32: observed ~1e-7 (losses, grad norms) and ~1e-4 (weights after a few AdamW steps) on CPU, docs/concepts.md;
-# bf16: tests/test_precision.py's bounds (3e-3 + 5e-4 absolute; observed up to 7.7e-4); fp64: rounding at ~1e-16.
+# bf16: tests/integration/test_precision.py's bounds (3e-3 + 5e-4 absolute; observed up to 7.7e-4);
+# fp64: rounding at ~1e-16.
 DEFAULT_TOLERANCES = {"fp32": Tolerances(first=1e-5, later=1e-3, weights=1e-3, atol=1e-5),
                       "bf16": Tolerances(first=3e-3, later=1e-2, weights=1e-2, atol=5e-4),
                       "fp64": Tolerances(first=1e-10, later=1e-10, weights=1e-8, atol=1e-12)}

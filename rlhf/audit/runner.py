@@ -25,6 +25,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from rlhf.audit.compare import WeightsDiff
 from rlhf.audit.factorizations import Factorization, Fits
+from rlhf.distributed.cluster import cluster_gpus, init_ray
+from rlhf.distributed.resource_plan import plan_for, resolve_devices
+from rlhf.utils.metrics import METRICS_FILE, read_metrics
 
 # Fields of a user DeepSpeed JSON that the run sets (rlhf.distributed.engine.build_ds_config) and that differ
 # between factorisations.
@@ -119,9 +122,6 @@ def cluster(cfgs: Sequence) -> "contextlib.AbstractContextManager[str]":
     A cluster started here is shut down at the end; one that was already up (a test session) is left alone."""
     import ray
 
-    from rlhf.distributed.cluster import cluster_gpus, init_ray
-    from rlhf.distributed.resource_plan import plan_for, resolve_devices
-
     started = not ray.is_initialized()
     first = cfgs[0]
     init_ray(first.ray.address, first.ray.num_cpus, needed_cpus=max(plan_for(c, 0.0).needed_cpus for c in cfgs))
@@ -138,8 +138,6 @@ def run_one(train: Callable, cfg, f: Factorization, log_path: str) -> RunOutcome
     Raises:
         RunFailed: The run raised; the caller decides what the cause means (a config error, a dead worker).
     """
-    from rlhf.utils.metrics import METRICS_FILE, read_metrics
-
     started = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         try:

@@ -53,7 +53,7 @@ TRAINERS: Dict[str, Trainer] = {
     "rm": Trainer("rm", "rlhf.config.schema:RewardModelRunConfig", "rlhf.trainers.reward_model:train_reward_model",
                   "loss"),
     "dpo": Trainer("dpo", "rlhf.config.schema:DPORunConfig", "rlhf.trainers.dpo:train_dpo", "loss"),
-    "ppo": Trainer("ppo", "rlhf.config.rl_schema:RLRunConfig", "rlhf.trainers.rl_runner:train_rl", "policy_loss"),
+    "ppo": Trainer("ppo", "rlhf.config.rl_schema:RLRunConfig", "rlhf.trainers.rl_runner:train_ppo", "policy_loss"),
 }
 _CLASS_NAMES = {"SFTRunConfig": "sft", "RewardModelRunConfig": "rm", "DPORunConfig": "dpo", "RLRunConfig": "ppo"}
 

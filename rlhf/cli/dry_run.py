@@ -19,13 +19,15 @@ import importlib.util
 import os
 from typing import List, Sequence, Tuple
 
+from rlhf.config.deepspeed_check import check_user_config
 from rlhf.config.schema import ConfigError
-from rlhf.hub import DATASET, MODEL, is_hub_ref, offline
-from rlhf.trainers.output_dir import output_dir_status
+from rlhf.distributed.cluster import local_num_cpus
 from rlhf.distributed.packing import (NodeShape, Packing, check_feasible, describe_cluster, nodes_from_ray,
                                       pack, parse_cluster)
 from rlhf.distributed.resource_plan import (ROLLOUT, ActorPlan, Devices, GroupPlan, ResourcePlan, engine_gpus,
-                                            plan_for, resolve_devices)
+                                            engine_sleep, plan_for, resolve_devices)
+from rlhf.hub import DATASET, MODEL, HubError, cache_dir, is_hub_ref, locate, offline
+from rlhf.trainers.output_dir import output_dir_status
 
 NOT_HERE = "not on this machine (checked at run time)"
 
@@ -76,8 +78,6 @@ def cluster_nodes(cfg, cluster: str) -> Tuple[str, str, Tuple[NodeShape, ...]]:
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     if address:
         return "the live cluster", f"live cluster at {address}", _live_nodes(address)
-    from rlhf.distributed.cluster import local_num_cpus
-
     cpus = local_num_cpus(cfg.ray.num_cpus, plan_for(cfg, 0.0).needed_cpus)
     return ("this machine", f"this machine (the local Ray cluster a run here would start: {cpus} logical CPUs)",
             (NodeShape(cpus=float(cpus), gpus=_local_gpus()),))
@@ -115,8 +115,6 @@ def _live_nodes(address: str) -> Tuple[NodeShape, ...]:
 def check_paths(cfg, precision: str) -> List[Tuple[str, str, str]]:
     """``(key, path, status)`` rows; a path that exists here must pass the runner's check, one that does not is
     left to the run (it may exist only on the cluster)."""
-    from rlhf.config.deepspeed_check import check_user_config
-
     m, d = cfg.model, cfg.data
     models = [("model.path", m.path), ("model.ref_path", m.ref_path)]
     if hasattr(cfg, "rollout"):
@@ -157,8 +155,6 @@ def _model_dir_status(key: str, path: str) -> str:
 def _hub_status(key: str, ref: str, repo_type: str) -> str:
     """Where a hub reference stands, downloading nothing: the commit it resolves to (from the cache offline, else
     from the hub) and whether this machine's cache holds it. One the hub says does not exist is refused."""
-    from rlhf.hub import HubError, cache_dir, locate
-
     try:
         sha, snapshot = locate(ref, repo_type)
     except HubError as exc:
@@ -177,7 +173,7 @@ def _hub_status(key: str, ref: str, repo_type: str) -> str:
 
 def _reward_status(spec: str) -> str:
     """Load a reward function that resolves here (a bad one is an error); one that does not is left to the run."""
-    from rlhf.rewards.functions import RewardFunctionScorer, load_reward_function
+    from rlhf.rewards.functions import RewardFunctionScorer, load_reward_function  # lazy: pulls in torch
 
     RewardFunctionScorer((spec,))  # spec form and weight, nothing imported
     head, at, tail = spec.rpartition("@")
@@ -193,12 +189,11 @@ def _reward_status(spec: str) -> str:
 
 def _rollout_lines(cfg, plan: ResourcePlan, devices: Devices) -> List[str]:
     """Engines, devices per engine, vLLM sleep mode and the weight-sync transport, as the RL runner resolves them."""
-    from rlhf.rollout.weight_sync import resolve_weight_sync
-    from rlhf.trainers.rl_runner import _engine_sleep
+    from rlhf.rollout.weight_sync import resolve_weight_sync  # lazy: pulls in torch
 
     r, c = cfg.rollout, cfg.colocate
     engines = next(a for a in plan.actors if a.role == ROLLOUT)
-    sleep = _engine_sleep(cfg, engine_gpus(r.tensor_parallel_size, devices.gpus_per_worker))
+    sleep = engine_sleep(c, engine_gpus(r.tensor_parallel_size, devices.gpus_per_worker))
     sync = resolve_weight_sync(r.weight_sync, hybrid_engine=c.hybrid_engine, gpus_per_engine=engines.gpus)
     device = (f"{r.tensor_parallel_size:g} GPU" if engines.gpus >= 1 else "CPU") + " per engine"
     if engines.group:

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from typing import Callable, Sequence
 
+from rlhf.models.tiny import build_tiny_model
 from rlhf.synthetic import arithmetic
 
 # Each file samples from its own seed so that the files are independent draws. Multiplying keeps runs with
@@ -32,8 +33,6 @@ def _derived_seed(seed: int, offset: int) -> int:
 
 def _build_model_atomically(model_dir: str, seed: int) -> None:
     """Build into a sibling temp dir and rename, so a crash never leaves a half model that a rerun would skip."""
-    from rlhf.models.tiny import build_tiny_model
-
     parent = os.path.dirname(os.path.abspath(model_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".model-", dir=parent)

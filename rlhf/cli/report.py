@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Dict, List, Sequence, Tuple
 
+from rlhf.reports.plots import plot_runs
 from rlhf.utils.metrics import MetricsFileError, read_metrics
 
 # (metric key, panel title), in display order; only the ones present are drawn.
@@ -83,8 +84,6 @@ def main(argv=None) -> int:
     if missing:
         print(f"error: {missing}", file=sys.stderr)
         return 1
-
-    from rlhf.reports.plots import plot_runs
 
     try:
         runs, held_out = load_runs(args.runs)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import sys
 
+from rlhf.cli.common import run_cli
+from rlhf.config.schema import DPORunConfig
+from rlhf.trainers.dpo import train_dpo
+
 
 def main(argv=None) -> int:
-    from rlhf.cli.common import run_cli
-    from rlhf.config.schema import DPORunConfig
-    from rlhf.trainers.dpo import train_dpo
-
     return run_cli(DPORunConfig, train_dpo, prog="python -m rlhf.cli.train_dpo", argv=argv)
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import sys
 
+from rlhf.cli.common import run_cli
+from rlhf.config.rl_schema import RLRunConfig
+from rlhf.trainers.rl_runner import train_ppo
+
 
 def main(argv=None) -> int:
-    from rlhf.cli.common import run_cli
-    from rlhf.config.rl_schema import RLRunConfig
-    from rlhf.trainers.rl_runner import train_rl
-
-    return run_cli(RLRunConfig, train_rl, prog="python -m rlhf.cli.train_ppo", argv=argv)
+    return run_cli(RLRunConfig, train_ppo, prog="python -m rlhf.cli.train_ppo", argv=argv)
 
 
 if __name__ == "__main__":

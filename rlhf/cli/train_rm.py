@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import sys
 
+from rlhf.cli.common import run_cli
+from rlhf.config.schema import RewardModelRunConfig
+from rlhf.trainers.reward_model import train_reward_model
+
 
 def main(argv=None) -> int:
-    from rlhf.cli.common import run_cli
-    from rlhf.config.schema import RewardModelRunConfig
-    from rlhf.trainers.reward_model import train_reward_model
-
     return run_cli(RewardModelRunConfig, train_reward_model, prog="python -m rlhf.cli.train_rm", argv=argv)
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import sys
 
+from rlhf.cli.common import run_cli
+from rlhf.config.schema import SFTRunConfig
+from rlhf.trainers.sft import train_sft
+
 
 def main(argv=None) -> int:
-    from rlhf.cli.common import run_cli
-    from rlhf.config.schema import SFTRunConfig
-    from rlhf.trainers.sft import train_sft
-
     return run_cli(SFTRunConfig, train_sft, prog="python -m rlhf.cli.train_sft", argv=argv)
 
 

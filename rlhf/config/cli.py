@@ -4,7 +4,7 @@
 [KEY=VALUE ...]``); its ``--help`` lists every dotted key with its type, default and the field's trailing
 ``# comment`` from :mod:`rlhf.config.schema`. :func:`describe_keys` exposes the same rows, for the generated
 configuration reference (``docs/gen_config_reference.py``). Loading and validation live in
-:mod:`rlhf.config.loader`.
+:mod:`rlhf.config.loader`, which this module builds on (and which imports nothing from here).
 """
 from __future__ import annotations
 
@@ -19,16 +19,7 @@ import textwrap
 import tokenize
 from typing import Any, Generic, Sequence, TypeVar
 
-from rlhf.config.loader import (
-    _all_keys,
-    _init_fields,
-    _join,
-    _lenient_hints,
-    _section_type,
-    _type_name,
-    available_presets,
-    load_config,
-)
+from rlhf.config.loader import _type_name, _walk, available_presets, load_config
 from rlhf.config.schema import ConfigError
 from rlhf.config.suggest import suggest_keys
 
@@ -105,7 +96,14 @@ def describe_keys(cls: type) -> list[tuple[str, str, object, str]]:
         source, or ``""``.
     """
     rows: list[tuple[str, str, object, str]] = []
-    _describe(cls, "", None, rows)
+    sections: dict[str, Any] = {}  # dotted section -> its default instance (None: none), whose values are defaults
+    for key, owner, f, tp, section in _walk(cls):
+        parent = sections.get(key.rpartition(".")[0])
+        default = getattr(parent, f.name) if parent is not None else _field_default(f)
+        if section is not None:
+            sections[key] = default if isinstance(default, section) else None
+        else:
+            rows.append((key, _type_name(tp), default, _field_help(owner, f.name)))
     return rows
 
 
@@ -120,6 +118,7 @@ def dashed_overrides(cls: type, argv: Sequence[str]) -> list[tuple[str, str]]:
     Returns:
         ``(as written, corrected)`` pairs in order; empty when every option is one the commands know.
     """
+    types: dict[str, str] = {}  # every leaf key -> its type name, read at the first override found
     found: list[tuple[str, str]] = []
     i = 0
     while i < len(argv):
@@ -137,8 +136,12 @@ def dashed_overrides(cls: type, argv: Sequence[str]) -> list[tuple[str, str]]:
         if not eq and i < len(argv) and _is_value(argv[i]):  # --key value
             value, eq, written = argv[i], "=", f"{arg} {argv[i]}"
             i += 1
-        key = _meant_key(cls, name)
-        found.append((written, f"{key}={value if eq else _placeholder(cls, key)}"))
+        types = types or {key: type_name for key, type_name, _, _ in describe_keys(cls)}
+        key = ".".join(part.replace("-", "_") for part in name.split("."))  # --train.max-steps: train.max_steps
+        if key not in types:
+            key = next(iter(suggest_keys(key, list(types))[0]), key)
+        placeholder = "true" if types.get(key) == "bool" else "VALUE"  # a flag written without its value
+        found.append((written, f"{key}={value if eq else placeholder}"))
     return found
 
 
@@ -153,8 +156,7 @@ _OPTIONS = ("--config", "-c", "--cluster", "--dry-run", "--help", "-h")
 
 def _known_option(arg: str) -> bool:
     """One of the commands' own options (``--config=x`` and ``-cx`` forms included)."""
-    return (arg in _OPTIONS or arg.split("=", 1)[0] in _OPTIONS
-            or (arg.startswith("-c") and not arg.startswith("--")))
+    return arg.split("=", 1)[0] in _OPTIONS or (arg.startswith("-c") and not arg.startswith("--"))
 
 
 def _is_number(text: str) -> bool:
@@ -165,51 +167,15 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _meant_key(cls: type, name: str) -> str:
-    """``name`` as a key of ``cls`` (dashes inside it read as ``_``), or the key it probably means."""
-    key = ".".join(part.replace("-", "_") for part in name.split("."))
-    leaves = {row[0] for row in describe_keys(cls)}
-    if key in leaves:
-        return key
-    close = [k for k in suggest_keys(key, _all_keys(cls))[0] if k in leaves]
-    return close[0] if close else key
-
-
-def _placeholder(cls: type, key: str) -> str:
-    """What to write for a value left out: ``true`` for a bool flag, else ``VALUE``."""
-    types = {row[0]: row[1] for row in describe_keys(cls)}
-    return "true" if types.get(key) == "bool" else "VALUE"
-
-
 # ------------------------------------------------------------------------------------- docs and --help
 
 
-def _describe(cls: type, prefix: str, instance: Any, rows: list[tuple[str, str, object, str]]) -> None:
-    """Append rows for ``cls``'s leaves; ``instance`` (if any) supplies the defaults of a section."""
-    hints = _lenient_hints(cls)
-    for name, f in _init_fields(cls).items():
-        key, tp = _join(prefix, name), hints.get(name, f.type)
-        default = _field_default(f, instance)
-        section = _section_type(tp)
-        if section is not None:
-            sub_instance = default if isinstance(default, section) else None
-            _describe(section, key, sub_instance, rows)
-        else:
-            rows.append((key, _type_name(tp), default, _field_help(cls, name)))
-
-
-def _field_default(f: dataclasses.Field[Any], instance: Any) -> Any:
-    """The default of a field: from the enclosing default instance, the field, or MISSING."""
-    if instance is not None:
-        return getattr(instance, f.name)
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        try:
-            return f.default_factory()
-        except Exception:  # a factory that cannot run without input has no printable default
-            return dataclasses.MISSING
-    return dataclasses.MISSING
+def _field_default(f: dataclasses.Field[Any]) -> Any:
+    """The default of a field (its factory called), or MISSING."""
+    try:
+        return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    except Exception:  # a factory that cannot run without input has no printable default
+        return dataclasses.MISSING
 
 
 def _field_help(cls: type, name: str) -> str:
@@ -226,17 +192,16 @@ def _field_comments(klass: type) -> dict[str, str]:
     it followed by the comment on its own line(s)."""
     try:
         source = textwrap.dedent(inspect.getsource(klass))
-        tree = ast.parse(source)
+        (node,) = ast.parse(source).body  # the class statement
         tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
-    except (OSError, TypeError, SyntaxError, tokenize.TokenError):
+    except (OSError, TypeError, SyntaxError, ValueError, tokenize.TokenError):  # no source: no help text
         return {}
     comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
     lines = source.splitlines()
-    node = tree.body[0] if tree.body and isinstance(tree.body[0], ast.ClassDef) else None
     found: dict[str, str] = {}
-    for stmt in node.body if node is not None else []:
+    for stmt in node.body:
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            rows = range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1)
+            rows = range(stmt.lineno, stmt.end_lineno + 1)
             parts = [next((comments[r] for r in rows if r in comments), "")]
             above = stmt.lineno - 1
             while above in comments and lines[above - 1].lstrip().startswith("#"):

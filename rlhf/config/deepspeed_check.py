@@ -79,8 +79,23 @@ def contradictions(user: dict, *, zero_stage: int, micro_batch_size: int, grad_a
     return found
 
 
+def grad_accum_dtype(precision: str, zero_stage: int) -> str:
+    """The dtype DeepSpeed sums micro-batch gradients in (``data_types.grad_accum_dtype``) for a run.
+
+    bf16 on ZeRO 1-3: fp32, because summing ``grad_accum_steps`` bf16 gradients rounds away the low bits the exact
+    global normalization keeps. bf16 on ZeRO 0: bf16, the only mix DeepSpeed 0.19 implements without ZeRO (its
+    optimizer check raises ``NotImplementedError`` for bf16 weights with fp32 accumulation there). fp32: fp32.
+    fp64 (ZeRO 0 only): fp64, the weights' own ``.grad``; DeepSpeed has no name for it, so the DeepSpeed JSON leaves
+    the field out (``rlhf.distributed.engine.build_ds_config``). What each stage does with it: docs/concepts.md,
+    "Precision".
+    """
+    if precision == "bf16":
+        return "fp32" if zero_stage > 0 else "bf16"
+    return precision
+
+
 def _grad_accum_contradiction(user: dict, precision: str, zero_stage: int) -> List[str]:
-    """``data_types.grad_accum_dtype`` belongs to the run (``rlhf.distributed.engine.grad_accum_dtype``: fp32 for
+    """``data_types.grad_accum_dtype`` belongs to the run (:func:`grad_accum_dtype`: fp32 for
     bf16 on ZeRO 1-3, else the model dtype), so a different value would be overridden: report it. (Honouring it
     is not an option either: bf16 weights with fp32 accumulation on ZeRO 0 is a ``NotImplementedError`` in every
     actor, bf16 accumulation on ZeRO 1-3 rounds each micro-batch's sum.)"""
@@ -88,8 +103,6 @@ def _grad_accum_contradiction(user: dict, precision: str, zero_stage: int) -> Li
     value = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
     if value is None:
         return []
-    from rlhf.distributed.engine import grad_accum_dtype  # torch; only when the JSON sets the field
-
     run_value = grad_accum_dtype(precision, zero_stage)
     if str(value).lower() in DTYPE_NAMES[run_value]:
         return []

@@ -15,11 +15,12 @@ Overrides look like ``train.micro_batch_size=2``, ``train.adam_betas=[0.9,0.99]`
 the annotated type of the field; a ``str`` field keeps the override's text as written (``model.path=123``
 gives ``"123"``).
 
-Every error is a :class:`~rlhf.config.schema.ConfigError` whose message names the dotted key. The sections
-are built bottom-up so each one's ``__post_init__`` validation runs, and its message is passed on unchanged.
+Every error is a :class:`~rlhf.config.schema.ConfigError` whose message names the dotted key (or the file and
+line of bad YAML). The sections are built bottom-up so each one's ``__post_init__`` validation runs, and its
+message is passed on unchanged.
 
-The command line (``parse_cli``, ``--help``) and :func:`describe_keys` live in :mod:`rlhf.config.cli`; both stay
-importable from here.
+The command line (``parse_cli``, ``--help``, :func:`~rlhf.config.cli.describe_keys`) is :mod:`rlhf.config.cli`,
+which builds on this module; this module imports nothing from it.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import tempfile
 import types
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar, Union
+from typing import Any, Iterator, Mapping, Sequence, TypeVar, Union
 
 import yaml
 
@@ -148,8 +149,6 @@ def is_saved_config(path: str | os.PathLike[str]) -> bool:
 
 def available_presets() -> list[str]:
     """Names of the presets shipped in ``rlhf/config/presets`` (usable as ``--config NAME``)."""
-    if not PRESET_DIR.is_dir():
-        return []
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
@@ -158,7 +157,7 @@ def available_presets() -> list[str]:
 
 def _preset_path(name: str) -> Path | None:
     """The preset file called ``name`` (with or without ``.yaml``), or None."""
-    stem = name[: -len(".yaml")] if name.endswith(".yaml") else name
+    stem = name.removesuffix(".yaml")
     if not stem or "/" in stem or os.sep in stem:
         return None
     path = PRESET_DIR / f"{stem}.yaml"
@@ -185,10 +184,15 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     """Parse one YAML file whose top level is a mapping (an empty file is an empty mapping)."""
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from None
+    except yaml.MarkedYAMLError as e:  # e.g. "expected ',' or ']', but got ':'" (while parsing a flow sequence)
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        context = f" ({e.context}, line {e.context_mark.line + 1})" if e.context and e.context_mark else ""
+        raise ConfigError(f"{where}: invalid YAML: {e.problem or e.context}{context}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"invalid YAML in {path}: {e}") from None
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):
@@ -235,19 +239,13 @@ def _expand_dotted(data: Mapping[Any, Any], where: str, prefix: str = "") -> dic
     out: dict[Any, Any] = {}
     for key, value in data.items():
         parts = key.split(".") if isinstance(key, str) else [key]
-        if not all(isinstance(p, str) and p.strip() for p in parts) or len(parts) == 1:
+        if not all(isinstance(p, str) and p.strip() for p in parts):
             parts = [key]
         if isinstance(value, Mapping):
             value = _expand_dotted(value, where, _join(prefix, str(key)))
-        node, path = out, prefix
-        for part in parts[:-1]:
-            path = _join(path, part)
-            if node.get(part) is None:
-                node[part] = {}
-            elif not isinstance(node[part], Mapping):
-                raise _set_twice(where, path)
-            node = node[part]
-        _put_once(node, parts[-1], value, _join(path, str(parts[-1])), where)
+        for part in reversed(parts[1:]):
+            value = {part: value}
+        _put_once(out, parts[0], value, _join(prefix, str(parts[0])), where)
     return out
 
 
@@ -264,11 +262,7 @@ def _put_once(node: dict[Any, Any], name: Any, value: Any, key: str, where: str)
             _put_once(merged, sub, sub_value, _join(key, str(sub)), where)
         node[name] = merged
     else:
-        raise _set_twice(where, key)
-
-
-def _set_twice(where: str, key: str) -> ConfigError:
-    return ConfigError(f"{where}: {key!r} is set twice (as a dotted key and inside its section); keep one")
+        raise ConfigError(f"{where}: {key!r} is set twice (as a dotted key and inside its section); keep one")
 
 
 def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -304,28 +298,25 @@ def _parse_override(text: str) -> tuple[str, _Override]:
 
 
 def _apply_override(tree: dict[str, Any], root: type, key: str, value: _Override) -> None:
-    """Set ``key`` in the raw nested dict, checking the path against the dataclasses as it goes."""
+    """Set ``key`` in the raw nested dict, checking the path against the dataclasses as it goes. A mapping for a
+    section (``train={lr: 0.1}``) merges into it; a scalar for a section is an error."""
     parts = key.split(".")
     node, section = tree, root
     for depth, part in enumerate(parts):
-        prefix, dotted = ".".join(parts[:depth]), ".".join(parts[: depth + 1])
-        if part not in _init_fields(section):
+        prefix, dotted, last = ".".join(parts[:depth]), ".".join(parts[: depth + 1]), depth == len(parts) - 1
+        fields = _init_fields(section)
+        sub = _section_type(_hints(section)[part]) if part in fields else None
+        if part not in fields or (sub is None and not last):  # not a key, or a path past a leaf (train.lr.x)
             raise _unknown_key(root, key, section, prefix)
-        sub = _section_type(_hints(section)[part])
-        if depth == len(parts) - 1:
-            node[part] = value if sub is None else _merge_section_override(node.get(part), dotted, sub, value)
+        if sub is None:
+            node[part] = value
             return
-        if sub is None:  # a path that continues past a leaf, e.g. train.lr.x
-            raise _unknown_key(root, key, section, prefix)
+        if last and not isinstance(value.parsed, Mapping):
+            raise _section_scalar_error(dotted, sub, value.parsed)
         node[part] = _as_section(node.get(part), dotted, sub)
+        if last:
+            node[part] = _deep_merge(node[part], _expand_dotted(value.parsed, f"override {dotted}"))
         node, section = node[part], sub
-
-
-def _merge_section_override(current: Any, key: str, section: type, value: _Override) -> dict[str, Any]:
-    """``train={lr: 0.1}`` merges into the section; a scalar for a whole section is an error."""
-    if not isinstance(value.parsed, Mapping):
-        raise _section_scalar_error(key, section, value.parsed)
-    return _deep_merge(_as_section(current, key, section), _expand_dotted(value.parsed, f"override {key}"))
 
 
 def _as_section(value: Any, key: str, section: type) -> dict[str, Any]:
@@ -353,21 +344,16 @@ def _build(cls: type[T], data: Any, prefix: str, root: type) -> T:
         key, tp = _join(prefix, name), hints[name]
         if name in data:
             kwargs[name] = _coerce(data[name], tp, key, root)
-        elif not _has_default(f):
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             section = _section_type(tp)
             if section is None:
                 raise ConfigError(f"{key} is required")
             kwargs[name] = _build(section, {}, key, root)  # its own validation names the missing keys
-    return _construct(cls, kwargs)
-
-
-def _construct(cls: type[T], kwargs: dict[str, Any]) -> T:
-    """Call the dataclass; validation errors keep their message and become ConfigError."""
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError) as e:  # a section's own validation: its message, as a ConfigError
         raise ConfigError(str(e)) from e
 
 
@@ -512,18 +498,6 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _lenient_hints(cls: type) -> dict[str, Any]:
-    """Like :func:`_hints`, but falls back to the annotation text (for documentation only)."""
-    try:
-        return _hints(cls)
-    except Exception:  # an unresolvable forward reference must not break --help or the docs
-        return {f.name: f.type for f in dataclasses.fields(cls)}
-
-
-def _has_default(f: dataclasses.Field[Any]) -> bool:
-    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-
-
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     """``Optional[X]`` -> ``(X, True)``; anything else -> ``(tp, False)``."""
     if typing.get_origin(tp) not in (Union, types.UnionType):
@@ -541,18 +515,21 @@ def _section_type(tp: Any) -> type | None:
     return inner if isinstance(inner, type) and dataclasses.is_dataclass(inner) else None
 
 
-@functools.lru_cache(maxsize=None)
-def _all_keys(cls: type, prefix: str = "") -> tuple[str, ...]:
-    """Every valid dotted key, sections included (for suggestions)."""
-    keys: list[str] = []
-    hints = _lenient_hints(cls)
-    for name in _init_fields(cls):
-        key = _join(prefix, name)
-        keys.append(key)
-        section = _section_type(hints.get(name))
+def _walk(cls: type, prefix: str = "") -> Iterator[tuple[str, type, dataclasses.Field[Any], Any, type | None]]:
+    """``(dotted key, owner, field, type, section dataclass or None)`` for every key of ``cls``, in declaration
+    order, each section followed by its own keys. The owner is the dataclass the field belongs to."""
+    for name, f in _init_fields(cls).items():
+        key, tp = _join(prefix, name), _hints(cls)[name]
+        section = _section_type(tp)
+        yield key, cls, f, tp, section
         if section is not None:
-            keys.extend(_all_keys(section, key))
-    return tuple(keys)
+            yield from _walk(section, key)
+
+
+@functools.lru_cache(maxsize=None)
+def _all_keys(cls: type) -> tuple[str, ...]:
+    """Every valid dotted key, sections included (for suggestions)."""
+    return tuple(key for key, *_ in _walk(cls))
 
 
 def _join(prefix: str, name: str) -> str:
@@ -564,17 +541,13 @@ def _to_plain(value: Any) -> Any:
         return {name: _to_plain(getattr(value, name)) for name in _init_fields(type(value))}
     if isinstance(value, (list, tuple)):
         return [_to_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: _to_plain(v) for k, v in value.items()}
     return value
 
 
 def _type_name(tp: Any) -> str:
     """Readable type: ``int``, ``tuple[float, float]``, ``str | None``."""
-    if tp is _NONE_TYPE or tp is None:
+    if tp is _NONE_TYPE:
         return "None"
-    if isinstance(tp, str):
-        return tp
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
         return " | ".join(_type_name(a) for a in args)
@@ -586,17 +559,3 @@ def _type_name(tp: Any) -> str:
         return tp.__name__
     return str(tp).replace("typing.", "")
 
-
-# ------------------------------------------------------------------------------ re-exports from rlhf.config.cli
-
-if TYPE_CHECKING:
-    from rlhf.config.cli import describe_keys, parse_cli
-
-
-def __getattr__(name: str) -> Any:
-    """Lazy re-export of ``parse_cli`` and ``describe_keys`` (``rlhf.config.cli`` imports this module)."""
-    if name in ("describe_keys", "parse_cli"):
-        from rlhf.config import cli
-
-        return getattr(cli, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

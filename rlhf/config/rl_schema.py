@@ -93,6 +93,7 @@ class AlgorithmConfig:
     loss_agg_mode: str = "auto"
 
     def __post_init__(self) -> None:
+        # The registries live with their torch code; imported here to keep `import rlhf.config` free of torch.
         from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS
         from rlhf.ops.aggregation import LOSS_AGGREGATIONS
         from rlhf.ops.kl import KL_ESTIMATORS
@@ -119,7 +120,7 @@ class AlgorithmConfig:
     def aggregation(self) -> str:
         """The loss aggregation trained with: ``loss_agg_mode``, or the algorithm's paper's for ``auto``
         (:data:`rlhf.ops.aggregation.PAPER_AGGREGATIONS`)."""
-        from rlhf.ops.aggregation import paper_aggregation
+        from rlhf.ops.aggregation import paper_aggregation  # imports torch; keeps `import rlhf.config` light
 
         if self.loss_agg_mode != "auto":
             return self.loss_agg_mode
@@ -127,7 +128,7 @@ class AlgorithmConfig:
 
     def describe_aggregation(self) -> str:
         """The aggregation trained with, saying where it came from and when it is not the paper's."""
-        from rlhf.ops.aggregation import paper_aggregation
+        from rlhf.ops.aggregation import paper_aggregation  # imports torch; keeps `import rlhf.config` light
 
         paper = paper_aggregation(self.advantage_estimator, self.policy_loss)
         if self.loss_agg_mode == "auto":

@@ -254,7 +254,7 @@ class DPOConfig:
         _check(self.nll_coef >= 0, "dpo.nll_coef", f"must be >= 0, got {self.nll_coef}")
         _choice(self.ref_mode, "dpo.ref_mode", ("precompute", "online"))
         _check(self.ref_num_workers >= 1, "dpo.ref_num_workers", f"must be >= 1, got {self.ref_num_workers}")
-        from rlhf.ops.preference import DPO_LOSSES  # pure torch: keeps `import rlhf.config` light
+        from rlhf.ops.preference import DPO_LOSSES  # imports torch; keeps `import rlhf.config` light
 
         try:
             DPO_LOSSES.get(self.loss_type)

@@ -18,6 +18,8 @@ import os
 import tempfile
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from rlhf.hub import DATASET, HubError, dataset_dir, is_hub_ref
+
 _JSON_EXTS = (".jsonl", ".json")
 _PARQUET_EXTS = (".parquet",)
 # datasets' reader of a hub dataset's data file by extension (JSON is read here, with line numbers)
@@ -307,8 +309,6 @@ def _read_hub_rows(
 def _hub_split_files(ref: str, split: str, config_name: str) -> tuple[str, list[str]]:
     """``(datasets reader name, data files)`` of a split of a hub dataset, as ``datasets`` resolves the snapshot's
     configurations (the card's ``configs:``, else its file layout)."""
-    from rlhf.hub import HubError, dataset_dir
-
     try:
         root = dataset_dir(ref, config_name)
     except HubError as e:
@@ -366,8 +366,6 @@ def read_rows(
     path = os.fspath(path)
     resolved = _resolve_types(required, optional, types)
     if not os.path.exists(path):
-        from rlhf.hub import DATASET, is_hub_ref
-
         if is_hub_ref(path, DATASET):
             return _read_hub_rows(path, split, config_name, required, optional, resolved, check)
         raise DataError(f"{path}: no such file or directory")

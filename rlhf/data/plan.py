@@ -18,8 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, List
 
-import torch
-
 
 class PlanError(ValueError):
     pass
@@ -68,6 +66,8 @@ class EpochPlan:
         """Row order of 1-based ``epoch``; depends only on ``(seed, epoch)``."""
         if not self.shuffle:
             return list(range(self.num_samples))
+        import torch  # only for its seeded permutation: the plan (and PlanError) stays importable without torch
+
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_samples, generator=gen).tolist()
 

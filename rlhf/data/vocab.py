@@ -10,6 +10,8 @@ import json
 import os
 from typing import Optional
 
+from rlhf.config.schema import ConfigError
+
 #: A real vocabulary has thousands of tokens; fewer than this means the tokenizer files are missing or broken.
 MIN_VOCAB = 32
 
@@ -30,8 +32,6 @@ def check_tokenizer(tokenizer, key: str, ref: str, model_vocab_size: Optional[in
     Raises:
         ConfigError: Too few tokens (tokenizer files missing), no EOS, or ids beyond the model's embeddings.
     """
-    from rlhf.config.schema import ConfigError
-
     size = len(tokenizer)
     if size < MIN_VOCAB:
         raise ConfigError(f"{key}: the tokenizer loaded from {ref!r} has {size} token(s): the directory has no usable "

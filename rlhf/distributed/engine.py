@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
+from rlhf.config.deepspeed_check import grad_accum_dtype
 from rlhf.utils.schedule import lr_multiplier
 
 
@@ -48,19 +49,21 @@ class EngineSpec:
     offload_optimizer: bool = False
     user_config: Optional[Dict[str, Any]] = None
 
+    @classmethod
+    def for_global_batch(cls, global_batch_size: int, micro_batch_size: int, num_workers: int, *,
+                         zero_stage: int = 0, precision: str = "fp32", **kwargs: Any) -> "EngineSpec":
+        """The spec whose optimizer step consumes ``global_batch_size`` rows: ``grad_accum_steps`` micro-batches of
+        ``micro_batch_size`` on each of ``num_workers`` ranks (refused, with the numbers, when they do not divide)."""
+        per_step = micro_batch_size * num_workers
+        if micro_batch_size < 1 or num_workers < 1 or global_batch_size < per_step or global_batch_size % per_step:
+            raise ValueError(f"global batch {global_batch_size} is not a multiple of micro_batch_size "
+                             f"{micro_batch_size} x {num_workers} workers = {per_step}")
+        return cls(zero_stage=zero_stage, precision=precision, micro_batch_size=micro_batch_size,
+                   grad_accum_steps=global_batch_size // per_step, **kwargs)
 
-def grad_accum_dtype(precision: str, zero_stage: int) -> str:
-    """The dtype DeepSpeed sums micro-batch gradients in (``data_types.grad_accum_dtype``) for a run.
-
-    bf16 on ZeRO 1-3: fp32, because summing ``grad_accum_steps`` bf16 gradients rounds away the low bits the exact
-    global normalization keeps. bf16 on ZeRO 0: bf16, the only mix DeepSpeed 0.19 implements without ZeRO (its
-    optimizer check raises ``NotImplementedError`` for bf16 weights with fp32 accumulation there). fp32: fp32.
-    fp64 (ZeRO 0 only): fp64, the weights' own ``.grad``; DeepSpeed has no name for it, so the DeepSpeed JSON leaves
-    the field out (:func:`build_ds_config`). What each stage does with it: docs/concepts.md, "Precision".
-    """
-    if precision == "bf16":
-        return "fp32" if zero_stage > 0 else "bf16"
-    return precision
+    def global_batch_size(self, world_size: int) -> int:
+        """Rows one optimizer step consumes over ``world_size`` ranks."""
+        return self.micro_batch_size * self.grad_accum_steps * world_size
 
 
 def build_ds_config(spec: EngineSpec, world_size: int, max_grad_norm: float, trainable: bool = True) -> Dict[str, Any]:

@@ -1,22 +1,45 @@
 """Worker groups: one Ray actor per data-parallel rank of a role, in one placement group, one process group.
 
-The group is the only place that talks to the actors. It splits work across ranks, gathers results in rank
-order, and turns any actor failure into a :class:`WorkerError` naming the role, the rank and the call.
+The group is the only place that talks to the actors. It owns the sharding: :meth:`WorkerGroup.train_batch`
+takes one global batch and an objective, cuts it into rank shards and micro-batches, counts the objective's
+normalizer over the whole batch before the first backward, steps, and returns the global metrics;
+:meth:`WorkerGroup.score_batch` runs a forward-only function over a batch in chunks and returns one ``(B, ...)``
+tensor at the batch's width. Results come back in rank order, and any actor failure becomes a
+:class:`WorkerError` naming the role, the rank and the call.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
+
 from rlhf.batch import Batch
 from rlhf.distributed.engine import EngineSpec, OptimSpec
 from rlhf.distributed.errors import WorkerError, gather
 from rlhf.distributed.placement import Placement
-from rlhf.distributed.worker import StepResult, TrainerWorker
+from rlhf.distributed.worker import RankStepResult, TrainerWorker
 from rlhf.models.loading import ModelSpec
-from rlhf.objectives.base import Objective, ScoreFn
+from rlhf.objectives.base import Objective, ScoreFn, Sums, Totals
 
-__all__ = ["GroupResources", "WorkerError", "WorkerGroup"]
+__all__ = ["GroupResources", "StepResult", "WorkerError", "WorkerGroup"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step of a group on one global batch.
+
+    ``metrics`` is the objective's :meth:`~rlhf.objectives.base.Objective.finalize` of ``sums`` (added over every
+    rank and micro-batch) by ``normalizer`` (counted over the whole batch): the step's global numbers, whatever
+    the split. Keep ``sums`` / ``normalizer`` to finalize over several steps at once (:class:`Totals`).
+    """
+
+    metrics: Dict[str, float]
+    sums: Sums
+    normalizer: int
+    grad_norm: Optional[float]  # pre-clip global norm (None when the engine did not measure one)
+    lr: float  # the LR this step used
+    num_samples: int
 
 
 @dataclass(frozen=True)
@@ -45,6 +68,8 @@ class WorkerGroup:
             raise ValueError(f"{role}: {self.size} workers cannot share {placement.name}'s "
                              f"{placement.num_bundles} bundles")
         self.placement = placement
+        self.engine_spec: Optional[EngineSpec] = None  # set by build(): the micro-batch and accumulation shape
+        self.trainable = False
         actor_cls = ray.remote(TrainerWorker)
         self.workers = [
             actor_cls.options(**placement.actor_options(rank), runtime_env={"env_vars": dict(resources.env_vars)})
@@ -56,16 +81,84 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ calls
     def build(self, model: ModelSpec, engine: EngineSpec, optim: Optional[OptimSpec]) -> List[Dict[str, int]]:
+        """Load ``model`` on every rank; with ``optim``, under a training engine shaped by ``engine`` (one optimizer
+        step = ``engine.micro_batch_size x engine.grad_accum_steps x`` ranks rows), else frozen for scoring (in
+        chunks of ``engine.micro_batch_size`` rows)."""
+        self.engine_spec, self.trainable = engine, optim is not None
         return self._gather([w.build.remote(model, engine, optim) for w in self.workers], "build")
 
+    @property
+    def global_batch_size(self) -> int:
+        """Rows :meth:`train_batch` takes: micro-batch size x accumulation steps x ranks."""
+        return self._spec("global_batch_size").global_batch_size(self.size)
+
+    # ------------------------------------------------------------------ training
+    def train_batch(self, batch: Batch, objective: Objective, schedule_step: Optional[int] = None) -> StepResult:
+        """One optimizer step on one global batch of exactly :attr:`global_batch_size` rows.
+
+        Rank ``r`` takes the ``r``-th contiguous shard, cut into ``grad_accum_steps`` micro-batches of
+        ``micro_batch_size`` rows, each trimmed to its own longest row. ``objective.count`` is added over all of
+        them before the first backward, so every factorisation of the same rows gives the same gradient.
+        ``schedule_step`` is the run's 0-based optimizer step, which sets the LR
+        (:meth:`TrainerWorker.train_step`); ``None`` continues from the previous step.
+        """
+        spec = self._spec("train_batch")
+        if not self.trainable:
+            raise ValueError(f"{self.role}: train_batch needs a trainable group (built with an optimizer)")
+        if len(batch) != self.global_batch_size:
+            raise ValueError(f"{self.role}: train_batch got {len(batch)} rows; one optimizer step takes "
+                             f"micro_batch_size {spec.micro_batch_size} x grad_accum_steps {spec.grad_accum_steps} "
+                             f"x {self.size} ranks = {self.global_batch_size}")
+        micro, accum = _pieces(batch, spec.micro_batch_size), spec.grad_accum_steps
+        per_rank = [micro[r * accum:(r + 1) * accum] for r in range(self.size)]  # rank r: the r-th contiguous shard
+        normalizer = sum(objective.count(mb) for mb in micro)  # the whole global batch, before any backward
+        results = self.train_step(per_rank, objective, normalizer, schedule_step)
+        norms = {repr(r.grad_norm) for r in results}  # repr: a NaN equals itself here
+        if len(norms) > 1:  # the norm is all-reduced: ranks that disagree trained different models
+            raise RuntimeError(f"{self.role}: ranks report different grad norms {[r.grad_norm for r in results]}")
+        totals = Totals(normalizer=normalizer)
+        for result in results:
+            totals.add(result.sums, 0)
+        return StepResult(metrics=totals.finalize(objective), sums=totals.sums, normalizer=normalizer,
+                          grad_norm=results[0].grad_norm, lr=results[0].lr, num_samples=len(batch))
+
     def train_step(self, per_rank: Sequence[List[Batch]], objective: Objective, normalizer: int,
-                   schedule_step: Optional[int] = None) -> List[StepResult]:
-        """One optimizer step; ``per_rank[r]`` holds rank r's micro-batches of the global batch, ``schedule_step``
-        the run's 0-based optimizer step (its LR; see :meth:`TrainerWorker.train_step`)."""
+                   schedule_step: Optional[int] = None) -> List[RankStepResult]:
+        """The primitive under :meth:`train_batch`: one optimizer step on micro-batches the caller placed
+        (``per_rank[r]`` for rank r) with a ``normalizer`` the caller counted over all of them. Prefer
+        :meth:`train_batch`; this is for tests that place rows on ranks by hand."""
         if len(per_rank) != self.size:
             raise ValueError(f"{self.role}: {len(per_rank)} rank shards for {self.size} workers")
         refs = [w.train_step.remote(mb, objective, normalizer, schedule_step) for w, mb in zip(self.workers, per_rank)]
         return self._gather(refs, "train_step")
+
+    # ------------------------------------------------------------------ forward only
+    def score_batch(self, batch: Batch, fn: ScoreFn, rows_per_forward: Optional[int] = None) -> torch.Tensor:
+        """``fn`` over ``batch`` in chunks of ``rows_per_forward`` rows (default: the build's micro-batch size),
+        each trimmed to its own longest row, spread over the ranks -> one ``(B, ...)`` tensor.
+
+        Per-token results (``(B, T)``, or ``(B, 2, T)`` for pairs) are right-padded with zeros back to the batch's
+        width ``T``; per-row results (``(B,)``, ``(B, 2)``) are concatenated. Floating results are at least
+        float32 (float64 stays float64: an fp64 run's models score in float64).
+        """
+        size = rows_per_forward or self._spec("score_batch").micro_batch_size
+        if not len(batch):
+            raise ValueError(f"{self.role}: score_batch of an empty batch")
+        parts = self.score(_pieces(batch, size), fn)
+        width = batch.input_ids.shape[-1]
+        per_token = [p.dim() == batch.input_ids.dim() for p in parts]
+        out = torch.cat([_pad_to(p, width) if token else p for p, token in zip(parts, per_token)])
+        return out.float() if out.is_floating_point() and out.dtype != torch.float64 else out
+
+    def evaluate_batch(self, batch: Batch, objective: Objective,
+                       rows_per_forward: Optional[int] = None) -> Totals:
+        """Forward-only ``objective`` over ``batch`` in chunks (as :meth:`score_batch`) -> its sums and normalizer,
+        to be added over every chunk of a held-out set and finalized once."""
+        size = rows_per_forward or self._spec("evaluate_batch").micro_batch_size
+        chunks = _pieces(batch, size)
+        totals = Totals()
+        totals.add(self.evaluate(chunks, objective), sum(objective.count(c) for c in chunks))
+        return totals
 
     def score(self, batches: Sequence[Batch], fn: ScoreFn) -> List[Any]:
         """Run ``fn`` over ``batches`` spread across the ranks; results in the order of ``batches``.
@@ -78,17 +171,15 @@ class WorkerGroup:
         results = self._gather([w.score.remote(s, fn) for w, s in zip(self.workers, shards)], "score")
         return [out for shard in results for out in shard][: len(batches)]
 
-    def evaluate(self, batches: Sequence[Batch], objective: Objective) -> Dict[str, float]:
+    def evaluate(self, batches: Sequence[Batch], objective: Objective) -> Sums:
         """Forward-only objective sums over ``batches`` spread across the ranks, added over ranks."""
-        from rlhf.objectives.base import add_sums
-
         shards, counted = self._spread(batches)
         results = self._gather([w.evaluate.remote(s, objective, c) for w, s, c in zip(self.workers, shards, counted)],
                                "evaluate")
-        total: Dict[str, float] = {}
+        totals = Totals()
         for sums in results:
-            total = add_sums(total, sums)
-        return total
+            totals.add(sums, 0)
+        return totals.sums
 
     def _spread(self, batches: Sequence[Batch]):
         """Contiguous equal shards per rank. Under ZeRO-3 every forward is a collective, so ranks must run the
@@ -146,7 +237,23 @@ class WorkerGroup:
             self.placement.remove()
         self.workers = []
 
-    # ------------------------------------------------------------------ errors
+    # ------------------------------------------------------------------ helpers
+    def _spec(self, call: str) -> EngineSpec:
+        if self.engine_spec is None:
+            raise RuntimeError(f"{self.role}: {call} before build()")
+        return self.engine_spec
+
     def _gather(self, refs: List[Any], call: str) -> List[Any]:
         """``ray.get`` in rank order; the first failure raises a :class:`WorkerError` naming role and rank."""
         return gather(refs, [f"{self.role} rank {r}" for r in range(len(refs))], call)
+
+
+def _pieces(batch: Batch, size: int) -> List[Batch]:
+    """Consecutive pieces of ``size`` rows (the last may be shorter), each trimmed to its longest row and in its
+    own memory (a view would ship the whole batch's storage to the actor)."""
+    return [batch.select(range(i, min(i + size, len(batch)))).trim().contiguous() for i in range(0, len(batch), size)]
+
+
+def _pad_to(part: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad the last dimension of a per-token result with zeros to ``width``."""
+    return torch.nn.functional.pad(part, (0, width - part.shape[-1]))

@@ -1,9 +1,9 @@
 """What a run asks Ray for, as data: placement groups, their bundles, and every role's actors, in creation order.
 
-The runners size their clusters and colocate their roles from these plans (``rlhf.trainers.runner`` for SFT,
+The runners size their clusters and colocate their roles from these plans (``rlhf.trainers.offline`` for SFT,
 reward model and DPO, ``rlhf.trainers.rl_runner`` for online RL), and ``--dry-run`` prints the same plans and packs
 them onto a cluster's nodes (:mod:`rlhf.distributed.packing`), so a dry run cannot drift from what a real run
-requests. ``tests/test_launchers.py`` records the requests the runner's actor start-up makes and compares them
+requests. ``tests/unit/test_launchers.py`` records the requests the runner's actor start-up makes and compares them
 with the plan.
 
 Pure: no Ray, no torch; the config objects are only read.
@@ -234,3 +234,12 @@ def plan_for(cfg, gpus_per_worker: float) -> ResourcePlan:
     if hasattr(cfg, "rollout"):
         return rl_plan(cfg, gpus_per_worker)
     return offline_plan(cfg, gpus_per_worker, trainer_role(cfg))
+
+
+def engine_sleep(colocate, gpus_per_engine: float) -> bool:
+    """Whether the engines use vLLM sleep mode (``colocate.engine_sleep``): CUDA-only, so ``on`` without GPU engines
+    is refused; ``auto`` turns it on for the hybrid engine on GPUs."""
+    c = colocate
+    if c.engine_sleep == "on" and gpus_per_engine <= 0:
+        raise ConfigError("colocate.engine_sleep=on needs GPU engines (vLLM sleep mode is CUDA-only); use auto")
+    return c.engine_sleep == "on" or (c.engine_sleep == "auto" and c.hybrid_engine and gpus_per_engine > 0)

@@ -1,8 +1,9 @@
 """A trainer worker: one data-parallel rank hosting a model and, when trainable, its DeepSpeed engine.
 
-The same class hosts every model role (policy, reference, reward model; PPO's critic later). It is a plain
+The same class hosts every model role (policy, reference, reward model, critic). It is a plain
 class; :class:`rlhf.distributed.group.WorkerGroup` turns it into Ray actors, one per rank, and calls its
-methods. Ray is imported only where a method needs the cluster (the rendezvous address).
+methods. Ray and DeepSpeed are imported inside the methods that need them (the rendezvous address, the process
+group, a frozen ZeRO-3 engine), so that this module stays importable without them.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Dict, Iterator, List, Optional, Protocol, Tuple
 import torch
 
 from rlhf.batch import Batch
+from rlhf.distributed.cluster import actor_placement
 from rlhf.distributed.engine import EngineSpec, OptimSpec, TrainEngine, build_ds_config, iter_full_state
 from rlhf.models.loading import ModelSpec, load_model
 from rlhf.objectives.base import Objective, ScoreFn, Sums, add_sums
@@ -40,8 +42,8 @@ class WeightSender(Protocol):
 
 
 @dataclass(frozen=True)
-class StepResult:
-    """What one rank reports for one optimizer step."""
+class RankStepResult:
+    """What one rank reports for one optimizer step (:meth:`WorkerGroup.train_batch` merges the ranks')."""
 
     sums: Sums  # metric sums over this rank's micro-batches
     grad_norm: Optional[float]  # pre-clip global norm (identical on every rank)
@@ -105,7 +107,7 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ work
     def train_step(self, micro_batches: List[Batch], objective: Objective, normalizer: int,
-                   schedule_step: Optional[int] = None) -> StepResult:
+                   schedule_step: Optional[int] = None) -> RankStepResult:
         """One optimizer step over this rank's micro-batches of a global batch.
 
         Args:
@@ -129,7 +131,7 @@ class TrainerWorker:
             loss_sum, micro_sums = objective.loss(self.engine, micro.to(self.device))
             self.engine.micro_step(normalize(loss_sum, normalizer, self.world_size), is_last=i == last)
             sums = add_sums(sums, micro_sums)
-        return StepResult(sums=sums, grad_norm=self.engine.last_grad_norm, lr=lr)
+        return RankStepResult(sums=sums, grad_norm=self.engine.last_grad_norm, lr=lr)
 
     @torch.no_grad()
     def score(self, batches: List[Batch], fn: ScoreFn) -> List[torch.Tensor]:
@@ -210,6 +212,4 @@ class TrainerWorker:
 
     def placement(self) -> dict:
         """This rank's placement group and resources (how colocation is checked)."""
-        from rlhf.distributed.cluster import actor_placement
-
         return actor_placement()

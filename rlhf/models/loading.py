@@ -13,7 +13,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from rlhf.hub import model_dir
 from rlhf.ops.logprobs import at_least_float32
+from rlhf.utils.device import torch_dtype
 
 CAUSAL_LM = "causal_lm"
 SCALAR_HEAD = "scalar_head"
@@ -37,9 +39,6 @@ def load_model(spec: ModelSpec, zero3_config: Optional[Dict[str, Any]] = None) -
     config) the weights are partitioned while loading, so a model larger than one device's memory never
     materialises whole on any rank."""
     import transformers
-
-    from rlhf.hub import model_dir
-    from rlhf.utils.device import torch_dtype
 
     path = model_dir(spec.path)
 

@@ -10,6 +10,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 from rlhf.batch import pad_sequences
+from rlhf.hub import model_dir
 from rlhf.models.loading import last_token_values, scalar_head_values
 
 
@@ -17,8 +18,6 @@ def load_reward_model(path: str, device: str = "cpu") -> Tuple[torch.nn.Module, 
     """``(model, tokenizer)`` of a reward model: a directory saved by ``train_rm`` or a hub reference
     (``org/name[@revision]``, resolved through the HF cache by :func:`rlhf.hub.model_dir`)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from rlhf.hub import model_dir
 
     directory = model_dir(path)
     model = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32).to(device).eval()

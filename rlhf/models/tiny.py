@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from rlhf.synthetic.arithmetic import tokenizer_corpus
+
 if TYPE_CHECKING:  # transformers is heavy; import it only where a function needs it
     from transformers import PreTrainedTokenizerFast
 
@@ -60,8 +62,6 @@ def build_tokenizer(vocab_size: int = 512, model_max_length: int = 512) -> PreTr
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    from rlhf.synthetic.arithmetic import tokenizer_corpus
 
     tok = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
     tok.normalizer = normalizers.NFC()

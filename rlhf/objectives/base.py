@@ -1,6 +1,7 @@
 """Protocols shared by the objectives (see the package docstring for the contract)."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Dict, Protocol, Tuple
 
 import torch
@@ -11,6 +12,15 @@ Sums = Dict[str, float]
 
 
 class Objective(Protocol):
+    """What a worker group trains (docs/custom_loops.md, "Writing an objective").
+
+    ``count(batch)`` is the batch's share of the normalizer (target tokens, sequences, pairs); the group adds it
+    over the *whole* global batch before the first backward. ``loss(model, batch)`` returns the micro-batch's
+    loss as a *sum* over its units (the group divides it by the global count) and its metric sums.
+    ``finalize(sums, normalizer)`` turns metric sums added over any number of micro-batches, ranks and
+    optimizer steps into the logged means; it is called once per global quantity.
+    """
+
     def count(self, batch: Batch) -> int: ...
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, Sums]: ...
@@ -30,6 +40,23 @@ def add_sums(total: Sums, part: Sums) -> Sums:
     for key, value in part.items():
         out[key] = out.get(key, 0.0) + float(value)
     return out
+
+
+@dataclass
+class Totals:
+    """An objective's metric sums and normalizer added over pieces of one global quantity (the ranks of a step,
+    the optimizer steps of an RL step, the chunks of a held-out set), finalized once: a mean of per-piece means
+    would weight a short piece like a long one."""
+
+    sums: Sums = field(default_factory=dict)
+    normalizer: int = 0
+
+    def add(self, sums: Sums, normalizer: int) -> None:
+        self.sums = add_sums(self.sums, sums)
+        self.normalizer += normalizer
+
+    def finalize(self, objective: Objective) -> Dict[str, float]:
+        return objective.finalize(self.sums, self.normalizer)
 
 
 def target_count(loss_mask: torch.Tensor) -> int:

@@ -1,1 +1,2 @@
-"""Reading ``metrics.jsonl`` back and drawing it (matplotlib, imported only when a plot is drawn)."""
+"""Drawing runs' metric rows as panels per step (matplotlib, imported only when a plot is drawn); the rows are read
+back from ``metrics.jsonl`` by :func:`rlhf.utils.metrics.read_metrics`."""

@@ -2,11 +2,13 @@
 engine), spread a batch of prompts over them, sleep/wake them, and name the engine when one fails."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+import dataclasses
+from typing import List, Optional, Sequence
 
 from rlhf.distributed.errors import gather
 from rlhf.distributed.placement import Placement
-from rlhf.rollout.vllm_engine import EngineSpec, Generation, SamplingSpec
+from rlhf.rollout.senders import make_senders
+from rlhf.rollout.vllm_engine import VLLMSpec, Generation, SamplingSpec, VLLMEngine
 
 ROLE = "rollout engine"
 
@@ -24,11 +26,9 @@ class RolloutEngines:
         sleep: Release weights and KV cache between rollouts (vLLM sleep mode; GPU only).
     """
 
-    def __init__(self, spec: EngineSpec, num_engines: int, cpus_per_engine: float = 1.0, gpus_per_engine: float = 0.0,
+    def __init__(self, spec: VLLMSpec, num_engines: int, cpus_per_engine: float = 1.0, gpus_per_engine: float = 0.0,
                  env_vars: Optional[dict] = None, placement: Optional[Placement] = None, sleep: bool = False) -> None:
         import ray
-
-        from rlhf.rollout.vllm_engine import VLLMEngine
 
         self.size, self.sleeps = num_engines, sleep
         self.tensor_parallel_size = spec.tensor_parallel_size
@@ -43,15 +43,17 @@ class RolloutEngines:
         self.handles = [actor.options(**opts, runtime_env=runtime_env).remote(spec) for opts in options]
         self._gather([h.ready.remote() for h in self.handles], "start-up")
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling_for: Callable[[int, int], SamplingSpec]
-                 ) -> List[Generation]:
-        """Contiguous equal shares of ``prompt_ids`` per engine; results in prompt order.
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSpec) -> List[Generation]:
+        """One completion per entry of ``prompt_ids`` (repeat a prompt for several samples); results in prompt order.
 
-        ``sampling_for(engine_index, first_prompt_index)`` gives an engine its sampling settings (its seed base).
+        Each engine takes a contiguous equal share. With ``sampling.seed`` set, completion ``j`` is drawn with seed
+        ``sampling.seed + j`` whichever engine serves it: the rollout does not depend on the number of engines.
         """
         per_engine = -(-len(prompt_ids) // self.size)
         starts = range(0, len(prompt_ids), per_engine)
-        refs = [self.handles[e].generate.remote(list(prompt_ids[s:s + per_engine]), sampling_for(e, s))
+        shifted = lambda first: sampling if sampling.seed is None else dataclasses.replace(  # noqa: E731
+            sampling, seed=sampling.seed + first)
+        refs = [self.handles[e].generate.remote(list(prompt_ids[s:s + per_engine]), shifted(s))
                 for e, s in enumerate(starts)]
         return [g for chunk in self._gather(refs, "generate") for g in chunk]
 
@@ -71,8 +73,6 @@ class RolloutEngines:
 
         Raises :class:`WorkerError` naming the rank or engine when the transport cannot be set up.
         """
-        from rlhf.rollout.senders import make_senders
-
         workers = [self.tensor_parallel_size] * self.size
         senders = make_senders(method, self.handles, workers, policy.size, bucket_bytes, backend)
         addresses = policy.attach_weight_senders(senders)

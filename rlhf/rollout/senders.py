@@ -24,6 +24,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from rlhf.distributed.errors import WorkerError, gather
+from rlhf.rollout.ipc import share
 from rlhf.rollout.sync_group import GroupAddress, SyncGroup, listen
 from rlhf.rollout.weight_sync import ALIGN, bucket_groups, bucket_to_bytes, layout, pack_bucket
 
@@ -147,8 +148,6 @@ class IpcSender(_Sender):
         return self._shared[self._turn]
 
     def _ship(self, bucket) -> list:
-        from rlhf.rollout.ipc import share
-
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the packing copies must land before the engine reads
         # A new handle for every bucket: each handle carries one reference to the memory, given back when the

@@ -11,11 +11,14 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from rlhf.distributed.cluster import actor_placement
+from rlhf.hub import model_dir
+
 EXTENSION = "rlhf.rollout.vllm_extension.WeightSyncExtension"
 
 
 @dataclass(frozen=True)
-class EngineSpec:
+class VLLMSpec:
     """How to start one engine. ``dtype`` follows the policy's precision (float32 on CPU)."""
 
     model_path: str  # a local HF directory or a hub reference (org/name@sha), resolved on the engine's node
@@ -66,15 +69,13 @@ def _settle_cpu_process() -> None:
 
 
 class VLLMEngine:
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: VLLMSpec) -> None:
         import torch
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
         if not torch.cuda.is_available():
             _settle_cpu_process()
         from vllm import LLM
-
-        from rlhf.hub import model_dir
 
         self.spec = spec
         self.llm = LLM(
@@ -141,8 +142,6 @@ class VLLMEngine:
         return True
 
     def placement(self) -> dict:
-        from rlhf.distributed.cluster import actor_placement
-
         return actor_placement()
 
 

@@ -18,6 +18,8 @@ import logging
 
 import torch
 
+from rlhf.rollout.ipc import open_shared
+from rlhf.rollout.sync_group import GroupAddress, SyncGroup
 from rlhf.rollout.weight_sync import bucket_from_bytes, metas_from_wire, unpack_bucket
 
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -67,8 +69,6 @@ class WeightSyncExtension:
 
     def rlhf_join_weight_group(self, host: str, port: int, world_size: int, backend: str, rank_offset: int) -> None:
         """Broadcast transport: join the weight-sync group as rank ``rank_offset`` + this worker's TP rank."""
-        from rlhf.rollout.sync_group import GroupAddress, SyncGroup
-
         rank = rank_offset + self.rank  # the vLLM worker's rank within its engine (tensor parallel)
         self._rlhf_group = SyncGroup(GroupAddress(host, port, world_size, backend), rank=rank)
 
@@ -83,8 +83,6 @@ class WeightSyncExtension:
     def rlhf_load_shared_bucket(self, metas: list, handle, nbytes: int) -> int:
         """IPC transport: the policy rank's packed bucket on this device. It is copied out first: the sender
         reuses its buffer for the next bucket, and the reload keeps references until a layer is complete."""
-        from rlhf.rollout.ipc import open_shared
-
         return self._rlhf_load(metas, open_shared(handle)[:nbytes].clone())
 
     def _rlhf_load(self, metas: list, data: torch.Tensor) -> int:

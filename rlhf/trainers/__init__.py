@@ -1,1 +1,2 @@
-"""Trainers: the driver side of SFT, reward modelling and DPO (PPO-family trainers build on the same parts)."""
+"""Trainers: the driver side of SFT, reward modelling, DPO (``offline``) and the PPO family (``rl_runner.train_ppo``),
+each a set of steps run by :class:`rlhf.trainers.run.Run`."""

@@ -21,6 +21,8 @@ import re
 import shutil
 from typing import Dict, List, Optional, Tuple
 
+from rlhf.config.schema import ConfigError
+
 _NAME = re.compile(r"^step_(\d{6,})$")
 DRIVER_FILE = "driver.json"
 CHECKPOINT_DIR = "checkpoints"  # under output_dir
@@ -112,8 +114,6 @@ class RunCheckpoints:
     def prepare(self) -> int:
         """Before any actor starts: clean up partial checkpoints and, with ``train.resume``, find the newest
         complete one and check it belongs to this run. Returns the step it was taken at (0: fresh start)."""
-        from rlhf.config.schema import ConfigError
-
         self.store.remove_partial()
         self._resume_from = None
         if not self.train.resume:

@@ -2,7 +2,7 @@
 
 Reference log-probs come from the reference model on its own worker group, either once for the whole dataset
 before training (``dpo.ref_mode=precompute``, the reference group is then released) or for every step's
-micro-batches (``online``, for datasets too large to score up front). Both give the same numbers.
+global batch (``online``, for datasets too large to score up front). Both give the same numbers.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from rlhf.data.formats import pair_fields, read_formatted
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
-from rlhf.trainers.offline import OfflineTask, RunContext, RunResult, read_train_and_eval
-from rlhf.trainers.runner import run_offline
+from rlhf.trainers.offline import OfflineTask, read_train_and_eval, run_offline
+from rlhf.trainers.run import RunContext, RunResult
 
 REF_BATCH_SIZE = 16  # pairs per reference forward when precomputing
 
@@ -59,11 +59,11 @@ def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
 
 def attach_reference(task: OfflineTask, ctx: RunContext, datasets: List[_PairData]) -> None:
     """Start the reference group; precompute every pair's log-probs now (train and held-out data), or score
-    each step's batches."""
+    each step's global batch in the policy's micro-batch chunks."""
     cfg: DPORunConfig = ctx.cfg
     ref = ctx.make_group("reference", cfg.dpo.ref_num_workers)
     ref.build(ctx.model_spec(cfg.model.ref_path or cfg.model.path, CAUSAL_LM),
-              ctx.engine_spec(micro_batch_size=1, grad_accum_steps=1), optim=None)
+              ctx.engine_spec(micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=1), optim=None)
     if cfg.dpo.ref_mode == "precompute":
         for data in datasets:
             data.ref_logps = precompute_reference(ref, data)
@@ -72,21 +72,16 @@ def attach_reference(task: OfflineTask, ctx: RunContext, datasets: List[_PairDat
         print(f"[dpo] reference log-probs precomputed for {sum(len(d.examples) for d in datasets)} pairs; "
               "reference workers released", flush=True)
     else:
-        task.prepare = lambda shards: add_reference_logps(ref, shards)
+        task.prepare = lambda batch: batch.replace(ref_logps=ref.score_batch(batch, ReferenceLogps()))
 
 
 def precompute_reference(ref, data: _PairData) -> torch.Tensor:
+    """``(N, 2)`` summed reference log-probs of every pair, ``REF_BATCH_SIZE`` pairs per forward."""
     n = len(data.examples)
-    if n == 0:
-        return torch.zeros(0, 2)
-    batches = [data.collate(list(range(i, min(i + REF_BATCH_SIZE, n)))) for i in range(0, n, REF_BATCH_SIZE)]
-    return torch.cat(ref.score(batches, ReferenceLogps()), dim=0)
-
-
-def add_reference_logps(ref, shards: List[List[Batch]]) -> List[List[Batch]]:
-    flat = [mb for rank in shards for mb in rank]
-    scored = iter(ref.score(flat, ReferenceLogps()))
-    return [[mb.replace(ref_logps=next(scored)) for mb in rank] for rank in shards]
+    window = REF_BATCH_SIZE * ref.size * 8  # collated a window at a time: a padded copy of the whole set is not kept
+    parts = [ref.score_batch(data.collate(list(range(i, min(i + window, n)))), ReferenceLogps(),
+                             rows_per_forward=REF_BATCH_SIZE) for i in range(0, n, window)]
+    return torch.cat(parts) if parts else torch.zeros(0, 2)
 
 
 def train_dpo(cfg: DPORunConfig) -> RunResult:

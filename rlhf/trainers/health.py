@@ -10,7 +10,7 @@ Checked after every step, on the driver, from the logged metrics:
 ``health.action=stop`` raises :class:`TrainingHealthError` naming the step, the metric and the value. The guard
 runs before the step's checkpoint is written, so the newest checkpoint is the last good state. With
 ``health.action=skip`` the same error carries the step to the runner, which rewinds to that checkpoint and passes
-over the step (``rlhf.trainers.runner.train_with_rewinds``).
+over the step (``rlhf.trainers.run.Run``).
 
 The guard's state (running median, zero streaks) is a function of the logged rows alone: a resumed or rewound
 run rebuilds it from ``metrics.jsonl`` (:meth:`HealthGuard.observe`), so it decides as the uninterrupted run would.

@@ -16,7 +16,7 @@ A directory *holds a run* when it contains something the toolkit writes there (:
 
 Two calls per run: :func:`claim_output_dir` once per invocation, before any data is read (a
 ``train.on_failure=restart`` restart reuses what it chose), and :func:`prepare_output_dir` by each attempt, right
-before its first write. An attempt after a restart has ``train.resume=true`` (``runner.with_restarts``): it
+before its first write. An attempt after a restart has ``train.resume=true`` (``rlhf.trainers.run.with_restarts``): it
 continues from this invocation's checkpoint or, before the first one, starts over in the directory it owns.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from rlhf.utils.metrics import EVAL_FILE, METRICS_FILE, TENSORBOARD_DIR
 
 OUTPUTS_ROOT = "outputs"
 CONFIG_FILE = "config.yaml"  # save_config, here
-FINAL_DIR = "final"  # rlhf.trainers.offline.save_final
+FINAL_DIR = "final"  # rlhf.trainers.run.save_final
 # Names (fnmatch patterns) the toolkit writes at the top of a run directory, temporary files included.
 RUN_ARTIFACTS = (
     CONFIG_FILE, f".{CONFIG_FILE}.*.tmp",  # save_config

@@ -10,8 +10,8 @@ from rlhf.data.formats import pair_fields, read_formatted
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.models.loading import SCALAR_HEAD
 from rlhf.objectives.reward import RewardObjective
-from rlhf.trainers.offline import OfflineTask, RunResult, read_train_and_eval
-from rlhf.trainers.runner import run_offline
+from rlhf.trainers.offline import OfflineTask, read_train_and_eval, run_offline
+from rlhf.trainers.run import RunResult
 
 
 def _read(cfg: RewardModelRunConfig, tokenizer, path: str, split: str) -> Tokenized:

@@ -1,32 +1,40 @@
-"""Online RL driver: PPO (GAE + critic), GRPO, Dr. GRPO, RLOO, REINFORCE++ over vLLM rollouts.
+"""Online RL steps: PPO (GAE + critic), GRPO, Dr. GRPO, RLOO, REINFORCE++ over vLLM rollouts.
 
 One RL step reads like the algorithm::
 
     generate (vLLM) -> score (reward functions / reward model) -> old & reference log-probs, values
     -> advantages over the whole rollout batch -> policy (and critic) updates -> weight sync -> log
 
-Each stage is one method below; the maths lives in ``rlhf.ops`` and ``rlhf.objectives.rl``, the actors in
-``rlhf.distributed`` and ``rlhf.rollout``.
+Each stage is one method of :class:`RLTrainer`; the maths lives in ``rlhf.ops``, ``rlhf.objectives.rl`` and
+``rlhf.rl``, the actors in ``rlhf.distributed`` and ``rlhf.rollout``. The run around the steps (checkpoints, the
+health guard, logging, rewinds) is :class:`rlhf.trainers.run.Run`'s, the same as every trainer's.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 import torch
 
 from rlhf.batch import Batch
 from rlhf.data.plan import EpochPlan, StepPlan
-from rlhf.objectives.base import add_sums
-from rlhf.trainers.rl_experience import PromptSet, advantages_for, logp_mismatch, rollout_batch
-from rlhf.utils.metrics import (SKIPPED_NOTE, ConsoleTable, MetricsWriter, Progress, format_row,
-                                progress_bar_setting, skipped_row)
+from rlhf.distributed.group import StepResult, WorkerGroup
+from rlhf.objectives.base import Totals
+from rlhf.objectives.rl import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
+from rlhf.rl import advantages_for, logp_mismatch, rollout_batch
+from rlhf.rollout.engines import RolloutEngines
+from rlhf.rollout.vllm_engine import SamplingSpec
+from rlhf.trainers.rl_experience import PromptSet
+from rlhf.utils.metrics import ConsoleTable, Progress, format_row
 
 CONSOLE_KEYS = ("reward_mean", "accuracy", "kl", "policy_loss", "value_loss", "entropy", "clip_frac",
                 "response_length", "logp_mismatch", "samples_per_s")
+EVAL_CONSOLE_KEYS = ("reward_mean", "accuracy", "response_length", "num_samples")
+# Metrics the health guard keeps finite. No zero-loss check: an RL step whose groups all tie has a zero loss.
+RL_WATCHED = ("policy_loss", "grad_norm", "kl", "value_loss", "critic_grad_norm", "reward_mean")
 EVAL_SEED_BASE = 1 << 40  # evaluation seeds live far from the training steps' (seed * 1_000_003 + step * 10_007 + j)
 TABLE_COLUMNS = (("step", "step"), ("reward_mean", "reward"), ("reward_std", "reward_std"), ("accuracy", "accuracy"),
                  ("kl", "kl"), ("entropy", "entropy"), ("policy_loss", "pg_loss"), ("value_loss", "v_loss"),
@@ -47,64 +55,41 @@ class StageTimer:
 
 @dataclass
 class RLActors:
-    policy: object  # WorkerGroup (trainable)
-    engines: object  # RolloutEngines
-    reference: Optional[object] = None  # WorkerGroup (frozen), when a KL term is used
-    critic: Optional[object] = None  # WorkerGroup (trainable), for GAE
-    reward_model: Optional[object] = None  # WorkerGroup (frozen scalar head)
+    """The run's actors by role; the optional ones exist when the config asks for them."""
+
+    policy: WorkerGroup  # trainable
+    engines: RolloutEngines
+    reference: Optional[WorkerGroup] = None  # frozen, when a KL term is used
+    critic: Optional[WorkerGroup] = None  # trainable, for GAE
+    reward_model: Optional[WorkerGroup] = None  # frozen scalar head
 
 
 class RLTrainer:
+    """The RL steps of a run (:class:`rlhf.trainers.run.Steps`): :meth:`train` is one RL step."""
+
+    name = "rl"
+    watched = RL_WATCHED
+    zero_loss_key = None
+    eval_console_keys = EVAL_CONSOLE_KEYS
+    evaluates_start = True  # the starting point, on the same held-out samples as every later evaluation
+
     def __init__(self, cfg, tokenizer, prompts: PromptSet, plan: EpochPlan, actors: RLActors, scorer,
-                 policy_objective, value_objective, writer: MetricsWriter,
-                 eval_prompts: Optional[PromptSet] = None, eval_writer: Optional[MetricsWriter] = None) -> None:
+                 policy_objective: PolicyObjective, value_objective: Optional[ValueObjective],
+                 eval_prompts: Optional[PromptSet] = None) -> None:
         self.cfg, self.tokenizer, self.prompts, self.plan = cfg, tokenizer, prompts, plan
-        self.actors, self.scorer, self.writer = actors, scorer, writer
-        self.eval_prompts, self.eval_writer = eval_prompts, eval_writer
+        self.actors, self.scorer, self.eval_prompts = actors, scorer, eval_prompts
         self.policy_objective, self.value_objective = policy_objective, value_objective
         columns = [c for c in TABLE_COLUMNS if c[0] != "value_loss" or actors.critic is not None]
         self.table = ConsoleTable(columns) if cfg.logging.console == "table" else None
-        self.progress: Optional[Progress] = None  # while fit() runs
-        self._fits = 0  # fit() calls so far; before the first, the engines hold model.path's weights
 
-    # ---------------------------------------------------------------------------------------- the loop
-    def fit(self, start_after: int = 0, after_step: Optional[Callable[[int], bool]] = None,
-            skip_steps: FrozenSet[int] = frozenset(), check_row: Optional[Callable[[dict], None]] = None) -> dict:
-        """RL steps ``start_after + 1 ..``; returns the last step's row.
+    @property
+    def has_eval(self) -> bool:
+        return self.eval_prompts is not None
 
-        ``skip_steps``: steps passed over (no rollout, no update; a ``skipped`` row is logged). ``check_row(row)``
-        (the health guard) sees each step's row and may raise before ``after_step(step)`` (checkpointing), which
-        may stop the loop. A later call (a rewind to a checkpoint) continues from the policy's state then.
-        """
-        self.progress = Progress(self.plan.total_steps, start_after,
-                                 progress_bar_setting(self.cfg.logging.progress_bar), desc="rl")
-        try:
-            return self._fit(start_after, after_step, skip_steps, check_row)
-        finally:
-            self.progress.close()
-            self._fits += 1
+    def resume(self) -> None:
+        self.push_weights()  # the engines hold model.path (resume) or a later step's weights (rewind)
 
-    def _fit(self, start_after: int, after_step, skip_steps: FrozenSet[int], check_row) -> dict:
-        last: dict = {}
-        if start_after == 0 and self._fits == 0:
-            self.maybe_evaluate(0)  # the starting point, on the same held-out samples as every later evaluation
-        else:
-            self.push_weights()  # the engines hold model.path (resume) or a later step's weights (rewind)
-        for step in self.plan.steps():
-            if step.step <= start_after:  # done before a resume: prompts and seeds are functions of the step
-                continue
-            if step.step in skip_steps:
-                last = self.log_skipped(step)
-            else:
-                last = self.run_step(step)
-                if check_row is not None:
-                    check_row(last)
-            self.maybe_evaluate(step.step)
-            if after_step is not None and after_step(step.step):
-                break
-        return last
-
-    def run_step(self, step: StepPlan) -> dict:
+    def train(self, step: StepPlan) -> dict:
         """One RL step (the module docstring's pipeline); returns its logged row."""
         timer = StageTimer()
         with timer("generate"):
@@ -120,7 +105,7 @@ class RLTrainer:
             train_stats = self.update(batch, step.step)
         with timer("sync"):
             sync = self.push_weights()
-        return self.log(step, scores, per_source, batch, {**train_stats, **kl_stats}, sync, timer)
+        return self.row(step, scores, per_source, batch, {**train_stats, **kl_stats}, sync, timer)
 
     # ---------------------------------------------------------------------------------------- stages
     def generate(self, step: StepPlan):
@@ -131,14 +116,11 @@ class RLTrainer:
         return self._sample(self.prompts, prompt_index, seed_base), prompt_index
 
     def _sample(self, prompts: PromptSet, prompt_index: List[int], seed_base: int):
-        from rlhf.rollout.vllm_engine import SamplingSpec
-
         r = self.cfg.rollout
         # Sample j is drawn with seed base + j whichever engine serves it: reproducible rollouts that do not
         # depend on rollout.num_engines.
-        sampling = lambda engine, first: SamplingSpec(  # noqa: E731
-            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, seed=seed_base + first,
-            stop_token_ids=prompts.stop_token_ids or (self.tokenizer.eos_token_id,))
+        sampling = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                seed=seed_base, stop_token_ids=prompts.stop_token_ids or (self.tokenizer.eos_token_id,))
         return self.actors.engines.generate([prompts.prompt_ids[i] for i in prompt_index], sampling)
 
     def score(self, generations, batch: Batch, prompt_index, prompt_set: PromptSet):
@@ -152,23 +134,22 @@ class RLTrainer:
         if self.scorer is not None:
             total, per_source = self.scorer(prompts, responses, columns)
         if self.actors.reward_model is not None:
-            from rlhf.objectives.rl import SequenceScores
-
-            rm = torch.cat(self.actors.reward_model.score(self._chunks(batch), SequenceScores()))
+            rm = self.actors.reward_model.score_batch(batch, SequenceScores(),
+                                                      rows_per_forward=self.cfg.train.micro_batch_size)
             per_source["reward_model"] = rm
             total = total + self.cfg.reward.model_weight * rm
         return total.float(), per_source
 
     def annotate(self, batch: Batch) -> Batch:
-        """Per-token log-probs of the policy that generated the batch (pi_old), of the reference, and values."""
-        from rlhf.objectives.rl import TokenLogps, TokenValues
-
+        """Per-token log-probs of the policy that generated the batch (pi_old), of the reference, and values:
+        ``(B, T)`` each, float32 (float64 from an fp64 run's models)."""
+        a, rows = self.actors, self.cfg.train.micro_batch_size
         logps = TokenLogps(temperature=self.cfg.rollout.temperature)
-        batch = batch.replace(old_logps=self._score_rows(self.actors.policy, batch, logps))
-        if self.actors.reference is not None:
-            batch = batch.replace(ref_logps=self._score_rows(self.actors.reference, batch, logps))
-        if self.actors.critic is not None:
-            batch = batch.replace(values=self._score_rows(self.actors.critic, batch, TokenValues()))
+        batch = batch.replace(old_logps=a.policy.score_batch(batch, logps, rows))
+        if a.reference is not None:
+            batch = batch.replace(ref_logps=a.reference.score_batch(batch, logps, rows))
+        if a.critic is not None:
+            batch = batch.replace(values=a.critic.score_batch(batch, TokenValues(), rows))
         return batch
 
     def advantages(self, batch: Batch, scores: torch.Tensor, prompt_index: List[int]):
@@ -183,9 +164,9 @@ class RLTrainer:
 
         The returned numbers are the RL step's global quantities (docs/concepts.md, "Steps and the LR schedule"):
         each objective's sums over *all* the step's optimizer steps divided once by their summed normalizer, so they
-        do not depend on how the rollout batch was shuffled into optimizer steps. ``num_tokens`` is the loss tokens trained on
-        (summed over the optimizer steps), ``lr`` the LR of the last optimizer step, ``grad_norm`` the largest
-        pre-clip norm among them (a non-finite one wins), ``optimizer_steps`` how many there were.
+        do not depend on how the rollout batch was shuffled into optimizer steps. ``num_tokens`` is the loss tokens
+        trained on (summed over the optimizer steps), ``lr`` the LR of the last optimizer step, ``grad_norm`` the
+        largest pre-clip norm among them (a non-finite one wins), ``optimizer_steps`` how many there were.
         """
         t, a = self.cfg.train, self.cfg.algo
         plan = EpochPlan(num_samples=len(batch), global_batch_size=t.global_batch_size, max_epochs=a.ppo_epochs,
@@ -193,12 +174,11 @@ class RLTrainer:
         first = (rl_step - 1) * plan.total_steps  # the run's 0-based optimizer step where this RL step starts
         policy, critic = _UpdateTotals(), _UpdateTotals()
         for train_step in plan.steps():
+            rows = batch.select(train_step.indices)
             schedule_step = first + train_step.step - 1  # skipped RL steps advance the schedule too
-            policy.add(*self._train(self.actors.policy, self.policy_objective, batch, train_step, t.num_workers,
-                                    schedule_step))
+            policy.add(self.actors.policy.train_batch(rows, self.policy_objective, schedule_step))
             if self.actors.critic is not None:
-                critic.add(*self._train(self.actors.critic, self.value_objective, batch, train_step,
-                                        self.cfg.critic.num_workers, schedule_step))
+                critic.add(self.actors.critic.train_batch(rows, self.value_objective, schedule_step))
         return {**critic.metrics(self.value_objective, "critic_"), **policy.metrics(self.policy_objective, ""),
                 "optimizer_steps": plan.total_steps}
 
@@ -206,54 +186,23 @@ class RLTrainer:
         self.actors.engines.wake_up()
         return self.actors.policy.push_weights()  # through the transport connected at start-up
 
-    def maybe_evaluate(self, rl_step: int) -> Optional[dict]:
+    def evaluate(self, step: Optional[StepPlan]) -> dict:
         """Held-out prompts (``data.eval_path``), ``rollout.eval_samples_per_prompt`` samples each, scored like
-        training samples, before the first step, every ``train.eval_every`` steps and after the last.
-
-        The seeds are the same at every evaluation, so successive rows differ only by the policy.
-        """
-        every, last = self.cfg.train.eval_every, self.plan.total_steps
-        if self.eval_prompts is None or not (rl_step in (0, last) or (every and rl_step % every == 0)):
-            return None
+        training samples; the run calls it before the first step, every ``train.eval_every`` steps and after the
+        last. The seeds are the same at every evaluation, so successive rows differ only by the policy."""
         n = self.cfg.rollout.eval_samples_per_prompt
         index = [i for i in range(len(self.eval_prompts.prompt_ids)) for _ in range(n)]
         generations = self._sample(self.eval_prompts, index, seed_base=EVAL_SEED_BASE + self.cfg.train.seed * 1_000_003)
         batch = rollout_batch(generations, self.tokenizer.pad_token_id)
         scores, per_source = self.score(generations, batch, index, self.eval_prompts)
-        row = {"step": rl_step, **_sample_stats(scores, per_source, batch), "num_samples": len(batch)}
-        self.eval_writer.log(row)
-        line = f"[rl] eval at step {rl_step}: " + format_row(row, ("reward_mean", "accuracy", "response_length",
-                                                                   "num_samples"))
-        self._say(line)
-        return row
+        return {"step": step.step if step else 0, **_sample_stats(scores, per_source, batch), "num_samples": len(batch)}
 
-    # ---------------------------------------------------------------------------------------- helpers
-    def _say(self, line: str) -> None:
-        if self.progress is not None:
-            self.progress.print(line)
-        else:
-            print(line, flush=True)
+    def console(self, row: dict, progress: Progress) -> str:
+        if self.table is not None:
+            return self.table.render({**row, "eta": progress.remaining()})
+        return f"[rl] step {row['step']}/{progress.total} " + format_row(row, CONSOLE_KEYS) + f" ({progress.eta()})"
 
-    def _train(self, group, objective, batch: Batch, step: StepPlan, num_workers: int, schedule_step: int):
-        """One optimizer step of ``group`` on ``step``'s rows -> ``(per-rank results, global normalizer)``."""
-        shards = [[batch.select(rows).trim() for rows in rank]
-                  for rank in step.shards(num_workers, self.cfg.train.micro_batch_size)]
-        normalizer = sum(objective.count(mb) for rank in shards for mb in rank)
-        return group.train_step(shards, objective, normalizer, schedule_step=schedule_step), normalizer
-
-    def _chunks(self, batch: Batch) -> List[Batch]:
-        size = self.cfg.train.micro_batch_size
-        return [batch.slice(i, min(i + size, len(batch))).trim() for i in range(0, len(batch), size)]
-
-    def _score_rows(self, group, batch: Batch, fn) -> torch.Tensor:
-        """``fn`` over the batch in micro-batch chunks, re-padded to the batch width -> ``(B, T)`` float32 (float64
-        as the score functions return it from an fp64 run's models)."""
-        width = batch.input_ids.shape[1]
-        parts = group.score(self._chunks(batch), fn)
-        return torch.cat([torch.nn.functional.pad(p if p.dtype == torch.float64 else p.float(), (0, width - p.shape[1]))
-                          for p in parts])
-
-    def log(self, step: StepPlan, scores, per_source, batch: Batch, train_stats: dict, sync: dict,
+    def row(self, step: StepPlan, scores, per_source, batch: Batch, train_stats: dict, sync: dict,
             timer: StageTimer) -> dict:
         total_s = sum(timer.seconds.values())
         row = {"step": step.step, "epoch": step.epoch,
@@ -266,46 +215,26 @@ class RLTrainer:
                "sync_mb_per_s": sync.get("bytes", 0.0) / 2**20 / max(sync.get("seconds", 0.0), 1e-9),
                "samples_per_s": len(batch) / max(total_s, 1e-9),
                "prompts_skipped": self.prompts.skipped, "prompts_truncated": self.prompts.truncated}
-        row = {k: v for k, v in row.items() if v is not None}
-        self.writer.log(row)
-        if self.progress is not None:
-            self.progress.advance(step.step)
-        if step.step % self.cfg.logging.print_every == 0 or step.step == self.plan.total_steps:
-            if self.table is not None:
-                self._say(self.table.render({**row, "eta": self.progress.remaining() if self.progress else "-"}))
-            else:
-                self._say(f"[rl] step {step.step}/{self.plan.total_steps} " + format_row(row, CONSOLE_KEYS)
-                          + (f" ({self.progress.eta()})" if self.progress else ""))
-        return row
-
-    def log_skipped(self, step: StepPlan) -> dict:
-        row = skipped_row(step.step, step.epoch)
-        self.writer.log(row)
-        self.progress.advance(step.step)
-        self._say(f"[rl] step {step.step}/{self.plan.total_steps} {SKIPPED_NOTE}")
-        return row
+        return {k: v for k, v in row.items() if v is not None}
 
 
-@dataclass
 class _UpdateTotals:
     """One trained role's sums over the optimizer steps of an RL step, finalized once (:meth:`RLTrainer.update`)."""
 
-    sums: Dict[str, float] = field(default_factory=dict)
-    normalizer: int = 0
-    grad_norms: List[Optional[float]] = field(default_factory=list)
-    lr: Optional[float] = None
+    def __init__(self) -> None:
+        self.totals = Totals()
+        self.grad_norms: List[Optional[float]] = []
+        self.lr: Optional[float] = None
 
-    def add(self, results: list, normalizer: int) -> None:
-        for result in results:
-            self.sums = add_sums(self.sums, result.sums)
-        self.normalizer += normalizer
-        self.grad_norms.append(results[0].grad_norm)  # identical on every rank
-        self.lr = results[0].lr
+    def add(self, result: StepResult) -> None:
+        self.totals.add(result.sums, result.normalizer)
+        self.grad_norms.append(result.grad_norm)
+        self.lr = result.lr
 
     def metrics(self, objective, prefix: str) -> dict:
         if not self.grad_norms:
             return {}
-        return {**objective.finalize(self.sums, self.normalizer), prefix + "grad_norm": _largest(self.grad_norms),
+        return {**self.totals.finalize(objective), prefix + "grad_norm": _largest(self.grad_norms),
                 prefix + "lr": self.lr}
 
 

@@ -1,10 +1,16 @@
-"""``train_rl(cfg)``: validate, start the actors (policy, vLLM engines, reference, critic, reward model), run the
-:class:`~rlhf.trainers.rl.RLTrainer`, save ``final/``."""
+"""``train_ppo(cfg)``: the PPO family (PPO, GRPO, Dr. GRPO, RLOO, REINFORCE++; ``python -m rlhf.cli.train_ppo``):
+validate, start the actors (policy, vLLM engines, reference, critic, reward model), run the
+:class:`~rlhf.trainers.rl.RLTrainer`'s steps in a :class:`~rlhf.trainers.run.Run`, save ``final/``."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 from rlhf.config.rl_schema import RLRunConfig
+from rlhf.distributed.cluster import actor_env
+from rlhf.distributed.errors import WorkerError
+from rlhf.distributed.resource_plan import engine_gpus, engine_sleep, policy_side_roles, rl_plan
 from rlhf.config.schema import ConfigError
 from rlhf.data.formats import located, prompt_fields, read_formatted
 from rlhf.data.io import DataError
@@ -12,25 +18,21 @@ from rlhf.data.plan import EpochPlan
 from rlhf.hub import is_hub_ref, model_dir, pin_run_sources
 from rlhf.models.checks import check_scalar_head
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
-from rlhf.trainers.checkpoint import RunCheckpoints
-from rlhf.trainers.offline import RunResult, check_paths, load_tokenizer
-from rlhf.trainers.output_dir import claim_output_dir, prepare_output_dir
+from rlhf.objectives.rl import PolicyObjective, ValueObjective
+from rlhf.ops.policy_loss import PolicyLossConfig
+from rlhf.rewards.functions import RewardFunctionScorer
+from rlhf.rollout.engines import RolloutEngines
+from rlhf.rollout.vllm_engine import VLLMSpec
+from rlhf.rollout.weight_sync import resolve_weight_sync
+from rlhf.trainers.offline import check_paths, load_tokenizer
+from rlhf.trainers.output_dir import claim_output_dir
 from rlhf.trainers.rl import RLActors, RLTrainer
 from rlhf.trainers.rl_experience import prepare_prompts
-from rlhf.trainers.health import guard_from_config
-from rlhf.trainers.runner import (check_skip_steps, finish_run, optim_spec, run_identity, start_cluster,
-                                  train_with_rewinds, with_restarts)
-from rlhf.utils.metrics import RunWriters
+from rlhf.trainers.run import Run, RunContext, RunResult, optim_spec, run_identity, with_restarts
 from rlhf.utils.versions import check_versions
-
-# Metrics the health guard keeps finite. No zero-loss check: an RL step whose groups all tie has a zero loss.
-RL_WATCHED = ("policy_loss", "grad_norm", "kl", "value_loss", "critic_grad_norm", "reward_mean")
 
 
 def _objectives(cfg: RLRunConfig):
-    from rlhf.objectives.rl import PolicyObjective, ValueObjective
-    from rlhf.ops.policy_loss import PolicyLossConfig
-
     a = cfg.algo
     clip = PolicyLossConfig(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip or None,
                             tis_cap=a.tis_cap or None)
@@ -52,26 +54,13 @@ def _check_rl_paths(cfg: RLRunConfig) -> None:
         raise ConfigError(cfg.critic_batch_problem())
 
 
-def _engine_sleep(cfg: RLRunConfig, gpus: float) -> bool:
-    """vLLM sleep mode is CUDA-only; ``auto`` turns it on for the hybrid engine on GPUs."""
-    c = cfg.colocate
-    if c.engine_sleep == "on" and gpus <= 0:
-        raise ConfigError("colocate.engine_sleep=on needs GPU engines (vLLM sleep mode is CUDA-only); use auto")
-    return c.engine_sleep == "on" or (c.engine_sleep == "auto" and c.hybrid_engine and gpus > 0)
-
-
 def _start_engines(cfg: RLRunConfig, ctx, placement):
-    from rlhf.distributed.cluster import actor_env
-    from rlhf.distributed.resource_plan import engine_gpus
-    from rlhf.rollout.engines import RolloutEngines
-    from rlhf.rollout.vllm_engine import EngineSpec
-
     r = cfg.rollout
     gpus = engine_gpus(r.tensor_parallel_size, ctx.gpus_per_worker)  # what the plan and --dry-run count
-    sleep = _engine_sleep(cfg, gpus)
+    sleep = engine_sleep(cfg.colocate, gpus)
     # vLLM runs no float64: an fp64 run's engines sample in float32 (the weight sync casts, rlhf.rollout.senders)
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float32"}[ctx.precision]
-    spec = EngineSpec(model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size, seed=cfg.train.seed,
+    spec = VLLMSpec(model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size, seed=cfg.train.seed,
                       max_model_len=r.max_prompt_length + r.max_new_tokens, dtype=dtype,
                       gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib,
                       enable_sleep_mode=sleep)
@@ -85,9 +74,6 @@ def _connect_weight_sync(cfg: RLRunConfig, ctx, actors: RLActors) -> None:
     """Form the policy -> engines transport before the first step. ``auto`` falls back to the object store when a
     process group cannot be formed (and says so); a method asked for by name that cannot be set up is an error
     naming ``rollout.weight_sync``."""
-    from rlhf.distributed.errors import WorkerError
-    from rlhf.rollout.weight_sync import resolve_weight_sync
-
     r = cfg.rollout
     gpus = actors.engines.gpus_per_engine
     method = resolve_weight_sync(r.weight_sync, hybrid_engine=cfg.colocate.hybrid_engine, gpus_per_engine=gpus)
@@ -117,14 +103,10 @@ def _actor_died(exc: BaseException) -> bool:
 
 def _policy_side_roles(cfg: RLRunConfig) -> list:
     """The roles sharing the policy's bundles: ``["policy"]`` plus colocated reference / engines."""
-    from rlhf.distributed.resource_plan import policy_side_roles
-
     return list(policy_side_roles(cfg.colocate))
 
 
-def _start_actors(cfg: RLRunConfig, ctx, total_optimizer_steps: int) -> RLActors:
-    import dataclasses
-
+def _start_actors(cfg: RLRunConfig, ctx: RunContext, total_optimizer_steps: int) -> RLActors:
     t, c = cfg.train, cfg.colocate
     roles = _policy_side_roles(cfg)
     shared = ctx.shared_placement(roles, t.num_workers) if len(roles) > 1 else None
@@ -133,7 +115,7 @@ def _start_actors(cfg: RLRunConfig, ctx, total_optimizer_steps: int) -> RLActors
                  optim_spec(t, total_optimizer_steps))
     actors = RLActors(policy=policy, engines=_start_engines(cfg, ctx, shared if c.hybrid_engine else None))
     _connect_weight_sync(cfg, ctx, actors)
-    frozen = ctx.engine_spec(micro_batch_size=1, grad_accum_steps=1)
+    frozen = ctx.engine_spec(micro_batch_size=t.micro_batch_size, grad_accum_steps=1)  # scores in micro-batch chunks
     if cfg.algo.kl_coef > 0:
         actors.reference = ctx.make_group("reference", t.num_workers,
                                           placement=shared if c.policy_reference else None)
@@ -156,15 +138,11 @@ def _start_actors(cfg: RLRunConfig, ctx, total_optimizer_steps: int) -> RLActors
 def _needed_cpus(cfg: RLRunConfig) -> float:
     """CPUs the run's actors ask for: one bundle per rank of each placement, plus engines of their own (the plan
     ``--dry-run`` prints; CPU counts do not depend on the GPUs per worker, unknown before the cluster is joined)."""
-    from rlhf.distributed.resource_plan import rl_plan
-
     return rl_plan(cfg, gpus_per_worker=0.0).needed_cpus
 
 
 def _write_placement(actors: RLActors, output_dir: str) -> None:
     """``placement.json``: every rank's placement group and resources, by role (shows what is colocated)."""
-    import json
-
     roles = {"policy": actors.policy, "rollout": actors.engines, "reference": actors.reference,
              "critic": actors.critic, "reward_model": actors.reward_model}
     where = {role: group.placements() for role, group in roles.items() if group is not None}
@@ -195,15 +173,14 @@ def _read_prompts(cfg: RLRunConfig, tokenizer, key: str, path: str, split: str):
                                max_prompt_length=r.max_prompt_length, overflow=r.prompt_overflow, chat=chat)
 
 
-def train_rl(cfg: RLRunConfig) -> RunResult:
-    """Online RL end to end (see the module docstring); ``train.on_failure=restart`` restarts from checkpoints."""
+def train_ppo(cfg: RLRunConfig) -> RunResult:
+    """Online RL of the PPO family end to end (see the module docstring); ``train.on_failure=restart`` restarts
+    from checkpoints."""
     # hub ids -> org/name@<sha>: config.yaml and every actor get the pins
-    return with_restarts(pin_run_sources(claim_output_dir(cfg)), _train_rl_once)
+    return with_restarts(pin_run_sources(claim_output_dir(cfg)), _train_ppo_once)
 
 
-def _train_rl_once(cfg: RLRunConfig) -> RunResult:
-    from rlhf.rewards.functions import RewardFunctionScorer
-
+def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     check_versions(("torch", "transformers", "deepspeed", "ray", "vllm"))
     _check_rl_paths(cfg)
     if cfg.reward.model_path:
@@ -226,27 +203,13 @@ def _train_rl_once(cfg: RLRunConfig) -> RunResult:
     print(f"[rl] {len(prompts.prompt_ids)} prompts ({prompts.skipped} skipped, {prompts.truncated} truncated), "
           f"{plan.total_steps} RL steps x {r.samples_per_step} samples, {optimizer_steps} optimizer steps; "
           f"{cfg.algo.advantage_estimator} / {cfg.algo.policy_loss} / {cfg.algo.describe_aggregation()}", flush=True)
-    check_skip_steps(t, plan.total_steps)
-    checkpoints = RunCheckpoints(t, _identity(cfg, plan), "rl")
-    checkpoints.prepare()  # a checkpoint of another run fails here, before anything is written or started
-    prepare_output_dir(cfg, checkpoints)  # an old run there is refused, or deleted (train.overwrite); config.yaml
-    ctx = start_cluster(cfg, needed_cpus=_needed_cpus(cfg))
-    writers = None
-    try:
+    run = Run(cfg, "rl", plan, _identity(cfg, plan))
+    with run.cluster(needed_cpus=_needed_cpus(cfg)) as ctx:
         actors = _start_actors(cfg, ctx, optimizer_steps)
         _write_placement(actors, t.output_dir)
-        trained = {"policy": actors.policy, **({"critic": actors.critic} if actors.critic is not None else {})}
-        done = checkpoints.restore(trained)
-        writers = RunWriters(cfg, resume_after=done or None, with_eval=eval_prompts is not None)
         policy_objective, value_objective = _objectives(cfg)
         trainer = RLTrainer(cfg, tokenizer, prompts, plan, actors, scorer, policy_objective, value_objective,
-                            writers.metrics, eval_prompts=eval_prompts, eval_writer=writers.eval)
-        after_step = lambda step: checkpoints.after_step(step, plan.total_steps, trained)  # noqa: E731
-        last = train_with_rewinds(
-            cfg, checkpoints, trained, writers, done, lambda: guard_from_config(cfg.health, RL_WATCHED, None),
-            lambda start_after, skip_steps, check_row: trainer.fit(start_after, after_step, skip_steps, check_row))
-        return finish_run(checkpoints, actors.policy, tokenizer, t, plan.total_steps, last, "rl")
-    finally:
-        if writers is not None:
-            writers.close()
-        ctx.shutdown()
+                            eval_prompts=eval_prompts)
+        trained = {"policy": actors.policy, **({"critic": actors.critic} if actors.critic is not None else {})}
+        last = run.train(trainer, trained)
+        return run.finish(actors.policy, tokenizer, last)

@@ -7,8 +7,8 @@ from rlhf.data.formats import read_formatted, sft_fields
 from rlhf.data.tokenize import Tokenized, collate_sft, tokenize_sft
 from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.sft import SFTObjective
-from rlhf.trainers.offline import OfflineTask, RunResult, read_train_and_eval
-from rlhf.trainers.runner import run_offline
+from rlhf.trainers.offline import OfflineTask, read_train_and_eval, run_offline
+from rlhf.trainers.run import RunResult
 
 
 def _read(cfg: SFTRunConfig, tokenizer, path: str, split: str) -> Tokenized:

@@ -1,1 +1,1 @@
-"""Small shared utilities (device capability, LR schedules, atomic files, metric writers)."""
+"""Small shared utilities (device capability, LR schedules, library versions, metric writers and the W&B sink)."""

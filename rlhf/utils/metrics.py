@@ -1,10 +1,17 @@
-"""Per-step metrics: ``metrics.jsonl`` (one JSON object per optimizer step) and TensorBoard events."""
+"""Per-step metrics: ``metrics.jsonl`` (one JSON object per optimizer step), TensorBoard events and W&B
+(:mod:`rlhf.utils.wandb_sink`) through :class:`RunWriters`; reading the files back; the console's per-step lines,
+table and progress bar."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from rlhf.config.loader import config_to_dict
+from rlhf.utils.wandb_sink import WandbSink
 
 # What the writers put in a run's output_dir (rlhf/trainers/output_dir.py counts them as the run's artifacts).
 METRICS_FILE = "metrics.jsonl"
@@ -22,7 +29,8 @@ class MetricsWriter:
     """
 
     def __init__(self, output_dir: str, filename: str = METRICS_FILE, tensorboard: bool = True,
-                 resume_after: Optional[int] = None, tb_prefix: str = "", wandb=None) -> None:
+                 resume_after: Optional[int] = None, tb_prefix: str = "",
+                 wandb: Optional[WandbSink] = None) -> None:
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir, self.path = output_dir, os.path.join(output_dir, filename)
         self._tensorboard, self._wandb, self._prefix = tensorboard, wandb, tb_prefix
@@ -47,13 +55,13 @@ class MetricsWriter:
     def log(self, row: Dict[str, Any], step: Optional[int] = None) -> None:
         self._file.write(json.dumps(row, sort_keys=False) + "\n")
         self._file.flush()  # a crash keeps every finished step
+        step = int(row.get("step", 0) if step is None else step)
+        scalars = {self._prefix + k: v for k, v in row.items() if k != "step" and is_finite_number(v)}
         if self._tb is not None:
-            step = row.get("step", 0) if step is None else step
-            for key, value in row.items():
-                if key != "step" and is_finite_number(value):
-                    self._tb.add_scalar(self._prefix + key, value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
-            self._wandb.log(row, prefix=self._prefix)
+            self._wandb.log(scalars, step)
 
     def close(self) -> None:
         self._close_files()
@@ -117,11 +125,8 @@ class RunWriters:
 
     def __init__(self, cfg, resume_after: Optional[int], with_eval: bool) -> None:
         lg, out = cfg.logging, cfg.train.output_dir
-        self.wandb = None
+        self.wandb: Optional[WandbSink] = None
         if lg.wandb:
-            from rlhf.config.loader import config_to_dict
-            from rlhf.utils.wandb_sink import WandbSink
-
             self.wandb = WandbSink(out, lg.wandb_project, lg.wandb_mode, lg.wandb_run_name, config_to_dict(cfg))
         self.metrics = MetricsWriter(out, tensorboard=lg.tensorboard, resume_after=resume_after, wandb=self.wandb)
         self.eval = (MetricsWriter(out, EVAL_FILE, tensorboard=lg.tensorboard, resume_after=resume_after,
@@ -165,9 +170,6 @@ class Progress:
     """
 
     def __init__(self, total: int, done: int = 0, bar: Optional[bool] = None, desc: str = "") -> None:
-        import sys
-        import time
-
         self.total, self.start_done, self._started = total, done, time.perf_counter()
         self.done = done
         if bar is None:
@@ -185,16 +187,12 @@ class Progress:
 
     def eta(self) -> str:
         """``"elapsed 1m02s, eta 3m10s"`` (no ETA before the first step of this invocation)."""
-        import time
-
         elapsed = time.perf_counter() - self._started
         left = self.remaining()
         return f"elapsed {_clock(elapsed)}" + (f", eta {left}" if left != "-" else "")
 
     def remaining(self) -> str:
         """Time left at this invocation's mean step time, e.g. ``"3m10s"``; ``"-"`` before the first step."""
-        import time
-
         steps = self.done - self.start_done
         if not steps:
             return "-"

@@ -10,12 +10,13 @@ import os
 import uuid
 from typing import Any, Dict
 
-from rlhf.utils.metrics import is_finite_number
-
 
 class WandbSink:
+    """One W&B run, shared by a run's metric writers (:class:`rlhf.utils.metrics.RunWriters`), which hand it the
+    finite scalars of each row (this module imports nothing of ``rlhf``: the writers call it, not the reverse)."""
+
     def __init__(self, output_dir: str, project: str, mode: str, name: str, config: Dict[str, Any]) -> None:
-        import wandb
+        import wandb  # only a run with logging.wandb=true pays for importing wandb
 
         os.makedirs(output_dir, exist_ok=True)
         id_file = os.path.join(output_dir, "wandb_run_id")
@@ -30,9 +31,9 @@ class WandbSink:
                                dir=output_dir, mode=mode, config=config, id=run_id, resume="allow",
                                settings=wandb.Settings(console="off", silent=True))
 
-    def log(self, row: Dict[str, Any], prefix: str = "") -> None:
-        step = int(row.get("step", 0))
-        scalars = {prefix + k: v for k, v in row.items() if k != "step" and is_finite_number(v)}
+    def log(self, scalars: Dict[str, float], step: int) -> None:
+        """``scalars``: the row's finite numbers under their (prefixed) names; W&B keeps the first record of a
+        step."""
         self._run.log(scalars, step=step)
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ from rlhf.config.loader import load_config
 from rlhf.config.schema import ConfigError, SFTRunConfig
 from rlhf.trainers.checkpoint import Checkpoints
 
-from conftest import kill_an_actor_once
+from shared_helpers import kill_an_actor_once
 from resume_helpers import _assert_identical, _overrides, _stop_and_resume
 
 pytestmark = pytest.mark.usefixtures("ray_session")

@@ -16,7 +16,9 @@ from transformers import AutoModelForCausalLM
 from rlhf.batch import Batch
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
-from rlhf.distributed.worker import StepResult
+from rlhf.distributed.engine import EngineSpec
+from rlhf.distributed.group import WorkerGroup
+from rlhf.distributed.worker import RankStepResult
 from rlhf.objectives.base import add_sums
 from rlhf.objectives.rl import PolicyObjective, TokenLogps
 from rlhf.trainers.rl import RLActors, RLTrainer, _largest
@@ -24,12 +26,15 @@ from rlhf.trainers.rl import RLActors, RLTrainer, _largest
 ROWS = 16  # the rollout batch; optimizer steps of 4 -> 4 of them per RL step
 
 
-class InProcessGroup:
-    """What RLTrainer.update needs of a WorkerGroup: per-rank sums of the objective (forward only, no update) and
-    the LR position it was asked for. Records every call."""
+class InProcessGroup(WorkerGroup):
+    """A WorkerGroup whose ranks run in this process: the real :meth:`WorkerGroup.train_batch` (cutting and
+    counting), over a ``train_step`` that returns per-rank sums of the objective (forward only, no update) and the
+    LR position it was asked for. Records every call."""
 
-    def __init__(self, model):
+    def __init__(self, model, micro: int, ranks: int):  # no actors: none of WorkerGroup.__init__ is needed
         self.model, self.calls = model, []
+        self.role, self.size, self.trainable = "policy", ranks, True
+        self.engine_spec = EngineSpec.for_global_batch(4, micro, ranks)
 
     def train_step(self, per_rank, objective, normalizer, schedule_step=None):
         self.calls.append((len(per_rank), [len(mb) for mb in per_rank[0]], normalizer, schedule_step))
@@ -39,7 +44,7 @@ class InProcessGroup:
                 sums = {}
                 for mb in micro_batches:
                     sums = add_sums(sums, objective.loss(self.model, mb)[1])
-                results.append(StepResult(sums=sums, grad_norm=1.0 + schedule_step, lr=0.01 * (schedule_step + 1)))
+                results.append(RankStepResult(sums=sums, grad_norm=1.0 + schedule_step, lr=0.01 * (schedule_step + 1)))
         return results
 
 
@@ -77,8 +82,8 @@ def _config(micro: int, ranks: int, ppo_epochs: int = 1) -> RLRunConfig:
 
 
 def _update(cfg, objective, model, batch, rl_step):
-    group = InProcessGroup(model)
-    trainer = RLTrainer(cfg, None, None, None, RLActors(policy=group, engines=None), None, objective, None, None)
+    group = InProcessGroup(model, cfg.train.micro_batch_size, cfg.train.num_workers)
+    trainer = RLTrainer(cfg, None, None, None, RLActors(policy=group, engines=None), None, objective, None)
     return trainer.update(batch, rl_step), group.calls
 
 

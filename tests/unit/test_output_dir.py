@@ -43,7 +43,7 @@ class _Saver:
 def _write_run(out, finished=True, checkpoint=False, wandb=False, steps=(1,)):
     """A run directory as the toolkit's writers leave it: config.yaml, metrics/eval rows with TensorBoard events,
     optionally a checkpoint, final/, W&B files."""
-    from rlhf.trainers.offline import save_final
+    from rlhf.trainers.run import save_final
 
     cfg = _cfg(out, "logging.tensorboard=true", f"logging.wandb={'true' if wandb else 'false'}")
     os.makedirs(out, exist_ok=True)
@@ -241,7 +241,7 @@ def test_a_restart_before_the_first_checkpoint_starts_over_in_the_directory_it_o
     """train.on_failure=restart: the invocation claimed the directory once; its second attempt (resume=true, set by
     with_restarts) finds the first attempt's logs and no checkpoint, and starts over instead of being refused."""
     from rlhf.distributed.errors import WorkerError
-    from rlhf.trainers.runner import with_restarts
+    from rlhf.trainers.run import with_restarts
 
     out = str(tmp_path / "run")
     attempts = []
@@ -268,14 +268,14 @@ def test_a_restart_before_the_first_checkpoint_starts_over_in_the_directory_it_o
 
 def test_the_sft_cli_refuses_before_ray_starts_and_leaves_the_run_untouched(tmp_path, monkeypatch, capsys):
     from rlhf.cli.common import run_cli
-    from rlhf.trainers import runner
+    from rlhf.trainers import run
     from rlhf.trainers.sft import train_sft
 
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray was started")
 
-    monkeypatch.setattr(runner, "start_cluster", no_ray)
-    monkeypatch.setattr("rlhf.distributed.cluster.init_ray", no_ray)
+    monkeypatch.setattr(run, "start_cluster", no_ray)
+    monkeypatch.setattr(run, "init_ray", no_ray)
     out = str(tmp_path / "run")
     _write_run(out)
     before = _snapshot(out)
@@ -289,7 +289,7 @@ def test_the_sft_cli_refuses_before_ray_starts_and_leaves_the_run_untouched(tmp_
 
 def test_the_rl_runner_refuses_before_reading_anything(tmp_path):
     from rlhf.config.rl_schema import RLRunConfig
-    from rlhf.trainers.rl_runner import train_rl
+    from rlhf.trainers.rl_runner import train_ppo
 
     out = str(tmp_path / "run")
     _write_run(out)
@@ -297,7 +297,7 @@ def test_the_rl_runner_refuses_before_reading_anything(tmp_path):
     cfg = load_config(RLRunConfig, "grpo_tiny", ["model.path=/no/model", "data.train_path=/no/prompts.jsonl",
                                                  f"train.output_dir={out}"])
     with pytest.raises(ConfigError, match=r"holds a run .*train\.resume=true.*train\.overwrite=true"):
-        train_rl(cfg)  # model.path does not exist: the claim comes first
+        train_ppo(cfg)  # model.path does not exist: the claim comes first
     assert _snapshot(out) == before
 
 

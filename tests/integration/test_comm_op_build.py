@@ -18,7 +18,7 @@ import pytest
 
 from rlhf.distributed.cluster import BUILD_MESSAGE, SHM_COMM_OP, _comm_op_inputs, cpu_comm_op_built
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENSURE = "import sys; from rlhf.distributed.cluster import ensure_cpu_comm_op; print(ensure_cpu_comm_op(sys.argv[1]))"
 
 pytestmark = pytest.mark.skipif(_comm_op_inputs() is None, reason="DeepSpeed builds the op on Linux only")

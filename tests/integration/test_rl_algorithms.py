@@ -68,7 +68,7 @@ def test_rloo_with_dual_clip_and_tis(tiny_model, rl_prompts, rl_shaping, tmp_pat
     the trainer's log-prob is the higher one (~1/5 of them here; where the two agree exactly the weight is 1), and the
     mean weight stays ~1. Seen: dual_clip_frac 0.13 at both steps, tis_capped_frac 0.23 and 0.21. That these corrections
     change the update as the formulas say is shown at the unit level, with large ratios and mismatches, in
-    tests/test_rl_reference.py (``test_dual_clip_and_tis_change_the_update_as_written``)."""
+    tests/integration/test_rl_reference.py (``test_dual_clip_and_tis_change_the_update_as_written``)."""
     rows, _ = run_rl(tiny_model, rl_prompts, rl_shaping, str(tmp_path / "rloo"), "algo.advantage_estimator=rloo",
                      "algo.dual_clip=1.05", "algo.tis_cap=1.0", "algo.kl_coef=0", "algo.ppo_epochs=2",
                      "train.lr=3e-3")

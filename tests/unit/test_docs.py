@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rlhf.config import DPORunConfig, describe_keys
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GENERATOR = ROOT / "docs" / "gen_config_reference.py"
 REFERENCE = ROOT / "docs" / "configuration.md"
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from rlhf.distributed.errors import WorkerError
-from rlhf.rollout.vllm_engine import EngineSpec, SamplingSpec
+from rlhf.rollout.vllm_engine import SamplingSpec, VLLMSpec
 from rlhf.rollout.weight_sync import ALIGN, bucket_groups, pack_bucket, unpack_bucket
 
-from conftest import wait_until_dead
+from shared_helpers import wait_until_dead
 from rl_helpers import greedy_reference
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -23,8 +23,8 @@ NEW_TOKENS = 6
 
 
 def _greedy(engines, prompt_ids, max_new_tokens, stop_token_ids=()):
-    return engines.generate(prompt_ids, lambda engine, first: SamplingSpec(
-        max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids))
+    return engines.generate(prompt_ids, SamplingSpec(max_new_tokens=max_new_tokens, temperature=0.0,
+                                                     stop_token_ids=stop_token_ids))
 
 
 def _assert_engine_matches(engines, model, tokenizer):
@@ -53,7 +53,7 @@ def engine(tiny_model):
     from rlhf.distributed.cluster import actor_env
     from rlhf.rollout.engines import RolloutEngines
 
-    engines = RolloutEngines(EngineSpec(model_path=tiny_model, max_model_len=128), num_engines=2,
+    engines = RolloutEngines(VLLMSpec(model_path=tiny_model, max_model_len=128), num_engines=2,
                              cpus_per_engine=0.5, env_vars=actor_env(0))
     yield engines
     engines.shutdown()
@@ -61,14 +61,14 @@ def engine(tiny_model):
 
 def _policy(model_path, num_workers=2, zero_stage=3):
     from rlhf.distributed.cluster import actor_env
-    from rlhf.distributed.engine import EngineSpec as DSEngineSpec
+    from rlhf.distributed.engine import EngineSpec
     from rlhf.distributed.engine import OptimSpec
     from rlhf.distributed.group import GroupResources, WorkerGroup
     from rlhf.models.loading import ModelSpec
 
     policy = WorkerGroup("policy", GroupResources(num_workers=num_workers, cpus_per_worker=0.5,
                                                   env_vars=actor_env(0)), "gloo")
-    policy.build(ModelSpec(path=model_path), DSEngineSpec(zero_stage=zero_stage, precision="fp32", micro_batch_size=1,
+    policy.build(ModelSpec(path=model_path), EngineSpec(zero_stage=zero_stage, precision="fp32", micro_batch_size=1,
                                                           grad_accum_steps=1), OptimSpec(lr=1e-3, total_steps=1))
     return policy
 

@@ -1,6 +1,6 @@
 """Weight-sync parts without vLLM: transport selection and fallback, sender shapes, and the two process-crossing
 primitives for real (a gloo weight-sync group between processes; a shared-memory handle opened by another
-process, the CPU twin of a CUDA IPC handle). The engines themselves: tests/test_vllm_rollout.py."""
+process, the CPU twin of a CUDA IPC handle). The engines themselves: tests/integration/test_vllm_rollout.py."""
 from __future__ import annotations
 
 import subprocess

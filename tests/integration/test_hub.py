@@ -20,7 +20,7 @@ from rlhf.config.schema import ConfigError, SFTRunConfig
 from rlhf.data.io import DataError, read_rows
 from rlhf.hub import is_hub_ref, model_dir, parse_ref, pin_run_sources
 
-from conftest import uneven_pair_rows, uneven_sft_rows
+from shared_helpers import uneven_pair_rows, uneven_sft_rows
 
 SHA = "1" * 40  # main of org/tiny and org/data
 OLD_SHA = "0" * 40  # an older commit of org/tiny (tag v0)

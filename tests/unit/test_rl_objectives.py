@@ -399,7 +399,7 @@ def test_sequence_scores_match_hf_pooling(critic):
 
 @pytest.mark.parametrize("mode", ["whiten", "scale"])
 def test_advantage_whitening_options_use_the_whole_rollout_batch(mode):
-    from rlhf.trainers.rl_experience import advantages_for
+    from rlhf.rl import advantages_for
 
     mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0], [0, 1, 0, 0], [0, 1, 1, 1]])
     batch = Batch(input_ids=torch.ones(4, 4, dtype=torch.long), attention_mask=torch.ones(4, 4, dtype=torch.long),

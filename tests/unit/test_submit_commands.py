@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import List, Tuple
 
 import pytest
-from conftest import run_main
+from shared_helpers import run_main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER_DIR = ROOT / "examples" / "launchers"
 LAUNCHERS = sorted(p for p in LAUNCHER_DIR.glob("*.sh") if p.name != "submit.sh")
 # Every file that may show a submit command (submit.sh is run below instead: its command is built from variables).

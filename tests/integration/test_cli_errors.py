@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import uneven_sft_rows, write_jsonl
+from shared_helpers import uneven_sft_rows, write_jsonl
 
 
 def _cli(module, *overrides, cwd=None):
@@ -46,6 +46,15 @@ def test_a_dotted_key_in_a_yaml_file_is_read(tiny_model, sft_data, tmp_path):
     proc = _cli("train_sft", "--config", str(config), f"train.output_dir={tmp_path / 'o'}")
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: unknown config key 'train.learning_rate'; did you mean 'train.lr'?"
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  path: /m\ntrain:\n  lr: [1\n  seed: 3\n")
+    proc = _cli("train_sft", "--config", str(config))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: {config}:5:7: invalid YAML: expected ',' or ']', but got ':' "
+                                   "(while parsing a flow sequence, line 4)")
 
 
 def test_indivisible_global_batch_names_the_keys(tiny_model, sft_data, tmp_path):

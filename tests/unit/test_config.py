@@ -481,8 +481,13 @@ def test_yaml_section_set_to_scalar(tmp_path):
 
 
 def test_bad_yaml_files(tmp_path):
-    assert "invalid YAML" in _error(SFTRunConfig, _write(tmp_path / "bad.yaml", "train: [1\n"))
+    bad = _write(tmp_path / "bad.yaml", "model:\n  path: /m\ntrain:\n  lr: [1\n  seed: 3\n")
+    assert _error(SFTRunConfig, bad) == (  # one line: file, line and column, PyYAML's problem and its context
+        f"{bad}:5:7: invalid YAML: expected ',' or ']', but got ':' (while parsing a flow sequence, line 4)")
     assert "top level must be a mapping" in _error(SFTRunConfig, _write(tmp_path / "list.yaml", "- 1\n"))
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe")  # was a UnicodeDecodeError traceback
+    assert _error(SFTRunConfig, binary).startswith(f"cannot read config file {binary}: ")
 
 
 def _error_without_required(cls: type, config_file: str | None, overrides: list[str]) -> str:

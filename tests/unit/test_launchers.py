@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_main
+from shared_helpers import run_main
 
 from rlhf.config import DPORunConfig, RewardModelRunConfig, SFTRunConfig, load_config
 from rlhf.config.rl_schema import RLRunConfig
@@ -29,7 +29,7 @@ from rlhf.distributed.packing import (InfeasiblePlan, NodeShape, check_feasible,
 from rlhf.distributed.resource_plan import (ActorPlan, Devices, GroupPlan, ResourcePlan, offline_plan, resolve_devices,
                                             rl_plan, trainer_role)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = sorted(p for p in (ROOT / "examples" / "launchers").glob("*.sh") if p.name != "submit.sh")
 ENV = {"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
        "RAY_USAGE_STATS_ENABLED": "0"}
@@ -344,7 +344,10 @@ class _Recorder:
 
         monkeypatch.setattr("rlhf.distributed.placement.Placement", Placement)
         monkeypatch.setattr("rlhf.distributed.group.WorkerGroup", WorkerGroup)
+        monkeypatch.setattr("rlhf.trainers.run.Placement", Placement)  # where RunContext makes them
+        monkeypatch.setattr("rlhf.trainers.run.WorkerGroup", WorkerGroup)
         monkeypatch.setattr("rlhf.rollout.engines.RolloutEngines", RolloutEngines)
+        monkeypatch.setattr("rlhf.trainers.rl_runner.RolloutEngines", RolloutEngines)  # where the RL runner starts them
         monkeypatch.setattr("rlhf.trainers.rl_runner._connect_weight_sync", lambda *a, **k: None, raising=False)
 
     @staticmethod
@@ -371,7 +374,7 @@ RL_VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(RL_VARIANTS))
 def test_rl_runner_requests_what_the_plan_says(variant, gpus, monkeypatch):
     from rlhf.trainers import rl_runner
-    from rlhf.trainers.offline import RunContext
+    from rlhf.trainers.run import RunContext
 
     cfg = load_config(RLRunConfig, "grpo_tiny", ["model.path=/m", "data.train_path=/d", *RL_VARIANTS[variant]])
     rec = _Recorder(monkeypatch)
@@ -396,8 +399,8 @@ class _Stop(Exception):
 @pytest.mark.parametrize("kind", sorted(OFFLINE))
 def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, pair_data, tmp_path, monkeypatch):
     """The offline runner up to its first step (groups built, the DPO reference attached), on stand-ins."""
-    from rlhf.trainers import runner
-    from rlhf.trainers.offline import RunContext
+    from rlhf.trainers import offline, run
+    from rlhf.trainers.run import RunContext
 
     cls, preset, builder, role = OFFLINE[kind]
     data = sft_data if kind == "sft" else pair_data
@@ -416,11 +419,11 @@ def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, 
     def stop(*args, **kwargs):
         raise _Stop
 
-    monkeypatch.setattr(runner, "start_cluster", start_cluster)
-    monkeypatch.setattr(runner, "train_with_rewinds", stop)
+    monkeypatch.setattr(run, "start_cluster", start_cluster)
+    monkeypatch.setattr(run.Run, "train", stop)
     module, fn = builder.split(":")
     with pytest.raises(_Stop):
-        runner._run_offline_once(cfg, getattr(importlib.import_module(module), fn), role)
+        offline._run_offline_once(cfg, getattr(importlib.import_module(module), fn), role)
     assert trainer_role(cfg) == role
     plan = offline_plan(cfg, 1.0, role)
     assert (rec.requests, rec.actors) == _Recorder.of(plan)
@@ -429,7 +432,7 @@ def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, 
 
 def test_dry_run_prints_the_requests_the_runner_makes(monkeypatch, capsys):
     from rlhf.trainers import rl_runner
-    from rlhf.trainers.offline import RunContext
+    from rlhf.trainers.run import RunContext
 
     overrides = ["model.path=/m", "data.train_path=/d", *RL_VARIANTS["gae_critic_reward"]]
     rc, out, err = _cli("rlhf.cli.train_ppo", ["--config", "grpo_tiny", *overrides, "--dry-run", "--cluster",

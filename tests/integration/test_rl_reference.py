@@ -178,7 +178,7 @@ class Groups:
         from concurrent.futures import ThreadPoolExecutor
 
         from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
-        from rlhf.trainers.runner import optim_spec
+        from rlhf.trainers.run import optim_spec
 
         if layout == self.layout:
             return
@@ -215,7 +215,7 @@ class Groups:
 
 @pytest.fixture(scope="module")
 def actors(ray_session, paths, tmp_path_factory):
-    from rlhf.trainers.offline import RunContext
+    from rlhf.trainers.run import RunContext
 
     started = time.perf_counter()
     cfg = _config("fp32-zero2-zero3")
@@ -238,7 +238,7 @@ def _run_step(cfg, actors, rollout, tmp_path):
     from safetensors.torch import load_file
 
     from rlhf.trainers.rl import RLActors, RLTrainer
-    from rlhf.trainers.rl_experience import rollout_batch
+    from rlhf.rl import rollout_batch
     from rlhf.trainers.rl_runner import _objectives
 
     a = cfg.algo
@@ -249,7 +249,7 @@ def _run_step(cfg, actors, rollout, tmp_path):
                      reference=actors["reference"] if a.kl_coef > 0 else None,
                      critic=actors["critic"] if a.needs_critic else None)
     policy_objective, value_objective = _objectives(cfg)
-    trainer = RLTrainer(cfg, rollout["tokenizer"], None, None, roles, None, policy_objective, value_objective, None)
+    trainer = RLTrainer(cfg, rollout["tokenizer"], None, None, roles, None, policy_objective, value_objective)
     tokenizer = rollout["tokenizer"]
     batch = rollout_batch(rollout["samples"], tokenizer.pad_token_id)
     batch = trainer.annotate(batch)
@@ -399,10 +399,10 @@ def test_dual_clip_and_tis_change_the_update_as_written(rollout, initial_models)
     pi_old is moved away from the current policy (log-ratios ~ N(0, 0.5^2): ratios up to ~e^1.5) and the engine's
     log-probs away from pi_old (the same spread), with advantages of both signs, so both corrections bind on a
     sizeable share of the tokens (an RL step on the tiny model has ratios and mismatches too close to 1 for that:
-    tests/test_rl_algorithms.py only shows them binding in a run)."""
+    tests/integration/test_rl_algorithms.py only shows them binding in a run)."""
     from rlhf.objectives.rl import PolicyObjective
     from rlhf.ops.policy_loss import PolicyLossConfig
-    from rlhf.trainers.rl_experience import rollout_batch
+    from rlhf.rl import rollout_batch
 
     model = copy.deepcopy(initial_models["policy"]).train()
     samples = [(s.prompt_ids, s.response_ids) for s in rollout["samples"]]

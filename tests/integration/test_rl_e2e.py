@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from conftest import kill_an_actor_once
+from shared_helpers import kill_an_actor_once
 from rl_helpers import check_rows, run_rl
 
 pytestmark = pytest.mark.usefixtures("ray_session")

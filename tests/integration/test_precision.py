@@ -22,7 +22,7 @@ from rlhf.config.schema import ConfigError
 from rlhf.data.tokenize import collate_pairs, collate_sft, tokenize_pairs, tokenize_sft
 from rlhf.distributed.engine import EngineSpec, OptimSpec, build_ds_config
 
-from conftest import uneven_pair_rows, uneven_sft_rows
+from shared_helpers import uneven_pair_rows, uneven_sft_rows
 from precision_helpers import in_parallel as _in_parallel, started_groups, step as _step
 
 pytestmark = pytest.mark.usefixtures("ray_session")

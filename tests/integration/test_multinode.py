@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from rl_helpers import greedy_reference
 from rl_reference_math import clipped_adamw_first_step, weight_agreement
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Runs in its own process: the session's Ray cluster must not be the one joined.
 SCRIPT = r'''
@@ -34,7 +34,7 @@ from rlhf.distributed.group import GroupResources, WorkerGroup
 from rlhf.models.loading import ModelSpec
 from rlhf.objectives.sft import SFTObjective
 from rlhf.rollout.engines import RolloutEngines
-from rlhf.rollout.vllm_engine import EngineSpec as VLLMSpec, SamplingSpec
+from rlhf.rollout.vllm_engine import SamplingSpec, VLLMSpec
 
 model_path, out_dir = sys.argv[1], sys.argv[2]
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
@@ -57,7 +57,7 @@ engines = RolloutEngines(VLLMSpec(model_path=model_path, max_model_len=64), num_
 engines.connect_weight_sync(group, "broadcast", bucket_bytes=1 << 20, backend="gloo")
 sync = group.push_weights()
 group.save_pretrained(os.path.join(out_dir, "trained"))
-gens = engines.generate([[1, 5, 6], [1, 8, 9, 4]], lambda e, s: SamplingSpec(max_new_tokens=5, temperature=0.0))
+gens = engines.generate([[1, 5, 6], [1, 8, 9, 4]], SamplingSpec(max_new_tokens=5, temperature=0.0))
 print("RESULT " + json.dumps({"nodes": [p["node"] for p in group.placements()],
                   "engine_nodes": [p["node"] for p in engines.placements()],
                   "grad_norms": [r.grad_norm for r in results], "lr": results[0].lr, "sync": sync,

@@ -6,7 +6,7 @@ import pytest
 from rlhf.distributed.cluster import actor_env
 from rlhf.distributed.group import GroupResources, WorkerError, WorkerGroup
 
-from conftest import wait_until_dead
+from shared_helpers import wait_until_dead
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

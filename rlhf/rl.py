@@ -1,0 +1,106 @@
+"""What a custom online-RL loop needs, in one place (docs/custom_loops.md walks a loop built from it).
+
+One RL step from these parts::
+
+    generations = engines.generate(prompt_ids, SamplingSpec(...))             # rlhf.rollout
+    batch = rollout_batch(generations, pad_id)                                 # (B, T), responses masked
+    batch = batch.replace(old_logps=policy.score_batch(batch, TokenLogps()))   # pi_old per token
+    batch, _ = advantages_for(batch, rewards, group_ids, estimator="rloo")     # over the whole rollout batch
+    result = policy.train_batch(batch, PolicyObjective())                      # one exact optimizer step
+    policy.push_weights()                                                      # into the engines
+
+The worker group cuts the batch into ranks and micro-batches and counts the loss normalizer over the whole batch
+(:meth:`rlhf.distributed.group.WorkerGroup.train_batch`); the advantages see every sample of the rollout (group
+baselines and whitening never see a micro-batch). Nothing here starts an actor.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+from rlhf.batch import Batch, pad_sequences
+from rlhf.objectives.rl import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
+from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages, token_level_rewards, whiten
+from rlhf.ops.kl import kl_estimate
+from rlhf.ops.policy_loss import PolicyLossConfig
+from rlhf.rollout.engines import RolloutEngines
+from rlhf.rollout.vllm_engine import Generation, SamplingSpec, VLLMSpec
+
+__all__ = ["ADVANTAGE_ESTIMATORS", "Generation", "PolicyLossConfig", "PolicyObjective", "RolloutEngines",
+           "SamplingSpec", "SequenceScores", "TokenLogps", "TokenValues", "VLLMSpec", "ValueObjective",
+           "advantages_for", "logp_mismatch", "rollout_batch"]
+
+# Estimators that compare the samples of one prompt: they need each sample's group id.
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
+def rollout_batch(generations: Sequence, pad_id: int) -> Batch:
+    """Generations (``rlhf.rollout.vllm_engine.Generation``) -> one right-padded ``(B, T)`` batch.
+
+    ``input_ids`` = prompt + response, ``loss_mask`` on the response tokens, ``rollout_logps`` = the engine's
+    sampling log-probs placed on the response columns, ``sample_index`` = the generation's position.
+    """
+    seqs = [list(g.prompt_ids) + list(g.response_ids) for g in generations]
+    ids = pad_sequences(seqs, pad_id)
+    width = ids.shape[1]
+    mask = torch.zeros_like(ids)
+    rollout = torch.zeros(ids.shape, dtype=torch.float32)
+    for row, g in enumerate(generations):
+        start, end = len(g.prompt_ids), len(g.prompt_ids) + len(g.response_ids)
+        mask[row, start:end] = 1
+        rollout[row, start:end] = torch.tensor(g.response_logps, dtype=torch.float32)
+    return Batch(input_ids=ids, attention_mask=pad_sequences([[1] * len(s) for s in seqs], 0, width),
+                 loss_mask=mask, rollout_logps=rollout, sample_index=torch.arange(len(seqs)))
+
+
+def advantages_for(batch: Batch, scores: Union[torch.Tensor, Sequence[float]],
+                   group_ids: Union[torch.Tensor, Sequence[int], None] = None, *, estimator: str,
+                   gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, kl_estimator: str = "k3",
+                   kl_in_reward: bool = False, whiten_advantages: str = "none") -> Tuple[Batch, dict]:
+    """Attach ``advantages`` and ``returns`` (``(B, T)``) to the whole rollout batch; returns it with KL stats.
+
+    Args:
+        batch: the rollout batch; ``old_logps`` (and ``ref_logps`` for a KL in the reward), ``values`` for
+            ``gae``.
+        scores: ``(B,)`` sequence rewards.
+        group_ids: ``(B,)`` the prompt of each sample; needed by the group estimators (:data:`GROUP_ESTIMATORS`).
+        estimator: a name of :data:`ADVANTAGE_ESTIMATORS` (``gae``, ``grpo``, ``dr_grpo``, ``rloo``,
+            ``reinforce_pp``, ...). The defaults are the estimators' own: no discount, ``lam`` 1, no KL,
+            no extra whitening (REINFORCE++ whitens as part of the estimator).
+        kl_in_reward: subtract ``kl_coef x KL(old || ref)`` (``kl_estimator``) per token from the reward.
+        whiten_advantages: ``none``; ``whiten`` (subtract the batch mean, divide by the batch std, over every
+            response token of the whole rollout batch); ``scale`` (divide by the std only, keeping each sign).
+    """
+    ADVANTAGE_ESTIMATORS.get(estimator)  # an unknown name is refused with the valid ones
+    if estimator in GROUP_ESTIMATORS and group_ids is None:
+        raise ValueError(f"estimator {estimator!r} compares the samples of a prompt: pass group_ids (B,)")
+    if estimator == "gae" and batch.values is None:
+        raise ValueError("estimator 'gae' needs batch.values (the critic's, e.g. critic.score_batch(batch, "
+                         "TokenValues()))")
+    # float64 when the policy's log-probs are (strategy.precision=fp64): the advantages are then float64 too
+    fp64 = batch.old_logps is not None and batch.old_logps.dtype == torch.float64
+    mask = batch.loss_mask.to(torch.float64 if fp64 else torch.float32)
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    scores = scores.double() if fp64 else scores
+    groups = None if group_ids is None else torch.as_tensor(group_ids, dtype=torch.long)
+    kl = None
+    if kl_in_reward and kl_coef > 0:
+        kl = kl_estimate(kl_estimator, batch.old_logps, batch.ref_logps) * mask
+    rewards = token_level_rewards(scores, mask, kl, kl_coef if kl is not None else 0.0)
+    inputs = AdvantageInputs(token_rewards=rewards, scores=scores, response_mask=mask, values=batch.values,
+                             group_ids=groups, gamma=gamma, lam=lam)
+    advantages, returns = compute_advantages(estimator, inputs)
+    if whiten_advantages != "none":
+        advantages = whiten(advantages, mask, shift_mean=whiten_advantages == "whiten")
+    stats = {"reward_kl_penalty": float((kl * kl_coef).sum() / mask.sum().clamp(min=1)) if kl is not None else 0.0}
+    return batch.replace(advantages=advantages, returns=returns), stats
+
+
+def logp_mismatch(batch: Batch) -> Optional[float]:
+    """Mean |trainer log-prob - vLLM log-prob| over response tokens (same weights, same tokens): ~1e-7 when
+    every weight sync landed."""
+    if batch.old_logps is None or batch.rollout_logps is None:
+        return None
+    mask = batch.loss_mask.float()
+    return float(((batch.old_logps - batch.rollout_logps).abs() * mask).sum() / mask.sum().clamp(min=1))

@@ -1,0 +1,309 @@
+"""One training run's lifecycle, the same for every trainer (SFT, RM, DPO, online RL).
+
+A trainer gives the run its :class:`Steps` (how to train one step, evaluate, and print a row); the run owns the
+rest::
+
+    run = Run(cfg, name, plan, identity)            # checkpoints and output dir checked: before any actor starts
+    with run.cluster(needed_cpus) as ctx:           # Ray joined; every group and placement shut down on exit
+        ... build the worker groups through ctx ...
+        last = run.train(steps, trained)             # restore -> the step loop under the health guard
+        return run.finish(policy, tokenizer, last)   # final/ saved atomically
+
+The step loop is the only one: for each step of the plan after the restored one, a step in ``train.skip_steps``
+logs a ``skipped`` row; any other logs ``steps.train(step)``'s row, which the health guard then checks (before the
+step is checkpointed); held-out evaluation follows when due; then the checkpoint, which may end the run
+(``train.stop_after_steps``). With ``health.action=skip`` a tripped guard rewinds to the newest checkpoint and
+the loop runs again with the tripping step skipped (:meth:`Run._train_with_rewinds`).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, Iterator, List, Optional, Protocol, Tuple
+
+from rlhf.config.deepspeed_check import check_user_config
+from rlhf.config.schema import ConfigError
+from rlhf.data.plan import EpochPlan, StepPlan
+from rlhf.distributed.cluster import actor_env, cluster_gpus, init_ray
+from rlhf.distributed.engine import EngineSpec, OptimSpec
+from rlhf.distributed.errors import WorkerError
+from rlhf.distributed.group import GroupResources, WorkerGroup
+from rlhf.distributed.placement import Placement
+from rlhf.distributed.resource_plan import resolve_devices
+from rlhf.models.loading import ModelSpec
+from rlhf.trainers.checkpoint import RunCheckpoints
+from rlhf.trainers.health import TrainingHealthError, check_health, guard_from_config
+from rlhf.trainers.output_dir import prepare_output_dir
+from rlhf.utils.metrics import (SKIPPED_NOTE, Progress, RunWriters, format_row, progress_bar_setting, read_metrics,
+                                skipped_row)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    output_dir: str
+    steps: int
+    final_metrics: dict
+    final_dir: Optional[str]
+    stopped_at: Optional[int] = None  # train.stop_after_steps ended the run here (a checkpoint is there)
+
+
+class Steps(Protocol):
+    """What a trainer gives :class:`Run`: one step, held-out evaluation, and how its rows read on the console."""
+
+    name: str  # the run's name in console lines and checkpoints: sft | rm | dpo | rl
+    watched: Tuple[str, ...]  # row keys the health guard keeps finite
+    zero_loss_key: Optional[str]  # a row key whose exact 0 the guard reports (None: a zero loss can be legitimate)
+    eval_console_keys: Tuple[str, ...]  # the evaluation row's keys printed on the console
+    evaluates_start: bool  # evaluate the starting model (step 0) before the first step of a fresh run
+    has_eval: bool  # held-out data is set: evaluate every train.eval_every steps and after the last
+
+    def resume(self) -> None:
+        """Called before training continues from restored state (a resume or a rewind)."""
+
+    def train(self, step: StepPlan) -> dict:
+        """Train ``step``; returns its row (``step``, ``epoch`` and the metrics)."""
+
+    def evaluate(self, step: Optional[StepPlan]) -> dict:
+        """The held-out row after ``step`` (``None``: the starting model)."""
+
+    def console(self, row: dict, progress: Progress) -> str:
+        """The console line of a trained step's row."""
+
+
+class Run:
+    """Checkpoints, metric writers, the health guard, progress and rewinds around a trainer's :class:`Steps`."""
+
+    def __init__(self, cfg, name: str, plan: EpochPlan, identity: dict) -> None:
+        """Checks ``train.skip_steps`` against the plan, that a checkpoint in ``train.output_dir`` belongs to this
+        run (``identity``: what a resumed run must share with it), and claims the output directory. Nothing starts."""
+        self.cfg, self.name, self.plan = cfg, name, plan
+        check_skip_steps(cfg.train, plan.total_steps)
+        self.checkpoints = RunCheckpoints(cfg.train, identity, name)
+        self.checkpoints.prepare()  # a checkpoint of another run fails here, before anything is written or started
+        prepare_output_dir(cfg, self.checkpoints)  # an old run there is refused, or deleted; config.yaml written
+        self.writers: Optional[RunWriters] = None
+        self.trained: Dict[str, WorkerGroup] = {}  # the trainable groups by role: what checkpoints hold
+
+    @contextlib.contextmanager
+    def cluster(self, needed_cpus: float) -> Iterator["RunContext"]:
+        """Join or start Ray for ``needed_cpus``; on exit the metric files are closed and every group shut down."""
+        ctx = start_cluster(self.cfg, needed_cpus)
+        try:
+            yield ctx
+        finally:
+            if self.writers is not None:
+                self.writers.close()
+            ctx.shutdown()
+
+    def train(self, steps: Steps, trained: Dict[str, WorkerGroup]) -> dict:
+        """Restore the ``trained`` groups (by role) from the newest checkpoint, then train the rest of the plan;
+        returns the last step's row."""
+        self.trained = trained
+        done = self.checkpoints.restore(trained)
+        self.writers = RunWriters(self.cfg, resume_after=done or None, with_eval=steps.has_eval)
+        return self._train_with_rewinds(steps, trained, done)
+
+    def finish(self, policy, tokenizer, last: dict) -> RunResult:
+        """The run's result: ``final/`` saved unless ``train.stop_after_steps`` ended it early (its checkpoint is
+        what there is then) or ``train.save_final`` is off."""
+        t, total = self.cfg.train, self.plan.total_steps
+        if self.checkpoints.stopped_early:
+            return RunResult(output_dir=t.output_dir, steps=total, final_metrics=last, final_dir=None,
+                             stopped_at=last.get("step"))
+        final_dir = save_final(policy, tokenizer, t.output_dir) if t.save_final else None
+        if final_dir:
+            print(f"[{self.name}] saved {final_dir}", flush=True)
+        return RunResult(output_dir=t.output_dir, steps=total, final_metrics=last, final_dir=final_dir)
+
+    # ------------------------------------------------------------------ the loop
+    def _train_with_rewinds(self, steps: Steps, trained: Dict[str, WorkerGroup], done: int) -> dict:
+        """The step loop from step ``done + 1`` under the health guard.
+
+        With ``health.action=skip``, a guard that trips at step ``k`` does not end the run: the ``trained`` groups
+        are loaded from the newest checkpoint (step ``c < k``: the guard runs before a step's checkpoint), the
+        metric files go back to ``c``, ``k`` joins the skipped steps, and training goes on from ``c + 1``. Steps
+        ``c+1 .. k-1`` replay exactly, so the run ends as one started with ``k`` in ``train.skip_steps`` (the
+        large-run recipe of rewinding past a loss spike and skipping its data, Chowdhery et al. 2022, PaLM
+        sec. 5.1).
+        """
+        h = self.cfg.health
+        skip_steps = set(self.cfg.train.skip_steps)
+        if h.action == "skip":
+            self.checkpoints.save_start(trained)  # a trip before the first save_every checkpoint rewinds to the start
+        skipped_here, first = 0, True
+        while True:
+            guard = guard_from_config(h, steps.watched, zero_loss_key=steps.zero_loss_key)
+            if guard is not None:  # decide as the uninterrupted run would: its statistics from the rows kept
+                guard.observe([row for row in read_metrics(self.writers.metrics.path) if row["step"] <= done])
+            try:
+                return self._fit(steps, done, frozenset(skip_steps), guard, first)
+            except TrainingHealthError as exc:
+                if h.action != "skip" or exc.step is None:
+                    raise
+                if skipped_here >= h.max_skips:
+                    raise TrainingHealthError(f"{exc}; stopped: health.max_skips={h.max_skips} steps were skipped "
+                                              f"already", step=exc.step) from None
+                skipped_here, first = skipped_here + 1, False
+                done = self.checkpoints.rewind(trained)
+                self.writers.rewind(done)
+                skip_steps.add(exc.step)
+                print(f"[health] {exc}; rewound to the checkpoint of step {done}, step {exc.step} will be skipped "
+                      f"(health.action=skip, {skipped_here}/{h.max_skips})", flush=True)
+
+    def _fit(self, steps: Steps, start_after: int, skip_steps: FrozenSet[int], guard, first: bool) -> dict:
+        """Steps ``start_after + 1 ..`` of the plan (each a pure function of the seed and its number, so a resume
+        or a rewind replays exactly); returns the last step's row."""
+        total = self.plan.total_steps
+        progress = Progress(total, start_after, progress_bar_setting(self.cfg.logging.progress_bar), desc=self.name)
+        try:
+            if first and start_after == 0:
+                if steps.evaluates_start and steps.has_eval:
+                    self._evaluate(steps, None, progress)
+            else:
+                steps.resume()
+            last: dict = {}
+            for step in self.plan.steps(start=start_after + 1):
+                if step.step in skip_steps:
+                    last = skipped_row(step.step, step.epoch)
+                    self._log(last, progress, f"[{self.name}] step {step.step}/{total} epoch {step.epoch} "
+                                              f"{SKIPPED_NOTE} ({progress.eta()})")
+                else:
+                    last = steps.train(step)
+                    self._log(last, progress, steps.console(last, progress), quiet=not self._prints(step.step))
+                    if guard is not None:
+                        check_health(guard, self.cfg.health.action, last)
+                if steps.has_eval and self._evaluation_due(step.step):
+                    self._evaluate(steps, step, progress)
+                if self.checkpoints.after_step(step.step, total, self.trained):
+                    break
+            return last
+        finally:
+            progress.close()
+
+    def _log(self, row: dict, progress: Progress, line: str, quiet: bool = False) -> None:
+        self.writers.metrics.log(row)
+        progress.advance(row["step"])
+        if not quiet:
+            progress.print(line)
+
+    def _prints(self, step: int) -> bool:
+        return step % self.cfg.logging.print_every == 0 or step == self.plan.total_steps
+
+    def _evaluation_due(self, step: int) -> bool:
+        every = self.cfg.train.eval_every
+        return step == self.plan.total_steps or bool(every and step % every == 0)
+
+    def _evaluate(self, steps: Steps, step: Optional[StepPlan], progress: Progress) -> None:
+        row = steps.evaluate(step)
+        self.writers.eval.log(row)
+        progress.print(f"[{self.name}] eval at step {row['step']}: " + format_row(row, steps.eval_console_keys))
+
+
+def check_skip_steps(t, total_steps: int) -> None:
+    """``train.skip_steps`` must name steps of the run (before any actor starts)."""
+    beyond = sorted(s for s in t.skip_steps if s > total_steps)
+    if beyond:
+        raise ConfigError(f"train.skip_steps: {beyond} past the run's last step ({total_steps})")
+
+
+def with_restarts(cfg, run) -> RunResult:
+    """``run(cfg)``; with ``train.on_failure=restart``, a dead or failing actor (:class:`WorkerError`) tears the
+    actors down and runs again from the newest checkpoint, at most ``train.max_restarts`` times."""
+    restarts = 0
+    while True:
+        try:
+            return run(cfg)
+        except WorkerError as exc:
+            t = cfg.train
+            if t.on_failure != "restart" or restarts >= t.max_restarts:
+                raise
+            restarts += 1
+            print(f"[restart {restarts}/{t.max_restarts}] {exc}; restarting from the newest checkpoint",
+                  flush=True)
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, resume=True))
+
+
+def save_final(policy, tokenizer, output_dir: str) -> str:
+    """Write ``output_dir/final`` atomically: a failed or interrupted save never leaves a ``final/``."""
+    final = os.path.join(output_dir, "final")
+    staging = os.path.join(output_dir, f".final.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    policy.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    return final
+
+
+def optim_spec(t, total_steps: int) -> OptimSpec:
+    """AdamW + schedule from ``train.*``; the schedule's horizon is the run's exact optimizer-step count."""
+    return OptimSpec(lr=t.lr, total_steps=total_steps, betas=tuple(t.adam_betas), eps=t.adam_eps,
+                     weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, scheduler=t.lr_scheduler,
+                     warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio)
+
+
+def run_identity(cfg, plan: EpochPlan) -> dict:
+    """What a checkpoint must share with the run that resumes it (see ``RunCheckpoints``)."""
+    t = cfg.train
+    return {"train.seed": t.seed, "train.global_batch_size": t.global_batch_size, "train.num_workers": t.num_workers,
+            "strategy.zero_stage": cfg.strategy.zero_stage, "steps in the run": plan.total_steps,
+            "examples in data.train_path": plan.num_samples}
+
+
+def start_cluster(cfg, needed_cpus: float) -> "RunContext":
+    """Join or start Ray; precision and backend follow the cluster's workers (the driver may have no GPU)."""
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, needed_cpus=needed_cpus)
+    devices = resolve_devices(cfg.strategy, cluster_gpus())  # what --dry-run resolves for its cluster too
+    user_ds_config = check_user_config(cfg, devices.precision)  # before any actor starts
+    return RunContext(cfg=cfg, precision=devices.precision, backend=devices.backend,
+                      gpus_per_worker=devices.gpus_per_worker, user_ds_config=user_ds_config)
+
+
+@dataclass
+class RunContext:
+    """The resolved run settings once Ray is up, and the factory of the run's worker groups (shut down on exit)."""
+
+    cfg: object
+    precision: str
+    backend: str
+    gpus_per_worker: float
+    groups: list = dataclasses.field(default_factory=list)  # every group started, for shutdown
+    placements: list = dataclasses.field(default_factory=list)  # shared placement groups, removed last
+    user_ds_config: Optional[dict] = None  # strategy.deepspeed_config, read and checked once
+
+    def model_spec(self, path: str, kind: str) -> ModelSpec:
+        m = self.cfg.model
+        return ModelSpec(path=path, kind=kind, precision=self.precision, attn_implementation=m.attn_implementation,
+                         disable_dropout=m.disable_dropout, gradient_checkpointing=m.gradient_checkpointing,
+                         seed=self.cfg.train.seed)
+
+    def engine_spec(self, micro_batch_size: int, grad_accum_steps: int) -> EngineSpec:
+        s = self.cfg.strategy
+        return EngineSpec(zero_stage=s.zero_stage, precision=self.precision, micro_batch_size=micro_batch_size,
+                          grad_accum_steps=grad_accum_steps, offload_optimizer=s.offload_optimizer,
+                          user_config=self.user_ds_config)
+
+    def make_group(self, role: str, num_workers: int, placement: Optional[Placement] = None) -> WorkerGroup:
+        """A worker group for ``role``; ``placement`` (from :meth:`shared_placement`) colocates it."""
+        resources = GroupResources(num_workers=num_workers, cpus_per_worker=self.cfg.strategy.cpus_per_worker,
+                                   gpus_per_worker=self.gpus_per_worker, env_vars=actor_env(self.gpus_per_worker))
+        group = WorkerGroup(role, resources, self.backend, placement=placement)
+        self.groups.append(group)
+        return group
+
+    def shared_placement(self, roles: List[str], num_workers: int) -> Placement:
+        """One bundle per rank, shared by ``roles`` (each actor takes ``1/len(roles)`` of a bundle)."""
+        placement = Placement("+".join(roles), num_workers, self.cfg.strategy.cpus_per_worker,
+                              self.gpus_per_worker, share=len(roles))
+        self.placements.append(placement)
+        return placement
+
+    def shutdown(self) -> None:
+        while self.groups:
+            self.groups.pop().shutdown()
+        while self.placements:
+            self.placements.pop().remove()

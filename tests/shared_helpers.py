@@ -1,0 +1,104 @@
+"""Helpers shared by tests in ``tests/unit`` and ``tests/integration`` (``from shared_helpers import ...``: the root
+``conftest.py`` puts ``tests/`` on ``sys.path``). Kept out of ``conftest.py`` because ``tests/unit/conftest.py`` is a
+second module named ``conftest``: ``from conftest import`` would find whichever was imported last."""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+
+def _digits(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(str(rng.randrange(10)) for _ in range(rng.randint(lo, hi)))
+
+
+def uneven_sft_rows(n: int, seed: int) -> list[dict]:
+    """Addition rows whose responses have very different lengths (1 to ~40 tokens), so micro-batches pad
+    differently under every factorisation."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randrange(30), rng.randrange(30)
+        rows.append({"prompt": f"{a}+{b}=", "response": f"{a + b} {_digits(rng, 0, 18)}".strip()})
+    return rows
+
+
+def uneven_pair_rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randrange(30), rng.randrange(30)
+        rows.append({"prompt": f"{a}+{b}=", "chosen": f"{a + b} {_digits(rng, 0, 12)}".strip(),
+                     "rejected": f"{a + b + rng.randint(1, 5)} {_digits(rng, 0, 18)}".strip(),
+                     "margin": float(rng.randint(1, 3))})
+    return rows
+
+
+def kill_an_actor_once(checkpoint_dir: str, title: str, while_saving: bool = False):
+    """A thread that SIGKILLs one live actor process titled ``title...`` (Ray names an actor's process
+    ``ray::<Class>``) once ``checkpoint_dir`` exists (``while_saving``: once its ``.tmp`` is being written): a real
+    crash. A test process runs one training at a time, so its live actors belong to that run. Returns the thread
+    and a dict that gets the killed ``pid``."""
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    killed = {}
+
+    def watch():
+        deadline = time.time() + 300
+        watched = (checkpoint_dir + ".tmp", checkpoint_dir) if while_saving else (checkpoint_dir,)
+        while time.time() < deadline and not any(map(os.path.isdir, watched)):
+            time.sleep(0.02)
+        # Only this test process's own actors (its local Ray cluster's workers descend from it): a parallel
+        # test process's run is left alone.
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                cmdline = proc.cmdline()
+            except psutil.Error:
+                continue
+            if cmdline and cmdline[0].startswith(title):
+                killed["pid"] = proc.pid
+                os.kill(proc.pid, signal.SIGKILL)
+                return
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread, killed
+
+
+def wait_until_dead(handle, timeout_s: float = 120.0) -> None:
+    """``ray.kill`` is asynchronous: on a loaded machine a call made right after it can still be served."""
+    import time
+
+    import ray
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the killed actor still answers")
+
+
+def run_main(module: str, argv, cwd, capsys, monkeypatch):
+    """``python -m <module> argv...`` in this process, from ``cwd`` and outside any Ray cluster:
+    ``(exit status, stdout, stderr)``."""
+    import importlib
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    rc = importlib.import_module(module).main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def write_jsonl(path, rows) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return str(path)
