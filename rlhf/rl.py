@@ -12,6 +12,10 @@ One RL step from these parts::
 The worker group cuts the batch into ranks and micro-batches and counts the loss normalizer over the whole batch
 (:meth:`rlhf.distributed.group.WorkerGroup.train_batch`); the advantages see every sample of the rollout (group
 baselines and whitening never see a micro-batch). Nothing here starts an actor.
+
+Multi-turn episodes replace the first two lines: ``records = run_episodes(engines, environments, prompt_ids, rows,
+sampling, encode, decode, TurnLimits(...))`` then ``episodes_batch([r.episode for r in records], pad_id)``; only
+the policy's sampled tokens carry loss (rlhf/rollout/episodes.py).
 """
 from __future__ import annotations
 
@@ -19,39 +23,38 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from rlhf.batch import Batch, pad_sequences
+from rlhf.batch import Batch
 from rlhf.objectives.rl import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
 from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages, token_level_rewards, whiten
 from rlhf.ops.kl import kl_estimate
 from rlhf.ops.policy_loss import PolicyLossConfig
 from rlhf.rollout.engines import RolloutEngines
+from rlhf.rollout.episodes import Episode, EpisodeError, episodes_batch
+from rlhf.rollout.multi_turn import EpisodeRecord, TurnLimits, episode_metrics, run_episodes
 from rlhf.rollout.vllm_engine import Generation, SamplingSpec, VLLMSpec
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "Generation", "PolicyLossConfig", "PolicyObjective", "RolloutEngines",
-           "SamplingSpec", "SequenceScores", "TokenLogps", "TokenValues", "VLLMSpec", "ValueObjective",
-           "advantages_for", "logp_mismatch", "rollout_batch"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "Episode", "EpisodeError", "EpisodeRecord", "Generation", "PolicyLossConfig",
+           "PolicyObjective", "RolloutEngines", "SamplingSpec", "SequenceScores", "TokenLogps", "TokenValues",
+           "TurnLimits", "VLLMSpec", "ValueObjective", "advantages_for", "episode_metrics", "episodes_batch",
+           "logp_mismatch", "rollout_batch", "run_episodes"]
 
 # Estimators that compare the samples of one prompt: they need each sample's group id.
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 
 def rollout_batch(generations: Sequence, pad_id: int) -> Batch:
-    """Generations (``rlhf.rollout.vllm_engine.Generation``) -> one right-padded ``(B, T)`` batch.
+    """Single-turn generations (``rlhf.rollout.vllm_engine.Generation``) -> one right-padded ``(B, T)`` batch.
 
-    ``input_ids`` = prompt + response, ``loss_mask`` on the response tokens, ``rollout_logps`` = the engine's
-    sampling log-probs placed on the response columns, ``sample_index`` = the generation's position.
+    Each is the episode ``prompt + response`` (:func:`rlhf.rollout.episodes.episodes_batch`): ``input_ids`` =
+    prompt + response, ``loss_mask`` on the response tokens, ``rollout_logps`` = the engine's sampling log-probs
+    placed on the response columns, ``sample_index`` = the generation's position.
     """
-    seqs = [list(g.prompt_ids) + list(g.response_ids) for g in generations]
-    ids = pad_sequences(seqs, pad_id)
-    width = ids.shape[1]
-    mask = torch.zeros_like(ids)
-    rollout = torch.zeros(ids.shape, dtype=torch.float32)
-    for row, g in enumerate(generations):
-        start, end = len(g.prompt_ids), len(g.prompt_ids) + len(g.response_ids)
-        mask[row, start:end] = 1
-        rollout[row, start:end] = torch.tensor(g.response_logps, dtype=torch.float32)
-    return Batch(input_ids=ids, attention_mask=pad_sequences([[1] * len(s) for s in seqs], 0, width),
-                 loss_mask=mask, rollout_logps=rollout, sample_index=torch.arange(len(seqs)))
+    episodes = []
+    for i, g in enumerate(generations):
+        episode = Episode(tuple(g.prompt_ids), index=i)
+        episode.add_response(g.response_ids, g.response_logps)
+        episodes.append(episode)
+    return episodes_batch(episodes, pad_id)
 
 
 def advantages_for(batch: Batch, scores: Union[torch.Tensor, Sequence[float]],

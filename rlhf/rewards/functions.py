@@ -14,28 +14,22 @@ Specs:
 * ``package.module:function``: imported with :func:`importlib.import_module`.
 
 The function name may be dotted (``module:Class.method``). A trailing ``@WEIGHT`` (``my.py:fn@0.5``) weights the
-source in :func:`parse_reward_specs`; an ``@`` before the last ``:`` belongs to the path.
+source in :func:`parse_reward_specs`; an ``@`` before the last ``:`` belongs to the path. Spec splitting, file
+execution and attribute lookup are shared with environments (:mod:`rlhf.utils.specs`).
 """
 from __future__ import annotations
 
-import difflib
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import itertools
 import math
 import numbers
-import os
-import re
-import sys
-import types
 from collections.abc import Sequence as _SequenceABC
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from rlhf.utils.specs import SpecKind, load_module, resolve_attr, split_spec
 
 __all__ = [
     "RewardFunctionError",
@@ -47,7 +41,6 @@ __all__ = [
 ]
 
 _PREVIEW_CHARS = 200  # prompts, responses and values quoted in error messages are cut to this length
-_FORMS = "'path/to/file.py:function' or 'package.module:function'"
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -56,6 +49,10 @@ class RewardFunctionError(ValueError):
     """A reward function that cannot be loaded, cannot be called with the available columns, raised, or returned
     something that is not one finite real number per response. The message names the function (its spec) and,
     when one sample is at fault, that sample."""
+
+
+_KIND = SpecKind(noun="reward function spec", what="function", error=RewardFunctionError,
+                 file_prefix="_rlhf_reward_file_")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -77,16 +74,7 @@ def _clip_plain(text: str, limit: int = _PREVIEW_CHARS) -> str:
 
 def _split_spec(spec: Any) -> Tuple[str, str]:
     """``"target:attr"`` -> ``(target, attr)``, checking the form only (nothing is imported)."""
-    if not isinstance(spec, str):
-        raise RewardFunctionError(f"a reward function spec must be a string ({_FORMS}), got {type(spec).__name__} "
-                                  f"{spec!r}")
-    target, sep, attr = spec.strip().rpartition(":")
-    if not sep or not target or not attr:
-        raise RewardFunctionError(f"reward function spec {spec!r} must look like {_FORMS}")
-    if not all(part.isidentifier() for part in attr.split(".")):
-        raise RewardFunctionError(f"reward function spec {spec!r}: {attr!r} after the last ':' is not a (dotted) "
-                                  f"Python name; the spec must look like {_FORMS}")
-    return target, attr
+    return split_spec(spec, _KIND)
 
 
 def _split_weight(spec: Any) -> Tuple[str, float]:
@@ -106,67 +94,6 @@ def _split_weight(spec: Any) -> Tuple[str, float]:
     if not math.isfinite(weight):
         raise RewardFunctionError(f"reward spec {spec!r}: weight must be a finite number, got {tail!r}")
     return head.strip(), weight
-
-
-def _looks_like_path(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or os.sep in target or bool(os.altsep and os.altsep in target)
-
-
-# realpath -> (mtime_ns, size, module): a file is executed once per process while it is unchanged.
-_FILE_MODULES: Dict[str, Tuple[int, int, types.ModuleType]] = {}
-_FILE_COUNTER = itertools.count()
-
-
-def _load_file(spec: str, target: str) -> types.ModuleType:
-    if not target.endswith(".py"):
-        raise RewardFunctionError(f"reward function spec {spec!r}: {target!r} looks like a file path but does not "
-                                  f"end in '.py'; a module is named with dots ('package.module:function')")
-    path = os.path.realpath(os.path.expanduser(target))
-    if not os.path.exists(path):
-        raise RewardFunctionError(f"reward function spec {spec!r}: file {target!r} not found (resolved to {path}; "
-                                  f"relative paths are relative to the working directory {os.getcwd()})")
-    if not os.path.isfile(path):
-        raise RewardFunctionError(f"reward function spec {spec!r}: {path} is not a file")
-    stat = os.stat(path)
-    cached = _FILE_MODULES.get(path)
-    if cached is not None and cached[:2] == (stat.st_mtime_ns, stat.st_size):
-        return cached[2]
-
-    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
-    digest = hashlib.sha1(path.encode("utf-8", "surrogateescape")).hexdigest()[:10]
-    name = f"_rlhf_reward_file_{stem}_{digest}_{next(_FILE_COUNTER)}"
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardFunctionError(f"reward function spec {spec!r}: cannot load {path} as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # dataclasses, pickle and typing look the module up by name while it executes
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException as e:
-        sys.modules.pop(name, None)
-        if isinstance(e, Exception):
-            raise RewardFunctionError(f"reward function spec {spec!r}: executing {path} failed: "
-                                      f"{type(e).__name__}: {_clip_plain(str(e), 1000)}") from e
-        raise
-    _FILE_MODULES[path] = (stat.st_mtime_ns, stat.st_size, module)
-    return module
-
-
-def _import_module(spec: str, target: str) -> types.ModuleType:
-    try:
-        return importlib.import_module(target)
-    except Exception as e:  # ImportError, or anything the module raises at import time (SyntaxError, ...)
-        raise RewardFunctionError(f"reward function spec {spec!r}: cannot import module {target!r}: "
-                                  f"{type(e).__name__}: {_clip_plain(str(e), 1000)}") from e
-
-
-def _available_callables(owner: Any) -> List[str]:
-    """Public callables of ``owner``; for a module, those defined in it (not imported), if it defines any."""
-    if isinstance(owner, types.ModuleType):
-        public = {n: v for n, v in vars(owner).items() if not n.startswith("_") and callable(v)}
-        defined = [n for n, v in public.items() if getattr(v, "__module__", None) == owner.__name__]
-        return sorted(defined or public)
-    return sorted(n for n in dir(owner) if not n.startswith("_") and callable(getattr(owner, n, None)))
 
 
 def _check_batch_signature(spec: str, fn: Callable) -> None:
@@ -189,20 +116,7 @@ def load_reward_function(spec: str) -> Callable:
             the attribute is not callable, or it cannot take ``(prompts, responses)`` positionally.
     """
     target, attr = _split_spec(spec)
-    module = _load_file(spec, target) if _looks_like_path(target) else _import_module(spec, target)
-    obj: Any = module
-    parts = attr.split(".")
-    for i, part in enumerate(parts):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            owner = target if i == 0 else f"{target}:{'.'.join(parts[:i])}"
-            available = _available_callables(obj)
-            close = difflib.get_close_matches(part, available, n=3)
-            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-            listing = ", ".join(available) if available else "none"
-            raise RewardFunctionError(f"reward function spec {spec!r}: {owner} has no attribute {part!r}.{hint} "
-                                      f"Callables available there: {listing}") from None
+    obj = resolve_attr(spec, target, attr, load_module(spec, target, _KIND), _KIND)
     if not callable(obj):
         raise RewardFunctionError(f"reward function spec {spec!r}: {attr} is not callable (it is "
                                   f"{type(obj).__name__} {_clip_plain(repr(obj), 80)})")

@@ -31,7 +31,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("ops",),  # the math: log-probs, losses, advantages, KL; each family registers its names.
     ("config",),  # the run-config schema and loader; validates names against ops' registries.
     ("utils",),  # device, LR schedule, versions, metric writers (which read the run config).
-    ("hub", "synthetic", "rewards"),  # hub references, the synthetic task, reward functions.
+    ("hub", "synthetic", "rewards", "envs"),  # hub references, the synthetic task, reward functions, environments.
     ("data", "models"),  # rows -> token batches; loading and scoring HF models.
     ("objectives",),  # per-micro-batch losses over a model's outputs.
     ("distributed",),  # Ray cluster, placement, DeepSpeed engines, worker actors and groups.

@@ -1,8 +1,8 @@
 """``WorkerGroup.train_batch`` / ``score_batch`` own the sharding (docs/custom_loops.md): how a global batch is cut
 into ranks and micro-batches, where the normalizer is counted, what comes back.
 
-The group's actors are replaced by an in-process stand-in for its two primitives (``train_step``, ``score``) that
-runs the real objective / score function on the real tiny model, so the cutting, counting and merging code under
+The group's actors are replaced by an in-process stand-in for its two primitives (``train_step``, ``score``;
+``group_helpers.LocalGroup``) that runs the real objective / score function on the real tiny model, so the cutting, counting and merging code under
 test is the real one. That Ray workers train the same way is the integration tests' business (test_workers,
 test_precision, test_fp64_run, test_examples).
 """
@@ -14,37 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from group_helpers import LocalGroup
 from rlhf.batch import Batch
 from rlhf.distributed.engine import EngineSpec
-from rlhf.distributed.group import WorkerGroup
-from rlhf.distributed.worker import RankStepResult
-from rlhf.objectives.base import Totals, add_sums
+from rlhf.objectives.base import Totals
 from rlhf.objectives.rl import TokenLogps
 from rlhf.objectives.sft import SFTObjective
-
-
-class LocalGroup(WorkerGroup):
-    """A WorkerGroup whose ranks run here, forward only; records what each rank was given."""
-
-    def __init__(self, model, spec: EngineSpec, ranks: int, norms=None):  # no actors: WorkerGroup.__init__ unused
-        self.model, self.role, self.size, self.trainable = model, "policy", ranks, True
-        self.engine_spec, self.given, self.norms = spec, None, norms
-
-    def train_step(self, per_rank, objective, normalizer, schedule_step=None):
-        self.given = (per_rank, normalizer, schedule_step)
-        results = []
-        with torch.no_grad():
-            for r, micro_batches in enumerate(per_rank):
-                sums = {}
-                for mb in micro_batches:
-                    sums = add_sums(sums, objective.loss(self.model, mb)[1])
-                norm = self.norms[r] if self.norms else 1.5
-                results.append(RankStepResult(sums=sums, grad_norm=norm, lr=0.1))
-        return results
-
-    def score(self, batches, fn):
-        with torch.no_grad():
-            return [fn(self.model, b) for b in batches]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,57 @@
+"""Load an environment class from a spec, ``path/to/file.py:Class`` or ``package.module:Class``.
+
+Specs are read as reward function specs are (:mod:`rlhf.utils.specs`: a file is executed once per process as a
+private module; a relative path is relative to the working directory); every error is an :class:`EnvError`
+naming the spec.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Type
+
+from rlhf.envs.base import EnvError
+from rlhf.utils.specs import SpecKind, defined_classes, load_module, looks_like_path, resolve_attr, split_spec
+
+__all__ = ["load_environment", "absolute_spec"]
+
+_KIND = SpecKind(noun="environment spec", what="Class", error=EnvError, file_prefix="_rlhf_env_file_",
+                 listing="Classes")
+
+
+def load_environment(spec: str) -> Type:
+    """The environment class named by ``spec``; instances are made with no arguments, one per episode.
+
+    Raises:
+        EnvError: naming ``spec`` when it is malformed, the file does not exist or fails to execute, the module
+            cannot be imported, the attribute is missing (with close matches and the classes available there), it
+            is not a class, it lacks a callable ``reset`` or ``step``, or its constructor needs arguments.
+    """
+    target, attr = split_spec(spec, _KIND)
+    cls: Any = resolve_attr(spec, target, attr, load_module(spec, target, _KIND), _KIND, available=defined_classes)
+    if not inspect.isclass(cls):
+        raise EnvError(f"environment spec {spec!r}: {attr} is not a class (it is {type(cls).__name__}); name the "
+                       f"environment class, whose instances have reset(row) and step(response, response_ids)", spec)
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise EnvError(f"environment spec {spec!r}: class {cls.__name__} has no {' or '.join(missing)} method; an "
+                       f"environment needs reset(row) -> str and step(response, response_ids) -> StepOutcome", spec)
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # no introspectable signature: constructing it will tell
+        return cls
+    required = [p.name for p in signature.parameters.values() if p.default is inspect.Parameter.empty
+                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    if required:
+        raise EnvError(f"environment spec {spec!r}: {cls.__name__}() must be callable with no arguments (one "
+                       f"instance is made per episode); its constructor requires {', '.join(required)}", spec)
+    return cls
+
+
+def absolute_spec(spec: str) -> str:
+    """``spec`` with a relative file path made absolute (against this process's working directory), so another
+    process (a Ray actor) loads the same file; a module spec is returned as is. Checks the form only."""
+    target, attr = split_spec(spec, _KIND)
+    if looks_like_path(target) and not os.path.isabs(os.path.expanduser(target)):
+        return f"{os.path.abspath(target)}:{attr}"
+    return spec

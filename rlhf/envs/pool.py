@@ -1,0 +1,349 @@
+"""Environments hosted by a pool of Ray actors, stepped in batches, with a per-step timeout.
+
+Episode ``e`` lives on actor ``e % num_actors``, which keeps ``{episode id: LocalEpisode}`` (one fresh
+environment instance per episode). A batched call sends one remote call per actor carrying that actor's episodes,
+which it runs one after another; actors run in parallel. Results come back in input order.
+
+Failures are :class:`EnvError` naming the spec, the episode, the turn and the cause, never a Ray traceback:
+
+* an environment that raises (or returns a malformed outcome): the error names the original exception;
+* one that takes longer than ``step_timeout_s`` in one ``reset`` or ``step`` (measured inside the actor; the call
+  runs in a thread there, so code that needs the main thread, e.g. ``signal.alarm``, will not work): "hung for more
+  than X s in step (turn 2 of episode 5)"; the actor is killed and replaced, and the other episodes it hosted are
+  lost (stepping them is an error that says so; reset them). If the actor itself stops answering (a C extension
+  that holds the GIL), the pool gives up after ``step_timeout_s`` per episode it sent plus a grace, likewise;
+* an actor process that dies (a crash in native code, ``os._exit``): likewise replaced.
+
+After an :class:`EnvError` from :meth:`EnvironmentPool.step` the episodes of that call are in an unspecified
+state (some may have taken their turn): close or reset them. ``import ray`` happens inside the pool's methods, so
+importing this module stays light.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from rlhf.envs.base import EnvError, LocalEpisode, Observation, StepOutcome
+from rlhf.envs.loading import absolute_spec, load_environment
+
+__all__ = ["EnvironmentPool"]
+
+_GRACE_S = 10.0  # the driver's backstop waits this much longer than the actors' own per-step timeouts
+
+
+class _Hung(Exception):
+    pass
+
+
+class _EnvActor:
+    """The body of one pool actor (a plain class; the pool wraps it with ``ray.remote``).
+
+    Every method returns ``(results, broken)``: one entry per item, a value or the :class:`EnvError` for that
+    item (``None`` for items not run after a hang), and whether a call hung (the actor must then be replaced: the
+    stuck thread cannot be stopped).
+    """
+
+    def __init__(self, spec: str, load_spec: str, step_timeout_s: float) -> None:
+        self.spec, self.step_timeout_s = spec, step_timeout_s
+        self.episodes: Dict[int, LocalEpisode] = {}
+        self.load_error: Optional[EnvError] = None
+        try:
+            self.cls: Any = load_environment(load_spec)
+        except EnvError as e:
+            self.cls, self.load_error = None, e
+
+    def ready(self) -> Optional[EnvError]:
+        return self.load_error
+
+    def _timed(self, fn: Callable[[], Any]) -> Any:
+        box: Dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # handed to the caller's thread
+                box["error"] = e
+
+        thread = threading.Thread(target=run, name="rlhf-env-call", daemon=True)
+        thread.start()
+        thread.join(self.step_timeout_s)
+        if thread.is_alive():
+            raise _Hung()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _run(self, items: Sequence[Tuple[int, Any]], call: Callable[[int, Any], Any],
+             turn_of: Callable[[int], int]) -> Tuple[List[Any], bool]:
+        results: List[Any] = [None] * len(items)
+        for k, (episode, payload) in enumerate(items):
+            try:
+                results[k] = self._timed(lambda: call(episode, payload))
+            except _Hung:
+                turn = turn_of(episode)
+                phase = "reset" if turn == 0 else "step"
+                results[k] = EnvError(f"environment {self.spec!r} hung for more than {self.step_timeout_s:g} s in "
+                                      f"{phase} (turn {turn} of episode {episode})", self.spec, episode, turn)
+                return results, True
+            except EnvError as e:
+                results[k] = e
+            except Exception as e:  # a bug of ours rather than the environment's; still name the episode
+                results[k] = EnvError(f"environment {self.spec!r}: episode {episode} failed in the pool: "
+                                      f"{type(e).__name__}: {e}", self.spec, episode)
+        return results, False
+
+    def reset(self, items: Sequence[Tuple[int, Mapping[str, Any]]]) -> Tuple[List[Any], bool]:
+        def call(episode: int, row: Mapping[str, Any]) -> Observation:
+            old = self.episodes.pop(episode, None)
+            if old is not None:
+                old.close()
+            try:
+                env = self.cls()
+            except Exception as e:
+                raise EnvError(f"environment {self.spec!r} raised {type(e).__name__}: {e} in its constructor "
+                               f"(turn 0 of episode {episode})", self.spec, episode, 0) from e
+            fresh = LocalEpisode(env, self.spec, episode)
+            observation = fresh.reset(row)
+            self.episodes[episode] = fresh
+            return observation
+
+        return self._run(items, call, lambda episode: 0)
+
+    def step(self, items: Sequence[Tuple[int, Tuple[str, Tuple[int, ...]]]]) -> Tuple[List[Any], bool]:
+        def call(episode: int, payload: Tuple[str, Tuple[int, ...]]) -> StepOutcome:
+            return self.episodes[episode].step(*payload)
+
+        return self._run(items, call, lambda episode: self.episodes[episode].turn + 1)
+
+    def close(self, items: Sequence[Tuple[int, None]]) -> Tuple[List[Any], bool]:
+        def call(episode: int, _: None) -> None:
+            found = self.episodes.pop(episode, None)
+            if found is not None:
+                found.close()
+
+        return self._run(items, call, lambda episode: self.episodes[episode].turn if episode in self.episodes else 0)
+
+
+class EnvironmentPool:
+    """``num_actors`` Ray actors hosting episodes of the environment named by ``spec``.
+
+    Args:
+        spec: ``path/to/file.py:Class`` or ``package.module:Class`` (a relative path is resolved here, against this
+            process's working directory). A module spec must be importable in the actors.
+        num_actors: how many actors; episode ``e`` lives on actor ``e % num_actors``.
+        cpus_per_actor: Ray CPUs each actor reserves.
+        step_timeout_s: the longest one ``reset`` or ``step`` of one episode may take.
+        start_timeout_s: the longest an actor may take to start and load the environment class.
+
+    Raises:
+        EnvError: if the spec is malformed or an actor cannot load the class (naming the spec and the reason).
+    """
+
+    def __init__(self, spec: str, num_actors: int, cpus_per_actor: float = 1.0, step_timeout_s: float = 60.0,
+                 start_timeout_s: float = 120.0) -> None:
+        import ray  # lazy: keeps `import rlhf.envs` light
+
+        if not isinstance(num_actors, int) or isinstance(num_actors, bool) or num_actors < 1:
+            raise ValueError(f"EnvironmentPool: num_actors must be a positive int, got {num_actors!r}")
+        if not step_timeout_s > 0 or not start_timeout_s > 0 or not cpus_per_actor >= 0:
+            raise ValueError(f"EnvironmentPool: step_timeout_s and start_timeout_s must be > 0 and cpus_per_actor "
+                             f">= 0, got {step_timeout_s!r}, {start_timeout_s!r}, {cpus_per_actor!r}")
+        self.spec, self.num_actors = spec, num_actors
+        self.step_timeout_s, self.start_timeout_s = float(step_timeout_s), float(start_timeout_s)
+        self._load_spec = absolute_spec(spec)
+        self._remote = ray.remote(num_cpus=cpus_per_actor, max_restarts=0)(_EnvActor)
+        self._actors: List[Any] = [None] * num_actors
+        self._turns: Dict[int, int] = {}  # live episode -> turns taken
+        self._lost: Dict[int, str] = {}  # episode -> why it was lost (its actor was replaced)
+        try:
+            for i in range(num_actors):
+                self._actors[i] = self._start_actor()
+            self._check_ready(list(range(num_actors)))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------------------------------------ actors
+
+    def _start_actor(self) -> Any:
+        return self._remote.remote(self.spec, self._load_spec, self.step_timeout_s)
+
+    def _check_ready(self, indices: List[int]) -> None:
+        import ray  # lazy: keeps `import rlhf.envs` light
+
+        refs = [self._actors[i].ready.remote() for i in indices]
+        try:
+            errors = ray.get(refs, timeout=self.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise EnvError(f"environment {self.spec!r}: the pool's actors did not start within "
+                           f"{self.start_timeout_s:g} s", self.spec) from None
+        except ray.exceptions.RayError as e:
+            raise EnvError(f"environment {self.spec!r}: a pool actor failed to start: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}", self.spec) from None
+        for error in errors:
+            if error is not None:
+                raise error
+
+    def _replace_actor(self, index: int, reason: str) -> None:
+        import ray  # lazy: keeps `import rlhf.envs` light
+
+        try:
+            ray.kill(self._actors[index], no_restart=True)
+        except Exception:  # already dead
+            pass
+        for episode in [e for e in self._turns if e % self.num_actors == index]:
+            del self._turns[episode]
+            self._lost[episode] = reason
+        self._actors[index] = self._start_actor()
+        self._check_ready([index])
+
+    def _call(self, method: str, items: Sequence[Tuple[int, Any]], what: str) -> List[Any]:
+        """Send ``items`` (``(episode, payload)``) to their actors, one remote call per actor; the per-item results
+        in input order. Raises the first failure (in input order) as an :class:`EnvError`, after replacing any
+        actor that hung or died."""
+        import ray  # lazy: keeps `import rlhf.envs` light
+
+        by_actor: Dict[int, List[int]] = {}
+        for position, (episode, _) in enumerate(items):
+            by_actor.setdefault(episode % self.num_actors, []).append(position)
+        refs = {getattr(self._actors[a], method).remote([items[p] for p in positions]): a
+                for a, positions in by_actor.items()}
+        longest = max(len(p) for p in by_actor.values()) if by_actor else 0
+        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=self.step_timeout_s * longest + _GRACE_S)
+        results: List[Any] = [None] * len(items)
+        failures: Dict[int, EnvError] = {}  # position -> error
+        replace: Dict[int, str] = {}  # actor -> why
+        for ref in pending:
+            a = refs[ref]
+            episodes = [items[p][0] for p in by_actor[a]]
+            turns = [self._turn_for(e, what) for e in episodes]
+            error = EnvError(f"environment {self.spec!r}: the actor hosting episodes {episodes} did not answer "
+                             f"within {self.step_timeout_s * longest + _GRACE_S:g} s in {what} (turns {turns})",
+                             self.spec, episodes[0], turns[0])
+            failures[by_actor[a][0]] = error
+            replace[a] = str(error)
+        for ref in ready:
+            a, positions = refs[ref], by_actor[refs[ref]]
+            try:
+                values, broken = ray.get(ref)
+            except ray.exceptions.RayError as e:  # the actor died (its process crashed or exited)
+                episodes = [items[p][0] for p in positions]
+                turns = [self._turn_for(e_, what) for e_ in episodes]
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                error = EnvError(f"environment {self.spec!r}: the actor hosting episodes {episodes} died in {what} "
+                                 f"(turns {turns}): {type(e).__name__}: {first}", self.spec, episodes[0], turns[0])
+                failures[positions[0]] = error
+                replace[a] = str(error)
+                continue
+            for p, value in zip(positions, values):
+                if isinstance(value, EnvError):
+                    failures[p] = value
+                    if broken:
+                        replace[a] = str(value)
+                else:
+                    results[p] = value
+        for a, reason in replace.items():  # the stuck call dies with its actor
+            self._replace_actor(a, reason)
+        if failures:
+            raise failures[min(failures)]
+        return results
+
+    def _turn_for(self, episode: int, what: str) -> int:
+        return 0 if what == "reset" else self._turns.get(episode, 0) + (what == "step")
+
+    # --------------------------------------------------------------------------------------------------- API
+
+    def reset(self, rows: Sequence[Mapping[str, Any]], episode_ids: Optional[Sequence[int]] = None
+              ) -> List[Observation]:
+        """Start one episode per row and return the first observations, in order.
+
+        Args:
+            rows: prompt rows; each environment's ``reset`` receives all of its row's columns as a ``dict``.
+            episode_ids: the episodes' ids (distinct ints >= 0), ``range(len(rows))`` by default. An id that is
+                live already is restarted (its old instance is closed); a lost one comes back.
+        """
+        rows = list(rows)
+        ids = list(range(len(rows))) if episode_ids is None else list(episode_ids)
+        self._check_ids(ids, len(rows), "rows")
+        try:
+            observations = self._call("reset", [(e, dict(row)) for e, row in zip(ids, rows)], "reset")
+        finally:
+            for e in ids:
+                self._lost.pop(e, None)
+                self._turns.pop(e, None)
+        for e in ids:
+            self._turns[e] = 0
+        return observations
+
+    def step(self, episode_ids: Sequence[int], responses: Sequence[str],
+             response_ids: Optional[Sequence[Sequence[int]]] = None) -> List[StepOutcome]:
+        """One turn of each listed episode (all sent together), the outcomes in input order.
+
+        Args:
+            episode_ids: live episodes (reset, not finished, not closed), distinct.
+            responses: the policy's answer text per episode.
+            response_ids: its token ids per episode (empty tuples when not given).
+        """
+        ids = list(episode_ids)
+        self._check_ids(ids, len(responses), "responses")
+        token_ids = [()] * len(ids) if response_ids is None else [tuple(int(t) for t in r) for r in response_ids]
+        if len(token_ids) != len(ids):
+            raise ValueError(f"EnvironmentPool.step: {len(ids)} episodes but {len(token_ids)} response_ids")
+        for e in ids:
+            if e in self._lost:
+                raise EnvError(f"environment {self.spec!r}: episode {e} was lost (its actor was replaced after: "
+                               f"{self._lost[e]}); reset it", self.spec, e)
+            if e not in self._turns:
+                raise EnvError(f"environment {self.spec!r}: episode {e} is not live (reset it first)", self.spec, e)
+        items = [(e, (str(r), t)) for e, r, t in zip(ids, responses, token_ids)]
+        try:
+            outcomes = self._call("step", items, "step")
+        except EnvError:
+            for e in ids:  # unspecified state: count the attempted turn so later messages stay in step
+                if e in self._turns:
+                    self._turns[e] += 1
+            raise
+        for e in ids:
+            self._turns[e] += 1
+        return outcomes
+
+    def close(self, episode_ids: Sequence[int]) -> None:
+        """End the listed episodes (their environments' ``close`` runs); unknown or lost ids are ignored."""
+        ids = [e for e in episode_ids if e in self._turns]
+        for e in episode_ids:
+            self._lost.pop(e, None)
+        try:
+            if ids:
+                self._call("close", [(e, None) for e in ids], "close")
+        finally:
+            for e in ids:
+                self._turns.pop(e, None)
+
+    def shutdown(self) -> None:
+        """Kill the actors (idempotent); the pool cannot be used afterwards."""
+        import ray  # lazy: keeps `import rlhf.envs` light
+
+        for actor in self._actors:
+            if actor is not None and ray.is_initialized():
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # already dead
+                    pass
+        self._actors = [None] * len(self._actors)
+        self._turns.clear()
+
+    def __enter__(self) -> "EnvironmentPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def _check_ids(self, ids: List[int], n: int, what: str) -> None:
+        if any(a is None for a in self._actors):
+            raise EnvError(f"environment {self.spec!r}: the pool is shut down", self.spec)
+        if len(ids) != n:
+            raise ValueError(f"EnvironmentPool: {len(ids)} episode ids but {n} {what}")
+        if any(not isinstance(e, int) or isinstance(e, bool) or e < 0 for e in ids):
+            raise ValueError(f"EnvironmentPool: episode ids must be ints >= 0, got {ids}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"EnvironmentPool: episode ids must be distinct, got {ids}")

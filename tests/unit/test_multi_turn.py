@@ -1,0 +1,125 @@
+"""The turn-by-turn rollout loop (rlhf/rollout/multi_turn.py) on stand-ins for the engines and the environments:
+which episodes go to the engines each turn, with which tokens and seeds, how observations are appended, and how
+episodes end (done, max_turns, the token budget). The real engines and environment actors are the integration
+tests' business."""
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+import pytest
+
+from rlhf.rollout.episodes import episodes_batch
+from rlhf.rollout.multi_turn import TURN_SEED_STRIDE, RolloutStats, TurnLimits, episode_metrics, run_episodes
+from rlhf.rollout.vllm_engine import Generation, SamplingSpec
+
+
+class Engine:
+    """Request j answers ``length`` tokens ``100 + (seed + j) % 50``; records every call."""
+
+    def __init__(self, length: int = 3):
+        self.length, self.calls = length, []
+
+    def generate(self, prompt_ids, sampling: SamplingSpec) -> List[Generation]:
+        self.calls.append(([tuple(p) for p in prompt_ids], sampling.seed))
+        return [Generation(tuple(p), tuple(100 + (sampling.seed + j) % 50 for _ in range(self.length)),
+                           tuple(-0.1 * (k + 1) for k in range(self.length)), "length")
+                for j, p in enumerate(prompt_ids)]
+
+
+@dataclasses.dataclass
+class Outcome:
+    observation: str
+    reward: float
+    done: bool
+
+
+class Counting:
+    """Episode i is done after ``row["turns"]`` turns; each turn's observation is ``"o<turn>"``, reward 1 per turn."""
+
+    def __init__(self):
+        self.rows, self.turn, self.steps, self.closed = {}, {}, [], None
+
+    def reset(self, rows):
+        self.rows = {i: r for i, r in enumerate(rows)}
+        self.turn = {i: 0 for i in self.rows}
+        return ["hi" if r.get("greet") else None for r in rows]
+
+    def step(self, ids, responses, response_ids):
+        self.steps.append((list(ids), list(responses), [tuple(r) for r in response_ids]))
+        out = []
+        for i in ids:
+            self.turn[i] += 1
+            out.append(Outcome(f"o{self.turn[i]}", 1.0, self.turn[i] >= self.rows[i]["turns"]))
+        return out
+
+    def close(self, ids):
+        self.closed = list(ids)
+
+
+def encode(text: str) -> List[int]:
+    return [ord(c) for c in text]
+
+
+def decode(ids) -> str:
+    return " ".join(map(str, ids))
+
+
+SAMPLING = SamplingSpec(max_new_tokens=3, seed=7)
+
+
+def test_live_episodes_go_to_the_engines_together_with_their_tokens_so_far():
+    engine, env = Engine(), Counting()
+    prompts = [(1, 2), (3,), (4, 5, 6)]
+    rows = [{"turns": 1}, {"turns": 3, "greet": True}, {"turns": 2}]
+    stats = RolloutStats()
+    records = run_episodes(engine, env, prompts, rows, SAMPLING, encode, decode, TurnLimits(4, 64), stats)
+    assert [r.episode.turns for r in records] == [1, 3, 2] and stats.turns == 3
+    assert [r.ended_by for r in records] == ["done"] * 3
+    assert [len(c[0]) for c in engine.calls] == [3, 2, 1]  # only the live episodes, every turn one call
+    assert [c[1] for c in engine.calls] == [7 + t * TURN_SEED_STRIDE for t in range(3)]
+    # turn 2's prompts are exactly the episodes' tokens after turn 1: sampled ids + the observation's ids
+    second = records[1].episode
+    assert engine.calls[1][0][0] == (3,) + tuple(encode("hi")) + second.segments[1].ids + tuple(encode("o1"))
+    assert second.token_ids[:1] == (3,) and [s.source for s in second.segments] == ["env", "policy", "env", "policy",
+                                                                                     "env", "policy"]
+    # the environment saw each response as text and as the sampled ids
+    ids, texts, raw = env.steps[0]
+    assert ids == [0, 1, 2] and texts[0] == decode(raw[0]) and raw[0] == records[0].episode.segments[0].ids
+    assert [r.turn_rewards for r in records] == [[1.0], [1.0, 1.0, 1.0], [1.0, 1.0]] and env.closed == [0, 1, 2]
+    # the final observation of a finished episode is not appended: nothing after the last policy turn
+    assert all(r.episode.segments[-1].source == "policy" for r in records)
+
+
+def test_max_turns_and_the_token_budget_end_episodes():
+    rows = [{"turns": 9}, {"turns": 9}]
+    records = run_episodes(Engine(), Counting(), [(1,), (1, 2, 3, 4)], rows, SAMPLING, encode, decode,
+                           TurnLimits(max_turns=2, max_episode_tokens=9))
+    first, second = records
+    assert first.ended_by == "max_turns" and first.episode.turns == 2
+    assert len(first.episode.token_ids) == 1 + 3 + 2 + 3  # prompt, response, "o1", response
+    assert second.ended_by == "token_budget" and len(second.episode.token_ids) == 9  # cut, never over
+    batch = episodes_batch([r.episode for r in records], pad_id=0)
+    assert batch.input_ids.shape == (2, 9)
+    assert batch.loss_mask[0].tolist() == [0, 1, 1, 1, 0, 0, 1, 1, 1]  # "o1" is context
+
+
+def test_a_prompt_already_over_budget_never_reaches_the_engines():
+    engine = Engine()
+    records = run_episodes(engine, Counting(), [(1,) * 8, (2,)], [{"turns": 1}, {"turns": 1}], SAMPLING, encode,
+                           decode, TurnLimits(2, 8))
+    assert records[0].ended_by == "token_budget" and records[0].episode.turns == 0
+    assert [len(c[0]) for c in engine.calls] == [1]
+
+
+def test_episode_metrics():
+    records = run_episodes(Engine(), Counting(), [(1,), (2,)], [{"turns": 1}, {"turns": 2}], SAMPLING, encode,
+                           decode, TurnLimits(3, 64))
+    m = episode_metrics(records, RolloutStats(env_seconds=0.5))
+    assert m["episode/turns"] == 1.5 and m["episode/policy_tokens"] == 4.5 and m["episode/env_tokens"] == 1.0
+    assert m["episode/ended_done"] == 1.0 and m["episode/env_reward"] == 1.5 and m["time/env"] == 0.5
+
+
+def test_limits_are_checked():
+    with pytest.raises(ValueError, match="max_turns >= 1"):
+        TurnLimits(0, 10)
