@@ -10,22 +10,29 @@ from rlhf.objectives.base import add_sums
 
 
 class LocalGroup(WorkerGroup):
-    """A WorkerGroup whose ranks run here, forward only; records what each rank was given."""
+    """A WorkerGroup whose ranks run here, forward only (no update): the real cutting and counting of
+    :meth:`WorkerGroup.train_batch` / ``score_batch`` over stand-ins for the two actor calls. Records what the last
+    step gave each rank (``given``) and every step's LR position (``schedule_steps``).
 
-    def __init__(self, model, spec: EngineSpec, ranks: int, norms=None):  # no actors: WorkerGroup.__init__ unused
+    ``report(rank, schedule_step) -> (grad_norm, lr)`` is what each rank reports (default: 1.5 and 0.1).
+    """
+
+    def __init__(self, model, spec: EngineSpec, ranks: int, report=None):  # no actors: WorkerGroup.__init__ unused
         self.model, self.role, self.size, self.trainable = model, "policy", ranks, True
-        self.engine_spec, self.given, self.norms = spec, None, norms
+        self.engine_spec, self.report = spec, report or (lambda rank, schedule_step: (1.5, 0.1))
+        self.given, self.schedule_steps = None, []
 
     def train_step(self, per_rank, objective, normalizer, schedule_step=None):
         self.given = (per_rank, normalizer, schedule_step)
+        self.schedule_steps.append(schedule_step)
         results = []
         with torch.no_grad():
-            for r, micro_batches in enumerate(per_rank):
+            for rank, micro_batches in enumerate(per_rank):
                 sums = {}
                 for mb in micro_batches:
                     sums = add_sums(sums, objective.loss(self.model, mb)[1])
-                norm = self.norms[r] if self.norms else 1.5
-                results.append(RankStepResult(sums=sums, grad_norm=norm, lr=0.1))
+                grad_norm, lr = self.report(rank, schedule_step)
+                results.append(RankStepResult(sums=sums, grad_norm=grad_norm, lr=lr))
         return results
 
     def score(self, batches, fn):

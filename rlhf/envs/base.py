@@ -11,6 +11,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from rlhf.utils.specs import clip_plain
+
 __all__ = ["Observation", "StepOutcome", "Environment", "EnvError", "LocalEpisode"]
 
 #: An observation is text: the rollout side tokenizes it once and appends it to the conversation. (Chat templates
@@ -32,10 +34,6 @@ class EnvError(ValueError):
 
     def __reduce__(self):  # crosses process boundaries (Ray) with its attributes
         return (type(self), (str(self), self.spec, self.episode, self.turn))
-
-
-def _clip(text: str, limit: int = 500) -> str:
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more chars)"
 
 
 @dataclass(frozen=True)
@@ -61,14 +59,14 @@ class StepOutcome:
     def __post_init__(self) -> None:
         if self.observation is not None and not isinstance(self.observation, str):
             raise ValueError(f"StepOutcome.observation must be a str or None, got {type(self.observation).__name__} "
-                             f"{_clip(repr(self.observation), 80)}")
+                             f"{clip_plain(repr(self.observation), 80)}")
         r = self.reward
         if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(float(r)):
             raise ValueError(f"StepOutcome.reward must be a finite real number (not a bool; write float(ok)), got "
-                             f"{type(r).__name__} {_clip(repr(r), 80)}")
+                             f"{type(r).__name__} {clip_plain(repr(r), 80)}")
         if not isinstance(self.done, bool):
             raise ValueError(f"StepOutcome.done must be a bool (write bool(...)), got {type(self.done).__name__} "
-                             f"{_clip(repr(self.done), 80)}")
+                             f"{clip_plain(repr(self.done), 80)}")
         if not isinstance(self.info, Mapping):
             raise ValueError(f"StepOutcome.info must be a dict, got {type(self.info).__name__}")
         object.__setattr__(self, "reward", float(r))
@@ -83,7 +81,7 @@ class StepOutcome:
         if isinstance(value, tuple) and len(value) == 4:
             return cls(*value)
         raise ValueError(f"step must return a StepOutcome or a tuple (observation, reward, done, info), got "
-                         f"{type(value).__name__} {_clip(repr(value), 80)}")
+                         f"{type(value).__name__} {clip_plain(repr(value), 80)}")
 
 
 class Environment:
@@ -108,7 +106,7 @@ class Environment:
 
 
 def _cause(error: BaseException) -> str:
-    return f"{type(error).__name__}: {_clip(str(error))}"
+    return f"{type(error).__name__}: {clip_plain(str(error), 500)}"
 
 
 class LocalEpisode:
@@ -140,8 +138,8 @@ class LocalEpisode:
         except Exception as e:
             raise self.error(f"raised {_cause(e)}", 0) from e
         if not isinstance(observation, str):
-            raise self.error(f"returned {type(observation).__name__} {_clip(repr(observation), 80)} (reset must "
-                             f"return the first observation as a str)", 0)
+            raise self.error(f"returned {type(observation).__name__} {clip_plain(repr(observation), 80)} "
+                             f"(reset must return the first observation as a str)", 0)
         return observation
 
     def step(self, response: str, response_ids: Tuple[int, ...]) -> StepOutcome:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from rlhf.utils.specs import SpecKind, load_module, resolve_attr, split_spec
+from rlhf.utils.specs import SpecKind, clip_plain, load_module, resolve_attr, split_spec
 
 __all__ = [
     "RewardFunctionError",
@@ -66,10 +66,6 @@ def _clip(text: Any, limit: int = _PREVIEW_CHARS) -> str:
     if len(text) <= limit:
         return repr(text)
     return f"{text[:limit]!r}... ({len(text) - limit} more chars)"
-
-
-def _clip_plain(text: str, limit: int = _PREVIEW_CHARS) -> str:
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more chars)"
 
 
 def _split_spec(spec: Any) -> Tuple[str, str]:
@@ -119,7 +115,7 @@ def load_reward_function(spec: str) -> Callable:
     obj = resolve_attr(spec, target, attr, load_module(spec, target, _KIND), _KIND)
     if not callable(obj):
         raise RewardFunctionError(f"reward function spec {spec!r}: {attr} is not callable (it is "
-                                  f"{type(obj).__name__} {_clip_plain(repr(obj), 80)})")
+                                  f"{type(obj).__name__} {clip_plain(repr(obj), 80)})")
     _check_batch_signature(spec, obj)
     return obj
 
@@ -262,7 +258,7 @@ def _call_error(source: RewardSource, error: Exception, binding: Mapping[str, st
                 responses: Sequence[str], columns: Mapping[str, Sequence]) -> RewardFunctionError:
     """The error for a function that raised on the batch, naming the first sample that fails on its own."""
     n = len(prompts)
-    head = (f"reward function {source.name!r} raised {type(error).__name__}: {_clip_plain(str(error), 500)} "
+    head = (f"reward function {source.name!r} raised {type(error).__name__}: {clip_plain(str(error), 500)} "
             f"on a batch of {n}")
     for i in range(n):
         kwargs = {param: [columns[col][i]] for param, col in binding.items()}
@@ -271,7 +267,7 @@ def _call_error(source: RewardSource, error: Exception, binding: Mapping[str, st
         except Exception as e:
             return RewardFunctionError(
                 f"{head}; the first sample that fails on its own is index {i} ({type(e).__name__}: "
-                f"{_clip_plain(str(e), 500)}): prompt={_clip(prompts[i])}; response={_clip(responses[i])}")
+                f"{clip_plain(str(e), 500)}): prompt={_clip(prompts[i])}; response={_clip(responses[i])}")
     return RewardFunctionError(f"{head}; every sample succeeds on its own, so the failure depends on the batch, "
                                f"not on one sample")
 
@@ -279,7 +275,8 @@ def _call_error(source: RewardSource, error: Exception, binding: Mapping[str, st
 def _bad_value(source: RewardSource, i: int, n: int, what: str, value: Any, prompts: Sequence[str],
                responses: Sequence[str]) -> RewardFunctionError:
     return RewardFunctionError(
-        f"reward function {source.name!r} returned {what} at index {i} of {n}: {_clip_plain(repr(value))}; "
+        f"reward function {source.name!r} returned {what} at index {i} of {n}: "
+        f"{clip_plain(repr(value), _PREVIEW_CHARS)}; "
         f"prompt={_clip(prompts[i])}; response={_clip(responses[i])}")
 
 
@@ -344,7 +341,7 @@ def _result_values(source: RewardSource, result: Any, prompts: Sequence[str],
         values, items = None, result
     else:
         raise RewardFunctionError(f"{where} returned {type(result).__name__} "
-                                  f"{_clip_plain(repr(result), 80)}; expected {expected}")
+                                  f"{clip_plain(repr(result), 80)}; expected {expected}")
 
     if values is None:
         floats = []

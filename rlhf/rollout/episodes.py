@@ -66,6 +66,11 @@ class Episode:
         return tuple(self.prompt_ids) + tuple(t for s in self.segments for t in s.ids)
 
     @property
+    def num_tokens(self) -> int:
+        """``len(token_ids)``, without building them."""
+        return len(self.prompt_ids) + sum(len(s.ids) for s in self.segments)
+
+    @property
     def turns(self) -> int:
         """Policy turns so far."""
         return sum(s.source == POLICY for s in self.segments)

@@ -134,7 +134,7 @@ def run_episodes(engines: Generator, environments: Environments, prompt_ids: Seq
 
 def _room(episode: Episode, limits: TurnLimits) -> int:
     """Tokens the episode may still add."""
-    return limits.max_episode_tokens - len(episode.token_ids)
+    return limits.max_episode_tokens - episode.num_tokens
 
 
 def episode_metrics(records: Sequence[EpisodeRecord], stats: RolloutStats) -> Dict[str, float]:

@@ -134,22 +134,22 @@ class RLTrainer:
         if self.scorer is not None:
             total, per_source = self.scorer(prompts, responses, columns)
         if self.actors.reward_model is not None:
-            rm = self.actors.reward_model.score_batch(batch, SequenceScores(),
-                                                      rows_per_forward=self.cfg.train.micro_batch_size)
+            rm = self.actors.reward_model.score_batch(batch, SequenceScores())
             per_source["reward_model"] = rm
             total = total + self.cfg.reward.model_weight * rm
         return total.float(), per_source
 
     def annotate(self, batch: Batch) -> Batch:
         """Per-token log-probs of the policy that generated the batch (pi_old), of the reference, and values:
-        ``(B, T)`` each, float32 (float64 from an fp64 run's models)."""
-        a, rows = self.actors, self.cfg.train.micro_batch_size
+        ``(B, T)`` each, float32 (float64 from an fp64 run's models). Every group scores in chunks of its build's
+        micro-batch size, ``train.micro_batch_size`` for each (rl_runner._start_actors)."""
+        a = self.actors
         logps = TokenLogps(temperature=self.cfg.rollout.temperature)
-        batch = batch.replace(old_logps=a.policy.score_batch(batch, logps, rows))
+        batch = batch.replace(old_logps=a.policy.score_batch(batch, logps))
         if a.reference is not None:
-            batch = batch.replace(ref_logps=a.reference.score_batch(batch, logps, rows))
+            batch = batch.replace(ref_logps=a.reference.score_batch(batch, logps))
         if a.critic is not None:
-            batch = batch.replace(values=a.critic.score_batch(batch, TokenValues(), rows))
+            batch = batch.replace(values=a.critic.score_batch(batch, TokenValues()))
         return batch
 
     def advantages(self, batch: Batch, scores: torch.Tensor, prompt_index: List[int]):

@@ -195,7 +195,7 @@ class Groups:
                                        zero_stage=spec[role])
 
         builds = {"policy": (model("policy", CAUSAL_LM), engine("policy", MICRO, t.grad_accum_steps), optim_spec(t, 1)),
-                  "reference": (model("reference", CAUSAL_LM), engine("reference", 1, 1), None),
+                  "reference": (model("reference", CAUSAL_LM), engine("reference", MICRO, 1), None),  # as the runner
                   "critic": (model("critic", SCALAR_HEAD), engine("critic", MICRO, t.grad_accum_steps),
                              dataclasses.replace(optim_spec(t, 1), lr=cfg.critic.lr))}
         with ThreadPoolExecutor(len(builds)) as pool:

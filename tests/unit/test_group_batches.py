@@ -89,8 +89,8 @@ def test_train_batch_refuses_a_batch_of_the_wrong_size_naming_the_shape(model):
 def test_ranks_that_disagree_on_the_grad_norm_are_an_error_but_a_shared_nan_is_reported(model):
     spec = EngineSpec.for_global_batch(8, 2, 2)
     with pytest.raises(RuntimeError, match="ranks report different grad norms"):
-        LocalGroup(model, spec, 2, norms=[1.0, 1.0 + 1e-7]).train_batch(_batch(model), SFTObjective())
-    result = LocalGroup(model, spec, 2, norms=[math.nan, math.nan]).train_batch(_batch(model), SFTObjective())
+        LocalGroup(model, spec, 2, report=lambda rank, _: (1.0 + 1e-7 * rank, 0.1)).train_batch(_batch(model), SFTObjective())
+    result = LocalGroup(model, spec, 2, report=lambda rank, _: (math.nan, 0.1)).train_batch(_batch(model), SFTObjective())
     assert math.isnan(result.grad_norm)  # the health guard must see it
 
 

@@ -2,8 +2,8 @@
 optimizer steps divided once by the summed normalizer, whatever the shuffle into optimizer steps and the split
 into ranks and micro-batches; and each optimizer step's LR position is the run's planned step.
 
-The driver's bookkeeping is unit-tested here with an in-process stand-in for the policy's worker group that runs
-the real objective on the real tiny model without updating it (so every optimizer step sees the same weights and
+The driver's bookkeeping is unit-tested here with an in-process stand-in for the policy's worker group
+(``group_helpers.LocalGroup``) that runs the real objective on the real tiny model without updating it (so every optimizer step sees the same weights and
 the global value is known: the objective over the whole rollout batch at once). That Ray workers keep the same
 contract per optimizer step is test_rl_e2e.py's and test_rl_reference.py's business.
 """
@@ -13,39 +13,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from group_helpers import LocalGroup
 from rlhf.batch import Batch
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.distributed.engine import EngineSpec
-from rlhf.distributed.group import WorkerGroup
-from rlhf.distributed.worker import RankStepResult
-from rlhf.objectives.base import add_sums
 from rlhf.objectives.rl import PolicyObjective, TokenLogps
 from rlhf.trainers.rl import RLActors, RLTrainer, _largest
 
 ROWS = 16  # the rollout batch; optimizer steps of 4 -> 4 of them per RL step
-
-
-class InProcessGroup(WorkerGroup):
-    """A WorkerGroup whose ranks run in this process: the real :meth:`WorkerGroup.train_batch` (cutting and
-    counting), over a ``train_step`` that returns per-rank sums of the objective (forward only, no update) and the
-    LR position it was asked for. Records every call."""
-
-    def __init__(self, model, micro: int, ranks: int):  # no actors: none of WorkerGroup.__init__ is needed
-        self.model, self.calls = model, []
-        self.role, self.size, self.trainable = "policy", ranks, True
-        self.engine_spec = EngineSpec.for_global_batch(4, micro, ranks)
-
-    def train_step(self, per_rank, objective, normalizer, schedule_step=None):
-        self.calls.append((len(per_rank), [len(mb) for mb in per_rank[0]], normalizer, schedule_step))
-        results = []
-        with torch.no_grad():
-            for micro_batches in per_rank:
-                sums = {}
-                for mb in micro_batches:
-                    sums = add_sums(sums, objective.loss(self.model, mb)[1])
-                results.append(RankStepResult(sums=sums, grad_norm=1.0 + schedule_step, lr=0.01 * (schedule_step + 1)))
-        return results
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +58,11 @@ def _config(micro: int, ranks: int, ppo_epochs: int = 1) -> RLRunConfig:
 
 
 def _update(cfg, objective, model, batch, rl_step):
-    group = InProcessGroup(model, cfg.train.micro_batch_size, cfg.train.num_workers)
+    # each rank reports the LR position it was asked for: grad norm 1 + k, lr 0.01 (k + 1)
+    group = LocalGroup(model, EngineSpec.for_global_batch(4, cfg.train.micro_batch_size, cfg.train.num_workers),
+                       cfg.train.num_workers, report=lambda rank, k: (1.0 + k, 0.01 * (k + 1)))
     trainer = RLTrainer(cfg, None, None, None, RLActors(policy=group, engines=None), None, objective, None)
-    return trainer.update(batch, rl_step), group.calls
+    return trainer.update(batch, rl_step), group.schedule_steps
 
 
 @pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
@@ -96,7 +74,7 @@ def test_rl_metrics_are_the_whole_rollouts_whatever_the_shuffle_and_split(model,
     for micro, ranks in ((4, 1), (1, 2)):
         for rl_step in (1, 2):  # the update plan's shuffle is seeded by the RL step
             logged[micro, ranks, rl_step], calls = _update(_config(micro, ranks), objective, model, rollout, rl_step)
-            assert [c[3] for c in calls] == [4 * (rl_step - 1) + k for k in range(4)]  # the run's planned steps
+            assert calls == [4 * (rl_step - 1) + k for k in range(4)]  # the run's planned steps
     for row in logged.values():
         for key, value in whole.items():
             assert row[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
@@ -123,7 +101,7 @@ def _step_sums(objective, model, batch, rows):
 
 def test_rl_row_lr_is_the_last_optimizer_steps_and_ppo_epochs_count_every_pass(model, rollout):
     row, calls = _update(_config(4, 1, ppo_epochs=2), PolicyObjective(), model, rollout, rl_step=3)
-    assert [c[3] for c in calls] == list(range(16, 24))  # 8 optimizer steps per RL step; RL step 3 starts at 16
+    assert calls == list(range(16, 24))  # 8 optimizer steps per RL step; RL step 3 starts at 16
     assert row["lr"] == pytest.approx(0.01 * 24) and row["grad_norm"] == 24.0  # the last step's LR, the largest norm
     assert row["optimizer_steps"] == 8
     assert row["num_tokens"] == 2 * int(rollout.loss_mask[:, 1:].sum())  # both passes' tokens
