@@ -51,14 +51,14 @@ def stage_breakdown(model, prompts, workdir, steps):
 
 def _policy(model, num_workers, zero_stage, placement=None):
     from rlhf.distributed.cluster import actor_env
-    from rlhf.distributed.engine import VLLMSpec, OptimSpec
+    from rlhf.distributed.engine import EngineSpec, OptimSpec
     from rlhf.distributed.group import GroupResources, WorkerGroup
     from rlhf.models.loading import ModelSpec
 
     group = WorkerGroup(f"policy-z{zero_stage}", GroupResources(num_workers=num_workers, cpus_per_worker=0.5,
                                                                 env_vars=actor_env(0)), "gloo",
                         placement=placement)
-    group.build(ModelSpec(path=model), VLLMSpec(zero_stage=zero_stage, precision="fp32", micro_batch_size=1,
+    group.build(ModelSpec(path=model), EngineSpec(zero_stage=zero_stage, precision="fp32", micro_batch_size=1,
                                                   grad_accum_steps=1), OptimSpec(lr=1e-4, total_steps=1))
     return group
 

@@ -15,7 +15,8 @@ baselines and whitening never see a micro-batch). Nothing here starts an actor.
 
 Multi-turn episodes replace the first two lines: ``records = run_episodes(engines, environments, prompt_ids, rows,
 sampling, encode, decode, TurnLimits(...))`` then ``episodes_batch([r.episode for r in records], pad_id)``; only
-the policy's sampled tokens carry loss (rlhf/rollout/episodes.py).
+the policy's sampled tokens carry loss (rlhf/rollout/episodes.py). ``encode`` is ``TextObservations.of(tokenizer)``
+or ``ChatObservations(chat, role)`` (a chat template's observation turns), or any ``text -> ids`` function.
 """
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ from rlhf.ops.policy_loss import PolicyLossConfig
 from rlhf.rollout.engines import RolloutEngines
 from rlhf.rollout.episodes import Episode, EpisodeError, episodes_batch
 from rlhf.rollout.multi_turn import EpisodeRecord, TurnLimits, episode_metrics, run_episodes
+from rlhf.rollout.observations import ChatObservations, TextObservations
 from rlhf.rollout.vllm_engine import Generation, SamplingSpec, VLLMSpec
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "Episode", "EpisodeError", "EpisodeRecord", "Generation", "PolicyLossConfig",
-           "PolicyObjective", "RolloutEngines", "SamplingSpec", "SequenceScores", "TokenLogps", "TokenValues",
-           "TurnLimits", "VLLMSpec", "ValueObjective", "advantages_for", "episode_metrics", "episodes_batch",
-           "logp_mismatch", "rollout_batch", "run_episodes"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "ChatObservations", "Episode", "EpisodeError", "EpisodeRecord", "Generation",
+           "PolicyLossConfig", "PolicyObjective", "RolloutEngines", "SamplingSpec", "SequenceScores",
+           "TextObservations", "TokenLogps", "TokenValues", "TurnLimits", "VLLMSpec", "ValueObjective",
+           "advantages_for", "episode_metrics", "episodes_batch", "logp_mismatch", "rollout_batch", "run_episodes"]
 
 # Estimators that compare the samples of one prompt: they need each sample's group id.
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")

@@ -3,9 +3,11 @@
 second module named ``conftest``: ``from conftest import`` would find whichever was imported last."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
+import sys
 
 
 def _digits(rng: random.Random, lo: int, hi: int) -> str:
@@ -102,3 +104,16 @@ def write_jsonl(path, rows) -> str:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     return str(path)
+
+
+def load_example(path, name: str):
+    """Import the example file ``path`` as module ``name``. Its objects go to the Ray workers by value, as they do
+    when the example runs as ``__main__`` (the workers cannot import a module from ``examples/``)."""
+    import ray
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    ray.cloudpickle.register_pickle_by_value(module)
+    return module

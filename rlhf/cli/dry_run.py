@@ -24,10 +24,12 @@ from rlhf.config.schema import ConfigError
 from rlhf.distributed.cluster import local_num_cpus
 from rlhf.distributed.packing import (NodeShape, Packing, check_feasible, describe_cluster, nodes_from_ray,
                                       pack, parse_cluster)
-from rlhf.distributed.resource_plan import (ROLLOUT, ActorPlan, Devices, GroupPlan, ResourcePlan, engine_gpus,
-                                            engine_sleep, plan_for, resolve_devices)
+from rlhf.distributed.resource_plan import (ENVIRONMENT, ROLLOUT, ActorPlan, Devices, GroupPlan, ResourcePlan,
+                                            engine_gpus, engine_sleep, plan_for, resolve_devices)
+from rlhf.envs import EnvError, load_environment
 from rlhf.hub import DATASET, MODEL, HubError, cache_dir, is_hub_ref, locate, offline
 from rlhf.trainers.output_dir import output_dir_status
+from rlhf.utils.specs import looks_like_path
 
 NOT_HERE = "not on this machine (checked at run time)"
 
@@ -137,6 +139,9 @@ def check_paths(cfg, precision: str) -> List[Tuple[str, str, str]]:
         rows.append(("strategy.deepspeed_config", ds, "found, consistent with the run" if found else NOT_HERE))
     for spec in getattr(getattr(cfg, "reward", None), "functions", ()):
         rows.append(("reward.functions", spec, _reward_status(spec)))
+    env_spec = getattr(getattr(cfg, "env", None), "spec", "")
+    if env_spec:
+        rows.append(("env.spec", env_spec, _environment_status(env_spec)))
     rows.append(("train.output_dir", cfg.train.output_dir or '""', output_dir_status(cfg)
                  + ("" if not cfg.train.output_dir else ", on storage every node writes")))
     return rows
@@ -187,6 +192,20 @@ def _reward_status(spec: str) -> str:
     return "found, loads"
 
 
+def _environment_status(spec: str) -> str:
+    """Load an environment class that resolves here (a bad one is an error, as in a run); else left to the run."""
+    target = spec.strip().rpartition(":")[0]
+    here = os.path.isfile(target) if looks_like_path(target) else \
+        importlib.util.find_spec(target.split(".")[0]) is not None
+    if not here:
+        return NOT_HERE
+    try:
+        load_environment(spec)
+    except EnvError as e:
+        raise ConfigError(f"env.spec: {e}") from None
+    return "found, loads"
+
+
 def _rollout_lines(cfg, plan: ResourcePlan, devices: Devices) -> List[str]:
     """Engines, devices per engine, vLLM sleep mode and the weight-sync transport, as the RL runner resolves them."""
     from rlhf.rollout.weight_sync import resolve_weight_sync  # lazy: pulls in torch
@@ -202,12 +221,23 @@ def _rollout_lines(cfg, plan: ResourcePlan, devices: Devices) -> List[str]:
     transport = {"ipc": "CUDA IPC handles, policy rank e -> engine e on their shared device",
                  "object_store": "buckets through the Ray object store",
                  "broadcast": f"policy rank 0 -> every engine worker over a {backend} process group"}.get(sync, sync)
-    return [f"rollout: {_count(r.num_engines, 'vLLM engine')}, tensor_parallel_size {r.tensor_parallel_size}, "
-            f"{device}",
-            f"  max_model_len {r.max_prompt_length + r.max_new_tokens} (rollout.max_prompt_length + max_new_tokens)",
+    context = (f"{r.max_episode_tokens + r.max_new_tokens} (rollout.max_episode_tokens + max_new_tokens: a turn may "
+               f"sample past the episode's budget, which keeps what fits)" if cfg.multi_turn else
+               f"{r.max_prompt_length + r.max_new_tokens} (rollout.max_prompt_length + max_new_tokens)")
+    lines = [f"rollout: {_count(r.num_engines, 'vLLM engine')}, tensor_parallel_size {r.tensor_parallel_size}, "
+             f"{device}",
+             f"  max_model_len {context}",
             f"  vLLM sleep mode: {'on' if sleep else 'off'} (colocate.engine_sleep={c.engine_sleep})",
-            f"  weight sync: {sync}: {transport} (rollout.weight_sync={r.weight_sync}), "
-            f"{r.weight_sync_bucket_mb} MB buckets"]
+             f"  weight sync: {sync}: {transport} (rollout.weight_sync={r.weight_sync}), "
+             f"{r.weight_sync_bucket_mb} MB buckets"]
+    if cfg.multi_turn:
+        e = cfg.env
+        lines += [f"environment: {e.spec} on {_count(e.num_actors, 'actor')}, {e.step_timeout_s:g} s per reset or "
+                  f"step at most (env.step_timeout_s)",
+                  f"  episodes: up to {r.max_turns} turns and {r.max_episode_tokens} tokens each, then "
+                  f"rollout.episode_limit={r.episode_limit}; observations: rollout.observation_format="
+                  f"{r.observation_format}; an episode is one sample of the rollout batch"]
+    return lines
 
 
 def _count(n: int, noun: str) -> str:
@@ -281,7 +311,7 @@ def _first_failed(packing: Packing) -> int:
 def actor_lines(plan: ResourcePlan) -> List[str]:
     rows = []
     for a in plan.actors:
-        unit = "engine" if a.role == ROLLOUT else "rank"
+        unit = {ROLLOUT: "engine", ENVIRONMENT: "actor"}.get(a.role, "rank")
         where = f"{unit} r on bundle r of {a.group}" if a.group else "own resources"
         rows.append((a.role, _count(a.count, unit), f"{_res(a)} each", where))
     return _table(rows)

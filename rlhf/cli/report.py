@@ -22,8 +22,16 @@ PANELS: Tuple[Tuple[str, str], ...] = (
     ("clip_frac", "clip fraction"), ("logp_mismatch", "vLLM / trainer log-prob mismatch"),
     ("grad_norm", "grad norm"), ("critic_grad_norm", "critic grad norm"), ("lr", "learning rate"),
     ("samples_per_s", "samples / s"),
+    # multi-turn episodes (env.spec)
+    ("reward/env", "environment reward"), ("episode/turns", "turns per episode"),
+    ("episode/policy_tokens", "policy tokens per episode"), ("episode/env_tokens", "environment tokens per episode"),
+    ("episode/ended_done", "episodes ended by the environment"),
+    ("episode/ended_max_turns", "episodes cut at rollout.max_turns"),
+    ("episode/ended_token_budget", "episodes cut at rollout.max_episode_tokens"),
+    ("episode/ended_prefix_mismatch", "episodes cut at a prefix mismatch"),
 )
 TIMING_PREFIX = "time/"
+TURN_REWARD_PREFIX = "episode/reward_turn_"  # the environment's mean reward at turn t: one panel per turn
 
 
 class ReportError(ValueError):
@@ -60,7 +68,10 @@ def load_runs(dirs: Sequence[str]) -> Tuple[Dict[str, List[dict]], List[str]]:
 def panels_for(runs: Dict[str, List[dict]]) -> List[Tuple[str, str]]:
     keys = {k for rows in runs.values() for row in rows for k in row}
     timings = sorted(k for k in keys if k.startswith(TIMING_PREFIX))
-    return [p for p in PANELS if p[0] in keys] + [(k, f"seconds: {k[len(TIMING_PREFIX):]}") for k in timings]
+    turns = sorted((k for k in keys if k.startswith(TURN_REWARD_PREFIX)), key=lambda k: int(k.rsplit("_", 1)[1]))
+    return ([p for p in PANELS if p[0] in keys] + [(k, f"environment reward at turn {k.rsplit('_', 1)[1]}")
+                                                    for k in turns]
+            + [(k, f"seconds: {k[len(TIMING_PREFIX):]}") for k in timings])
 
 
 def _missing_matplotlib() -> str:

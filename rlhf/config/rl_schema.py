@@ -15,6 +15,7 @@ from typing import Tuple
 from rlhf.config.schema import ConfigError, _check, _choice, _RunConfig
 
 WEIGHT_SYNC_METHODS = ("auto", "broadcast", "ipc", "object_store")
+EPISODE_LIMITS = ("truncate", "mask", "penalize")
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,35 @@ class RolloutConfig:
     # broadcast (NCCL / gloo group) | ipc (same device: CUDA IPC / shm) | object_store
     weight_sync: str = "auto"
     eval_samples_per_prompt: int = 4  # with data.eval_path: samples per held-out prompt at each evaluation
+    # Multi-turn episodes (with env.spec; docs/algorithms/multi_turn.md):
+    max_turns: int = 1  # policy turns per episode at most
+    max_episode_tokens: int = 0  # tokens per episode in all (prompt, responses, observations); required with env.spec
+    # what an episode that reached max_turns or max_episode_tokens without the environment's done becomes (every
+    # way an episode ends is counted in episode/ended_*): truncate (trained as it stands, with its reward) | mask
+    # (no loss: it still counts in its group's baseline; DAPO's overlong filtering) | penalize (its reward is
+    # rollout.limit_reward instead)
+    episode_limit: str = "truncate"
+    limit_reward: float = 0.0  # the reward of an episode cut by a limit, with episode_limit=penalize
+    # how an observation's text becomes tokens: auto (chat for conversational prompts, else text) | text (as it is,
+    # no special tokens) | chat (a message of rollout.observation_role in the chat template, then the generation
+    # prompt)
+    observation_format: str = "auto"
+    observation_role: str = "user"  # the role of observation messages (chat); tool if the template has one
+    # an environment that returns the next prompt as token ids (StepOutcome.prompt_ids) must extend the episode's
+    # tokens: error (naming the episode, turn and position) | truncate (the episode ends before the mismatch)
+    on_prefix_mismatch: str = "error"
 
     def __post_init__(self) -> None:
         for key in ("num_engines", "tensor_parallel_size", "prompts_per_step", "n_samples_per_prompt",
                     "max_prompt_length", "max_new_tokens", "kv_cache_gib", "weight_sync_bucket_mb",
-                    "eval_samples_per_prompt"):
+                    "eval_samples_per_prompt", "max_turns"):
             _check(getattr(self, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _check(self.max_episode_tokens >= 0, "rollout.max_episode_tokens",
+               f"must be >= 0 (0: single-turn, unused), got {self.max_episode_tokens}")
+        _choice(self.episode_limit, "rollout.episode_limit", EPISODE_LIMITS)
+        _choice(self.observation_format, "rollout.observation_format", ("auto", "text", "chat"))
+        _choice(self.observation_role, "rollout.observation_role", ("user", "tool", "system"))
+        _choice(self.on_prefix_mismatch, "rollout.on_prefix_mismatch", ("error", "truncate"))
         _choice(self.prompt_overflow, "rollout.prompt_overflow", ("skip", "truncate"))
         _choice(self.weight_sync, "rollout.weight_sync", WEIGHT_SYNC_METHODS)
         _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
@@ -65,9 +89,29 @@ class RewardConfig:
     columns: Tuple[str, ...] = ("answer",)  # prompt-data fields passed to reward functions when present
 
     def __post_init__(self) -> None:
-        _check(bool(self.functions) or bool(self.model_path), "reward.functions",
-               "is required unless reward.model_path is set: RL needs a reward")
         _check(self.model_num_workers >= 1, "reward.model_num_workers", f"must be >= 1, got {self.model_num_workers}")
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """A multi-turn environment (docs/algorithms/multi_turn.md): each prompt row starts an episode of the class
+    named by ``env.spec``, hosted by a pool of Ray actors; without it, one prompt -> one response."""
+
+    spec: str = ""  # "path/to/file.py:Class" or "package.module:Class"; "" = single-turn rollouts
+    num_actors: int = 1  # pool actors; episode e lives on actor e % num_actors, actors run in parallel
+    cpus_per_actor: float = 0.5  # Ray CPUs each actor reserves
+    step_timeout_s: float = 60.0  # the longest one reset or step may take; a hung actor is replaced, the step fails
+    columns: Tuple[str, ...] = ()  # prompt-data fields given to reset(row), with the prompt and reward.columns
+    # an environment that raises, hangs or dies: fail (the run stops, naming the RL step, episode and turn) | drop
+    # (that episode ends there and carries no loss; counted in episode/env_errors, the first error printed)
+    on_error: str = "fail"
+    reward_weight: float = 1.0  # weight of the environment's rewards (summed over turns) in the summed reward
+
+    def __post_init__(self) -> None:
+        _choice(self.on_error, "env.on_error", ("fail", "drop"))
+        _check(self.num_actors >= 1, "env.num_actors", f"must be >= 1, got {self.num_actors}")
+        _check(self.cpus_per_actor >= 0, "env.cpus_per_actor", f"must be >= 0, got {self.cpus_per_actor}")
+        _check(self.step_timeout_s > 0, "env.step_timeout_s", f"must be > 0, got {self.step_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -177,13 +221,18 @@ class RLRunConfig(_RunConfig):
     """``python -m rlhf.cli.train_ppo``: online RL (PPO, GRPO, REINFORCE++, RLOO) with vLLM rollouts."""
 
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)  # reward.functions or reward.model_path required
+    # reward.functions, reward.model_path or an environment's rewards (env.spec) required
+    reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     colocate: ColocateConfig = field(default_factory=ColocateConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check(bool(self.reward.functions) or bool(self.reward.model_path) or self.multi_turn, "reward.functions",
+               "is required unless reward.model_path or env.spec (an environment's rewards) is set: RL needs a reward")
+        self._check_episodes()
         samples, gb = self.rollout.samples_per_step, self.train.global_batch_size
         _check(samples >= gb, "train.global_batch_size",
                f"({gb}) must not exceed the rollout batch, rollout.prompts_per_step x rollout.n_samples_per_prompt "
@@ -206,6 +255,26 @@ class RLRunConfig(_RunConfig):
             return ""
         return (f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size x "
                 f"critic.num_workers ({t.micro_batch_size} x {ranks}): the critic trains on the same batches")
+
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.env.spec)
+
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest row a step trains on and the engines' context: a prompt and its response, or an episode."""
+        r = self.rollout
+        return r.max_episode_tokens if self.multi_turn else r.max_prompt_length + r.max_new_tokens
+
+    def _check_episodes(self) -> None:
+        r = self.rollout
+        if not self.multi_turn:
+            _check(r.max_turns == 1, "rollout.max_turns", f"is {r.max_turns}, which needs an environment (env.spec): "
+                   f"without one a rollout is one prompt -> one response")
+            return
+        _check(r.max_episode_tokens > r.max_prompt_length, "rollout.max_episode_tokens",
+               f"must be set above rollout.max_prompt_length ({r.max_prompt_length}) with env.spec: the episode's "
+               f"prompt, responses and observations in all (got {r.max_episode_tokens})")
 
     def _check_colocation(self) -> None:
         c, r = self.colocate, self.rollout

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Tuple, Union
 from rlhf.config.schema import ConfigError
 
 ROLLOUT = "rollout"  # the vLLM engines' role name in plans and shared placement groups
+ENVIRONMENT = "environment"  # the multi-turn environment pool's actors (rlhf.envs.EnvironmentPool)
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,8 @@ def policy_side_roles(colocate) -> Tuple[str, ...]:
 
 
 def rl_plan(cfg, gpus_per_worker: float) -> ResourcePlan:
-    """Online RL, in ``rl_runner._start_actors``' order: policy side, engines, reference, critic side.
+    """Online RL, in ``rl_runner._start_actors``' order: policy side, engines, reference, critic side, environment
+    actors (multi-turn).
 
     Args:
         cfg: An :class:`~rlhf.config.rl_schema.RLRunConfig`.
@@ -221,6 +223,8 @@ def rl_plan(cfg, gpus_per_worker: float) -> ResourcePlan:
     if cfg.reward.model_path:
         n = cfg.reward.model_num_workers
         b.on(critic_side or b.group(("reward_model",), n), "reward_model", n)
+    if cfg.env.spec:
+        b.own(ENVIRONMENT, cfg.env.num_actors, cfg.env.cpus_per_actor, 0.0)
     return b.build()
 
 

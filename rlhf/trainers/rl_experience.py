@@ -3,8 +3,8 @@
 :mod:`rlhf.rl`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rlhf.data.tokenize import row_errors
 
@@ -17,6 +17,14 @@ class PromptSet:
     skipped: int
     truncated: int
     stop_token_ids: Tuple[int, ...] = ()  # generation ends on these: EOS, and the chat template's end of turn
+    env_rows: List[Dict[str, Any]] = field(default_factory=list)  # each prompt's row as read: an env's reset(row)
+    chat: Any = None  # the ChatFormatter of conversational prompts (None: plain text)
+    prompt_key: str = "prompt"
+
+    @property
+    def messages(self) -> List[Optional[list]]:
+        """Each prompt's messages (``None`` for a text prompt)."""
+        return [row[self.prompt_key] if isinstance(row[self.prompt_key], list) else None for row in self.env_rows]
 
 
 def prepare_prompts(rows: Sequence[dict], tokenizer, *, prompt_key: str, columns: Sequence[str],
@@ -47,4 +55,4 @@ def prepare_prompts(rows: Sequence[dict], tokenizer, *, prompt_key: str, columns
                                               if t != tokenizer.eos_token_id)
     return PromptSet(prompt_ids=ids, texts=[texts[i] for i in keep],
                      columns={c: [rows[i][c] for i in keep] for c in present}, skipped=skipped, truncated=truncated,
-                     stop_token_ids=stops)
+                     stop_token_ids=stops, env_rows=[dict(rows[i]) for i in keep], chat=chat, prompt_key=prompt_key)

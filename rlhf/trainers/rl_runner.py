@@ -1,5 +1,5 @@
 """``train_ppo(cfg)``: the PPO family (PPO, GRPO, Dr. GRPO, RLOO, REINFORCE++; ``python -m rlhf.cli.train_ppo``):
-validate, start the actors (policy, vLLM engines, reference, critic, reward model), run the
+validate, start the actors (policy, vLLM engines, reference, critic, reward model, environment pool), run the
 :class:`~rlhf.trainers.rl.RLTrainer`'s steps in a :class:`~rlhf.trainers.run.Run`, save ``final/``."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.distributed.cluster import actor_env
 from rlhf.distributed.errors import WorkerError
+from rlhf.envs import EnvError, EnvironmentPool, load_environment
 from rlhf.distributed.resource_plan import engine_gpus, engine_sleep, policy_side_roles, rl_plan
 from rlhf.config.schema import ConfigError
 from rlhf.data.formats import located, prompt_fields, read_formatted
@@ -21,13 +22,15 @@ from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
 from rlhf.objectives.rl import PolicyObjective, ValueObjective
 from rlhf.ops.policy_loss import PolicyLossConfig
 from rlhf.rewards.functions import RewardFunctionScorer
+from rlhf.rl import TurnLimits
 from rlhf.rollout.engines import RolloutEngines
 from rlhf.rollout.vllm_engine import VLLMSpec
 from rlhf.rollout.weight_sync import resolve_weight_sync
 from rlhf.trainers.offline import check_paths, load_tokenizer
 from rlhf.trainers.output_dir import claim_output_dir
 from rlhf.trainers.rl import RLActors, RLTrainer
-from rlhf.trainers.rl_experience import prepare_prompts
+from rlhf.trainers.rl_experience import PromptSet, prepare_prompts
+from rlhf.trainers.rl_rollout import EpisodeRollout, observation_format
 from rlhf.trainers.run import Run, RunContext, RunResult, optim_spec, run_identity, with_restarts
 from rlhf.utils.versions import check_versions
 
@@ -61,13 +64,30 @@ def _start_engines(cfg: RLRunConfig, ctx, placement):
     # vLLM runs no float64: an fp64 run's engines sample in float32 (the weight sync casts, rlhf.rollout.senders)
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float32"}[ctx.precision]
     spec = VLLMSpec(model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size, seed=cfg.train.seed,
-                      max_model_len=r.max_prompt_length + r.max_new_tokens, dtype=dtype,
+                      max_model_len=_engine_context(cfg), dtype=dtype,
                       gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib,
                       enable_sleep_mode=sleep)
     engines = RolloutEngines(spec, r.num_engines, cpus_per_engine=r.cpus_per_engine, gpus_per_engine=gpus,
                              env_vars=actor_env(gpus), placement=placement, sleep=sleep)
     ctx.groups.append(engines)  # shut down with the worker groups, before the placement groups go
     return engines
+
+
+def _engine_context(cfg: RLRunConfig) -> int:
+    """The engines' ``max_model_len``: a prompt and its response; for episodes, the episode's budget plus one
+    response (a turn may sample past the budget; the episode keeps only what fits, rlhf.rollout.multi_turn)."""
+    r = cfg.rollout
+    return cfg.max_sequence_length + (r.max_new_tokens if cfg.multi_turn else 0)
+
+
+def _start_environments(cfg: RLRunConfig, ctx, prompts: PromptSet, tokenizer) -> EpisodeRollout:
+    """The environment pool (``env.*``) and the multi-turn rollout around it; shut down with the worker groups."""
+    e, r = cfg.env, cfg.rollout
+    pool = EnvironmentPool(e.spec, e.num_actors, cpus_per_actor=e.cpus_per_actor, step_timeout_s=e.step_timeout_s)
+    ctx.groups.append(pool)
+    return EpisodeRollout(pool, tokenizer, observation_format(r.observation_format, prompts.chat is not None),
+                          r.observation_role, TurnLimits(r.max_turns, r.max_episode_tokens), r.on_prefix_mismatch,
+                          on_error=e.on_error)
 
 
 def _connect_weight_sync(cfg: RLRunConfig, ctx, actors: RLActors) -> None:
@@ -161,16 +181,21 @@ def _identity(cfg: RLRunConfig, plan: EpochPlan) -> dict:
     r = cfg.rollout
     return {**run_identity(cfg, plan), "rollout.prompts_per_step": r.prompts_per_step,
             "rollout.n_samples_per_prompt": r.n_samples_per_prompt, "algo.ppo_epochs": cfg.algo.ppo_epochs,
-            "critic.num_workers": cfg.critic.num_workers if cfg.algo.needs_critic else 0}
+            "critic.num_workers": cfg.critic.num_workers if cfg.algo.needs_critic else 0,
+            **({"env.spec": cfg.env.spec, "rollout.max_turns": r.max_turns} if cfg.multi_turn else {})}
 
 
 def _read_prompts(cfg: RLRunConfig, tokenizer, key: str, path: str, split: str):
     d, r = cfg.data, cfg.rollout
-    rows, chat = read_formatted(d, path, split, tokenizer, prompt_fields(d.prompt_key, cfg.reward.columns),
+    columns = tuple(dict.fromkeys(cfg.reward.columns + cfg.env.columns))  # an environment's row holds both
+    rows, chat = read_formatted(d, path, split, tokenizer, prompt_fields(d.prompt_key, columns),
                                 chat_keys=(d.prompt_key,))
     with located(key, path):
-        return prepare_prompts(rows, tokenizer, prompt_key=d.prompt_key, columns=cfg.reward.columns,
-                               max_prompt_length=r.max_prompt_length, overflow=r.prompt_overflow, chat=chat)
+        prompts = prepare_prompts(rows, tokenizer, prompt_key=d.prompt_key, columns=cfg.reward.columns,
+                                  max_prompt_length=r.max_prompt_length, overflow=r.prompt_overflow, chat=chat)
+    if cfg.multi_turn:
+        observation_format(r.observation_format, chat is not None)  # chat without conversations: refused here
+    return prompts
 
 
 def train_ppo(cfg: RLRunConfig) -> RunResult:
@@ -199,17 +224,34 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     scorer = RewardFunctionScorer(tuple(cfg.reward.functions)) if cfg.reward.functions else None
     if scorer is not None:
         scorer.load()  # a bad spec fails here, before any actor starts
+    if cfg.multi_turn:
+        try:
+            load_environment(cfg.env.spec)  # likewise
+        except EnvError as e:
+            raise ConfigError(f"env.spec: {e}") from None
     optimizer_steps = plan.total_steps * cfg.optimizer_steps_per_rl_step
     print(f"[rl] {len(prompts.prompt_ids)} prompts ({prompts.skipped} skipped, {prompts.truncated} truncated), "
           f"{plan.total_steps} RL steps x {r.samples_per_step} samples, {optimizer_steps} optimizer steps; "
           f"{cfg.algo.advantage_estimator} / {cfg.algo.policy_loss} / {cfg.algo.describe_aggregation()}", flush=True)
+    if cfg.multi_turn:
+        e = cfg.env
+        print(f"[rl] episodes of {e.spec} on {e.num_actors} actor(s): up to {r.max_turns} turns and "
+              f"{r.max_episode_tokens} tokens (rollout.episode_limit={r.episode_limit}), observations as "
+              f"{observation_format(r.observation_format, prompts.chat is not None)}; a sample is an episode",
+              flush=True)
+        longest = r.max_prompt_length + r.max_turns * r.max_new_tokens  # before any observation token
+        if longest > r.max_episode_tokens:
+            print(f"[rl] note: a longest prompt and {r.max_turns} full responses take {longest} tokens, more than "
+                  f"rollout.max_episode_tokens={r.max_episode_tokens}: long episodes will end at the token budget "
+                  f"(episode/ended_token_budget)", flush=True)
     run = Run(cfg, "rl", plan, _identity(cfg, plan))
     with run.cluster(needed_cpus=_needed_cpus(cfg)) as ctx:
         actors = _start_actors(cfg, ctx, optimizer_steps)
         _write_placement(actors, t.output_dir)
         policy_objective, value_objective = _objectives(cfg)
+        episodes = _start_environments(cfg, ctx, prompts, tokenizer) if cfg.multi_turn else None
         trainer = RLTrainer(cfg, tokenizer, prompts, plan, actors, scorer, policy_objective, value_objective,
-                            eval_prompts=eval_prompts)
+                            eval_prompts=eval_prompts, episodes=episodes)
         trained = {"policy": actors.policy, **({"critic": actors.critic} if actors.critic is not None else {})}
         last = run.train(trainer, trained)
         return run.finish(actors.policy, tokenizer, last)

@@ -101,6 +101,26 @@ def test_a_hanging_environment_times_out_and_the_pool_recovers(envs: Path):
         assert [o.observation for o in pool.step([5, 7], ["hi", "hi"])] == ["awake 1", "awake 1"]
 
 
+def test_errors_returned_in_place_fail_only_their_episodes(envs: Path):
+    """``errors="return"`` (env.on_error=drop): a raising episode and every episode of a hung actor come back as
+    EnvErrors in their places; the other actor's episodes take their turn, and the next turn goes on without them."""
+    spec = f"{envs}:Sleepy"
+    with EnvironmentPool(spec, num_actors=2, cpus_per_actor=0.5, step_timeout_s=2) as pool:
+        pool.reset([{}] * 4)
+        out = pool.step([0, 1, 2, 3], ["hi", "sleep", "hi", "hi"], errors="return")
+        # episode 1 hung on actor 1, which also hosted episode 3: both gone; actor 0's episodes 0 and 2 went on
+        assert [type(o).__name__ for o in out] == ["StepOutcome", "EnvError", "StepOutcome", "EnvError"]
+        assert str(out[1]) == f"environment {spec!r} hung for more than 2 s in step (turn 1 of episode 1)"
+        assert "episode 3 was lost with its actor" in str(out[3])
+        again = pool.step([0, 1, 2, 3], ["hi"] * 4, errors="return")
+        assert [o.observation for o in again[::2]] == ["awake 2"] * 2 and [o.done for o in again[::2]] == [True] * 2
+        assert all(isinstance(o, EnvError) and "was lost" in str(o) for o in again[1::2])
+    with EnvironmentPool(f"{envs}:Raising", num_actors=2, cpus_per_actor=0.5, step_timeout_s=20) as pool:
+        pool.reset([{}] * 3)
+        out = pool.step([0, 1, 2], ["a", "boom", "a"], errors="return")
+        assert [o.observation if not isinstance(o, EnvError) else o.turn for o in out] == ["fine", 1, "fine"]
+
+
 def test_a_spec_the_actors_cannot_load_is_an_env_error(tmp_path: Path):
     path = tmp_path / "typo.py"
     path.write_text("class Env:\n    def reset(self, row):\n        return ''\n    def step(self, r, ids):\n"

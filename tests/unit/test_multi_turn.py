@@ -32,6 +32,7 @@ class Outcome:
     observation: str
     reward: float
     done: bool
+    info: dict = dataclasses.field(default_factory=dict)
 
 
 class Counting:
@@ -50,7 +51,7 @@ class Counting:
         out = []
         for i in ids:
             self.turn[i] += 1
-            out.append(Outcome(f"o{self.turn[i]}", 1.0, self.turn[i] >= self.rows[i]["turns"]))
+            out.append(Outcome(f"o{self.turn[i]}", 1.0, self.turn[i] >= self.rows[i]["turns"], {"turn": self.turn[i]}))
         return out
 
     def close(self, ids):
@@ -80,13 +81,15 @@ def test_live_episodes_go_to_the_engines_together_with_their_tokens_so_far():
     assert [c[1] for c in engine.calls] == [7 + t * TURN_SEED_STRIDE for t in range(3)]
     # turn 2's prompts are exactly the episodes' tokens after turn 1: sampled ids + the observation's ids
     second = records[1].episode
-    assert engine.calls[1][0][0] == (3,) + tuple(encode("hi")) + second.segments[1].ids + tuple(encode("o1"))
-    assert second.token_ids[:1] == (3,) and [s.source for s in second.segments] == ["env", "policy", "env", "policy",
-                                                                                     "env", "policy"]
+    assert engine.calls[1][0][0] == (3,) + tuple(encode("hi")) + second.segments[0].ids + tuple(encode("o1"))
+    # reset's observation joins the prompt (context before the first turn); the turns alternate after it
+    assert second.prompt_ids == (3,) + tuple(encode("hi"))
+    assert [s.source for s in second.segments] == ["policy", "env", "policy", "env", "policy"]
     # the environment saw each response as text and as the sampled ids
     ids, texts, raw = env.steps[0]
     assert ids == [0, 1, 2] and texts[0] == decode(raw[0]) and raw[0] == records[0].episode.segments[0].ids
     assert [r.turn_rewards for r in records] == [[1.0], [1.0, 1.0, 1.0], [1.0, 1.0]] and env.closed == [0, 1, 2]
+    assert records[1].turn_infos == [{"turn": 1}, {"turn": 2}, {"turn": 3}]  # each step's info, kept per turn
     # the final observation of a finished episode is not appended: nothing after the last policy turn
     assert all(r.episode.segments[-1].source == "policy" for r in records)
 
@@ -123,3 +126,13 @@ def test_episode_metrics():
 def test_limits_are_checked():
     with pytest.raises(ValueError, match="max_turns >= 1"):
         TurnLimits(0, 10)
+
+
+def test_prefill_groups_fit_one_scheduler_step():
+    from rlhf.rollout.vllm_engine import prefill_groups
+
+    assert prefill_groups([10, 10, 10], None) == [(0, 3)]
+    assert prefill_groups([], 100) == []
+    assert prefill_groups([40, 40, 40, 10], 100) == [(0, 2), (2, 4)]  # a prompt costs its tokens + 1 decode token
+    assert prefill_groups([500, 10], 100) == [(0, 1), (1, 2)]  # longer than a step: alone
+    assert prefill_groups([1] * 60, 100) == [(0, 50), (50, 60)]

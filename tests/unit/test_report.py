@@ -82,3 +82,11 @@ def test_without_matplotlib_the_report_says_what_to_install(two_runs, monkeypatc
     assert err.count("\n") == 1 and err.startswith("error: the report draws with matplotlib")
     assert "pip install matplotlib" in err and "Traceback" not in err
     assert not (two_runs[0] / "report.png").exists()
+
+
+def test_episode_metrics_get_their_panels_turns_in_order():
+    row = {"step": 1, "reward_mean": 1.0, "reward/env": 0.5, "episode/turns": 2.0, "episode/env_tokens": 7.0,
+           "episode/reward_turn_10": 0.1, "episode/reward_turn_2": 0.2, "episode/reward_turn_1": 0.3, "time/env": 0.1}
+    keys = [k for k, _ in panels_for({"run": [row]})]
+    assert keys == ["reward_mean", "reward/env", "episode/turns", "episode/env_tokens", "episode/reward_turn_1",
+                    "episode/reward_turn_2", "episode/reward_turn_10", "time/env"]

@@ -1,0 +1,104 @@
+"""How an environment's observation text becomes tokens appended to an episode (``rollout.observation_format``).
+
+Either encoder tokenizes each observation **once** and never touches the tokens before it: the policy's sampled
+tokens stay as sampled (rlhf/rollout/episodes.py says why re-encoding drifts).
+
+* :class:`TextObservations` (``text``): the text's own tokens, no special tokens added, right after the response.
+* :class:`ChatObservations` (``chat``): the observation is a message of ``rollout.observation_role`` in the
+  tokenizer's chat template, followed by the generation prompt, so the policy answers it in a fresh assistant turn.
+  The template is rendered on a fixed probe conversation with and without the observation message: what it writes
+  after a finished assistant turn (e.g. ChatML's ``\\n<|im_start|>user\\n ... <|im_end|>\\n<|im_start|>assistant\\n``)
+  is tokenized as one piece around the observation's text. A response that did not end with the template's
+  end-of-turn token (cut by ``rollout.max_new_tokens``) gets the template's turn closing as context first.
+
+An encoder has two entry points: ``first(index, prompt_ids, text)`` returns episode ``index``'s prompt with the
+reset observation, ``encoder(text, response_ids)`` the tokens to append after a response. A plain function
+``encode(text) -> ids`` is accepted wherever an encoder is (:func:`as_encoder`).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Protocol, Sequence, Union
+
+__all__ = ["ObservationEncoder", "TextObservations", "ChatObservations", "as_encoder"]
+
+_MARK = "\u2063observation\u2063"  # a probe content no template writes itself (U+2063, invisible separator)
+
+
+class ObservationEncoder(Protocol):
+    def first(self, index: int, prompt_ids: Sequence[int], text: str) -> List[int]: ...
+
+    def __call__(self, text: str, response_ids: Sequence[int]) -> List[int]: ...
+
+
+class TextObservations:
+    """Observations as their own text's tokens (``encode(text) -> ids``, e.g. the tokenizer without special
+    tokens), appended after the prompt or the response."""
+
+    def __init__(self, encode: Callable[[str], Sequence[int]]) -> None:
+        self.encode = encode
+
+    @classmethod
+    def of(cls, tokenizer) -> "TextObservations":
+        return cls(lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def first(self, index: int, prompt_ids: Sequence[int], text: str) -> List[int]:
+        return list(prompt_ids) + list(self.encode(text))
+
+    def __call__(self, text: str, response_ids: Sequence[int]) -> List[int]:
+        return list(self.encode(text))
+
+
+def as_encoder(encode: Union[ObservationEncoder, Callable[[str], Sequence[int]]]) -> ObservationEncoder:
+    """An encoder as it is; a one-argument function as :class:`TextObservations`."""
+    return encode if hasattr(encode, "first") else TextObservations(encode)
+
+
+class ChatObservations:
+    """Observations as chat messages of ``role`` (see the module docstring).
+
+    Args:
+        chat: the prompts' :class:`~rlhf.data.chat.ChatFormatter`.
+        role: the observation messages' role (``user``, ``tool``, ``system``).
+        prompt_messages: episode ``i``'s prompt messages, for a reset observation (the prompt is rendered again
+            with the observation as its last message: it is the data's own text, never sampled tokens).
+
+    Raises:
+        ValueError: when the template cannot render an observation turn after an assistant turn as a plain
+            continuation (it rewrites earlier turns, or refuses the role), naming the role.
+    """
+
+    def __init__(self, chat, role: str, prompt_messages: Optional[Sequence[Sequence[dict]]] = None) -> None:
+        self.chat, self.role, self.prompt_messages = chat, role, prompt_messages
+        probe = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+        try:
+            base = chat.render(probe)
+            after = chat.render(probe + [self._message(_MARK)], generation_prompt=True)
+        except ValueError as e:
+            raise ValueError(f"rollout.observation_role={role}: {e}") from None
+        if not after.startswith(base) or _MARK not in after[len(base):]:
+            raise ValueError(f"rollout.observation_role={role}: the chat template does not render an observation "
+                             f"message after an assistant turn as a continuation of the conversation (it rewrites the "
+                             f"earlier turns); use rollout.observation_format=text")
+        self.head, self.tail = after[len(base):].split(_MARK, 1)
+        close = base[base.rindex("2") + 1:]  # what the template writes after an assistant's text: "<|im_end|>\n"
+        self.close_ids = tuple(chat.tokenize(close)) if close else ()
+
+    def _message(self, text: str) -> dict:
+        return {"role": self.role, "content": text}
+
+    def first(self, index: int, prompt_ids: Sequence[int], text: str) -> List[int]:
+        if self.prompt_messages is None:
+            raise ValueError("a chat observation at reset needs the prompt's messages (ChatObservations("
+                             "prompt_messages=...))")
+        return self.chat.prompt_ids(list(self.prompt_messages[index]) + [self._message(text)])
+
+    def __call__(self, text: str, response_ids: Sequence[int]) -> List[int]:
+        return list(self.closing(response_ids)) + self.chat.tokenize(self.head + text + self.tail)
+
+    def closing(self, response_ids: Sequence[int]) -> Sequence[int]:
+        """The template's end of the assistant turn still missing after ``response_ids``: what follows its
+        end-of-turn token when the response stopped on it, else all of it."""
+        c = self.close_ids
+        if c and response_ids and response_ids[-1] == c[0]:
+            return c[1:]
+        return c

@@ -1,0 +1,138 @@
+"""One RL step's samples, single-turn or multi-turn, as one :class:`Rollout` (driver side; the engines and the
+environment pool are actors).
+
+* Single-turn: each prompt index is one request to the engines; a sample is ``prompt + response``.
+* Multi-turn (``env.spec``): each prompt index starts an episode of the environment, rolled out turn by turn
+  (:func:`rlhf.rollout.multi_turn.run_episodes`); a sample is the whole episode, with loss on the policy's tokens
+  only. Reward functions see the final turn's response as ``responses`` and may ask for the columns ``transcript``
+  (everything after the prompt, observations included, as text) and ``turns``.
+
+Either way request ``j`` of a (turn of a) step is drawn with ``seed + j`` whichever engine serves it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from rlhf.batch import Batch
+from rlhf.config.schema import ConfigError
+from rlhf.envs.base import EnvError
+from rlhf.rl import (EpisodeError, EpisodeRecord, TurnLimits, episode_metrics, episodes_batch, rollout_batch,
+                     run_episodes)
+from rlhf.rollout.multi_turn import RolloutStats
+from rlhf.rollout.observations import ChatObservations, TextObservations
+from rlhf.rollout.vllm_engine import SamplingSpec
+from rlhf.trainers.rl_experience import PromptSet
+
+
+@dataclass
+class Rollout:
+    """A step's samples: ``batch`` (one row per sample or episode) and what scoring needs about each row."""
+
+    batch: Batch
+    prompt_index: List[int]  # each row's prompt (index into the PromptSet): its group for the group estimators
+    responses: List[str]  # what reward functions score: the response (the final turn's, for an episode)
+    columns: Dict[str, list] = field(default_factory=dict)  # extra reward-function columns (transcript, turns)
+    env_rewards: Optional[torch.Tensor] = None  # (B,) the environment's rewards summed over each episode's turns
+    at_limit: Optional[torch.Tensor] = None  # (B,) bool: a limit ended the episode (rollout.episode_limit applies)
+    failed: Optional[torch.Tensor] = None  # (B,) bool: the environment failed in the episode (env.on_error=drop)
+    metrics: Dict[str, float] = field(default_factory=dict)  # episode/* (multi-turn)
+
+
+def single_turn(engines, tokenizer, prompts: PromptSet, prompt_index: List[int], sampling: SamplingSpec) -> Rollout:
+    generations = engines.generate([prompts.prompt_ids[i] for i in prompt_index], sampling)
+    responses = tokenizer.batch_decode([list(g.response_ids) for g in generations], skip_special_tokens=True)
+    return Rollout(rollout_batch(generations, tokenizer.pad_token_id), prompt_index, responses)
+
+
+class EpisodeRollout:
+    """Multi-turn rollouts of one environment pool (``env.*``, the ``rollout.*`` episode keys).
+
+    Args:
+        pool: the :class:`~rlhf.envs.EnvironmentPool` (or any object with its ``reset`` / ``step`` / ``close``).
+        tokenizer: decodes responses for the environment and reward functions; encodes text observations.
+        observation_format: ``text`` or ``chat`` (resolved from ``auto`` by :func:`observation_format`).
+        observation_role: the chat role of observations.
+        limits: turns and tokens per episode.
+        on_prefix_mismatch: ``error`` | ``truncate`` for environments returning ``prompt_ids``.
+        on_error: ``fail`` (an environment's error stops the run) | ``drop`` (ends that episode only).
+    """
+
+    def __init__(self, pool, tokenizer, observation_format: str, observation_role: str, limits: TurnLimits,
+                 on_prefix_mismatch: str, on_error: str = "fail") -> None:
+        self.pool, self.tokenizer, self.limits = pool, tokenizer, limits
+        self.format, self.role, self.on_prefix_mismatch = observation_format, observation_role, on_prefix_mismatch
+        self.on_error = on_error
+
+    def encoder(self, prompts: PromptSet):
+        if self.format == "chat":
+            return ChatObservations(prompts.chat, self.role, prompt_messages=prompts.messages)
+        return TextObservations.of(self.tokenizer)
+
+    def __call__(self, engines, prompts: PromptSet, prompt_index: List[int], sampling: SamplingSpec,
+                 step: int) -> Rollout:
+        """Episode ``j`` answers prompt ``prompt_index[j]``; ``step`` names the RL step in errors (0: evaluation)."""
+        stats = RolloutStats()
+        decode = lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
+        try:
+            records = run_episodes(engines, self.pool, [prompts.prompt_ids[i] for i in prompt_index],
+                                   [prompts.env_rows[i] for i in prompt_index], sampling, self.encoder(prompts),
+                                   decode, self.limits, stats, on_prefix_mismatch=self.on_prefix_mismatch,
+                                   on_env_error="end" if self.on_error == "drop" else "raise")
+        except EnvError as e:
+            raise EnvError(f"{_where(step)}: {e} (env.step_timeout_s={self.pool.step_timeout_s:g})", e.spec,
+                           e.episode, e.turn) from e
+        except EpisodeError as e:  # a re-tokenizing environment (rollout.on_prefix_mismatch=error)
+            raise EpisodeError(f"{_where(step)}: {e}") from e
+        failed = [r for r in records if r.error]
+        if failed:  # the run goes on without them (env.on_error=drop); say what happened, once per step
+            print(f"[rl] {_where(step)}: {len(failed)} of {len(records)} "
+                  f"episodes ended by an environment error (env.on_error=drop), the first: {failed[0].error}",
+                  flush=True)
+        batch = episodes_batch([r.episode for r in records], self.tokenizer.pad_token_id)
+        return Rollout(batch, prompt_index, responses=[decode(_last_response(r)) for r in records],
+                       columns={"transcript": [decode(r.episode.token_ids[len(r.episode.prompt_ids):])
+                                               for r in records],
+                                "turns": [r.episode.turns for r in records]},
+                       env_rewards=torch.tensor([r.reward for r in records], dtype=torch.float32),
+                       at_limit=torch.tensor([r.at_limit for r in records], dtype=torch.bool),
+                       failed=torch.tensor([bool(r.error) for r in records], dtype=torch.bool),
+                       metrics={**_without(episode_metrics(records, stats), "episode/env_reward"),  # = reward/env
+                                **_turn_rewards(records)})
+
+
+def _where(step: int) -> str:
+    return f"RL step {step}" if step else "the evaluation"
+
+
+def _without(metrics: Dict[str, float], key: str) -> Dict[str, float]:
+    return {k: v for k, v in metrics.items() if k != key}
+
+
+def _last_response(record: EpisodeRecord) -> Sequence[int]:
+    policy = [s for s in record.episode.segments if s.source == "policy"]
+    return policy[-1].ids if policy else ()
+
+
+def _turn_rewards(records: Sequence[EpisodeRecord]) -> Dict[str, float]:
+    """``episode/reward_turn_<t>``: the environment's mean reward at turn t over the episodes that took it."""
+    out: Dict[str, float] = {}
+    longest = max((len(r.turn_rewards) for r in records), default=0)
+    for t in range(longest):
+        got = [r.turn_rewards[t] for r in records if len(r.turn_rewards) > t]
+        out[f"episode/reward_turn_{t + 1}"] = sum(got) / len(got)
+    return out
+
+
+def observation_format(setting: str, conversational: bool) -> str:
+    """``rollout.observation_format`` resolved: ``auto`` is ``chat`` for conversational prompts, else ``text``;
+    ``chat`` without conversational prompts is refused (there is no conversation to add a message to)."""
+    if setting == "auto":
+        return "chat" if conversational else "text"
+    if setting == "chat" and not conversational:
+        raise ConfigError("rollout.observation_format=chat needs conversational prompts (data.prompt_key holding "
+                          "lists of messages) rendered by a chat template; these prompts are plain text: use text "
+                          "or auto")
+    return setting

@@ -1,0 +1,256 @@
+"""Multi-turn pieces of the RL trainer without actors: chat-template observations (exact against a full render of
+the conversation), environments that return the next prompt as ids (the prefix check through ``run_episodes``),
+the ``env.*`` / ``rollout.*`` episode keys, the episode limits (``penalize``, ``mask``) in scoring and in the
+update, and the resource plan's environment actors. The real engines and pool run in
+tests/integration/test_multi_turn_training.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from group_helpers import LocalGroup
+from test_multi_turn import SAMPLING, Engine, decode, encode
+from rlhf.batch import Batch
+from rlhf.config.loader import load_config
+from rlhf.config.rl_schema import RLRunConfig
+from rlhf.config.schema import ConfigError
+from rlhf.data.chat import ChatFormatter
+from rlhf.distributed.engine import EngineSpec
+from rlhf.distributed.resource_plan import rl_plan
+from rlhf.envs import EnvError, StepOutcome
+from rlhf.objectives.rl import PolicyObjective
+from rlhf.rollout.episodes import EpisodeError
+from rlhf.rollout.multi_turn import RolloutStats, TurnLimits, episode_metrics, run_episodes
+from rlhf.rollout.observations import ChatObservations, TextObservations
+from rlhf.trainers.rl import RLActors, RLTrainer
+from rlhf.trainers.rl_rollout import Rollout, observation_format
+
+SYSTEM = {"role": "system", "content": "Answer with the sum."}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+# ------------------------------------------------------------------------------------ chat observations
+def test_a_chat_observation_is_exactly_the_templates_next_turn(tokenizer):
+    """prompt ids + the sampled response (ending on <|im_end|>) + the observation's ids == the whole conversation
+    rendered and tokenized in one piece: the observation turn is the template's, token for token."""
+    chat = ChatFormatter(tokenizer)
+    messages = [SYSTEM, {"role": "user", "content": "12+7="}]
+    response = tokenizer("19", add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    encoder = ChatObservations(chat, "user")
+    observed = encoder("lower, try again", response)
+    whole = chat.prompt_ids(messages + [{"role": "assistant", "content": "19"},
+                                        {"role": "user", "content": "lower, try again"}])
+    assert chat.prompt_ids(messages) + response + observed == whole
+    assert tokenizer.decode(observed).startswith("\n<|im_start|>user\nlower")  # the turn's closing newline first
+
+
+def test_a_response_cut_before_its_end_of_turn_gets_the_templates_closing_as_context(tokenizer):
+    chat = ChatFormatter(tokenizer)
+    cut = tokenizer("19", add_special_tokens=False)["input_ids"]  # max_new_tokens hit: no <|im_end|>
+    observed = ChatObservations(chat, "tool")(" 7", cut)
+    assert tokenizer.decode(observed) == "<|im_end|>\n<|im_start|>tool\n 7<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_reset_observation_is_rendered_into_the_prompt(tokenizer):
+    chat = ChatFormatter(tokenizer)
+    messages = [SYSTEM, {"role": "user", "content": "12+7="}]
+    encoder = ChatObservations(chat, "user", prompt_messages=[messages])
+    first = encoder.first(0, chat.prompt_ids(messages), "use the tool")
+    assert first == chat.prompt_ids(messages + [{"role": "user", "content": "use the tool"}])
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer):
+    # renders only the last message: an observation turn is not a continuation of the conversation
+    chat = ChatFormatter(tokenizer, template="{{ messages[-1]['content'] }}")
+    with pytest.raises(ValueError, match="rollout.observation_role=user: the chat template does not render"):
+        ChatObservations(chat, "user")
+
+
+def test_text_observations_are_the_texts_own_tokens(tokenizer):
+    encoder = TextObservations.of(tokenizer)
+    assert encoder(" got 3", (5, 6)) == tokenizer(" got 3", add_special_tokens=False)["input_ids"]
+    assert encoder.first(0, [1, 2], "x") == [1, 2] + tokenizer("x", add_special_tokens=False)["input_ids"]
+
+
+def test_observation_format_auto_follows_the_prompts():
+    assert observation_format("auto", conversational=True) == "chat"
+    assert observation_format("auto", conversational=False) == "text"
+    with pytest.raises(ConfigError, match="rollout.observation_format=chat needs conversational prompts"):
+        observation_format("chat", conversational=False)
+
+
+# ------------------------------------------------------------------------- whole prompts as token ids
+class ReEncoding:
+    """Returns the next prompt as ids: the episode's true tokens, or (``drift``) with one of them replaced, as a
+    re-tokenizing environment does."""
+
+    def __init__(self, drift: bool, prompts):
+        self.drift, self.prompts, self.responses = drift, prompts, {}
+
+    def reset(self, rows):
+        self.responses = {i: [] for i in range(len(rows))}
+        return [""] * len(rows)
+
+    def step(self, ids, responses, response_ids):
+        out = []
+        for i, r in zip(ids, response_ids):
+            self.responses[i].extend(r)
+            full = list(self.prompts[i]) + self.responses[i]
+            if self.drift and i == 1:
+                full[-2] = 999  # "a b" sampled, "ab" re-encoded
+            full += [7, 7]  # the observation's tokens
+            self.responses[i].extend([7, 7])
+            out.append(StepOutcome(prompt_ids=full))
+        return out
+
+    def close(self, ids):
+        pass
+
+
+def test_prompt_ids_that_extend_the_episode_are_appended_as_the_observation():
+    prompts = [(1, 2), (3,)]
+    records = run_episodes(Engine(), ReEncoding(False, prompts), prompts, [{}, {}], SAMPLING, encode,
+                           decode, TurnLimits(2, 64))
+    assert all(r.episode.turns == 2 and r.ended_by == "max_turns" for r in records)
+    assert [s.source for s in records[0].episode.segments] == ["policy", "env", "policy"]
+    assert records[0].episode.segments[1].ids == (7, 7)
+
+
+def test_a_re_encoding_environment_is_caught_naming_the_episode_turn_and_position():
+    prompts = [(1, 2), (3,)]
+    with pytest.raises(EpisodeError, match=r"episode 1, turn 1: the new prompt does not extend the episode's tokens: "
+                                           r"they differ at position 2 of 4"):
+        run_episodes(Engine(), ReEncoding(True, prompts), prompts, [{}, {}], SAMPLING, encode, decode,
+                     TurnLimits(2, 64))
+    records = run_episodes(Engine(), ReEncoding(True, prompts), prompts, [{}, {}], SAMPLING, encode,
+                           decode, TurnLimits(2, 64), on_prefix_mismatch="truncate")
+    assert [r.ended_by for r in records] == ["max_turns", "prefix_mismatch"]
+    assert records[1].episode.turns == 1 and records[1].at_limit  # kept up to the mismatch, then ended
+
+
+class Failing:
+    """Episode 1 fails at reset, episode 2 at its second turn; the others answer ``"o"`` forever."""
+
+    def __init__(self):
+        self.asked = None
+
+    def reset(self, rows, errors="raise"):
+        self.asked = errors
+        return [EnvError("reset broke", "x", 1, 0) if i == 1 else "" for i in range(len(rows))]
+
+    def step(self, ids, responses, response_ids, errors="raise"):
+        self.turn = getattr(self, "turn", 0) + 1
+        return [EnvError("step broke", "x", i, 2) if i == 2 and self.turn == 2 else StepOutcome("o", 1.0)
+                for i in ids]
+
+    def close(self, ids):
+        pass
+
+
+def test_an_environment_error_ends_only_its_episode_when_asked():
+    env = Failing()
+    stats = RolloutStats()
+    records = run_episodes(Engine(), env, [(1,)] * 4, [{}] * 4, SAMPLING, encode, decode, TurnLimits(3, 64), stats,
+                           on_env_error="end")
+    assert env.asked == "return"
+    assert [r.ended_by for r in records] == ["max_turns", "env_error", "env_error", "max_turns"]
+    assert [r.episode.turns for r in records] == [3, 0, 2, 3] and records[1].error == "reset broke"
+    assert records[2].turn_rewards == [1.0] and not records[2].at_limit  # its turns up to the failure kept
+    assert stats.env_errors == 2 and episode_metrics(records, stats)["episode/env_errors"] == 2
+
+
+def test_failed_episodes_carry_no_loss():
+    rollout = _rollout([False, False, False, False])
+    rollout.failed = torch.tensor([False, True, False, False])
+    rows = _trainer(_cfg(*MULTI, "env.on_error=drop")).trained_rows(rollout.batch, rollout)
+    assert rows.loss_mask.sum(-1).tolist() == [3, 0, 3, 3]
+
+
+def test_step_outcome_prompt_ids_are_checked():
+    assert StepOutcome(prompt_ids=[1, 2]).prompt_ids == (1, 2)
+    with pytest.raises(ValueError, match="not both"):
+        StepOutcome("text", prompt_ids=[1])
+    with pytest.raises(ValueError, match="non-negative token ids"):
+        StepOutcome(prompt_ids="12")
+
+
+# ---------------------------------------------------------------------------------------- config
+def _cfg(*extra) -> RLRunConfig:
+    return load_config(RLRunConfig, "grpo_tiny", ["model.path=unused", "data.train_path=unused",
+                                                  "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
+                                                  "train.global_batch_size=2", "train.micro_batch_size=2", *extra])
+
+
+MULTI = ("env.spec=envs.py:Retry", "rollout.max_turns=2", "rollout.max_episode_tokens=32")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("rollout.max_turns=2",), "rollout.max_turns is 2, which needs an environment"),
+    (("env.spec=envs.py:Retry",), "rollout.max_episode_tokens must be set above rollout.max_prompt_length"),
+    (MULTI + ("rollout.episode_limit=drop",), "rollout.episode_limit"),
+    (MULTI + ("rollout.observation_role=bot",), "rollout.observation_role"),
+    (MULTI + ("env.step_timeout_s=0",), "env.step_timeout_s"),
+])
+def test_episode_keys_are_validated(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(*overrides)
+
+
+def test_episodes_set_the_sequence_length_and_the_plan_counts_the_environment_actors():
+    single, multi = _cfg(), _cfg(*MULTI, "env.num_actors=3", "env.cpus_per_actor=0.5")
+    assert single.max_sequence_length == 16 + 6 and multi.max_sequence_length == 32
+    assert rl_plan(multi, 0.0).needed_cpus == rl_plan(single, 0.0).needed_cpus + 1.5
+    assert "environment" not in {a.role for a in rl_plan(single, 0.0).actors}
+
+
+# ---------------------------------------------------------------------------------- episode limits
+def _rollout(at_limit) -> Rollout:
+    n = len(at_limit)
+    batch = Batch(input_ids=torch.ones(n, 4, dtype=torch.long), attention_mask=torch.ones(n, 4, dtype=torch.long),
+                  loss_mask=torch.tensor([[0, 1, 1, 1]] * n))
+    return Rollout(batch, list(range(n)), ["1"] * n, env_rewards=torch.tensor([1.0, 0.5, 0.0, 1.0][:n]),
+                   at_limit=torch.tensor(at_limit))
+
+
+def _trainer(cfg, group=None) -> RLTrainer:
+    return RLTrainer(cfg, None, None, None, RLActors(policy=group, engines=None), None, PolicyObjective(), None)
+
+
+class Prompts:
+    texts, columns = ["p"] * 4, {}
+
+
+def test_penalize_replaces_the_reward_of_episodes_a_limit_ended():
+    rollout = _rollout([False, True, False, True])
+    scores, per_source = _trainer(_cfg(*MULTI, "rollout.episode_limit=penalize",
+                                       "rollout.limit_reward=-1")).score(rollout, Prompts)
+    assert scores.tolist() == [1.0, -1.0, 0.0, -1.0]
+    assert per_source["env"].tolist() == [1.0, 0.5, 0.0, 1.0]  # what the environment said, still logged
+    kept, _ = _trainer(_cfg(*MULTI)).score(rollout, Prompts)  # truncate: the episode's own reward
+    assert kept.tolist() == [1.0, 0.5, 0.0, 1.0]
+
+
+def test_mask_takes_the_loss_off_episodes_a_limit_ended_and_skips_a_step_left_with_none(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    cfg = _cfg(*MULTI, "rollout.episode_limit=mask")  # optimizer steps of 2 episodes, 2 per RL step
+
+    def update(at_limit):
+        rollout = _rollout(at_limit)
+        group = LocalGroup(model, EngineSpec.for_global_batch(2, 2, 1), 1)
+        trainer = _trainer(cfg, group)
+        rows = trainer.trained_rows(rollout.batch, rollout)
+        batch = rows.replace(old_logps=torch.zeros(4, 4), advantages=torch.ones(4, 4) * rows.loss_mask)
+        return rows, trainer.update(batch, rl_step=1), group
+
+    rows, metrics, _ = update([True, False, True, False])
+    assert rows.loss_mask.sum(-1).tolist() == [0, 3, 0, 3]
+    assert metrics["num_tokens"] == 6  # only the kept episodes' tokens are counted, whatever the steps drew
+    assert metrics["optimizer_steps"] + metrics.get("optimizer_steps_empty", 0) == 2
+    _, metrics, group = update([True] * 4)
+    assert metrics["optimizer_steps"] == 0 and metrics["optimizer_steps_empty"] == 2 and group.schedule_steps == []
+    assert "policy_loss" not in metrics  # nothing trained, nothing made up
