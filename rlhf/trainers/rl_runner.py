@@ -10,8 +10,8 @@ import os
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.distributed.cluster import actor_env
 from rlhf.distributed.errors import WorkerError
-from rlhf.envs import EnvError, EnvironmentPool, load_environment
 from rlhf.distributed.resource_plan import engine_gpus, engine_sleep, policy_side_roles, rl_plan
+from rlhf.envs import EnvError, EnvironmentPool, load_environment
 from rlhf.config.schema import ConfigError
 from rlhf.data.formats import located, prompt_fields, read_formatted
 from rlhf.data.io import DataError
@@ -22,7 +22,7 @@ from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
 from rlhf.objectives.rl import PolicyObjective, ValueObjective
 from rlhf.ops.policy_loss import PolicyLossConfig
 from rlhf.rewards.functions import RewardFunctionScorer
-from rlhf.rl import TurnLimits
+from rlhf.rl import ChatObservations, TurnLimits
 from rlhf.rollout.engines import RolloutEngines
 from rlhf.rollout.vllm_engine import VLLMSpec
 from rlhf.rollout.weight_sync import resolve_weight_sync
@@ -88,6 +88,21 @@ def _start_environments(cfg: RLRunConfig, ctx, prompts: PromptSet, tokenizer) ->
     return EpisodeRollout(pool, tokenizer, observation_format(r.observation_format, prompts.chat is not None),
                           r.observation_role, TurnLimits(r.max_turns, r.max_episode_tokens), r.on_prefix_mismatch,
                           on_error=e.on_error)
+
+
+def _check_episodes(cfg: RLRunConfig, prompts: PromptSet) -> None:
+    """What a multi-turn run needs, checked before any actor starts: the environment class loads here, and a chat
+    template can render observation turns (rlhf.rollout.observations)."""
+    try:
+        load_environment(cfg.env.spec)
+    except EnvError as e:
+        raise ConfigError(f"env.spec: {e}") from None
+    r = cfg.rollout
+    if observation_format(r.observation_format, prompts.chat is not None) == "chat":
+        try:
+            ChatObservations(prompts.chat, r.observation_role)
+        except ValueError as e:  # names rollout.observation_role
+            raise ConfigError(str(e)) from None
 
 
 def _connect_weight_sync(cfg: RLRunConfig, ctx, actors: RLActors) -> None:
@@ -225,10 +240,7 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     if scorer is not None:
         scorer.load()  # a bad spec fails here, before any actor starts
     if cfg.multi_turn:
-        try:
-            load_environment(cfg.env.spec)  # likewise
-        except EnvError as e:
-            raise ConfigError(f"env.spec: {e}") from None
+        _check_episodes(cfg, prompts)
     optimizer_steps = plan.total_steps * cfg.optimizer_steps_per_rl_step
     print(f"[rl] {len(prompts.prompt_ids)} prompts ({prompts.skipped} skipped, {prompts.truncated} truncated), "
           f"{plan.total_steps} RL steps x {r.samples_per_step} samples, {optimizer_steps} optimizer steps; "

@@ -5,6 +5,8 @@ update, and the resource plan's environment actors. The real engines and pool ru
 tests/integration/test_multi_turn_training.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -254,3 +256,21 @@ def test_mask_takes_the_loss_off_episodes_a_limit_ended_and_skips_a_step_left_wi
     _, metrics, group = update([True] * 4)
     assert metrics["optimizer_steps"] == 0 and metrics["optimizer_steps_empty"] == 2 and group.schedule_steps == []
     assert "policy_loss" not in metrics  # nothing trained, nothing made up
+
+
+def test_a_multi_turn_run_checks_its_environment_and_chat_template_before_any_actor(tokenizer, tmp_path):
+    from rlhf.trainers.rl_experience import PromptSet
+    from rlhf.trainers.rl_runner import _check_episodes
+
+    envs = tmp_path / "envs.py"
+    envs.write_text("class Retry:\n    def reset(self, row):\n        return ''\n"
+                    "    def step(self, response, response_ids):\n        return None, 0.0, True, {}\n")
+    keys = ("rollout.max_turns=2", "rollout.max_episode_tokens=32")
+    rewriting = ChatFormatter(tokenizer, template="{{ messages[-1]['content'] }}")
+    prompts = PromptSet([[1]], ["p"], {}, 0, 0, chat=rewriting)
+    with pytest.raises(ConfigError, match=r"env.spec: .*has no attribute 'Retri'. Did you mean 'Retry'"):
+        _check_episodes(_cfg(f"env.spec={envs}:Retri", *keys), prompts)
+    with pytest.raises(ConfigError, match="rollout.observation_role=user: the chat template does not render"):
+        _check_episodes(_cfg(f"env.spec={envs}:Retry", *keys), prompts)
+    _check_episodes(_cfg(f"env.spec={envs}:Retry", *keys, "rollout.observation_format=text"), prompts)  # no chat
+    _check_episodes(_cfg(f"env.spec={envs}:Retry", *keys), dataclasses.replace(prompts, chat=ChatFormatter(tokenizer)))
