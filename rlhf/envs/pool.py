@@ -296,48 +296,41 @@ class EnvironmentPool:
             errors: ``raise`` the first failure; ``return`` each failed (or lost) episode's :class:`EnvError` in
                 its place, the others' outcomes as usual.
         """
-        if errors == "return":
-            return self._step_each(list(episode_ids), list(responses), response_ids)
         ids = list(episode_ids)
         self._check_ids(ids, len(responses), "responses")
         token_ids = [()] * len(ids) if response_ids is None else [tuple(int(t) for t in r) for r in response_ids]
         if len(token_ids) != len(ids):
             raise ValueError(f"EnvironmentPool.step: {len(ids)} episodes but {len(token_ids)} response_ids")
-        for e in ids:
-            if e in self._lost:
-                raise EnvError(f"environment {self.spec!r}: episode {e} was lost (its actor was replaced after: "
-                               f"{self._lost[e]}); reset it", self.spec, e)
-            if e not in self._turns:
-                raise EnvError(f"environment {self.spec!r}: episode {e} is not live (reset it first)", self.spec, e)
-        items = [(e, (str(r), t)) for e, r, t in zip(ids, responses, token_ids)]
-        try:
-            outcomes = self._call("step", items, "step")
-        except EnvError:
-            for e in ids:  # unspecified state: count the attempted turn so later messages stay in step
-                if e in self._turns:
-                    self._turns[e] += 1
-            raise
-        for e in ids:
-            self._turns[e] += 1
-        return outcomes
-
-    def _step_each(self, ids: List[int], responses: List[str], response_ids) -> List[Any]:
-        """:meth:`step` with ``errors="return"``: lost or dead episodes fail alone, the rest take their turn."""
         out: List[Any] = [None] * len(ids)
         sent = []
         for k, e in enumerate(ids):
-            if e in self._lost or e not in self._turns:
-                why = f"was lost (its actor was replaced after: {self._lost[e]})" if e in self._lost else "is not live"
-                out[k] = EnvError(f"environment {self.spec!r}: episode {e} {why}", self.spec, e)
-            else:
+            problem = self._not_steppable(e)
+            if problem is None:
                 sent.append(k)
-        items = [(ids[k], (str(responses[k]), tuple(int(t) for t in response_ids[k]) if response_ids else ()))
-                 for k in sent]
-        for k, outcome in zip(sent, self._call("step", items, "step", "return") if items else []):
+            elif errors == "raise":
+                raise problem
+            else:
+                out[k] = problem
+        items = [(ids[k], (str(responses[k]), token_ids[k])) for k in sent]
+        try:
+            outcomes = self._call("step", items, "step", errors) if items else []
+        finally:  # an attempted turn counts even if it failed (unspecified state): later messages stay in step
+            for k in sent:
+                if ids[k] in self._turns:
+                    self._turns[ids[k]] += 1
+        for k, outcome in zip(sent, outcomes):
             out[k] = outcome
-            if ids[k] in self._turns:
-                self._turns[ids[k]] += 1
         return out
+
+    def _not_steppable(self, episode: int) -> Optional[EnvError]:
+        """Why ``episode`` cannot take a turn (lost with a replaced actor, or not live), or ``None``."""
+        if episode in self._lost:
+            return EnvError(f"environment {self.spec!r}: episode {episode} was lost (its actor was replaced after: "
+                            f"{self._lost[episode]}); reset it", self.spec, episode)
+        if episode not in self._turns:
+            return EnvError(f"environment {self.spec!r}: episode {episode} is not live (reset it first)", self.spec,
+                            episode)
+        return None
 
     def close(self, episode_ids: Sequence[int]) -> None:
         """End the listed episodes (their environments' ``close`` runs); unknown or lost ids are ignored."""

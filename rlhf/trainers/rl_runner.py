@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Optional
 
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.distributed.cluster import actor_env
@@ -90,19 +91,21 @@ def _start_environments(cfg: RLRunConfig, ctx, prompts: PromptSet, tokenizer) ->
                           on_error=e.on_error)
 
 
-def _check_episodes(cfg: RLRunConfig, prompts: PromptSet) -> None:
-    """What a multi-turn run needs, checked before any actor starts: the environment class loads here, and a chat
-    template can render observation turns (rlhf.rollout.observations)."""
+def _check_episodes(cfg: RLRunConfig, *prompt_sets: Optional[PromptSet]) -> None:
+    """What a multi-turn run needs, checked before any actor starts: the environment class loads here, and each
+    prompt set (training, held-out) can take its observations (chat format: conversational prompts whose template
+    renders observation turns, rlhf.rollout.observations)."""
     try:
         load_environment(cfg.env.spec)
     except EnvError as e:
         raise ConfigError(f"env.spec: {e}") from None
     r = cfg.rollout
-    if observation_format(r.observation_format, prompts.chat is not None) == "chat":
-        try:
-            ChatObservations(prompts.chat, r.observation_role)
-        except ValueError as e:  # names rollout.observation_role
-            raise ConfigError(str(e)) from None
+    for prompts in filter(None, prompt_sets):
+        if observation_format(r.observation_format, prompts.chat is not None) == "chat":
+            try:
+                ChatObservations(prompts.chat, r.observation_role)
+            except ValueError as e:  # names rollout.observation_role
+                raise ConfigError(str(e)) from None
 
 
 def _connect_weight_sync(cfg: RLRunConfig, ctx, actors: RLActors) -> None:
@@ -206,11 +209,8 @@ def _read_prompts(cfg: RLRunConfig, tokenizer, key: str, path: str, split: str):
     rows, chat = read_formatted(d, path, split, tokenizer, prompt_fields(d.prompt_key, columns),
                                 chat_keys=(d.prompt_key,))
     with located(key, path):
-        prompts = prepare_prompts(rows, tokenizer, prompt_key=d.prompt_key, columns=cfg.reward.columns,
-                                  max_prompt_length=r.max_prompt_length, overflow=r.prompt_overflow, chat=chat)
-    if cfg.multi_turn:
-        observation_format(r.observation_format, chat is not None)  # chat without conversations: refused here
-    return prompts
+        return prepare_prompts(rows, tokenizer, prompt_key=d.prompt_key, columns=cfg.reward.columns,
+                               max_prompt_length=r.max_prompt_length, overflow=r.prompt_overflow, chat=chat)
 
 
 def train_ppo(cfg: RLRunConfig) -> RunResult:
@@ -240,7 +240,7 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     if scorer is not None:
         scorer.load()  # a bad spec fails here, before any actor starts
     if cfg.multi_turn:
-        _check_episodes(cfg, prompts)
+        _check_episodes(cfg, prompts, eval_prompts)
     optimizer_steps = plan.total_steps * cfg.optimizer_steps_per_rl_step
     print(f"[rl] {len(prompts.prompt_ids)} prompts ({prompts.skipped} skipped, {prompts.truncated} truncated), "
           f"{plan.total_steps} RL steps x {r.samples_per_step} samples, {optimizer_steps} optimizer steps; "
