@@ -20,20 +20,30 @@ class LocalGroup(WorkerGroup):
     def __init__(self, model, spec: EngineSpec, ranks: int, report=None):  # no actors: WorkerGroup.__init__ unused
         self.model, self.role, self.size, self.trainable = model, "policy", ranks, True
         self.engine_spec, self.report = spec, report or (lambda rank, schedule_step: (1.5, 0.1))
-        self.given, self.schedule_steps = None, []
+        self.given, self.counted, self.schedule_steps = None, None, []
 
-    def train_step(self, per_rank, objective, normalizer, schedule_step=None):
+    def train_step(self, per_rank, objective, normalizer, schedule_step=None, counted=None):
         self.given = (per_rank, normalizer, schedule_step)
+        self.counted = counted
         self.schedule_steps.append(schedule_step)
         results = []
         with torch.no_grad():
             for rank, micro_batches in enumerate(per_rank):
                 sums = {}
-                for mb in micro_batches:
-                    sums = add_sums(sums, objective.loss(self.model, mb)[1])
+                keep = counted[rank] if counted else [True] * len(micro_batches)
+                for mb, kept in zip(micro_batches, keep):
+                    if kept:  # a filler is dropped, as TrainerWorker.train_step drops it
+                        sums = add_sums(sums, objective.loss(self.model, mb)[1])
                 grad_norm, lr = self.report(rank, schedule_step)
                 results.append(RankStepResult(sums=sums, grad_norm=grad_norm, lr=lr))
         return results
+
+    def evaluate(self, batches, objective):
+        sums = {}
+        with torch.no_grad():
+            for b in batches:
+                sums = add_sums(sums, objective.loss(self.model, b)[1])
+        return sums
 
     def score(self, batches, fn):
         with torch.no_grad():

@@ -120,7 +120,7 @@ def deepspeed_findings(cfg, user: dict) -> List[Finding]:
     by_message: Dict[str, List[Tuple[str, str]]] = {}
     choices = _precisions(s.precision)
     for precision, note, level in choices:
-        found = contradictions(user, zero_stage=s.zero_stage, micro_batch_size=t.micro_batch_size,
+        found = contradictions(user, zero_stage=s.zero_stage, micro_batch_size=t.engine_micro_batch_size,
                                grad_accum_steps=t.grad_accum_steps, world_size=t.num_workers,
                                max_grad_norm=t.max_grad_norm, precision=precision) + _autocast(user, precision)
         for message in found:

@@ -72,8 +72,12 @@ def audit_overrides(cfg, steps: int, output_dir: str, precision: str = "", deeps
 
 def split_overrides(cfg, f: Factorization) -> List[str]:
     """``train.micro_batch_size`` and ``train.num_workers`` of ``f``; online RL: the groups tied to the policy's
-    ranks follow (a critic with as many ranks, a colocated reward model, hybrid-engine vLLM engines)."""
+    ranks follow (a critic with as many ranks, a colocated reward model, hybrid-engine vLLM engines). Under a token
+    budget (``train.max_tokens_per_micro_batch``) the configured run keeps it and the others cut by rows: the
+    budget's cut must train as the row cuts do."""
     out = [f"train.micro_batch_size={f.micro}", f"train.num_workers={f.ranks}"]
+    if cfg.train.max_tokens_per_micro_batch and f.why != "configured":
+        out.append("train.max_tokens_per_micro_batch=0")
     if hasattr(cfg, "rollout"):
         if cfg.algo.needs_critic and cfg.critic.num_workers == cfg.train.num_workers:
             out.append(f"critic.num_workers={f.ranks}")

@@ -150,7 +150,8 @@ def _count_rows(cfg) -> Tuple[Optional[int], str]:
 def _run_and_compare(trainer, cfg, user_ds, args) -> int:
     t = cfg.train
     fits = split_fits(cfg)
-    splits = factorizations(t.global_batch_size, t.micro_batch_size, t.num_workers, fits=fits)
+    # under a token budget the configured run is 1 row a micro-batch to DeepSpeed (rlhf.audit.runner.split_overrides)
+    splits = factorizations(t.global_batch_size, t.engine_micro_batch_size, t.num_workers, fits=fits)
     if args.factorizations:
         try:
             splits = with_configured(splits[0], parse_factorizations(args.factorizations, t.global_batch_size, fits))

@@ -331,8 +331,7 @@ def batch_lines(cfg) -> List[str]:
     """The global-batch arithmetic: offline, global = micro x accumulation x ranks; RL, the rollout batch and the
     optimizer steps it makes."""
     t = cfg.train
-    lines = [f"  train.global_batch_size {t.global_batch_size} = micro {t.micro_batch_size} x accumulation "
-             f"{t.grad_accum_steps} x ranks {t.num_workers} (samples per optimizer step)"]
+    lines = [f"  train.global_batch_size {t.global_batch_size} = {t.describe_batching()} (samples per optimizer step)"]
     if not hasattr(cfg, "rollout"):
         dpo = getattr(cfg, "dpo", None)
         if dpo is not None:
@@ -352,9 +351,7 @@ def batch_lines(cfg) -> List[str]:
     if a.needs_critic:
         if cfg.critic_batch_problem():  # the rule rl_runner._check_rl_paths applies before any actor
             raise ConfigError(cfg.critic_batch_problem())
-        per_critic = t.micro_batch_size * cfg.critic.num_workers
-        lines.append(f"  critic: micro {t.micro_batch_size} x accumulation {t.global_batch_size // per_critic} x "
-                     f"ranks {cfg.critic.num_workers}")
+        lines.append(f"  critic: {t.describe_batching(cfg.critic.num_workers)}")
     lines.append(f"  RL steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
                  f"floor(prompts / {r.prompts_per_step})), prompts counted at run time")
     decay = ("constant" if t.lr_scheduler == "constant" else

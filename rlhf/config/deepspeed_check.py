@@ -120,7 +120,7 @@ def check_user_config(cfg, precision: Optional[str] = None) -> Optional[dict]:
         return None
     if precision is None and s.precision != "auto":
         precision = s.precision
-    found = contradictions(user, zero_stage=s.zero_stage, micro_batch_size=t.micro_batch_size,
+    found = contradictions(user, zero_stage=s.zero_stage, micro_batch_size=t.engine_micro_batch_size,
                            grad_accum_steps=t.grad_accum_steps, world_size=t.num_workers,
                            max_grad_norm=t.max_grad_norm, precision=precision)
     if found:

@@ -233,6 +233,11 @@ class RLRunConfig(_RunConfig):
         _check(bool(self.reward.functions) or bool(self.reward.model_path) or self.multi_turn, "reward.functions",
                "is required unless reward.model_path or env.spec (an environment's rewards) is set: RL needs a reward")
         self._check_episodes()
+        budget = self.train.max_tokens_per_micro_batch
+        _check(not budget or budget >= self.max_sequence_length, "train.max_tokens_per_micro_batch",
+               f"({budget}) must hold the longest row a step can train on: {self.max_sequence_length} tokens ("
+               + ("rollout.max_episode_tokens)" if self.multi_turn else
+                  "rollout.max_prompt_length + rollout.max_new_tokens)"))
         samples, gb = self.rollout.samples_per_step, self.train.global_batch_size
         _check(samples >= gb, "train.global_batch_size",
                f"({gb}) must not exceed the rollout batch, rollout.prompts_per_step x rollout.n_samples_per_prompt "
@@ -251,8 +256,11 @@ class RLRunConfig(_RunConfig):
         """Why the critic cannot cut ``train.global_batch_size`` into its micro-batches and ranks; ``""`` when it
         can (or there is no critic). Checked before any actor starts (the runner, ``--dry-run``, the audit)."""
         t, ranks = self.train, self.critic.num_workers
-        if not self.algo.needs_critic or t.global_batch_size % (t.micro_batch_size * ranks) == 0:
+        if not self.algo.needs_critic or t.global_batch_size % (t.engine_micro_batch_size * ranks) == 0:
             return ""
+        if t.max_tokens_per_micro_batch:
+            return (f"train.global_batch_size ({t.global_batch_size}) must be divisible by critic.num_workers "
+                    f"({ranks}): the critic trains on the same batches, the same number of rows on every rank")
         return (f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size x "
                 f"critic.num_workers ({t.micro_batch_size} x {ranks}): the critic trains on the same batches")
 
@@ -280,6 +288,9 @@ class RLRunConfig(_RunConfig):
         c, r = self.colocate, self.rollout
         if c.policy_reference:
             _check(self.algo.kl_coef > 0, "colocate.policy_reference", "needs a reference model (algo.kl_coef > 0)")
+            _check(not self.model.reference_is_base, "colocate.policy_reference",
+                   "has nothing to colocate: with model.lora.r > 0 the reference is the policy's own frozen base, "
+                   "scored by the policy's workers with the adapters off")
         if c.critic_reward:
             _check(self.algo.needs_critic and bool(self.reward.model_path), "colocate.critic_reward",
                    "needs a critic (algo.advantage_estimator=gae) and a reward model (reward.model_path)")

@@ -9,8 +9,9 @@ Load one with :func:`rlhf.config.loader.load_config` from YAML and dotted overri
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Tuple
+from typing import Optional, Tuple
 
 
 class ConfigError(ValueError):
@@ -27,6 +28,33 @@ def _choice(value: str, key: str, choices: Tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (Hu et al. 2021) through PEFT on the trained model (and RL's critic): the base stays frozen,
+    DPO/RL take it as their reference with no second copy of the weights (docs/long_sequences.md, "LoRA")."""
+
+    r: int = 0  # adapter rank; 0 = off (the whole model trains)
+    alpha: float = 16.0  # the adapter's update is (alpha / r) B A
+    dropout: float = 0.0  # on the adapters' inputs; > 0 needs model.disable_dropout=false
+    # module-name suffixes (q_proj, v_proj, ...) or all-linear (every Linear layer but the output head)
+    target_modules: Tuple[str, ...] = ("all-linear",)
+    save_merged: bool = True  # final/ holds the merged full model plus final/adapter/; false: the adapter only
+
+    def __post_init__(self) -> None:
+        # the form of target_modules is checked with the model's layers, before any actor starts
+        # (rlhf.trainers.run.check_lora_targets, through rlhf.models.lora.LoraSpec)
+        _check(self.r >= 0, "model.lora.r", f"must be an integer >= 0 (0 disables LoRA), got {self.r}")
+        _check(self.alpha > 0 and math.isfinite(self.alpha), "model.lora.alpha",
+               f"must be a finite number > 0 (the adapter is scaled by alpha / r), got {self.alpha}")
+        _check(0 <= self.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        _check(bool(self.target_modules), "model.lora.target_modules",
+               "must name modules (e.g. [q_proj, v_proj]) or be [all-linear]")
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The model to train (policy for SFT/DPO/RL, the scorer for reward modelling)."""
 
@@ -36,10 +64,21 @@ class ModelConfig:
     attn_implementation: str = "auto"  # auto: flash_attention_2 on GPU when installed, else sdpa
     disable_dropout: bool = True  # dropout breaks split-vs-whole equivalence and RL log-prob ratios
     gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "model.path", "is required (an HF model directory or a hub id, org/name)")
         _choice(self.attn_implementation, "model.attn_implementation", ("auto", "sdpa", "eager", "flash_attention_2"))
+        _check(self.lora.dropout == 0 or not self.disable_dropout, "model.lora.dropout",
+               f"is {self.lora.dropout}, but model.disable_dropout=true: dropout draws from the RNG per micro-batch "
+               f"(a different split trains differently) and breaks RL log-prob ratios; set model.disable_dropout="
+               f"false to train with it")
+
+    @property
+    def reference_is_base(self) -> bool:
+        """With LoRA and no other ``ref_path``, the DPO / RL reference is the policy's own frozen base, scored with
+        the adapters off: no reference workers, no second copy of the weights."""
+        return self.lora.enabled and self.ref_path in ("", self.path)
 
 
 @dataclass(frozen=True)
@@ -76,7 +115,11 @@ class TrainConfig:
     """Optimisation and batching. See docs/concepts.md for the accumulation contract."""
 
     global_batch_size: int = 8  # samples per optimizer step, summed over all ranks
-    micro_batch_size: int = 1  # samples per forward, per rank
+    micro_batch_size: int = 1  # samples per forward, per rank (not used under max_tokens_per_micro_batch)
+    # > 0: cut each rank's share into micro-batches of at most this many tokens (rows x longest row, or with
+    # train.packing the sum of row lengths) instead of train.micro_batch_size rows; ranks balanced by tokens
+    max_tokens_per_micro_batch: int = 0
+    packing: bool = False  # padding-free: a micro-batch's rows run as one sequence, attention kept within each row
     num_workers: int = 1  # data-parallel ranks
     max_epochs: int = 1
     # steps of the whole run (SFT/RM/DPO: optimizer steps; RL: RL steps, each ppo_epochs x rollout / global batch
@@ -118,10 +161,17 @@ class TrainConfig:
         _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         _check(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas), "train.adam_betas",
                f"must be two numbers in [0, 1), got {self.adam_betas}")
-        per_pass = self.micro_batch_size * self.num_workers
-        _check(self.global_batch_size % per_pass == 0, "train.global_batch_size",
-               f"({self.global_batch_size}) must be divisible by train.micro_batch_size x train.num_workers "
-               f"({self.micro_batch_size} x {self.num_workers} = {per_pass})")
+        _check(self.max_tokens_per_micro_batch >= 0, "train.max_tokens_per_micro_batch",
+               f"must be >= 0 (0 = micro-batches of train.micro_batch_size rows), got {self.max_tokens_per_micro_batch}")
+        if self.max_tokens_per_micro_batch:
+            _check(self.global_batch_size % self.num_workers == 0, "train.global_batch_size",
+                   f"({self.global_batch_size}) must be divisible by train.num_workers ({self.num_workers}): under "
+                   f"train.max_tokens_per_micro_batch every rank takes the same number of rows")
+        else:
+            per_pass = self.micro_batch_size * self.num_workers
+            _check(self.global_batch_size % per_pass == 0, "train.global_batch_size",
+                   f"({self.global_batch_size}) must be divisible by train.micro_batch_size x train.num_workers "
+                   f"({self.micro_batch_size} x {self.num_workers} = {per_pass})")
         _check(bool(self.output_dir) or not self.resume, "train.output_dir",
                "must name the run to continue when train.resume=true (it is empty: a new directory)")
         _choice(self.on_failure, "train.on_failure", ("exit", "restart"))
@@ -133,9 +183,27 @@ class TrainConfig:
                f"must be step numbers >= 1, got {list(self.skip_steps)}")
 
     @property
+    def engine_micro_batch_size(self) -> int:
+        """DeepSpeed's micro-batch size: ``micro_batch_size``, or 1 under a token budget (one row is the smallest
+        micro-batch the budget cuts)."""
+        return 1 if self.max_tokens_per_micro_batch else self.micro_batch_size
+
+    @property
     def grad_accum_steps(self) -> int:
-        """Micro-batches per rank per optimizer step."""
-        return self.global_batch_size // (self.micro_batch_size * self.num_workers)
+        """Micro-batches per rank per optimizer step; under a token budget the most a step can take (one row each:
+        the step's real number depends on its rows)."""
+        return self.global_batch_size // (self.engine_micro_batch_size * self.num_workers)
+
+    def describe_batching(self, ranks: Optional[int] = None) -> str:
+        """How a global batch is cut over ``ranks`` (default ``num_workers``): ``micro 2 x accumulation 2 x ranks 2``,
+        or ``4 rows x ranks 2 in micro-batches of <= 2048 tokens``."""
+        ranks = ranks or self.num_workers
+        packed = ", packed" if self.packing else ""
+        if self.max_tokens_per_micro_batch:
+            return (f"{self.global_batch_size // ranks} rows x ranks {ranks} in micro-batches of <= "
+                    f"{self.max_tokens_per_micro_batch} tokens{packed}")
+        return (f"micro {self.micro_batch_size} x accumulation {self.global_batch_size // (self.micro_batch_size * ranks)}"
+                f" x ranks {ranks}{packed}")
 
 
 @dataclass(frozen=True)
@@ -282,6 +350,9 @@ class _RunConfig:
     def __post_init__(self) -> None:
         _check(self.health.action != "skip" or self.train.save_every > 0, "health.action",
                "is skip, which needs train.save_every > 0: a skip rewinds to the newest checkpoint")
+        _check(not self.train.packing or self.model.attn_implementation != "eager", "train.packing",
+               "needs a variable-length attention, which model.attn_implementation=eager does not have: use auto "
+               "(flash_attention_2 on GPU, else rlhf's varlen sdpa), sdpa or flash_attention_2")
         _check(self.strategy.precision != "fp64" or self.model.attn_implementation != "eager",
                "model.attn_implementation", "is eager, which strategy.precision=fp64 cannot audit: transformers' eager "
                "attention takes its softmax in float32, whose rounding depends on the padded width (~1e-8 between "

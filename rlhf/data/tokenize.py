@@ -39,6 +39,13 @@ class PairExample:
     margin: Optional[float] = None
 
 
+def example_lengths(example) -> Tuple[int, ...]:
+    """The token lengths of an example's sequences: ``(L,)``, or ``(L_chosen, L_rejected)`` for a pair."""
+    if isinstance(example, PairExample):
+        return (len(example.chosen.input_ids), len(example.rejected.input_ids))
+    return (len(example.input_ids),)
+
+
 @dataclass(frozen=True)
 class Tokenized:
     """Examples plus the rows dropped because the prompt did not fit ``max_length``."""

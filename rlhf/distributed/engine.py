@@ -6,9 +6,11 @@ Gradient-accumulation contract (docs/concepts.md):
   micro-batches, all ranks) and multiplied by the data-parallel world size, because DeepSpeed averages gradients
   over ranks. DeepSpeed's own ``1 / gradient_accumulation_steps`` scaling is switched off
   (``backward(scale_wrt_gas=False)``): exactly one normalization.
-* One optimizer step consumes exactly ``gradient_accumulation_steps`` micro-batches. :meth:`TrainEngine.micro_step`
-  checks that DeepSpeed's boundary and ours agree on every micro-batch, so an accumulation window can never
-  straddle two steps (or two epochs, or a resume).
+* One optimizer step consumes the micro-batches the caller hands it, ``gradient_accumulation_steps`` of them, or
+  under a token budget as many as the step's longest rank needs (at most ``gradient_accumulation_steps``, one row
+  each). :meth:`TrainEngine.micro_step` tells DeepSpeed where the boundary is and checks that DeepSpeed stepped the
+  optimizer exactly there, once, so an accumulation window can never straddle two steps (or two epochs, or a
+  resume).
 """
 from __future__ import annotations
 
@@ -40,7 +42,12 @@ class OptimSpec:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """How DeepSpeed shards and computes. ``precision`` is already resolved (fp32 | bf16)."""
+    """How DeepSpeed shards and computes, and how a group cuts batches for it (:mod:`rlhf.distributed.micro_batches`).
+    ``precision`` is already resolved (fp32 | bf16 | fp64).
+
+    ``max_tokens_per_micro_batch > 0`` cuts micro-batches by tokens (``packing``: counted packed, else padded);
+    ``micro_batch_size`` is then 1 and ``grad_accum_steps`` a rank's rows, the most micro-batches a step can take.
+    """
 
     zero_stage: int
     precision: str
@@ -48,6 +55,15 @@ class EngineSpec:
     grad_accum_steps: int
     offload_optimizer: bool = False
     user_config: Optional[Dict[str, Any]] = None
+    max_tokens_per_micro_batch: int = 0
+    packing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError(f"max_tokens_per_micro_batch must be >= 0, got {self.max_tokens_per_micro_batch}")
+        if self.max_tokens_per_micro_batch and self.micro_batch_size != 1:
+            raise ValueError("a token budget cuts micro-batches itself: micro_batch_size must be 1 (one row is the "
+                             f"smallest micro-batch), got {self.micro_batch_size}")
 
     @classmethod
     def for_global_batch(cls, global_batch_size: int, micro_batch_size: int, num_workers: int, *,
@@ -60,6 +76,19 @@ class EngineSpec:
                              f"{micro_batch_size} x {num_workers} workers = {per_step}")
         return cls(zero_stage=zero_stage, precision=precision, micro_batch_size=micro_batch_size,
                    grad_accum_steps=global_batch_size // per_step, **kwargs)
+
+    @classmethod
+    def for_token_budget(cls, global_batch_size: int, max_tokens: int, num_workers: int, *, packing: bool = False,
+                         zero_stage: int = 0, precision: str = "fp32", **kwargs: Any) -> "EngineSpec":
+        """The spec whose optimizer step consumes ``global_batch_size`` rows, ``global_batch_size / num_workers`` per
+        rank, in micro-batches of at most ``max_tokens`` tokens."""
+        if num_workers < 1 or global_batch_size < num_workers or global_batch_size % num_workers:
+            raise ValueError(f"global batch {global_batch_size} does not divide over {num_workers} workers")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        return cls(zero_stage=zero_stage, precision=precision, micro_batch_size=1,
+                   grad_accum_steps=global_batch_size // num_workers, max_tokens_per_micro_batch=max_tokens,
+                   packing=packing, **kwargs)
 
     def global_batch_size(self, world_size: int) -> int:
         """Rows one optimizer step consumes over ``world_size`` ranks."""
@@ -215,7 +244,10 @@ class TrainEngine:
         _undo_construction_step(self.engine.optimizer)
         if engine.precision == "fp64":
             _train_in_fp64(self.engine)
+        # LoRA: checkpoints hold the trainable parameters only (the frozen base is reloaded from model.path)
+        self.adapters_only = any(not p.requires_grad for p in model.parameters())
         self._micro_in_step = 0
+        self._steps_before = 0  # DeepSpeed's optimizer-step count when the current window began
         self.last_grad_norm: Optional[float] = None
         # False when DeepSpeed skipped the last optimizer step (a non-finite gradient in bf16): weights, Adam state
         # and the LR schedule stayed where they were.
@@ -254,17 +286,26 @@ class TrainEngine:
             self.scheduler.step()  # sets every group's LR to base_lr * lr_multiplier(step)
 
     def micro_step(self, loss: torch.Tensor, is_last: bool) -> None:
-        """Backward one micro-batch's already-normalized loss; on the last micro-batch, update the weights."""
-        boundary = self.engine.is_gradient_accumulation_boundary()
-        if boundary != is_last:
-            raise RuntimeError(
-                f"accumulation window out of step: DeepSpeed boundary={boundary} but this is micro-batch "
-                f"{self._micro_in_step + 1} of {self.spec.grad_accum_steps} (is_last={is_last})"
-            )
+        """Backward one micro-batch's already-normalized loss; on the last micro-batch, update the weights.
+
+        DeepSpeed is told the boundary (``set_gradient_accumulation_boundary``: its own counter assumes a fixed
+        number of micro-batches a step, which a token budget does not have); that it reduced and stepped exactly
+        there, once per window, is checked from its optimizer-step count.
+        """
+        if self._micro_in_step == 0:
+            self._steps_before = self.engine.global_steps
+        if self._micro_in_step + 1 > self.spec.grad_accum_steps:
+            raise RuntimeError(f"accumulation window out of step: micro-batch {self._micro_in_step + 1} of a window "
+                               f"of at most {self.spec.grad_accum_steps} (is_last={is_last})")
+        self.engine.set_gradient_accumulation_boundary(is_last)
         self.engine.backward(loss, scale_wrt_gas=False)
         own_norm = self._local_grad_norm() if is_last and self._measures_norm_itself() else None
         self.engine.step()
         self._micro_in_step += 1
+        stepped = self.engine.global_steps - self._steps_before
+        if stepped != int(is_last):
+            raise RuntimeError(f"accumulation window out of step: DeepSpeed took {stepped} optimizer steps by "
+                               f"micro-batch {self._micro_in_step} (is_last={is_last})")
         if is_last:
             self.last_step_applied = bool(self.engine.was_step_applied())
             self.last_grad_norm = self._step_grad_norm(own_norm)
@@ -289,11 +330,12 @@ class TrainEngine:
         rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available()
                else None}
         self.engine.save_checkpoint(directory, tag=CHECKPOINT_TAG, client_state={"rng": rng},
-                                    save_latest=False)
+                                    save_latest=False, exclude_frozen_parameters=self.adapters_only)
 
     def load_checkpoint(self, directory: str) -> None:
         _, client = self.engine.load_checkpoint(directory, tag=CHECKPOINT_TAG, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+                                                load_lr_scheduler_states=True,
+                                                load_module_strict=not self.adapters_only)
         if client is None:
             raise RuntimeError(f"no checkpoint under {directory}/{CHECKPOINT_TAG}")
         torch.set_rng_state(client["rng"]["torch"])

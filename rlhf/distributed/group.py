@@ -10,13 +10,14 @@ tensor at the batch's width. Results come back in rank order, and any actor fail
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from rlhf.batch import Batch
 from rlhf.distributed.engine import EngineSpec, OptimSpec
 from rlhf.distributed.errors import WorkerError, gather
+from rlhf.distributed.micro_batches import StepCut, consecutive_by_tokens, cut_by_rows, cut_by_tokens
 from rlhf.distributed.placement import Placement
 from rlhf.distributed.worker import RankStepResult, TrainerWorker
 from rlhf.models.loading import ModelSpec
@@ -96,23 +97,30 @@ class WorkerGroup:
     def train_batch(self, batch: Batch, objective: Objective, schedule_step: Optional[int] = None) -> StepResult:
         """One optimizer step on one global batch of exactly :attr:`global_batch_size` rows.
 
-        Rank ``r`` takes the ``r``-th contiguous shard, cut into ``grad_accum_steps`` micro-batches of
-        ``micro_batch_size`` rows, each trimmed to its own longest row. ``objective.count`` is added over all of
-        them before the first backward, so every factorisation of the same rows gives the same gradient.
-        ``schedule_step`` is the run's 0-based optimizer step, which sets the LR
-        (:meth:`TrainerWorker.train_step`); ``None`` continues from the previous step.
+        The rows are cut into rank shards and micro-batches by the build's spec (:mod:`rlhf.distributed.micro_batches`):
+        by default rank ``r`` takes the ``r``-th contiguous shard in ``grad_accum_steps`` micro-batches of
+        ``micro_batch_size`` rows; under ``max_tokens_per_micro_batch`` the shards are balanced by tokens and cut
+        by the budget, with zero-weight fillers keeping the ranks in lockstep. Each micro-batch is trimmed to its
+        own longest row. ``objective.count`` is added over all of them before the first backward, so every cut of
+        the same rows gives the same gradient. ``schedule_step`` is the run's 0-based optimizer step, which sets
+        the LR (:meth:`TrainerWorker.train_step`); ``None`` continues from the previous step.
         """
         spec = self._spec("train_batch")
         if not self.trainable:
             raise ValueError(f"{self.role}: train_batch needs a trainable group (built with an optimizer)")
         if len(batch) != self.global_batch_size:
+            shape = (f"{self.global_batch_size // self.size} rows per rank in micro-batches of at most "
+                     f"{spec.max_tokens_per_micro_batch} tokens" if spec.max_tokens_per_micro_batch else
+                     f"micro_batch_size {spec.micro_batch_size} x grad_accum_steps {spec.grad_accum_steps}")
             raise ValueError(f"{self.role}: train_batch got {len(batch)} rows; one optimizer step takes "
-                             f"micro_batch_size {spec.micro_batch_size} x grad_accum_steps {spec.grad_accum_steps} "
-                             f"x {self.size} ranks = {self.global_batch_size}")
-        micro, accum = _pieces(batch, spec.micro_batch_size), spec.grad_accum_steps
-        per_rank = [micro[r * accum:(r + 1) * accum] for r in range(self.size)]  # rank r: the r-th contiguous shard
-        normalizer = sum(objective.count(mb) for mb in micro)  # the whole global batch, before any backward
-        results = self.train_step(per_rank, objective, normalizer, schedule_step)
+                             f"{shape} x {self.size} ranks = {self.global_batch_size}")
+        cut = self._cut(batch, spec)
+        per_rank = [[_piece(batch, rows) for rows in shard] for shard in cut.micro_batches]
+        # the whole global batch, before any backward (fillers repeat a row: not counted)
+        normalizer = sum(objective.count(mb) for mbs, counted in zip(per_rank, cut.counted)
+                         for mb, keep in zip(mbs, counted) if keep)
+        results = self.train_step(per_rank, objective, normalizer, schedule_step,
+                                  counted=[list(c) for c in cut.counted] if cut.fillers else None)
         norms = {repr(r.grad_norm) for r in results}  # repr: a NaN equals itself here
         if len(norms) > 1:  # the norm is all-reduced: ranks that disagree trained different models
             raise RuntimeError(f"{self.role}: ranks report different grad norms {[r.grad_norm for r in results]}")
@@ -123,14 +131,26 @@ class WorkerGroup:
                           grad_norm=results[0].grad_norm, lr=results[0].lr, num_samples=len(batch))
 
     def train_step(self, per_rank: Sequence[List[Batch]], objective: Objective, normalizer: int,
-                   schedule_step: Optional[int] = None) -> List[RankStepResult]:
+                   schedule_step: Optional[int] = None,
+                   counted: Optional[Sequence[List[bool]]] = None) -> List[RankStepResult]:
         """The primitive under :meth:`train_batch`: one optimizer step on micro-batches the caller placed
-        (``per_rank[r]`` for rank r) with a ``normalizer`` the caller counted over all of them. Prefer
-        :meth:`train_batch`; this is for tests that place rows on ranks by hand."""
+        (``per_rank[r]`` for rank r) with a ``normalizer`` the caller counted over all of them; ``counted[r][m]``
+        False marks a lockstep filler (default: every micro-batch counts). Prefer :meth:`train_batch`; this is for
+        tests that place rows on ranks by hand."""
         if len(per_rank) != self.size:
             raise ValueError(f"{self.role}: {len(per_rank)} rank shards for {self.size} workers")
-        refs = [w.train_step.remote(mb, objective, normalizer, schedule_step) for w, mb in zip(self.workers, per_rank)]
+        counted = counted or [None] * self.size
+        refs = [w.train_step.remote(mb, objective, normalizer, schedule_step, c)
+                for w, mb, c in zip(self.workers, per_rank, counted)]
         return self._gather(refs, "train_step")
+
+    def _cut(self, batch: Batch, spec: EngineSpec) -> StepCut:
+        if not spec.max_tokens_per_micro_batch:
+            return cut_by_rows(len(batch), self.size, spec.micro_batch_size)
+        try:
+            return cut_by_tokens(row_lengths(batch), self.size, spec.max_tokens_per_micro_batch, spec.packing)
+        except ValueError as err:  # name the sample, not just its row in this batch
+            raise ValueError(f"{self.role}: {_with_sample(err, batch)}") from None
 
     # ------------------------------------------------------------------ forward only
     def score_batch(self, batch: Batch, fn: ScoreFn, rows_per_forward: Optional[int] = None) -> torch.Tensor:
@@ -141,10 +161,9 @@ class WorkerGroup:
         width ``T``; per-row results (``(B,)``, ``(B, 2)``) are concatenated. Floating results are at least
         float32 (float64 stays float64: an fp64 run's models score in float64).
         """
-        size = rows_per_forward or self._spec("score_batch").micro_batch_size
         if not len(batch):
             raise ValueError(f"{self.role}: score_batch of an empty batch")
-        parts = self.score(_pieces(batch, size), fn)
+        parts = self.score(self._chunks(batch, rows_per_forward, "score_batch"), fn)
         width = batch.input_ids.shape[-1]
         per_token = [p.dim() == batch.input_ids.dim() for p in parts]
         out = torch.cat([_pad_to(p, width) if token else p for p, token in zip(parts, per_token)])
@@ -154,8 +173,7 @@ class WorkerGroup:
                        rows_per_forward: Optional[int] = None) -> Totals:
         """Forward-only ``objective`` over ``batch`` in chunks (as :meth:`score_batch`) -> its sums and normalizer,
         to be added over every chunk of a held-out set and finalized once."""
-        size = rows_per_forward or self._spec("evaluate_batch").micro_batch_size
-        chunks = _pieces(batch, size)
+        chunks = self._chunks(batch, rows_per_forward, "evaluate_batch")
         totals = Totals()
         totals.add(self.evaluate(chunks, objective), sum(objective.count(c) for c in chunks))
         return totals
@@ -225,8 +243,10 @@ class WorkerGroup:
         """Every rank's placement group id and assigned resources, in rank order."""
         return self._gather([w.placement.remote() for w in self.workers], "placement")
 
-    def save_pretrained(self, path: str) -> None:
-        self._gather([w.save_pretrained.remote(path) for w in self.workers], "save_pretrained")
+    def save_pretrained(self, path: str, merged: bool = True) -> None:
+        """The model as an HF directory (:meth:`TrainerWorker.save_pretrained`; ``merged``: a LoRA model's merged
+        weights plus ``adapter/``, else its adapter alone)."""
+        self._gather([w.save_pretrained.remote(path, merged) for w in self.workers], "save_pretrained")
 
     def shutdown(self) -> None:
         import ray
@@ -238,6 +258,15 @@ class WorkerGroup:
         self.workers = []
 
     # ------------------------------------------------------------------ helpers
+    def _chunks(self, batch: Batch, rows_per_forward: Optional[int], call: str) -> List[Batch]:
+        """Forward-only chunks in order: ``rows_per_forward`` rows each, by default the build's micro-batch size,
+        or under a token budget consecutive rows within ``max_tokens_per_micro_batch``."""
+        spec = self._spec(call)
+        if rows_per_forward is None and spec.max_tokens_per_micro_batch:
+            ranges = consecutive_by_tokens(row_lengths(batch), spec.max_tokens_per_micro_batch, spec.packing)
+            return [_piece(batch, rows) for rows in ranges]
+        return _pieces(batch, rows_per_forward or spec.micro_batch_size)
+
     def _spec(self, call: str) -> EngineSpec:
         if self.engine_spec is None:
             raise RuntimeError(f"{self.role}: {call} before build()")
@@ -249,9 +278,29 @@ class WorkerGroup:
 
 
 def _pieces(batch: Batch, size: int) -> List[Batch]:
-    """Consecutive pieces of ``size`` rows (the last may be shorter), each trimmed to its longest row and in its
-    own memory (a view would ship the whole batch's storage to the actor)."""
-    return [batch.select(range(i, min(i + size, len(batch)))).trim().contiguous() for i in range(0, len(batch), size)]
+    """Consecutive pieces of ``size`` rows (the last may be shorter), as :func:`_piece` makes them."""
+    return [_piece(batch, range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
+
+
+def _piece(batch: Batch, rows: Sequence[int]) -> Batch:
+    """``rows`` of ``batch``, trimmed to their longest row and in their own memory (a view would ship the whole
+    batch's storage to the actor)."""
+    return batch.select(rows).trim().contiguous()
+
+
+def row_lengths(batch: Batch) -> List[Tuple[int, ...]]:
+    """The real length of each row's sequences, from the attention mask: ``(L,)`` or ``(L_chosen, L_rejected)``."""
+    lengths = batch.attention_mask.long().sum(-1)
+    return [tuple(row) for row in lengths.reshape(len(batch), -1).tolist()]
+
+
+def _with_sample(err: ValueError, batch: Batch) -> str:
+    """``err``'s message with "row i" followed by that row's dataset index, when the batch carries it."""
+    text = str(err)
+    if batch.sample_index is None or not text.startswith("row "):
+        return text
+    row = int(text.split()[1])
+    return f"row {row} (sample {int(batch.sample_index[row])})" + text[len(f"row {row}"):]
 
 
 def _pad_to(part: torch.Tensor, width: int) -> torch.Tensor:

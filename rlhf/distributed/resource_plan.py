@@ -186,7 +186,7 @@ def offline_plan(cfg, gpus_per_worker: float, policy_role: str = "policy") -> Re
     b = _Builder(cfg.strategy.cpus_per_worker, gpus_per_worker)
     b.on(b.group((policy_role,), cfg.train.num_workers), policy_role, cfg.train.num_workers)
     dpo = getattr(cfg, "dpo", None)
-    if dpo is not None:
+    if dpo is not None and not cfg.model.reference_is_base:  # LoRA: the policy's workers score the reference
         b.on(b.group(("reference",), dpo.ref_num_workers), "reference", dpo.ref_num_workers)
     return b.build()
 
@@ -213,7 +213,7 @@ def rl_plan(cfg, gpus_per_worker: float) -> ResourcePlan:
         b.on(policy_side, ROLLOUT, r.num_engines)
     else:
         b.own(ROLLOUT, r.num_engines, r.cpus_per_engine, engine_gpus(r.tensor_parallel_size, gpus_per_worker))
-    if cfg.algo.kl_coef > 0:
+    if cfg.algo.kl_coef > 0 and not cfg.model.reference_is_base:  # LoRA: the policy's workers score the reference
         b.on(policy_side if c.policy_reference else b.group(("reference",), t.num_workers), "reference",
              t.num_workers)
     critic_side = b.group(("critic", "reward_model"), cfg.critic.num_workers) if c.critic_reward else None

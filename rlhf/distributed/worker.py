@@ -19,6 +19,8 @@ from rlhf.batch import Batch
 from rlhf.distributed.cluster import actor_placement
 from rlhf.distributed.engine import EngineSpec, OptimSpec, TrainEngine, build_ds_config, iter_full_state
 from rlhf.models.loading import ModelSpec, load_model
+from rlhf.models.lora import LoraSpec, apply_lora, merged_named_tensors, save_adapter, save_merged
+from rlhf.models.packing import packed_attention
 from rlhf.objectives.base import Objective, ScoreFn, Sums, add_sums
 from rlhf.ops.losses import normalize
 from rlhf.utils.device import resolve_attn_implementation
@@ -59,6 +61,8 @@ class TrainerWorker:
         self.zero_stage = 0
         self.device = torch.device("cpu")
         self.weight_sender: Optional[WeightSender] = None
+        self.spec: Optional[ModelSpec] = None
+        self.lora: Optional[LoraSpec] = None  # the adapters this trainable rank trains (model.lora.*)
 
     # ------------------------------------------------------------------ set-up
     def rendezvous_address(self) -> Tuple[str, int]:
@@ -83,13 +87,21 @@ class TrainerWorker:
 
     def build(self, model: ModelSpec, engine: EngineSpec, optim: Optional[OptimSpec]) -> Dict[str, int]:
         """Load the model; with ``optim`` wrap it in a training engine, else keep it frozen for scoring."""
-        # Capability is decided where the model runs: flash-attention 2 on a CUDA worker that has it, else sdpa.
-        model = dataclasses.replace(model, attn_implementation=resolve_attn_implementation(model.attn_implementation))
+        # Capability is decided where the model runs: flash-attention 2 on a CUDA worker that has it, else sdpa; a
+        # packing run takes the variable-length form of either (rlhf.models.packing).
+        attention = resolve_attn_implementation(model.attn_implementation)
+        model = dataclasses.replace(model, attn_implementation=packed_attention(attention) if model.packing
+                                    else attention)
         zero3 = None
         if engine.zero_stage == 3:  # load straight into partitions, and reuse the config for a frozen engine
             zero3 = build_ds_config(engine, self.world_size, 0.0, trainable=optim is not None)
         module = load_model(model, zero3_config=zero3)
-        self.zero_stage = engine.zero_stage
+        self.zero_stage, self.spec = engine.zero_stage, model
+        if optim is not None and model.lora is not None:
+            # outside zero.Init (partitioned weights are loaded by now): the adapters start whole, B = 0, and the
+            # engine partitions them like any parameter
+            module = apply_lora(module, model.lora, model.kind, seed=model.seed)
+            self.lora = model.lora
         if optim is not None:
             self.engine = TrainEngine(module, engine=engine, optim=optim, world_size=self.world_size)
             self.engine.train()
@@ -103,34 +115,49 @@ class TrainerWorker:
         else:
             self.model = module.to(self.device).eval()
             self.model.requires_grad_(False)
-        return {"parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.model.parameters())}
+        sizes = [(p.ds_numel if hasattr(p, "ds_numel") else p.numel(), p.requires_grad) for p in self.model.parameters()]
+        return {"parameters": sum(n for n, _ in sizes),
+                "trainable_parameters": sum(n for n, grad in sizes if grad) if optim is not None else 0}
 
     # ------------------------------------------------------------------ work
     def train_step(self, micro_batches: List[Batch], objective: Objective, normalizer: int,
-                   schedule_step: Optional[int] = None) -> RankStepResult:
+                   schedule_step: Optional[int] = None, counted: Optional[List[bool]] = None) -> RankStepResult:
         """One optimizer step over this rank's micro-batches of a global batch.
 
         Args:
-            micro_batches: exactly ``grad_accum_steps`` micro-batches (this rank's share of the global batch).
+            micro_batches: this rank's share of the global batch: exactly ``grad_accum_steps`` micro-batches, or
+                under a token budget as many as every rank of the step runs (at most ``grad_accum_steps``).
             objective: turns a micro-batch into a loss sum and metric sums.
             normalizer: the objective's count summed over the *whole* global batch (all ranks).
             schedule_step: the run's 0-based optimizer step this is, which sets its LR
                 (:meth:`TrainEngine.position_schedule`); ``None`` continues from the previous step.
+            counted: False for a lockstep filler (:mod:`rlhf.distributed.micro_batches`): its forward and backward
+                run, as every rank's must under ZeRO, with its loss times 0 and its metrics dropped. Default: all.
         """
         if self.engine is None:
             raise RuntimeError(f"{self.role} rank {self.rank} is frozen: train_step needs a trainable worker")
-        if len(micro_batches) != self.engine.spec.grad_accum_steps:
-            raise ValueError(f"{self.role} rank {self.rank} got {len(micro_batches)} micro-batches, "
-                             f"expected grad_accum_steps={self.engine.spec.grad_accum_steps}")
+        spec = self.engine.spec
+        budget = spec.max_tokens_per_micro_batch
+        if (len(micro_batches) > spec.grad_accum_steps or not micro_batches) if budget else \
+                len(micro_batches) != spec.grad_accum_steps:
+            expected = f"1 to {spec.grad_accum_steps}" if budget else f"grad_accum_steps={spec.grad_accum_steps}"
+            raise ValueError(f"{self.role} rank {self.rank} got {len(micro_batches)} micro-batches, expected {expected}")
+        counted = [True] * len(micro_batches) if counted is None else counted
+        if len(counted) != len(micro_batches) or not any(counted):
+            raise ValueError(f"{self.role} rank {self.rank}: {len(counted)} counted flags for {len(micro_batches)} "
+                             f"micro-batches, at least one counted")
         if schedule_step is not None:
             self.engine.position_schedule(schedule_step)
         lr = self.engine.current_lr()
         sums: Sums = {}
         last = len(micro_batches) - 1
-        for i, micro in enumerate(micro_batches):
+        for i, (micro, keep) in enumerate(zip(micro_batches, counted)):
             loss_sum, micro_sums = objective.loss(self.engine, micro.to(self.device))
+            if not keep:
+                loss_sum = loss_sum * 0.0  # a filler: the collectives run, the gradient gains exactly nothing
             self.engine.micro_step(normalize(loss_sum, normalizer, self.world_size), is_last=i == last)
-            sums = add_sums(sums, micro_sums)
+            if keep:
+                sums = add_sums(sums, micro_sums)
         return RankStepResult(sums=sums, grad_norm=self.engine.last_grad_norm, lr=lr)
 
     @torch.no_grad()
@@ -160,14 +187,23 @@ class TrainerWorker:
             self.model.train(was_training)
         return sums
 
-    def save_pretrained(self, path: str) -> None:
-        """Write the full model as an HF directory (safetensors). Collective: call on every rank; rank 0 writes."""
+    def save_pretrained(self, path: str, merged: bool = True) -> None:
+        """Write the model as an HF directory (safetensors). Collective: call on every rank; rank 0 writes.
+
+        With LoRA: the merged full model with the adapter in ``path/adapter`` (``merged``), or the adapter alone in
+        ``path`` (loadable with ``peft.PeftModel.from_pretrained(base, path)``).
+        """
         state = {}
         for name, tensor in iter_full_state(self.model, self.zero_stage):
             if self.rank == 0:
                 state[name] = tensor
-        if self.rank == 0:
+        if self.rank == 0 and self.lora is None:
             self.model.save_pretrained(path, state_dict=state)
+        elif self.rank == 0:
+            if merged:
+                save_merged(self.model, self.lora, path, named=state.items())
+            save_adapter(state.items(), self.lora, os.path.join(path, "adapter") if merged else path,
+                         self.spec.kind, base_model_name_or_path=self.spec.path)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
 
@@ -193,7 +229,9 @@ class TrainerWorker:
             for _ in iter_full_state(self.model, self.zero_stage, device=None):
                 pass
             return {}
-        return sender.send(iter_full_state(self.model, self.zero_stage, device=sender.device))
+        named = iter_full_state(self.model, self.zero_stage, device=sender.device)
+        # LoRA: the engines hold the base architecture; they get W + (alpha / r) B A under the base's names
+        return sender.send(named if self.lora is None else merged_named_tensors(named, self.lora))
 
     def ping(self) -> int:
         return self.rank

@@ -14,6 +14,8 @@ from typing import Any, Dict, Optional
 import torch
 
 from rlhf.hub import model_dir
+from rlhf.models.lora import LoraSpec
+from rlhf.models.packing import packed_forward, runs_packed
 from rlhf.ops.logprobs import at_least_float32
 from rlhf.utils.device import torch_dtype
 
@@ -32,6 +34,8 @@ class ModelSpec:
     disable_dropout: bool = True
     gradient_checkpointing: bool = False
     seed: int = 0  # seeds freshly initialised heads identically on every rank
+    packing: bool = False  # load a variable-length attention so forwards can run padding-free (train.packing)
+    lora: Optional[LoraSpec] = None  # adapters for a trainable build (model.lora.*); frozen builds ignore it
 
 
 def load_model(spec: ModelSpec, zero3_config: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
@@ -93,17 +97,22 @@ def disable_dropout(model: torch.nn.Module) -> None:
             setattr(model.config, key, 0.0)
 
 
-def scalar_head_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-token scalar outputs of a sequence-classification model, ``(B, T)`` float32 (float64 for a float64 model).
+def scalar_head_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       packing: Optional[bool] = None) -> torch.Tensor:
+    """Per-token scalar outputs of a sequence-classification model, ``(B, T)`` float32 (float64 for a float64 model);
+    the forward runs on the packed rows per :func:`rlhf.models.packing.runs_packed` (0 at padding then).
 
     ``model`` may be the HF module or a DeepSpeed engine around it. The forward goes through the engine so its
     backward bookkeeping (ZeRO hooks) sees an output the loss depends on (the final hidden states); the score head
     is then applied to every position (the critic needs per-token values; the reward model reads the last real
     token with :func:`last_token_values`).
     """
-    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
     head = getattr(model, "module", model).score
-    return at_least_float32(head(out.hidden_states[-1]).squeeze(-1))
+    if not runs_packed(model, packing):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        return at_least_float32(head(out.hidden_states[-1]).squeeze(-1))
+    out, rows = packed_forward(model, input_ids, attention_mask, output_hidden_states=True)
+    return at_least_float32(rows.unpack(head(out.hidden_states[-1]).squeeze(-1), token_aligned=False))
 
 
 def last_token_values(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

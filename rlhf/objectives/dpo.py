@@ -8,7 +8,7 @@ exact only when every micro-batch has the same number of pairs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -19,12 +19,14 @@ from rlhf.ops.logprobs import at_least_float32, sequence_logprobs
 from rlhf.ops.preference import DPO_LOSSES, chosen_nll, dpo_pair_losses
 
 
-def pair_sequence_logps(model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Summed target log-probs and target lengths of a pair batch, both ``(B, 2)`` (column 0 = chosen)."""
+def pair_sequence_logps(model: torch.nn.Module, batch: Batch,
+                        packing: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Summed target log-probs and target lengths of a pair batch, both ``(B, 2)`` (column 0 = chosen); the
+    ``2B`` sequences run packed per :func:`rlhf.models.packing.runs_packed`."""
     pairs, width = batch.input_ids.shape[0], batch.input_ids.shape[-1]
     flat_ids = batch.input_ids.reshape(2 * pairs, width)
     flat_mask = batch.loss_mask.reshape(2 * pairs, width)
-    token_logps = causal_lm_token_logps(model, flat_ids, batch.attention_mask.reshape(2 * pairs, width))
+    token_logps = causal_lm_token_logps(model, flat_ids, batch.attention_mask.reshape(2 * pairs, width), packing)
     seq = sequence_logprobs(token_logps, flat_mask.to(token_logps.dtype))
     lengths = flat_mask[:, 1:].sum(-1)
     return seq.view(pairs, 2), lengths.view(pairs, 2)
@@ -35,8 +37,10 @@ class ReferenceLogps:
     """Score function for the frozen reference: summed target log-probs ``(B, 2)`` of a pair batch, float32
     (float64 from a float64 model: an fp64 run's DPO loss then sees no float32 rounding)."""
 
+    packing: Optional[bool] = None  # padding-free forward; None: as the model was built (train.packing)
+
     def __call__(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-        return at_least_float32(pair_sequence_logps(model, batch)[0])
+        return at_least_float32(pair_sequence_logps(model, batch, self.packing)[0])
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class DPOObjective:
     beta: float = 0.1
     label_smoothing: float = 0.0
     nll_coef: float = 0.0  # RPO regularizer (see rlhf.ops.preference.chosen_nll)
+    packing: Optional[bool] = None  # padding-free forward; None: as the model was built (train.packing)
 
     def __post_init__(self) -> None:
         DPO_LOSSES.get(self.loss_type)  # fail on the driver, with the valid names, not inside a worker
@@ -55,7 +60,7 @@ class DPOObjective:
     def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, Sums]:
         if batch.ref_logps is None:
             raise ValueError("DPO micro-batch has no ref_logps: reference log-probs must be computed first")
-        policy, lengths = pair_sequence_logps(model, batch)
+        policy, lengths = pair_sequence_logps(model, batch, self.packing)
         losses, chosen_rewards, rejected_rewards = dpo_pair_losses(
             self.loss_type, policy, batch.ref_logps.to(policy.dtype), self.beta, self.label_smoothing, lengths
         )

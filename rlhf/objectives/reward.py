@@ -3,7 +3,7 @@ eq. 1), with the optional margin of Llama 2 (Touvron et al. 2023). Normalized by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -13,17 +13,19 @@ from rlhf.objectives.base import Sums, target_count
 from rlhf.ops.preference import bradley_terry_losses, pair_accuracy_count
 
 
-def pair_scores(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Scores ``(B, 2)`` (column 0 = chosen) of a pair batch, chosen and rejected in one forward."""
+def pair_scores(model: torch.nn.Module, batch: Batch, packing: Optional[bool] = None) -> torch.Tensor:
+    """Scores ``(B, 2)`` (column 0 = chosen) of a pair batch, chosen and rejected in one forward (packed per
+    :func:`rlhf.models.packing.runs_packed`)."""
     pairs, width = batch.input_ids.shape[0], batch.input_ids.shape[-1]
     mask = batch.attention_mask.reshape(2 * pairs, width)
-    values = scalar_head_values(model, batch.input_ids.reshape(2 * pairs, width), mask)
+    values = scalar_head_values(model, batch.input_ids.reshape(2 * pairs, width), mask, packing)
     return last_token_values(values, mask).view(pairs, 2)
 
 
 @dataclass(frozen=True)
 class RewardObjective:
     use_margin: bool = False
+    packing: Optional[bool] = None  # padding-free forward; None: as the model was built (train.packing)
 
     def count(self, batch: Batch) -> int:
         return len(batch)
@@ -31,7 +33,7 @@ class RewardObjective:
     def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, Sums]:
         if self.use_margin and batch.margin is None:
             raise ValueError("rm.use_margin=true but the batch carries no margins (data.margin_key missing?)")
-        scores = pair_scores(model, batch)
+        scores = pair_scores(model, batch, self.packing)
         margin = batch.margin.to(scores.dtype) if self.use_margin else None
         losses = bradley_terry_losses(scores[:, 0], scores[:, 1], margin)
         total = losses.sum()

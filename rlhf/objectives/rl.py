@@ -27,6 +27,7 @@ import torch
 
 from rlhf.batch import Batch
 from rlhf.models.loading import last_token_values, scalar_head_values
+from rlhf.models.packing import LMLogits, lm_logits
 from rlhf.objectives.base import Sums
 from rlhf.ops.aggregation import LOSS_AGGREGATIONS, aggregate_count, aggregate_sum
 from rlhf.ops.kl import KL_ESTIMATORS, kl_estimate
@@ -58,8 +59,8 @@ def _check_agg_mode(agg_mode: str) -> None:
     LOSS_AGGREGATIONS.get(agg_mode)  # fail on the driver, with the valid names, not inside a worker
 
 
-def _policy_forward(model: torch.nn.Module, batch: Batch) -> Tensor:
-    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+def _policy_forward(model: torch.nn.Module, batch: Batch, packing: Optional[bool]) -> LMLogits:
+    return lm_logits(model, batch.input_ids, batch.attention_mask, packing)
 
 
 def tempered_entropy(logits: Tensor, temperature: float) -> Tensor:
@@ -78,7 +79,7 @@ def tempered_entropy(logits: Tensor, temperature: float) -> Tensor:
     return torch.cat(rows, dim=0)
 
 
-def token_values(model: torch.nn.Module, batch: Batch) -> Tensor:
+def token_values(model: torch.nn.Module, batch: Batch, packing: Optional[bool] = None) -> Tensor:
     """Per-token critic values ``(B, T)`` float32 (float64 for a float64 critic) aligned with the tokens (the one
     definition used both when the old values are computed for the experience batch and inside
     :class:`ValueObjective`).
@@ -86,9 +87,9 @@ def token_values(model: torch.nn.Module, batch: Batch) -> Tensor:
     ``out[:, t]`` is the value of the state before token ``t`` is emitted: the scalar head applied to the final
     hidden state at position ``t - 1`` (which has seen tokens ``0 .. t-1``). ``out[:, 0] = 0`` (no state precedes
     the first token; it is never a response token). The head output at the last position (the state after the
-    whole sequence) is never used.
+    whole sequence) is never used. ``packing``: see :func:`rlhf.models.packing.runs_packed`.
     """
-    raw = scalar_head_values(model, batch.input_ids, batch.attention_mask)
+    raw = scalar_head_values(model, batch.input_ids, batch.attention_mask, packing)
     return torch.nn.functional.pad(raw[:, :-1], (1, 0))
 
 
@@ -119,6 +120,8 @@ class PolicyObjective:
         kl_estimator: ``k1`` / ``k2`` / ``k3`` (:mod:`rlhf.ops.kl`); also used for the reported ``kl``.
         use_tis: apply truncated importance sampling with ``batch.rollout_logps``; requires ``clip.tis_cap``
             (and ``clip.tis_cap`` requires it).
+        packing: run the forward padding-free (None: as the model was built, ``train.packing``); every per-token
+            quantity is the same either way.
     """
 
     loss_type: str = "ppo"
@@ -129,6 +132,7 @@ class PolicyObjective:
     kl_loss_coef: float = 0.0
     kl_estimator: str = "k3"
     use_tis: bool = False
+    packing: Optional[bool] = None
 
     def __post_init__(self) -> None:
         POLICY_LOSSES.get(self.loss_type)
@@ -165,18 +169,18 @@ class PolicyObjective:
         mask = response_mask(batch)
         mode = self.agg_mode
 
-        logits = _policy_forward(model, batch)
-        logps = token_logprobs(logits, batch.input_ids, self.temperature)
+        out = _policy_forward(model, batch, self.packing)
+        logps = out.per_token(token_logprobs(out.logits, out.input_ids, self.temperature))
         pg, stats = policy_loss(self.loss_type, logps, batch.old_logps, batch.advantages, mask, self.clip,
                                 rollout_logps=batch.rollout_logps if self.use_tis else None)
         per_token = pg
 
         if self.entropy_coef:
-            entropy = tempered_entropy(logits, self.temperature)
+            entropy = out.per_token(tempered_entropy(out.logits, self.temperature))
             per_token = per_token - self.entropy_coef * entropy
         else:
             with torch.no_grad():
-                entropy = tempered_entropy(logits.detach(), self.temperature)
+                entropy = out.per_token(tempered_entropy(out.logits.detach(), self.temperature))
 
         kl = None
         if batch.ref_logps is not None:
@@ -242,6 +246,7 @@ class ValueObjective:
 
     clip: Optional[float] = 0.2
     agg_mode: str = "token-mean"
+    packing: Optional[bool] = None  # padding-free forward; None: as the model was built (train.packing)
 
     def __post_init__(self) -> None:
         _check_agg_mode(self.agg_mode)
@@ -257,7 +262,7 @@ class ValueObjective:
             _require(batch, "values", why="value clipping needs the critic's values at rollout time")
         mask = response_mask(batch)
         mode = self.agg_mode
-        values = token_values(model, batch)
+        values = token_values(model, batch, self.packing)
         old = batch.values if batch.values is not None else values.detach()  # unused without clipping
         per_token = value_loss(values, old, batch.returns, self.clip, mask)
         total = aggregate_sum(mode, per_token, mask)
@@ -301,27 +306,33 @@ class TokenLogps:
     hold meaningless values for the response mask to drop."""
 
     temperature: float = 1.0
+    packing: Optional[bool] = None  # padding-free forward; None: as the model was built (train.packing)
 
     def __post_init__(self) -> None:
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a positive finite number, got {self.temperature}")
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
-        return at_least_float32(token_logprobs(_policy_forward(model, batch), batch.input_ids, self.temperature))
+        out = _policy_forward(model, batch, self.packing)
+        return at_least_float32(out.per_token(token_logprobs(out.logits, out.input_ids, self.temperature)))
 
 
 @dataclass(frozen=True)
 class TokenValues:
     """Score function: critic values ``(B, T)`` float32 via :func:`token_values` (column t = state before token t)."""
 
+    packing: Optional[bool] = None  # padding-free forward; None: as the model was built (train.packing)
+
     def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
-        return at_least_float32(token_values(model, batch))
+        return at_least_float32(token_values(model, batch, self.packing))
 
 
 @dataclass(frozen=True)
 class SequenceScores:
     """Score function: reward-model scores ``(B,)`` float32 at each row's last real token (attention mask)."""
 
+    packing: Optional[bool] = None  # padding-free forward; None: as the model was built (train.packing)
+
     def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
-        values = scalar_head_values(model, batch.input_ids, batch.attention_mask)
+        values = scalar_head_values(model, batch.input_ids, batch.attention_mask, self.packing)
         return at_least_float32(last_token_values(values, batch.attention_mask))

@@ -3,30 +3,37 @@ response tokens in the whole global batch (the same number whatever the micro-ba
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from rlhf.batch import Batch
+from rlhf.models.packing import lm_logits
 from rlhf.objectives.base import Sums, target_count
 from rlhf.ops.logprobs import token_logprobs
 from rlhf.ops.losses import sft_nll_sum
 
 
-def causal_lm_token_logps(model: torch.nn.Module, input_ids: torch.Tensor,
-                          attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-token log-probs ``(B, T)`` of ``input_ids`` under a causal LM (column 0 is 0)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    return token_logprobs(logits, input_ids)
+def causal_lm_token_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          packing: Optional[bool] = None) -> torch.Tensor:
+    """Per-token log-probs ``(B, T)`` of ``input_ids`` under a causal LM (column 0 is 0); the forward runs on the
+    packed rows when ``packing`` (:mod:`rlhf.models.packing`), the result is the same layout either way."""
+    out = lm_logits(model, input_ids, attention_mask, packing)
+    return out.per_token(token_logprobs(out.logits, out.input_ids))
 
 
 @dataclass(frozen=True)
 class SFTObjective:
+    """``packing``: run the forward padding-free (None: as the model was built, ``train.packing``); the loss and
+    every count are the same either way."""
+
+    packing: Optional[bool] = None
+
     def count(self, batch: Batch) -> int:
         return target_count(batch.loss_mask)
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, Sums]:
-        logps = causal_lm_token_logps(model, batch.input_ids, batch.attention_mask)
+        logps = causal_lm_token_logps(model, batch.input_ids, batch.attention_mask, self.packing)
         nll = sft_nll_sum(logps, batch.loss_mask.to(logps.dtype))
         return nll, {"loss_sum": nll.item(), "num_tokens": float(self.count(batch))}
 

@@ -14,7 +14,9 @@ from rlhf.batch import Batch
 from rlhf.config.schema import DPORunConfig
 from rlhf.data.formats import pair_fields, read_formatted
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
+from rlhf.distributed.group import WorkerGroup
 from rlhf.models.loading import CAUSAL_LM
+from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
 from rlhf.trainers.offline import OfflineTask, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunContext, RunResult
@@ -53,34 +55,45 @@ def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
                        num_examples=len(train.examples), collate=data.collate,
                        eval_num_examples=len(held_out.examples), eval_collate=held_out.collate,
                        console_keys=("loss", "rewards/accuracy", "rewards/margin", "grad_norm", "lr"),
-                       attach=lambda task_, ctx: attach_reference(task_, ctx, [data, held_out]))
+                       attach=lambda task_, ctx, policy: attach_reference(task_, ctx, policy, [data, held_out]))
     return task, train.skipped_rows
 
 
-def attach_reference(task: OfflineTask, ctx: RunContext, datasets: List[_PairData]) -> None:
-    """Start the reference group; precompute every pair's log-probs now (train and held-out data), or score
-    each step's global batch in the policy's micro-batch chunks."""
+def attach_reference(task: OfflineTask, ctx: RunContext, policy: WorkerGroup, datasets: List[_PairData]) -> None:
+    """Score the reference: on a group of its own (``model.ref_path``, else the initial policy), or with LoRA on
+    the policy's frozen base, the policy's workers with the adapters off. Every pair's log-probs are precomputed
+    now (train and held-out data; a group of its own is released after), or each step's global batch is scored."""
     cfg: DPORunConfig = ctx.cfg
-    ref = ctx.make_group("reference", cfg.dpo.ref_num_workers)
-    ref.build(ctx.model_spec(cfg.model.ref_path or cfg.model.path, CAUSAL_LM),
-              ctx.engine_spec(micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=1), optim=None)
-    if cfg.dpo.ref_mode == "precompute":
-        for data in datasets:
-            data.ref_logps = precompute_reference(ref, data)
-        ref.shutdown()
-        ctx.groups.remove(ref)
-        print(f"[dpo] reference log-probs precomputed for {sum(len(d.examples) for d in datasets)} pairs; "
-              "reference workers released", flush=True)
+    if cfg.model.reference_is_base:
+        scorer, fn = policy, OnBaseModel(ReferenceLogps())
     else:
-        task.prepare = lambda batch: batch.replace(ref_logps=ref.score_batch(batch, ReferenceLogps()))
+        scorer, fn = ctx.make_group("reference", cfg.dpo.ref_num_workers), ReferenceLogps()
+        scorer.build(ctx.model_spec(cfg.model.ref_path or cfg.model.path, CAUSAL_LM),
+                     ctx.engine_spec(cfg.dpo.ref_num_workers, trainable=False), optim=None)
+    if cfg.dpo.ref_mode == "online":
+        task.prepare = lambda batch: batch.replace(ref_logps=scorer.score_batch(batch, fn))
+        return
+    for data in datasets:
+        data.ref_logps = precompute_reference(scorer, data, fn)
+    pairs = sum(len(d.examples) for d in datasets)
+    if scorer is policy:
+        print(f"[dpo] reference log-probs precomputed for {pairs} pairs on the policy's frozen base (LoRA)",
+              flush=True)
+        return
+    scorer.shutdown()
+    ctx.groups.remove(scorer)
+    print(f"[dpo] reference log-probs precomputed for {pairs} pairs; reference workers released", flush=True)
 
 
-def precompute_reference(ref, data: _PairData) -> torch.Tensor:
-    """``(N, 2)`` summed reference log-probs of every pair, ``REF_BATCH_SIZE`` pairs per forward."""
+def precompute_reference(ref: WorkerGroup, data: _PairData, fn=ReferenceLogps()) -> torch.Tensor:
+    """``(N, 2)`` summed reference log-probs of every pair: on a frozen group ``REF_BATCH_SIZE`` pairs per forward,
+    on the trained one (LoRA's base) its micro-batch size, under ``train.max_tokens_per_micro_batch`` as many as
+    the budget holds."""
     n = len(data.examples)
     window = REF_BATCH_SIZE * ref.size * 8  # collated a window at a time: a padded copy of the whole set is not kept
-    parts = [ref.score_batch(data.collate(list(range(i, min(i + window, n)))), ReferenceLogps(),
-                             rows_per_forward=REF_BATCH_SIZE) for i in range(0, n, window)]
+    rows = None if ref.engine_spec.max_tokens_per_micro_batch or ref.trainable else REF_BATCH_SIZE
+    parts = [ref.score_batch(data.collate(list(range(i, min(i + window, n)))), fn, rows_per_forward=rows)
+             for i in range(0, n, window)]
     return torch.cat(parts) if parts else torch.zeros(0, 2)
 
 

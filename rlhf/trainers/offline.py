@@ -21,13 +21,16 @@ from rlhf.config.schema import ConfigError
 from rlhf.data.formats import located
 from rlhf.data.io import DataError
 from rlhf.data.plan import EpochPlan, StepPlan
+from rlhf.data.tokenize import Tokenized, example_lengths
 from rlhf.data.vocab import check_tokenizer, config_vocab_size
 from rlhf.distributed.group import WorkerGroup
+from rlhf.distributed.micro_batches import micro_batch_tokens
 from rlhf.distributed.resource_plan import offline_plan
 from rlhf.hub import DATASET, MODEL, is_hub_ref, model_dir, pin_run_sources
 from rlhf.objectives.base import Objective, Totals
 from rlhf.trainers.output_dir import claim_output_dir
-from rlhf.trainers.run import Run, RunContext, RunResult, optim_spec, run_identity, with_restarts
+from rlhf.trainers.run import (Run, RunContext, RunResult, check_lora_targets, optim_spec, run_identity,
+                               with_restarts)
 from rlhf.utils.metrics import Progress, format_row
 from rlhf.utils.versions import check_versions
 
@@ -50,7 +53,7 @@ class OfflineTask:
     eval_num_examples: int = 0
     eval_collate: Optional[Collate] = None
     # Optional hook run once Ray is up, before the first step (DPO starts its reference model here).
-    attach: Optional[Callable[["OfflineTask", "RunContext"], None]] = None
+    attach: Optional[Callable[["OfflineTask", "RunContext", WorkerGroup], None]] = None
 
 
 def check_paths(cfg) -> None:
@@ -85,11 +88,34 @@ def read_train_and_eval(cfg, tokenizer, read: Callable) -> tuple:
         raise DataError(f"data.train_path={d.train_path}: none of its {len(train.skipped_rows)} rows has a token to "
                         f"train on within data.max_length={d.max_length} (each prompt fills it); raise "
                         f"data.max_length or shorten the prompts")
+    _check_token_budget(cfg.train, "data.train_path", d.train_path, train)
     held_out = []
     if d.eval_path:
         with located("data.eval_path", d.eval_path):
-            held_out = read(cfg, tokenizer, d.eval_path, d.eval_split or d.split).examples
+            held_out_data = read(cfg, tokenizer, d.eval_path, d.eval_split or d.split)
+        _check_token_budget(cfg.train, "data.eval_path", d.eval_path, held_out_data)
+        held_out = held_out_data.examples
     return train, held_out
+
+
+def _check_token_budget(train_cfg, key: str, path: str, data: Tokenized) -> None:
+    """Refuse, before any actor starts, a row that no micro-batch of ``train.max_tokens_per_micro_batch`` can hold
+    (naming the longest such row by its position in the file)."""
+    budget = train_cfg.max_tokens_per_micro_batch
+    if not budget or not data.examples:
+        return
+    costs = [micro_batch_tokens([example_lengths(e)], train_cfg.packing) for e in data.examples]
+    longest = max(range(len(costs)), key=lambda i: (costs[i], -i))
+    if costs[longest] > budget:
+        skipped = set(data.skipped_rows)
+        source_rows = [r for r in range(len(data.examples) + len(skipped)) if r not in skipped]
+        raise DataError(f"{key}={path}: row {source_rows[longest] + 1} (counting from 1) holds {costs[longest]} tokens "
+                        f"({_how_counted(train_cfg.packing)}), more than train.max_tokens_per_micro_batch={budget}; "
+                        f"raise the budget to at least {max(costs)} or lower data.max_length")
+
+
+def _how_counted(packing: bool) -> str:
+    return "the sum of its sequences' lengths, packed" if packing else "its sequences x the longest, padded"
 
 
 def load_tokenizer(cfg):
@@ -165,8 +191,7 @@ def describe_plan(task: OfflineTask, plan: EpochPlan, train_cfg, skipped: int) -
     return (f"[{task.name}] {plan.num_samples} examples ({skipped} skipped: no token to train on within "
             f"data.max_length), "
             f"{plan.steps_per_epoch} steps/epoch (drop {dropped} per epoch), {plan.total_steps} optimizer steps; "
-            f"global batch {train_cfg.global_batch_size} = micro {train_cfg.micro_batch_size} x "
-            f"accumulation {train_cfg.grad_accum_steps} x ranks {train_cfg.num_workers}")
+            f"global batch {train_cfg.global_batch_size} = {train_cfg.describe_batching()}")
 
 
 # (cfg, tokenizer) -> (task, skipped_rows); reads and tokenizes data, starts nothing.
@@ -184,6 +209,7 @@ def _run_offline_once(cfg, build_task: TaskBuilder, policy_role: str) -> RunResu
     check_paths(cfg)
     tokenizer = load_tokenizer(cfg)
     task, skipped = build_task(cfg, tokenizer)
+    check_lora_targets(cfg, [(cfg.model.path, task.model_kind)])
     t = cfg.train
     plan = EpochPlan(num_samples=task.num_examples, global_batch_size=t.global_batch_size, max_epochs=t.max_epochs,
                      max_steps=t.max_steps, seed=t.seed)
@@ -193,8 +219,8 @@ def _run_offline_once(cfg, build_task: TaskBuilder, policy_role: str) -> RunResu
     with run.cluster(needed_cpus=offline_plan(cfg, 0.0, policy_role).needed_cpus) as ctx:
         policy = ctx.make_group(policy_role, t.num_workers)
         policy.build(ctx.model_spec(cfg.model.path, task.model_kind),
-                     ctx.engine_spec(t.micro_batch_size, t.grad_accum_steps), optim_spec(t, plan.total_steps))
+                     ctx.engine_spec(t.num_workers), optim_spec(t, plan.total_steps))
         if task.attach is not None:
-            task.attach(task, ctx)
+            task.attach(task, ctx, policy)
         last = run.train(OfflineSteps(task, policy), trained={"policy": policy})
         return run.finish(policy, tokenizer, last)

@@ -23,6 +23,7 @@ import torch
 from rlhf.batch import Batch
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.distributed.group import StepResult, WorkerGroup
+from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.base import Totals
 from rlhf.objectives.rl import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
 from rlhf.rl import advantages_for, logp_mismatch
@@ -62,6 +63,7 @@ class RLActors:
     policy: WorkerGroup  # trainable
     engines: RolloutEngines
     reference: Optional[WorkerGroup] = None  # frozen, when a KL term is used
+    reference_is_base: bool = False  # LoRA: the KL reference is the policy's own frozen base (no reference group)
     critic: Optional[WorkerGroup] = None  # trainable, for GAE
     reward_model: Optional[WorkerGroup] = None  # frozen scalar head
 
@@ -173,6 +175,8 @@ class RLTrainer:
         batch = batch.replace(old_logps=a.policy.score_batch(batch, logps))
         if a.reference is not None:
             batch = batch.replace(ref_logps=a.reference.score_batch(batch, logps))
+        elif a.reference_is_base:  # LoRA: the policy's frozen base, adapters off
+            batch = batch.replace(ref_logps=a.policy.score_batch(batch, OnBaseModel(logps)))
         if a.critic is not None:
             batch = batch.replace(values=a.critic.score_batch(batch, TokenValues()))
         return batch

@@ -32,7 +32,8 @@ from rlhf.trainers.output_dir import claim_output_dir
 from rlhf.trainers.rl import RLActors, RLTrainer
 from rlhf.trainers.rl_experience import PromptSet, prepare_prompts
 from rlhf.trainers.rl_rollout import EpisodeRollout, observation_format
-from rlhf.trainers.run import Run, RunContext, RunResult, optim_spec, run_identity, with_restarts
+from rlhf.trainers.run import (Run, RunContext, RunResult, check_lora_targets, optim_spec, run_identity,
+                               with_restarts)
 from rlhf.utils.versions import check_versions
 
 
@@ -56,6 +57,8 @@ def _check_rl_paths(cfg: RLRunConfig) -> None:
             raise ConfigError(f"{key}: {path!r} is not an HF model directory (no config.json)")
     if cfg.critic_batch_problem():
         raise ConfigError(cfg.critic_batch_problem())
+    check_lora_targets(cfg, [(cfg.model.path, CAUSAL_LM)]
+                       + ([(cfg.critic.path or cfg.model.path, SCALAR_HEAD)] if cfg.algo.needs_critic else []))
 
 
 def _start_engines(cfg: RLRunConfig, ctx, placement):
@@ -149,27 +152,28 @@ def _start_actors(cfg: RLRunConfig, ctx: RunContext, total_optimizer_steps: int)
     roles = _policy_side_roles(cfg)
     shared = ctx.shared_placement(roles, t.num_workers) if len(roles) > 1 else None
     policy = ctx.make_group("policy", t.num_workers, placement=shared)
-    policy.build(ctx.model_spec(cfg.model.path, CAUSAL_LM), ctx.engine_spec(t.micro_batch_size, t.grad_accum_steps),
+    policy.build(ctx.model_spec(cfg.model.path, CAUSAL_LM), ctx.engine_spec(t.num_workers),
                  optim_spec(t, total_optimizer_steps))
     actors = RLActors(policy=policy, engines=_start_engines(cfg, ctx, shared if c.hybrid_engine else None))
     _connect_weight_sync(cfg, ctx, actors)
-    frozen = ctx.engine_spec(micro_batch_size=t.micro_batch_size, grad_accum_steps=1)  # scores in micro-batch chunks
-    if cfg.algo.kl_coef > 0:
+    actors.reference_is_base = cfg.algo.kl_coef > 0 and cfg.model.reference_is_base
+    if cfg.algo.kl_coef > 0 and not actors.reference_is_base:
         actors.reference = ctx.make_group("reference", t.num_workers,
                                           placement=shared if c.policy_reference else None)
-        actors.reference.build(ctx.model_spec(cfg.model.ref_path or cfg.model.path, CAUSAL_LM), frozen, None)
+        actors.reference.build(ctx.model_spec(cfg.model.ref_path or cfg.model.path, CAUSAL_LM),
+                               ctx.engine_spec(t.num_workers, trainable=False), None)
     critic_side = (ctx.shared_placement(["critic", "reward_model"], cfg.critic.num_workers)
                    if c.critic_reward else None)
     if cfg.algo.needs_critic:
         actors.critic = ctx.make_group("critic", cfg.critic.num_workers, placement=critic_side)
-        critic_engine = ctx.engine_spec(t.micro_batch_size,
-                                        t.global_batch_size // (t.micro_batch_size * cfg.critic.num_workers))
+        critic_engine = ctx.engine_spec(cfg.critic.num_workers)
         critic_optim = dataclasses.replace(optim_spec(t, total_optimizer_steps), lr=cfg.critic.lr)
         actors.critic.build(ctx.model_spec(cfg.critic.path or cfg.model.path, SCALAR_HEAD), critic_engine,
                             critic_optim)
     if cfg.reward.model_path:
         actors.reward_model = ctx.make_group("reward_model", cfg.reward.model_num_workers, placement=critic_side)
-        actors.reward_model.build(ctx.model_spec(cfg.reward.model_path, SCALAR_HEAD), frozen, None)
+        actors.reward_model.build(ctx.model_spec(cfg.reward.model_path, SCALAR_HEAD),
+                                  ctx.engine_spec(cfg.reward.model_num_workers, trainable=False), None)
     return actors
 
 

@@ -22,7 +22,7 @@ import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Iterator, List, Optional, Protocol, Tuple
+from typing import Dict, FrozenSet, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 from rlhf.config.deepspeed_check import check_user_config
 from rlhf.config.schema import ConfigError
@@ -34,6 +34,7 @@ from rlhf.distributed.group import GroupResources, WorkerGroup
 from rlhf.distributed.placement import Placement
 from rlhf.distributed.resource_plan import resolve_devices
 from rlhf.models.loading import ModelSpec
+from rlhf.models.lora import LoraSpec, check_targets
 from rlhf.trainers.checkpoint import RunCheckpoints
 from rlhf.trainers.health import TrainingHealthError, check_health, guard_from_config
 from rlhf.trainers.output_dir import prepare_output_dir
@@ -113,7 +114,8 @@ class Run:
         if self.checkpoints.stopped_early:
             return RunResult(output_dir=t.output_dir, steps=total, final_metrics=last, final_dir=None,
                              stopped_at=last.get("step"))
-        final_dir = save_final(policy, tokenizer, t.output_dir) if t.save_final else None
+        final_dir = save_final(policy, tokenizer, t.output_dir, self.cfg.model.lora.save_merged) if t.save_final \
+            else None
         if final_dir:
             print(f"[{self.name}] saved {final_dir}", flush=True)
         return RunResult(output_dir=t.output_dir, steps=total, final_metrics=last, final_dir=final_dir)
@@ -226,17 +228,40 @@ def with_restarts(cfg, run) -> RunResult:
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, resume=True))
 
 
-def save_final(policy, tokenizer, output_dir: str) -> str:
-    """Write ``output_dir/final`` atomically: a failed or interrupted save never leaves a ``final/``."""
+def save_final(policy, tokenizer, output_dir: str, merged: bool = True) -> str:
+    """Write ``output_dir/final`` atomically: a failed or interrupted save never leaves a ``final/``. With LoRA,
+    ``merged`` (``model.lora.save_merged``): the merged model plus ``final/adapter/``; else the adapter alone."""
     final = os.path.join(output_dir, "final")
     staging = os.path.join(output_dir, f".final.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    policy.save_pretrained(staging)
+    policy.save_pretrained(staging, merged)
     tokenizer.save_pretrained(staging)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(staging, final)
     return final
+
+
+def lora_spec(cfg) -> Optional[LoraSpec]:
+    """The adapters ``model.lora.*`` asks for, ``None`` with LoRA off; a bad form is a :class:`ConfigError`."""
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return None
+    try:
+        return LoraSpec(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_lora_targets(cfg, models: Sequence[Tuple[str, str]]) -> None:
+    """Before any actor starts: ``model.lora.target_modules`` match Linear layers of every ``(path, kind)`` that
+    trains with LoRA (read from the model's config on the meta device, no weights loaded)."""
+    spec = lora_spec(cfg)
+    for path, kind in models if spec is not None else ():
+        try:
+            check_targets(path, kind, spec.target_modules)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 def optim_spec(t, total_steps: int) -> OptimSpec:
@@ -279,13 +304,21 @@ class RunContext:
         m = self.cfg.model
         return ModelSpec(path=path, kind=kind, precision=self.precision, attn_implementation=m.attn_implementation,
                          disable_dropout=m.disable_dropout, gradient_checkpointing=m.gradient_checkpointing,
-                         seed=self.cfg.train.seed)
+                         seed=self.cfg.train.seed, packing=self.cfg.train.packing, lora=lora_spec(self.cfg))
 
-    def engine_spec(self, micro_batch_size: int, grad_accum_steps: int) -> EngineSpec:
-        s = self.cfg.strategy
-        return EngineSpec(zero_stage=s.zero_stage, precision=self.precision, micro_batch_size=micro_batch_size,
-                          grad_accum_steps=grad_accum_steps, offload_optimizer=s.offload_optimizer,
-                          user_config=self.user_ds_config)
+    def engine_spec(self, num_workers: int, trainable: bool = True) -> EngineSpec:
+        """A group of ``num_workers`` ranks: trainable, its optimizer step takes ``train.global_batch_size`` rows cut
+        by ``train.micro_batch_size`` or ``train.max_tokens_per_micro_batch``; frozen, it scores in chunks of the
+        same micro-batch size or token budget."""
+        s, t = self.cfg.strategy, self.cfg.train
+        common = dict(zero_stage=s.zero_stage, precision=self.precision, offload_optimizer=s.offload_optimizer,
+                      user_config=self.user_ds_config, packing=t.packing)
+        if t.max_tokens_per_micro_batch:
+            rows = t.global_batch_size if trainable else num_workers  # frozen: no accumulation window
+            return EngineSpec.for_token_budget(rows, t.max_tokens_per_micro_batch, num_workers, **common)
+        if not trainable:
+            return EngineSpec(micro_batch_size=t.micro_batch_size, grad_accum_steps=1, **common)
+        return EngineSpec.for_global_batch(t.global_batch_size, t.micro_batch_size, num_workers, **common)
 
     def make_group(self, role: str, num_workers: int, placement: Optional[Placement] = None) -> WorkerGroup:
         """A worker group for ``role``; ``placement`` (from :meth:`shared_placement`) colocates it."""

@@ -20,10 +20,12 @@ from offline_helpers import (LOSS_RTOL, _assert_same_runs, _assert_same_weights,
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
-DPO_FACTORISATIONS = {  # name: (micro, ranks, zero, ref_mode); global batch 4
+DPO_FACTORISATIONS = {  # name: (micro, ranks, zero, ref_mode[, overrides]); global batch 4
     "4x1x1-z2-pre": (4, 1, 2, "precompute"),
     "1x2x2-z3-online": (1, 2, 3, "online"),
     "2x1x2-z0-pre": (2, 2, 0, "precompute"),
+    # padding-free pairs (chosen + rejected) in micro-batches of <= 70 tokens, the reference scored the same way
+    "tok70-packed-x2-z3-online": (1, 2, 3, "online", ("train.packing=true", "train.max_tokens_per_micro_batch=70")),
 }
 
 
@@ -33,10 +35,10 @@ def dpo_runs(tiny_model, pair_data, tmp_path_factory):
 
     base = tmp_path_factory.mktemp("dpo")
     runs = {}
-    for name, (mbs, nw, zero, mode) in DPO_FACTORISATIONS.items():
+    for name, (mbs, nw, zero, mode, *more) in DPO_FACTORISATIONS.items():
         out = str(base / name)
         extra = (f"dpo.ref_mode={mode}", "dpo.beta=0.5", "dpo.label_smoothing=0.1", "dpo.ref_num_workers=2",
-                 f"data.eval_path={pair_data}")
+                 f"data.eval_path={pair_data}", *(more[0] if more else ()))
         cfg = load_config(DPORunConfig, overrides=_overrides(tiny_model, pair_data, out, 4, mbs, nw, zero,
                                                              epochs=1, extra=extra))
         result = train_dpo(cfg)

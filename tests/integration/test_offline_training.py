@@ -23,11 +23,13 @@ from offline_helpers import (LOSS_RTOL, _assert_same_runs, _assert_same_weights,
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
-SFT_FACTORISATIONS = {  # name: (micro, ranks, zero stage); global batch 8
+SFT_FACTORISATIONS = {  # name: (micro, ranks, zero stage[, overrides]); global batch 8
     "8x1x1-z0": (8, 1, 0),
     "1x8x1-z2": (1, 1, 2),
     "2x2x2-z3": (2, 2, 3),
     "1x4x2-z1": (1, 2, 1),
+    # padding-free, micro-batches of <= 48 tokens (rows of 7-42): ranks run 1-3 of them, fillers keep step
+    "tok48-packed-x2-z3": (1, 2, 3, ("train.packing=true", "train.max_tokens_per_micro_batch=48")),
 }
 
 
@@ -37,9 +39,10 @@ def sft_runs(tiny_model, sft_data, tmp_path_factory):
 
     base = tmp_path_factory.mktemp("sft")
     runs = {}
-    for name, (mbs, nw, zero) in SFT_FACTORISATIONS.items():
+    for name, (mbs, nw, zero, *extra) in SFT_FACTORISATIONS.items():
         out = str(base / name)
-        cfg = load_config(SFTRunConfig, overrides=_overrides(tiny_model, sft_data, out, 8, mbs, nw, zero))
+        cfg = load_config(SFTRunConfig, overrides=_overrides(tiny_model, sft_data, out, 8, mbs, nw, zero,
+                                                             extra=extra[0] if extra else ()))
         result = train_sft(cfg)
         runs[name] = (_rows(out), result.final_dir, cfg)
     return runs

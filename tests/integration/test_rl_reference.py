@@ -60,9 +60,11 @@ CASES = {
 
 # Two builds of the same groups (the actors start once): float64 on ZeRO 0 (strategy.precision=fp64 trains on
 # ZeRO 0 only), for the tightest comparison, then fp32 with the sharded stages (ZeRO-3 last: a ZeRO-3 engine is
-# never followed by a rebuild).
+# never followed by a rebuild), padding-free and in micro-batches of at most 24 tokens (rows of 5-15 tokens, 8 a
+# rank: the ranks run different numbers of micro-batches, lockstep fillers keep ZeRO-3 in step).
 LAYOUTS = {"fp64-zero0": {"precision": "fp64", "policy": 0, "reference": 0, "critic": 0},
-           "fp32-zero2-zero3": {"precision": "fp32", "policy": 2, "reference": 3, "critic": 3}}
+           "fp32-zero2-zero3-packed-tok24": {"precision": "fp32", "policy": 2, "reference": 3, "critic": 3,
+                                             "overrides": ("train.packing=true", "train.max_tokens_per_micro_batch=24")}}
 
 # Tolerances against the float64 reference (each case prints its figures).
 # fp64: both sides compute in float64 (with transformers' own float32 steps, the rotary cos/sin and RMSNorm's
@@ -161,7 +163,7 @@ def _config(layout, *overrides):
         f"train.max_grad_norm={t['max_grad_norm']}", "train.lr_scheduler=constant", "train.warmup_steps=0",
         f"critic.lr={CRITIC_LR}", f"critic.value_clip={VALUE_CLIP}",
         f"strategy.precision={LAYOUTS[layout]['precision']}", f"strategy.zero_stage={LAYOUTS[layout]['policy']}",
-        "logging.tensorboard=false", *overrides])
+        "logging.tensorboard=false", *LAYOUTS[layout].get("overrides", ()), *overrides])
 
 
 class Groups:
@@ -186,17 +188,18 @@ class Groups:
         spec = LAYOUTS[layout]
         cfg = _config(layout, f"critic.path={self.paths['critic']}")
         t, ctx = cfg.train, self.ctx
+        ctx.cfg = cfg  # the layout's batching (packing, token budget) for model_spec / engine_spec
 
         def model(role, kind):
             return dataclasses.replace(ctx.model_spec(self.paths[role], kind), precision=spec["precision"])
 
-        def engine(role, micro, accum):
-            return dataclasses.replace(ctx.engine_spec(micro, accum), precision=spec["precision"],
+        def engine(role, trainable=True):  # as the runner builds them (RANKS ranks for every role)
+            return dataclasses.replace(ctx.engine_spec(RANKS, trainable), precision=spec["precision"],
                                        zero_stage=spec[role])
 
-        builds = {"policy": (model("policy", CAUSAL_LM), engine("policy", MICRO, t.grad_accum_steps), optim_spec(t, 1)),
-                  "reference": (model("reference", CAUSAL_LM), engine("reference", MICRO, 1), None),  # as the runner
-                  "critic": (model("critic", SCALAR_HEAD), engine("critic", MICRO, t.grad_accum_steps),
+        builds = {"policy": (model("policy", CAUSAL_LM), engine("policy"), optim_spec(t, 1)),
+                  "reference": (model("reference", CAUSAL_LM), engine("reference", trainable=False), None),
+                  "critic": (model("critic", SCALAR_HEAD), engine("critic"),
                              dataclasses.replace(optim_spec(t, 1), lr=cfg.critic.lr))}
         with ThreadPoolExecutor(len(builds)) as pool:
             for done in [pool.submit(self.roles[role].build, *args) for role, args in builds.items()]:
@@ -218,7 +221,7 @@ def actors(ray_session, paths, tmp_path_factory):
     from rlhf.trainers.run import RunContext
 
     started = time.perf_counter()
-    cfg = _config("fp32-zero2-zero3")
+    cfg = _config("fp32-zero2-zero3-packed-tok24")
     ctx = RunContext(cfg=cfg, precision="fp32", backend="gloo", gpus_per_worker=0.0)
     groups = Groups(ctx, paths, tmp_path_factory.mktemp("rl_reference_initial"))
     print(f"[rl-reference] 3 groups x {RANKS} ranks started in {time.perf_counter() - started:.1f} s")

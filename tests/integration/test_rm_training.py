@@ -23,10 +23,13 @@ def rm_runs(tiny_model, pair_data, tmp_path_factory):
 
     base = tmp_path_factory.mktemp("rm")
     runs = {}
-    for name, (mbs, nw, zero) in {"4x1x1-z2": (4, 1, 2), "1x2x2-z3": (1, 2, 3)}.items():
+    packed = ("train.packing=true", "train.max_tokens_per_micro_batch=70")  # pairs padding-free, <= 70 tokens
+    for name, (mbs, nw, zero, *more) in {"4x1x1-z2": (4, 1, 2), "1x2x2-z3": (1, 2, 3),
+                                         "tok70-packed-x2-z3": (1, 2, 3, packed)}.items():
         out = str(base / name)
         cfg = load_config(RewardModelRunConfig, overrides=_overrides(
-            tiny_model, pair_data, out, 4, mbs, nw, zero, epochs=3, lr=2e-3, extra=("rm.use_margin=true",)))
+            tiny_model, pair_data, out, 4, mbs, nw, zero, epochs=3, lr=2e-3,
+            extra=("rm.use_margin=true", *(more[0] if more else ()))))
         result = train_reward_model(cfg)
         runs[name] = (_rows(out), result.final_dir, cfg)
     return runs

@@ -220,6 +220,19 @@ def test_every_runs_config_loads_and_differs_only_where_it_should(tmp_path):
     assert (fp64.strategy.precision, fp64.strategy.zero_stage) == ("fp64", 0)
 
 
+def test_under_a_token_budget_the_configured_run_keeps_it_and_the_others_cut_by_rows(tmp_path):
+    ov = ["model.path=m", "data.train_path=d.jsonl", "train.global_batch_size=8", "train.num_workers=2",
+          "train.micro_batch_size=3", "train.max_tokens_per_micro_batch=256", "train.packing=true"]
+    cfg = load_config(SFTRunConfig, "sft_tiny", ov)
+    splits = factorizations(8, cfg.train.engine_micro_batch_size, cfg.train.num_workers)
+    assert splits[0].why == "configured" and len(splits) == 3
+    runs = [load_config(SFTRunConfig, "sft_tiny", ov + audit_overrides(cfg, 3, str(tmp_path / f.label))
+                        + split_overrides(cfg, f)).train for f in splits]
+    assert (runs[0].max_tokens_per_micro_batch, runs[0].num_workers) == (256, 2)
+    assert all(t.max_tokens_per_micro_batch == 0 and t.packing for t in runs[1:])
+    assert [(t.micro_batch_size, t.num_workers) for t in runs[1:]] == [(f.micro, f.ranks) for f in splits[1:]]
+
+
 def test_rl_runs_move_the_groups_tied_to_the_policy_ranks(tmp_path):
     ov = ["model.path=m", "data.train_path=d.jsonl", "algo.advantage_estimator=gae", "train.num_workers=2",
           "critic.num_workers=2", "train.global_batch_size=8", "train.micro_batch_size=2", "rollout.num_engines=2",

@@ -522,6 +522,39 @@ def test_global_batch_divisible_over_workers():
     assert message.startswith("train.global_batch_size (16)")
 
 
+def test_token_budget_replaces_the_micro_batch_size_and_needs_rows_that_divide_over_ranks():
+    cfg = load_config(SFTRunConfig, None, [*REQUIRED, "train.global_batch_size=12", "train.micro_batch_size=8",
+                                           "train.num_workers=3", "train.max_tokens_per_micro_batch=4096",
+                                           "train.packing=true"])
+    assert (cfg.train.engine_micro_batch_size, cfg.train.grad_accum_steps) == (1, 4)  # at most a rank's 4 rows
+    assert cfg.train.describe_batching() == "4 rows x ranks 3 in micro-batches of <= 4096 tokens, packed"
+    message = _error(SFTRunConfig, None, ["train.global_batch_size=10", "train.num_workers=3",
+                                          "train.max_tokens_per_micro_batch=512"])
+    assert message.startswith("train.global_batch_size (10) must be divisible by train.num_workers (3): under "
+                              "train.max_tokens_per_micro_batch")
+    assert _error(SFTRunConfig, None, ["train.max_tokens_per_micro_batch=-1"]).startswith(
+        "train.max_tokens_per_micro_batch must be >= 0")
+
+
+def test_packing_refuses_eager_attention():
+    message = _error(DPORunConfig, None, ["train.packing=true", "model.attn_implementation=eager"])
+    assert message.startswith("train.packing needs a variable-length attention, which "
+                              "model.attn_implementation=eager does not have")
+    load_config(DPORunConfig, None, [*REQUIRED, "train.packing=true", "model.attn_implementation=sdpa"])
+
+
+def test_rl_token_budget_must_hold_the_longest_row():
+    from rlhf.config.rl_schema import RLRunConfig
+
+    rl = [*REQUIRED, "reward.functions=[rlhf.synthetic.arithmetic:reward]", "rollout.max_prompt_length=16",
+          "rollout.max_new_tokens=6"]
+    with pytest.raises(ConfigError, match=r"^train.max_tokens_per_micro_batch \(21\) must hold the longest row a "
+                                          r"step can train on: 22 tokens \(rollout.max_prompt_length \+ "
+                                          r"rollout.max_new_tokens\)"):
+        load_config(RLRunConfig, "grpo_tiny", [*rl, "train.max_tokens_per_micro_batch=21"])
+    assert load_config(RLRunConfig, "grpo_tiny", [*rl, "train.max_tokens_per_micro_batch=22"]).train.packing is False
+
+
 def test_zero_stage_out_of_range():
     assert _error(SFTRunConfig, None, ["strategy.zero_stage=5"]) == "strategy.zero_stage must be 0, 1, 2 or 3, got 5"
 
@@ -614,7 +647,8 @@ def test_describe_keys():
     rows = describe_keys(SFTRunConfig)
     by_key = {key: (type_name, default, text) for key, type_name, default, text in rows}
     assert len(by_key) == len(rows)  # no duplicates
-    assert by_key["train.micro_batch_size"] == ("int", 1, "samples per forward, per rank")
+    assert by_key["train.micro_batch_size"] == ("int", 1, "samples per forward, per rank (not used under "
+                                                          "max_tokens_per_micro_batch)")
     assert by_key["model.path"] == ("str", "", "required: an HF model directory or a hub id (org/name[@revision])")
     assert by_key["train.adam_betas"][:2] == ("tuple[float, float]", (0.9, 0.95))
     assert by_key["logging.tensorboard"] == ("bool", True, "")

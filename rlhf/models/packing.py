@@ -1,0 +1,225 @@
+"""Padding-free packing: the rows of a right-padded batch run as one sequence, attention kept within each row.
+
+A micro-batch of ``B`` rows padded to ``T`` columns costs ``B x T`` tokens of compute in every projection and MLP;
+on long-tailed data (a few 1,000-token rows among 50-token ones) most of that is padding. Packed, the ``N`` real
+tokens of the rows are laid end to end as one ``(1, N)`` sequence with position ids restarting at 0 for each row,
+and the attention kernel is told where each row starts (``cu_seqlens``, the cumulative row lengths), so no token
+attends across a row boundary. Every per-token output is then moved back to the ``(B, T)`` layout, so losses,
+masks and counts are computed exactly as unpacked: packing changes the cost, not the maths (results agree to
+floating-point rounding: the matrix products run over differently shaped inputs).
+
+Attention paths (selected by :func:`packed_attention`, per worker, from what it can run):
+
+* GPU with flash-attn: ``flash_attention_2``. transformers passes ``cu_seq_lens_q/k`` and ``max_length_q/k`` to
+  flash-attention's variable-length kernel.
+* Everywhere else (the CPU twin): :data:`VARLEN_SDPA`, registered here with transformers' attention interface. It
+  takes the very same keyword arguments and runs torch's ``scaled_dot_product_attention`` causally on each row's
+  slice of the packed queries, keys and values: ``sum_i L_i^2`` attention work, as flash-attention's kernel does,
+  not the ``N^2`` of one masked attention over the whole packed sequence. Given no ``cu_seq_lens_q`` (an unpacked
+  forward) it is transformers' own sdpa with the usual padding mask.
+
+Only the attention function differs between the two: the packing, the model call and the unpacking are this
+module's, on every device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+Tensor = torch.Tensor
+
+VARLEN_SDPA = "rlhf_varlen_sdpa"  # transformers attn_implementation name of the CPU twin
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", VARLEN_SDPA)  # implementations that honour cu_seqlens
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """The real tokens of a right-padded ``(B, T)`` batch laid end to end: ``N = sum_b L_b`` tokens.
+
+    Attributes:
+        input_ids: ``(1, N)`` the rows' tokens, row after row.
+        position_ids: ``(1, N)`` each token's position within its own row (0 at every row's first token).
+        cu_seqlens: ``(R + 1,)`` int32 offsets of the ``R`` non-empty rows in the packed sequence (0 first, N last).
+        max_length: the longest row, ``max_b L_b``.
+        rows, width: ``B`` and ``T`` of the padded layout.
+        index: ``(N,)`` int64 flat index ``b * T + t`` of every packed token in the padded layout.
+        row_start: ``(N,)`` bool, True at each row's first token.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    cu_seqlens: Tensor
+    max_length: int
+    rows: int
+    width: int
+    index: Tensor
+    row_start: Tensor
+
+    @classmethod
+    def from_padded(cls, input_ids: Tensor, attention_mask: Tensor) -> "PackedRows":
+        """Pack ``(B, T)`` right-padded ids whose ``attention_mask`` is 1 on each row's first ``L_b`` columns.
+
+        Raises:
+            ValueError: a mask that is not a prefix of ones (left padding or holes cannot be packed this way).
+        """
+        if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+            raise ValueError(f"packing takes (B, T) ids and mask, got {tuple(input_ids.shape)} and "
+                             f"{tuple(attention_mask.shape)}")
+        rows, width = input_ids.shape
+        lengths = attention_mask.long().sum(-1)
+        columns = torch.arange(width, device=input_ids.device)
+        prefix = columns[None, :] < lengths[:, None]
+        if not torch.equal(prefix, attention_mask.bool()):
+            raise ValueError("packing needs right-padded rows (attention_mask 1 on a prefix of each row)")
+        index = prefix.reshape(-1).nonzero().squeeze(-1)
+        positions = columns.expand(rows, width).reshape(-1)[index]
+        nonempty = lengths[lengths > 0]
+        cu_seqlens = torch.nn.functional.pad(nonempty.cumsum(0), (1, 0)).to(torch.int32)
+        return cls(input_ids=input_ids.reshape(-1)[index][None], position_ids=positions[None], cu_seqlens=cu_seqlens,
+                   max_length=int(lengths.max()) if rows else 0, rows=rows, width=width, index=index,
+                   row_start=positions == 0)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.index.numel())
+
+    def model_inputs(self) -> Dict[str, Any]:
+        """Keyword arguments of the model forward: the packed ids, their positions and the row boundaries in the
+        form transformers hands to the attention function (flash-attention's variable-length arguments)."""
+        return dict(input_ids=self.input_ids, position_ids=self.position_ids, cu_seq_lens_q=self.cu_seqlens,
+                    cu_seq_lens_k=self.cu_seqlens, max_length_q=self.max_length, max_length_k=self.max_length)
+
+    def unpack(self, values: Tensor, *, token_aligned: bool) -> Tensor:
+        """Per-position outputs of the packed forward back in the padded layout, 0 at padding.
+
+        Args:
+            values: ``(1, N, ...)`` computed on the packed sequence.
+            token_aligned: ``values`` belong to the token each position predicts (log-probs, entropies computed
+                with :func:`rlhf.ops.logprobs.token_logprobs` on the packed sequence). At a row's first token that
+                value was predicted from the previous row's last position: it is set to 0, as column 0 is in the
+                padded layout (no gradient flows through it).
+
+        Returns:
+            ``(B, T, ...)``; differentiable with respect to ``values``.
+        """
+        if values.shape[:2] != (1, self.num_tokens):
+            raise ValueError(f"packed values must be (1, {self.num_tokens}, ...), got {tuple(values.shape)}")
+        flat = values[0]
+        if token_aligned:
+            flat = torch.where(self.row_start.view(-1, *([1] * (flat.dim() - 1))), torch.zeros_like(flat), flat)
+        out = flat.new_zeros((self.rows * self.width, *flat.shape[1:])).index_copy(0, self.index, flat)
+        return out.view(self.rows, self.width, *flat.shape[1:])
+
+
+def attention_of(model: Any) -> Optional[str]:
+    """The attention implementation ``model`` (an HF module or a DeepSpeed engine around one) runs."""
+    return getattr(getattr(getattr(model, "module", model), "config", None), "_attn_implementation", None)
+
+
+def runs_packed(model: Any, packing: Optional[bool]) -> bool:
+    """Whether a forward of ``model`` packs its rows: ``packing`` when given, else whenever the model was loaded
+    with a variable-length attention (a worker built with ``ModelSpec.packing``, i.e. ``train.packing``), so
+    objectives and score functions follow the run's setting without being told."""
+    return attention_of(model) in VARLEN_ATTENTION if packing is None else packing
+
+
+def packed_forward(model: Any, input_ids: Tensor, attention_mask: Tensor, **kwargs: Any):
+    """``model`` (an HF module or a DeepSpeed engine around one) on the packed rows -> ``(output, PackedRows)``.
+
+    Raises:
+        RuntimeError: the model's attention cannot keep packed rows apart (it was loaded without
+            ``ModelSpec.packing``, see :func:`packed_attention`).
+    """
+    implementation = attention_of(model)
+    if implementation not in VARLEN_ATTENTION:
+        raise RuntimeError(f"a packed forward needs a variable-length attention ({', '.join(VARLEN_ATTENTION)}); "
+                           f"this model runs {implementation!r} (built without packing)")
+    rows = PackedRows.from_padded(input_ids, attention_mask)
+    return model(**rows.model_inputs(), **kwargs), rows
+
+
+def packed_attention(resolved: str) -> str:
+    """The attention implementation a packing worker loads, given the one it would load unpacked.
+
+    ``flash_attention_2`` (a CUDA worker with flash-attn) keeps its variable-length kernel; ``sdpa`` becomes
+    :data:`VARLEN_SDPA`. ``eager`` has no variable-length path (``TrainConfig`` refuses it with packing).
+    """
+    if resolved in VARLEN_ATTENTION:
+        return resolved
+    if resolved == "sdpa":
+        register_varlen_sdpa()
+        return VARLEN_SDPA
+    raise ValueError(f"train.packing needs model.attn_implementation auto, sdpa or flash_attention_2, got {resolved!r}")
+
+
+def register_varlen_sdpa() -> None:
+    """Make :data:`VARLEN_SDPA` a transformers attention implementation (idempotent; per process)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN_SDPA, _varlen_sdpa)
+    AttentionMaskInterface.register(VARLEN_SDPA, _varlen_sdpa_mask)
+
+
+def _varlen_sdpa_mask(*args: Any, attention_mask: Optional[Tensor] = None, **kwargs: Any):
+    """No mask for a packed forward (``cu_seq_lens`` keep the rows apart; transformers would otherwise build a dense
+    ``N x N`` one from the position ids); sdpa's own padding mask for an unpacked one."""
+    if attention_mask is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def _varlen_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                 cu_seq_lens_q: Optional[Tensor] = None, cu_seq_lens_k: Optional[Tensor] = None,
+                 max_length_q: Optional[int] = None, max_length_k: Optional[int] = None, **kwargs: Any):
+    """Causal sdpa on each row of a packed ``(1, heads, N, head_dim)`` query/key/value; ``(1, N, heads, head_dim)``
+    out, as transformers' attention functions return. Unpacked (no ``cu_seq_lens_q``): plain sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs.pop("position_ids", None)
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if query.shape[0] != 1 or (cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_q, cu_seq_lens_k)):
+        raise ValueError("varlen sdpa takes one packed sequence with the same row boundaries for queries and keys")
+    window = kwargs.get("sliding_window")
+    if window is not None and max_length_q is not None and max_length_q > window:
+        # flash-attention applies the window; this loop would not, and rows would see more than they should
+        raise NotImplementedError(f"varlen sdpa has no sliding window: a {max_length_q}-token row exceeds the "
+                                  f"model's {window}-token window (use flash_attention_2 or shorter rows)")
+    kwargs["is_causal"] = True
+    bounds = cu_seq_lens_q.tolist()
+    parts = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
+             for s, e in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(parts, dim=1), None
+
+
+@dataclass(frozen=True)
+class LMLogits:
+    """A causal LM's logits over a batch and the ids they score, padded or packed.
+
+    Attributes:
+        logits: ``(B, T, V)``, or ``(1, N, V)`` packed.
+        input_ids: the ids in the same layout, ``(B, T)`` or ``(1, N)``.
+        packed: how the rows were packed (``None``: the padded layout).
+    """
+
+    logits: Tensor
+    input_ids: Tensor
+    packed: Optional[PackedRows] = None
+
+    def per_token(self, values: Tensor) -> Tensor:
+        """Token-aligned values computed on :attr:`logits` (``(B, T)`` or ``(1, N)``, e.g. by
+        :func:`rlhf.ops.logprobs.token_logprobs`) in the padded ``(B, T)`` layout, column 0 = 0."""
+        return values if self.packed is None else self.packed.unpack(values, token_aligned=True)
+
+
+def lm_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, packing: Optional[bool] = None) -> LMLogits:
+    """A causal LM's forward over ``(B, T)`` right-padded rows, packed per :func:`runs_packed`."""
+    if not runs_packed(model, packing):
+        return LMLogits(model(input_ids=input_ids, attention_mask=attention_mask).logits, input_ids)
+    out, rows = packed_forward(model, input_ids, attention_mask)
+    return LMLogits(out.logits, rows.input_ids, rows)

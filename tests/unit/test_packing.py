@@ -1,0 +1,187 @@
+"""Padding-free packing (rlhf/models/packing.py): packed forwards give every objective the loss, gradient and
+metrics of the padded forward (fp32 rounding), for SFT, DPO, the reward model, the RL actor and critic, and the
+score functions; the layout maths and the errors.
+
+The models here run in-process; that Ray workers pack the same way is test_packing_training's business.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from rlhf.batch import Batch
+from rlhf.models.packing import VARLEN_SDPA, PackedRows, packed_attention, packed_forward
+from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
+from rlhf.objectives.reward import RewardObjective
+from rlhf.objectives.rl import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
+from rlhf.objectives.sft import SFTObjective
+
+LENGTHS = (7, 1, 13, 4, 10, 2)  # uneven, with a one-token row
+
+
+@pytest.fixture(scope="module")
+def causal(tiny_model):
+    """The tiny model under the CPU varlen attention (it also runs unpacked forwards, as sdpa) and under sdpa."""
+    torch.manual_seed(0)
+    packed_attention("sdpa")  # registers the implementation in this process
+    varlen = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation=VARLEN_SDPA)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa")
+    for m in (varlen, plain):
+        m.config.use_cache = False
+    return varlen, plain
+
+
+@pytest.fixture(scope="module")
+def scalar(tiny_reward_model):
+    packed_attention("sdpa")
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model, num_labels=1,
+                                                               attn_implementation=VARLEN_SDPA)
+    model.config.use_cache = False
+    return model
+
+
+def _rows(lengths, vocab, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths) + 2  # padding beyond the longest row as well
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(4, vocab, (n,), generator=gen)
+        mask[i, :n] = 1
+    loss_mask = mask.clone()
+    loss_mask[:, :2] = 0  # a prompt of two tokens (none to train on in the short rows)
+    return ids, mask, loss_mask
+
+
+def _rl_batch(vocab, seed=0):
+    ids, mask, loss_mask = _rows(LENGTHS, vocab, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    noise = lambda: torch.randn(ids.shape, generator=gen) * loss_mask  # noqa: E731
+    return Batch(input_ids=ids, attention_mask=mask, loss_mask=loss_mask, old_logps=noise() - 3.0,
+                 rollout_logps=noise() - 3.0, ref_logps=noise() - 3.0, advantages=noise(), values=noise(),
+                 returns=noise())
+
+
+def _pair_batch(vocab, seed=0):
+    lengths = tuple(max(3, n) for n in LENGTHS)  # a completion needs a target token (two prompt tokens)
+    ids_a, mask_a, lm_a = _rows(lengths, vocab, seed)
+    ids_b, mask_b, lm_b = _rows(lengths[::-1], vocab, seed + 7)
+    stack = lambda a, b: torch.stack([a, b], dim=1)  # noqa: E731
+    gen = torch.Generator().manual_seed(seed)
+    return Batch(input_ids=stack(ids_a, ids_b), attention_mask=stack(mask_a, mask_b), loss_mask=stack(lm_a, lm_b),
+                 ref_logps=torch.randn(len(lengths), 2, generator=gen) - 20.0, margin=torch.rand(len(lengths)))
+
+
+def _loss_and_grad(model, objective, batch):
+    model.zero_grad(set_to_none=True)
+    loss, sums = objective.loss(model, batch)
+    loss.backward()
+    grad = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    return loss.detach(), sums, grad
+
+
+def _assert_same(model, unpacked, packed, batch):
+    loss_u, sums_u, grad_u = _loss_and_grad(model, unpacked, batch)
+    loss_p, sums_p, grad_p = _loss_and_grad(model, packed, batch)
+    torch.testing.assert_close(loss_p, loss_u, rtol=2e-6, atol=1e-6)
+    # the whole gradient vector, relative to its size (single elements near 0 carry cancellation noise)
+    assert (grad_p - grad_u).norm() <= 1e-5 * grad_u.norm(), float((grad_p - grad_u).norm() / grad_u.norm())
+    assert sums_p.keys() == sums_u.keys()
+    for key in sums_u:
+        assert sums_p[key] == pytest.approx(sums_u[key], rel=2e-5, abs=1e-6), key
+    assert grad_u.abs().max() > 0  # something was trained on
+
+
+def test_pack_and_unpack_place_every_token_and_zero_the_rest():
+    ids, mask, _ = _rows(LENGTHS, 50)
+    rows = PackedRows.from_padded(ids, mask)
+    assert rows.input_ids.shape == (1, sum(LENGTHS)) and rows.max_length == max(LENGTHS)
+    assert rows.cu_seqlens.tolist() == [0, 7, 8, 21, 25, 35, 37] and rows.cu_seqlens.dtype == torch.int32
+    assert rows.position_ids[0].tolist() == [t for n in LENGTHS for t in range(n)]
+    back = rows.unpack(rows.input_ids[..., None].float(), token_aligned=False)[..., 0]
+    assert torch.equal(back.long(), ids * mask)
+    aligned = rows.unpack(torch.ones(1, rows.num_tokens), token_aligned=True)
+    expected = mask.float().clone()
+    expected[:, 0] = 0  # each row's first token has no prediction
+    assert torch.equal(aligned, expected)
+
+
+def test_rows_with_holes_or_left_padding_are_refused():
+    ids, mask, _ = _rows((3, 4), 50)
+    with pytest.raises(ValueError, match="right-padded"):
+        PackedRows.from_padded(ids, mask.flip(-1))
+
+
+def test_the_varlen_attention_equals_padded_sdpa_row_by_row(causal):
+    varlen, plain = causal
+    ids, mask, _ = _rows(LENGTHS, varlen.config.vocab_size)
+    with torch.no_grad():
+        padded = plain(input_ids=ids, attention_mask=mask).logits
+        unpacked = varlen(input_ids=ids, attention_mask=mask).logits  # no cu_seqlens: sdpa with its padding mask
+        out, rows = packed_forward(varlen, ids, mask)
+        packed = rows.unpack(out.logits, token_aligned=False)
+    real = mask.bool()
+    assert torch.equal(unpacked, padded)
+    torch.testing.assert_close(packed[real], padded[real], rtol=1e-5, atol=2e-5)
+
+
+def test_a_model_without_a_varlen_attention_runs_padded_and_cannot_run_packed(causal):
+    _, plain = causal
+    ids, mask, loss_mask = _rows(LENGTHS, plain.config.vocab_size)
+    batch = Batch(input_ids=ids, attention_mask=mask, loss_mask=loss_mask)
+    with torch.no_grad():  # None follows the model: padded here
+        assert SFTObjective().loss(plain, batch)[0] == SFTObjective(packing=False).loss(plain, batch)[0]
+    with pytest.raises(RuntimeError, match="variable-length attention"):
+        packed_forward(plain, ids, mask)
+    with pytest.raises(ValueError, match="train.packing"):
+        packed_attention("eager")
+
+
+def test_sft_packed_equals_padded(causal):
+    model = causal[0]
+    ids, mask, loss_mask = _rows(LENGTHS, model.config.vocab_size)
+    batch = Batch(input_ids=ids, attention_mask=mask, loss_mask=loss_mask)
+    _assert_same(model, SFTObjective(packing=False), SFTObjective(), batch)  # None: as the model was built
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_packed_equals_padded_and_so_do_its_reference_logps(causal, loss_type):
+    model = causal[0]
+    batch = _pair_batch(model.config.vocab_size)
+    _assert_same(model, DPOObjective(loss_type=loss_type, nll_coef=0.5, packing=False),
+                 DPOObjective(loss_type=loss_type, nll_coef=0.5, packing=True), batch)
+    with torch.no_grad():
+        torch.testing.assert_close(ReferenceLogps(packing=True)(model, batch), ReferenceLogps(packing=False)(model, batch),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_reward_model_packed_equals_padded(scalar):
+    batch = _pair_batch(scalar.config.vocab_size)
+    _assert_same(scalar, RewardObjective(use_margin=True, packing=False), RewardObjective(use_margin=True), batch)
+    single = Batch(input_ids=batch.input_ids[:, 0], attention_mask=batch.attention_mask[:, 0])
+    with torch.no_grad():
+        torch.testing.assert_close(SequenceScores(packing=True)(scalar, single), SequenceScores(packing=False)(scalar, single),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature,entropy_coef", [(1.0, 0.0), (0.7, 0.01)])
+def test_rl_actor_packed_equals_padded(causal, temperature, entropy_coef):
+    model = causal[0]
+    batch = _rl_batch(model.config.vocab_size)
+    make = lambda packing: PolicyObjective(temperature=temperature, entropy_coef=entropy_coef,  # noqa: E731
+                                           kl_loss_coef=0.1, packing=packing)
+    _assert_same(model, make(False), make(True), batch)
+    with torch.no_grad():
+        real = batch.attention_mask.bool()
+        torch.testing.assert_close(TokenLogps(temperature, packing=True)(model, batch)[real],
+                                   TokenLogps(temperature, packing=False)(model, batch)[real], rtol=1e-5, atol=2e-5)
+
+
+def test_critic_packed_equals_padded(scalar):
+    batch = _rl_batch(scalar.config.vocab_size)
+    _assert_same(scalar, ValueObjective(packing=False), ValueObjective(packing=True), batch)
+    with torch.no_grad():
+        real = batch.attention_mask.bool()
+        torch.testing.assert_close(TokenValues(packing=True)(scalar, batch)[real], TokenValues(packing=False)(scalar, batch)[real],
+                                   rtol=1e-5, atol=1e-6)
