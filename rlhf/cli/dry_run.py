@@ -27,7 +27,7 @@ from rlhf.distributed.packing import (NodeShape, Packing, check_feasible, descri
 from rlhf.distributed.resource_plan import (ENVIRONMENT, ROLLOUT, ActorPlan, Devices, GroupPlan, ResourcePlan,
                                             engine_gpus, engine_sleep, plan_for, resolve_devices)
 from rlhf.envs import EnvError, load_environment
-from rlhf.hub import DATASET, MODEL, HubError, cache_dir, is_hub_ref, locate, offline
+from rlhf.hub import DATASET, MODEL, HubError, cache_dir, is_hub_ref, locate, model_dir, offline
 from rlhf.trainers.output_dir import output_dir_status
 from rlhf.utils.specs import looks_like_path
 
@@ -50,6 +50,7 @@ def dry_run(cfg, prog: str, cluster: str = "") -> None:
     devices = resolve_devices(cfg.strategy, sum(n.gpus for n in nodes))
     plan = plan_for(cfg, devices.gpus_per_worker)
     paths = check_paths(cfg, devices.precision)
+    _check_lora(cfg)
     rollout = _rollout_lines(cfg, plan, devices) if hasattr(cfg, "rollout") else []
     packing = pack(plan, nodes, cluster=name)
     lines = [f"dry run: {prog}: the configuration is valid; nothing was started (no Ray actor, no weights loaded)",
@@ -64,6 +65,26 @@ def dry_run(cfg, prog: str, cluster: str = "") -> None:
     lines += ["", _verdict(packing, name)]
     print("\n".join(lines), flush=True)
     check_feasible(packing)
+
+
+def _check_lora(cfg) -> None:
+    """``model.lora.target_modules`` against the layers of each model LoRA would wrap, as a run checks them (only
+    where the model's config can be read here; the paths table says why not otherwise)."""
+    if not cfg.model.lora.enabled:
+        return
+    # lazy: torch and transformers, only when LoRA is asked for
+    from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
+    from rlhf.trainers.run import check_lora_targets
+
+    trained = [(cfg.model.path, SCALAR_HEAD if hasattr(cfg, "rm") else CAUSAL_LM)]
+    if hasattr(cfg, "rollout") and cfg.algo.needs_critic:
+        trained.append((cfg.critic.path or cfg.model.path, SCALAR_HEAD))
+    for path, kind in trained:
+        try:
+            model_dir(path)
+        except (OSError, HubError):
+            continue
+        check_lora_targets(cfg, [(path, kind)])
 
 
 # ------------------------------------------------------------------------------------------------- the cluster
@@ -330,11 +351,16 @@ def _sharing(plan: ResourcePlan, packing: Packing) -> str:
 def batch_lines(cfg) -> List[str]:
     """The global-batch arithmetic: offline, global = micro x accumulation x ranks; RL, the rollout batch and the
     optimizer steps it makes."""
-    t = cfg.train
+    t, lora = cfg.train, cfg.model.lora
     lines = [f"  train.global_batch_size {t.global_batch_size} = {t.describe_batching()} (samples per optimizer step)"]
+    if lora.enabled:
+        lines.append(f"  LoRA: r {lora.r}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}"
+                     + ("; the reference is the frozen base under the adapters (no reference workers)"
+                        if cfg.model.reference_is_base and (hasattr(cfg, "dpo") or getattr(cfg, "algo", None)
+                                                            and cfg.algo.kl_coef > 0) else ""))
     if not hasattr(cfg, "rollout"):
         dpo = getattr(cfg, "dpo", None)
-        if dpo is not None:
+        if dpo is not None and not cfg.model.reference_is_base:
             lines.append(f"  reference: {dpo.ref_num_workers} ranks, dpo.ref_mode={dpo.ref_mode}"
                          + (" (scores every pair once, then released)" if dpo.ref_mode == "precompute" else ""))
         lines.append(f"  optimizer steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "

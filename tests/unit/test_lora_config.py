@@ -71,3 +71,17 @@ def test_with_lora_the_reference_is_the_base_and_asks_for_no_workers(tiny_model,
     assert "reference" not in [a.role for a in rl_plan(cfg, 0.0).actors]
     with pytest.raises(ConfigError, match=r"^colocate.policy_reference has nothing to colocate"):
         _cfg(RLRunConfig, tiny_model, pairs, *rl, "colocate.policy_reference=true", preset="grpo_tiny")
+
+
+def test_dry_run_shows_lora_and_checks_its_targets(tiny_model, tmp_path, capsys):
+    from rlhf.cli.dry_run import dry_run
+
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", uneven_pair_rows(4, seed=0))
+    dry_run(_cfg(DPORunConfig, tiny_model, pairs, "model.lora.r=8", "model.lora.target_modules=[q_proj,v_proj]"),
+            "train_dpo", cluster="1x4cpu")
+    out = capsys.readouterr().out
+    assert ("LoRA: r 8, alpha 16 on q_proj, v_proj; the reference is the frozen base under the adapters (no "
+            "reference workers)") in out and "dpo.ref_mode" not in out
+    with pytest.raises(ConfigError, match="matches no Linear layer"):
+        dry_run(_cfg(DPORunConfig, tiny_model, pairs, "model.lora.r=8", "model.lora.target_modules=[qkv]"),
+                "train_dpo", cluster="1x4cpu")
