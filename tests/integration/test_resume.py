@@ -1,18 +1,26 @@
 """Exact resume: a run stopped at step k and resumed ends with the same weights and the same metrics.jsonl as
 an uninterrupted run (fp32 on CPU: bit-identical), here with the stop mid-epoch and an epoch size (21 rows)
 that is not a multiple of the global batch (4). Also: checkpoints are atomic and pruned, and a checkpoint of
-another run is refused; a killed worker restarts (or exits) cleanly. (DPO: test_resume_dpo.py.)"""
+another run is refused; a killed worker restarts (or exits) cleanly. (DPO: test_resume_dpo.py.)
+
+Actor start-up is most of a run's seconds here, so runs are shared: the stopped-and-resumed run also has a worker
+killed after its resume (it restarts from its newest checkpoint and still ends as the uninterrupted run),
+and the checkpoint left by the run killed with ``train.on_failure=exit`` is the one a resume of another run's
+config is refused.
+"""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
 from rlhf.config.loader import load_config
 from rlhf.config.schema import ConfigError, SFTRunConfig
+from rlhf.distributed.errors import WorkerError
 from rlhf.trainers.checkpoint import Checkpoints
 
-from shared_helpers import kill_an_actor_once
+from shared_helpers import kill_an_actor_once, tee_stdout
 from resume_helpers import _assert_identical, _overrides, _stop_and_resume
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -28,52 +36,74 @@ def sft_whole(tiny_model, sft_data, tmp_path_factory):
     return out
 
 
-def test_sft_resumed_mid_epoch_equals_uninterrupted(sft_whole, tiny_model, sft_data, tmp_path):
+@pytest.fixture(scope="module")
+def sft_split(tiny_model, sft_data, tmp_path_factory):
+    """Stopped at step 7 (mid-epoch 2) and resumed (``_stop_and_resume``: checkpoints every 3 steps, one kept). In
+    the resumed part, with ``train.on_failure=restart``, a worker is SIGKILLed once the step-9 checkpoint exists: the
+    run restarts from it with new actors and finishes. Returns the output directory, whether a worker was killed,
+    what the driver printed and the run's result."""
     from rlhf.trainers.sft import train_sft
 
-    def base(out):
-        return _overrides(tiny_model, sft_data, out)
+    out = str(tmp_path_factory.mktemp("sft") / "split")
 
-    _stop_and_resume(SFTRunConfig, None, train_sft, base, str(tmp_path / "split"), stop_after=7)
-    _assert_identical(sft_whole, str(tmp_path / "split"))
+    def base(directory):
+        return [*_overrides(tiny_model, sft_data, directory), "train.on_failure=restart"]
 
-
-def test_a_killed_worker_restarts_from_the_checkpoint_and_ends_identical(sft_whole, tiny_model, sft_data,
-                                                                         tmp_path, capsys):
-    from rlhf.trainers.sft import train_sft
-
-    out = str(tmp_path / "crash")
-    thread, killed = kill_an_actor_once(os.path.join(out, "checkpoints", "step_000004"), "ray::TrainerWorker")
-    result = train_sft(load_config(SFTRunConfig, None, [*_overrides(tiny_model, sft_data, out), "train.save_every=2",
-                                                        "train.on_failure=restart"]))
+    thread, killed = kill_an_actor_once(os.path.join(out, "checkpoints", "step_000009"), "ray::TrainerWorker")
+    with tee_stdout() as printed:
+        result = _stop_and_resume(SFTRunConfig, None, train_sft, base, out, stop_after=7)
     thread.join(timeout=10)
+    return out, killed, printed.getvalue(), result
+
+
+def test_sft_resumed_mid_epoch_equals_uninterrupted(sft_whole, sft_split):
+    out, _, _, _ = sft_split
+    _assert_identical(sft_whole, out)
+
+
+def test_a_killed_worker_restarts_from_the_checkpoint_and_ends_identical(sft_whole, sft_split):
+    """The worker killed in the stopped-and-resumed run above: the restart is said, and the run still ends with
+    the uninterrupted run's rows and bit-identical weights."""
+    out, killed, printed, result = sft_split
     assert killed, "the test never killed a worker"
-    printed = capsys.readouterr().out
     assert "[restart 1/3] policy rank" in printed and "died during" in printed
     assert result.final_dir
     _assert_identical(sft_whole, out)
 
 
-def test_a_killed_worker_with_on_failure_exit_names_it_and_keeps_the_checkpoint(tiny_model, sft_data, tmp_path):
-    from rlhf.distributed.errors import WorkerError
+@pytest.fixture(scope="module")
+def sft_exited(tiny_model, sft_data, tmp_path_factory):
+    """A worker SIGKILLed once the step-2 checkpoint exists, ``train.on_failure=exit`` (the default): returns the
+    output directory, the error the run ended with and whether a worker was killed."""
     from rlhf.trainers.sft import train_sft
 
-    out = str(tmp_path / "crash")
+    out = str(tmp_path_factory.mktemp("sft") / "crash")
     thread, killed = kill_an_actor_once(os.path.join(out, "checkpoints", "step_000002"), "ray::TrainerWorker")
-    with pytest.raises(WorkerError, match=r"policy rank [01] died during"):
+    error = None
+    try:
         train_sft(load_config(SFTRunConfig, None, [*_overrides(tiny_model, sft_data, out), "train.save_every=2"]))
+    except WorkerError as exc:
+        error = exc
     thread.join(timeout=10)
+    return out, error, killed
+
+
+def test_a_killed_worker_with_on_failure_exit_names_it_and_keeps_the_checkpoint(sft_exited):
+    out, error, killed = sft_exited
+    assert isinstance(error, WorkerError), "the run did not fail with a WorkerError"
+    assert re.search(r"policy rank [01] died during", str(error)), str(error)
     assert killed
     assert Checkpoints(out, keep=2).latest()[1]["step"] >= 2
     assert not os.path.exists(os.path.join(out, "final"))
 
 
-def test_a_checkpoint_of_another_run_is_refused(tiny_model, sft_data, tmp_path):
+def test_a_checkpoint_of_another_run_is_refused(sft_exited, tiny_model, sft_data):
+    """The killed run's newest checkpoint, resumed with another global batch: refused before anything starts."""
     from rlhf.trainers.sft import train_sft
 
-    out = str(tmp_path / "run")
-    train_sft(load_config(SFTRunConfig, None, [*_overrides(tiny_model, sft_data, out), "train.stop_after_steps=2"]))
-    with pytest.raises(ConfigError, match=r"train.resume: .*step_000002 belongs to another run: "
+    out, _, _ = sft_exited
+    newest = os.path.basename(Checkpoints(out, keep=2).latest()[0])
+    with pytest.raises(ConfigError, match=rf"train.resume: .*{newest} belongs to another run: "
                                           r"train.global_batch_size=4 in the checkpoint, 8 now"):
         train_sft(load_config(SFTRunConfig, None, [*_overrides(tiny_model, sft_data, out), "train.resume=true",
                                                    "train.global_batch_size=8"]))
