@@ -62,6 +62,9 @@ doctor: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/bench_offline.py
 	$(PY) bench/bench_rl.py
+	$(PY) bench/bench_multi_turn.py
+	$(PY) bench/bench_packing.py
+	$(PY) bench/bench_packing.py --uniform
 
 docs: $(STAMP)
 	$(PY) docs/gen_config_reference.py

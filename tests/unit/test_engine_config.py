@@ -1,7 +1,7 @@
 """The DeepSpeed config the engine builds (pure dict logic)."""
 from __future__ import annotations
 
-from rlhf.distributed.engine import EngineSpec, build_ds_config, parameter_groups
+from rlhf.distributed.engine import EngineSpec, build_ds_config, float64_sum_of_squares, parameter_groups
 
 
 def test_run_batch_sizes_and_precision_override_a_user_file():
@@ -51,3 +51,21 @@ def test_weight_decay_follows_the_full_shape_of_zero3_partitioned_weights():
     decay, no_decay = parameter_groups(model, 0.1)
     assert [p.ds_shape for p in decay["params"]] == [torch.Size([4, 3])]
     assert len(no_decay["params"]) == 3
+
+
+def test_the_gradient_norm_scratch_gives_the_bits_of_fresh_float64_copies():
+    """The reused float64 buffer changes no bit of the norm: same values, same summation order."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=gen) * scale for shape, scale in
+             [((512, 64), 1e-3), ((64,), 3.0), ((7, 5, 3), 1e4), ((1,), 1e-20)]]
+    expected = float(sum(g.double().pow(2).sum() for g in grads))
+    first, scratch = float64_sum_of_squares(grads)
+    assert first == expected and scratch.dtype == torch.float64 and scratch.numel() == 512 * 64
+    scratch.fill_(float("nan"))  # whatever a previous step left in the buffer does not leak into the next sum
+    again, reused = float64_sum_of_squares(grads, scratch)
+    assert again == expected and reused is scratch
+    grown, bigger = float64_sum_of_squares([torch.ones(40000)], scratch)
+    assert grown == 40000.0 and bigger.numel() == 40000
+    assert float64_sum_of_squares([], scratch) == (0.0, scratch)
