@@ -50,6 +50,21 @@ def _assert_same_runs(runs, keys, tight_steps=None, loose_rtol=1e-3):
                     f"{name} step {a['step']} {key}: {a[key]} vs {b[key]}"
 
 
+def _assert_ranks_ran_different_counts(runs):
+    """The token-budget runs (names starting ``tok``) logged how each step was cut, and in at least one step the
+    ranks needed different numbers of micro-batches (so lockstep fillers ran): the case the budget's exactness
+    hinges on. Row-cut runs log no cut."""
+    budget = {name: rows for name, rows in runs.items() if name.startswith("tok")}
+    assert budget, f"no token-budget run among {sorted(runs)}"
+    for name, rows in runs.items():
+        if name not in budget:
+            assert all("fillers" not in r and "micro_batches" not in r for r in rows), name
+    for name, rows in budget.items():
+        assert all(r["micro_batches"] >= 1 and r["fillers"] >= 0 for r in rows), name
+        assert any(r["fillers"] > 0 for r in rows), \
+            f"{name}: no step had ranks with different micro-batch counts: {[r['micro_batches'] for r in rows]}"
+
+
 def _assert_same_weights(dirs):
     ref = _weights(dirs[0])
     assert ref, f"no safetensors in {dirs[0]}"

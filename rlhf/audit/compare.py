@@ -30,7 +30,8 @@ from typing import Dict, List, Optional, Sequence
 FAIL, OK, DIVERGED, NOT_COMPARED = "FAIL", "ok", "rollouts differ", "not compared"
 
 SKIPPED_KEYS = frozenset({"step", "epoch", "step_time_s", "samples_per_s", "sync_mb_per_s", "prompts_skipped",
-                          "prompts_truncated", "skipped"})
+                          "prompts_truncated", "skipped",
+                          "micro_batches", "fillers", "critic_micro_batches", "critic_fillers"})  # how a step was cut
 SKIPPED_PREFIXES = ("time/",)
 EXACT_KEYS = frozenset({"num_samples", "num_tokens", "optimizer_steps"})
 # Numbers of an RL step's samples (not of its update): equal while the rollouts are.

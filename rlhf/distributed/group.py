@@ -41,6 +41,16 @@ class StepResult:
     grad_norm: Optional[float]  # pre-clip global norm (None when the engine did not measure one)
     lr: float  # the LR this step used
     num_samples: int
+    # Under a token budget: micro-batches each rank ran (the lockstep count) and how many of all ranks' were
+    # zero-weight fillers. None when cut by rows (micro_batch_size x grad_accum_steps, no fillers).
+    micro_batches: Optional[int] = None
+    fillers: Optional[int] = None
+
+    def cut_metrics(self) -> Dict[str, int]:
+        """``micro_batches`` and ``fillers`` for a metrics row, under a token budget; empty otherwise."""
+        if self.micro_batches is None:
+            return {}
+        return {"micro_batches": self.micro_batches, "fillers": self.fillers}
 
 
 @dataclass(frozen=True)
@@ -127,8 +137,11 @@ class WorkerGroup:
         totals = Totals(normalizer=normalizer)
         for result in results:
             totals.add(result.sums, 0)
+        by_tokens = bool(spec.max_tokens_per_micro_batch)
         return StepResult(metrics=totals.finalize(objective), sums=totals.sums, normalizer=normalizer,
-                          grad_norm=results[0].grad_norm, lr=results[0].lr, num_samples=len(batch))
+                          grad_norm=results[0].grad_norm, lr=results[0].lr, num_samples=len(batch),
+                          micro_batches=len(cut.micro_batches[0]) if by_tokens else None,
+                          fillers=cut.fillers if by_tokens else None)
 
     def train_step(self, per_rank: Sequence[List[Batch]], objective: Objective, normalizer: int,
                    schedule_step: Optional[int] = None,

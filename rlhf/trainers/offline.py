@@ -174,7 +174,7 @@ class OfflineSteps:
         # one optimizer step per plan step: a skipped step's LR is passed over, never shifted onto the next
         result = self.policy.train_batch(batch, self.task.objective, schedule_step=step.step - 1)
         return {"step": step.step, "epoch": step.epoch, **result.metrics, "grad_norm": result.grad_norm,
-                "lr": result.lr, "num_samples": result.num_samples,
+                "lr": result.lr, "num_samples": result.num_samples, **result.cut_metrics(),
                 "step_time_s": round(time.perf_counter() - started, 4)}
 
     def evaluate(self, step: Optional[StepPlan]) -> dict:

@@ -195,7 +195,8 @@ class RLTrainer:
         each objective's sums over *all* the step's optimizer steps divided once by their summed normalizer, so they
         do not depend on how the rollout batch was shuffled into optimizer steps. ``num_tokens`` is the loss tokens
         trained on (summed over the optimizer steps), ``lr`` the LR of the last optimizer step, ``grad_norm`` the
-        largest pre-clip norm among them (a non-finite one wins), ``optimizer_steps`` how many there were.
+        largest pre-clip norm among them (a non-finite one wins), ``optimizer_steps`` how many there were. Under a
+        token budget, ``micro_batches`` and ``fillers`` (``critic_*`` for the critic) are summed over them.
         """
         t, a = self.cfg.train, self.cfg.algo
         plan = EpochPlan(num_samples=len(batch), global_batch_size=t.global_batch_size, max_epochs=a.ppo_epochs,
@@ -259,17 +260,20 @@ class _UpdateTotals:
         self.totals = Totals()
         self.grad_norms: List[Optional[float]] = []
         self.lr: Optional[float] = None
+        self.cut: Dict[str, int] = {}  # under a token budget: micro-batches and fillers, summed over the steps
 
     def add(self, result: StepResult) -> None:
         self.totals.add(result.sums, result.normalizer)
         self.grad_norms.append(result.grad_norm)
         self.lr = result.lr
+        for key, value in result.cut_metrics().items():
+            self.cut[key] = self.cut.get(key, 0) + value
 
     def metrics(self, objective, prefix: str) -> dict:
         if not self.grad_norms:
             return {}
         return {**self.totals.finalize(objective), prefix + "grad_norm": _largest(self.grad_norms),
-                prefix + "lr": self.lr}
+                prefix + "lr": self.lr, **{prefix + key: value for key, value in self.cut.items()}}
 
 
 def _largest(norms: List[Optional[float]]) -> Optional[float]:

@@ -18,8 +18,8 @@ from rlhf.config.schema import SFTRunConfig
 from rlhf.data.plan import EpochPlan
 from rlhf.utils.schedule import lr_multiplier
 
-from offline_helpers import (LOSS_RTOL, _assert_same_runs, _assert_same_weights, _completion_nll_and_count,
-                             _grad_norm, _overrides, _plain_model, _read_jsonl, _rows)
+from offline_helpers import (LOSS_RTOL, _assert_ranks_ran_different_counts, _assert_same_runs, _assert_same_weights,
+                             _completion_nll_and_count, _grad_norm, _overrides, _plain_model, _read_jsonl, _rows)
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -28,8 +28,9 @@ SFT_FACTORISATIONS = {  # name: (micro, ranks, zero stage[, overrides]); global 
     "1x8x1-z2": (1, 1, 2),
     "2x2x2-z3": (2, 2, 3),
     "1x4x2-z1": (1, 2, 1),
-    # padding-free, micro-batches of <= 48 tokens (rows of 7-42): ranks run 1-3 of them, fillers keep step
-    "tok48-packed-x2-z3": (1, 2, 3, ("train.packing=true", "train.max_tokens_per_micro_batch=48")),
+    # padding-free, micro-batches of <= 52 tokens (rows of 7-42): ranks run 2-3 of them, and in steps 1 and 4 one
+    # rank needs a micro-batch fewer than the other (a lockstep filler)
+    "tok52-packed-x2-z3": (1, 2, 3, ("train.packing=true", "train.max_tokens_per_micro_batch=52")),
 }
 
 
@@ -50,6 +51,7 @@ def sft_runs(tiny_model, sft_data, tmp_path_factory):
 
 def test_sft_factorisations_log_identical_numbers(sft_runs):
     _assert_same_runs({k: v[0] for k, v in sft_runs.items()}, ("loss", "grad_norm", "lr"))
+    _assert_ranks_ran_different_counts({k: v[0] for k, v in sft_runs.items()})
 
 
 def test_sft_factorisations_end_with_identical_weights(sft_runs):

@@ -75,6 +75,8 @@ def test_zero3_ranks_with_different_micro_batch_counts_train_like_the_row_cut(ze
             group.engine_spec = spec  # the driver-side cut; the engines were built for the budget (1 row x 3 max)
             steps = [group.train_batch(batch, objective, schedule_step=i) for i in range(2)]
             results[name] = [(s.metrics["loss"], s.grad_norm, s.normalizer) for s in steps]
+            by_tokens = bool(spec.max_tokens_per_micro_batch)
+            assert all(s.cut_metrics() == ({"micro_batches": 2, "fillers": 1} if by_tokens else {}) for s in steps)
             dirs.append(str(tmp_path / name))
             group.save_pretrained(dirs[-1])
     finally:
