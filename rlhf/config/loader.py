@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import tempfile
 import types
 import typing
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any, Iterator, Mapping, Sequence, TypeVar, Union
 
 import yaml
 
+from rlhf.atomic import write_text_atomic
 from rlhf.config.schema import ConfigError
 from rlhf.config.suggest import suggest_keys
 
@@ -121,19 +121,7 @@ def save_config(cfg: Any, path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     header = f"# {type(cfg).__name__}, {_SAVED_MARK}{path.name})\n"
     text = header + yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_text_atomic(path, text)
     return path
 
 

@@ -14,8 +14,9 @@ import json
 import os
 import random
 import re
-import tempfile
 from typing import Iterable, Mapping
+
+from rlhf.atomic import write_text_atomic
 
 DEFAULT_MAX_OPERAND = 20
 
@@ -223,18 +224,4 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[Mapping]) -> str:
     Returns:
         ``path`` as a string.
     """
-    path = os.fspath(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a dataset file should be readable like any other output
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
+    return write_text_atomic(path, (json.dumps(row, ensure_ascii=False) + "\n" for row in rows))

@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from rlhf.atomic import write_text_atomic
 from rlhf.config.loader import config_to_dict
 from rlhf.utils.wandb_sink import WandbSink
 
@@ -81,10 +82,7 @@ def truncate_jsonl(path: str, last_step: int) -> int:
     with open(path, encoding="utf-8") as f:
         lines = [line for line in f if line.strip()]
     kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    write_text_atomic(path, kept)
     return len(kept)
 
 

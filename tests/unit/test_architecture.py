@@ -27,7 +27,8 @@ PACKAGE = "rlhf"
 #: The layers of the package, lowest first: a module may import its own layer and those below, never one above.
 #: Each name is a subpackage or top-level module of ``rlhf``. The order is what the imports say today:
 LAYERS: Tuple[Tuple[str, ...], ...] = (
-    ("registry", "batch"),  # name -> callable registries; the one batch type. Import nothing of rlhf.
+    ("registry", "batch", "atomic"),  # name -> callable registries; the one batch type; atomic file writes.
+    # Import nothing of rlhf.
     ("ops",),  # the math: log-probs, losses, advantages, KL; each family registers its names.
     ("config",),  # the run-config schema and loader; validates names against ops' registries.
     ("utils",),  # device, LR schedule, versions, metric writers (which read the run config).
