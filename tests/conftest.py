@@ -107,6 +107,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: a file's tests keep their order, files of equal rank their collection order
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """A module's in-process torch maths on one intra-op thread (``rl_helpers.one_torch_thread`` says why; use it
+    as ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``). Measured next to two busy processes:
+    test_rl_objectives.py and test_rl_metrics.py took 12 to 29 s on two threads, 9 s on one."""
+    from rl_helpers import one_torch_thread as on_one_thread
+
+    with on_one_thread():
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     from rlhf.models.tiny import build_tiny_model

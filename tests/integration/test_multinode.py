@@ -15,17 +15,13 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from rl_helpers import greedy_reference, one_torch_thread
+from rl_helpers import greedy_reference
 from rl_reference_math import clipped_adamw_first_step, weight_agreement
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The reference forward passes this module runs in the test process, on one thread (rl_helpers.one_torch_thread says why)."""
-    with one_torch_thread():
-        yield
+# The reference forward passes this module runs in the test process, on one thread.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # Runs in its own process: the session's Ray cluster must not be the one joined.
 SCRIPT = r'''

@@ -16,19 +16,12 @@ from rlhf.rollout.vllm_engine import SamplingSpec, VLLMSpec
 from rlhf.rollout.weight_sync import ALIGN, bucket_groups, pack_bucket, unpack_bucket
 
 from shared_helpers import wait_until_dead
-from rl_helpers import greedy_reference, one_torch_thread
+from rl_helpers import greedy_reference
 
-pytestmark = pytest.mark.usefixtures("ray_session")
+pytestmark = pytest.mark.usefixtures("ray_session", "one_torch_thread")
 
 PROMPTS = ["1+2=", "13+7=", "20+20=", "5+16="]
 NEW_TOKENS = 6
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The reference forward passes this module runs in the test process, on one thread (rl_helpers.one_torch_thread says why)."""
-    with one_torch_thread():
-        yield
 
 
 def _greedy(engines, prompt_ids, max_new_tokens, stop_token_ids=()):

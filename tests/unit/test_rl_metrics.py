@@ -14,7 +14,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from group_helpers import LocalGroup
-from rl_helpers import one_torch_thread
 from rlhf.batch import Batch
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
@@ -22,16 +21,9 @@ from rlhf.distributed.engine import EngineSpec
 from rlhf.objectives.rl import PolicyObjective, TokenLogps
 from rlhf.trainers.rl import RLActors, RLTrainer, _largest
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # this module's maths on one thread
+
 ROWS = 16  # the rollout batch; optimizer steps of 4 -> 4 of them per RL step
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """This module's maths on one intra-op thread (``rl_helpers.one_torch_thread`` says why). Measured next to two
-    busy processes: this module and its sibling (test_rl_objectives.py / test_rl_metrics.py) took 12 to 29 s on
-    two threads, 9 s on one."""
-    with one_torch_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

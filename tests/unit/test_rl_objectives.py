@@ -21,21 +21,13 @@ from rlhf.ops.aggregation import LOSS_AGGREGATIONS
 from rlhf.ops.logprobs import token_logprobs
 from rlhf.ops.policy_loss import PolicyLossConfig
 from rlhf.registry import UnknownNameError
-from rl_helpers import one_torch_thread
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # this module's maths on one thread
 
 VOCAB = 64
 # (prompt length, response length) per row: uneven, so the 2+1+1 split re-pads every piece differently.
 LENGTHS = [(3, 5), (2, 1), (4, 7), (1, 3)]
 AGG_MODES = LOSS_AGGREGATIONS.names()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """This module's maths on one intra-op thread (``rl_helpers.one_torch_thread`` says why). Measured next to two
-    busy processes: this module and its sibling (test_rl_objectives.py / test_rl_metrics.py) took 12 to 29 s on
-    two threads, 9 s on one."""
-    with one_torch_thread():
-        yield
 
 
 def _config():
