@@ -74,17 +74,18 @@ def _check_lora(cfg) -> None:
         return
     # lazy: torch and transformers, only when LoRA is asked for
     from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
-    from rlhf.trainers.run import check_lora_targets
+    from rlhf.trainers.run import check_lora_targets, lora_models
 
-    trained = [(cfg.model.path, SCALAR_HEAD if hasattr(cfg, "rm") else CAUSAL_LM)]
-    if hasattr(cfg, "rollout") and cfg.algo.needs_critic:
-        trained.append((cfg.critic.path or cfg.model.path, SCALAR_HEAD))
-    for path, kind in trained:
-        try:
-            model_dir(path)
-        except (OSError, HubError):
-            continue
-        check_lora_targets(cfg, [(path, kind)])
+    trained = lora_models(cfg, SCALAR_HEAD if hasattr(cfg, "rm") else CAUSAL_LM)
+    check_lora_targets(cfg, [(path, kind) for path, kind in trained if _readable_model(path)])
+
+
+def _readable_model(path: str) -> bool:
+    try:
+        model_dir(path)
+    except (OSError, HubError):
+        return False
+    return True
 
 
 # ------------------------------------------------------------------------------------------------- the cluster

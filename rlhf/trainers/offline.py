@@ -29,8 +29,8 @@ from rlhf.distributed.resource_plan import offline_plan
 from rlhf.hub import DATASET, MODEL, is_hub_ref, model_dir, pin_run_sources
 from rlhf.objectives.base import Objective, Totals
 from rlhf.trainers.output_dir import claim_output_dir
-from rlhf.trainers.run import (Run, RunContext, RunResult, check_lora_targets, optim_spec, run_identity,
-                               with_restarts)
+from rlhf.trainers.run import (Run, RunContext, RunResult, check_lora_targets, lora_models, optim_spec,
+                               run_identity, with_restarts)
 from rlhf.utils.metrics import Progress, format_row
 from rlhf.utils.versions import check_versions
 
@@ -209,7 +209,7 @@ def _run_offline_once(cfg, build_task: TaskBuilder, policy_role: str) -> RunResu
     check_paths(cfg)
     tokenizer = load_tokenizer(cfg)
     task, skipped = build_task(cfg, tokenizer)
-    check_lora_targets(cfg, [(cfg.model.path, task.model_kind)])
+    check_lora_targets(cfg, lora_models(cfg, task.model_kind))
     t = cfg.train
     plan = EpochPlan(num_samples=task.num_examples, global_batch_size=t.global_batch_size, max_epochs=t.max_epochs,
                      max_steps=t.max_steps, seed=t.seed)

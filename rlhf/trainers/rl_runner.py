@@ -32,8 +32,8 @@ from rlhf.trainers.output_dir import claim_output_dir
 from rlhf.trainers.rl import RLActors, RLTrainer
 from rlhf.trainers.rl_experience import PromptSet, prepare_prompts
 from rlhf.trainers.rl_rollout import EpisodeRollout, observation_format
-from rlhf.trainers.run import (Run, RunContext, RunResult, check_lora_targets, optim_spec, run_identity,
-                               with_restarts)
+from rlhf.trainers.run import (Run, RunContext, RunResult, check_lora_targets, lora_models, optim_spec,
+                               run_identity, with_restarts)
 from rlhf.utils.versions import check_versions
 
 
@@ -57,8 +57,7 @@ def _check_rl_paths(cfg: RLRunConfig) -> None:
             raise ConfigError(f"{key}: {path!r} is not an HF model directory (no config.json)")
     if cfg.critic_batch_problem():
         raise ConfigError(cfg.critic_batch_problem())
-    check_lora_targets(cfg, [(cfg.model.path, CAUSAL_LM)]
-                       + ([(cfg.critic.path or cfg.model.path, SCALAR_HEAD)] if cfg.algo.needs_critic else []))
+    check_lora_targets(cfg, lora_models(cfg, CAUSAL_LM))
 
 
 def _start_engines(cfg: RLRunConfig, ctx, placement):

@@ -33,7 +33,7 @@ from rlhf.distributed.errors import WorkerError
 from rlhf.distributed.group import GroupResources, WorkerGroup
 from rlhf.distributed.placement import Placement
 from rlhf.distributed.resource_plan import resolve_devices
-from rlhf.models.loading import ModelSpec
+from rlhf.models.loading import SCALAR_HEAD, ModelSpec
 from rlhf.models.lora import LoraSpec, check_targets
 from rlhf.trainers.checkpoint import RunCheckpoints
 from rlhf.trainers.health import TrainingHealthError, check_health, guard_from_config
@@ -251,6 +251,16 @@ def lora_spec(cfg) -> Optional[LoraSpec]:
         return LoraSpec(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def lora_models(cfg, policy_kind: str) -> List[Tuple[str, str]]:
+    """``(path, kind)`` of every model a run trains, and so wraps with LoRA when ``model.lora`` is on: the policy
+    (``policy_kind``: CAUSAL_LM, or SCALAR_HEAD for a reward model) and, in RL, the critic when the algorithm has
+    one."""
+    models = [(cfg.model.path, policy_kind)]
+    if hasattr(cfg, "rollout") and cfg.algo.needs_critic:
+        models.append((cfg.critic.path or cfg.model.path, SCALAR_HEAD))
+    return models
 
 
 def check_lora_targets(cfg, models: Sequence[Tuple[str, str]]) -> None:

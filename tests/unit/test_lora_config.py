@@ -10,7 +10,7 @@ from rlhf.config import ConfigError, DPORunConfig, SFTRunConfig, load_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.distributed.resource_plan import offline_plan, rl_plan
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
-from rlhf.trainers.run import check_lora_targets, lora_spec
+from rlhf.trainers.run import check_lora_targets, lora_models, lora_spec
 
 from shared_helpers import uneven_pair_rows, write_jsonl
 
@@ -85,3 +85,18 @@ def test_dry_run_shows_lora_and_checks_its_targets(tiny_model, tmp_path, capsys)
     with pytest.raises(ConfigError, match="matches no Linear layer"):
         dry_run(_cfg(DPORunConfig, tiny_model, pairs, "model.lora.r=8", "model.lora.target_modules=[qkv]"),
                 "train_dpo", cluster="1x4cpu")
+
+
+def test_the_models_lora_wraps_are_the_ones_a_run_trains(tiny_model, tmp_path):
+    """The policy (a reward model's with its head), and a GAE run's critic (its own path, else the policy's)."""
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", uneven_pair_rows(4, seed=0))
+    dpo = _cfg(DPORunConfig, tiny_model, pairs, "model.lora.r=4")
+    assert lora_models(dpo, CAUSAL_LM) == [(tiny_model, CAUSAL_LM)]
+    rl = ["reward.functions=[rlhf.synthetic.arithmetic:reward]", "model.lora.r=4"]
+    grpo = _cfg(RLRunConfig, tiny_model, pairs, *rl, preset="grpo_tiny")
+    assert lora_models(grpo, CAUSAL_LM) == [(tiny_model, CAUSAL_LM)]
+    gae = _cfg(RLRunConfig, tiny_model, pairs, *rl, "algo.advantage_estimator=gae", preset="grpo_tiny")
+    assert lora_models(gae, CAUSAL_LM) == [(tiny_model, CAUSAL_LM), (tiny_model, SCALAR_HEAD)]
+    critic = _cfg(RLRunConfig, tiny_model, pairs, *rl, "algo.advantage_estimator=gae", f"critic.path={tmp_path}",
+                  preset="grpo_tiny")
+    assert lora_models(critic, CAUSAL_LM)[1] == (str(tmp_path), SCALAR_HEAD)
