@@ -1,7 +1,8 @@
-"""Write ``docs/configuration.md``, the configuration reference, from the run-config dataclasses.
+"""Write ``docs/configuration.md``, the configuration reference, from the run-config dataclasses, and the table of
+algorithm facts in ``docs/algorithms/rl.md`` from the registry entries (:func:`rlhf.ops.algorithms.facts_table`).
 
-    python docs/gen_config_reference.py          # (re)write docs/configuration.md
-    python docs/gen_config_reference.py --check  # exit 1 if the committed file is stale
+    python docs/gen_config_reference.py          # (re)write both
+    python docs/gen_config_reference.py --check  # exit 1 if a committed copy is stale
 
 The rows come from :func:`rlhf.config.describe_keys` (the same source as ``--help``): key, type, default and
 the field's trailing ``# comment`` in ``rlhf/config/schema.py`` / ``rl_schema.py``. The output is deterministic.
@@ -18,6 +19,8 @@ from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
 OUTPUT = DOCS / "configuration.md"
+FACTS_PAGE = DOCS / "algorithms" / "rl.md"
+FACTS_BEGIN, FACTS_END = "<!-- facts:begin (python docs/gen_config_reference.py) -->", "<!-- facts:end -->"
 sys.path.insert(0, str(DOCS.parent))  # document this checkout's rlhf, not another installed copy
 
 from rlhf.config import (  # noqa: E402
@@ -159,22 +162,35 @@ def render() -> str:
     return "\n".join(lines)
 
 
+def render_facts_page() -> str:
+    """``docs/algorithms/rl.md`` with the facts table between its markers replaced by the registries' current one."""
+    from rlhf.ops.algorithms import facts_table
+
+    text = FACTS_PAGE.read_text(encoding="utf-8")
+    head, rest = text.split(FACTS_BEGIN, 1)
+    _, tail = rest.split(FACTS_END, 1)
+    return f"{head}{FACTS_BEGIN}\n{facts_table()}{FACTS_END}{tail}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/configuration.md is out of date")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a generated file is out of date")
     args = parser.parse_args(argv)
-    text = render()
-    if not args.check:
-        OUTPUT.write_text(text, encoding="utf-8", newline="\n")
-        print(f"wrote {OUTPUT}")
-        return 0
-    current = OUTPUT.read_text(encoding="utf-8") if OUTPUT.is_file() else ""
-    if current == text:
-        return 0
-    diff = difflib.unified_diff(current.splitlines(), text.splitlines(), "committed", "generated", lineterm="", n=1)
-    print(f"{OUTPUT} is stale; regenerate it with: python docs/gen_config_reference.py", file=sys.stderr)
-    print("\n".join(list(diff)[:40]), file=sys.stderr)
-    return 1
+    stale = 0
+    for output, text in ((OUTPUT, render()), (FACTS_PAGE, render_facts_page())):
+        if not args.check:
+            output.write_text(text, encoding="utf-8", newline="\n")
+            print(f"wrote {output}")
+            continue
+        current = output.read_text(encoding="utf-8") if output.is_file() else ""
+        if current == text:
+            continue
+        diff = difflib.unified_diff(current.splitlines(), text.splitlines(), "committed", "generated", lineterm="",
+                                    n=1)
+        print(f"{output} is stale; regenerate it with: python docs/gen_config_reference.py", file=sys.stderr)
+        print("\n".join(list(diff)[:40]), file=sys.stderr)
+        stale = 1
+    return stale
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import difflib
 from typing import Callable, Dict, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable)
 
 
 class UnknownNameError(KeyError):
@@ -33,6 +34,17 @@ class Registry(Generic[T]):
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._items[name] = item
             return item
+
+        return decorate
+
+    def register_entry(self, name: str, entry: Callable[[F], T]) -> Callable[[F], F]:
+        """Decorator for a function whose registry entry carries it with facts about it:
+        ``@REGISTRY.register_entry("grpo", lambda fn: Estimator(fn, ...))`` registers ``entry(fn)`` under ``name``
+        and returns ``fn`` itself, which its module keeps calling directly."""
+
+        def decorate(fn: F) -> F:
+            self.register(name)(entry(fn))
+            return fn
 
         return decorate
 

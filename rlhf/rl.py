@@ -13,10 +13,16 @@ The worker group cuts the batch into ranks and micro-batches and counts the loss
 (:meth:`rlhf.distributed.group.WorkerGroup.train_batch`); the advantages see every sample of the rollout (group
 baselines and whitening never see a micro-batch). Nothing here starts an actor.
 
+Sampling with ``temperature``, ``top_k`` or ``top_p`` in the ``SamplingSpec``: score with the same ones,
+``TokenLogps(temperature=t, sampling_filter=SamplingFilter(top_k=k, top_p=p))`` and ``PolicyObjective(temperature=t,
+sampling_filter=...)``. The trainer's log-probs are then those of the renormalised kept set vLLM sampled from and
+reports (``logp_mismatch`` ~1e-6); without the filter every ratio is off by the kept probability mass.
+
 Multi-turn episodes replace the first two lines: ``records = run_episodes(engines, environments, prompt_ids, rows,
 sampling, encode, decode, TurnLimits(...))`` then ``episodes_batch([r.episode for r in records], pad_id)``; only
 the policy's sampled tokens carry loss (rlhf/rollout/episodes.py). ``encode`` is ``TextObservations.of(tokenizer)``
-or ``ChatObservations(chat, role)`` (a chat template's observation turns), or any ``text -> ids`` function.
+or ``ChatObservations(chat, role)`` (a chat template's observation turns; a reset observation is rendered onto
+the episode's own prompt: pass ``prompt_messages=``, aligned with ``prompt_ids``), or any ``text -> ids`` function.
 """
 from __future__ import annotations
 
@@ -26,8 +32,9 @@ import torch
 
 from rlhf.batch import Batch
 from rlhf.objectives.rl import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
-from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages, token_level_rewards, whiten
+from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, token_level_rewards, whiten
 from rlhf.ops.kl import kl_estimate
+from rlhf.ops.logprobs import SamplingFilter
 from rlhf.ops.policy_loss import PolicyLossConfig
 from rlhf.rollout.engines import RolloutEngines
 from rlhf.rollout.episodes import Episode, EpisodeError, episodes_batch
@@ -36,13 +43,10 @@ from rlhf.rollout.observations import ChatObservations, TextObservations
 from rlhf.rollout.vllm_engine import Generation, SamplingSpec, VLLMSpec
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "ChatObservations", "Episode", "EpisodeError", "EpisodeRecord", "Generation",
-           "PolicyLossConfig", "PolicyObjective", "RolloutEngines", "SamplingSpec", "SequenceScores",
-           "TextObservations", "TokenLogps", "TokenValues", "TurnLimits", "VLLMSpec", "ValueObjective",
-           "advantages_for", "episode_metrics", "episodes_batch", "logp_mismatch", "rollout_batch", "run_episodes"]
-
-# Estimators that compare the samples of one prompt: they need each sample's group id.
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
-
+           "PolicyLossConfig", "PolicyObjective", "RolloutEngines", "SamplingFilter", "SamplingSpec",
+           "SequenceScores", "TextObservations", "TokenLogps", "TokenValues", "TurnLimits", "VLLMSpec",
+           "ValueObjective", "advantages_for", "episode_metrics", "episodes_batch", "logp_mismatch", "rollout_batch",
+           "run_episodes"]
 
 def rollout_batch(generations: Sequence, pad_id: int) -> Batch:
     """Single-turn generations (``rlhf.rollout.vllm_engine.Generation``) -> one right-padded ``(B, T)`` batch.
@@ -67,21 +71,30 @@ def advantages_for(batch: Batch, scores: Union[torch.Tensor, Sequence[float]],
 
     Args:
         batch: the rollout batch; ``old_logps`` (and ``ref_logps`` for a KL in the reward), ``values`` for
-            ``gae``.
+            an estimator that needs a critic.
         scores: ``(B,)`` sequence rewards.
-        group_ids: ``(B,)`` the prompt of each sample; needed by the group estimators (:data:`GROUP_ESTIMATORS`).
+        group_ids: ``(B,)`` the prompt of each sample; needed by the estimators that compare a prompt's samples
+            (``needs_group_ids`` in their registry entry).
         estimator: a name of :data:`ADVANTAGE_ESTIMATORS` (``gae``, ``grpo``, ``dr_grpo``, ``rloo``,
             ``reinforce_pp``, ...). The defaults are the estimators' own: no discount, ``lam`` 1, no KL,
             no extra whitening (REINFORCE++ whitens as part of the estimator).
-        kl_in_reward: subtract ``kl_coef x KL(old || ref)`` (``kl_estimator``) per token from the reward.
+        kl_in_reward: a KL penalty ``kl_coef x KL(old || ref)`` (``kl_estimator``, each token's value within
+            ``+-KL_VALUE_BOUND``) in the reward, where the estimator reads rewards (``Estimator.kl_in_reward``):
+            per token for those that read token rewards (GAE, REINFORCE++), summed over each response and
+            subtracted from its score for those that read sequence scores only (GRPO, Dr. GRPO, RLOO: the
+            sequence-level KL reward of Ahmadian et al. 2024), before any group statistic.
         whiten_advantages: ``none``; ``whiten`` (subtract the batch mean, divide by the batch std, over every
             response token of the whole rollout batch); ``scale`` (divide by the std only, keeping each sign).
+
+    Returns:
+        The batch with ``advantages`` and ``returns``, and ``{"reward_kl_penalty": ...}``: the mean per-token
+        penalty ``kl_coef x KL`` over the response tokens (0 without one), the same number however it entered.
     """
-    ADVANTAGE_ESTIMATORS.get(estimator)  # an unknown name is refused with the valid ones
-    if estimator in GROUP_ESTIMATORS and group_ids is None:
+    entry = ADVANTAGE_ESTIMATORS.get(estimator)  # an unknown name is refused with the valid ones
+    if entry.needs_group_ids and group_ids is None:
         raise ValueError(f"estimator {estimator!r} compares the samples of a prompt: pass group_ids (B,)")
-    if estimator == "gae" and batch.values is None:
-        raise ValueError("estimator 'gae' needs batch.values (the critic's, e.g. critic.score_batch(batch, "
+    if entry.needs_critic and batch.values is None:
+        raise ValueError(f"estimator {estimator!r} needs batch.values (the critic's, e.g. critic.score_batch(batch, "
                          "TokenValues()))")
     # float64 when the policy's log-probs are (strategy.precision=fp64): the advantages are then float64 too
     fp64 = batch.old_logps is not None and batch.old_logps.dtype == torch.float64
@@ -89,16 +102,22 @@ def advantages_for(batch: Batch, scores: Union[torch.Tensor, Sequence[float]],
     scores = torch.as_tensor(scores, dtype=torch.float32)
     scores = scores.double() if fp64 else scores
     groups = None if group_ids is None else torch.as_tensor(group_ids, dtype=torch.long)
-    kl = None
+    penalty = None
     if kl_in_reward and kl_coef > 0:
-        kl = kl_estimate(kl_estimator, batch.old_logps, batch.ref_logps) * mask
-    rewards = token_level_rewards(scores, mask, kl, kl_coef if kl is not None else 0.0)
+        if batch.ref_logps is None:
+            raise ValueError("kl_in_reward needs batch.ref_logps (the reference's log-probs)")
+        kl = kl_estimate(kl_estimator, batch.old_logps, batch.ref_logps, bounded=True)
+        penalty = kl_coef * torch.where(mask != 0, kl, 0.0)
+    per_token = penalty is not None and entry.kl_in_reward == "per token"
+    if penalty is not None and not per_token:
+        scores = scores - penalty.sum(-1).to(scores.dtype)
+    rewards = token_level_rewards(scores, mask, penalty if per_token else None, 1.0)
     inputs = AdvantageInputs(token_rewards=rewards, scores=scores, response_mask=mask, values=batch.values,
                              group_ids=groups, gamma=gamma, lam=lam)
-    advantages, returns = compute_advantages(estimator, inputs)
+    advantages, returns = entry.fn(inputs)
     if whiten_advantages != "none":
         advantages = whiten(advantages, mask, shift_mean=whiten_advantages == "whiten")
-    stats = {"reward_kl_penalty": float((kl * kl_coef).sum() / mask.sum().clamp(min=1)) if kl is not None else 0.0}
+    stats = {"reward_kl_penalty": float(penalty.sum() / mask.sum().clamp(min=1)) if penalty is not None else 0.0}
     return batch.replace(advantages=advantages, returns=returns), stats
 
 

@@ -1,5 +1,6 @@
 """One RL step written out by hand in plain PyTorch, for tests/integration/test_rl_reference.py (its clipped AdamW
-step and weight comparison also serve tests/integration/test_multinode.py).
+step and weight comparison also serve tests/integration/test_multinode.py) and the sweep of every algorithm
+combination in tests/unit/test_rl_combinations.py.
 
 Nothing here imports ``rlhf``: the maths is transcribed from the papers and docs/algorithms/*.md, one sample at a
 time, so it shares no code (and no padding, alignment, masking or micro-batching convention) with the project it
@@ -53,33 +54,49 @@ def values(critic, samples) -> Ragged:
 
 
 # ------------------------------------------------------------------------------------------------ KL
+KL_BOUND = 10.0  # each token's KL value is kept within +-10 (docs/algorithms/rl.md; OpenRLHF's and verl's clamp)
+
+
 def kl(estimator: str, logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Schulman's estimators of KL(pi || ref) from ``log r = log pi - log ref``
-    (http://joschu.net/blog/kl-approx.html)."""
+    (http://joschu.net/blog/kl-approx.html), each value clamped to ``[-KL_BOUND, KL_BOUND]``."""
     x = logp - ref_logp
     if estimator == "k1":
-        return x
-    if estimator == "k2":
-        return 0.5 * x * x
-    if estimator == "k3":
-        return torch.exp(-x) - 1 + x
-    raise ValueError(estimator)
+        value = x
+    elif estimator == "k2":
+        value = 0.5 * x * x
+    elif estimator == "k3":
+        value = torch.exp(-x) - 1 + x
+    else:
+        raise ValueError(estimator)
+    return value.clamp(-KL_BOUND, KL_BOUND)
 
 
 # ------------------------------------------------------------------------------------------------ advantages
-def grpo_advantages(scores: Sequence[float], groups: Sequence[int], lengths: Sequence[int],
-                    eps: float = 1e-6) -> Ragged:
-    """``(s_i - mean_g) / (std_g + eps)`` with the unbiased (n - 1) std, on every token; a group whose scores are
-    all equal gets 0 (docs/algorithms/grpo.md)."""
+def group_advantages(estimator: str, scores: Sequence[float], groups: Sequence[int], lengths: Sequence[int],
+                     eps: float = 1e-6) -> Ragged:
+    """One value per sample on every token of it, from its group (the samples of its prompt); a group whose scores
+    are all equal gets 0:
+
+    * ``grpo`` (DeepSeekMath sec. 4.1.2): ``(s_i - mean_g) / (std_g + eps)``, unbiased (n - 1) std;
+    * ``dr_grpo`` (Liu et al. 2025): ``s_i - mean_g``;
+    * ``rloo`` (Ahmadian et al. 2024, eq. 6): ``s_i`` minus the mean of the other samples.
+    """
     out = []
     for i, n in enumerate(lengths):
         group = [s for s, g in zip(scores, groups) if g == groups[i]]
+        mean = sum(group) / len(group)
         if max(group) == min(group):
             a = 0.0
-        else:
-            mean = sum(group) / len(group)
+        elif estimator == "grpo":
             std = math.sqrt(sum((s - mean) ** 2 for s in group) / (len(group) - 1))
             a = (scores[i] - mean) / (std + eps)
+        elif estimator == "dr_grpo":
+            a = scores[i] - mean
+        elif estimator == "rloo":
+            a = scores[i] - (sum(group) - scores[i]) / (len(group) - 1)
+        else:
+            raise ValueError(estimator)
         out.append(torch.full((n,), a, dtype=torch.float64))
     return out
 
@@ -152,6 +169,16 @@ def ppo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, clip_low: float,
     return loss, {"clipped": is_clipped.double(), "dual_clipped": dual.double()}
 
 
+def gspo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> Tensor:
+    """GSPO-token (Zheng et al. 2025, eq. 13-14) for one sample: the ratio ``sg[s] pi_j / sg[pi_j]`` with
+    ``s = exp(mean_j log(pi_j / pi_old_j))``, whose value is ``s`` on every token and whose gradient is
+    ``s grad log pi_j``, in PPO's clipped surrogate."""
+    seq = torch.exp((logp - old_logp).mean())
+    ratio = seq.detach() * torch.exp(logp - logp.detach())
+    plain, clipped = -adv * ratio, -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    return torch.where(clipped > plain, clipped, plain)
+
+
 def value_token_loss(v: Tensor, v_old: Tensor, ret: Tensor, clip: float) -> Tensor:
     """``0.5 max((V - R)^2, (V_old + clamp(V - V_old, -clip, clip) - R)^2)`` (PPO's value clipping)."""
     plain = (v - ret) ** 2
@@ -161,14 +188,17 @@ def value_token_loss(v: Tensor, v_old: Tensor, ret: Tensor, clip: float) -> Tens
     return 0.5 * torch.maximum(plain, (v_clip - ret) ** 2)
 
 
-def aggregate(mode: str, per_token: Ragged) -> Tensor:
-    """The whole train batch's loss from per-token values (verl's ``loss_agg_mode`` names)."""
+def aggregate(mode: str, per_token: Ragged, length: int = 0) -> Tensor:
+    """The whole train batch's loss from per-token values (verl's ``loss_agg_mode`` names; ``-norm``: each sample's
+    token sum over the constant generation budget ``length``, Dr. GRPO's)."""
     if mode == "token-mean":
         return torch.cat(per_token).sum() / sum(len(x) for x in per_token)
     if mode == "seq-mean-token-mean":
         return torch.stack([x.mean() for x in per_token]).mean()
     if mode == "seq-mean-token-sum":
         return torch.stack([x.sum() for x in per_token]).mean()
+    if mode == "seq-mean-token-sum-norm":
+        return torch.stack([x.sum() / length for x in per_token]).mean()
     raise ValueError(mode)
 
 

@@ -141,3 +141,25 @@ class _Tee(io.StringIO):
 
     def flush(self):
         self.out.flush()
+
+
+def float64_model(path: str):
+    """A causal LM from ``path`` computing in float64 throughout, for split-vs-whole checks of the objectives'
+    arithmetic that float32 rounding would blur (sums of mixed-sign terms: 1.5e-6 relative between splits in float32,
+    ~1e-15 here). transformers' Qwen2RMSNorm rounds its output to float32 whatever the model's dtype, so inputs that
+    differ by float64 rounding (another padding width) can round to float32 values one ulp (6e-8) apart: its forward
+    is replaced by the same formula in the input's dtype. The rotary cos/sin, transformers' other float32 step, is a
+    function of the position only: the same bits in every layout."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    norms = [m for m in model.modules() if type(m).__name__ == "Qwen2RMSNorm"]
+    assert norms, f"no Qwen2RMSNorm in {path}: revisit float64_model"
+
+    def in_own_dtype(norm):  # w * h / sqrt(mean(h^2) + eps), transformers' formula without the float32 cast
+        return lambda h: norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+    for norm in norms:
+        norm.forward = in_own_dtype(norm)
+    return model

@@ -18,6 +18,11 @@ What is checked (docs/audit.md has the why of each), as ``level: hazard -> the k
 * warning: rows left over each epoch (drop_last after the reshuffle) -> ``train.global_batch_size=N`` /
   ``rollout.prompts_per_step=N``
 * warning: RL rollout batch not a multiple of the global batch -> ``train.global_batch_size=N``
+* warning: RL token sums without the length constant under gradient clipping (the clip binds at almost every
+  step) -> ``algo.loss_agg_mode=seq-mean-token-sum``
+* warning: a sequence-level policy loss (GSPO) with a clip range of a token-level one (10x its paper's or wider:
+  the length-normalized ratio almost never leaves it, so the loss runs unclipped) -> ``algo.clip_low`` /
+  ``algo.clip_high``
 * warning: dropout left on -> ``model.disable_dropout=false``
 * warning: bf16 on ZeRO 0 with accumulation (bf16 gradient sums) -> ``strategy.zero_stage=0``
 
@@ -203,6 +208,26 @@ def _rl_batches(cfg, prompts: Optional[int]) -> List[Finding]:
                              f"{samples % batch} samples out of every pass: generated and scored, never trained on"))
     if cfg.critic_batch_problem():
         found.append(Finding(ERROR, f"critic.num_workers={cfg.critic.num_workers}", cfg.critic_batch_problem()))
+    return found + _rl_algorithm(cfg)
+
+
+def _rl_algorithm(cfg) -> List[Finding]:
+    """Settings the config accepts whose effect is not what their names suggest (the registry entries' facts)."""
+    a, found = cfg.algo, []
+    if a.aggregation == "seq-mean-token-sum" and cfg.train.max_grad_norm > 0:
+        found.append(Finding(WARNING, "algo.loss_agg_mode=seq-mean-token-sum",
+                             f"sums each response's ~{cfg.max_response_tokens} token losses, so the gradient norm is "
+                             f"~{cfg.max_response_tokens}x the per-token scale and train.max_grad_norm="
+                             f"{cfg.train.max_grad_norm:g} clips almost every step (a clipped step no longer follows "
+                             f"its gradient's size); seq-mean-token-sum-norm is the same objective over the "
+                             f"generation budget, Dr. GRPO's"))
+    entry, (low, high) = a.policy_loss_entry, a.clip
+    if entry.sequence_level and max(low / entry.clip_low, high / entry.clip_high) >= 10:
+        found.append(Finding(WARNING, "algo.clip_low" if low / entry.clip_low >= 10 else "algo.clip_high",
+                             f"{low:g} / {high:g} with policy loss {a.policy_loss}: its ratio is a per-token geometric "
+                             f"mean over the sequence, which almost never leaves [1 - {low:g}, 1 + {high:g}], so it "
+                             f"runs unclipped; its paper clips at {entry.clip_low:g} / {entry.clip_high:g} (unset "
+                             f"algo.clip_low and algo.clip_high to train with it)"))
     return found
 
 

@@ -28,6 +28,7 @@ from rlhf.distributed.resource_plan import (ENVIRONMENT, ROLLOUT, ActorPlan, Dev
                                             engine_gpus, engine_sleep, plan_for, resolve_devices)
 from rlhf.envs import EnvError, load_environment
 from rlhf.hub import DATASET, MODEL, HubError, cache_dir, is_hub_ref, locate, model_dir, offline
+from rlhf.ops.algorithms import describe, needs_length
 from rlhf.trainers.output_dir import output_dir_status
 from rlhf.utils.specs import looks_like_path
 
@@ -382,9 +383,15 @@ def batch_lines(cfg) -> List[str]:
     lines.append(f"  RL steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
                  f"floor(prompts / {r.prompts_per_step})), prompts counted at run time")
     decay = ("constant" if t.lr_scheduler == "constant" else
-             f"{t.lr_scheduler} to lr x {t.min_lr_ratio} at the last optimizer step (RL steps x {cfg.optimizer_steps_per_rl_step})")
+             f"{t.lr_scheduler} towards lr x {t.min_lr_ratio} over the run's optimizer steps (RL steps x "
+             f"{cfg.optimizer_steps_per_rl_step})")
     lines.append(f"  LR: warmup {t.warmup_steps} optimizer steps, then {decay}; skipped steps advance it")
-    lines.append(f"  loss aggregation: {a.describe_aggregation()}")
+    lines.append(f"  loss aggregation: {a.describe_aggregation()}"
+                 + (f", L = {cfg.max_response_tokens} tokens (the generation budget)" if needs_length(a.aggregation)
+                    else ""))
+    lines.append(f"  clip: {a.describe_clip()}")
+    lines += [f"  {line}" for line in describe(a.advantage_estimator, a.policy_loss, a.kl_mode, a.kl_estimator,
+                                               a.kl_coef)]
     return lines
 
 

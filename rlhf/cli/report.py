@@ -28,6 +28,7 @@ PANELS: Tuple[Tuple[str, str], ...] = (
     ("episode/ended_done", "episodes ended by the environment"),
     ("episode/ended_max_turns", "episodes cut at rollout.max_turns"),
     ("episode/ended_token_budget", "episodes cut at rollout.max_episode_tokens"),
+    ("episode/ended_max_new_tokens", "responses cut at rollout.max_new_tokens"),
     ("episode/ended_prefix_mismatch", "episodes cut at a prefix mismatch"),
 )
 TIMING_PREFIX = "time/"

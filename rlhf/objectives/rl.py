@@ -31,7 +31,8 @@ from rlhf.models.packing import LMLogits, lm_logits
 from rlhf.objectives.base import Sums
 from rlhf.ops.aggregation import LOSS_AGGREGATIONS, aggregate_count, aggregate_sum
 from rlhf.ops.kl import KL_ESTIMATORS, kl_estimate
-from rlhf.ops.logprobs import at_least_float32, entropy_from_logits, token_logprobs
+from rlhf.ops.logprobs import (SamplingFilter, at_least_float32, drop_below, entropy_from_logits, next_token_edges,
+                               token_logprobs)
 from rlhf.ops.policy_loss import POLICY_LOSSES, PolicyLossConfig, policy_loss, value_loss
 
 Tensor = torch.Tensor
@@ -55,27 +56,50 @@ def _require(batch: Batch, *names: str, why: str) -> None:
         raise ValueError(f"RL micro-batch has no {', '.join(missing)}: {why}")
 
 
-def _check_agg_mode(agg_mode: str) -> None:
-    LOSS_AGGREGATIONS.get(agg_mode)  # fail on the driver, with the valid names, not inside a worker
+def _check_agg_mode(agg_mode: str, length: Optional[int]) -> None:
+    # fail on the driver, with the valid names, not inside a worker
+    if LOSS_AGGREGATIONS.get(agg_mode).per_length and not (length is not None and length >= 1):
+        raise ValueError(f"agg_mode {agg_mode!r} divides each sequence's token sum by a constant length: set "
+                         f"agg_length >= 1 (the generation budget), got {length}")
+
+
+def _check_sampling_filter(sampling_filter) -> None:
+    if not isinstance(sampling_filter, SamplingFilter):
+        raise TypeError(f"sampling_filter must be a rlhf.ops.logprobs.SamplingFilter, got {sampling_filter!r}")
 
 
 def _policy_forward(model: torch.nn.Module, batch: Batch, packing: Optional[bool]) -> LMLogits:
     return lm_logits(model, batch.input_ids, batch.attention_mask, packing)
 
 
-def tempered_entropy(logits: Tensor, temperature: float) -> Tensor:
-    """Entropy ``(B, T)`` of ``softmax(logits / temperature)``, aligned like :func:`token_logprobs`.
+def tempered_entropy(logits: Tensor, temperature: float, sampling_filter: Optional[SamplingFilter] = None,
+                     input_ids: Optional[Tensor] = None) -> Tensor:
+    """Entropy ``(B, T)`` of ``softmax(logits / temperature)``, aligned like :func:`token_logprobs`: the entropy
+    of the distribution actually sampled from.
 
     The division is done in the compute dtype (float32, float64 for float64 logits), exactly as
     :func:`token_logprobs` scales the logits, so the entropy is that of the very distribution whose log-probs
     the loss uses (a bf16 division would round every logit). For ``temperature != 1`` the scaled copy is made one
     row at a time, so outside autograd at most one row's copy is alive; under autograd the entropy's backward
     keeps each row's copy (one float32 copy of the logits in all).
+
+    With an active ``sampling_filter`` (top-k / top-p) it is the entropy of the renormalised kept set, the same
+    set as :func:`token_logprobs` uses (:func:`rlhf.ops.logprobs.next_token_edges`, which needs ``input_ids``
+    ``(B, T)`` for the sampled tokens it always keeps); under autograd each row's kept-set mask is kept too.
     """
-    if temperature == 1.0:
+    vocab = logits.shape[-1]
+    filtered = sampling_filter is not None and sampling_filter.active(vocab)
+    if temperature == 1.0 and not filtered:
         return entropy_from_logits(logits)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    rows = [entropy_from_logits(logits[i:i + 1].to(dtype) / temperature) for i in range(logits.shape[0])]
+    if not filtered:
+        rows = [entropy_from_logits(logits[i:i + 1].to(dtype) / temperature) for i in range(logits.shape[0])]
+        return torch.cat(rows, dim=0)
+    if input_ids is None:
+        raise ValueError("tempered_entropy with a sampling filter needs input_ids (the sampled tokens it keeps)")
+    edges = next_token_edges(logits, input_ids, temperature, sampling_filter)
+    rows = [entropy_from_logits(drop_below(logits[i:i + 1].to(dtype) / temperature, edges[i:i + 1]))
+            for i in range(logits.shape[0])]
     return torch.cat(rows, dim=0)
 
 
@@ -93,10 +117,10 @@ def token_values(model: torch.nn.Module, batch: Batch, packing: Optional[bool] =
     return torch.nn.functional.pad(raw[:, :-1], (1, 0))
 
 
-def _agg(mode: str, per_token: Tensor, mask: Tensor) -> float:
+def _agg(mode: str, per_token: Tensor, mask: Tensor, length: Optional[int]) -> float:
     """A metric numerator (detached), as a Python float."""
     with torch.no_grad():
-        return aggregate_sum(mode, per_token.detach(), mask).item()
+        return aggregate_sum(mode, per_token.detach(), mask, length).item()
 
 
 # ------------------------------------------------------------------------------------------------ actor
@@ -108,13 +132,17 @@ class PolicyObjective:
     ``loss_type`` of :data:`rlhf.ops.policy_loss.POLICY_LOSSES` (ratio against ``batch.old_logps``, advantage
     ``batch.advantages``, TIS weight from ``batch.rollout_logps`` when ``use_tis``), ``H_t`` the entropy of the
     tempered next-token distribution and ``KL_t`` the ``kl_estimator`` estimate of KL(policy || reference) from
-    ``batch.ref_logps`` (GRPO-style KL loss). The per-token total is reduced with ``agg_mode``.
+    ``batch.ref_logps`` (GRPO-style KL loss; each token's value kept within ``+-KL_VALUE_BOUND``, as OpenRLHF and verl
+    bound it). The per-token total is reduced with ``agg_mode``.
 
     Attributes:
         loss_type: a name in ``POLICY_LOSSES`` (``ppo``, ``gspo``).
         clip: clip ranges, dual clip and TIS cap.
         agg_mode: a name in :data:`rlhf.ops.aggregation.LOSS_AGGREGATIONS`.
         temperature: the sampling temperature of the rollout (log-probs and entropy are of ``logits / T``).
+        sampling_filter: the rollout's top-k / top-p (:class:`rlhf.ops.logprobs.SamplingFilter`): log-probs and
+            entropy are of the renormalised kept set the tokens were drawn from, as ``batch.old_logps`` must be
+            (:class:`TokenLogps` with the same filter); the default drops nothing.
         entropy_coef: weight of the entropy bonus (0: entropy is only reported, computed without autograd).
         kl_loss_coef: weight of the KL-to-reference loss (needs ``batch.ref_logps``).
         kl_estimator: ``k1`` / ``k2`` / ``k3`` (:mod:`rlhf.ops.kl`); also used for the reported ``kl``.
@@ -127,7 +155,9 @@ class PolicyObjective:
     loss_type: str = "ppo"
     clip: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     agg_mode: str = "token-mean"
+    agg_length: Optional[int] = None  # the constant L of a per-length aggregation (seq-mean-token-sum-norm)
     temperature: float = 1.0
+    sampling_filter: SamplingFilter = SamplingFilter()
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -136,10 +166,11 @@ class PolicyObjective:
 
     def __post_init__(self) -> None:
         POLICY_LOSSES.get(self.loss_type)
-        _check_agg_mode(self.agg_mode)
+        _check_agg_mode(self.agg_mode, self.agg_length)
         KL_ESTIMATORS.get(self.kl_estimator)
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a positive finite number, got {self.temperature}")
+        _check_sampling_filter(self.sampling_filter)
         if not math.isfinite(self.entropy_coef):
             raise ValueError(f"entropy_coef must be finite, got {self.entropy_coef}")
         if not (self.kl_loss_coef >= 0 and math.isfinite(self.kl_loss_coef)):
@@ -167,20 +198,22 @@ class PolicyObjective:
             raise ValueError(f"RL ref_logps must be per-token {tuple(batch.input_ids.shape)}, "
                              f"got {tuple(batch.ref_logps.shape)}")
         mask = response_mask(batch)
-        mode = self.agg_mode
+        mode, length = self.agg_mode, self.agg_length
 
         out = _policy_forward(model, batch, self.packing)
-        logps = out.per_token(token_logprobs(out.logits, out.input_ids, self.temperature))
+        logps = out.per_token(token_logprobs(out.logits, out.input_ids, self.temperature, self.sampling_filter))
         pg, stats = policy_loss(self.loss_type, logps, batch.old_logps, batch.advantages, mask, self.clip,
                                 rollout_logps=batch.rollout_logps if self.use_tis else None)
         per_token = pg
 
         if self.entropy_coef:
-            entropy = out.per_token(tempered_entropy(out.logits, self.temperature))
+            entropy = out.per_token(tempered_entropy(out.logits, self.temperature, self.sampling_filter,
+                                                     out.input_ids))
             per_token = per_token - self.entropy_coef * entropy
         else:
             with torch.no_grad():
-                entropy = out.per_token(tempered_entropy(out.logits.detach(), self.temperature))
+                entropy = out.per_token(tempered_entropy(out.logits.detach(), self.temperature,
+                                                         self.sampling_filter, out.input_ids))
 
         kl = None
         if batch.ref_logps is not None:
@@ -188,31 +221,31 @@ class PolicyObjective:
             # padding holds cannot reach the value or the gradient.
             ref = torch.where(mask, batch.ref_logps.detach().to(logps.dtype), logps.detach())
             if self.kl_loss_coef:
-                kl = kl_estimate(self.kl_estimator, logps, ref)
+                kl = kl_estimate(self.kl_estimator, logps, ref, bounded=True)
                 per_token = per_token + self.kl_loss_coef * kl
             else:
-                kl = kl_estimate(self.kl_estimator, logps.detach(), ref)
+                kl = kl_estimate(self.kl_estimator, logps.detach(), ref, bounded=True)
 
-        total = aggregate_sum(mode, per_token, mask)
+        total = aggregate_sum(mode, per_token, mask, length)
         sums: Sums = {
             "loss_sum": total.item(),
-            "policy_loss_sum": _agg(mode, pg, mask),
-            "entropy_sum": _agg(mode, entropy, mask),
-            "clipfrac_sum": _agg(mode, stats["clipped"], mask),
-            "approx_kl_sum": _agg(mode, stats["approx_kl"], mask),
+            "policy_loss_sum": _agg(mode, pg, mask, length),
+            "entropy_sum": _agg(mode, entropy, mask, length),
+            "clipfrac_sum": _agg(mode, stats["clipped"], mask, length),
+            "approx_kl_sum": _agg(mode, stats["approx_kl"], mask, length),
             "num_tokens": float(mask.sum().item()),
         }
         if kl is not None:
-            sums["kl_sum"] = _agg(mode, kl, mask)
+            sums["kl_sum"] = _agg(mode, kl, mask, length)
         if self.clip.dual_clip is not None and "dual_clipped" in stats:
-            sums["dual_clipfrac_sum"] = _agg(mode, stats["dual_clipped"], mask)
+            sums["dual_clipfrac_sum"] = _agg(mode, stats["dual_clipped"], mask, length)
         if "tis_weight" in stats:
-            sums["tis_weight_sum"] = _agg(mode, stats["tis_weight"], mask)
-            sums["tis_capped_sum"] = _agg(mode, stats["tis_capped"], mask)
+            sums["tis_weight_sum"] = _agg(mode, stats["tis_weight"], mask, length)
+            sums["tis_capped_sum"] = _agg(mode, stats["tis_capped"], mask, length)
         if batch.rollout_logps is not None:
             zero = torch.zeros((), dtype=torch.float64, device=mask.device)
             gap = torch.where(mask, (batch.old_logps.double() - batch.rollout_logps.double()).abs(), zero)
-            sums["logp_mismatch_sum"] = _agg(mode, gap, mask)
+            sums["logp_mismatch_sum"] = _agg(mode, gap, mask, length)
         return total, sums
 
     def finalize(self, sums: Sums, normalizer: int) -> Dict[str, float]:
@@ -246,10 +279,11 @@ class ValueObjective:
 
     clip: Optional[float] = 0.2
     agg_mode: str = "token-mean"
+    agg_length: Optional[int] = None  # the constant L of a per-length aggregation (seq-mean-token-sum-norm)
     packing: Optional[bool] = None  # padding-free forward; None: as the model was built (train.packing)
 
     def __post_init__(self) -> None:
-        _check_agg_mode(self.agg_mode)
+        _check_agg_mode(self.agg_mode, self.agg_length)
         if self.clip is not None and not (self.clip > 0 and math.isfinite(self.clip)):
             raise ValueError(f"value clip must be a positive finite number or None, got {self.clip}")
 
@@ -261,15 +295,15 @@ class ValueObjective:
         if self.clip is not None:
             _require(batch, "values", why="value clipping needs the critic's values at rollout time")
         mask = response_mask(batch)
-        mode = self.agg_mode
+        mode, length = self.agg_mode, self.agg_length
         values = token_values(model, batch, self.packing)
         old = batch.values if batch.values is not None else values.detach()  # unused without clipping
         per_token = value_loss(values, old, batch.returns, self.clip, mask)
-        total = aggregate_sum(mode, per_token, mask)
+        total = aggregate_sum(mode, per_token, mask, length)
         sums: Sums = {
             "value_loss_sum": total.item(),
-            "value_clipfrac_sum": _agg(mode, self._clipped(values.detach(), old, batch.returns, mask), mask),
-            "values_sum": _agg(mode, values, mask),
+            "value_clipfrac_sum": _agg(mode, self._clipped(values.detach(), old, batch.returns, mask), mask, length),
+            "values_sum": _agg(mode, values, mask, length),
             "num_tokens": float(mask.sum().item()),
         }
         return total, sums
@@ -303,18 +337,25 @@ class ValueObjective:
 class TokenLogps:
     """Score function: per-token log-probs ``(B, T)`` float32 at ``temperature`` (old log-probs from the policy,
     reference log-probs from the reference). Aligned like :func:`token_logprobs`: column 0 is 0, padding columns
-    hold meaningless values for the response mask to drop."""
+    hold meaningless values for the response mask to drop.
+
+    ``sampling_filter``: the rollout's top-k / top-p; the log-probs are then of each model's own renormalised kept
+    set (always holding the sampled token), which is what vLLM reports and samples from. The RL trainer scores the
+    reference with the same filter, so the KL is 0 where the policy equals the reference."""
 
     temperature: float = 1.0
+    sampling_filter: SamplingFilter = SamplingFilter()
     packing: Optional[bool] = None  # padding-free forward; None: as the model was built (train.packing)
 
     def __post_init__(self) -> None:
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a positive finite number, got {self.temperature}")
+        _check_sampling_filter(self.sampling_filter)
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
         out = _policy_forward(model, batch, self.packing)
-        return at_least_float32(out.per_token(token_logprobs(out.logits, out.input_ids, self.temperature)))
+        return at_least_float32(out.per_token(token_logprobs(out.logits, out.input_ids, self.temperature,
+                                                             self.sampling_filter)))
 
 
 @dataclass(frozen=True)

@@ -77,12 +77,58 @@ class AdvantageInputs:
 
 
 AdvantageFn = Callable[[AdvantageInputs], Tuple[Tensor, Tensor]]
-ADVANTAGE_ESTIMATORS = Registry[AdvantageFn]("advantage estimator")
+
+# What an estimator reads of AdvantageInputs besides the mask (Estimator.reads).
+TOKEN_REWARDS, SCORES = "token_rewards", "scores"
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One advantage estimator: its maths and every fact the rest of the project needs about it. Config validation,
+    :func:`rlhf.rl.advantages_for`, ``--dry-run``, the audit lint and docs/algorithms read these fields; no other
+    list of estimator names exists, so a new estimator is one entry plus its maths.
+
+    Attributes:
+        fn: the maths, ``AdvantageInputs -> (advantages (B, T), returns (B, T))``.
+        paper: the paper it follows (and where).
+        reads: which rewards it reads: ``token_rewards`` (a KL penalty in the reward enters per token),
+            ``scores`` (sequence rewards only: a KL penalty enters as its sum over the response, subtracted from the
+            score before any group statistic), or both (the score is the group baseline's, the KL per token).
+        needs_group_ids: compares the samples of one prompt (``rollout.n_samples_per_prompt >= 2``).
+        needs_critic: reads ``values`` (a critic is trained next to the policy).
+        aggregation: the loss aggregation of its paper (``algo.loss_agg_mode=auto``).
+        paper_kl: how its paper regularises towards the reference (said in the docs and ``--dry-run``).
+    """
+
+    fn: AdvantageFn
+    paper: str
+    reads: Tuple[str, ...]
+    needs_group_ids: bool
+    needs_critic: bool
+    aggregation: str
+    paper_kl: str
+
+    def __post_init__(self) -> None:
+        if not self.reads or set(self.reads) - {TOKEN_REWARDS, SCORES}:
+            raise ValueError(f"Estimator.reads must name {TOKEN_REWARDS!r} and/or {SCORES!r}, got {self.reads}")
+
+    @property
+    def kl_in_reward(self) -> str:
+        """Where ``algo.kl_mode=reward`` puts the KL penalty: ``per token`` or ``per sequence`` (summed)."""
+        return "per token" if TOKEN_REWARDS in self.reads else "per sequence"
+
+
+ADVANTAGE_ESTIMATORS = Registry[Estimator]("advantage estimator")
+
+
+def _estimator(name: str, **facts) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Registers the decorated function as estimator ``name`` with its :class:`Estimator` facts."""
+    return ADVANTAGE_ESTIMATORS.register_entry(name, lambda fn: Estimator(fn=fn, **facts))
 
 
 def compute_advantages(name: str, inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
-    """``ADVANTAGE_ESTIMATORS.get(name)(inputs)``: ``(advantages (B, T), returns (B, T))``."""
-    return ADVANTAGE_ESTIMATORS.get(name)(inputs)
+    """Estimator ``name``'s maths: ``(advantages (B, T), returns (B, T))``."""
+    return ADVANTAGE_ESTIMATORS.get(name).fn(inputs)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -226,7 +272,9 @@ def _broadcast(per_sample: Tensor, inputs: AdvantageInputs) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ estimators
-@ADVANTAGE_ESTIMATORS.register("gae")
+@_estimator("gae", paper="Schulman et al. 2016 (GAE), with PPO (Schulman et al. 2017) as in InstructGPT (Ouyang et al. 2022)",
+            reads=(TOKEN_REWARDS,), needs_group_ids=False, needs_critic=True, aggregation="token-mean",
+            paper_kl="a per-token KL penalty in the reward (InstructGPT eq. 2): algo.kl_mode=reward, k1")
 def gae(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     """Generalized advantage estimation (Schulman et al. 2016, "High-dimensional continuous control using
     generalized advantage estimation", eq. 16) over the response tokens.
@@ -249,7 +297,9 @@ def gae(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     return advantages, returns
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
+@_estimator("grpo", paper="Shao et al. 2024 (DeepSeekMath), sec. 4.1", reads=(SCORES,), needs_group_ids=True,
+            needs_critic=False, aggregation="seq-mean-token-mean",
+            paper_kl="a k3 KL loss next to the policy loss (eq. 3-4): algo.kl_mode=loss, k3")
 def grpo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     """GRPO outcome supervision (Shao et al. 2024, DeepSeekMath, sec. 4.1.2): ``(s_i - mean_g) / (std_g + eps)``
     over the samples of the prompt's group, the same value on every response token.
@@ -257,8 +307,9 @@ def grpo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     The standard deviation is the Bessel-corrected one (``1 / (n - 1)``), which is what ``torch.std`` computes
     and verl uses; the paper does not say. A group of size 1 has no spread to normalize by and gets advantage 0,
     as does any group whose scores are all equal (exactly 0, also with ``eps = 0``). ``token_rewards`` is not
-    used: a KL penalty, if any, belongs in the loss (the paper's ``k3`` term). Returns equal the advantages
-    (there is no critic).
+    used: the paper's KL is a loss (its ``k3`` term); a KL penalty in the reward reaches GRPO through the scores
+    (:func:`rlhf.rl.advantages_for` subtracts its sum over the response). Returns equal the advantages (there is
+    no critic).
 
     Uses ``scores``, ``group_ids``, ``response_mask``, ``eps``.
     """
@@ -270,7 +321,9 @@ def grpo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     return out, out.clone()
 
 
-@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+@_estimator("dr_grpo", paper="Liu et al. 2025 (Understanding R1-Zero-like training), sec. 3.2", reads=(SCORES,),
+            needs_group_ids=True, needs_critic=False, aggregation="seq-mean-token-sum-norm",
+            paper_kl="none (the paper drops the KL term: kl_coef 0)")
 def dr_grpo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training: a critical perspective", sec. 3.2):
     ``s_i - mean_g``, without GRPO's division by the group standard deviation (which up-weights prompts that are
@@ -287,15 +340,18 @@ def dr_grpo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     return out, out.clone()
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
+@_estimator("rloo", paper="Ahmadian et al. 2024 (Back to basics), eq. 6", reads=(SCORES,), needs_group_ids=True,
+            needs_critic=False, aggregation="seq-mean-token-sum-norm",
+            paper_kl="a sequence-level KL penalty in the reward (sec. 2): algo.kl_mode=reward, k1")
 def rloo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     """REINFORCE leave-one-out (Ahmadian et al. 2024, "Back to basics", eq. 6; Kool et al. 2019):
     ``s_i - (sum_g - s_i) / (n - 1)``, the score minus the mean of the *other* samples of its group, an unbiased
     baseline since it does not depend on sample ``i`` (it equals ``n / (n - 1) * (s_i - mean_g)``). A group of
     size 1 has no other sample and gets 0; a group of equal scores gets exactly 0. Returns equal the advantages.
 
-    Uses ``scores``, ``group_ids``, ``response_mask``. (Sequence scores only; to fold a KL penalty into the
-    reward, pass scores that already include the sequence-level KL.)
+    Uses ``scores``, ``group_ids``, ``response_mask``. (Sequence scores only: the paper's KL penalty is
+    sequence-level, ``r(x, y) - beta log pi(y|x) / ref(y|x)``, which :func:`rlhf.rl.advantages_for` folds into the
+    scores for ``algo.kl_mode=reward``.)
     """
     size, total, _, constant = _group_stats(inputs.scores, inputs.group_ids, "rloo")
     s = inputs.scores.detach().to(torch.float64)
@@ -304,7 +360,9 @@ def rloo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     return out, out.clone()
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+@_estimator("reinforce_pp", paper="Hu 2025 (REINFORCE++)", reads=(TOKEN_REWARDS,), needs_group_ids=False,
+            needs_critic=False, aggregation="token-mean",
+            paper_kl="a per-token KL penalty in the reward: algo.kl_mode=reward")
 def reinforce_pp(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025, "REINFORCE++: a simple and efficient approach for aligning large language models"):
     the discounted return-to-go of the per-token rewards, ``G_t = r_t + gamma G_{t'}`` over the row's response
@@ -321,7 +379,9 @@ def reinforce_pp(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     return whiten(returns, mask).to(dtype), returns
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+@_estimator("reinforce_pp_baseline", paper="Hu 2025 (REINFORCE++, revised: REINFORCE++-baseline)",
+            reads=(TOKEN_REWARDS, SCORES), needs_group_ids=True, needs_critic=False, aggregation="token-mean",
+            paper_kl="a KL loss (the revised paper's recipe) or a per-token KL penalty in the reward")
 def reinforce_pp_baseline(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     """REINFORCE++-baseline (Hu 2025, REINFORCE++ revised version, "REINFORCE++-baseline"): subtract the group
     mean score, then proceed as :func:`reinforce_pp`.

@@ -11,6 +11,8 @@ mode                     whole-batch value                               numerat
                          ``(sum_t l[b, t]) / n_b``                       with ``n_b > 0``
 ``seq-mean-token-sum``   ``mean over rows with n_b > 0 of sum_t l``      ``sum_b sum_t l`` / rows with
                                                                          ``n_b > 0``
+``seq-mean-token-sum-    ``mean over rows with n_b > 0 of sum_t l / L``  ``sum_b sum_t l / L`` / rows with
+norm``                   (``L``: a constant, the generation budget)      ``n_b > 0``
 =======================  ==============================================  ==================================
 
 Both parts are additive over rows and a row's contribution does not depend on its padding width or on the other
@@ -27,17 +29,25 @@ by 0 for them.) A train batch in which no row has a token has count 0, which ``n
 
 ``token-mean`` weights every token of the train batch equally, so a long response counts more than a short one:
 that is DAPO's token-level policy-gradient loss (Yu et al. 2025, sec. 3.3), not GRPO's per-sequence mean
-(``seq-mean-token-mean``, DeepSeekMath sec. 4.1). :data:`PAPER_AGGREGATIONS` says which mode each algorithm's paper
-uses; ``algo.loss_agg_mode=auto`` picks it.
+(``seq-mean-token-mean``, DeepSeekMath sec. 4.1). Each estimator's and sequence-level policy loss's registry entry
+says which mode its paper uses (:func:`rlhf.ops.algorithms.paper_aggregation`); ``algo.loss_agg_mode=auto`` picks it.
 
-Dr. GRPO (Liu et al. 2025) divides the token sums by a constant (the generation budget) instead of ``n_b``;
-``seq-mean-token-sum`` is that objective up to the constant factor ``1 / max_len``, which only rescales the
-learning rate.
+The two token-sum modes. Dr. GRPO (Liu et al. 2025) divides each response's token sum by a constant, the
+generation budget ``L``, instead of by its length ``n_b``: ``seq-mean-token-sum-norm`` with ``L`` the longest
+response a sample can have (``rollout.max_new_tokens``; multi-turn: the episode's policy-token budget). RLOO
+(Ahmadian et al. 2024) scores the whole completion, ``log pi(y|x) = sum_t``: ``seq-mean-token-sum``, the same
+objective times ``L``. A constant factor is invisible to AdamW, *but not to gradient clipping*: the plain sum's
+gradient norm is ~``L`` times the per-token scale the default ``train.max_grad_norm=1.0`` was chosen for, so the
+clip binds at almost every step, and a clipped step's size no longer follows its gradient (Adam's moments then
+average gradients rescaled by a different factor at each step). The ``-norm`` mode's gradient is ``token-mean``'s
+times (mean response length / ``L``) <= 1, so the clip binds no more often than under ``token-mean``: it is what
+``auto`` picks for both. (Measured on the demo's RLOO, ``L = 6``, mean length 2.8: grad norms 11.9 / 1.98 / 4.35 at
+step 1 for the sum / ``-norm`` / ``token-mean``, the sum exactly ``L`` times the ``-norm``.)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -53,10 +63,13 @@ class LossAggregation:
     Attributes:
         numerator: ``fn(per_token (B, T), mask (B, T) bool) -> 0-dim`` this micro-batch's share of the numerator.
         denominator: ``fn(mask (B, T) bool) -> int`` this micro-batch's share of the denominator.
+        per_length: the numerator is divided by a constant length ``L`` (the caller's ``length``; a constant of
+            the run, never of a micro-batch, or the split would change the value).
     """
 
     numerator: Callable[[Tensor, Tensor], Tensor]
     denominator: Callable[[Tensor], int]
+    per_length: bool = False
 
 
 LOSS_AGGREGATIONS = Registry[LossAggregation]("loss aggregation")
@@ -95,25 +108,9 @@ def _seq_mean_token_sum_sum(per_token: Tensor, mask: Tensor) -> Tensor:
 LOSS_AGGREGATIONS.register("token-mean")(LossAggregation(_token_mean_sum, _token_count))
 LOSS_AGGREGATIONS.register("seq-mean-token-mean")(LossAggregation(_seq_mean_token_mean_sum, _row_count))
 LOSS_AGGREGATIONS.register("seq-mean-token-sum")(LossAggregation(_seq_mean_token_sum_sum, _row_count))
+LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")(LossAggregation(_seq_mean_token_sum_sum, _row_count,
+                                                                      per_length=True))
 
-
-# What each algorithm's paper averages its per-token objective with (``algo.loss_agg_mode=auto``). A sequence-level
-# policy loss (GSPO) is averaged per sequence whatever the estimator: its ratio is one number per sequence.
-PAPER_AGGREGATIONS = {
-    "grpo": "seq-mean-token-mean",  # DeepSeekMath (Shao et al. 2024) sec. 4.1: 1/G sum_i 1/|o_i| sum_t
-    "dr_grpo": "seq-mean-token-sum",  # Dr. GRPO (Liu et al. 2025) sec. 3.2: token sums over a constant budget
-    "rloo": "seq-mean-token-sum",  # Ahmadian et al. 2024: the whole completion is one action, log pi(y|x)
-    "gae": "token-mean",  # PPO over response tokens, as InstructGPT-style implementations average it
-    "reinforce_pp": "token-mean",  # REINFORCE++ (Hu 2025) as its reference implementation (OpenRLHF) averages
-    "reinforce_pp_baseline": "token-mean",
-}
-SEQUENCE_LEVEL_LOSSES = {"gspo": "seq-mean-token-mean"}  # GSPO (Zheng et al. 2025): 1/G sum_i over sequences
-
-
-def paper_aggregation(estimator: str, policy_loss: str) -> str:
-    """The aggregation of ``estimator``'s paper (and ``policy_loss``'s, when it is sequence-level): what
-    ``algo.loss_agg_mode=auto`` trains with. ``token-mean`` for an estimator no paper pins down."""
-    return SEQUENCE_LEVEL_LOSSES.get(policy_loss) or PAPER_AGGREGATIONS.get(estimator, "token-mean")
 
 
 def _bool_mask(mask: Tensor, shape: torch.Size | None = None) -> Tensor:
@@ -128,25 +125,34 @@ def _bool_mask(mask: Tensor, shape: torch.Size | None = None) -> Tensor:
     return mask
 
 
-def aggregate_sum(mode: str, per_token: Tensor, mask: Tensor) -> Tensor:
+def aggregate_sum(mode: str, per_token: Tensor, mask: Tensor, length: Optional[int] = None) -> Tensor:
     """This micro-batch's contribution to the numerator of aggregation ``mode``.
 
     * ``token-mean``: ``sum_{b,t} mask * per_token``;
     * ``seq-mean-token-mean``: ``sum_b (sum_t mask * per_token) / n_b`` over rows with ``n_b > 0``;
-    * ``seq-mean-token-sum``: ``sum_b sum_t mask * per_token``.
+    * ``seq-mean-token-sum``: ``sum_b sum_t mask * per_token``;
+    * ``seq-mean-token-sum-norm``: ``sum_b sum_t mask * per_token / length``.
 
     Args:
         mode: a name in :data:`LOSS_AGGREGATIONS` (an unknown name raises an error listing the valid ones).
         per_token: ``(B, T)`` per-token values (losses or statistics); entries outside the mask are ignored,
             even inf/NaN, and receive zero gradient.
         mask: ``(B, T)`` 0/1 or bool, 1 on the tokens that count.
+        length: the constant ``L`` of a ``per_length`` mode (>= 1; the same for every micro-batch of the run);
+            ignored by the others.
 
     Returns:
         0-dim tensor (at least float32), differentiable; NOT divided by anything. Divide by the sum of
         :func:`aggregate_count` over the whole train batch (see :func:`rlhf.ops.losses.normalize`).
     """
     agg = LOSS_AGGREGATIONS.get(mode)
-    return agg.numerator(per_token, _bool_mask(mask, per_token.shape))
+    total = agg.numerator(per_token, _bool_mask(mask, per_token.shape))
+    if not agg.per_length:
+        return total
+    if length is None or length < 1:
+        raise ValueError(f"loss aggregation {mode!r} divides by a constant length (the generation budget): pass "
+                         f"length >= 1, got {length}")
+    return total / length
 
 
 def aggregate_count(mode: str, mask: Tensor) -> int:

@@ -20,8 +20,8 @@ it). "As a loss" is the expected gradient when the value is differentiated throu
 held fixed, on-policy (Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL"):
 ``grad k2 = log r * grad log pi`` averages to the gradient of the reverse KL, whereas
 ``grad k3 = (1 - ref / pi) grad log pi`` averages to the gradient of the *forward* KL ``KL(ref || pi)``, and
-``k1`` gives no gradient in expectation. Which one to use as a GRPO-style KL loss is the caller's choice; this
-module only computes the values.
+``k1`` gives no gradient in expectation, so ``algo.kl_mode=loss`` refuses it (:attr:`KLEstimator.usable_as_loss`).
+DeepSeekMath's GRPO uses ``k3`` as its KL loss; ``k2`` is the one whose gradient is the reverse KL's.
 
 All functions are element-wise: values at padding are whatever the inputs make them, and the caller's mask (or
 :mod:`rlhf.ops.aggregation`) drops them.
@@ -29,6 +29,7 @@ All functions are element-wise: values at padding are whatever the inputs make t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -37,23 +38,56 @@ from rlhf.registry import Registry
 
 Tensor = torch.Tensor
 
-KL_ESTIMATORS = Registry[Callable[[Tensor], Tensor]]("KL estimator")
+
+@dataclass(frozen=True)
+class KLEstimator:
+    """One estimator and what it is good for (the facts config validation, ``--dry-run`` and the docs read).
+
+    Attributes:
+        fn: ``log r (B, T) -> (B, T)`` per-token values.
+        loss_gradient: what the gradient of the value, used as a loss, follows in expectation (on-policy samples,
+            Tang & Munos 2025): ``"none"`` (zero in expectation: noise only), ``"reverse KL"`` or ``"forward KL"``.
+    """
+
+    fn: Callable[[Tensor], Tensor]
+    loss_gradient: str
+
+    @property
+    def usable_as_loss(self) -> bool:
+        """Whether a KL *loss* with this estimator regularises anything (``algo.kl_mode=loss``)."""
+        return self.loss_gradient != "none"
 
 
-@KL_ESTIMATORS.register("k1")
+KL_ESTIMATORS = Registry[KLEstimator]("KL estimator")
+
+# The per-token bound of a KL that is trained on (a loss) or rewarded: values are clamped to [-10, 10], as OpenRLHF
+# and verl do. k3 grows like exp(-log r): one token the reference finds ~1e-9 as likely as the policy does would
+# otherwise outweigh a whole batch. The clamp zeroes the gradient of a token beyond it.
+KL_VALUE_BOUND = 10.0
+# Before an estimator, log r is clamped far outside the bound's reach (k3 = 10 at log r ~ -2.4 and ~ 11; k2 at
+# |log r| ~ 4.5): exp stays finite, so a clamped token's zero gradient is not 0 x inf = NaN.
+_LOG_RATIO_GUARD = 30.0
+
+
+def _register(name: str, loss_gradient: str) -> Callable[[Callable[[Tensor], Tensor]], Callable[[Tensor], Tensor]]:
+    """Registers the decorated function as KL estimator ``name`` with its :class:`KLEstimator` facts."""
+    return KL_ESTIMATORS.register_entry(name, lambda fn: KLEstimator(fn, loss_gradient))
+
+
+@_register("k1", loss_gradient="none")
 def _k1(log_ratio: Tensor) -> Tensor:
     """``log r``: the plain Monte Carlo estimate of ``KL(pi || ref)``; unbiased, negative where ``ref > pi``."""
     return log_ratio
 
 
-@KL_ESTIMATORS.register("k2")
+@_register("k2", loss_gradient="reverse KL")
 def _k2(log_ratio: Tensor) -> Tensor:
     """``0.5 (log r)^2``: the f-divergence with ``f(u) = 0.5 log(u)^2``, which agrees with KL to second order in
     ``log r``; biased upward for distant policies, non-negative, low variance."""
     return 0.5 * log_ratio.square()
 
 
-@KL_ESTIMATORS.register("k3")
+@_register("k3", loss_gradient="forward KL")
 def _k3(log_ratio: Tensor) -> Tensor:
     """``(ref / pi - 1) - log(ref / pi) = exp(-log r) + log r - 1``: ``k1`` plus the zero-mean control variate
     ``ref / pi - 1``; unbiased and non-negative (``e^x >= 1 + x``), exactly 0 at ``log r = 0``.
@@ -63,7 +97,8 @@ def _k3(log_ratio: Tensor) -> Tensor:
     return torch.expm1(-log_ratio) + log_ratio
 
 
-def kl_estimate(name: str, logps: Tensor, ref_logps: Tensor, clamp: Optional[float] = None) -> Tensor:
+def kl_estimate(name: str, logps: Tensor, ref_logps: Tensor, clamp: Optional[float] = None,
+                bounded: bool = False) -> Tensor:
     """Per-token KL estimate ``name`` (``"k1"``, ``"k2"`` or ``"k3"``) from policy and reference log-probs.
 
     Args:
@@ -74,12 +109,15 @@ def kl_estimate(name: str, logps: Tensor, ref_logps: Tensor, clamp: Optional[flo
             This is a numerical guard, not part of the estimators: ``k3`` contains ``exp(-log r)``, which
             overflows float32 for ``log r < -88``. Clamping changes values (and zeroes the gradient) only where
             ``|log r| > clamp``; ``None`` (default) computes the exact formula.
+        bounded: clamp each value to ``[-KL_VALUE_BOUND, KL_VALUE_BOUND]`` (what a run trains on or rewards: the
+            KL loss and the KL penalty in the reward). ``log r`` is first held within ``+-30`` so that no value
+            overflows and a clamped token's gradient is exactly 0.
 
     Returns:
         ``(B, T)`` per-token estimates in at least float32 (float64 for float64 inputs), not summed or averaged.
         Differentiable through ``logps`` (and ``ref_logps``); detach them if the value is used as a reward.
     """
-    fn = KL_ESTIMATORS.get(name)
+    fn = KL_ESTIMATORS.get(name).fn
     if logps.shape != ref_logps.shape:
         raise ValueError(f"logps shape {tuple(logps.shape)} != ref_logps shape {tuple(ref_logps.shape)}")
     dtype = torch.float64 if torch.float64 in (logps.dtype, ref_logps.dtype) else torch.float32
@@ -88,4 +126,6 @@ def kl_estimate(name: str, logps: Tensor, ref_logps: Tensor, clamp: Optional[flo
         if not (clamp > 0 and math.isfinite(clamp)):
             raise ValueError(f"clamp must be a positive finite number or None, got {clamp}")
         log_ratio = log_ratio.clamp(-clamp, clamp)
-    return fn(log_ratio)
+    if not bounded:
+        return fn(log_ratio)
+    return fn(log_ratio.clamp(-_LOG_RATIO_GUARD, _LOG_RATIO_GUARD)).clamp(-KL_VALUE_BOUND, KL_VALUE_BOUND)

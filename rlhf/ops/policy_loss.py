@@ -55,7 +55,39 @@ class PolicyLossConfig:
 
 
 PolicyLossFn = Callable[..., Tuple[Tensor, Dict[str, Tensor]]]
-POLICY_LOSSES = Registry[PolicyLossFn]("policy loss")
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """One policy loss: its maths and the facts the rest of the project reads (config validation, ``--dry-run``,
+    the audit lint, docs/algorithms); no other list of loss names exists.
+
+    Attributes:
+        fn: the maths (signature of :func:`ppo_loss`).
+        paper: the paper it follows.
+        clip_low, clip_high: the paper's clip range (``algo.clip_low`` / ``algo.clip_high`` unset take these).
+        sequence_level: its ratio is one number per sequence; then the paper's objective is a mean over
+            sequences whatever the estimator, and ``aggregation`` says which mode reproduces it.
+        aggregation: the aggregation of the paper's objective for a sequence-level loss (``None``: the
+            estimator's paper decides).
+        token_corrections: dual clip and TIS (token-level corrections) apply to it.
+    """
+
+    fn: PolicyLossFn
+    paper: str
+    clip_low: float
+    clip_high: float
+    sequence_level: bool = False
+    aggregation: Optional[str] = None
+    token_corrections: bool = True
+
+
+POLICY_LOSSES = Registry[PolicyLoss]("policy loss")
+
+
+def _policy_loss(name: str, **facts) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Registers the decorated function as policy loss ``name`` with its :class:`PolicyLoss` facts."""
+    return POLICY_LOSSES.register_entry(name, lambda fn: PolicyLoss(fn=fn, **facts))
 
 
 def policy_loss(
@@ -67,8 +99,8 @@ def policy_loss(
     cfg: PolicyLossConfig,
     rollout_logps: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """``POLICY_LOSSES.get(name)(logps, old_logps, advantages, mask, cfg, rollout_logps=rollout_logps)``."""
-    return POLICY_LOSSES.get(name)(logps, old_logps, advantages, mask, cfg, rollout_logps=rollout_logps)
+    """Policy loss ``name``'s maths: ``(loss (B, T), stats)`` (see :func:`ppo_loss`)."""
+    return POLICY_LOSSES.get(name).fn(logps, old_logps, advantages, mask, cfg, rollout_logps=rollout_logps)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -108,7 +140,7 @@ def _approx_kl(log_ratio: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ losses
-@POLICY_LOSSES.register("ppo")
+@_policy_loss("ppo", paper="Schulman et al. 2017 (PPO), eq. 7", clip_low=0.2, clip_high=0.2)
 def ppo_loss(
     logps: Tensor,
     old_logps: Tensor,
@@ -192,7 +224,8 @@ def _tis_weight(old_logps: Tensor, rollout_logps: Tensor, m: Tensor, dtype: torc
     return torch.where(capped, torch.tensor(cap, dtype=dtype, device=w.device), w), capped
 
 
-@POLICY_LOSSES.register("gspo")
+@_policy_loss("gspo", paper="Zheng et al. 2025 (GSPO), eq. 5-7 and 13-14", clip_low=3e-4, clip_high=4e-4,
+              sequence_level=True, aggregation="seq-mean-token-mean", token_corrections=False)
 def gspo_loss(
     logps: Tensor,
     old_logps: Tensor,
@@ -213,8 +246,10 @@ def gspo_loss(
 
     * aggregate with ``seq-mean-token-mean`` to get the paper's objective (``1 / G sum_i``); ``token-mean``
       weights each sequence by its length instead;
-    * the clip ranges of the paper are tiny (``3e-4`` / ``4e-4``) because ``s_i`` is a per-token geometric mean;
-      the :class:`PolicyLossConfig` defaults (0.2) are PPO's and must be set explicitly.
+    * the clip ranges of the paper are tiny (``3e-4`` / ``4e-4``) because ``s_i`` is a per-token geometric mean:
+      its registry entry carries them, and a run that leaves ``algo.clip_low`` / ``algo.clip_high`` unset trains
+      with them (the :class:`PolicyLossConfig` defaults, 0.2, are PPO's: a length-normalized ratio almost never
+      leaves ``[0.8, 1.2]``, so GSPO would run unclipped).
 
     Dual clip and TIS are token-level corrections with no sequence-level counterpart in the paper; they are
     rejected rather than applied in some invented form. A row with no response token contributes nothing.

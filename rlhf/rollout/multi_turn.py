@@ -2,12 +2,19 @@
 
 ::
 
-    episodes = prompt ids (+ the environment's first observation, if any)
+    episodes = prompt ids (+ the environment's first observation, if any), cut to the episode's token budget
     for turn in 1 .. limits.max_turns:
         every live episode's tokens so far -> the engines together (one generate call)
         each response kept as sampled, cut to the episode's token budget
         (response text, response ids) of every live episode -> environments.step together
         observation text -> encode once -> appended as context; done / over budget -> the episode ends
+
+How an episode ends (:data:`ENDINGS`, ``EpisodeRecord.ended_by``): ``done`` when the environment says so after a
+whole response; ``max_new_tokens`` when it says so after a response cut by ``rollout.max_new_tokens`` (vLLM's
+``finish_reason="length"``: a response cut mid-sentence is not a clean finish, whatever the environment made of
+it); ``token_budget`` when a response or observation was cut to ``max_episode_tokens`` (done or not: nothing
+more fits); ``max_turns`` after the last allowed turn without done; ``prefix_mismatch`` / ``env_error``. All but
+``done`` and ``env_error`` are limits (:attr:`EpisodeRecord.at_limit`, where ``rollout.episode_limit`` applies).
 
 Seeds follow the single-turn rule: request ``j`` of a turn is drawn with ``seed + turn x TURN_SEED_STRIDE + j``
 whichever engine serves it, so a rollout does not depend on ``rollout.num_engines``. Nothing is decoded and
@@ -21,11 +28,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Union
 
 from rlhf.rollout.episodes import Episode
-from rlhf.rollout.observations import ObservationEncoder, as_encoder
+from rlhf.rollout.observations import Messages, ObservationEncoder, as_encoder
 from rlhf.rollout.vllm_engine import Generation, SamplingSpec
 
-# why an episode ended (EpisodeRecord.ended_by)
-ENDINGS = ("done", "max_turns", "token_budget", "prefix_mismatch", "env_error")
+# why an episode ended (EpisodeRecord.ended_by; the module docstring says when each applies)
+ENDINGS = ("done", "max_turns", "token_budget", "max_new_tokens", "prefix_mismatch", "env_error")
+LIMIT_ENDINGS = ("max_turns", "token_budget", "max_new_tokens", "prefix_mismatch")  # rollout.episode_limit applies
 TURN_SEED_STRIDE = 1_000_003  # turn t's seeds sit far from turn t-1's (a turn has far fewer requests)
 
 
@@ -70,13 +78,14 @@ class EpisodeRecord:
     episode: Episode
     turn_rewards: List[float] = field(default_factory=list)
     turn_infos: List[dict] = field(default_factory=list)  # each turn's StepOutcome.info (logged, never trained on)
-    ended_by: str = "max_turns"  # done | max_turns | token_budget | prefix_mismatch | env_error
+    ended_by: str = "max_turns"  # one of ENDINGS
     error: str = ""  # the environment's error, when one ended the episode (on_env_error="end")
 
     @property
     def at_limit(self) -> bool:
-        """Whether a limit ended the episode rather than the environment (``rollout.episode_limit`` applies)."""
-        return self.ended_by in ("max_turns", "token_budget", "prefix_mismatch")
+        """Whether a limit ended the episode rather than the environment's done after a whole response
+        (``rollout.episode_limit`` applies)."""
+        return self.ended_by in LIMIT_ENDINGS
 
     @property
     def reward(self) -> float:
@@ -96,7 +105,8 @@ def run_episodes(engines: Generator, environments: Environments, prompt_ids: Seq
                  encode: Union[ObservationEncoder, Callable[[str], Sequence[int]]],
                  decode: Callable[[Sequence[int]], str], limits: TurnLimits,
                  stats: Optional[RolloutStats] = None, on_prefix_mismatch: str = "error",
-                 on_env_error: str = "raise") -> List[EpisodeRecord]:
+                 on_env_error: str = "raise",
+                 prompt_messages: Optional[Sequence[Optional[Messages]]] = None) -> List[EpisodeRecord]:
     """Episode ``i`` starts from ``prompt_ids[i]`` and environment row ``rows[i]``; returns one record per episode,
     in order.
 
@@ -110,9 +120,17 @@ def run_episodes(engines: Generator, environments: Environments, prompt_ids: Seq
         on_env_error: ``raise`` an environment's :class:`~rlhf.envs.EnvError` (the pool's; a raising, hung or dead
             environment) or ``end`` that episode there (``env_error``, the message in ``error``; the rest go on).
             ``end`` asks the environments for per-episode errors (``errors="return"``).
+        prompt_messages: episode ``i``'s prompt as messages (``prompt_ids[i]`` is their render), aligned with
+            ``prompt_ids`` and ``rows`` like them; a chat encoder renders a reset observation as their last message.
+
+    A reset observation is environment context like any other: it counts in ``limits.max_episode_tokens``, not in
+    the prompt data's ``rollout.max_prompt_length`` (applied when the prompts were read; a truncated prompt stays
+    truncated, :meth:`~rlhf.rollout.observations.ChatObservations.first`). A first prompt that leaves no room for a
+    response is cut at the budget and ends ``token_budget`` before any turn, as a later observation would.
     """
-    if len(prompt_ids) != len(rows):
-        raise ValueError(f"{len(prompt_ids)} prompts for {len(rows)} environment rows")
+    if len(prompt_ids) != len(rows) or (prompt_messages is not None and len(prompt_messages) != len(rows)):
+        raise ValueError(f"{len(prompt_ids)} prompts for {len(rows)} environment rows"
+                         + (f" and {len(prompt_messages)} prompt messages" if prompt_messages is not None else ""))
     encoder = as_encoder(encode)
     stats = stats if stats is not None else RolloutStats()
     if on_env_error not in ("raise", "end"):
@@ -121,16 +139,10 @@ def run_episodes(engines: Generator, environments: Environments, prompt_ids: Seq
     started = time.perf_counter()
     first = environments.reset(list(rows), **errors)
     stats.env_seconds += time.perf_counter() - started
-    records = [EpisodeRecord(Episode(tuple(encoder.first(i, p, obs) if isinstance(obs, str) and obs else p),
-                                     index=i)) for i, (p, obs) in enumerate(zip(prompt_ids, first))]
-    for record, obs in zip(records, first):
-        if isinstance(obs, Exception):
-            record.ended_by, record.error = "env_error", str(obs)
-            stats.env_errors += 1
-    live = [i for i, r in enumerate(records) if not r.error and _room(r.episode, limits) > 0]
-    for i in set(range(len(records))) - set(live):
-        if not records[i].error:
-            records[i].ended_by = "token_budget"
+    messages = prompt_messages if prompt_messages is not None else [None] * len(rows)
+    records = [_start(i, p, m, obs, encoder, limits, stats) for i, (p, m, obs) in
+               enumerate(zip(prompt_ids, messages, first))]
+    live = [i for i, r in enumerate(records) if r.ended_by != "token_budget" and not r.error]
     for turn in range(1, limits.max_turns + 1):
         if not live:
             break
@@ -138,9 +150,7 @@ def run_episodes(engines: Generator, environments: Environments, prompt_ids: Seq
         seeded = sampling if sampling.seed is None else dataclasses.replace(
             sampling, seed=sampling.seed + (turn - 1) * TURN_SEED_STRIDE)
         generations = engines.generate([records[i].episode.token_ids for i in live], seeded)
-        for i, g in zip(live, generations):
-            keep = min(len(g.response_ids), _room(records[i].episode, limits))
-            records[i].episode.add_response(g.response_ids[:keep], g.response_logps[:keep])
+        cut = {i: _respond(records[i].episode, g, limits) for i, g in zip(live, generations)}
         started = time.perf_counter()
         outcomes = environments.step(live, [decode(records[i].episode.segments[-1].ids) for i in live],
                                      [records[i].episode.segments[-1].ids for i in live], **errors)
@@ -154,14 +164,43 @@ def run_episodes(engines: Generator, environments: Environments, prompt_ids: Seq
                 continue
             record.turn_rewards.append(float(outcome.reward))
             record.turn_infos.append(dict(getattr(outcome, "info", None) or {}))
-            if outcome.done:
-                record.ended_by = "done"
+            if outcome.done or cut[i] == "token_budget":  # a cut response is not a clean finish
+                record.ended_by = cut[i] or "done"
             elif turn < limits.max_turns:  # at the last turn the episode ends as max_turns, observation unused
                 if _observe(record, outcome, encoder, limits, on_prefix_mismatch):
                     still.append(i)
         live = still
     environments.close(list(range(len(records))))
     return records
+
+
+def _start(index: int, prompt_ids: Sequence[int], messages: Optional[Messages], observation,
+           encoder: ObservationEncoder, limits: TurnLimits, stats: RolloutStats) -> EpisodeRecord:
+    """Episode ``index``'s record before its first turn: its prompt with the reset ``observation`` (text, ``""`` /
+    ``None`` for none, or the environment's exception), cut to the token budget."""
+    if isinstance(observation, Exception):
+        stats.env_errors += 1
+        return EpisodeRecord(Episode(tuple(prompt_ids), index=index), ended_by="env_error", error=str(observation))
+    ids = tuple(prompt_ids)
+    if isinstance(observation, str) and observation:
+        try:
+            ids = tuple(encoder.first(prompt_ids, observation, messages))
+        except ValueError as e:
+            raise ValueError(f"episode {index}'s reset observation: {e}") from None
+    record = EpisodeRecord(Episode(ids[:limits.max_episode_tokens], index=index))
+    if _room(record.episode, limits) <= 0:
+        record.ended_by = "token_budget"
+    return record
+
+
+def _respond(episode: Episode, generation: Generation, limits: TurnLimits) -> str:
+    """Append a response as sampled, cut to the episode's token budget; how it was cut: ``token_budget``,
+    ``max_new_tokens`` (the engine stopped it at ``SamplingSpec.max_new_tokens``) or ``""`` (it ended itself)."""
+    keep = min(len(generation.response_ids), _room(episode, limits))
+    episode.add_response(generation.response_ids[:keep], generation.response_logps[:keep])
+    if keep < len(generation.response_ids):
+        return "token_budget"
+    return "max_new_tokens" if generation.finish_reason == "length" else ""
 
 
 def _observe(record: EpisodeRecord, outcome, encoder: ObservationEncoder, limits: TurnLimits,

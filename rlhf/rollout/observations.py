@@ -11,8 +11,9 @@ tokens stay as sampled (rlhf/rollout/episodes.py says why re-encoding drifts).
   is tokenized as one piece around the observation's text. A response that did not end with the template's
   end-of-turn token (cut by ``rollout.max_new_tokens``) gets the template's turn closing as context first.
 
-An encoder has two entry points: ``first(index, prompt_ids, text)`` returns episode ``index``'s prompt with the
-reset observation, ``encoder(text, response_ids)`` the tokens to append after a response. A plain function
+An encoder has two entry points: ``first(prompt_ids, text, messages)`` returns a prompt with the reset
+observation (``messages``: that prompt's own messages, which a chat encoder renders again with the observation as
+the last message), ``encoder(text, response_ids)`` the tokens to append after a response. A plain function
 ``encode(text) -> ids`` is accepted wherever an encoder is (:func:`as_encoder`).
 """
 from __future__ import annotations
@@ -24,8 +25,11 @@ __all__ = ["ObservationEncoder", "TextObservations", "ChatObservations", "as_enc
 _MARK = "\u2063observation\u2063"  # a probe content no template writes itself (U+2063, invisible separator)
 
 
+Messages = Sequence[dict]
+
+
 class ObservationEncoder(Protocol):
-    def first(self, index: int, prompt_ids: Sequence[int], text: str) -> List[int]: ...
+    def first(self, prompt_ids: Sequence[int], text: str, messages: Optional[Messages] = None) -> List[int]: ...
 
     def __call__(self, text: str, response_ids: Sequence[int]) -> List[int]: ...
 
@@ -41,7 +45,7 @@ class TextObservations:
     def of(cls, tokenizer) -> "TextObservations":
         return cls(lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def first(self, index: int, prompt_ids: Sequence[int], text: str) -> List[int]:
+    def first(self, prompt_ids: Sequence[int], text: str, messages: Optional[Messages] = None) -> List[int]:
         return list(prompt_ids) + list(self.encode(text))
 
     def __call__(self, text: str, response_ids: Sequence[int]) -> List[int]:
@@ -59,16 +63,14 @@ class ChatObservations:
     Args:
         chat: the prompts' :class:`~rlhf.data.chat.ChatFormatter`.
         role: the observation messages' role (``user``, ``tool``, ``system``).
-        prompt_messages: episode ``i``'s prompt messages, for a reset observation (the prompt is rendered again
-            with the observation as its last message: it is the data's own text, never sampled tokens).
 
     Raises:
         ValueError: when the template cannot render an observation turn after an assistant turn as a plain
             continuation (it rewrites earlier turns, or refuses the role), naming the role.
     """
 
-    def __init__(self, chat, role: str, prompt_messages: Optional[Sequence[Sequence[dict]]] = None) -> None:
-        self.chat, self.role, self.prompt_messages = chat, role, prompt_messages
+    def __init__(self, chat, role: str) -> None:
+        self.chat, self.role = chat, role
         probe = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
         try:
             base = chat.render(probe)
@@ -86,11 +88,33 @@ class ChatObservations:
     def _message(self, text: str) -> dict:
         return {"role": self.role, "content": text}
 
-    def first(self, index: int, prompt_ids: Sequence[int], text: str) -> List[int]:
-        if self.prompt_messages is None:
-            raise ValueError("a chat observation at reset needs the prompt's messages (ChatObservations("
-                             "prompt_messages=...))")
-        return self.chat.prompt_ids(list(self.prompt_messages[index]) + [self._message(text)])
+    def first(self, prompt_ids: Sequence[int], text: str, messages: Optional[Messages] = None) -> List[int]:
+        """The prompt rendered again with the reset observation as its last message, followed by the generation
+        prompt (it is the data's own text, never sampled tokens).
+
+        ``prompt_ids`` must be the render of ``messages``, or its end (``rollout.prompt_overflow=truncate`` keeps a
+        long prompt's last ``rollout.max_prompt_length`` tokens): the tokens the prompt set dropped from the start
+        are dropped from the new render too, so a truncated prompt stays truncated. The observation itself is
+        environment context, counted in the episode's token budget (the caller's, not this encoder's business).
+
+        Raises:
+            ValueError: without ``messages``, or when ``prompt_ids`` are not (the end of) their render: the messages
+                of another prompt.
+        """
+        if messages is None:
+            raise ValueError("a chat observation at reset is rendered as the prompt's last message: it needs the "
+                             "prompt's messages (run_episodes(..., prompt_messages=...))")
+        whole = self.chat.prompt_ids(list(messages))
+        dropped = len(whole) - len(prompt_ids)
+        if dropped < 0 or whole[dropped:] != list(prompt_ids):
+            raise ValueError(f"the prompt's messages render to {len(whole)} tokens that do not end with its "
+                             f"{len(prompt_ids)} token ids: the messages of another prompt?")
+        observed = self.chat.prompt_ids(list(messages) + [self._message(text)])
+        if observed[:dropped] != whole[:dropped]:  # the tokens a truncation dropped must be the same ones
+            raise ValueError("the chat template renders the start of a truncated prompt (rollout.prompt_overflow="
+                             "truncate) differently once an observation message follows: it cannot take a reset "
+                             "observation; use rollout.observation_format=text")
+        return observed[dropped:]
 
     def __call__(self, text: str, response_ids: Sequence[int]) -> List[int]:
         return list(self.closing(response_ids)) + self.chat.tokenize(self.head + text + self.tail)

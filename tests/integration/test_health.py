@@ -156,8 +156,8 @@ def test_a_skip_rewinds_and_ends_bit_identical_to_a_run_told_to_skip_those_steps
                          rf"\d+, step {step} will be skipped", said)
         assert guarded[step - 1] == {"step": step, "epoch": guarded[step - 1]["epoch"], "skipped": 1}
 
-    # A skipped step advances the LR schedule: every trained step has its planned LR, so a cosine still reaches
-    # its floor at step 15 (a schedule that waited would give every step after a skip its predecessor's LR).
+    # A skipped step advances the LR schedule: every trained step has its planned LR, so a cosine still ends with
+    # the run's step 15 (a schedule that waited would give every step after a skip its predecessor's LR).
     from rlhf.utils.schedule import lr_multiplier
 
     for r in guarded:

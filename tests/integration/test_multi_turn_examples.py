@@ -78,7 +78,7 @@ def test_calculator_loop_runs_tool_turns_and_trains_on_the_policys_tokens(tmp_pa
             if is_call(record.episode.segments[0].ids):  # a call is answered and the policy takes another turn
                 calls += 1
                 assert record.episode.turns >= 2 and record.episode.segments[1].source == "env", record
-            assert record.ended_by in ("done", "max_turns") and record.reward in (0.0, 1.0)
+            assert record.ended_by in ("done", "max_new_tokens", "max_turns") and record.reward in (0.0, 1.0)
     assert calls > 0, "no episode called the tool: the warm-up did not teach the call"
     assert capsys.readouterr().out.splitlines()[-1].startswith("done: reward ")
 
@@ -93,5 +93,5 @@ def test_retry_loop_answers_feedback_and_its_weight_syncs_land(tmp_path):
         assert len(records) == 32 == len(batch)
         _check_masks(records, batch, tokenizer, ("higher\n", "lower\n", "a number\n"))
         for record in records:
-            assert record.ended_by == "done" and record.reward in (0.0, 0.5, 1.0)
+            assert record.ended_by in ("done", "max_new_tokens") and record.reward in (0.0, 0.5, 1.0)
             assert record.episode.turns == (1 if record.reward == 1.0 else 2)

@@ -117,7 +117,8 @@ def test_episodes_train_end_to_end_with_exact_log_probs(whole):
     _, rows, _ = whole
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
-        assert r["episode/turns"] == 2.0 and r["episode/ended_done"] == 1.0  # the environment ends every episode
+        # the environment ends every episode (after a whole response, or one cut at max_new_tokens: a limit)
+        assert r["episode/turns"] == 2.0 and r["episode/ended_done"] + r["episode/ended_max_new_tokens"] == 1.0
         assert r["episode/env_tokens"] > 0 and r["episode/policy_tokens"] == r["response_length"] > 0
         assert 0.0 <= r["reward/env"] <= 2.0 and r["reward_std"] > 0 and r["grad_norm"] > 0
         assert set(r) >= {"time/env", "episode/reward_turn_1", "episode/reward_turn_2", "num_samples"}

@@ -72,7 +72,9 @@ def test_sft_lr_follows_schedule_over_exact_horizon(sft_runs):
     for i, r in enumerate(rows):
         expected = cfg.train.lr * lr_multiplier(i, total_steps=4, warmup_steps=1, kind="cosine", min_ratio=0.0)
         assert r["lr"] == pytest.approx(expected, rel=1e-9)
-    assert rows[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # the cosine ends on the last step, never turns up
+    # transformers' get_cosine_schedule_with_warmup(1 warm-up step, 4 steps): warm-up from 0, then (1 + cos(pi p)) / 2
+    # at p = 0, 1/3, 2/3; the floor (0) would come at step 5, which the run does not take.
+    assert [r["lr"] / cfg.train.lr for r in rows] == pytest.approx([0.0, 1.0, 0.75, 0.25], abs=1e-12)
 
 
 def test_sft_step1_equals_plain_pytorch_whole_batch(sft_runs, tiny_model, sft_data):
@@ -109,7 +111,9 @@ def test_sft_max_steps_counts_optimizer_steps_not_epochs(tiny_model, sft_data, t
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3] and result.steps == 3
     assert [r["epoch"] for r in rows] == [1, 1, 2]  # the third step is the first of epoch 2
-    assert rows[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # schedule horizon is 3, not 4 or 3 x epochs
+    # Horizon 3 with 1 warm-up step: the last step is the cosine at p = 1/2 (a horizon of 4 = epochs x steps per
+    # epoch would give 0.75, one of 6 0.905).
+    assert rows[-1]["lr"] == pytest.approx(cfg.train.lr * 0.5, rel=1e-12)
     assert os.path.isfile(os.path.join(result.final_dir, "model.safetensors"))
     assert os.path.isfile(os.path.join(result.final_dir, "tokenizer_config.json"))
 

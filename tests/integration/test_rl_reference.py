@@ -285,7 +285,7 @@ def _reference_step(cfg, models, rollout):
         out["reward_kl_penalty"] = float(a.kl_coef * torch.cat(penalty).sum() / sum(lengths))
     rewards = ref.token_rewards(scores, penalty, a.kl_coef if in_reward else 0.0)
     if a.advantage_estimator == "grpo":
-        advantages = ref.grpo_advantages(scores, rollout["groups"], lengths)
+        advantages = ref.group_advantages("grpo", scores, rollout["groups"], lengths)
     elif a.advantage_estimator == "reinforce_pp":
         advantages = ref.whiten_all(ref.discounted_returns(rewards, a.gamma))
     elif a.advantage_estimator == "gae":
@@ -297,7 +297,7 @@ def _reference_step(cfg, models, rollout):
     logps, entropy = ref.logps_and_entropy(policy, samples, TEMPERATURE)
     pg, total, kls = [], [], []
     for lp, o, adv, h, i in zip(logps, old, advantages, entropy, range(len(samples))):
-        loss, _ = ref.ppo_token_loss(lp, o, adv, a.clip_low, a.clip_high)
+        loss, _ = ref.ppo_token_loss(lp, o, adv, *a.clip)
         pg.append(loss)
         per_token = loss - a.entropy_coef * h
         if ref_logps is not None:

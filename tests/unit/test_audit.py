@@ -142,6 +142,22 @@ def test_rl_hazards(tiny_model, rl_prompts, tmp_path, capsys, monkeypatch):
     assert "warning  train.global_batch_size=8: each rollout batch of 12 samples" in out and "leaves 4 samples" in out
 
 
+def test_rl_algorithm_settings_that_train_something_else_are_warned(tiny_model, rl_prompts, tmp_path, capsys,
+                                                                     monkeypatch):
+    """Read from the registry entries: a token sum under gradient clipping, and GSPO with PPO's clip range."""
+    argv = ["--lint-only", "--config", "grpo_tiny", f"model.path={tiny_model}", f"data.train_path={rl_prompts}",
+            "algo.policy_loss=gspo", "algo.clip_low=0.2", "algo.clip_high=0.2",
+            "algo.loss_agg_mode=seq-mean-token-sum"]
+    rc, out, _ = _audit(argv, tmp_path, capsys, monkeypatch)
+    assert rc == 0  # warnings alone
+    assert "warning  algo.loss_agg_mode=seq-mean-token-sum: sums each response's ~" in out, out
+    assert "clips almost every step" in out
+    assert "warning  algo.clip_low: 0.2 / 0.2 with policy loss gspo" in out and "3e-4" not in out
+    assert "its paper clips at 0.0003 / 0.0004" in out
+    rc, out, _ = _audit(argv[:5], tmp_path, capsys, monkeypatch)  # the paper's settings: no such warning
+    assert rc == 0 and "algo.clip" not in out and "seq-mean-token-sum" not in out
+
+
 @pytest.mark.parametrize("argv, text", [
     (["--trainer", "sft", "data.train_path=x.jsonl"], "model.path is required"),
     (["--trainer", "sft", "model.path=m", "data.train_path=x.jsonl", "train.micro_bach_size=2"],

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from group_helpers import LocalGroup
+from shared_helpers import float64_model
 from rlhf.distributed.engine import EngineSpec
 from rlhf.objectives.rl import PolicyObjective, TokenLogps
 from rlhf.ops.aggregation import aggregate_sum
@@ -37,6 +38,11 @@ def _episodes(vocab: int, n: int = 8, seed: int = 0):
 @pytest.fixture(scope="module")
 def model(tiny_model):
     return AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+
+
+@pytest.fixture(scope="module")
+def model_fp64(tiny_model):
+    return float64_model(tiny_model)
 
 
 def test_the_batch_marks_policy_tokens_only_and_places_their_sampling_logps():
@@ -135,15 +141,23 @@ def test_environment_tokens_get_exactly_zero_gradient(model, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_multi_turn_metrics_are_the_same_for_every_split(model, mode):
+def test_multi_turn_metrics_are_the_same_for_every_split(model_fp64, mode):
     """8 episodes of 1-3 turns trained as one global batch under four (micro x ranks) splits log the objective over
-    the whole batch: the normalizer counts policy tokens (token-mean) or episodes (the seq modes) of all of it."""
+    the whole batch: the normalizer counts policy tokens (token-mean) or episodes (the seq modes) of all of it.
+
+    In float64: the splits pad the rows to different widths and sum in different orders, so they agree to float64
+    rounding (<= 2e-15 relative seen); 1e-12 leaves ~500x for other CPUs' reduction orders and still catches a wrong
+    normalizer or a dropped token by many orders. (In float32 the same sums of mixed-sign terms differ by up to
+    1.5e-6 relative, so no machine-independent bound near the size of a real bug exists there.)"""
+    model = model_fp64
     batch = episodes_batch(_episodes(model.config.vocab_size, seed=2), pad_id=0)
     with torch.no_grad():
         logps = TokenLogps()(model, batch)
+    assert logps.dtype == torch.float64
     gen = torch.Generator().manual_seed(3)
-    batch = batch.replace(old_logps=logps + 0.3 * torch.randn(logps.shape, generator=gen),
-                          advantages=torch.randn(len(batch), 1, generator=gen).expand_as(logps) * batch.loss_mask)
+    noise = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    batch = batch.replace(old_logps=logps + 0.3 * noise(logps.shape),
+                          advantages=noise(len(batch), 1).expand_as(logps) * batch.loss_mask)
     objective = PolicyObjective(agg_mode=mode)
     with torch.no_grad():
         whole = objective.finalize(objective.loss(model, batch)[1], objective.count(batch))
@@ -151,4 +165,4 @@ def test_multi_turn_metrics_are_the_same_for_every_split(model, mode):
     for micro, ranks in ((8, 1), (2, 2), (1, 4), (1, 8)):
         result = LocalGroup(model, EngineSpec.for_global_batch(8, micro, ranks), ranks).train_batch(batch, objective)
         for key, value in whole.items():
-            assert result.metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (micro, ranks, key)
+            assert result.metrics[key] == pytest.approx(value, rel=1e-12, abs=1e-15), (micro, ranks, key)

@@ -5,7 +5,7 @@ tests' business."""
 from __future__ import annotations
 
 import dataclasses
-from typing import List
+from typing import List, Sequence
 
 import pytest
 
@@ -15,15 +15,17 @@ from rlhf.rollout.vllm_engine import Generation, SamplingSpec
 
 
 class Engine:
-    """Request j answers ``length`` tokens ``100 + (seed + j) % 50``; records every call."""
+    """Request j answers ``length`` tokens ``100 + (seed + j) % 50``, finished by ``finish[call]`` (``"stop"``: it
+    ended itself, ``"length"``: cut at max_new_tokens; the last entry repeats); records every call."""
 
-    def __init__(self, length: int = 3):
-        self.length, self.calls = length, []
+    def __init__(self, length: int = 3, finish: Sequence[str] = ("stop",)):
+        self.length, self.finish, self.calls = length, finish, []
 
     def generate(self, prompt_ids, sampling: SamplingSpec) -> List[Generation]:
+        reason = self.finish[min(len(self.calls), len(self.finish) - 1)]
         self.calls.append(([tuple(p) for p in prompt_ids], sampling.seed))
         return [Generation(tuple(p), tuple(100 + (sampling.seed + j) % 50 for _ in range(self.length)),
-                           tuple(-0.1 * (k + 1) for k in range(self.length)), "length")
+                           tuple(-0.1 * (k + 1) for k in range(self.length)), reason)
                 for j, p in enumerate(prompt_ids)]
 
 
@@ -121,6 +123,42 @@ def test_episode_metrics():
     m = episode_metrics(records, RolloutStats(env_seconds=0.5))
     assert m["episode/turns"] == 1.5 and m["episode/policy_tokens"] == 4.5 and m["episode/env_tokens"] == 1.0
     assert m["episode/ended_done"] == 1.0 and m["episode/env_reward"] == 1.5 and m["time/env"] == 0.5
+
+
+def test_a_response_cut_at_the_end_of_an_episode_is_not_a_clean_finish():
+    """The environment says done after a response cut by max_new_tokens (``finish_reason="length"``) or by the
+    token budget: the episode ends at that limit, so rollout.episode_limit applies to it. A cut response mid-episode
+    is the environment's to judge (the episode goes on); a whole one followed by done is a clean finish."""
+    rows = [{"turns": 1}, {"turns": 2}]
+    cut = run_episodes(Engine(finish=("length",)), Counting(), [(1,), (2,)], rows, SAMPLING, encode, decode,
+                       TurnLimits(3, 64))
+    assert [r.ended_by for r in cut] == ["max_new_tokens"] * 2 and all(r.at_limit for r in cut)
+    assert [r.episode.turns for r in cut] == [1, 2]  # the cut first response of episode 1 did not end it
+    whole_last = run_episodes(Engine(finish=("length", "stop")), Counting(), [(1,), (2,)], rows, SAMPLING, encode,
+                              decode, TurnLimits(3, 64))
+    assert [r.ended_by for r in whole_last] == ["max_new_tokens", "done"] and not whole_last[1].at_limit
+    # 4 prompt tokens + 3 sampled in a budget of 6: the response is cut to 2 tokens, then the environment's done
+    budget = run_episodes(Engine(), Counting(), [(1,) * 4], [{"turns": 1}], SAMPLING, encode, decode, TurnLimits(3, 6))
+    assert budget[0].ended_by == "token_budget" and budget[0].at_limit and budget[0].episode.num_tokens == 6
+    # the last allowed turn without done stays max_turns, cut or not
+    last = run_episodes(Engine(finish=("length",)), Counting(), [(1,)], [{"turns": 9}], SAMPLING, encode, decode,
+                        TurnLimits(1, 64))
+    assert last[0].ended_by == "max_turns"
+    m = episode_metrics(cut + whole_last, RolloutStats())
+    assert m["episode/ended_max_new_tokens"] == 0.75 and m["episode/ended_done"] == 0.25
+
+
+def test_a_reset_observation_counts_in_the_token_budget():
+    """The environment's first observation is context like any observation: prompt + observation are cut at
+    max_episode_tokens and an episode left without room never reaches the engines (the row never outgrows the
+    budget, which sizes the engines' context and the trainer's rows)."""
+    engine = Engine()
+    rows = [{"turns": 1, "greet": True}, {"turns": 1, "greet": True}]
+    records = run_episodes(engine, Counting(), [(1,) * 7, (2,)], rows, SAMPLING, encode, decode, TurnLimits(2, 8))
+    assert records[0].episode.token_ids == (1,) * 7 + tuple(encode("hi"))[:1]  # 7 + 2 tokens cut to 8
+    assert records[0].ended_by == "token_budget" and records[0].episode.turns == 0
+    assert records[1].episode.prompt_ids == (2,) + tuple(encode("hi")) and records[1].ended_by == "done"
+    assert [len(c[0]) for c in engine.calls] == [1]
 
 
 def test_limits_are_checked():

@@ -26,7 +26,9 @@ from rlhf.rollout.episodes import EpisodeError
 from rlhf.rollout.multi_turn import RolloutStats, TurnLimits, episode_metrics, run_episodes
 from rlhf.rollout.observations import ChatObservations, TextObservations
 from rlhf.trainers.rl import RLActors, RLTrainer
-from rlhf.trainers.rl_rollout import Rollout, observation_format
+from rlhf.rollout.vllm_engine import Generation
+from rlhf.trainers.rl_experience import PromptSet, prepare_prompts
+from rlhf.trainers.rl_rollout import EpisodeRollout, Rollout, observation_format
 
 SYSTEM = {"role": "system", "content": "Answer with the sum."}
 
@@ -61,9 +63,70 @@ def test_a_response_cut_before_its_end_of_turn_gets_the_templates_closing_as_con
 def test_a_reset_observation_is_rendered_into_the_prompt(tokenizer):
     chat = ChatFormatter(tokenizer)
     messages = [SYSTEM, {"role": "user", "content": "12+7="}]
-    encoder = ChatObservations(chat, "user", prompt_messages=[messages])
-    first = encoder.first(0, chat.prompt_ids(messages), "use the tool")
+    encoder = ChatObservations(chat, "user")
+    first = encoder.first(chat.prompt_ids(messages), "use the tool", messages)
     assert first == chat.prompt_ids(messages + [{"role": "user", "content": "use the tool"}])
+    other = [SYSTEM, {"role": "user", "content": "3+4="}]
+    with pytest.raises(ValueError, match="do not end with its .* token ids: the messages of another prompt"):
+        encoder.first(chat.prompt_ids(messages), "use the tool", other)
+    with pytest.raises(ValueError, match="needs the prompt's messages"):
+        encoder.first(chat.prompt_ids(messages), "use the tool")
+
+
+def test_a_truncated_prompt_stays_truncated_with_its_reset_observation(tokenizer):
+    """rollout.prompt_overflow=truncate kept the prompt's last max_prompt_length tokens: rendering it again with
+    the observation drops the same leading tokens (the prompt data's rule still holds; the observation's tokens
+    count in the episode's budget)."""
+    chat = ChatFormatter(tokenizer)
+    messages = [SYSTEM, {"role": "user", "content": "12+7=" * 6}]
+    whole = chat.prompt_ids(messages)
+    prompts = prepare_prompts([{"prompt": messages}], tokenizer, prompt_key="prompt", columns=(),
+                              max_prompt_length=len(whole) - 5, overflow="truncate", chat=chat)
+    assert prompts.truncated == 1 and prompts.prompt_ids[0] == whole[5:]
+    first = ChatObservations(chat, "user").first(prompts.prompt_ids[0], "use the tool", prompts.messages[0])
+    assert first == chat.prompt_ids(messages + [{"role": "user", "content": "use the tool"}])[5:]
+    closed = len(chat.tokenize(chat.render(messages))) - 5  # the truncated prompt up to its generation prompt
+    assert first[:closed] == prompts.prompt_ids[0][:closed] and len(first) > len(prompts.prompt_ids[0])
+
+
+class Named:
+    """Reset observations name their row (``"row <id>"``); done after one turn. Records the rows it was given."""
+
+    step_timeout_s = 30.0
+
+    def __init__(self):
+        self.rows = []
+
+    def reset(self, rows):
+        self.rows = [r["id"] for r in rows]
+        return [f"row {r['id']}" for r in rows]
+
+    def step(self, ids, responses, response_ids):
+        return [StepOutcome(None, 0.0, True) for _ in ids]
+
+    def close(self, ids):
+        pass
+
+
+@pytest.mark.parametrize("num_prompts, prompt_index", [(5, [4, 4, 1, 1]), (2, [1, 1, 0, 0])])
+def test_each_episodes_reset_observation_is_rendered_onto_its_own_prompt(tokenizer, num_prompts, prompt_index):
+    """Episode j of a rollout answers prompt ``prompt_index[j]``: its first tokens are that prompt's messages +
+    the observation its own environment row gave, rendered once; its row and its group are that prompt's too. (The
+    rollout position is not a prompt index: with fewer prompts than episodes it is not even a valid one.)"""
+    rows = [{"id": 10 + k, "prompt": [SYSTEM, {"role": "user", "content": f"{k}+{k}="}], "answer": str(2 * k)}
+            for k in range(num_prompts)]
+    prompts = prepare_prompts(rows, tokenizer, prompt_key="prompt", columns=("answer",), max_prompt_length=64,
+                              overflow="skip", chat=ChatFormatter(tokenizer))
+    env, engine = Named(), Engine()
+    rollout = EpisodeRollout(env, tokenizer, "chat", "user", TurnLimits(1, 128), "error")(
+        engine, prompts, prompt_index, SAMPLING, step=1)
+    expected = [prompts.chat.prompt_ids(rows[i]["prompt"] + [{"role": "user", "content": f"row {10 + i}"}])
+                for i in prompt_index]
+    assert [list(p) for p in engine.calls[0][0]] == expected
+    assert env.rows == [10 + i for i in prompt_index] and rollout.prompt_index == prompt_index
+    for j, ids in enumerate(expected):
+        assert rollout.batch.input_ids[j, :len(ids)].tolist() == ids
+        assert rollout.batch.loss_mask[j, :len(ids)].sum() == 0  # the first prompt is context
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer):
@@ -76,7 +139,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer):
 def test_text_observations_are_the_texts_own_tokens(tokenizer):
     encoder = TextObservations.of(tokenizer)
     assert encoder(" got 3", (5, 6)) == tokenizer(" got 3", add_special_tokens=False)["input_ids"]
-    assert encoder.first(0, [1, 2], "x") == [1, 2] + tokenizer("x", add_special_tokens=False)["input_ids"]
+    assert encoder.first([1, 2], "x") == [1, 2] + tokenizer("x", add_special_tokens=False)["input_ids"]
 
 
 def test_observation_format_auto_follows_the_prompts():
@@ -258,8 +321,39 @@ def test_mask_takes_the_loss_off_episodes_a_limit_ended_and_skips_a_step_left_wi
     assert "policy_loss" not in metrics  # nothing trained, nothing made up
 
 
+class Cutting:
+    """Single-turn engines: every request answers 4 tokens; the odd ones were cut at max_new_tokens."""
+
+    def generate(self, prompt_ids, sampling):
+        return [Generation(tuple(p), (5, 6, 7, 8), (-0.5,) * 4, "length" if j % 2 else "stop")
+                for j, p in enumerate(prompt_ids)]
+
+
+def _single_turn(tokenizer, *overrides):
+    """A single-turn trainer whose reward function gives every response 1.0, and its rollout of 2 prompts x 2."""
+    prompts = PromptSet([[1, 2], [3]], ["p", "q"], {}, 0, 0)
+    scorer = lambda prompts, responses, columns: (torch.ones(len(responses)), {"f": torch.ones(len(responses))})  # noqa
+    trainer = RLTrainer(_cfg(*overrides), tokenizer, prompts, None, RLActors(policy=None, engines=Cutting()), scorer,
+                        PolicyObjective(), None)
+    return trainer, trainer._sample(prompts, [0, 0, 1, 1], seed_base=0, step=1)
+
+
+def test_single_turn_responses_cut_at_max_new_tokens_are_at_a_limit(tokenizer):
+    """DAPO's overlong filtering (mask) and punishment (penalize) for responses vLLM cut (finish_reason length)."""
+    trainer, rollout = _single_turn(tokenizer, "rollout.episode_limit=mask")
+    assert rollout.at_limit.tolist() == [False, True, False, True]
+    assert rollout.metrics == {"episode/ended_max_new_tokens": 0.5}
+    assert trainer.trained_rows(rollout.batch, rollout).loss_mask.sum(-1).tolist() == [4, 0, 4, 0]
+    assert trainer.score(rollout, trainer.prompts)[0].tolist() == [1.0] * 4  # still in their groups' baselines
+    trainer, rollout = _single_turn(tokenizer, "rollout.episode_limit=penalize", "rollout.limit_reward=-1")
+    scores, per_source = trainer.score(rollout, trainer.prompts)
+    assert scores.tolist() == [1.0, -1.0, 1.0, -1.0] and per_source["f"].tolist() == [1.0] * 4
+    trainer, rollout = _single_turn(tokenizer)  # truncate (the default): trained as they stand
+    assert trainer.trained_rows(rollout.batch, rollout).loss_mask.sum(-1).tolist() == [4] * 4
+    assert trainer.score(rollout, trainer.prompts)[0].tolist() == [1.0] * 4
+
+
 def test_a_multi_turn_run_checks_its_environment_and_chat_template_before_any_actor(tokenizer, tmp_path):
-    from rlhf.trainers.rl_experience import PromptSet
     from rlhf.trainers.rl_runner import _check_episodes
 
     envs = tmp_path / "envs.py"

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
+import torch
 
 from rlhf.data.plan import EpochPlan, PlanError
 from rlhf.utils.schedule import lr_multiplier
@@ -52,20 +54,70 @@ def test_too_little_data_is_an_error_naming_the_key():
         EpochPlan(num_samples=7, global_batch_size=8, max_epochs=1)
 
 
-def test_cosine_schedule_hits_floor_on_last_step_and_never_rises():
-    total, warm = 10, 2
-    values = [lr_multiplier(s, total_steps=total, warmup_steps=warm, kind="cosine", min_ratio=0.1) for s in range(total)]
-    assert values[0] == pytest.approx(1 / 3) and values[1] == pytest.approx(2 / 3) and values[2] == pytest.approx(1.0)
-    assert values[-1] == pytest.approx(0.1)
-    assert all(a >= b for a, b in zip(values[2:], values[3:]))
-    assert lr_multiplier(25, total_steps=total, warmup_steps=warm, kind="cosine", min_ratio=0.1) == pytest.approx(0.1)
+def _transformers_multipliers(kind: str, total: int, warmup: int, min_ratio: float) -> list:
+    """transformers' own schedulers (a LambdaLR on an optimizer with lr 1, stepped as a run steps it): the
+    multiplier each of the ``total`` executed optimizer steps uses. A linear decay with a floor has no transformers
+    function; it is ``floor + (1 - floor) x`` transformers' linear shape (verl's and OpenRLHF's form)."""
+    from transformers.optimization import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_cosine_with_min_lr_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    if kind == "constant":
+        scheduler = get_constant_schedule_with_warmup(optimizer, warmup)
+    elif kind == "linear":
+        scheduler = get_linear_schedule_with_warmup(optimizer, warmup, total)
+    elif min_ratio:
+        scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, total, min_lr_rate=min_ratio)
+    else:
+        scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total)
+    values = []
+    for _ in range(total):
+        values.append(optimizer.param_groups[0]["lr"])  # the LR the next optimizer step uses
+        optimizer.step()
+        scheduler.step()
+    if kind == "linear" and min_ratio:
+        values = [v if s < warmup else v * (1.0 - min_ratio) + min_ratio for s, v in enumerate(values)]
+    return values
 
 
-def test_linear_and_constant_schedules():
-    lin = [lr_multiplier(s, total_steps=5, warmup_steps=0, kind="linear", min_ratio=0.0) for s in range(5)]
-    assert lin == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
-    assert lr_multiplier(3, total_steps=5, warmup_steps=0, kind="constant", min_ratio=0.0) == 1.0
-    # a one-step run trains at the full LR rather than at the floor
-    assert lr_multiplier(0, total_steps=1, warmup_steps=0, kind="cosine", min_ratio=0.0) == 1.0
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize("min_ratio", [0.0, 0.1])
+@pytest.mark.parametrize("total,warmup", [(1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (2, 5), (6, 0), (6, 2), (6, 6),
+                                          (10, 3), (37, 0), (37, 36)])
+def test_the_schedule_is_transformers_on_every_executed_step(kind, min_ratio, total, warmup):
+    ours = [lr_multiplier(s, total_steps=total, warmup_steps=warmup, kind=kind, min_ratio=min_ratio)
+            for s in range(total)]
+    assert ours == _transformers_multipliers(kind, total, warmup, min_ratio)  # the same arithmetic: equal bits
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize("total", [1, 2, 3, 6, 100])
+def test_no_executed_step_trains_at_lr_0_without_warmup(kind, total):
+    """The decay's horizon is ``total``, one past the last executed step: even with the floor at 0 the last step
+    trains (a horizon ending at step ``total - 1`` gave a two-step run ``[1, 0]``)."""
+    values = [lr_multiplier(s, total_steps=total, warmup_steps=0, kind=kind, min_ratio=0.0) for s in range(total)]
+    assert values[0] == 1.0 and min(values) > 0.0
+    assert all(a >= b for a, b in zip(values, values[1:]))  # decays monotonically, never turns back up
+
+
+def test_the_documented_examples():
+    """docs/concepts.md's examples: 6 steps with 2 of warm-up, and a one-RL-step run of 2 optimizer steps."""
+    cosine = [lr_multiplier(s, total_steps=6, warmup_steps=2, kind="cosine", min_ratio=0.0) for s in range(6)]
+    assert cosine == pytest.approx([0.0, 0.5, 1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5,
+                                    0.5 + 0.5 * math.cos(3 * math.pi / 4)], abs=1e-15)
+    two = [lr_multiplier(s, total_steps=2, warmup_steps=0, kind="cosine", min_ratio=0.0) for s in range(2)]
+    assert two == pytest.approx([1.0, 0.5], abs=1e-15)
+
+
+def test_past_the_horizon_the_schedule_stays_at_its_end_and_unknown_kinds_are_named():
+    for kind, end in (("cosine", 0.1), ("linear", 0.1), ("constant", 1.0)):
+        assert [lr_multiplier(s, total_steps=10, warmup_steps=2, kind=kind, min_ratio=0.1)
+                for s in (10, 11, 25)] == [end] * 3
     with pytest.raises(ValueError, match="valid: constant, linear, cosine"):
         lr_multiplier(0, total_steps=5, warmup_steps=0, kind="poly", min_ratio=0.0)
+    with pytest.raises(ValueError, match="total_steps must be >= 1"):
+        lr_multiplier(0, total_steps=0, warmup_steps=0, kind="cosine", min_ratio=0.0)

@@ -214,6 +214,14 @@ def test_policy_entropy_and_kl_terms_add_exactly(policy, temperature):
     assert metrics0["kl"] == pytest.approx(mean(k3), rel=1e-6)
 
 
+def _per_row(agg_mode: str, mask: torch.Tensor, length: int) -> float:
+    """The largest value a 0/1 per-token statistic can take under ``agg_mode``: 1 for the means, the mean tokens per
+    row for a token sum (over ``length`` for the per-length one)."""
+    if agg_mode.startswith("seq-mean-token-sum"):
+        return float(mask.sum()) / len(mask) / (length if agg_mode.endswith("-norm") else 1)
+    return 1.0
+
+
 @pytest.mark.parametrize("agg_mode", AGG_MODES)
 def test_policy_split_matches_whole_batch(policy, agg_mode):
     temperature = 0.9
@@ -223,14 +231,14 @@ def test_policy_split_matches_whole_batch(policy, agg_mode):
     rollout = torch.where(mask, old.double() + randn(mask.shape, 31, 0.3), 0.0).float()
     batch = batch.replace(old_logps=old, advantages=adv, ref_logps=ref, rollout_logps=rollout)
     obj = PolicyObjective(clip=PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=1.5, tis_cap=1.2),
-                          agg_mode=agg_mode, temperature=temperature, entropy_coef=0.01, kl_loss_coef=0.1,
-                          use_tis=True)
+                          agg_mode=agg_mode, agg_length=batch.input_ids.shape[1], temperature=temperature,
+                          entropy_coef=0.01, kl_loss_coef=0.1, use_tis=True)
     result = run_whole_and_split(policy, obj, batch)
     whole_metrics = result[0]
     # The clipped branch, the dual clip and the TIS cap are really exercised (and not everywhere: under the
-    # seq-mean-token-sum mode a "fraction" is a count per sequence, so compare with the tokens per row).
+    # token-sum modes a "fraction" is a count per sequence (over L), so compare with the tokens per row).
     mask = response_mask(batch)
-    per_row = float(mask.sum()) / len(batch) if agg_mode == "seq-mean-token-sum" else 1.0
+    per_row = _per_row(agg_mode, mask, batch.input_ids.shape[1])
     assert 0 < whole_metrics["clip_frac"] < per_row
     assert 0 < whole_metrics["dual_clip_frac"] < per_row
     assert 0 < whole_metrics["tis_capped_frac"] < per_row
@@ -361,9 +369,9 @@ def test_value_split_matches_whole_batch(critic, agg_mode, clip):
     old = torch.where(mask, v + randn(mask.shape, 60, 0.3), 0.0).float()
     returns = torch.where(mask, v + randn(mask.shape, 61), 0.0).float()
     batch = batch.replace(values=old, returns=returns)
-    obj = ValueObjective(clip=clip, agg_mode=agg_mode)
+    obj = ValueObjective(clip=clip, agg_mode=agg_mode, agg_length=batch.input_ids.shape[1])
     result = run_whole_and_split(critic, obj, batch)
-    per_row = float(mask.sum()) / len(batch) if agg_mode == "seq-mean-token-sum" else 1.0
+    per_row = _per_row(agg_mode, mask, batch.input_ids.shape[1])
     if clip is not None:
         assert 0 < result[0]["value_clip_frac"] < per_row
     else:

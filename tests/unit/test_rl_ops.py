@@ -104,6 +104,23 @@ def test_kl_clamp_limits_the_log_ratio_only_when_asked():
         kl_estimate("k1", logps, ref, clamp=0.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_bounded_kl_stays_within_10_with_a_zero_gradient_beyond(dtype):
+    """What a run trains on or rewards: each value within +-10 (k3's exp(-log r) would overflow float32 at
+    log r < -88), exact inside the bound, and a token beyond it gets gradient exactly 0, never 0 x inf = NaN."""
+    log_r = torch.tensor([[0.5, -1000.0, 1000.0, -2.0]], dtype=dtype)
+    for name, inside in (("k1", 0.5), ("k2", 0.125), ("k3", math.exp(-0.5) + 0.5 - 1)):
+        logps = log_r.clone().requires_grad_(True)
+        value = kl_estimate(name, logps, torch.zeros_like(log_r), bounded=True)
+        value.sum().backward()
+        assert value[0, 0].item() == pytest.approx(inside, rel=1e-6)
+        assert value[0, 1].item() == (-10.0 if name == "k1" else 10.0) and value[0, 2].item() == 10.0
+        assert torch.isfinite(logps.grad).all() and logps.grad[0, 1] == 0 and logps.grad[0, 2] == 0
+        assert logps.grad[0, 0] != 0
+    unbounded = kl_estimate("k3", log_r[:, 3:], torch.zeros_like(log_r[:, 3:]))
+    assert unbounded.item() == pytest.approx(math.exp(2) - 3)  # 4.39: inside the bound, the same value
+
+
 # ============================================================================================== token rewards
 def test_token_level_rewards_put_the_score_on_the_last_response_token():
     scores = t([1.0, 2.0, 5.0])
@@ -636,7 +653,7 @@ def test_padding_never_affects_value_loss_with_a_mask():
         (KL_ESTIMATORS, ["k1", "k2", "k3"]),
         (ADVANTAGE_ESTIMATORS, ["dr_grpo", "gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]),
         (POLICY_LOSSES, ["gspo", "ppo"]),
-        (LOSS_AGGREGATIONS, ["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"]),
+        (LOSS_AGGREGATIONS, ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean"]),
     ],
 )
 def test_registry_errors_list_valid_names(registry, expected):

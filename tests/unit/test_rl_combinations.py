@@ -1,0 +1,239 @@
+"""Every (advantage estimator x policy loss x kl_mode x kl_estimator x loss aggregation) the config accepts trains what
+its papers say: one step on a tiny float64 batch, through the run's own path (the config, ``rl_runner._objectives``,
+``RLTrainer.advantages``, ``PolicyObjective``), against a plain-PyTorch reference written here from the papers,
+without any of the project's functions. A combination the config refuses must be one the maths does not support.
+
+The reference is ``tests/rl_reference_math.py`` (ragged, one sample at a time, no ``rlhf`` import), per row ``i``
+with response tokens ``t`` (columns of ``input_ids``; log-probs at column ``t`` are of ``softmax(logits[t - 1] / T)``):
+
+* KL estimators (Schulman 2020): ``k1 = x``, ``k2 = x^2 / 2``, ``k3 = e^-x + x - 1`` with ``x = log pi - log ref``,
+  each token's value clamped to [-10, 10] (the documented bound, OpenRLHF's and verl's).
+* KL in the reward: ``r_t = -beta k(old, ref)_t`` plus the score at the last response token (Ziegler et al. 2019),
+  for estimators that read token rewards; ``s_i - beta sum_t k_t`` (the sequence-level KL reward of Ahmadian et al.
+  2024) for those that read sequence scores.
+* GRPO (DeepSeekMath 4.1.2): ``(s - mean_g) / (std_g + 1e-6)``, unbiased std; Dr. GRPO (Liu et al. 2025):
+  ``s - mean_g``; RLOO (Ahmadian et al. 2024 eq. 6): ``s - mean of the others``; REINFORCE++ (Hu 2025): the
+  return-to-go, whitened over every response token of the batch (population variance, eps 1e-8); its baseline form
+  subtracts the group mean score at the last token first; GAE (Schulman et al. 2016 eq. 16).
+* PPO clip (Schulman et al. 2017 eq. 7) on ``exp(log pi - log pi_old)`` with 0.2; GSPO (Zheng et al. 2025, eq.
+  13-14, GSPO-token) on ``sg[s_i] pi_t / sg[pi_t]``, ``s_i = exp(mean_t log(pi / pi_old))``, clipped at its paper's
+  3e-4 / 4e-4.
+* Per token: policy loss ``+ beta k(pi, ref)`` (KL as a loss) ``- c H``; aggregated over the batch as each mode's
+  definition (``-norm``: token sums over the generation budget ``L``).
+"""
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhf.batch import Batch
+from rlhf.config.rl_schema import AlgorithmConfig, RewardConfig, RLRunConfig, RolloutConfig
+from rlhf.config.schema import ConfigError, DataConfig, ModelConfig, TrainConfig
+from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS
+from rlhf.ops.aggregation import LOSS_AGGREGATIONS
+from rlhf.ops.kl import KL_ESTIMATORS
+from rlhf.ops.policy_loss import POLICY_LOSSES
+from rlhf.trainers.rl import RLTrainer
+from rlhf.trainers.rl_runner import _objectives
+
+import rl_reference_math as ref
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB, TEMPERATURE, KL_COEF, ENTROPY_COEF, BUDGET = 64, 0.7, 0.3, 0.01, 8
+LENGTHS = [(3, 5), (2, 2), (4, 6), (1, 3), (3, 4), (2, 7)]  # (prompt, response) per row
+GROUPS = [1, 0, 1, 0, 0, 1]  # each sample's prompt: two groups of three, interleaved
+SCORES = [0.875, -0.375, 0.125, 1.25, 0.25, -1.125]  # exact in float32 (the trainer's scores are float32)
+# Tokens whose log-ratio to the reference is extreme (row, response position, log ref - log old): the bound matters.
+FAR_TOKENS = [(2, 1, -40.0), (5, 3, 25.0)]
+PAPER_CLIP = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # Schulman et al. 2017; Zheng et al. 2025 sec. 5.1
+KL_MODES = ("loss", "reward")
+
+
+def _combinations():
+    return list(itertools.product(ADVANTAGE_ESTIMATORS.names(), POLICY_LOSSES.names(), KL_MODES,
+                                  KL_ESTIMATORS.names(), LOSS_AGGREGATIONS.names()))
+
+
+def _config(estimator, loss, kl_mode, kl_estimator, agg) -> RLRunConfig:
+    return RLRunConfig(
+        model=ModelConfig(path="model"), data=DataConfig(train_path="prompts.jsonl"),
+        train=TrainConfig(global_batch_size=len(LENGTHS), micro_batch_size=len(LENGTHS)),
+        rollout=RolloutConfig(prompts_per_step=2, n_samples_per_prompt=3, max_new_tokens=BUDGET,
+                              temperature=TEMPERATURE),
+        reward=RewardConfig(functions=("r.py:f",)),
+        algo=AlgorithmConfig(advantage_estimator=estimator, policy_loss=loss, kl_mode=kl_mode,
+                             kl_estimator=kl_estimator, kl_coef=KL_COEF, entropy_coef=ENTROPY_COEF,
+                             loss_agg_mode=agg))
+
+
+# ------------------------------------------------------------------------------------------ the tiny problem
+@pytest.fixture(scope="module")
+def policy():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, pad_token_id=0,
+                                   attn_implementation="eager")
+    return transformers.Qwen2ForCausalLM(cfg).double()
+
+
+def _spans():
+    return [range(p, p + r) for p, r in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def problem(policy):
+    """The rollout batch with pi_old, reference log-probs and values as data (float64)."""
+    gen = torch.Generator().manual_seed(7)
+    width = max(p + r for p, r in LENGTHS)
+    ids = torch.zeros(len(LENGTHS), width, dtype=torch.long)
+    attn, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (p, r) in enumerate(LENGTHS):
+        ids[i, :p + r] = torch.randint(1, VOCAB, (p + r,), generator=gen)
+        attn[i, :p + r] = 1
+        loss_mask[i, p:p + r] = 1
+    with torch.no_grad():
+        now, _ = _reference_logps(policy, ids, attn)
+    noise = 0.3 * torch.randn(ids.shape, generator=gen, dtype=torch.float64)
+    noise[0] = 0.0  # row 0's ratio is exactly 1: GSPO's tiny clip range leaves it a gradient
+    old = (now + noise) * loss_mask
+    ref = (old + 0.2 * torch.randn(ids.shape, generator=gen, dtype=torch.float64)) * loss_mask
+    for row, pos, shift in FAR_TOKENS:
+        ref[row, LENGTHS[row][0] + pos] = old[row, LENGTHS[row][0] + pos] + shift
+    values = torch.randn(ids.shape, generator=gen, dtype=torch.float64) * loss_mask
+    batch = Batch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, sample_index=torch.arange(len(LENGTHS)),
+                  old_logps=old, ref_logps=ref, values=values)
+    return SimpleNamespace(batch=batch, old=old, ref=ref, values=values)
+
+
+# ------------------------------------------------------------------------------------------ the reference
+def _reference_logps(model, ids, attn):
+    """``(B, T)`` log-probs and entropies of ``softmax(logits / T)``; column ``t`` from position ``t - 1``."""
+    logits = model(input_ids=ids, attention_mask=attn).logits.double() / TEMPERATURE
+    logp = logits.log_softmax(-1)
+    out, entropy = torch.zeros(ids.shape, dtype=torch.float64), torch.zeros(ids.shape, dtype=torch.float64)
+    out[:, 1:] = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    entropy[:, 1:] = -(logp.exp() * logp).sum(-1)[:, :-1]
+    return out, entropy
+
+
+def _ragged(x, spans):
+    return [x[i, s] for i, s in enumerate(spans)]
+
+
+def _reference_advantages(name, kl_mode, kl_estimator, p):
+    """Per row: ``(advantages, returns)`` over its response tokens, and the mean reward penalty per token."""
+    spans, lengths = _spans(), [len(s) for s in _spans()]
+    kl_old = [ref.kl(kl_estimator, o, r) for o, r in zip(_ragged(p.old, spans), _ragged(p.ref, spans))]
+    coef = KL_COEF if kl_mode == "reward" else 0.0
+    mean_penalty = float(coef * torch.cat(kl_old).sum() / sum(lengths))
+    if name in ("grpo", "dr_grpo", "rloo"):  # sequence scores: the KL penalty summed over the response
+        scores = [s - coef * float(k.sum()) for s, k in zip(SCORES, kl_old)]
+        adv = ref.group_advantages(name, scores, GROUPS, lengths)
+        return adv, adv, mean_penalty
+    scores = list(SCORES)
+    if name == "reinforce_pp_baseline":  # the group's mean score as a baseline, at the last token
+        scores = [s - sum(SCORES[j] for j in range(len(SCORES)) if GROUPS[j] == g) / GROUPS.count(g)
+                  for s, g in zip(SCORES, GROUPS)]
+    rewards = ref.token_rewards(scores, kl_old, coef)
+    if name in ("reinforce_pp", "reinforce_pp_baseline"):
+        returns = ref.discounted_returns(rewards, 1.0)
+        return ref.whiten_all(returns), returns, mean_penalty
+    assert name == "gae", name  # gamma = lambda = 1 (the defaults)
+    adv, ret = ref.gae(rewards, _ragged(p.values, spans), 1.0, 1.0)
+    return adv, ret, mean_penalty
+
+
+def _reference_loss(model, combo, p, advantages):
+    estimator, loss_name, kl_mode, kl_estimator, agg = combo
+    low, high = PAPER_CLIP[loss_name]
+    spans = _spans()
+    logps, entropy = _reference_logps(model, p.batch.input_ids, p.batch.attention_mask)
+    per_row = []
+    for lp, old, adv, h, r in zip(_ragged(logps, spans), _ragged(p.old, spans), advantages,
+                                   _ragged(entropy, spans), _ragged(p.ref, spans)):
+        if loss_name == "ppo":
+            loss, _ = ref.ppo_token_loss(lp, old, adv, low, high)
+        else:
+            loss = ref.gspo_token_loss(lp, old, adv, low, high)
+        if kl_mode == "loss":
+            loss = loss + KL_COEF * ref.kl(kl_estimator, lp, r)
+        per_row.append(loss - ENTROPY_COEF * h)
+    return ref.aggregate(agg, per_row, BUDGET)
+
+
+def _grads(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return torch.cat([q.grad.reshape(-1) for q in model.parameters() if q.grad is not None])
+
+
+# ------------------------------------------------------------------------------------------ the tests
+def _refused(kl_mode, kl_estimator) -> bool:
+    """What the maths does not support: a k1 KL loss (zero gradient in expectation, Tang & Munos 2025)."""
+    return kl_mode == "loss" and kl_estimator == "k1"
+
+
+@pytest.mark.parametrize("combo", _combinations(), ids="-".join)
+def test_one_step_matches_the_papers(policy, problem, combo):
+    estimator, loss_name, kl_mode, kl_estimator, agg = combo
+    if _refused(kl_mode, kl_estimator):
+        with pytest.raises(ConfigError, match=r"^algo\.kl_estimator .*kl_mode=loss"):
+            _config(*combo)
+        return
+    cfg = _config(*combo)
+    batch, stats = RLTrainer.advantages(SimpleNamespace(cfg=cfg), problem.batch, torch.tensor(SCORES), GROUPS)
+    objective, _ = _objectives(cfg)
+
+    advantages, returns, penalty = _reference_advantages(estimator, kl_mode, kl_estimator, problem)
+    for i, s in enumerate(_spans()):
+        torch.testing.assert_close(batch.advantages[i, s], advantages[i], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(batch.returns[i, s], returns[i], rtol=1e-12, atol=1e-12)
+    assert stats["reward_kl_penalty"] == pytest.approx(penalty, rel=1e-12, abs=1e-15)
+
+    total, _ = objective.loss(policy, batch)
+    ours = total / objective.count(batch)
+    expected = _reference_loss(policy, combo, problem, advantages)
+    assert float(ours.detach()) == pytest.approx(float(expected.detach()), rel=1e-11, abs=1e-13)
+    ours_grad, expected_grad = _grads(policy, ours), _grads(policy, expected)
+    assert float(expected_grad.norm()) > 1e-6  # the step moves the policy
+    assert float((ours_grad - expected_grad).norm()) <= 1e-10 * float(expected_grad.norm())
+
+
+def test_the_sweep_exercises_what_it_claims(policy, problem):
+    """The problem is built so that each fixed bug would show: the reward KL moves GRPO's advantages, the KL bound
+    binds, GSPO's paper clip binds on some rows and not on row 0, and PPO's clip binds on some tokens."""
+    no_kl, _, _ = _reference_advantages("grpo", "loss", "k3", problem)
+    with_kl, _, _ = _reference_advantages("grpo", "reward", "k3", problem)
+    assert max(float((a - b).abs().max()) for a, b in zip(no_kl, with_kl)) > 0.1
+    spans = _spans()
+    raw = [(problem.old[i, s] - problem.ref[i, s]).abs() for i, s in enumerate(spans)]
+    assert max(float(x.max()) for x in raw) > 20  # values beyond the bound (k3 ~ e^25 unbounded)
+    with torch.no_grad():
+        now, _ = _reference_logps(policy, problem.batch.input_ids, problem.batch.attention_mask)
+    seq = [float(torch.exp((now[i, s] - problem.old[i, s]).mean())) for i, s in enumerate(spans)]
+    assert seq[0] == pytest.approx(1.0, abs=1e-12)
+    assert sum(not (1 - 3e-4 <= x <= 1 + 4e-4) for x in seq) >= 3
+    token = torch.cat([torch.exp(now[i, s] - problem.old[i, s]) for i, s in enumerate(spans)])
+    assert 0 < int(((token < 0.8) | (token > 1.2)).sum()) < len(token)
+
+
+def test_refused_combinations_name_their_keys():
+    """Exactly the combinations the maths does not support are refused, each error naming the keys."""
+    refused = []
+    for combo in _combinations():
+        try:
+            _config(*combo)
+        except ConfigError as exc:
+            refused.append(combo)
+            assert str(exc).startswith("algo.kl_estimator ") and "algo.kl_mode=loss" in str(exc)
+    assert refused == [c for c in _combinations() if _refused(c[2], c[3])]
+    for key, kwargs in (("algo.dual_clip", {"dual_clip": 2.0}), ("algo.tis_cap", {"tis_cap": 2.0})):
+        with pytest.raises(ConfigError, match=rf"^{key} .*'gspo'"):
+            AlgorithmConfig(policy_loss="gspo", **kwargs)
+        AlgorithmConfig(policy_loss="ppo", **kwargs)  # the token-level loss takes them
