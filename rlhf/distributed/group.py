@@ -241,6 +241,10 @@ class WorkerGroup:
             return {}
         return {**stats[0], "seconds": max(s["seconds"] for s in stats)}
 
+    def release_cached_memory(self) -> None:
+        """Every rank empties its CUDA cache (a no-op on CPU): before colocated rollout engines wake up."""
+        self._gather([w.release_cached_memory.remote() for w in self.workers], "release_cached_memory")
+
     def ping(self) -> List[int]:
         """Every rank's number, in order: a liveness check."""
         return self._gather([w.ping.remote() for w in self.workers], "ping")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from rlhf.distributed.resource_plan import ActorPlan, GroupPlan, ResourcePlan
 
@@ -80,6 +80,39 @@ def nodes_from_ray(rows: Sequence[dict]) -> Tuple[NodeShape, ...]:
                            gpus=int(row.get("Resources", {}).get("GPU", 0.0)),
                            name=str(row.get("NodeManagerAddress", "")))
                  for row in rows if row.get("Alive", False))
+
+
+def nodes_from_available(per_node: Mapping[str, Mapping[str, float]]) -> Tuple[NodeShape, ...]:
+    """What each live node has free (``ray._private.state.available_resources_per_node()``: node id -> resources).
+
+    Resources held by placement groups are already subtracted. Free GPUs are rounded down to whole devices: an
+    actor with resources of its own asks for whole GPUs, and Ray reports only the node's summed free fraction
+    (two half-free devices count as one here, which can overstate the room, never understate it).
+    """
+    return tuple(NodeShape(cpus=float(free.get("CPU", 0.0)), gpus=int(math.floor(free.get("GPU", 0.0) + _EPS)),
+                           name=str(node_id)[:8])
+                 for node_id, free in sorted(per_node.items()))
+
+
+def check_actors_fit(actors: ActorPlan, free: Sequence[NodeShape], hint: str = "",
+                     cluster: str = "the running cluster") -> None:
+    """Fail at once when ``actors`` (resources of their own) cannot all be placed on the nodes' free resources.
+
+    The same first-node-with-room simulation as :func:`pack` (and ``--dry-run``), on what a live cluster has left:
+    Ray would otherwise keep the actors pending, and a caller waiting on them would wait for ever.
+
+    Args:
+        actors: The actors about to be created.
+        free: Each node's free resources (:func:`nodes_from_available`).
+        hint: Appended to the message: the config keys that size the request.
+        cluster: How to name the cluster in the message.
+
+    Raises:
+        InfeasiblePlan: Naming the role, the first actor that does not fit, its request and what each node had.
+    """
+    packing = pack(ResourcePlan(requests=(actors,), actors=(actors,)), free, cluster)
+    if packing.failure:
+        raise InfeasiblePlan(packing.failure + (f"; {hint}" if hint else ""))
 
 
 def describe_cluster(nodes: Sequence[NodeShape]) -> str:

@@ -233,6 +233,16 @@ class TrainerWorker:
         # LoRA: the engines hold the base architecture; they get W + (alpha / r) B A under the base's names
         return sender.send(named if self.lora is None else merged_named_tensors(named, self.lora))
 
+    def release_cached_memory(self) -> None:
+        """Hand the CUDA caching allocator's free blocks back to the driver (a no-op on CPU), so that a rollout
+        engine on this device can map its memory back (the hybrid engine's wake-up): vLLM sizes what it maps from
+        the device's free memory, which the allocator's cache would otherwise hold."""
+        if torch.cuda.is_available():
+            import gc
+
+            gc.collect()  # tensors in reference cycles (the last step's graphs) give their blocks back first
+            torch.cuda.empty_cache()
+
     def ping(self) -> int:
         return self.rank
 

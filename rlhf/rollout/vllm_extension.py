@@ -53,12 +53,14 @@ class WeightSyncExtension:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         _quiet_buffer_only_layers()
+        self._rlhf_opened = {}  # IPC handles opened during this update (a failed earlier update's are dropped)
         initialize_layerwise_reload(self.model_runner.model)
 
     def rlhf_finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model_runner.model, self.model_runner.vllm_config.model_config)
+        self._rlhf_opened = {}  # closes the IPC handles: each gives its one reference back to the sender
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
@@ -82,8 +84,15 @@ class WeightSyncExtension:
 
     def rlhf_load_shared_bucket(self, metas: list, handle, nbytes: int) -> int:
         """IPC transport: the policy rank's packed bucket on this device. It is copied out first: the sender
-        reuses its buffer for the next bucket, and the reload keeps references until a layer is complete."""
-        return self._rlhf_load(metas, open_shared(handle)[:nbytes].clone())
+        reuses its buffer for the next bucket, and the reload keeps references until a layer is complete. The
+        sender hands the same handle for every bucket its buffer carries in one update: it is opened once, and
+        kept open until :meth:`rlhf_finish_weight_update`."""
+        opened = getattr(self, "_rlhf_opened", None)
+        if opened is None:
+            opened = self._rlhf_opened = {}
+        if handle not in opened:
+            opened[handle] = open_shared(handle)
+        return self._rlhf_load(metas, opened[handle][:nbytes].clone())
 
     def _rlhf_load(self, metas: list, data: torch.Tensor) -> int:
         device = self.model_runner.device  # not the parameters' device: mid-reload they live on "meta"

@@ -221,8 +221,23 @@ class RLTrainer:
                 **({"optimizer_steps_empty": empty} if empty else {})}
 
     def push_weights(self) -> dict:
-        self.actors.engines.wake_up()
-        return self.actors.policy.push_weights()  # through the transport connected at start-up
+        """The policy's weights -> the engines, through the transport connected at start-up; returns its stats.
+
+        Hybrid engine on GPUs (vLLM sleep mode, engines asleep since :meth:`train`'s generate): every trainer group
+        first empties its CUDA cache, the engines map their weights back (contents undefined after a level-2 sleep),
+        the sync fills them, and only then do the engines map their KV cache, so the sync's buckets and the cache
+        never compete for the device. Without sleep mode (CPU) the engines' two wake calls run and do nothing.
+        Every wake-up is thus followed by a full sync before the next generate.
+        """
+        a = self.actors
+        if a.engines.sleeps:
+            for group in (a.policy, a.reference, a.critic, a.reward_model):
+                if group is not None:
+                    group.release_cached_memory()
+        a.engines.wake_weights()
+        sync = a.policy.push_weights()
+        a.engines.wake_kv_cache()
+        return sync
 
     def evaluate(self, step: Optional[StepPlan]) -> dict:
         """Held-out prompts (``data.eval_path``), ``rollout.eval_samples_per_prompt`` samples each, scored like

@@ -8,7 +8,7 @@ import json
 import os
 from typing import Optional
 
-from rlhf.config.rl_schema import RLRunConfig
+from rlhf.config.rl_schema import HYBRID_BROADCAST_ON_GPUS, RLRunConfig
 from rlhf.distributed.cluster import actor_env
 from rlhf.distributed.errors import WorkerError
 from rlhf.distributed.resource_plan import engine_gpus, engine_sleep, policy_side_roles, rl_plan
@@ -122,6 +122,8 @@ def _connect_weight_sync(cfg: RLRunConfig, ctx, actors: RLActors) -> None:
     method = resolve_weight_sync(r.weight_sync, hybrid_engine=cfg.colocate.hybrid_engine, gpus_per_engine=gpus)
     bucket_bytes = r.weight_sync_bucket_mb << 20
     backend = "nccl" if gpus > 0 and ctx.gpus_per_worker > 0 else "gloo"  # both ends on GPUs, else host memory
+    if method == "broadcast" and cfg.colocate.hybrid_engine and backend == "nccl":  # known only now (auto GPUs)
+        raise ConfigError(f"rollout.weight_sync {HYBRID_BROADCAST_ON_GPUS}")
     try:
         actors.engines.connect_weight_sync(actors.policy, method, bucket_bytes, backend)
     except WorkerError as exc:

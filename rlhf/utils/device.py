@@ -6,6 +6,8 @@ cluster's resources (rlhf.trainers.run.start_cluster).
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 
 
@@ -16,16 +18,41 @@ def cuda_available() -> bool:
 
 
 def resolve_attn_implementation(requested: str) -> str:
-    """``auto`` -> ``flash_attention_2`` when on CUDA with flash-attn installed, else ``sdpa``."""
+    """``auto`` -> ``flash_attention_2`` when on CUDA with a flash-attn that imports, else ``sdpa`` (with a warning
+    that says why when flash-attn is installed but broken)."""
     if requested != "auto":
-        if requested == "flash_attention_2" and not (cuda_available() and _has_flash_attn()):
-            raise RuntimeError("model.attn_implementation=flash_attention_2 needs CUDA and the flash-attn package")
+        if requested == "flash_attention_2":
+            problem = "no CUDA device" if not cuda_available() else flash_attn_problem()
+            if problem:
+                raise RuntimeError(f"model.attn_implementation=flash_attention_2 needs CUDA and a working flash-attn "
+                                   f"package: {problem}")
         return requested
-    return "flash_attention_2" if cuda_available() and _has_flash_attn() else "sdpa"
+    if not cuda_available():
+        return "sdpa"
+    problem = flash_attn_problem()
+    if problem and importlib.util.find_spec("flash_attn") is not None:
+        import warnings
+
+        warnings.warn(f"model.attn_implementation=auto: using sdpa, not flash_attention_2: {problem}", RuntimeWarning)
+    return "sdpa" if problem else "flash_attention_2"
 
 
-def _has_flash_attn() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+@functools.lru_cache(maxsize=None)
+def flash_attn_problem() -> str:
+    """Why this process cannot use flash-attn; ``""`` when it can.
+
+    Its modules are imported, not only found: a wheel built for another torch or CUDA is found but fails to load
+    its extension (``undefined symbol``), which transformers would otherwise only meet at the first forward pass.
+    ``flash_attn_interface`` is the module holding the variable-length kernel that packing calls.
+    """
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn is not installed"
+    try:
+        importlib.import_module("flash_attn")
+        importlib.import_module("flash_attn.flash_attn_interface")
+    except Exception as exc:  # ImportError / OSError for a broken extension, RuntimeError from its own checks
+        return f"flash-attn is installed but does not import ({type(exc).__name__}: {exc})"
+    return ""
 
 
 def torch_dtype(precision: str):

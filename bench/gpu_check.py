@@ -1,0 +1,393 @@
+"""The one-GPU check: the project's training, packing and weight-sync paths on one device, in under 5 minutes.
+
+    python bench/gpu_check.py [--device cuda|cpu] [--precision bf16|fp32] [--model PATH]
+
+Needs only torch, transformers, peft and deepspeed (no Ray, no vLLM: nothing here imports them). Four checks, each
+with the project's own code, one process plus one receiver process:
+
+1. engine        ``TrainerWorker`` (the rank a Ray actor hosts, built here in-process on a one-rank process group:
+                 nccl on CUDA, gloo on CPU, as ``strategy.backend=auto`` picks) builds the ``TrainEngine``, ZeRO 0,
+                 the optimizer the engine picks, and takes one step.
+2. sft / dpo     one global batch of 8 rows, whole (micro 8 x GA 1) against split (micro 2 x GA 4), cut by
+                 ``cut_by_rows`` and normalised over the whole batch as ``WorkerGroup.train_batch`` does: loss, grad
+                 norm and the weights after one optimizer step, from the same start.
+3. packing       per-token log-probs of the packed forward (flash-attn varlen if importable, else the sdpa twin)
+                 against the padded forward; real tokens/s of each.
+4. ipc           ``IpcSender`` hands the model's weights in buckets (CUDA IPC handles; shared memory on CPU) to a
+                 receiver process running the vLLM worker extension's load path; every tensor's SHA-256 is compared.
+
+Prints one table and exits 1 if any check fails. ``--device cpu`` is the CPU twin (tests/unit/test_gpu_check.py).
+``--perturb-normalizer F`` multiplies the split runs' normalizer by F: a mis-normalised gradient, which the sft/dpo
+rows must catch (the failure case of the test).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+STARTED = time.perf_counter()
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+GLOBAL_BATCH, SPLIT_MICRO = 8, 2
+# Bounds on relative differences, by precision. What must be caught is a normalisation error: a wrong factor (the GA
+# count, a per-micro-batch mean) moves the loss or the grad norm by O(1) (0.33-0.75 for GA 4). Within a precision
+# the two cuts differ only in summation order and padding (matmul shapes):
+# * fp32 (unit roundoff 6e-8): measured ~2e-7 on losses and grad norms (shared/notes: "Numerics to expect");
+#   1e-4 leaves 500x for other CPUs and GPUs' TF32-free kernels while still 3000x below a normalisation error.
+# * bf16 (unit roundoff 2^-8 = 3.9e-3): every matmul output carries it; sums of many such terms over a batch
+#   average it down, so a few u, 2e-2 (~5u), is generous and still >15x below a normalisation error.
+# Weights after one AdamW step are compared as ||w_split - w_whole|| / ||w_whole - w_start||, relative to the
+# update itself: Adam's first step is ~lr * sign(g), so a coordinate whose gradient is ~0 (k_proj biases) or flips
+# sign by rounding moves by up to 2 lr. Measured on the tiny model (CPU): 1e-5 in fp32, 4e-2 in bf16, where the
+# weights the model holds are the fp32 masters rounded to bf16 (an lr-1e-3 step is a few bf16 ulps of a 0.02
+# weight). Bounds 1e-3 and 0.2 leave ~100x and ~5x; a step that went elsewhere (wrong LR, no step) is O(1).
+# Packed vs padded per-token log-probs: the same maths on differently shaped matmuls and attention kernels; measured
+# 2e-8 (fp32) and 3e-5 (bf16, CPU). Bounds 1e-4 and 5e-2 (~13u: flash-attn and sdpa round differently in bf16); a
+# row attending across a packing boundary changes log-probs by O(1).
+BOUNDS = {"fp32": {"loss": 1e-4, "grad_norm": 1e-4, "weights": 1e-3, "logps": 1e-4},
+          "bf16": {"loss": 2e-2, "grad_norm": 2e-2, "weights": 0.2, "logps": 5e-2}}
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def rel(a, b) -> float:
+    """``||a - b|| / ||b||`` in float64 (numbers or tensors)."""
+    import torch
+
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float((a - b).norm() / b.norm().clamp(min=1e-300))
+
+
+def within(name: str, value: float, bound: float) -> str:
+    return f"{name} {value:.1e}{'<=' if value <= bound else ' >'}{bound:.0e}"
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def random_rows(rows: int, lo: int, hi: int, vocab: int, seed: int, pairs: bool = False):
+    """A right-padded ``Batch`` of random tokens, ``(rows, T)`` or ``(rows, 2, T)``, lengths uniform in [lo, hi];
+    targets are every token after the first 4 (the "prompt")."""
+    import torch
+
+    from rlhf.batch import Batch
+
+    gen = torch.Generator().manual_seed(seed)
+    shape = (rows, 2) if pairs else (rows,)
+    lengths = torch.randint(lo, hi + 1, shape, generator=gen)
+    columns = torch.arange(hi)
+    mask = (columns < lengths[..., None]).long()
+    ids = torch.randint(4, vocab, (*shape, hi), generator=gen) * mask
+    return Batch(input_ids=ids, attention_mask=mask, loss_mask=mask * (columns >= 4).long())
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def build_worker(role: str, model_path: str, precision: str, micro: int):
+    """A one-rank ``TrainerWorker`` (the process group is already up) training the model on ZeRO 0."""
+    from rlhf.distributed.engine import EngineSpec, OptimSpec
+    from rlhf.distributed.worker import TrainerWorker
+    from rlhf.models.loading import ModelSpec
+
+    worker = TrainerWorker(role, 0, 1, num_threads=os.cpu_count() or 1)
+    worker.device = DEVICE
+    worker.build(ModelSpec(path=model_path, precision=precision, attn_implementation="auto"),
+                 EngineSpec.for_global_batch(GLOBAL_BATCH, micro, 1, zero_stage=0, precision=precision),
+                 OptimSpec(lr=1e-3, total_steps=1, max_grad_norm=0.0))  # no clipping: the norm is compared raw
+    return worker
+
+
+def one_step(worker, batch, objective, perturb: float = 1.0) -> dict:
+    """One optimizer step on ``batch`` cut as the worker's spec says -> loss, grad norm, weights before/after."""
+    import torch
+
+    from rlhf.distributed.micro_batches import cut_by_rows
+
+    spec = worker.engine.spec
+    shard = cut_by_rows(len(batch), 1, spec.micro_batch_size).micro_batches[0]
+    micro = [batch.select(rows).trim().contiguous() for rows in shard]  # as WorkerGroup cuts a global batch
+    normalizer = sum(objective.count(mb) for mb in micro)  # over the whole batch, before the first backward
+    flat = lambda: torch.cat([p.detach().double().flatten().cpu() for p in worker.model.parameters()])  # noqa: E731
+    start = flat()
+    result = worker.train_step(micro, objective, normalizer * perturb)
+    return {"loss": objective.finalize(result.sums, normalizer)["loss"], "grad_norm": result.grad_norm,
+            "start": start, "end": flat(), "applied": worker.engine.last_step_applied,
+            "optimizer": type(worker.engine.optimizer.optimizer).__name__
+            if hasattr(worker.engine.optimizer, "optimizer") else type(worker.engine.optimizer).__name__}
+
+
+def release() -> None:
+    """Free the engines and models of a finished check before the next one builds its own (``--model`` may be big)."""
+    import gc
+
+    import torch
+
+    gc.collect()  # DeepSpeed engines hold reference cycles
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def check_split_vs_whole(name, model_path, precision, batch, objective, perturb) -> list:
+    """The same global batch, the same starting weights: one step whole, one step split."""
+    whole = one_step(build_worker(f"{name}-whole", model_path, precision, GLOBAL_BATCH), batch, objective)
+    release()
+    split = one_step(build_worker(f"{name}-split", model_path, precision, SPLIT_MICRO), batch, objective, perturb)
+    release()
+    bounds = BOUNDS[precision]
+    diffs = {"loss": rel(split["loss"], whole["loss"]), "grad_norm": rel(split["grad_norm"], whole["grad_norm"]),
+             "weights": rel(split["end"] - split["start"], whole["end"] - whole["start"])}
+    ok = all(diffs[k] <= bounds[k] for k in diffs) and bool((split["start"] == whole["start"]).all())
+    detail = "  ".join(within(k, v, bounds[k]) for k, v in diffs.items())
+    rows = [(f"{name}: micro {GLOBAL_BATCH}xGA1 vs {SPLIT_MICRO}xGA{GLOBAL_BATCH // SPLIT_MICRO}", ok, detail, "")]
+    if name == "sft":  # the engine row: built, stepped, moved the weights, with a finite norm
+        engine_ok = whole["applied"] and math.isfinite(whole["grad_norm"]) and rel(whole["end"], whole["start"]) > 0
+        rows.insert(0, (f"engine: ZeRO 0 {precision}, {whole['optimizer']}", engine_ok,
+                        f"grad_norm {whole['grad_norm']:.4g}  loss {whole['loss']:.4f}", ""))
+    return rows
+
+
+def check_dpo(model_path: str, precision: str, vocab: int, perturb: float) -> list:
+    """Split vs whole for DPO; the reference log-probs are the starting policy's, from a frozen load of it."""
+    import torch
+
+    from rlhf.models.loading import ModelSpec, load_model
+    from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
+
+    pairs = random_rows(GLOBAL_BATCH, 8, 48, vocab, seed=2, pairs=True)
+    with torch.no_grad():
+        reference = load_model(ModelSpec(path=model_path, precision=precision)).to(DEVICE).eval()
+        pairs = pairs.replace(ref_logps=ReferenceLogps()(reference, pairs.to(DEVICE)).cpu())
+    del reference
+    return check_split_vs_whole("dpo", model_path, precision, pairs, DPOObjective(), perturb)
+
+
+def check_packing(model_path: str, precision: str, vocab: int) -> tuple:
+    """Packed vs padded forward of the same weights: per-token log-probs on the targets, and real tokens/s."""
+    import torch
+
+    from rlhf.models.loading import ModelSpec, load_model
+    from rlhf.models.packing import packed_attention
+    from rlhf.objectives.sft import causal_lm_token_logps
+    from rlhf.utils.device import resolve_attn_implementation
+
+    padded_attn = resolve_attn_implementation("auto")
+    rows, longest = (16, 512) if DEVICE.type == "cuda" else (8, 128)
+    batch = random_rows(rows, 8, longest, vocab, seed=7).to(DEVICE)
+    results = {}
+    for label, attn, packing in (("padded", padded_attn, False), ("packed", packed_attention(padded_attn), True)):
+        model = load_model(ModelSpec(path=model_path, precision=precision, attn_implementation=attn,
+                                     packing=packing)).to(DEVICE).eval()
+        with torch.no_grad():
+            logps = causal_lm_token_logps(model, batch.input_ids, batch.attention_mask, packing)  # warm-up too
+            times = []
+            for _ in range(3):
+                sync(DEVICE)
+                started = time.perf_counter()
+                causal_lm_token_logps(model, batch.input_ids, batch.attention_mask, packing)
+                sync(DEVICE)
+                times.append(time.perf_counter() - started)
+        results[label] = (logps[batch.loss_mask.bool()], int(batch.attention_mask.sum()) / min(times))
+        del model
+        release()
+    diff, bound = rel(results["packed"][0], results["padded"][0]), BOUNDS[precision]["logps"]
+    kernel = "flash-attn varlen" if packed_attention(padded_attn) == "flash_attention_2" else "sdpa twin"
+    tokens = f"padded {results['padded'][1]:,.0f} / packed {results['packed'][1]:,.0f}"
+    return (f"packing: {kernel} vs padded {padded_attn}", diff <= bound, within("logps", diff, bound), tokens)
+
+
+def digest(tensor) -> str:
+    """SHA-256 of a tensor's bytes (any dtype, any device)."""
+    import torch
+
+    flat = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+    return hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()
+
+
+def receive(conn, device_type: str) -> None:
+    """The receiver process (a hybrid engine's worker): the vLLM worker extension's IPC load path with a model that
+    keeps what it is given; answers each call, and ``finish`` with every tensor's digest."""
+    import torch
+
+    from rlhf.rollout.vllm_extension import WeightSyncExtension
+
+    class Model:
+        received: dict = {}
+
+        def load_weights(self, weights):
+            self.received.update({name: tensor.clone() for name, tensor in weights})
+
+    class Runner:
+        device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+        model = Model()
+
+    extension = WeightSyncExtension()
+    extension.model_runner = Runner()
+    while True:
+        call, args = conn.recv()
+        if call == "load_weights":
+            conn.send(extension.rlhf_load_shared_bucket(*args))
+        elif call == "finish_weight_update":
+            conn.send({name: digest(t) for name, t in Runner.model.received.items()})
+            return
+        else:
+            conn.send(None)
+
+
+class PipeEngine:
+    """What ``IpcSender`` calls (``engine.<method>.remote(...)``), forwarded over a pipe to :func:`receive`; each
+    call returns a "ref" whose :meth:`get` waits for the answer (one call is in flight at a time)."""
+
+    def __init__(self, conn, receiver) -> None:
+        self.conn, self.receiver = conn, receiver
+
+    def get(self, timeout_s: float = 120.0):
+        """The receiver's next answer; an error, not a hang, when it died or went silent."""
+        deadline = time.monotonic() + timeout_s
+        while not self.conn.poll(0.2):
+            if not self.receiver.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the receiver process {'died' if not self.receiver.is_alive() else 'is silent'}"
+                                   f" (exit code {self.receiver.exitcode})")
+        return self.conn.recv()
+
+    def __getattr__(self, call: str):
+        engine = self
+
+        class Method:
+            @staticmethod
+            def remote(*args):
+                engine.conn.send(("load_weights" if call == "load_shared_bucket" else call, args))
+                return engine
+
+        return Method()
+
+
+def check_ipc(model_path: str, precision: str) -> tuple:
+    """The model's weights through ``IpcSender`` (double-buffered buckets) into another process; digests compared."""
+    import multiprocessing
+
+    from rlhf.models.loading import ModelSpec, load_model
+    from rlhf.rollout.senders import IpcSender
+
+    class LocalIpcSender(IpcSender):  # the one Ray call of the sender (gather over actor refs) done over the pipe
+        answers: dict = {}
+
+        def _all(self, call, refs):
+            self.answers[call] = [ref.get() for ref in refs]
+            return self.answers[call]
+
+    model = load_model(ModelSpec(path=model_path, precision=precision)).to(DEVICE)
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be re-initialised in a forked child
+    ours, theirs = context.Pipe()
+    receiver = context.Process(target=receive, args=(theirs, DEVICE.type), daemon=True)
+    receiver.start()
+    try:
+        engine = PipeEngine(ours, receiver)
+        sender = LocalIpcSender(engine, 0, bucket_bytes=256 * 1024)  # small: many buckets, both buffers
+        sender.connect()
+        named = [(n, t.detach().to(sender.device)) for n, t in model.state_dict().items()]
+        stats = sender.send(iter(named))
+        got = sender.answers["finish_weight_update"][0]  # the receiver's digests
+    finally:
+        receiver.join(timeout=60)
+        if receiver.is_alive():
+            receiver.kill()
+    want = {name: digest(t) for name, t in named}
+    ok = got == want and receiver.exitcode == 0 and stats["buckets"] >= 2
+    kind = "CUDA IPC" if sender.device.type == "cuda" else "shared memory"
+    return (f"ipc: {kind}, {int(stats['buckets'])} buckets", ok,
+            f"sha256 {sum(got.get(n) == d for n, d in want.items())}/{len(want)} tensors",
+            f"{stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.2f} s")
+
+
+# ----------------------------------------------------------------------------------------------- main
+def print_table(rows) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+def run(args) -> int:
+    import torch
+
+    from rlhf.distributed.worker import TrainerWorker
+    from rlhf.objectives.sft import SFTObjective
+
+    model_path = args.model
+    if model_path is None:
+        from rlhf.models.tiny import build_tiny_model
+
+        model_path = build_tiny_model(os.path.join(tempfile.mkdtemp(prefix="gpu_check_"), "tiny"), seed=0)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    TrainerWorker("gpu-check", 0, 1).init_process_group("127.0.0.1", port, "nccl" if DEVICE.type == "cuda" else "gloo")
+
+    precision, perturb = args.precision, args.perturb_normalizer
+    checks = {"engine + sft": lambda: check_split_vs_whole("sft", model_path, precision,
+                                                          random_rows(GLOBAL_BATCH, 8, 48, vocab, seed=1),
+                                                          SFTObjective(), perturb),
+              "dpo": lambda: check_dpo(model_path, precision, vocab, perturb),
+              "packing": lambda: [check_packing(model_path, precision, vocab)],
+              "ipc": lambda: [check_ipc(model_path, precision)]}
+    rows = []
+    for name, check in checks.items():
+        try:
+            rows += check()
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run is a failed row, the others still run
+            traceback.print_exc()
+            rows.append((name, False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}", ""))
+        release()
+    table = [("check", "result", "relative differences (<= bound)", "tokens/s | throughput")]
+    table += [(name, "PASS" if ok else "FAIL", detail, speed) for name, ok, detail, speed in rows]
+    print(f"\nrlhf one-GPU check on {torch.cuda.get_device_name(0) if DEVICE.type == 'cuda' else 'cpu'}, "
+          f"{args.precision}, model {model_path}, {time.perf_counter() - STARTED:.0f} s")
+    print_table(table)
+    failed = [r[0] for r in rows if not r[1]]
+    print(f"\n{'FAILED: ' + ', '.join(failed) if failed else 'ALL PASSED'}")
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
+                        help="default: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--model", default=None, help="an HF causal LM directory (default: a tiny Qwen2 built here)")
+    parser.add_argument("--perturb-normalizer", type=float, default=1.0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+    if args.device == "cpu":  # the CPU twin, also on a GPU machine: DeepSpeed's CPU accelerator, no CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: run with --device cpu for the CPU twin")
+    global DEVICE
+    DEVICE = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    return run(args)
+
+
+DEVICE = None  # set by main()
+
+if __name__ == "__main__":
+    sys.exit(main())
