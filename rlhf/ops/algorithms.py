@@ -103,9 +103,9 @@ def facts_table() -> str:
              "|---|---|---|---|---|---|"]
     for name in POLICY_LOSSES:
         p = loss(name)
+        imposes = f"`{p.aggregation}`" if p.aggregation else "the estimator's"
         rows.append(f"| `{name}` | {p.paper} | {p.clip_low:g} / {p.clip_high:g} | "
-                    f"{'per sequence' if p.sequence_level else 'per token'} | "
-                    f"{'`' + p.aggregation + '`' if p.aggregation else 'the estimator' + chr(39) + 's'} | "
+                    f"{'per sequence' if p.sequence_level else 'per token'} | {imposes} | "
                     f"{'yes' if p.token_corrections else 'refused'} |")
     rows += ["", "| KL estimator | as a loss, its gradient follows | with algo.kl_mode=loss |", "|---|---|---|"]
     for name in KL_ESTIMATORS:

@@ -97,29 +97,26 @@ def problem(policy):
         ids[i, :p + r] = torch.randint(1, VOCAB, (p + r,), generator=gen)
         attn[i, :p + r] = 1
         loss_mask[i, p:p + r] = 1
+    now = torch.zeros(ids.shape, dtype=torch.float64)
     with torch.no_grad():
-        now, _ = _reference_logps(policy, ids, attn)
+        for i, (lp, s) in enumerate(zip(ref.logps_and_entropy(policy, _samples(ids), TEMPERATURE)[0], _spans())):
+            now[i, s] = lp
     noise = 0.3 * torch.randn(ids.shape, generator=gen, dtype=torch.float64)
     noise[0] = 0.0  # row 0's ratio is exactly 1: GSPO's tiny clip range leaves it a gradient
     old = (now + noise) * loss_mask
-    ref = (old + 0.2 * torch.randn(ids.shape, generator=gen, dtype=torch.float64)) * loss_mask
+    ref_logps = (old + 0.2 * torch.randn(ids.shape, generator=gen, dtype=torch.float64)) * loss_mask
     for row, pos, shift in FAR_TOKENS:
-        ref[row, LENGTHS[row][0] + pos] = old[row, LENGTHS[row][0] + pos] + shift
+        ref_logps[row, LENGTHS[row][0] + pos] = old[row, LENGTHS[row][0] + pos] + shift
     values = torch.randn(ids.shape, generator=gen, dtype=torch.float64) * loss_mask
     batch = Batch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, sample_index=torch.arange(len(LENGTHS)),
-                  old_logps=old, ref_logps=ref, values=values)
-    return SimpleNamespace(batch=batch, old=old, ref=ref, values=values)
+                  old_logps=old, ref_logps=ref_logps, values=values)
+    return SimpleNamespace(batch=batch, old=old, ref=ref_logps, values=values)
 
 
 # ------------------------------------------------------------------------------------------ the reference
-def _reference_logps(model, ids, attn):
-    """``(B, T)`` log-probs and entropies of ``softmax(logits / T)``; column ``t`` from position ``t - 1``."""
-    logits = model(input_ids=ids, attention_mask=attn).logits.double() / TEMPERATURE
-    logp = logits.log_softmax(-1)
-    out, entropy = torch.zeros(ids.shape, dtype=torch.float64), torch.zeros(ids.shape, dtype=torch.float64)
-    out[:, 1:] = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-    entropy[:, 1:] = -(logp.exp() * logp).sum(-1)[:, :-1]
-    return out, entropy
+def _samples(ids):
+    """``(prompt ids, response ids)`` per row: what the reference scores, one unpadded sequence at a time."""
+    return [(ids[i, :p].tolist(), ids[i, p:p + r].tolist()) for i, (p, r) in enumerate(LENGTHS)]
 
 
 def _ragged(x, spans):
@@ -153,10 +150,9 @@ def _reference_loss(model, combo, p, advantages):
     estimator, loss_name, kl_mode, kl_estimator, agg = combo
     low, high = PAPER_CLIP[loss_name]
     spans = _spans()
-    logps, entropy = _reference_logps(model, p.batch.input_ids, p.batch.attention_mask)
+    logps, entropy = ref.logps_and_entropy(model, _samples(p.batch.input_ids), TEMPERATURE)
     per_row = []
-    for lp, old, adv, h, r in zip(_ragged(logps, spans), _ragged(p.old, spans), advantages,
-                                   _ragged(entropy, spans), _ragged(p.ref, spans)):
+    for lp, old, adv, h, r in zip(logps, _ragged(p.old, spans), advantages, entropy, _ragged(p.ref, spans)):
         if loss_name == "ppo":
             loss, _ = ref.ppo_token_loss(lp, old, adv, low, high)
         else:
@@ -215,11 +211,11 @@ def test_the_sweep_exercises_what_it_claims(policy, problem):
     raw = [(problem.old[i, s] - problem.ref[i, s]).abs() for i, s in enumerate(spans)]
     assert max(float(x.max()) for x in raw) > 20  # values beyond the bound (k3 ~ e^25 unbounded)
     with torch.no_grad():
-        now, _ = _reference_logps(policy, problem.batch.input_ids, problem.batch.attention_mask)
-    seq = [float(torch.exp((now[i, s] - problem.old[i, s]).mean())) for i, s in enumerate(spans)]
+        now, _ = ref.logps_and_entropy(policy, _samples(problem.batch.input_ids), TEMPERATURE)
+    seq = [float(torch.exp((lp - old).mean())) for lp, old in zip(now, _ragged(problem.old, spans))]
     assert seq[0] == pytest.approx(1.0, abs=1e-12)
     assert sum(not (1 - 3e-4 <= x <= 1 + 4e-4) for x in seq) >= 3
-    token = torch.cat([torch.exp(now[i, s] - problem.old[i, s]) for i, s in enumerate(spans)])
+    token = torch.cat([torch.exp(lp - old) for lp, old in zip(now, _ragged(problem.old, spans))])
     assert 0 < int(((token < 0.8) | (token > 1.2)).sum()) < len(token)
 
 
