@@ -1,13 +1,13 @@
 """The one-GPU check: the project's training, packing and weight-sync paths on one device, in under 5 minutes.
 
-    python bench/gpu_check.py [--device cuda|cpu] [--precision bf16|fp32] [--model PATH]
+    python bench/gpu_check.py [--device cuda|cpu] [--precision bf16|fp32] [--zero-stage 0-3] [--model PATH]
 
-Needs only torch, transformers, peft and deepspeed (no Ray, no vLLM: nothing here imports them). Four checks, each
+Needs only torch, transformers, peft and deepspeed (no Ray, no vLLM: nothing here imports them). Five checks, each
 with the project's own code, one process plus one receiver process:
 
 1. engine        ``TrainerWorker`` (the rank a Ray actor hosts, built here in-process on a one-rank process group:
-                 nccl on CUDA, gloo on CPU, as ``strategy.backend=auto`` picks) builds the ``TrainEngine``, ZeRO 0,
-                 the optimizer the engine picks, and takes one step.
+                 nccl on CUDA, gloo on CPU, as ``strategy.backend=auto`` picks) builds the ``TrainEngine`` on ZeRO 0
+                 (``--zero-stage`` for another; runs use 2), the optimizer the engine picks, and takes one step.
 2. sft / dpo     one global batch of 8 rows, whole (micro 8 x GA 1) against split (micro 2 x GA 4), cut by
                  ``cut_by_rows`` and normalised over the whole batch as ``WorkerGroup.train_batch`` does: loss, grad
                  norm and the weights after one optimizer step, from the same start.
@@ -15,6 +15,8 @@ with the project's own code, one process plus one receiver process:
                  against the padded forward; real tokens/s of each.
 4. ipc           ``IpcSender`` hands the model's weights in buckets (CUDA IPC handles; shared memory on CPU) to a
                  receiver process running the vLLM worker extension's load path; every tensor's SHA-256 is compared.
+5. sync group    the weight-sync group's backend (NCCL on CUDA, gloo on CPU) forms and broadcasts, and a member that
+                 never arrives is named after the arrival bound instead of a hang.
 
 Prints one table and exits 1 if any check fails. ``--device cpu`` is the CPU twin (tests/unit/test_gpu_check.py).
 ``--perturb-normalizer F`` multiplies the split runs' normalizer by F: a mis-normalised gradient, which the sft/dpo
@@ -95,7 +97,7 @@ def random_rows(rows: int, lo: int, hi: int, vocab: int, seed: int, pairs: bool 
 
 # ----------------------------------------------------------------------------------------------- checks
 def build_worker(role: str, model_path: str, precision: str, micro: int):
-    """A one-rank ``TrainerWorker`` (the process group is already up) training the model on ZeRO 0."""
+    """A one-rank ``TrainerWorker`` (the process group is already up) training the model on ``--zero-stage``."""
     from rlhf.distributed.engine import EngineSpec, OptimSpec
     from rlhf.distributed.worker import TrainerWorker
     from rlhf.models.loading import ModelSpec
@@ -103,7 +105,7 @@ def build_worker(role: str, model_path: str, precision: str, micro: int):
     worker = TrainerWorker(role, 0, 1, num_threads=os.cpu_count() or 1)
     worker.device = DEVICE
     worker.build(ModelSpec(path=model_path, precision=precision, attn_implementation="auto"),
-                 EngineSpec.for_global_batch(GLOBAL_BATCH, micro, 1, zero_stage=0, precision=precision),
+                 EngineSpec.for_global_batch(GLOBAL_BATCH, micro, 1, zero_stage=ZERO_STAGE, precision=precision),
                  OptimSpec(lr=1e-3, total_steps=1, max_grad_norm=0.0))  # no clipping: the norm is compared raw
     return worker
 
@@ -112,13 +114,15 @@ def one_step(worker, batch, objective, perturb: float = 1.0) -> dict:
     """One optimizer step on ``batch`` cut as the worker's spec says -> loss, grad norm, weights before/after."""
     import torch
 
+    from rlhf.distributed.engine import iter_full_state
     from rlhf.distributed.micro_batches import cut_by_rows
 
     spec = worker.engine.spec
     shard = cut_by_rows(len(batch), 1, spec.micro_batch_size).micro_batches[0]
     micro = [batch.select(rows).trim().contiguous() for rows in shard]  # as WorkerGroup cuts a global batch
     normalizer = sum(objective.count(mb) for mb in micro)  # over the whole batch, before the first backward
-    flat = lambda: torch.cat([p.detach().double().flatten().cpu() for p in worker.model.parameters()])  # noqa: E731
+    # every weight whole (ZeRO-3 partitions gathered), in the state dict's order
+    flat = lambda: torch.cat([t.double().flatten() for _, t in iter_full_state(worker.model, ZERO_STAGE)])  # noqa: E731
     start = flat()
     result = worker.train_step(micro, objective, normalizer * perturb)
     return {"loss": objective.finalize(result.sums, normalizer)["loss"], "grad_norm": result.grad_norm,
@@ -152,7 +156,7 @@ def check_split_vs_whole(name, model_path, precision, batch, objective, perturb)
     rows = [(f"{name}: micro {GLOBAL_BATCH}xGA1 vs {SPLIT_MICRO}xGA{GLOBAL_BATCH // SPLIT_MICRO}", ok, detail, "")]
     if name == "sft":  # the engine row: built, stepped, moved the weights, with a finite norm
         engine_ok = whole["applied"] and math.isfinite(whole["grad_norm"]) and rel(whole["end"], whole["start"]) > 0
-        rows.insert(0, (f"engine: ZeRO 0 {precision}, {whole['optimizer']}", engine_ok,
+        rows.insert(0, (f"engine: ZeRO {ZERO_STAGE} {precision}, {whole['optimizer']}", engine_ok,
                         f"grad_norm {whole['grad_norm']:.4g}  loss {whole['loss']:.4f}", ""))
     return rows
 
@@ -181,7 +185,7 @@ def check_packing(model_path: str, precision: str, vocab: int) -> tuple:
     from rlhf.objectives.sft import causal_lm_token_logps
     from rlhf.utils.device import resolve_attn_implementation
 
-    padded_attn = resolve_attn_implementation("auto")
+    padded_attn = resolve_attn_implementation("auto", precision)
     rows, longest = (16, 512) if DEVICE.type == "cuda" else (8, 128)
     batch = random_rows(rows, 8, longest, vocab, seed=7).to(DEVICE)
     results = {}
@@ -278,6 +282,7 @@ def check_ipc(model_path: str, precision: str) -> tuple:
 
     from rlhf.models.loading import ModelSpec, load_model
     from rlhf.rollout.senders import IpcSender
+    from rlhf.rollout.sync_group import SyncTimeouts
 
     class LocalIpcSender(IpcSender):  # the one Ray call of the sender (gather over actor refs) done over the pipe
         answers: dict = {}
@@ -293,7 +298,8 @@ def check_ipc(model_path: str, precision: str) -> tuple:
     receiver.start()
     try:
         engine = PipeEngine(ours, receiver)
-        sender = LocalIpcSender(engine, 0, bucket_bytes=256 * 1024)  # small: many buckets, both buffers
+        sender = LocalIpcSender(engine, 0, bucket_bytes=256 * 1024,  # small: many buckets, both buffers
+                                timeouts=SyncTimeouts(connect_s=60.0, call_s=120.0))
         sender.connect()
         named = [(n, t.detach().to(sender.device)) for n, t in model.state_dict().items()]
         stats = sender.send(iter(named))
@@ -308,6 +314,38 @@ def check_ipc(model_path: str, precision: str) -> tuple:
     return (f"ipc: {kind}, {int(stats['buckets'])} buckets", ok,
             f"sha256 {sum(got.get(n) == d for n, d in want.items())}/{len(want)} tensors",
             f"{stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.2f} s")
+
+
+def check_sync_group() -> tuple:
+    """The weight-sync group's backend on this device (NCCL on CUDA: ``ProcessGroupNCCL`` on a prefixed store, the
+    probe broadcast, one member), and its arrival bound: a second member that never comes is named after the bound
+    (``rollout.weight_sync_connect_timeout_s``), before any NCCL rendezvous could wait for it."""
+    import torch
+
+    from rlhf.distributed.rendezvous import RendezvousTimeout, host_store
+    from rlhf.rollout.sync_group import GroupAddress, SyncGroup, SyncTimeouts
+
+    backend, bound = ("nccl" if DEVICE.type == "cuda" else "gloo"), 2.0
+    store = host_store("127.0.0.1", 0, 1, 60.0)
+    group = SyncGroup(GroupAddress("127.0.0.1", int(store.port), ("policy rank 0",), backend,
+                                   SyncTimeouts(60.0, 60.0)), rank=0, store=store)
+    data = torch.arange(4096, device=group.device).remainder(251).to(torch.uint8)
+    group.broadcast(data)
+    sync(DEVICE)
+    formed = group.device.type == DEVICE.type and int(data.long().sum()) == sum(i % 251 for i in range(4096))
+    group.close()
+    members = ("policy rank 0", "rollout engine 0 worker 0")
+    store = host_store("127.0.0.1", 0, len(members), 60.0)
+    started, named = time.perf_counter(), False
+    try:
+        SyncGroup(GroupAddress("127.0.0.1", int(store.port), members, backend, SyncTimeouts(bound, 60.0)), rank=0,
+                  store=store)
+    except RendezvousTimeout as exc:
+        named = f"rollout engine 0 worker 0 did not arrive within {bound:g} s" in str(exc)
+    waited = time.perf_counter() - started
+    return (f"sync group: {backend}, arrival bound", formed and named and waited < bound + 10,
+            f"1 member {'formed' if formed else 'FAILED'}; absent peer {'named' if named else 'NOT named'} after "
+            f"{waited:.1f} s (bound {bound:g} s)", "")
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -334,7 +372,8 @@ def run(args) -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    TrainerWorker("gpu-check", 0, 1).init_process_group("127.0.0.1", port, "nccl" if DEVICE.type == "cuda" else "gloo")
+    TrainerWorker("gpu-check", 0, 1).init_process_group("127.0.0.1", port, "nccl" if DEVICE.type == "cuda" else "gloo",
+                                                        timeout_s=60)
 
     precision, perturb = args.precision, args.perturb_normalizer
     checks = {"engine + sft": lambda: check_split_vs_whole("sft", model_path, precision,
@@ -342,7 +381,8 @@ def run(args) -> int:
                                                           SFTObjective(), perturb),
               "dpo": lambda: check_dpo(model_path, precision, vocab, perturb),
               "packing": lambda: [check_packing(model_path, precision, vocab)],
-              "ipc": lambda: [check_ipc(model_path, precision)]}
+              "ipc": lambda: [check_ipc(model_path, precision)],
+              "sync group": lambda: [check_sync_group()]}
     rows = []
     for name, check in checks.items():
         try:
@@ -357,6 +397,7 @@ def run(args) -> int:
           f"{args.precision}, model {model_path}, {time.perf_counter() - STARTED:.0f} s")
     print_table(table)
     failed = [r[0] for r in rows if not r[1]]
+    torch.distributed.destroy_process_group()  # NCCL warns at exit otherwise
     print(f"\n{'FAILED: ' + ', '.join(failed) if failed else 'ALL PASSED'}")
     return 1 if failed else 0
 
@@ -367,6 +408,8 @@ def main(argv=None) -> int:
     parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                         help="default: bf16 on cuda, fp32 on cpu")
     parser.add_argument("--model", default=None, help="an HF causal LM directory (default: a tiny Qwen2 built here)")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0,
+                        help="the engine's ZeRO stage for the engine, sft and dpo rows (runs use 2 by default)")
     parser.add_argument("--perturb-normalizer", type=float, default=1.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
@@ -380,7 +423,8 @@ def main(argv=None) -> int:
     transformers.utils.logging.disable_progress_bar()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --device cpu for the CPU twin")
-    global DEVICE
+    global DEVICE, ZERO_STAGE
+    ZERO_STAGE = args.zero_stage
     DEVICE = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if args.device == "cuda":
         torch.cuda.set_device(0)
@@ -388,6 +432,7 @@ def main(argv=None) -> int:
 
 
 DEVICE = None  # set by main()
+ZERO_STAGE = 0  # set by main()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,7 +11,7 @@
 #     --runtime-env-json '{"env_vars": {"NCCL_DEBUG": "WARN"}}' -- python -m MODULE --config CONFIG [KEY=VALUE ...]
 #
 # The repository root is uploaded as the job's working directory (minus what .gitignore lists). NCCL_DEBUG
-# defaults to WARN; NCCL_SOCKET_IFNAME / NCCL_IB_HCA / NCCL_IB_DISABLE / RLHF_WEIGHT_SYNC_TIMEOUT_S are added when
+# defaults to WARN; NCCL_SOCKET_IFNAME / NCCL_IB_HCA / NCCL_IB_DISABLE / DEEPSPEED_TIMEOUT are added when
 # set. Ray 2.60 clusters use token authentication: RAY_AUTH_MODE=token makes the job client send the token in
 # ~/.ray/auth_token (copy it from the head node).
 set -euo pipefail
@@ -28,7 +28,7 @@ fi
 
 : "${RAY_ADDRESS:?set RAY_ADDRESS=http://HEAD_IP:8265 (the dashboard of the head node), or DRY_RUN=1 to print the plan}"
 env_vars="\"NCCL_DEBUG\": \"${NCCL_DEBUG:-WARN}\""
-for var in NCCL_SOCKET_IFNAME NCCL_IB_HCA NCCL_IB_DISABLE RLHF_WEIGHT_SYNC_TIMEOUT_S; do
+for var in NCCL_SOCKET_IFNAME NCCL_IB_HCA NCCL_IB_DISABLE DEEPSPEED_TIMEOUT; do
   if [ -n "${!var:-}" ]; then env_vars+=", \"$var\": \"${!var}\""; fi
 done
 RAY_AUTH_MODE=token exec ray job submit --address "$RAY_ADDRESS" --working-dir . \

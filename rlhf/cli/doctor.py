@@ -90,7 +90,8 @@ def _probe_worker(gpus: float) -> dict:
     def probe() -> dict:
         import torch
 
-        return {"attn": resolve_attn_implementation("auto"), "cuda": torch.version.cuda or "none",
+        # strategy.precision=auto on a GPU is bf16 (on CPU attention is sdpa whatever the precision)
+        return {"attn": resolve_attn_implementation("auto", "bf16"), "cuda": torch.version.cuda or "none",
                 "devices": torch.cuda.device_count(), "bf16": bool(torch.cuda.is_available() and
                                                                     torch.cuda.is_bf16_supported())}
 

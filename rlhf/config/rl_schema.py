@@ -46,6 +46,11 @@ class RolloutConfig:
     # broadcast (NCCL / gloo group; refused with colocate.hybrid_engine on GPUs) | ipc (same device: CUDA IPC / shm)
     # | object_store
     weight_sync: str = "auto"
+    # Bounds on the weight sync (an engine that never answers is named, not waited for): forming the broadcast group
+    # (with weight_sync=auto, the wait before falling back to the object store), and any one call of a sync (a
+    # bucket's broadcast or load, the begin and end of an update)
+    weight_sync_connect_timeout_s: float = 60.0
+    weight_sync_timeout_s: float = 600.0
     eval_samples_per_prompt: int = 4  # with data.eval_path: samples per held-out prompt at each evaluation
     # Multi-turn episodes (with env.spec; docs/algorithms/multi_turn.md):
     max_turns: int = 1  # policy turns per episode at most
@@ -78,6 +83,8 @@ class RolloutConfig:
         _choice(self.on_prefix_mismatch, "rollout.on_prefix_mismatch", ("error", "truncate"))
         _choice(self.prompt_overflow, "rollout.prompt_overflow", ("skip", "truncate"))
         _choice(self.weight_sync, "rollout.weight_sync", WEIGHT_SYNC_METHODS)
+        for key in ("weight_sync_connect_timeout_s", "weight_sync_timeout_s"):
+            _check(getattr(self, key) > 0, f"rollout.{key}", f"must be > 0, got {getattr(self, key)}")
         _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= -1, "rollout.top_k", f"must be -1 or 0 (off) or a number of tokens >= 1, got {self.top_k}")

@@ -61,7 +61,7 @@ class ModelConfig:
     path: str = ""  # required: an HF model directory or a hub id (org/name[@revision])
     tokenizer_path: str = ""  # defaults to `path`
     ref_path: str = ""  # DPO/RL reference model; defaults to `path`
-    attn_implementation: str = "auto"  # auto: flash_attention_2 on GPU when flash_attn imports, else sdpa
+    attn_implementation: str = "auto"  # auto: flash_attention_2 on GPU in bf16/fp16 when flash_attn imports, else sdpa
     disable_dropout: bool = True  # dropout breaks split-vs-whole equivalence and RL log-prob ratios
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -221,8 +221,12 @@ class StrategyConfig:
     gpus_per_worker: float = -1.0  # -1: 1 when the Ray cluster has GPUs, else 0
     offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (GPU runs)
     deepspeed_config: str = ""  # optional user JSON, merged under the run's settings; contradicting fields are errors
+    # Bounds forming each role's process group: a rank that cannot reach rank 0, or never arrives, is named after
+    # this long instead of a hang (the ranks start in parallel; loading the model comes after).
+    init_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        _check(self.init_timeout_s > 0, "strategy.init_timeout_s", f"must be > 0, got {self.init_timeout_s}")
         _check(self.zero_stage in (0, 1, 2, 3), "strategy.zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}")
         _choice(self.precision, "strategy.precision", ("auto", "fp32", "bf16", "fp64", "fp16"))
         _check(self.precision != "fp16", "strategy.precision",

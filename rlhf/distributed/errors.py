@@ -1,25 +1,42 @@
 """Turning a failed or dead Ray actor into an error that names who failed: the role, the rank and the call."""
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+import time
+from typing import Any, List, Optional, Sequence
 
 
 class WorkerError(RuntimeError):
     """An actor of a worker group or a rollout engine failed or died; the message names the role, rank and call."""
 
 
-def gather(refs: List[Any], names: Sequence[str], call: str) -> List[Any]:
+class WorkerTimeout(WorkerError):
+    """Some actors did not answer a call within its bound (``unanswered`` names them): stuck, not failed. A call
+    sent to them now would queue behind the stuck one."""
+
+    def __init__(self, message: str, unanswered: Sequence[str]) -> None:
+        super().__init__(message)
+        self.unanswered = list(unanswered)
+
+
+def gather(refs: List[Any], names: Sequence[str], call: str, timeout_s: Optional[float] = None) -> List[Any]:
     """``ray.get(refs)`` in order, failing fast on the first that errors.
 
     ``names[i]`` names the actor behind ``refs[i]`` (e.g. ``"policy rank 1"``, ``"rollout engine 0"``). Waiting
     on all refs at once instead would hang: the collective peers of a dead rank wait for it forever.
+    ``timeout_s``: a bound on the whole call; past it, :class:`WorkerTimeout` names the actors that have not
+    answered (the members' own bounds, shorter, usually answer first with the peer they waited for).
     """
     import ray
 
     index = {ref: i for i, ref in enumerate(refs)}
     pending = list(refs)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            unanswered = [names[index[ref]] for ref in pending]
+            raise WorkerTimeout(f"{', '.join(unanswered)} did not answer {call} within {timeout_s:g} s", unanswered)
         try:
             ray.get(ready[0])
         except ray.exceptions.RayActorError as exc:

@@ -15,10 +15,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlhf.batch import Batch
+from rlhf.config.schema import StrategyConfig
 from rlhf.distributed.engine import EngineSpec, OptimSpec
 from rlhf.distributed.errors import WorkerError, gather
 from rlhf.distributed.micro_batches import StepCut, consecutive_by_tokens, cut_by_rows, cut_by_tokens
 from rlhf.distributed.placement import Placement
+from rlhf.distributed.rendezvous import DRIVER_GRACE_S
 from rlhf.distributed.worker import RankStepResult, TrainerWorker
 from rlhf.models.loading import ModelSpec
 from rlhf.objectives.base import Objective, ScoreFn, Sums, Totals
@@ -64,10 +66,14 @@ class GroupResources:
 class WorkerGroup:
     """``resources.num_workers`` :class:`TrainerWorker` actors for one ``role``."""
 
+    worker_class = TrainerWorker  # what each rank's actor hosts (a subclass may extend it)
+
     def __init__(self, role: str, resources: GroupResources, backend: str,
-                 placement: Optional[Placement] = None) -> None:
+                 placement: Optional[Placement] = None,
+                 init_timeout_s: float = StrategyConfig.init_timeout_s) -> None:
         """``placement``: a placement group shared with colocated roles (rank r on its bundle r); by default
-        the group makes and owns one of its own."""
+        the group makes and owns one of its own. ``init_timeout_s`` (``strategy.init_timeout_s``) bounds forming
+        the process group: a rank that never arrives is named, and the group's actors are stopped."""
         import ray
 
         self.role = role
@@ -81,14 +87,24 @@ class WorkerGroup:
         self.placement = placement
         self.engine_spec: Optional[EngineSpec] = None  # set by build(): the micro-batch and accumulation shape
         self.trainable = False
-        actor_cls = ray.remote(TrainerWorker)
+        actor_cls = ray.remote(self.worker_class)
         self.workers = [
             actor_cls.options(**placement.actor_options(rank), runtime_env={"env_vars": dict(resources.env_vars)})
             .remote(role, rank, self.size, placement.threads_per_actor)
             for rank in range(self.size)
         ]
-        addr, port = self._gather([self.workers[0].rendezvous_address.remote()], "rendezvous_address")[0]
-        self._gather([w.init_process_group.remote(addr, port, backend) for w in self.workers], "init_process_group")
+        try:
+            # started first, without the bound: a busy cluster may take long to start an actor (its runtime
+            # environment, imports), which is not a peer failing to arrive
+            self._gather([w.__ray_ready__.remote() for w in self.workers], "start")
+            addr, port = self._gather([self.workers[0].rendezvous_address.remote()], "rendezvous_address",
+                                      init_timeout_s)[0]
+            # the ranks' own bound names the rank they waited for; the driver's, longer, one that never answered
+            self._gather([w.init_process_group.remote(addr, port, backend, init_timeout_s) for w in self.workers],
+                         "init_process_group", init_timeout_s + DRIVER_GRACE_S)
+        except WorkerError:
+            self.shutdown()  # nothing stays blocked: the ranks still waiting, or stuck, are stopped
+            raise
 
     # ------------------------------------------------------------------ calls
     def build(self, model: ModelSpec, engine: EngineSpec, optim: Optional[OptimSpec]) -> List[Dict[str, int]]:
@@ -289,9 +305,9 @@ class WorkerGroup:
             raise RuntimeError(f"{self.role}: {call} before build()")
         return self.engine_spec
 
-    def _gather(self, refs: List[Any], call: str) -> List[Any]:
+    def _gather(self, refs: List[Any], call: str, timeout_s: Optional[float] = None) -> List[Any]:
         """``ray.get`` in rank order; the first failure raises a :class:`WorkerError` naming role and rank."""
-        return gather(refs, [f"{self.role} rank {r}" for r in range(len(refs))], call)
+        return gather(refs, [f"{self.role} rank {r}" for r in range(len(refs))], call, timeout_s)
 
 
 def _pieces(batch: Batch, size: int) -> List[Batch]:

@@ -18,6 +18,7 @@ import torch
 from rlhf.batch import Batch
 from rlhf.distributed.cluster import actor_placement
 from rlhf.distributed.engine import EngineSpec, OptimSpec, TrainEngine, build_ds_config, iter_full_state
+from rlhf.distributed.rendezvous import arrive, connect_store, host_store
 from rlhf.models.loading import ModelSpec, load_model
 from rlhf.models.lora import LoraSpec, apply_lora, merged_named_tensors, save_adapter, save_merged
 from rlhf.models.packing import packed_attention
@@ -61,6 +62,7 @@ class TrainerWorker:
         self.zero_stage = 0
         self.device = torch.device("cpu")
         self.weight_sender: Optional[WeightSender] = None
+        self._store = None  # the process group's rendezvous store (rank 0 hosts it; kept alive with the group)
         self.spec: Optional[ModelSpec] = None
         self.lora: Optional[LoraSpec] = None  # the adapters this trainable rank trains (model.lora.*)
 
@@ -74,22 +76,43 @@ class TrainerWorker:
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def init_process_group(self, master_addr: str, master_port: int, backend: str) -> None:
+    def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> None:
+        """Join this role's process group, hosted by rank 0 at ``master_addr:master_port``.
+
+        Bounded (``strategy.init_timeout_s``): a rank that cannot reach rank 0's store, or a group where a rank
+        never arrives, fails after ``timeout_s`` naming the rank (:mod:`rlhf.distributed.rendezvous`). The backend
+        is built only once every rank has arrived; DeepSpeed then adopts the group."""
         import deepspeed
+        from deepspeed.constants import default_pg_timeout
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        members = [f"{self.role} rank {r}" for r in range(self.world_size)]
+        if self.rank == 0:
+            self._store = host_store(master_addr, master_port, self.world_size, timeout_s)
+        else:
+            self._store = connect_store(master_addr, master_port, self.world_size, timeout_s, members[self.rank],
+                                        members[0])
+        arrive(self._store, self.rank, members, timeout_s, f"the {self.role}'s process group")
+        options = {}
         if backend == "nccl":
             # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is device 0 here.
             torch.cuda.set_device(0)
             self.device = torch.device("cuda", 0)
+            # bound as DeepSpeed binds it: the NCCL communicator is built here, every peer present (not on torch
+            # 2.6.x-2.7.0, where binding can hang, pytorch#153960: there it is built at the first collective)
+            if self.world_size > 1 and not torch.__version__.startswith(("2.6.", "2.7.0")):
+                options["device_id"] = self.device
+        # The collectives' own timeout stays DeepSpeed's (DEEPSPEED_TIMEOUT, 10 minutes by default).
+        torch.distributed.init_process_group(backend, store=self._store, rank=self.rank, world_size=self.world_size,
+                                             timeout=default_pg_timeout, **options)
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
     def build(self, model: ModelSpec, engine: EngineSpec, optim: Optional[OptimSpec]) -> Dict[str, int]:
         """Load the model; with ``optim`` wrap it in a training engine, else keep it frozen for scoring."""
         # Capability is decided where the model runs: flash-attention 2 on a CUDA worker that has it, else sdpa; a
         # packing run takes the variable-length form of either (rlhf.models.packing).
-        attention = resolve_attn_implementation(model.attn_implementation)
+        attention = resolve_attn_implementation(model.attn_implementation, model.precision)
         model = dataclasses.replace(model, attn_implementation=packed_attention(attention) if model.packing
                                     else attention)
         zero3 = None

@@ -9,8 +9,10 @@ from typing import List, Optional, Sequence
 from rlhf.distributed.errors import gather
 from rlhf.distributed.packing import InfeasiblePlan, check_actors_fit, nodes_from_available
 from rlhf.distributed.placement import Placement
+from rlhf.distributed.rendezvous import DRIVER_GRACE_S
 from rlhf.distributed.resource_plan import ROLLOUT, ActorPlan
 from rlhf.rollout.senders import make_senders
+from rlhf.rollout.sync_group import SyncTimeouts
 from rlhf.rollout.vllm_engine import VLLMSpec, Generation, SamplingSpec, VLLMEngine
 
 ROLE = "rollout engine"
@@ -112,25 +114,30 @@ class RolloutEngines:
         if self.sleeps:
             self._gather([h.wake_kv_cache.remote() for h in self.handles], "wake_kv_cache")
 
-    def connect_weight_sync(self, policy, method: str, bucket_bytes: int, backend: str) -> None:
+    def connect_weight_sync(self, policy, method: str, bucket_bytes: int, backend: str,
+                            timeouts: Optional[SyncTimeouts] = None) -> None:
         """Attach a sender per policy rank (``policy``: the trainable ``WorkerGroup``) and connect it to these
         engines by ``method`` (``broadcast`` | ``ipc`` | ``object_store``, already resolved); for a broadcast,
-        the policy's rank 0 and every engine worker form the weight-sync process group here.
+        the policy's rank 0 and every engine worker form the weight-sync process group here, within
+        ``timeouts.connect_s`` (default: ``rollout.weight_sync_connect_timeout_s``'s and ``weight_sync_timeout_s``'s
+        defaults).
 
-        Raises :class:`WorkerError` naming the rank or engine when the transport cannot be set up.
+        Raises :class:`WorkerError` naming the rank or engine when the transport cannot be set up
+        (:class:`~rlhf.distributed.errors.WorkerTimeout` when one did not answer at all).
         """
+        timeouts = timeouts or SyncTimeouts.of()
         workers = [self.tensor_parallel_size] * self.size
-        senders = make_senders(method, self.handles, workers, policy.size, bucket_bytes, backend)
+        senders = make_senders(method, self.handles, workers, policy.size, bucket_bytes, backend, timeouts)
         addresses = policy.attach_weight_senders(senders)
         joins = []
         if method == "broadcast":
-            address = addresses[0]
+            wire = addresses[0].to_wire()
             offsets = [1 + sum(workers[:e]) for e in range(self.size)]
-            joins = [h.join_weight_group.remote(address.host, address.port, address.world_size, address.backend,
-                                                offset) for h, offset in zip(self.handles, offsets)]
+            joins = [h.join_weight_group.remote(wire, offset) for h, offset in zip(self.handles, offsets)]
         refs = policy.connect_weight_senders_async() + joins
         names = [f"{policy.role} rank {r}" for r in range(policy.size)] + [f"{ROLE} {e}" for e in range(len(joins))]
-        gather(refs, names, "connect_weight_sync")
+        # the members' own bound (connect_s) names a member that never arrived; the driver's, one stuck elsewhere
+        gather(refs, names, "connect_weight_sync", timeouts.connect_s + DRIVER_GRACE_S)
 
     def ping(self) -> List[bool]:
         return self._gather([h.ready.remote() for h in self.handles], "ping")

@@ -46,7 +46,9 @@ def open_shared(handle: bytes) -> torch.Tensor:
         args[_STORAGE_DEVICE_ARG] = torch.cuda.current_device()
         return rebuild(*args)
     if kind == "shm":
-        import torch.multiprocessing.reductions  # noqa: F401 - registers the shared-storage rebuild functions
+        # Registers the shared-storage rebuild functions. Not ``import torch.multiprocessing.reductions``: that
+        # statement binds ``torch`` as a local name of this whole function, and the CUDA branch above then fails.
+        from torch.multiprocessing import reductions  # noqa: F401
 
         return pickle.loads(payload[0])
     raise ValueError(f"unknown shared-tensor handle kind {kind!r}")

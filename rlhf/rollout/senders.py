@@ -24,8 +24,9 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from rlhf.distributed.errors import WorkerError, gather
+from rlhf.distributed.rendezvous import DRIVER_GRACE_S
 from rlhf.rollout.ipc import share
-from rlhf.rollout.sync_group import GroupAddress, SyncGroup, listen
+from rlhf.rollout.sync_group import GroupAddress, SyncGroup, SyncTimeouts, listen
 from rlhf.rollout.weight_sync import ALIGN, bucket_groups, bucket_to_bytes, layout, pack_bucket
 
 ENGINE_ROLE = "rollout engine"
@@ -37,9 +38,10 @@ class _Sender:
 
     method = ""
 
-    def __init__(self, engines: Sequence, bucket_bytes: int, engine_ids: Optional[Sequence[int]] = None) -> None:
+    def __init__(self, engines: Sequence, bucket_bytes: int, timeouts: Optional[SyncTimeouts] = None,
+                 engine_ids: Optional[Sequence[int]] = None) -> None:
         self.engines = list(engines)
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes, self.timeouts = bucket_bytes, timeouts or SyncTimeouts.of()
         self.names = [f"{ENGINE_ROLE} {e}" for e in (engine_ids if engine_ids is not None else range(len(engines)))]
         self.device = torch.device("cpu")
 
@@ -72,7 +74,9 @@ class _Sender:
         raise NotImplementedError
 
     def _all(self, call: str, refs: list) -> list:
-        return gather(refs, self.names, call)
+        """The engines' answers to one call; an engine silent for ``timeouts.call_s`` (and a grace, in which the
+        engines' own bounds answer first) is named."""
+        return gather(refs, self.names, call, self.timeouts.call_s + DRIVER_GRACE_S)
 
 
 class ObjectStoreSender(_Sender):
@@ -91,9 +95,12 @@ class BroadcastSender(_Sender):
 
     method = "broadcast"
 
-    def __init__(self, engines: Sequence, engine_workers: Sequence[int], bucket_bytes: int, backend: str) -> None:
-        super().__init__(engines, bucket_bytes)
-        self.world_size = 1 + sum(engine_workers)
+    def __init__(self, engines: Sequence, engine_workers: Sequence[int], bucket_bytes: int, backend: str,
+                 timeouts: Optional[SyncTimeouts] = None) -> None:
+        super().__init__(engines, bucket_bytes, timeouts)
+        self.members = ["policy rank 0"] + [f"{ENGINE_ROLE} {e} worker {w}" for e, n in enumerate(engine_workers)
+                                            for w in range(n)]
+        self.world_size = len(self.members)
         self.backend = backend
         self._store = None
         self._address: Optional[GroupAddress] = None
@@ -101,7 +108,7 @@ class BroadcastSender(_Sender):
         self._reused: Optional[torch.Tensor] = None
 
     def listen(self) -> GroupAddress:
-        self._store, self._address = listen(self.world_size, self.backend)
+        self._store, self._address = listen(self.members, self.backend, self.timeouts)
         return self._address
 
     def connect(self) -> None:
@@ -131,8 +138,8 @@ class IpcSender(_Sender):
 
     method = "ipc"
 
-    def __init__(self, engine, engine_id: int, bucket_bytes: int) -> None:
-        super().__init__([engine], bucket_bytes, engine_ids=[engine_id])
+    def __init__(self, engine, engine_id: int, bucket_bytes: int, timeouts: Optional[SyncTimeouts] = None) -> None:
+        super().__init__([engine], bucket_bytes, timeouts, engine_ids=[engine_id])
         # Two shared buffers, used in turn: bucket k+1 is packed while the engine still reads bucket k, and a buffer
         # is packed again only after the load of the bucket it held was waited for (the base class's order).
         self._shared: List[Optional[torch.Tensor]] = [None, None]
@@ -192,17 +199,17 @@ def _fitting(buffer: Optional[torch.Tensor], group, bucket_bytes: int, device: t
 
 
 def make_senders(method: str, engines: Sequence, engine_workers: Sequence[int], num_ranks: int,
-                 bucket_bytes: int, backend: str) -> List[Optional[_Sender]]:
+                 bucket_bytes: int, backend: str, timeouts: Optional[SyncTimeouts] = None) -> List[Optional[_Sender]]:
     """One entry per policy rank (``None``: the rank only takes part in the ZeRO-3 gathers)."""
     if method == "ipc":
         if len(engines) != num_ranks:
             raise ValueError(f"ipc weight sync needs one engine per policy rank; got {len(engines)} engines for "
                              f"{num_ranks} ranks")
-        return [IpcSender(engine, r, bucket_bytes) for r, engine in enumerate(engines)]
+        return [IpcSender(engine, r, bucket_bytes, timeouts) for r, engine in enumerate(engines)]
     if method == "broadcast":
-        first: _Sender = BroadcastSender(engines, engine_workers, bucket_bytes, backend)
+        first: _Sender = BroadcastSender(engines, engine_workers, bucket_bytes, backend, timeouts)
     elif method == "object_store":
-        first = ObjectStoreSender(engines, bucket_bytes)
+        first = ObjectStoreSender(engines, bucket_bytes, timeouts)
     else:
         raise ValueError(f"unknown weight-sync method {method!r}")
     return [first] + [None] * (num_ranks - 1)

@@ -10,51 +10,83 @@ Rank 0 is the sender; engine ``e``'s tensor-parallel worker ``w`` is rank ``1 + 
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
-import os
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import torch
 
-# Bounds forming the group and every broadcast: a peer that never joins, or dies mid-broadcast, is an error
-# after this long rather than a hang (a closed TCP connection is reported at once by gloo).
-SYNC_TIMEOUT_S = float(os.environ.get("RLHF_WEIGHT_SYNC_TIMEOUT_S", "600"))
+from rlhf.config.rl_schema import RolloutConfig
+from rlhf.distributed.rendezvous import arrive, connect_store, host_store
+
 _PREFIX = "rlhf-weight-sync"
 
 
 @dataclass(frozen=True)
+class SyncTimeouts:
+    """The weight sync's bounds: a peer that never answers is an error naming it, never a hang."""
+
+    connect_s: float  # forming the group: reaching rank 0's store, every member arriving, the first collective
+    call_s: float  # one weight-sync call: a bucket's broadcast or load, the begin and finish of an update
+
+    @classmethod
+    def of(cls, rollout=RolloutConfig) -> "SyncTimeouts":
+        """A run's (``rollout.weight_sync_connect_timeout_s`` / ``weight_sync_timeout_s``); the defaults without
+        one (a custom loop)."""
+        return cls(connect_s=rollout.weight_sync_connect_timeout_s, call_s=rollout.weight_sync_timeout_s)
+
+
+@dataclass(frozen=True)
 class GroupAddress:
-    """Where the sender's store listens, and the group's shape."""
+    """Where the sender's store listens, the group's members (``members[r]`` names rank ``r``) and bounds."""
 
     host: str
     port: int
-    world_size: int
+    members: Tuple[str, ...]
     backend: str  # "nccl" | "gloo"
+    timeouts: SyncTimeouts
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def to_wire(self) -> dict:
+        """Plain data for an RPC into a vLLM worker process."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> "GroupAddress":
+        return cls(wire["host"], int(wire["port"]), tuple(wire["members"]), wire["backend"],
+                   SyncTimeouts(**wire["timeouts"]))
 
 
-def listen(world_size: int, backend: str, timeout_s: float = SYNC_TIMEOUT_S) -> Tuple[object, GroupAddress]:
-    """Rank 0: host the group's store on this node; returns the store (keep it alive) and its address."""
+def listen(members: Sequence[str], backend: str, timeouts: SyncTimeouts) -> Tuple[object, GroupAddress]:
+    """Rank 0: host the group's store on this node (a port the OS picks); returns the store (keep it alive) and
+    its address."""
     import ray
 
     host = ray.util.get_node_ip_address()
-    store = torch.distributed.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=timeout_s))
-    return store, GroupAddress(host, int(store.port), world_size, backend)
+    store = host_store(host, 0, len(members), timeouts.call_s)
+    return store, GroupAddress(host, int(store.port), tuple(members), backend, timeouts)
 
 
 class SyncGroup:
     """One member of the group; :meth:`broadcast` from rank 0 to all. Construction is collective: it returns once
-    every member has joined (or raises after the timeout)."""
+    every member has joined, or raises after ``timeouts.connect_s`` naming the members that did not
+    (:mod:`rlhf.distributed.rendezvous`)."""
 
-    def __init__(self, address: GroupAddress, rank: int, store=None, timeout_s: float = SYNC_TIMEOUT_S) -> None:
-        timeout = datetime.timedelta(seconds=timeout_s)
+    def __init__(self, address: GroupAddress, rank: int, store=None) -> None:
+        t = address.timeouts
         if store is None:
-            store = torch.distributed.TCPStore(address.host, address.port, address.world_size, is_master=False,
-                                               timeout=timeout)
+            store = connect_store(address.host, address.port, address.world_size, t.connect_s,
+                                  address.members[rank], address.members[0])
         self.rank, self.address, self._store = rank, address, store
         prefixed = torch.distributed.PrefixStore(_PREFIX, store)
-        self.backend = _make_backend(address.backend, prefixed, rank, address.world_size, timeout)
+        arrive(prefixed, rank, address.members, t.connect_s, "the weight-sync group")
+        # every member is here: the backend's own rendezvous (NCCL's at the first collective) waits for no one
+        self.backend = _make_backend(address.backend, prefixed, rank, address.world_size,
+                                     datetime.timedelta(seconds=t.call_s))
         self.device = torch.device("cuda", torch.cuda.current_device()) if address.backend == "nccl" else \
             torch.device("cpu")
         # NCCL builds its communicator at the first collective: one byte now makes a group that cannot really

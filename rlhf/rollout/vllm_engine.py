@@ -135,9 +135,10 @@ class VLLMEngine:
         """Object store: one bucket (``WeightBucket.wire_metas()`` and its bytes)."""
         return self.llm.collective_rpc("rlhf_load_bucket", args=(metas, payload))[0]
 
-    def join_weight_group(self, host: str, port: int, world_size: int, backend: str, rank_offset: int) -> None:
-        """Broadcast: every worker joins the weight-sync process group (rank ``rank_offset`` + its TP rank)."""
-        self.llm.collective_rpc("rlhf_join_weight_group", args=(host, port, world_size, backend, rank_offset))
+    def join_weight_group(self, address: dict, rank_offset: int) -> None:
+        """Broadcast: every worker joins the weight-sync process group (rank ``rank_offset`` + its TP rank);
+        ``address``: ``GroupAddress.to_wire()``."""
+        self.llm.collective_rpc("rlhf_join_weight_group", args=(address, rank_offset))
 
     def receive_bucket(self, metas: list, nbytes: int) -> int:
         """Broadcast: take part in one bucket's broadcast and load it."""

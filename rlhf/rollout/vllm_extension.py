@@ -69,10 +69,11 @@ class WeightSyncExtension:
         """Object-store transport: one bucket's bytes (``WeightBucket.wire_metas()`` + bytes)."""
         return self._rlhf_load(metas, bucket_from_bytes(payload))
 
-    def rlhf_join_weight_group(self, host: str, port: int, world_size: int, backend: str, rank_offset: int) -> None:
-        """Broadcast transport: join the weight-sync group as rank ``rank_offset`` + this worker's TP rank."""
+    def rlhf_join_weight_group(self, address: dict, rank_offset: int) -> None:
+        """Broadcast transport: join the weight-sync group (``GroupAddress.to_wire()``) as rank ``rank_offset`` +
+        this worker's TP rank."""
         rank = rank_offset + self.rank  # the vLLM worker's rank within its engine (tensor parallel)
-        self._rlhf_group = SyncGroup(GroupAddress(host, port, world_size, backend), rank=rank)
+        self._rlhf_group = SyncGroup(GroupAddress.from_wire(address), rank=rank)
 
     def rlhf_receive_bucket(self, metas: list, nbytes: int) -> int:
         """Broadcast transport: receive one bucket from rank 0 into a new buffer (never reused: the reload keeps

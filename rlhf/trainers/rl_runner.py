@@ -10,7 +10,7 @@ from typing import Optional
 
 from rlhf.config.rl_schema import HYBRID_BROADCAST_ON_GPUS, RLRunConfig
 from rlhf.distributed.cluster import actor_env
-from rlhf.distributed.errors import WorkerError
+from rlhf.distributed.errors import WorkerError, WorkerTimeout
 from rlhf.distributed.resource_plan import engine_gpus, engine_sleep, policy_side_roles, rl_plan
 from rlhf.envs import EnvError, EnvironmentPool, load_environment
 from rlhf.config.schema import ConfigError
@@ -25,6 +25,7 @@ from rlhf.ops.policy_loss import PolicyLossConfig
 from rlhf.rewards.functions import RewardFunctionScorer
 from rlhf.rl import ChatObservations, TurnLimits
 from rlhf.rollout.engines import RolloutEngines
+from rlhf.rollout.sync_group import SyncTimeouts
 from rlhf.rollout.vllm_engine import VLLMSpec
 from rlhf.rollout.weight_sync import resolve_weight_sync
 from rlhf.trainers.offline import check_paths, load_tokenizer
@@ -34,7 +35,9 @@ from rlhf.trainers.rl_experience import PromptSet, prepare_prompts
 from rlhf.trainers.rl_rollout import EpisodeRollout, observation_format
 from rlhf.trainers.run import (Run, RunContext, RunResult, check_lora_targets, lora_models, optim_spec,
                                run_identity, with_restarts)
-from rlhf.utils.versions import check_versions
+from rlhf.utils.versions import TRAINING_PACKAGES, check_versions
+
+RL_PACKAGES = TRAINING_PACKAGES + ("vllm",)  # what the driver and every node must have in range
 
 
 def _objectives(cfg: RLRunConfig):
@@ -124,10 +127,13 @@ def _connect_weight_sync(cfg: RLRunConfig, ctx, actors: RLActors) -> None:
     backend = "nccl" if gpus > 0 and ctx.gpus_per_worker > 0 else "gloo"  # both ends on GPUs, else host memory
     if method == "broadcast" and cfg.colocate.hybrid_engine and backend == "nccl":  # known only now (auto GPUs)
         raise ConfigError(f"rollout.weight_sync {HYBRID_BROADCAST_ON_GPUS}")
+    timeouts = SyncTimeouts.of(r)
     try:
-        actors.engines.connect_weight_sync(actors.policy, method, bucket_bytes, backend)
+        actors.engines.connect_weight_sync(actors.policy, method, bucket_bytes, backend, timeouts)
     except WorkerError as exc:
-        if _actor_died(exc):  # not a transport that cannot form: the run's actors are gone
+        # not a transport that cannot form: the run's actors are gone, or one is stuck (a fallback would queue
+        # behind its call)
+        if _actor_died(exc) or isinstance(exc, WorkerTimeout):
             raise
         if r.weight_sync != "auto" or method == "object_store":
             raise ConfigError(f"rollout.weight_sync={r.weight_sync}: cannot set up the {method} transport: "
@@ -135,7 +141,7 @@ def _connect_weight_sync(cfg: RLRunConfig, ctx, actors: RLActors) -> None:
         print(f"[rl] weight sync: a {method} group could not be formed ({exc}); using the object store "
               f"(rollout.weight_sync=auto)", flush=True)
         method = "object_store"
-        actors.engines.connect_weight_sync(actors.policy, method, bucket_bytes, backend)
+        actors.engines.connect_weight_sync(actors.policy, method, bucket_bytes, backend, timeouts)
     print(f"[rl] weight sync: {method} in {r.weight_sync_bucket_mb} MB buckets"
           + (f" ({backend})" if method == "broadcast" else ""), flush=True)
 
@@ -229,7 +235,7 @@ def train_ppo(cfg: RLRunConfig) -> RunResult:
 
 
 def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
-    check_versions(("torch", "transformers", "deepspeed", "ray", "vllm"))
+    check_versions(RL_PACKAGES)
     _check_rl_paths(cfg)
     if cfg.reward.model_path:
         check_scalar_head(model_dir(cfg.reward.model_path), "reward.model_path", cfg.reward.model_path)
@@ -266,7 +272,7 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
                   f"rollout.max_episode_tokens={r.max_episode_tokens}: long episodes will end at the token budget "
                   f"(episode/ended_token_budget)", flush=True)
     run = Run(cfg, "rl", plan, _identity(cfg, plan))
-    with run.cluster(needed_cpus=_needed_cpus(cfg)) as ctx:
+    with run.cluster(needed_cpus=_needed_cpus(cfg), packages=RL_PACKAGES) as ctx:
         actors = _start_actors(cfg, ctx, optimizer_steps)
         _write_placement(actors, t.output_dir)
         policy_objective, value_objective = _objectives(cfg)

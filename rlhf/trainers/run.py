@@ -31,6 +31,7 @@ from rlhf.distributed.cluster import actor_env, cluster_gpus, init_ray
 from rlhf.distributed.engine import EngineSpec, OptimSpec
 from rlhf.distributed.errors import WorkerError
 from rlhf.distributed.group import GroupResources, WorkerGroup
+from rlhf.distributed.node_versions import check_node_versions
 from rlhf.distributed.placement import Placement
 from rlhf.distributed.resource_plan import resolve_devices
 from rlhf.models.loading import SCALAR_HEAD, ModelSpec
@@ -40,6 +41,7 @@ from rlhf.trainers.health import TrainingHealthError, check_health, guard_from_c
 from rlhf.trainers.output_dir import prepare_output_dir
 from rlhf.utils.metrics import (SKIPPED_NOTE, Progress, RunWriters, format_row, progress_bar_setting, read_metrics,
                                 skipped_row)
+from rlhf.utils.versions import TRAINING_PACKAGES
 
 
 @dataclass(frozen=True)
@@ -89,9 +91,10 @@ class Run:
         self.trained: Dict[str, WorkerGroup] = {}  # the trainable groups by role: what checkpoints hold
 
     @contextlib.contextmanager
-    def cluster(self, needed_cpus: float) -> Iterator["RunContext"]:
-        """Join or start Ray for ``needed_cpus``; on exit the metric files are closed and every group shut down."""
-        ctx = start_cluster(self.cfg, needed_cpus)
+    def cluster(self, needed_cpus: float, packages: Tuple[str, ...] = TRAINING_PACKAGES) -> Iterator["RunContext"]:
+        """Join or start Ray for ``needed_cpus`` (every node's ``packages`` checked); on exit the metric files are
+        closed and every group shut down."""
+        ctx = start_cluster(self.cfg, needed_cpus, packages)
         try:
             yield ctx
         finally:
@@ -289,10 +292,12 @@ def run_identity(cfg, plan: EpochPlan) -> dict:
             "examples in data.train_path": plan.num_samples}
 
 
-def start_cluster(cfg, needed_cpus: float) -> "RunContext":
-    """Join or start Ray; precision and backend follow the cluster's workers (the driver may have no GPU)."""
+def start_cluster(cfg, needed_cpus: float, packages: Tuple[str, ...] = TRAINING_PACKAGES) -> "RunContext":
+    """Join or start Ray; every node's install of ``packages`` is checked; precision and backend follow the
+    cluster's workers (the driver may have no GPU)."""
     init_ray(cfg.ray.address, cfg.ray.num_cpus, needed_cpus=needed_cpus)
     devices = resolve_devices(cfg.strategy, cluster_gpus())  # what --dry-run resolves for its cluster too
+    check_node_versions(packages, devices.gpus_per_worker > 0, cfg.model.attn_implementation)  # each node's install
     user_ds_config = check_user_config(cfg, devices.precision)  # before any actor starts
     return RunContext(cfg=cfg, precision=devices.precision, backend=devices.backend,
                       gpus_per_worker=devices.gpus_per_worker, user_ds_config=user_ds_config)
@@ -334,7 +339,8 @@ class RunContext:
         """A worker group for ``role``; ``placement`` (from :meth:`shared_placement`) colocates it."""
         resources = GroupResources(num_workers=num_workers, cpus_per_worker=self.cfg.strategy.cpus_per_worker,
                                    gpus_per_worker=self.gpus_per_worker, env_vars=actor_env(self.gpus_per_worker))
-        group = WorkerGroup(role, resources, self.backend, placement=placement)
+        group = WorkerGroup(role, resources, self.backend, placement=placement,
+                            init_timeout_s=self.cfg.strategy.init_timeout_s)
         self.groups.append(group)
         return group
 

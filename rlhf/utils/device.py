@@ -17,17 +17,24 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve_attn_implementation(requested: str) -> str:
-    """``auto`` -> ``flash_attention_2`` when on CUDA with a flash-attn that imports, else ``sdpa`` (with a warning
-    that says why when flash-attn is installed but broken)."""
+# flash-attn's kernels take half precision only; an fp32 or fp64 model on a GPU runs sdpa
+FLASH_ATTN_PRECISIONS = ("bf16", "fp16")
+
+
+def resolve_attn_implementation(requested: str, precision: str) -> str:
+    """``auto`` -> ``flash_attention_2`` when on CUDA with a flash-attn that imports and a half-precision model
+    (``precision``, as ``strategy.precision`` resolved), else ``sdpa`` (with a warning that says why when
+    flash-attn is installed but broken)."""
     if requested != "auto":
         if requested == "flash_attention_2":
-            problem = "no CUDA device" if not cuda_available() else flash_attn_problem()
+            problem = ("no CUDA device" if not cuda_available() else
+                       f"it runs bf16 or fp16 only, and this model is {precision}"
+                       if precision not in FLASH_ATTN_PRECISIONS else flash_attn_problem())
             if problem:
                 raise RuntimeError(f"model.attn_implementation=flash_attention_2 needs CUDA and a working flash-attn "
                                    f"package: {problem}")
         return requested
-    if not cuda_available():
+    if not cuda_available() or precision not in FLASH_ATTN_PRECISIONS:
         return "sdpa"
     problem = flash_attn_problem()
     if problem and importlib.util.find_spec("flash_attn") is not None:

@@ -33,3 +33,24 @@ def test_a_failing_capability_is_reported_and_fails_the_exit_status(capsys):
     assert doctor.report(checks) == 1
     out = capsys.readouterr().out
     assert "broken" in out and "FAIL  RuntimeError: no engine" in out and "1 passed, 1 failed: broken" in out
+
+
+def test_every_node_reports_the_drivers_versions_and_a_silent_node_is_named():
+    """The per-node version task (what every run's ``start_cluster`` runs before its actors) runs on the session's
+    node and finds the driver's own install; a node that does not answer in time is named, not waited for."""
+    import ray
+
+    from rlhf.distributed.node_versions import check_node_versions, node_reports
+    from rlhf.utils.versions import TRAINING_PACKAGES, UnsupportedVersionError, local_report
+
+    reports = node_reports(timeout_s=60)
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    assert [r.ip for r in reports] == [n["NodeManagerAddress"] for n in alive]
+    here = local_report("the driver", 0.0)
+    for report in reports:
+        assert (report.distributions, report.torch_cuda) == (here.distributions, here.torch_cuda)
+        assert report.distributions["deepspeed"] == "0.19.8" and report.gpus == 0.0
+    check_node_versions(TRAINING_PACKAGES + ("vllm",), uses_gpus=False)  # nothing to refuse here
+    with pytest.raises(UnsupportedVersionError, match=rf"node {re.escape(alive[0]['NodeManagerAddress'])}: did not "
+                                                      r"report its library versions within 0 s"):
+        node_reports(timeout_s=0)  # no task finishes in no time: ray.wait returns at once

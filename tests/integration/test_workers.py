@@ -1,10 +1,15 @@
 """Worker groups on real Ray actors: placement, the process group, and failures named by role and rank."""
 from __future__ import annotations
 
+import sys
+import time
+
 import pytest
 
 from rlhf.distributed.cluster import actor_env
+from rlhf.distributed.errors import WorkerTimeout, gather
 from rlhf.distributed.group import GroupResources, WorkerError, WorkerGroup
+from rlhf.distributed.worker import TrainerWorker
 
 from shared_helpers import wait_until_dead
 
@@ -73,6 +78,71 @@ def test_worker_exception_is_reported_with_role_rank_and_cause():
             group.train_step([[]], objective=None, normalizer=1)
     finally:
         group.shutdown()
+
+
+class _RankOneNeverArrives(TrainerWorker):
+    """Rank 1 is stuck before it reaches the rendezvous (a slow import, a hung filesystem): it never arrives."""
+
+    def init_process_group(self, master_addr, master_port, backend, timeout_s):
+        if self.rank == 1:
+            time.sleep(3600)
+        super().init_process_group(master_addr, master_port, backend, timeout_s)
+
+
+class _NeverArrivingGroup(WorkerGroup):
+    worker_class = _RankOneNeverArrives
+
+
+def test_a_rank_that_never_arrives_is_named_and_nothing_stays_blocked():
+    """The gloo twin of a GPU group whose peer never comes: rank 0 gives up after strategy.init_timeout_s naming
+    rank 1 (not torch's 30 minutes), the group stops its actors (rank 1's stuck call too) and its placement."""
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stand-in class travels by value
+    before = _placement_groups()
+    with pytest.raises(WorkerError, match=r"^policy rank 0 failed in init_process_group: RendezvousTimeout: the "
+                                          r"policy's process group: policy rank 1 did not arrive within 3 s"):
+        _NeverArrivingGroup("policy", GroupResources(num_workers=2, cpus_per_worker=0.5, env_vars=actor_env(0)),
+                            "gloo", init_timeout_s=3.0)
+    assert _placement_groups() == before  # the group's own placement group is gone
+    _wait_until(lambda: {a["State"] for a in _actors("_RankOneNeverArrives")} == {"DEAD"})  # rank 1's call too
+
+
+def _actors(class_name: str) -> list:
+    from ray._private import state
+
+    return [a for a in state.actors().values() if a["ActorClassName"] == class_name]
+
+
+def _wait_until(condition, timeout_s: float = 60.0) -> None:
+    """``ray.kill`` is asynchronous: wait for its effect, failing after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "still not so after the kill"
+        time.sleep(0.2)
+
+
+def test_an_actor_that_does_not_answer_is_named_when_the_call_has_a_bound():
+    """The driver's own bound (past the members' bounds): a call still running is named, not waited for."""
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    stuck = ray.remote(num_cpus=0)(_sleep).remote(3600)
+    try:
+        with pytest.raises(WorkerTimeout, match=r"^rollout engine 3 did not answer connect_weight_sync within 1 s$"):
+            gather([stuck], ["rollout engine 3"], "connect_weight_sync", timeout_s=1.0)
+    finally:
+        ray.cancel(stuck, force=True)
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _placement_groups() -> set:
+    import ray
+
+    return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"}
 
 
 def test_impossible_placement_fails_naming_the_role():

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = ("engine: ZeRO 0 fp32", "sft: micro 8xGA1 vs 2xGA4", "dpo: micro 8xGA1 vs 2xGA4", "packing: sdpa twin",
-        "ipc: shared memory")
+        "ipc: shared memory", "sync group: gloo, arrival bound")
 
 
 @pytest.fixture(scope="module")

@@ -191,15 +191,27 @@ def test_a_flash_attn_that_does_not_import_falls_back_to_sdpa_naming_why(fake_cu
     _fake_flash_attn(tmp_path, "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.warns(RuntimeWarning, match="using sdpa, not flash_attention_2: .*undefined symbol"):
-        assert fake_cuda.resolve_attn_implementation("auto") == "sdpa"
+        assert fake_cuda.resolve_attn_implementation("auto", "bf16") == "sdpa"
     with pytest.raises(RuntimeError, match=r"model.attn_implementation=flash_attention_2 .*undefined symbol"):
-        fake_cuda.resolve_attn_implementation("flash_attention_2")
+        fake_cuda.resolve_attn_implementation("flash_attention_2", "bf16")
 
 
 def test_a_flash_attn_that_imports_is_chosen_on_cuda(fake_cuda, tmp_path, monkeypatch):
     _fake_flash_attn(tmp_path, "")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert fake_cuda.resolve_attn_implementation("auto") == "flash_attention_2"
+    assert fake_cuda.resolve_attn_implementation("auto", "bf16") == "flash_attention_2"
+
+
+def test_an_fp32_model_on_cuda_runs_sdpa_even_with_a_working_flash_attn(fake_cuda, tmp_path, monkeypatch):
+    """flash-attn's kernels take bf16/fp16 only: ``auto`` once chose it for an fp32 GPU run, which transformers
+    then refused at load. Asked for by name with fp32, it is refused naming the key and why."""
+    _fake_flash_attn(tmp_path, "")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert [fake_cuda.resolve_attn_implementation("auto", p) for p in ("fp32", "fp64", "fp16")] == \
+        ["sdpa", "sdpa", "flash_attention_2"]
+    with pytest.raises(RuntimeError, match=r"^model.attn_implementation=flash_attention_2 needs .*: it runs bf16 or "
+                                           r"fp16 only, and this model is fp32$"):
+        fake_cuda.resolve_attn_implementation("flash_attention_2", "fp32")
 
 
 # ------------------------------------------------------------------ IPC handles
@@ -235,7 +247,7 @@ class _IpcEngine:
 def test_ipc_exports_each_buffer_once_per_sync_and_every_bucket_arrives(monkeypatch):
     from rlhf.rollout import senders
 
-    monkeypatch.setattr(senders, "gather", lambda refs, names, call: refs)
+    monkeypatch.setattr(senders, "gather", lambda refs, names, call, timeout_s=None: refs)
     exported: list = []
     real_share = senders.share
     monkeypatch.setattr(senders, "share", lambda tensor: exported.append(tensor) or real_share(tensor))
@@ -253,3 +265,26 @@ def test_ipc_exports_each_buffer_once_per_sync_and_every_bucket_arrives(monkeypa
         assert [n for n, _ in engine.received] == [n for n, _ in weights]
         for (_, got), (_, want) in zip(engine.received, weights):
             assert torch.equal(got, want)
+
+
+def _rebuild_stand_in(*args):
+    """Stands in for torch's ``rebuild_cuda_tensor`` (module level, so a handle naming it pickles): returns the
+    arguments it was called with."""
+    return args
+
+
+def test_a_cuda_handle_is_opened_on_the_receivers_current_device(monkeypatch):
+    """The CUDA branch of ``open_shared``, which no CPU run reaches otherwise. A function-level
+    ``import torch.multiprocessing.reductions`` once made ``torch`` a local name there, so the first real GPU run
+    died with UnboundLocalError (found by bench/gpu_check.py on an H200); the device is the receiver's, since Ray
+    numbers each actor's visible GPUs from 0."""
+    import pickle
+
+    from rlhf.rollout.ipc import _STORAGE_DEVICE_ARG, open_shared
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    sent = ("cls", (4,), (1,), 0, "storage", torch.bfloat16, 0, b"handle", 256)
+    opened = open_shared(pickle.dumps(("cuda", _rebuild_stand_in, sent)))
+    assert opened[_STORAGE_DEVICE_ARG] == 3
+    assert opened[:_STORAGE_DEVICE_ARG] == sent[:_STORAGE_DEVICE_ARG]
+    assert opened[_STORAGE_DEVICE_ARG + 1:] == sent[_STORAGE_DEVICE_ARG + 1:]

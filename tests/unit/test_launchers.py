@@ -311,7 +311,7 @@ class _Recorder:
                 pass
 
         class WorkerGroup:  # a WorkerGroup without a shared placement makes its own, named after the role
-            def __init__(self, role, resources, backend, placement=None):
+            def __init__(self, role, resources, backend, placement=None, init_timeout_s=None):
                 placement = placement or Placement(role, resources.num_workers, resources.cpus_per_worker,
                                                    resources.gpus_per_worker)
                 self.role, self.size = role, resources.num_workers
@@ -412,7 +412,7 @@ def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, 
     rec = _Recorder(monkeypatch)
     asked = {}
 
-    def start_cluster(cfg_, needed_cpus):
+    def start_cluster(cfg_, needed_cpus, packages=()):
         asked["cpus"] = needed_cpus
         return RunContext(cfg=cfg_, precision="bf16", backend="nccl", gpus_per_worker=1.0)
 

@@ -181,10 +181,10 @@ def test_the_launchers_readme_shows_what_a_launcher_submits(tmp_path):
 
 def test_nccl_settings_from_the_shell_reach_the_runtime_env(tmp_path):
     got = _submitted(LAUNCHERS[0], tmp_path, NCCL_SOCKET_IFNAME="eth0", NCCL_DEBUG="INFO",
-                     RLHF_WEIGHT_SYNC_TIMEOUT_S="900")
+                     DEEPSPEED_TIMEOUT="30")
     runtime_env = json.loads(got["argv"][got["argv"].index("--runtime-env-json") + 1])
     assert runtime_env == {"env_vars": {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0",
-                                        "RLHF_WEIGHT_SYNC_TIMEOUT_S": "900"}}
+                                        "DEEPSPEED_TIMEOUT": "30"}}
 
 
 # ----------------------------------------------------------------------------------------- the local commands

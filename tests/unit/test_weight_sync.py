@@ -14,7 +14,7 @@ import torch
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
-from rlhf.distributed.errors import WorkerError
+from rlhf.distributed.errors import WorkerError, WorkerTimeout
 from rlhf.rollout.ipc import open_shared, share
 from rlhf.rollout.senders import BroadcastSender, IpcSender, ObjectStoreSender, make_senders
 from rlhf.rollout.weight_sync import ALIGN, bucket_groups, layout, resolve_weight_sync
@@ -40,6 +40,8 @@ def test_make_senders_gives_every_rank_its_part():
     broadcast = make_senders("broadcast", engines, [1, 2], 3, 1 << 20, "gloo")
     assert isinstance(broadcast[0], BroadcastSender) and broadcast[1:] == [None, None]
     assert broadcast[0].world_size == 1 + 1 + 2  # rank 0 + every tensor-parallel worker of every engine
+    assert broadcast[0].members == ["policy rank 0", "rollout engine 0 worker 0", "rollout engine 1 worker 0",
+                                    "rollout engine 1 worker 1"]  # rank r's name, for an error naming it
     assert isinstance(make_senders("object_store", engines, [1, 1], 2, 1, "gloo")[0], ObjectStoreSender)
     ipc = make_senders("ipc", engines, [1, 1], 2, 1, "gloo")
     assert [type(s) for s in ipc] == [IpcSender, IpcSender] and ipc[1].names == ["rollout engine 1"]
@@ -64,14 +66,17 @@ class _Engines:
 
     gpus_per_engine = 0.0
 
-    def __init__(self, died=False):
-        self.tried, self.died = [], died
+    def __init__(self, died=False, stuck=False):
+        self.tried, self.died, self.stuck = [], died, stuck
 
-    def connect_weight_sync(self, policy, method, bucket_bytes, backend):
+    def connect_weight_sync(self, policy, method, bucket_bytes, backend, timeouts=None):
         import ray
 
         self.tried.append((method, backend))
         if method == "broadcast":
+            if self.stuck:
+                raise WorkerTimeout("rollout engine 1 did not answer connect_weight_sync within 90 s",
+                                    ["rollout engine 1"])
             exc = WorkerError("rollout engine 1 failed in connect_weight_sync: timed out")
             if self.died:
                 raise exc from ray.exceptions.RayActorError()
@@ -99,9 +104,9 @@ def test_auto_falls_back_to_the_object_store_and_a_named_method_fails_naming_the
 
 _MEMBER = textwrap.dedent("""
     import sys, torch
-    from rlhf.rollout.sync_group import GroupAddress, SyncGroup
+    from rlhf.rollout.sync_group import GroupAddress, SyncGroup, SyncTimeouts
     host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    group = SyncGroup(GroupAddress(host, port, 3, "gloo"), rank=rank, timeout_s=60)
+    group = SyncGroup(GroupAddress(host, port, ("sender", "a", "b"), "gloo", SyncTimeouts(60.0, 60.0)), rank=rank)
     data = torch.zeros(1 << 16, dtype=torch.uint8)
     group.broadcast(data, src=0)
     print(int(data.long().sum()), flush=True)
@@ -110,13 +115,13 @@ _MEMBER = textwrap.dedent("""
 
 def test_a_gloo_weight_sync_group_broadcasts_across_processes():
     """Rank 0 hosts the store on a port the OS picks; two other processes join and receive its bytes."""
-    from rlhf.rollout.sync_group import GroupAddress, SyncGroup
+    from rlhf.rollout.sync_group import GroupAddress, SyncGroup, SyncTimeouts
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
-    address = GroupAddress("127.0.0.1", int(store.port), 3, "gloo")
+    address = GroupAddress("127.0.0.1", int(store.port), ("sender", "a", "b"), "gloo", SyncTimeouts(60.0, 60.0))
     members = [subprocess.Popen([sys.executable, "-c", _MEMBER, "127.0.0.1", str(store.port), str(rank)],
                                 stdout=subprocess.PIPE, text=True) for rank in (1, 2)]
-    group = SyncGroup(address, rank=0, store=store, timeout_s=60)
+    group = SyncGroup(address, rank=0, store=store)
     data = torch.arange(1 << 16, dtype=torch.int64).remainder(251).to(torch.uint8)
     group.broadcast(data, src=0)
     outs = [m.communicate(timeout=120)[0].strip() for m in members]
@@ -145,6 +150,18 @@ def test_a_shared_memory_handle_opens_the_same_memory_in_another_process():
     assert result.stdout.split() == ["45.0"] * 5
     assert tensor[0].item() == 99.0  # written by the other process: one memory, not a copy
     assert torch.equal(open_shared(share(tensor)), tensor)
+
+
+def test_a_stuck_engine_is_not_a_transport_to_fall_back_from(tiny_model, rl_prompts):
+    """An engine that did not answer at all would hold the object-store set-up behind its stuck call: the run
+    stops naming it instead of falling back."""
+    from rlhf.trainers.rl_runner import _connect_weight_sync
+
+    cfg = _rl_cfg(tiny_model, rl_prompts)  # auto
+    actors = SimpleNamespace(engines=_Engines(stuck=True), policy=object())
+    with pytest.raises(WorkerTimeout, match="rollout engine 1 did not answer connect_weight_sync"):
+        _connect_weight_sync(cfg, SimpleNamespace(gpus_per_worker=0.0), actors)
+    assert actors.engines.tried == [("broadcast", "gloo")]
 
 
 def test_a_dead_engine_is_not_a_transport_to_fall_back_from(tiny_model, rl_prompts):

@@ -65,7 +65,7 @@ def _probe(model_path: str, out_path: str, port: int) -> None:
     from rlhf.models.loading import ModelSpec
     from rlhf.models.lora import LoraSpec
 
-    TrainerWorker("probe", 0, 1).init_process_group("127.0.0.1", port, "gloo")
+    TrainerWorker("probe", 0, 1).init_process_group("127.0.0.1", port, "gloo", timeout_s=60)
     batch, results = _batch(), {}
     for case, (kind, trainable, rank, precision) in CASES.items():
         for stage in (0, 3):
