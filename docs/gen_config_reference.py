@@ -67,11 +67,11 @@ train:
 python -m rlhf.cli.train_sft --config my.yaml train.lr=2e-5 'train.adam_betas=[0.9,0.99]'
 ```
 
-`python -m rlhf.cli.train_sft --help` (or `train_dpo`, `train_rm`, `train_ppo`) prints the same keys, types and defaults, and
-lists the presets. `--dry-run` validates a configuration and prints what it would ask the cluster for (placement
-groups, GPUs per node, precision, batch sizes) without starting anything; see [Multi-node](multinode.md#dry-run).
-Defaults are written as an override would spell them (`null`, `true`, `""`); *required* keys have no usable default
-and must be set.
+`python -m rlhf.cli.train_sft --help` (or `train_dpo`, `train_rm`, `train_ppo`) prints the same keys, types and
+defaults, and lists the presets. `--dry-run` validates a configuration and prints what it would ask the cluster for
+(placement groups, GPUs per node, precision, batch sizes) without starting anything; see
+[Multi-node](multinode.md#dry-run). Defaults are written as an override would spell them (`null`, `true`, `""`);
+*required* keys have no usable default and must be set.
 """
 
 

@@ -21,7 +21,7 @@ import dataclasses
 import os
 import re
 import socket
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from rlhf.config.schema import ConfigError
 
@@ -29,7 +29,9 @@ MODEL = "model"
 DATASET = "dataset"
 
 # (config key, repository type). critic.path and reward.model_path exist only in RL configs.
-MODEL_KEYS = ("model.path", "model.ref_path", "critic.path", "reward.model_path")
+RUN_MODEL_KEYS = ("model.path", "model.ref_path")  # the model keys of every trainer's config
+# every model key a trainer's config may have (each trainer's own: rlhf.trainers.kinds, model_keys)
+MODEL_KEYS = RUN_MODEL_KEYS + ("critic.path", "reward.model_path")
 TOKENIZER_KEYS = ("model.tokenizer_path",)
 DATA_KEYS = ("data.train_path", "data.eval_path")
 
@@ -125,14 +127,14 @@ def hub_env() -> Dict[str, str]:
 # -------------------------------------------------------------------------------------------- the run config
 
 
-def pin_run_sources(cfg):
+def pin_run_sources(cfg, model_keys: Sequence[str] = RUN_MODEL_KEYS):
     """Resolve every hub reference of a run config and pin it to the commit it resolved to.
 
-    Keys: ``model.path``, ``model.tokenizer_path``, ``model.ref_path``, ``critic.path``, ``reward.model_path``
-    (model repositories) and ``data.train_path``, ``data.eval_path`` (dataset repositories, read with
-    ``data.config_name``). Local paths are left as they are (the runners' path checks judge them). A resumed run
-    (``train.resume``) keeps the commits its ``config.yaml`` pinned for references given without a revision, so
-    its reference model and data do not move to a newer commit between invocations.
+    Keys: ``model_keys`` (model repositories: the trainer's, e.g. online RL adds ``critic.path`` and
+    ``reward.model_path``), ``model.tokenizer_path`` and ``data.train_path``, ``data.eval_path`` (dataset
+    repositories, read with ``data.config_name``). Local paths are left as they are (the runners' path checks judge
+    them). A resumed run (``train.resume``) keeps the commits its ``config.yaml`` pinned for references given
+    without a revision, so its reference model and data do not move to a newer commit between invocations.
 
     Returns:
         ``cfg`` with each hub reference rewritten to ``org/name@<sha>`` (``cfg`` itself when there is none).
@@ -143,13 +145,13 @@ def pin_run_sources(cfg):
             (a tokenizer's files for ``model.tokenizer_path``).
     """
     recorded = _pins_of_resumed_run(cfg)
-    config_name = getattr(getattr(cfg, "data", None), "config_name", "")
+    config_name = cfg.data.config_name
     snapshots: Dict[Tuple[str, str], str] = {}  # (repo type, reference) -> snapshot, when two keys share one
     changes: Dict[str, Dict[str, str]] = {}
-    for keys, repo_type in ((MODEL_KEYS + TOKENIZER_KEYS, MODEL), (DATA_KEYS, DATASET)):
+    for keys, repo_type in ((tuple(model_keys) + TOKENIZER_KEYS, MODEL), (DATA_KEYS, DATASET)):
         for key in keys:
             section, name = key.split(".")
-            ref = getattr(getattr(cfg, section, None), name, "")
+            ref = getattr(getattr(cfg, section), name)
             if not is_hub_ref(ref, repo_type):
                 continue
             ref = _keep_recorded_pin(key, ref, recorded.get(key, ""))
@@ -181,8 +183,8 @@ def _check_snapshot(key: str, ref: str, snapshot: str) -> None:
 
 def _pins_of_resumed_run(cfg) -> Dict[str, str]:
     """``{key: pinned reference}`` from the ``config.yaml`` of the run ``train.resume`` continues, if any."""
-    train = getattr(cfg, "train", None)
-    if not getattr(train, "resume", False) or not getattr(train, "output_dir", ""):
+    train = cfg.train
+    if not train.resume or not train.output_dir:
         return {}
     path = os.path.join(train.output_dir, "config.yaml")
     if not os.path.isfile(path):

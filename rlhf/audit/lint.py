@@ -39,6 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from rlhf.config.deepspeed_check import DTYPE_NAMES, contradictions, section_enabled
 from rlhf.data.plan import EpochPlan
+from rlhf.trainers.kinds import kind_of
 
 ERROR, WARNING = "error", "warning"
 
@@ -98,7 +99,7 @@ def lint(cfg, user_ds_config: Optional[dict] = None, train_rows: Optional[int] =
     found: List[Finding] = []
     if user_ds_config is not None:
         found += deepspeed_findings(cfg, user_ds_config)
-    if hasattr(cfg, "rollout"):
+    if kind_of(cfg).online:
         found += _rl_batches(cfg, train_rows)
     elif train_rows is not None:
         found += _epochs(cfg.train.global_batch_size, "train.global_batch_size", "rows", train_rows, cfg.train)

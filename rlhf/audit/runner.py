@@ -26,7 +26,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 from rlhf.audit.compare import WeightsDiff
 from rlhf.audit.factorizations import Factorization, Fits
 from rlhf.distributed.cluster import cluster_gpus, init_ray
-from rlhf.distributed.resource_plan import plan_for, resolve_devices
+from rlhf.distributed.resource_plan import resolve_devices
+from rlhf.trainers.kinds import kind_of
 from rlhf.utils.metrics import METRICS_FILE, read_metrics
 
 # Fields of a user DeepSpeed JSON that the run sets (rlhf.distributed.engine.build_ds_config) and that differ
@@ -78,7 +79,7 @@ def split_overrides(cfg, f: Factorization) -> List[str]:
     out = [f"train.micro_batch_size={f.micro}", f"train.num_workers={f.ranks}"]
     if cfg.train.max_tokens_per_micro_batch and f.why != "configured":
         out.append("train.max_tokens_per_micro_batch=0")
-    if hasattr(cfg, "rollout"):
+    if kind_of(cfg).online:
         if cfg.algo.needs_critic and cfg.critic.num_workers == cfg.train.num_workers:
             out.append(f"critic.num_workers={f.ranks}")
             if cfg.colocate.critic_reward:
@@ -91,7 +92,7 @@ def split_overrides(cfg, f: Factorization) -> List[str]:
 def split_fits(cfg) -> Fits:
     """Online RL with a critic: its ranks (tied to the policy's, or fixed) must divide the global batch too."""
     def fits(micro: int, ranks: int) -> bool:
-        if not (hasattr(cfg, "rollout") and cfg.algo.needs_critic):
+        if not (kind_of(cfg).online and cfg.algo.needs_critic):
             return True
         critic = ranks if cfg.critic.num_workers == cfg.train.num_workers else cfg.critic.num_workers
         return cfg.train.global_batch_size % (micro * critic) == 0
@@ -128,7 +129,7 @@ def cluster(cfgs: Sequence) -> "contextlib.AbstractContextManager[str]":
 
     started = not ray.is_initialized()
     first = cfgs[0]
-    init_ray(first.ray.address, first.ray.num_cpus, needed_cpus=max(plan_for(c, 0.0).needed_cpus for c in cfgs))
+    init_ray(first.ray.address, first.ray.num_cpus, needed_cpus=max(kind_of(c).plan(c, 0.0).needed_cpus for c in cfgs))
     try:
         yield resolve_devices(first.strategy, cluster_gpus()).precision
     finally:

@@ -12,55 +12,22 @@ the audit refuses to guess and asks for ``--trainer``.
 """
 from __future__ import annotations
 
-import importlib
 import os
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import yaml
 
 from rlhf.config.loader import available_presets, is_saved_config, load_config
 from rlhf.config.schema import ConfigError
+from rlhf.trainers.kinds import TrainerKind, kinds
 
-TRAINER_NAMES = ("sft", "rm", "dpo", "ppo")
-_SECTIONS = {"dpo": ("dpo",), "rm": ("rm",), "ppo": ("rollout", "reward", "algo", "critic", "colocate")}
-_PRESET_PREFIXES = {"sft": "sft", "rm": "rm", "dpo": "dpo", "grpo": "ppo", "ppo": "ppo"}
-
-
-@dataclass(frozen=True)
-class Trainer:
-    """A trainer as the audit uses it: its config class, its train function and the loss it logs."""
-
-    name: str  # sft | rm | dpo | ppo
-    config_path: str  # module:class
-    train_path: str  # module:function, cfg -> RunResult
-    primary: str  # the loss column of the audit's table
-
-    @property
-    def config_cls(self) -> type:
-        return _load(self.config_path)
-
-    def train(self, cfg):
-        return _load(self.train_path)(cfg)
-
-    @property
-    def rl(self) -> bool:
-        return self.name == "ppo"
-
-
-TRAINERS: Dict[str, Trainer] = {
-    "sft": Trainer("sft", "rlhf.config.schema:SFTRunConfig", "rlhf.trainers.sft:train_sft", "loss"),
-    "rm": Trainer("rm", "rlhf.config.schema:RewardModelRunConfig", "rlhf.trainers.reward_model:train_reward_model",
-                  "loss"),
-    "dpo": Trainer("dpo", "rlhf.config.schema:DPORunConfig", "rlhf.trainers.dpo:train_dpo", "loss"),
-    "ppo": Trainer("ppo", "rlhf.config.rl_schema:RLRunConfig", "rlhf.trainers.rl_runner:train_ppo", "policy_loss"),
-}
-_CLASS_NAMES = {"SFTRunConfig": "sft", "RewardModelRunConfig": "rm", "DPORunConfig": "dpo", "RLRunConfig": "ppo"}
-
-
-def _load(path: str):
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
+# The trainers an audit runs: their descriptors (config class, train function, the loss column, what tells their
+# configs apart), in the order a config is tried against them.
+TRAINERS: Dict[str, TrainerKind] = {kind.name: kind for kind in kinds()}
+TRAINER_NAMES = tuple(TRAINERS)
+_SECTIONS = {name: kind.sections for name, kind in TRAINERS.items() if kind.sections}
+_PRESET_PREFIXES = {prefix: name for name, kind in TRAINERS.items() for prefix in kind.preset_prefixes}
+_CLASS_NAMES = {kind.config_cls.__name__: name for name, kind in TRAINERS.items()}
 
 
 def infer_trainer(config_ref: Optional[str], overrides: Sequence[str] = ()) -> str:

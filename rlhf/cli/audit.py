@@ -197,7 +197,7 @@ def _runs(trainer, cfg, user_ds, splits, workdir: str, args):
                                                            ds_copy), *split_overrides(cfg, f)]) for f in splits]
     what = {"configured": "the configured split"}
     print(f"runs: {len(splits)} factorisations of the global batch {cfg.train.global_batch_size} "
-          f"(micro x accumulation x ranks), {args.steps} {'RL ' if trainer.rl else ''}step(s) each: "
+          f"(micro x accumulation x ranks), {args.steps} {'RL ' if trainer.online else ''}step(s) each: "
           + ", ".join(f"{f.label} ({what.get(f.why, f.why)})" for f in splits), flush=True)
     if precision == "fp64" and cfg.strategy.zero_stage != 0:
         print(f"  in fp64 on ZeRO 0 (the only stage DeepSpeed trains float64 on; the run's is "
@@ -234,10 +234,10 @@ def _failed(exc, keep: bool) -> int:
 
 def _report(trainer, outcomes: List, tol, precision: str) -> int:
     labels = {o.factorization.label: f"{o.factorization.label} ({o.factorization.why})" for o in outcomes}
-    steps = compare.compare_steps({o.factorization.label: o.rows for o in outcomes}, tol, rl=trainer.rl)
+    steps = compare.compare_steps({o.factorization.label: o.rows for o in outcomes}, tol, rl=trainer.online)
     print(f"\n{precision}; tolerance: relative {tol.first:.0e} at step 1, {tol.later:.0e} later, absolute "
           f"{tol.atol:.0e} for numbers near 0; reference: {next(iter(labels.values()))}")
-    for line in compare.table(steps, trainer.primary, list(labels)):
+    for line in compare.table(steps, trainer.primary_loss, list(labels)):
         print(line)
     weights = []
     if all(s.status == compare.OK for s in steps):

@@ -1,14 +1,14 @@
 """``--dry-run``: validate a run config and print what the run would ask the cluster for, starting nothing.
 
-The plan is :func:`rlhf.distributed.resource_plan.plan_for`, the same one the runners size their clusters and
-colocate their roles from, packed onto the cluster's nodes by :func:`rlhf.distributed.packing.pack`. The cluster
-is ``--cluster SHAPE`` (simulated), else the live one at ``ray.address`` / ``RAY_ADDRESS`` (its nodes are read; no
-actor starts), else this machine as a local run would size it. Paths that exist only on the cluster (a data set
-under ``/data``, a model directory) are listed as such, not refused; a hub id (``org/name[@revision]``) is looked up
-without downloading anything (the commit it resolves to, from the cache offline, else from the hub), and refused
-only when the hub says it does not exist. Every other check a real run makes before
-its first actor (the config's own validation, a contradicting ``strategy.deepspeed_config``, reward function
-specs, precision / backend / sleep-mode rules) still applies.
+The plan is the trainer's (:meth:`rlhf.trainers.kinds.TrainerKind.plan`), the same one the runners size their clusters
+and colocate their roles from, packed onto the cluster's nodes by :func:`rlhf.distributed.packing.pack`. The cluster is
+``--cluster SHAPE`` (simulated), else the live one at ``ray.address`` / ``RAY_ADDRESS`` (its nodes are read; no actor
+starts), else this machine as a local run would size it. Paths that exist only on the cluster (a data set under
+``/data``, a model directory) are listed as such, not refused; a hub id (``org/name[@revision]``) is looked up without
+downloading anything (the commit it resolves to, from the cache offline, else from the hub), and refused only when the
+hub says it does not exist. Every other check a real run makes before its first actor (the config's own validation, a
+contradicting ``strategy.deepspeed_config``, reward function specs, precision / backend / sleep-mode rules) still
+applies.
 
 Exit status (through ``rlhf.cli.common.run_cli``): 0 when the plan fits, 2 with ``error: ...`` naming the placement
 group or role that does not fit, or the bad setting.
@@ -25,10 +25,11 @@ from rlhf.distributed.cluster import local_num_cpus
 from rlhf.distributed.packing import (NodeShape, Packing, check_feasible, describe_cluster, nodes_from_ray,
                                       pack, parse_cluster)
 from rlhf.distributed.resource_plan import (ENVIRONMENT, ROLLOUT, ActorPlan, Devices, GroupPlan, ResourcePlan,
-                                            engine_gpus, engine_sleep, plan_for, resolve_devices)
+                                            engine_gpus, engine_sleep, resolve_devices)
 from rlhf.envs import EnvError, load_environment
 from rlhf.hub import DATASET, MODEL, HubError, cache_dir, is_hub_ref, locate, model_dir, offline
 from rlhf.ops.algorithms import describe, needs_length
+from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.output_dir import output_dir_status
 from rlhf.utils.specs import looks_like_path
 
@@ -47,12 +48,13 @@ def dry_run(cfg, prog: str, cluster: str = "") -> None:
         ConfigError: A setting a real run would refuse before starting actors (names the key).
         InfeasiblePlan: A placement group or actor that does not fit (names it), after the plan is printed.
     """
+    kind = kind_of(cfg)
     name, label, nodes = cluster_nodes(cfg, cluster)
     devices = resolve_devices(cfg.strategy, sum(n.gpus for n in nodes))
-    plan = plan_for(cfg, devices.gpus_per_worker)
+    plan = kind.plan(cfg, devices.gpus_per_worker)
     paths = check_paths(cfg, devices.precision)
     _check_lora(cfg)
-    rollout = _rollout_lines(cfg, plan, devices) if hasattr(cfg, "rollout") else []
+    rollout = _rollout_lines(cfg, plan, devices) if kind.online else []
     packing = pack(plan, nodes, cluster=name)
     lines = [f"dry run: {prog}: the configuration is valid; nothing was started (no Ray actor, no weights loaded)",
              "", f"cluster: {label}: {describe_cluster(nodes)}"]
@@ -74,10 +76,9 @@ def _check_lora(cfg) -> None:
     if not cfg.model.lora.enabled:
         return
     # lazy: torch and transformers, only when LoRA is asked for
-    from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
-    from rlhf.trainers.run import check_lora_targets, lora_models
+    from rlhf.trainers.run import check_lora_targets
 
-    trained = lora_models(cfg, SCALAR_HEAD if hasattr(cfg, "rm") else CAUSAL_LM)
+    trained = kind_of(cfg).trained_models(cfg)
     check_lora_targets(cfg, [(path, kind) for path, kind in trained if _readable_model(path)])
 
 
@@ -103,7 +104,7 @@ def cluster_nodes(cfg, cluster: str) -> Tuple[str, str, Tuple[NodeShape, ...]]:
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     if address:
         return "the live cluster", f"live cluster at {address}", _live_nodes(address)
-    cpus = local_num_cpus(cfg.ray.num_cpus, plan_for(cfg, 0.0).needed_cpus)
+    cpus = local_num_cpus(cfg.ray.num_cpus, kind_of(cfg).plan(cfg, 0.0).needed_cpus)
     return ("this machine", f"this machine (the local Ray cluster a run here would start: {cpus} logical CPUs)",
             (NodeShape(cpus=float(cpus), gpus=_local_gpus()),))
 
@@ -141,8 +142,9 @@ def check_paths(cfg, precision: str) -> List[Tuple[str, str, str]]:
     """``(key, path, status)`` rows; a path that exists here must pass the runner's check, one that does not is
     left to the run (it may exist only on the cluster)."""
     m, d = cfg.model, cfg.data
+    online = kind_of(cfg).online
     models = [("model.path", m.path), ("model.ref_path", m.ref_path)]
-    if hasattr(cfg, "rollout"):
+    if online:
         models += [("reward.model_path", cfg.reward.model_path), ("critic.path", cfg.critic.path)]
     rows = []
     for key, path in models:
@@ -160,11 +162,10 @@ def check_paths(cfg, precision: str) -> List[Tuple[str, str, str]]:
         if found:
             check_user_config(cfg, precision)  # a contradiction is refused as a real run would
         rows.append(("strategy.deepspeed_config", ds, "found, consistent with the run" if found else NOT_HERE))
-    for spec in getattr(getattr(cfg, "reward", None), "functions", ()):
+    for spec in cfg.reward.functions if online else ():
         rows.append(("reward.functions", spec, _reward_status(spec)))
-    env_spec = getattr(getattr(cfg, "env", None), "spec", "")
-    if env_spec:
-        rows.append(("env.spec", env_spec, _environment_status(env_spec)))
+    if online and cfg.env.spec:
+        rows.append(("env.spec", cfg.env.spec, _environment_status(cfg.env.spec)))
     rows.append(("train.output_dir", cfg.train.output_dir or '""', output_dir_status(cfg)
                  + ("" if not cfg.train.output_dir else ", on storage every node writes")))
     return rows
@@ -353,16 +354,15 @@ def _sharing(plan: ResourcePlan, packing: Packing) -> str:
 def batch_lines(cfg) -> List[str]:
     """The global-batch arithmetic: offline, global = micro x accumulation x ranks; RL, the rollout batch and the
     optimizer steps it makes."""
-    t, lora = cfg.train, cfg.model.lora
+    t, lora, kind = cfg.train, cfg.model.lora, kind_of(cfg)
     lines = [f"  train.global_batch_size {t.global_batch_size} = {t.describe_batching()} (samples per optimizer step)"]
     if lora.enabled:
         lines.append(f"  LoRA: r {lora.r}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}"
                      + ("; the reference is the frozen base under the adapters (no reference workers)"
-                        if cfg.model.reference_is_base and (hasattr(cfg, "dpo") or getattr(cfg, "algo", None)
-                                                            and cfg.algo.kl_coef > 0) else ""))
-    if not hasattr(cfg, "rollout"):
-        dpo = getattr(cfg, "dpo", None)
-        if dpo is not None and not cfg.model.reference_is_base:
+                        if cfg.model.reference_is_base and kind.has_reference(cfg) else ""))
+    if not kind.online:
+        if kind.has_reference(cfg) and not cfg.model.reference_is_base:  # DPO's reference group
+            dpo = cfg.dpo
             lines.append(f"  reference: {dpo.ref_num_workers} ranks, dpo.ref_mode={dpo.ref_mode}"
                          + (" (scores every pair once, then released)" if dpo.ref_mode == "precompute" else ""))
         lines.append(f"  optimizer steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "

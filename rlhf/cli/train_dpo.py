@@ -10,12 +10,12 @@ from __future__ import annotations
 import sys
 
 from rlhf.cli.common import run_cli
-from rlhf.config.schema import DPORunConfig
-from rlhf.trainers.dpo import train_dpo
+from rlhf.trainers.kinds import TRAINER_KINDS
 
 
 def main(argv=None) -> int:
-    return run_cli(DPORunConfig, train_dpo, prog="python -m rlhf.cli.train_dpo", argv=argv)
+    kind = TRAINER_KINDS.get("dpo")
+    return run_cli(kind.config_cls, kind.train, prog="python -m rlhf.cli.train_dpo", argv=argv)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,12 @@ from __future__ import annotations
 import sys
 
 from rlhf.cli.common import run_cli
-from rlhf.config.rl_schema import RLRunConfig
-from rlhf.trainers.rl_runner import train_ppo
+from rlhf.trainers.kinds import TRAINER_KINDS
 
 
 def main(argv=None) -> int:
-    return run_cli(RLRunConfig, train_ppo, prog="python -m rlhf.cli.train_ppo", argv=argv)
+    kind = TRAINER_KINDS.get("ppo")
+    return run_cli(kind.config_cls, kind.train, prog="python -m rlhf.cli.train_ppo", argv=argv)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,12 @@ from __future__ import annotations
 import sys
 
 from rlhf.cli.common import run_cli
-from rlhf.config.schema import RewardModelRunConfig
-from rlhf.trainers.reward_model import train_reward_model
+from rlhf.trainers.kinds import TRAINER_KINDS
 
 
 def main(argv=None) -> int:
-    return run_cli(RewardModelRunConfig, train_reward_model, prog="python -m rlhf.cli.train_rm", argv=argv)
+    kind = TRAINER_KINDS.get("rm")
+    return run_cli(kind.config_cls, kind.train, prog="python -m rlhf.cli.train_rm", argv=argv)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,12 @@ from __future__ import annotations
 import sys
 
 from rlhf.cli.common import run_cli
-from rlhf.config.schema import SFTRunConfig
-from rlhf.trainers.sft import train_sft
+from rlhf.trainers.kinds import TRAINER_KINDS
 
 
 def main(argv=None) -> int:
-    return run_cli(SFTRunConfig, train_sft, prog="python -m rlhf.cli.train_sft", argv=argv)
+    kind = TRAINER_KINDS.get("sft")
+    return run_cli(kind.config_cls, kind.train, prog="python -m rlhf.cli.train_sft", argv=argv)
 
 
 if __name__ == "__main__":

@@ -181,7 +181,8 @@ class AlgorithmConfig:
                 raise ConfigError(f"algo.{key}: {exc}" + (", or auto" if key == "loss_agg_mode" else "")) from None
         _check(self.ppo_epochs >= 1, "algo.ppo_epochs", f"must be >= 1, got {self.ppo_epochs}")
         low, high = self.clip
-        _check(0 <= low < 1, "algo.clip_low", f"must be in [0, 1) (the ratio's lower bound 1 - clip_low > 0), got {low}")
+        _check(0 <= low < 1, "algo.clip_low",
+               f"must be in [0, 1) (the ratio's lower bound 1 - clip_low > 0), got {low}")
         _check(high >= 0, "algo.clip_high", f"must be >= 0, got {high}")
         _check(self.dual_clip == 0 or self.dual_clip > 1, "algo.dual_clip",
                f"must be 0 (off) or > 1, got {self.dual_clip}")

@@ -103,7 +103,8 @@ class DataConfig:
     assistant_turns: str = "all"  # conversational SFT: loss on all assistant turns | last (only the final one)
 
     def __post_init__(self) -> None:
-        _check(bool(self.train_path), "data.train_path", "is required (JSON lines, Parquet, a saved dataset directory or a hub dataset id)")
+        _check(bool(self.train_path), "data.train_path",
+               "is required (JSON lines, Parquet, a saved dataset directory or a hub dataset id)")
         _check(self.max_length >= 2, "data.max_length", f"must be >= 2, got {self.max_length}")
         _choice(self.assistant_turns, "data.assistant_turns", ("all", "last"))
         _check(self.chat_template in ("auto", "none") or self.chat_template.endswith((".jinja", ".j2", ".txt")),
@@ -165,7 +166,8 @@ class TrainConfig:
         _check(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas), "train.adam_betas",
                f"must be two numbers in [0, 1), got {self.adam_betas}")
         _check(self.max_tokens_per_micro_batch >= 0, "train.max_tokens_per_micro_batch",
-               f"must be >= 0 (0 = micro-batches of train.micro_batch_size rows), got {self.max_tokens_per_micro_batch}")
+               f"must be >= 0 (0 = micro-batches of train.micro_batch_size rows), "
+               f"got {self.max_tokens_per_micro_batch}")
         if self.max_tokens_per_micro_batch:
             _check(self.global_batch_size % self.num_workers == 0, "train.global_batch_size",
                    f"({self.global_batch_size}) must be divisible by train.num_workers ({self.num_workers}): under "
@@ -205,8 +207,8 @@ class TrainConfig:
         if self.max_tokens_per_micro_batch:
             return (f"{self.global_batch_size // ranks} rows x ranks {ranks} in micro-batches of <= "
                     f"{self.max_tokens_per_micro_batch} tokens{packed}")
-        return (f"micro {self.micro_batch_size} x accumulation {self.global_batch_size // (self.micro_batch_size * ranks)}"
-                f" x ranks {ranks}{packed}")
+        accumulation = self.global_batch_size // (self.micro_batch_size * ranks)
+        return f"micro {self.micro_batch_size} x accumulation {accumulation} x ranks {ranks}{packed}"
 
 
 @dataclass(frozen=True)

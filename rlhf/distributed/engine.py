@@ -396,7 +396,10 @@ def float64_sum_of_squares(tensors: Sequence[torch.Tensor],
     return float(total), scratch
 
 
-def iter_full_state(module: torch.nn.Module, zero_stage: int, device: Optional[torch.device] = torch.device("cpu")
+_CPU = torch.device("cpu")
+
+
+def iter_full_state(module: torch.nn.Module, zero_stage: int, device: Optional[torch.device] = _CPU
                     ) -> Iterator[Tuple[str, Optional[torch.Tensor]]]:
     """Yield ``(name, full tensor on device)`` for every entry of the module's state dict, gathering ZeRO-3 shards.
 

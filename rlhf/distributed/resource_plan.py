@@ -172,7 +172,7 @@ class _Builder:
         return ResourcePlan(requests=tuple(self.requests), actors=tuple(self.actors))
 
 
-def offline_plan(cfg, gpus_per_worker: float, policy_role: str = "policy") -> ResourcePlan:
+def offline_plan(cfg, gpus_per_worker: float, policy_role: str = "policy", reference_ranks: int = 0) -> ResourcePlan:
     """SFT, reward model and DPO: the trained model's group, then (DPO) the reference's.
 
     The DPO reference group is started once the policy is built (``rlhf.trainers.dpo.attach_reference``), so
@@ -182,12 +182,13 @@ def offline_plan(cfg, gpus_per_worker: float, policy_role: str = "policy") -> Re
         cfg: An SFT / reward-model / DPO run config.
         gpus_per_worker: Resolved GPUs per rank (:func:`resolve_devices`).
         policy_role: The trained model's role name (``policy``; ``reward_model`` for reward modelling).
+        reference_ranks: The frozen reference's ranks (DPO's ``dpo.ref_num_workers``); 0 for none (SFT, reward
+            modelling, or LoRA, where the policy's workers score the reference with the adapters off).
     """
     b = _Builder(cfg.strategy.cpus_per_worker, gpus_per_worker)
     b.on(b.group((policy_role,), cfg.train.num_workers), policy_role, cfg.train.num_workers)
-    dpo = getattr(cfg, "dpo", None)
-    if dpo is not None and not cfg.model.reference_is_base:  # LoRA: the policy's workers score the reference
-        b.on(b.group(("reference",), dpo.ref_num_workers), "reference", dpo.ref_num_workers)
+    if reference_ranks:
+        b.on(b.group(("reference",), reference_ranks), "reference", reference_ranks)
     return b.build()
 
 
@@ -226,18 +227,6 @@ def rl_plan(cfg, gpus_per_worker: float) -> ResourcePlan:
     if cfg.env.spec:
         b.own(ENVIRONMENT, cfg.env.num_actors, cfg.env.cpus_per_actor, 0.0)
     return b.build()
-
-
-def trainer_role(cfg) -> str:
-    """The trained model's role name of an offline run config (what its trainer passes to ``run_offline``)."""
-    return "reward_model" if hasattr(cfg, "rm") else "policy"
-
-
-def plan_for(cfg, gpus_per_worker: float) -> ResourcePlan:
-    """The plan of any run config: online RL when it has a rollout section, else offline."""
-    if hasattr(cfg, "rollout"):
-        return rl_plan(cfg, gpus_per_worker)
-    return offline_plan(cfg, gpus_per_worker, trainer_role(cfg))
 
 
 def engine_sleep(colocate, gpus_per_engine: float) -> bool:

@@ -138,7 +138,8 @@ class TrainerWorker:
         else:
             self.model = module.to(self.device).eval()
             self.model.requires_grad_(False)
-        sizes = [(p.ds_numel if hasattr(p, "ds_numel") else p.numel(), p.requires_grad) for p in self.model.parameters()]
+        sizes = [(p.ds_numel if hasattr(p, "ds_numel") else p.numel(), p.requires_grad)
+                 for p in self.model.parameters()]
         return {"parameters": sum(n for n, _ in sizes),
                 "trainable_parameters": sum(n for n, grad in sizes if grad) if optim is not None else 0}
 
@@ -164,7 +165,8 @@ class TrainerWorker:
         if (len(micro_batches) > spec.grad_accum_steps or not micro_batches) if budget else \
                 len(micro_batches) != spec.grad_accum_steps:
             expected = f"1 to {spec.grad_accum_steps}" if budget else f"grad_accum_steps={spec.grad_accum_steps}"
-            raise ValueError(f"{self.role} rank {self.rank} got {len(micro_batches)} micro-batches, expected {expected}")
+            raise ValueError(f"{self.role} rank {self.rank} got {len(micro_batches)} micro-batches, "
+                             f"expected {expected}")
         counted = [True] * len(micro_batches) if counted is None else counted
         if len(counted) != len(micro_batches) or not any(counted):
             raise ValueError(f"{self.role} rank {self.rank}: {len(counted)} counted flags for {len(micro_batches)} "

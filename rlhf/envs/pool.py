@@ -78,7 +78,7 @@ class _EnvActor:
         results: List[Any] = [None] * len(items)
         for k, (episode, payload) in enumerate(items):
             try:
-                results[k] = self._timed(lambda: call(episode, payload))
+                results[k] = self._timed(lambda episode=episode, payload=payload: call(episode, payload))
             except _Hung:
                 turn = turn_of(episode)
                 phase = "reset" if turn == 0 else "step"

@@ -272,7 +272,8 @@ def _broadcast(per_sample: Tensor, inputs: AdvantageInputs) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ estimators
-@_estimator("gae", paper="Schulman et al. 2016 (GAE), with PPO (Schulman et al. 2017) as in InstructGPT (Ouyang et al. 2022)",
+@_estimator("gae", paper="Schulman et al. 2016 (GAE), with PPO (Schulman et al. 2017) as in InstructGPT "
+                         "(Ouyang et al. 2022)",
             reads=(TOKEN_REWARDS,), needs_group_ids=False, needs_critic=True, aggregation="token-mean",
             paper_kl="a per-token KL penalty in the reward (InstructGPT eq. 2): algo.kl_mode=reward, k1")
 def gae(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:

@@ -49,9 +49,9 @@ def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
     train, held_out_examples = read_train_and_eval(cfg, tokenizer, _read)
     data = _PairData(train.examples, tokenizer.pad_token_id)
     held_out = _PairData(held_out_examples, tokenizer.pad_token_id)
-    task = OfflineTask(name="dpo", model_kind=CAUSAL_LM,
-                       objective=DPOObjective(loss_type=p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing,
-                                              nll_coef=p.nll_coef),
+    objective = DPOObjective(loss_type=p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing,
+                             nll_coef=p.nll_coef)
+    task = OfflineTask(objective=objective,
                        num_examples=len(train.examples), collate=data.collate,
                        eval_num_examples=len(held_out.examples), eval_collate=held_out.collate,
                        console_keys=("loss", "rewards/accuracy", "rewards/margin", "grad_norm", "lr"),
@@ -85,7 +85,7 @@ def attach_reference(task: OfflineTask, ctx: RunContext, policy: WorkerGroup, da
     print(f"[dpo] reference log-probs precomputed for {pairs} pairs; reference workers released", flush=True)
 
 
-def precompute_reference(ref: WorkerGroup, data: _PairData, fn=ReferenceLogps()) -> torch.Tensor:
+def precompute_reference(ref: WorkerGroup, data: _PairData, fn: ReferenceLogps) -> torch.Tensor:
     """``(N, 2)`` summed reference log-probs of every pair: on a frozen group ``REF_BATCH_SIZE`` pairs per forward,
     on the trained one (LoRA's base) its micro-batch size, under ``train.max_tokens_per_micro_batch`` as many as
     the budget holds."""
@@ -98,4 +98,4 @@ def precompute_reference(ref: WorkerGroup, data: _PairData, fn=ReferenceLogps())
 
 
 def train_dpo(cfg: DPORunConfig) -> RunResult:
-    return run_offline(cfg, build_dpo_task, policy_role="policy")
+    return run_offline(cfg, build_dpo_task)

@@ -25,11 +25,11 @@ from rlhf.data.tokenize import Tokenized, example_lengths
 from rlhf.data.vocab import check_tokenizer, config_vocab_size
 from rlhf.distributed.group import WorkerGroup
 from rlhf.distributed.micro_batches import micro_batch_tokens
-from rlhf.distributed.resource_plan import offline_plan
 from rlhf.hub import DATASET, MODEL, is_hub_ref, model_dir, pin_run_sources
 from rlhf.objectives.base import Objective, Totals
+from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.output_dir import claim_output_dir
-from rlhf.trainers.run import (Run, RunContext, RunResult, check_lora_targets, lora_models, optim_spec,
+from rlhf.trainers.run import (Run, RunContext, RunResult, check_lora_targets, optim_spec,
                                run_identity, with_restarts)
 from rlhf.utils.metrics import Progress, format_row
 from rlhf.utils.versions import check_versions
@@ -41,8 +41,6 @@ Collate = Callable[[Sequence[int]], Batch]
 class OfflineTask:
     """What distinguishes SFT, RM and DPO for the shared loop."""
 
-    name: str
-    model_kind: str  # rlhf.models.loading.CAUSAL_LM or SCALAR_HEAD
     objective: Objective
     num_examples: int
     collate: Collate  # dataset row indices -> Batch
@@ -145,15 +143,12 @@ def evaluate(task: OfflineTask, policy: WorkerGroup, rows_per_call: int) -> dict
 class OfflineSteps:
     """An offline task's :class:`~rlhf.trainers.run.Steps`: one optimizer step per plan step."""
 
+    name: str  # the log prefix: the trainer's run_name (rlhf.trainers.kinds)
     task: OfflineTask
     policy: WorkerGroup
     watched = ("loss", "grad_norm")
     zero_loss_key = "loss"  # a supervised loss of exactly 0 is a bug (rlhf.trainers.health)
     evaluates_start = False
-
-    @property
-    def name(self) -> str:
-        return self.task.name
 
     @property
     def has_eval(self) -> bool:
@@ -186,9 +181,9 @@ class OfflineSteps:
                 + format_row(row, self.task.console_keys) + f" ({progress.eta()})")
 
 
-def describe_plan(task: OfflineTask, plan: EpochPlan, train_cfg, skipped: int) -> str:
+def describe_plan(name: str, plan: EpochPlan, train_cfg, skipped: int) -> str:
     dropped = plan.num_samples - plan.steps_per_epoch * plan.global_batch_size
-    return (f"[{task.name}] {plan.num_samples} examples ({skipped} skipped: no token to train on within "
+    return (f"[{name}] {plan.num_samples} examples ({skipped} skipped: no token to train on within "
             f"data.max_length), "
             f"{plan.steps_per_epoch} steps/epoch (drop {dropped} per epoch), {plan.total_steps} optimizer steps; "
             f"global batch {train_cfg.global_batch_size} = {train_cfg.describe_batching()}")
@@ -198,29 +193,31 @@ def describe_plan(task: OfflineTask, plan: EpochPlan, train_cfg, skipped: int) -
 TaskBuilder = Callable[[object, object], tuple]
 
 
-def run_offline(cfg, build_task: TaskBuilder, policy_role: str) -> RunResult:
+def run_offline(cfg, build_task: TaskBuilder) -> RunResult:
     """An offline task end to end; ``train.on_failure=restart`` restarts from checkpoints."""
-    cfg = pin_run_sources(claim_output_dir(cfg))  # hub ids -> org/name@<sha>: config.yaml and every actor get them
-    return with_restarts(cfg, lambda c: _run_offline_once(c, build_task, policy_role))
+    # hub ids -> org/name@<sha>: config.yaml and every actor get them
+    cfg = pin_run_sources(claim_output_dir(cfg), kind_of(cfg).model_keys)
+    return with_restarts(cfg, lambda c: _run_offline_once(c, build_task))
 
 
-def _run_offline_once(cfg, build_task: TaskBuilder, policy_role: str) -> RunResult:
-    check_versions()
+def _run_offline_once(cfg, build_task: TaskBuilder) -> RunResult:
+    kind = kind_of(cfg)
+    check_versions(kind.packages)
     check_paths(cfg)
     tokenizer = load_tokenizer(cfg)
     task, skipped = build_task(cfg, tokenizer)
-    check_lora_targets(cfg, lora_models(cfg, task.model_kind))
+    check_lora_targets(cfg, kind.trained_models(cfg))
     t = cfg.train
     plan = EpochPlan(num_samples=task.num_examples, global_batch_size=t.global_batch_size, max_epochs=t.max_epochs,
                      max_steps=t.max_steps, seed=t.seed)
-    print(describe_plan(task, plan, t, len(skipped)), flush=True)
-    run = Run(cfg, task.name, plan, run_identity(cfg, plan))
+    print(describe_plan(kind.run_name, plan, t, len(skipped)), flush=True)
+    run = Run(cfg, kind.run_name, plan, run_identity(cfg, plan))
     # CPUs do not depend on the GPUs per worker, which are known only once the cluster is joined.
-    with run.cluster(needed_cpus=offline_plan(cfg, 0.0, policy_role).needed_cpus) as ctx:
-        policy = ctx.make_group(policy_role, t.num_workers)
-        policy.build(ctx.model_spec(cfg.model.path, task.model_kind),
+    with run.cluster(needed_cpus=kind.plan(cfg, 0.0).needed_cpus) as ctx:
+        policy = ctx.make_group(kind.policy_role, t.num_workers)
+        policy.build(ctx.model_spec(cfg.model.path, kind.policy_kind),
                      ctx.engine_spec(t.num_workers), optim_spec(t, plan.total_steps))
         if task.attach is not None:
             task.attach(task, ctx, policy)
-        last = run.train(OfflineSteps(task, policy), trained={"policy": policy})
+        last = run.train(OfflineSteps(kind.run_name, task, policy), trained={"policy": policy})
         return run.finish(policy, tokenizer, last)

@@ -31,6 +31,7 @@ from typing import List, Optional
 from rlhf.config.loader import is_saved_config, save_config
 from rlhf.config.schema import ConfigError
 from rlhf.trainers.checkpoint import CHECKPOINT_DIR, Checkpoints
+from rlhf.trainers.kinds import kind_of
 from rlhf.utils.metrics import EVAL_FILE, METRICS_FILE, TENSORBOARD_DIR
 
 OUTPUTS_ROOT = "outputs"
@@ -49,13 +50,9 @@ RUN_ARTIFACTS = (
 # Drawn from a run's metrics afterwards (rlhf.cli.report, the demo): deleted with the run, not a run by themselves.
 DERIVED_ARTIFACTS = ("report.png", "rl_curves.png")
 
-_TRAINERS = {"SFTRunConfig": "sft", "RewardModelRunConfig": "rm", "DPORunConfig": "dpo", "RLRunConfig": "rl"}
-
-
 def trainer_name(cfg) -> str:
     """``sft``, ``rm``, ``dpo`` or ``rl``: the prefix of the run's log lines and of a new output directory."""
-    name = type(cfg).__name__
-    return _TRAINERS.get(name) or name.replace("RunConfig", "").lower() or "run"
+    return kind_of(cfg).run_name
 
 
 def new_output_dir(trainer: str, now: Optional[float] = None, root: str = OUTPUTS_ROOT) -> str:

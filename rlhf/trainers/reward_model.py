@@ -8,7 +8,6 @@ from __future__ import annotations
 from rlhf.config.schema import RewardModelRunConfig
 from rlhf.data.formats import pair_fields, read_formatted
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
-from rlhf.models.loading import SCALAR_HEAD
 from rlhf.objectives.reward import RewardObjective
 from rlhf.trainers.offline import OfflineTask, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunResult
@@ -31,7 +30,7 @@ def _collate(examples: list, pad_id: int):
 def build_rm_task(cfg: RewardModelRunConfig, tokenizer) -> tuple:
     train, held_out = read_train_and_eval(cfg, tokenizer, _read)
     pad = tokenizer.pad_token_id
-    task = OfflineTask(name="rm", model_kind=SCALAR_HEAD, objective=RewardObjective(use_margin=cfg.rm.use_margin),
+    task = OfflineTask(objective=RewardObjective(use_margin=cfg.rm.use_margin),
                        num_examples=len(train.examples), collate=_collate(train.examples, pad),
                        eval_num_examples=len(held_out), eval_collate=_collate(held_out, pad),
                        console_keys=("loss", "accuracy", "grad_norm", "lr"))
@@ -39,4 +38,4 @@ def build_rm_task(cfg: RewardModelRunConfig, tokenizer) -> tuple:
 
 
 def train_reward_model(cfg: RewardModelRunConfig) -> RunResult:
-    return run_offline(cfg, build_rm_task, policy_role="reward_model")
+    return run_offline(cfg, build_rm_task)

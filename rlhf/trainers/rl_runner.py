@@ -28,16 +28,15 @@ from rlhf.rollout.engines import RolloutEngines
 from rlhf.rollout.sync_group import SyncTimeouts
 from rlhf.rollout.vllm_engine import VLLMSpec
 from rlhf.rollout.weight_sync import resolve_weight_sync
+from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.offline import check_paths, load_tokenizer
 from rlhf.trainers.output_dir import claim_output_dir
 from rlhf.trainers.rl import RLActors, RLTrainer
 from rlhf.trainers.rl_experience import PromptSet, prepare_prompts
 from rlhf.trainers.rl_rollout import EpisodeRollout, observation_format
-from rlhf.trainers.run import (Run, RunContext, RunResult, check_lora_targets, lora_models, optim_spec,
+from rlhf.trainers.run import (Run, RunContext, RunResult, check_lora_targets, optim_spec,
                                run_identity, with_restarts)
-from rlhf.utils.versions import TRAINING_PACKAGES, check_versions
-
-RL_PACKAGES = TRAINING_PACKAGES + ("vllm",)  # what the driver and every node must have in range
+from rlhf.utils.versions import check_versions
 
 
 def _objectives(cfg: RLRunConfig):
@@ -63,7 +62,7 @@ def _check_rl_paths(cfg: RLRunConfig) -> None:
             raise ConfigError(f"{key}: {path!r} is not an HF model directory (no config.json)")
     if cfg.critic_batch_problem():
         raise ConfigError(cfg.critic_batch_problem())
-    check_lora_targets(cfg, lora_models(cfg, CAUSAL_LM))
+    check_lora_targets(cfg, kind_of(cfg).trained_models(cfg))
 
 
 def _start_engines(cfg: RLRunConfig, ctx, placement):
@@ -231,11 +230,11 @@ def train_ppo(cfg: RLRunConfig) -> RunResult:
     """Online RL of the PPO family end to end (see the module docstring); ``train.on_failure=restart`` restarts
     from checkpoints."""
     # hub ids -> org/name@<sha>: config.yaml and every actor get the pins
-    return with_restarts(pin_run_sources(claim_output_dir(cfg)), _train_ppo_once)
+    return with_restarts(pin_run_sources(claim_output_dir(cfg), kind_of(cfg).model_keys), _train_ppo_once)
 
 
 def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
-    check_versions(RL_PACKAGES)
+    check_versions(kind_of(cfg).packages)
     _check_rl_paths(cfg)
     if cfg.reward.model_path:
         check_scalar_head(model_dir(cfg.reward.model_path), "reward.model_path", cfg.reward.model_path)
@@ -272,7 +271,7 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
                   f"rollout.max_episode_tokens={r.max_episode_tokens}: long episodes will end at the token budget "
                   f"(episode/ended_token_budget)", flush=True)
     run = Run(cfg, "rl", plan, _identity(cfg, plan))
-    with run.cluster(needed_cpus=_needed_cpus(cfg), packages=RL_PACKAGES) as ctx:
+    with run.cluster(needed_cpus=_needed_cpus(cfg)) as ctx:
         actors = _start_actors(cfg, ctx, optimizer_steps)
         _write_placement(actors, t.output_dir)
         policy_objective, value_objective = _objectives(cfg)

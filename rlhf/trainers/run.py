@@ -34,14 +34,14 @@ from rlhf.distributed.group import GroupResources, WorkerGroup
 from rlhf.distributed.node_versions import check_node_versions
 from rlhf.distributed.placement import Placement
 from rlhf.distributed.resource_plan import resolve_devices
-from rlhf.models.loading import SCALAR_HEAD, ModelSpec
+from rlhf.models.loading import ModelSpec
 from rlhf.models.lora import LoraSpec, check_targets
 from rlhf.trainers.checkpoint import RunCheckpoints
 from rlhf.trainers.health import TrainingHealthError, check_health, guard_from_config
+from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.output_dir import prepare_output_dir
 from rlhf.utils.metrics import (SKIPPED_NOTE, Progress, RunWriters, format_row, progress_bar_setting, read_metrics,
                                 skipped_row)
-from rlhf.utils.versions import TRAINING_PACKAGES
 
 
 @dataclass(frozen=True)
@@ -91,10 +91,9 @@ class Run:
         self.trained: Dict[str, WorkerGroup] = {}  # the trainable groups by role: what checkpoints hold
 
     @contextlib.contextmanager
-    def cluster(self, needed_cpus: float, packages: Tuple[str, ...] = TRAINING_PACKAGES) -> Iterator["RunContext"]:
-        """Join or start Ray for ``needed_cpus`` (every node's ``packages`` checked); on exit the metric files are
-        closed and every group shut down."""
-        ctx = start_cluster(self.cfg, needed_cpus, packages)
+    def cluster(self, needed_cpus: float) -> Iterator["RunContext"]:
+        """Join or start Ray for ``needed_cpus``; on exit the metric files are closed and every group shut down."""
+        ctx = start_cluster(self.cfg, needed_cpus)
         try:
             yield ctx
         finally:
@@ -256,16 +255,6 @@ def lora_spec(cfg) -> Optional[LoraSpec]:
         raise ConfigError(str(err)) from None
 
 
-def lora_models(cfg, policy_kind: str) -> List[Tuple[str, str]]:
-    """``(path, kind)`` of every model a run trains, and so wraps with LoRA when ``model.lora`` is on: the policy
-    (``policy_kind``: CAUSAL_LM, or SCALAR_HEAD for a reward model) and, in RL, the critic when the algorithm has
-    one."""
-    models = [(cfg.model.path, policy_kind)]
-    if hasattr(cfg, "rollout") and cfg.algo.needs_critic:
-        models.append((cfg.critic.path or cfg.model.path, SCALAR_HEAD))
-    return models
-
-
 def check_lora_targets(cfg, models: Sequence[Tuple[str, str]]) -> None:
     """Before any actor starts: ``model.lora.target_modules`` match Linear layers of every ``(path, kind)`` that
     trains with LoRA (read from the model's config on the meta device, no weights loaded)."""
@@ -292,12 +281,13 @@ def run_identity(cfg, plan: EpochPlan) -> dict:
             "examples in data.train_path": plan.num_samples}
 
 
-def start_cluster(cfg, needed_cpus: float, packages: Tuple[str, ...] = TRAINING_PACKAGES) -> "RunContext":
-    """Join or start Ray; every node's install of ``packages`` is checked; precision and backend follow the
-    cluster's workers (the driver may have no GPU)."""
+def start_cluster(cfg, needed_cpus: float) -> "RunContext":
+    """Join or start Ray; every node's install of the libraries the trainer needs is checked; precision and backend
+    follow the cluster's workers (the driver may have no GPU)."""
     init_ray(cfg.ray.address, cfg.ray.num_cpus, needed_cpus=needed_cpus)
     devices = resolve_devices(cfg.strategy, cluster_gpus())  # what --dry-run resolves for its cluster too
-    check_node_versions(packages, devices.gpus_per_worker > 0, cfg.model.attn_implementation)  # each node's install
+    check_node_versions(kind_of(cfg).packages, devices.gpus_per_worker > 0,  # each node's install
+                        cfg.model.attn_implementation)
     user_ds_config = check_user_config(cfg, devices.precision)  # before any actor starts
     return RunContext(cfg=cfg, precision=devices.precision, backend=devices.backend,
                       gpus_per_worker=devices.gpus_per_worker, user_ds_config=user_ds_config)

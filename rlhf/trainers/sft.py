@@ -5,7 +5,6 @@ from __future__ import annotations
 from rlhf.config.schema import SFTRunConfig
 from rlhf.data.formats import read_formatted, sft_fields
 from rlhf.data.tokenize import Tokenized, collate_sft, tokenize_sft
-from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.sft import SFTObjective
 from rlhf.trainers.offline import OfflineTask, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunResult
@@ -27,11 +26,11 @@ def _collate(examples: list, pad_id: int):
 def build_sft_task(cfg: SFTRunConfig, tokenizer) -> tuple:
     train, held_out = read_train_and_eval(cfg, tokenizer, _read)
     pad = tokenizer.pad_token_id
-    task = OfflineTask(name="sft", model_kind=CAUSAL_LM, objective=SFTObjective(), num_examples=len(train.examples),
+    task = OfflineTask(objective=SFTObjective(), num_examples=len(train.examples),
                        collate=_collate(train.examples, pad), eval_num_examples=len(held_out),
                        eval_collate=_collate(held_out, pad), console_keys=("loss", "grad_norm", "lr", "num_tokens"))
     return task, train.skipped_rows
 
 
 def train_sft(cfg: SFTRunConfig) -> RunResult:
-    return run_offline(cfg, build_sft_task, policy_role="policy")
+    return run_offline(cfg, build_sft_task)

@@ -40,7 +40,8 @@ def resolve_attn_implementation(requested: str, precision: str) -> str:
     if problem and importlib.util.find_spec("flash_attn") is not None:
         import warnings
 
-        warnings.warn(f"model.attn_implementation=auto: using sdpa, not flash_attention_2: {problem}", RuntimeWarning)
+        warnings.warn(f"model.attn_implementation=auto: using sdpa, not flash_attention_2: {problem}", RuntimeWarning,
+                      stacklevel=2)
     return "sdpa" if problem else "flash_attention_2"
 
 

@@ -179,4 +179,5 @@ def test_the_cli_reports_a_tripped_guard_in_one_line_with_exit_code_1(monkeypatc
         raise TrainingHealthError("health guard: step 3: loss = nan (not finite); stopped")
 
     code = run_cli(SFTRunConfig, diverge, "train_sft", ["model.path=m", "data.train_path=d.jsonl"])
-    assert code == 1 and capsys.readouterr().err.strip() == "error: health guard: step 3: loss = nan (not finite); stopped"
+    assert code == 1
+    assert capsys.readouterr().err.strip() == "error: health guard: step 3: loss = nan (not finite); stopped"

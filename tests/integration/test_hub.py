@@ -145,10 +145,12 @@ def test_cached_ids_are_pinned_to_their_commit(offline_hub, sft_data):
 
 
 def test_rl_keys_are_pinned(offline_hub):
+    from rlhf.trainers.kinds import kind_of
+
     cfg = load_config(RLRunConfig, overrides=["model.path=org/tiny", "data.train_path=org/data",
                                               "critic.path=org/tiny@v0", "reward.model_path=org/tiny",
                                               "algo.advantage_estimator=gae"])
-    pinned = pin_run_sources(cfg)
+    pinned = pin_run_sources(cfg, kind_of(cfg).model_keys)  # online RL's model keys: the critic's, the reward's
     assert (pinned.critic.path, pinned.reward.model_path) == (f"org/tiny@{OLD_SHA}", f"org/tiny@{SHA}")
 
 

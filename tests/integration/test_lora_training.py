@@ -97,7 +97,7 @@ def test_lora_final_adapter_loads_onto_the_base_as_the_merged_model(sft_runs, ti
 
 
 def test_lora_dpo_against_the_frozen_base_without_reference_workers(tiny_model, pair_data, tmp_path, capsys):
-    from rlhf.distributed.resource_plan import offline_plan
+    from rlhf.trainers.kinds import kind_of
     from rlhf.trainers.dpo import train_dpo
 
     runs = {}
@@ -107,7 +107,7 @@ def test_lora_dpo_against_the_frozen_base_without_reference_workers(tiny_model, 
         extra = (*LORA, f"dpo.ref_mode={mode}", "dpo.beta=0.5", "dpo.ref_num_workers=2")
         cfg = load_config(DPORunConfig, overrides=_overrides(tiny_model, pair_data, out, 4, micro, ranks, zero,
                                                              epochs=1, lr=2e-3, extra=extra))
-        assert [a.role for a in offline_plan(cfg, 0.0).actors] == ["policy"]  # no reference workers asked for
+        assert [a.role for a in kind_of(cfg).plan(cfg, 0.0).actors] == ["policy"]  # no reference workers asked for
         train_dpo(cfg)
         runs[name] = _rows(out)
     assert "reference log-probs precomputed for 19 pairs on the policy's frozen base (LoRA)" in capsys.readouterr().out

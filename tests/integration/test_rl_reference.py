@@ -63,8 +63,9 @@ CASES = {
 # never followed by a rebuild), padding-free and in micro-batches of at most 25 tokens (rows of 6-12 tokens, 8 a
 # rank: one rank runs 3 micro-batches, the other 4, a lockstep filler keeps ZeRO-3 in step; the test checks it).
 LAYOUTS = {"fp64-zero0": {"precision": "fp64", "policy": 0, "reference": 0, "critic": 0},
-           "fp32-zero2-zero3-packed-tok25": {"precision": "fp32", "policy": 2, "reference": 3, "critic": 3,
-                                             "overrides": ("train.packing=true", "train.max_tokens_per_micro_batch=25")}}
+           "fp32-zero2-zero3-packed-tok25": {
+               "precision": "fp32", "policy": 2, "reference": 3, "critic": 3,
+               "overrides": ("train.packing=true", "train.max_tokens_per_micro_batch=25")}}
 
 # Tolerances against the float64 reference (each case prints its figures).
 # fp64: both sides compute in float64 (with transformers' own float32 steps, the rotary cos/sin and RMSNorm's

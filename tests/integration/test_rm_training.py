@@ -58,7 +58,8 @@ def test_rm_step1_equals_plain_pytorch_and_model_loads_back(rm_runs, tiny_model,
 
     total, correct = 0.0, 0
     for i in plan.step(1).indices:
-        sc, sr = score(model, data[i]["prompt"], data[i]["chosen"]), score(model, data[i]["prompt"], data[i]["rejected"])
+        sc = score(model, data[i]["prompt"], data[i]["chosen"])
+        sr = score(model, data[i]["prompt"], data[i]["rejected"])
         total = total - torch.nn.functional.logsigmoid(sc - sr - data[i]["margin"])
         correct += int(sc > sr)
     (total / 4).backward()

@@ -625,7 +625,8 @@ def test_parse_cli_missing_required_exits_2(capsys):
     with pytest.raises(SystemExit) as info:
         parse_cli(SFTRunConfig, ["--config", "sft_tiny"])
     assert info.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: model.path is required (an HF model directory or a hub id, org/name)"
+    assert capsys.readouterr().err.strip() == \
+        "error: model.path is required (an HF model directory or a hub id, org/name)"
 
 
 def test_parse_cli_help_lists_keys(capsys):

@@ -256,7 +256,7 @@ def test_ipc_exports_each_buffer_once_per_sync_and_every_bucket_arrives(monkeypa
     sender.connect()
     gen = torch.Generator().manual_seed(0)
     weights = [(f"w{i}", torch.randn(24, generator=gen)) for i in range(10)]  # 96 bytes each: 2 a bucket
-    for sync in range(2):
+    for _sync in range(2):
         engine.handles, engine.received, exported[:] = [], [], []
         stats = sender.send(iter(weights))
         assert stats["buckets"] == 5.0 and len(engine.handles) == 5

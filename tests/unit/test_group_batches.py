@@ -2,9 +2,9 @@
 into ranks and micro-batches, where the normalizer is counted, what comes back.
 
 The group's actors are replaced by an in-process stand-in for its two primitives (``train_step``, ``score``;
-``group_helpers.LocalGroup``) that runs the real objective / score function on the real tiny model, so the cutting, counting and merging code under
-test is the real one. That Ray workers train the same way is the integration tests' business (test_workers,
-test_precision, test_fp64_run, test_examples).
+``group_helpers.LocalGroup``) that runs the real objective / score function on the real tiny model, so the cutting,
+counting and merging code under test is the real one. That Ray workers train the same way is the integration tests'
+business (test_workers, test_precision, test_fp64_run, test_examples).
 """
 from __future__ import annotations
 
@@ -89,8 +89,10 @@ def test_train_batch_refuses_a_batch_of_the_wrong_size_naming_the_shape(model):
 def test_ranks_that_disagree_on_the_grad_norm_are_an_error_but_a_shared_nan_is_reported(model):
     spec = EngineSpec.for_global_batch(8, 2, 2)
     with pytest.raises(RuntimeError, match="ranks report different grad norms"):
-        LocalGroup(model, spec, 2, report=lambda rank, _: (1.0 + 1e-7 * rank, 0.1)).train_batch(_batch(model), SFTObjective())
-    result = LocalGroup(model, spec, 2, report=lambda rank, _: (math.nan, 0.1)).train_batch(_batch(model), SFTObjective())
+        group = LocalGroup(model, spec, 2, report=lambda rank, _: (1.0 + 1e-7 * rank, 0.1))
+        group.train_batch(_batch(model), SFTObjective())
+    group = LocalGroup(model, spec, 2, report=lambda rank, _: (math.nan, 0.1))
+    result = group.train_batch(_batch(model), SFTObjective())
     assert math.isnan(result.grad_norm)  # the health guard must see it
 
 

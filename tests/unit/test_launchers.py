@@ -26,8 +26,8 @@ from rlhf.config import DPORunConfig, RewardModelRunConfig, SFTRunConfig, load_c
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.distributed.packing import (InfeasiblePlan, NodeShape, check_feasible, nodes_from_ray, pack,
                                       parse_cluster)
-from rlhf.distributed.resource_plan import (ActorPlan, Devices, GroupPlan, ResourcePlan, offline_plan, resolve_devices,
-                                            rl_plan, trainer_role)
+from rlhf.distributed.resource_plan import ActorPlan, Devices, GroupPlan, ResourcePlan, resolve_devices, rl_plan
+from rlhf.trainers.kinds import kind_of
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = sorted(p for p in (ROOT / "examples" / "launchers").glob("*.sh") if p.name != "submit.sh")
@@ -412,7 +412,7 @@ def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, 
     rec = _Recorder(monkeypatch)
     asked = {}
 
-    def start_cluster(cfg_, needed_cpus, packages=()):
+    def start_cluster(cfg_, needed_cpus):
         asked["cpus"] = needed_cpus
         return RunContext(cfg=cfg_, precision="bf16", backend="nccl", gpus_per_worker=1.0)
 
@@ -423,9 +423,9 @@ def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, 
     monkeypatch.setattr(run.Run, "train", stop)
     module, fn = builder.split(":")
     with pytest.raises(_Stop):
-        offline._run_offline_once(cfg, getattr(importlib.import_module(module), fn), role)
-    assert trainer_role(cfg) == role
-    plan = offline_plan(cfg, 1.0, role)
+        offline._run_offline_once(cfg, getattr(importlib.import_module(module), fn))
+    assert kind_of(cfg).policy_role == role
+    plan = kind_of(cfg).plan(cfg, 1.0)
     assert (rec.requests, rec.actors) == _Recorder.of(plan)
     assert asked["cpus"] == pytest.approx(plan.needed_cpus) == pytest.approx(1.5 * (2 + 3 * (kind == "dpo")))
 

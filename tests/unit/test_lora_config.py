@@ -8,9 +8,10 @@ import pytest
 
 from rlhf.config import ConfigError, DPORunConfig, SFTRunConfig, load_config
 from rlhf.config.rl_schema import RLRunConfig
-from rlhf.distributed.resource_plan import offline_plan, rl_plan
+from rlhf.distributed.resource_plan import rl_plan
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
-from rlhf.trainers.run import check_lora_targets, lora_models, lora_spec
+from rlhf.trainers.kinds import kind_of
+from rlhf.trainers.run import check_lora_targets, lora_spec
 
 from shared_helpers import uneven_pair_rows, write_jsonl
 
@@ -63,9 +64,9 @@ def test_train_sft_refuses_bad_targets_before_any_actor_starts(tiny_model, sft_d
 def test_with_lora_the_reference_is_the_base_and_asks_for_no_workers(tiny_model, tmp_path):
     pairs = write_jsonl(tmp_path / "pairs.jsonl", uneven_pair_rows(4, seed=0))
     dpo = _cfg(DPORunConfig, tiny_model, pairs, "model.lora.r=4")
-    assert dpo.model.reference_is_base and [a.role for a in offline_plan(dpo, 0.0).actors] == ["policy"]
+    assert dpo.model.reference_is_base and [a.role for a in kind_of(dpo).plan(dpo, 0.0).actors] == ["policy"]
     other = _cfg(DPORunConfig, tiny_model, pairs, "model.lora.r=4", "model.ref_path=/some/other/model")
-    assert not other.model.reference_is_base and "reference" in [a.role for a in offline_plan(other, 0.0).actors]
+    assert not other.model.reference_is_base and "reference" in [a.role for a in kind_of(other).plan(other, 0.0).actors]
     rl = ["reward.functions=[rlhf.synthetic.arithmetic:reward]", "algo.kl_coef=0.01", "model.lora.r=4"]
     cfg = _cfg(RLRunConfig, tiny_model, pairs, *rl, preset="grpo_tiny")
     assert "reference" not in [a.role for a in rl_plan(cfg, 0.0).actors]
@@ -91,12 +92,12 @@ def test_the_models_lora_wraps_are_the_ones_a_run_trains(tiny_model, tmp_path):
     """The policy (a reward model's with its head), and a GAE run's critic (its own path, else the policy's)."""
     pairs = write_jsonl(tmp_path / "pairs.jsonl", uneven_pair_rows(4, seed=0))
     dpo = _cfg(DPORunConfig, tiny_model, pairs, "model.lora.r=4")
-    assert lora_models(dpo, CAUSAL_LM) == [(tiny_model, CAUSAL_LM)]
+    assert kind_of(dpo).trained_models(dpo) == [(tiny_model, CAUSAL_LM)]
     rl = ["reward.functions=[rlhf.synthetic.arithmetic:reward]", "model.lora.r=4"]
     grpo = _cfg(RLRunConfig, tiny_model, pairs, *rl, preset="grpo_tiny")
-    assert lora_models(grpo, CAUSAL_LM) == [(tiny_model, CAUSAL_LM)]
+    assert kind_of(grpo).trained_models(grpo) == [(tiny_model, CAUSAL_LM)]
     gae = _cfg(RLRunConfig, tiny_model, pairs, *rl, "algo.advantage_estimator=gae", preset="grpo_tiny")
-    assert lora_models(gae, CAUSAL_LM) == [(tiny_model, CAUSAL_LM), (tiny_model, SCALAR_HEAD)]
+    assert kind_of(gae).trained_models(gae) == [(tiny_model, CAUSAL_LM), (tiny_model, SCALAR_HEAD)]
     critic = _cfg(RLRunConfig, tiny_model, pairs, *rl, "algo.advantage_estimator=gae", f"critic.path={tmp_path}",
                   preset="grpo_tiny")
-    assert lora_models(critic, CAUSAL_LM)[1] == (str(tmp_path), SCALAR_HEAD)
+    assert kind_of(critic).trained_models(critic)[1] == (str(tmp_path), SCALAR_HEAD)

@@ -241,7 +241,7 @@ def test_split_vs_whole_batch_normalization():
 
     global_tokens = sum(int(m.sum()) for _, m in pieces)
     assert global_tokens == 6
-    split_total = sum(normalize(sft_nll_sum(l, m), global_tokens, world_size=1) for l, m in pieces)
+    split_total = sum(normalize(sft_nll_sum(lp, m), global_tokens, world_size=1) for lp, m in pieces)
     assert split_total.item() == pytest.approx(10 / 6, abs=1e-6)
 
     # the same batch in one piece, right-padded to width 5 (padding filled with -inf: must be ignored)
@@ -251,7 +251,7 @@ def test_split_vs_whole_batch_normalization():
     assert split_total.item() == pytest.approx(whole_mean.item(), abs=1e-6)
 
     # The classic bug: averaging per-micro-batch means gives (4/4 + 6/2) / 2 = 2, not 10/6.
-    mean_of_means = sum(sft_nll_sum(l, m) / m.sum() for l, m in pieces) / len(pieces)
+    mean_of_means = sum(sft_nll_sum(lp, m) / m.sum() for lp, m in pieces) / len(pieces)
     assert mean_of_means.item() == pytest.approx(2.0, abs=1e-6)
     assert abs(mean_of_means.item() - whole_mean.item()) > 0.3
 

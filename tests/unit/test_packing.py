@@ -152,8 +152,8 @@ def test_dpo_packed_equals_padded_and_so_do_its_reference_logps(causal, loss_typ
     _assert_same(model, DPOObjective(loss_type=loss_type, nll_coef=0.5, packing=False),
                  DPOObjective(loss_type=loss_type, nll_coef=0.5, packing=True), batch)
     with torch.no_grad():
-        torch.testing.assert_close(ReferenceLogps(packing=True)(model, batch), ReferenceLogps(packing=False)(model, batch),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ReferenceLogps(packing=True)(model, batch),
+                                   ReferenceLogps(packing=False)(model, batch), rtol=1e-5, atol=1e-5)
 
 
 def test_reward_model_packed_equals_padded(scalar):
@@ -161,8 +161,8 @@ def test_reward_model_packed_equals_padded(scalar):
     _assert_same(scalar, RewardObjective(use_margin=True, packing=False), RewardObjective(use_margin=True), batch)
     single = Batch(input_ids=batch.input_ids[:, 0], attention_mask=batch.attention_mask[:, 0])
     with torch.no_grad():
-        torch.testing.assert_close(SequenceScores(packing=True)(scalar, single), SequenceScores(packing=False)(scalar, single),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(SequenceScores(packing=True)(scalar, single),
+                                   SequenceScores(packing=False)(scalar, single), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("temperature,entropy_coef", [(1.0, 0.0), (0.7, 0.01)])
@@ -183,5 +183,5 @@ def test_critic_packed_equals_padded(scalar):
     _assert_same(scalar, ValueObjective(packing=False), ValueObjective(packing=True), batch)
     with torch.no_grad():
         real = batch.attention_mask.bool()
-        torch.testing.assert_close(TokenValues(packing=True)(scalar, batch)[real], TokenValues(packing=False)(scalar, batch)[real],
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(TokenValues(packing=True)(scalar, batch)[real],
+                                   TokenValues(packing=False)(scalar, batch)[real], rtol=1e-5, atol=1e-6)

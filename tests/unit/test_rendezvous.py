@@ -26,6 +26,7 @@ _JOINER = textwrap.dedent("""
     from rlhf.rollout.sync_group import GroupAddress, SyncGroup, SyncTimeouts
     from rlhf.distributed.rendezvous import RendezvousTimeout
     port, rank, members, bound = int(sys.argv[1]), int(sys.argv[2]), tuple(sys.argv[3].split(",")), float(sys.argv[4])
+    print("started", flush=True)  # imports done: the test starts rank 0's clock only now
     try:
         SyncGroup(GroupAddress("127.0.0.1", port, members, "gloo", SyncTimeouts(bound, 60.0)), rank=rank)
     except RendezvousTimeout as exc:
@@ -46,6 +47,7 @@ def test_a_weight_sync_member_that_never_arrives_is_named_by_every_member_that_w
     store = host_store("127.0.0.1", 0, len(MEMBERS), 60.0)
     address = GroupAddress("127.0.0.1", int(store.port), MEMBERS, "gloo", SyncTimeouts(BOUND_S, 60.0))
     joiner = _joiner(store.port, rank=1)
+    assert joiner.stdout.readline().strip() == "started"  # on a loaded machine its imports alone take seconds
     started = time.monotonic()
     with pytest.raises(RendezvousTimeout) as caught:
         SyncGroup(address, rank=0, store=store)
@@ -65,8 +67,8 @@ def test_with_every_member_present_the_group_forms():
     address = GroupAddress("127.0.0.1", int(store.port), MEMBERS, "gloo", SyncTimeouts(60.0, 60.0))
     joiners = [_joiner(store.port, rank, bound=60.0) for rank in (1, 2)]
     SyncGroup(address, rank=0, store=store)
-    outs = [j.communicate(timeout=60)[0].strip() for j in joiners]
-    assert outs == ["joined", "joined"] and [j.returncode for j in joiners] == [0, 0]
+    outs = [j.communicate(timeout=60)[0].split() for j in joiners]
+    assert outs == [["started", "joined"]] * 2 and [j.returncode for j in joiners] == [0, 0]
 
 
 def test_a_member_that_cannot_reach_the_store_names_the_address_and_its_host():

@@ -3,9 +3,9 @@ optimizer steps divided once by the summed normalizer, whatever the shuffle into
 into ranks and micro-batches; and each optimizer step's LR position is the run's planned step.
 
 The driver's bookkeeping is unit-tested here with an in-process stand-in for the policy's worker group
-(``group_helpers.LocalGroup``) that runs the real objective on the real tiny model without updating it (so every optimizer step sees the same weights and
-the global value is known: the objective over the whole rollout batch at once). That Ray workers keep the same
-contract per optimizer step is test_rl_e2e.py's and test_rl_reference.py's business.
+(``group_helpers.LocalGroup``) that runs the real objective on the real tiny model without updating it (so every
+optimizer step sees the same weights and the global value is known: the objective over the whole rollout batch at once).
+That Ray workers keep the same contract per optimizer step is test_rl_e2e.py's and test_rl_reference.py's business.
 """
 from __future__ import annotations
 

@@ -164,7 +164,7 @@ def test_this_process_reports_what_is_installed_here():
     assert cluster_problems(report, [report], TRAINING_PACKAGES, uses_gpus=False) == ([], [])
 
 
-def _start_cluster(monkeypatch, cfg, node: NodeReport, packages=TRAINING_PACKAGES):
+def _start_cluster(monkeypatch, cfg, node: NodeReport):
     """``start_cluster`` on a one-node cluster that reports ``node``, without Ray."""
     import ray
 
@@ -178,7 +178,7 @@ def _start_cluster(monkeypatch, cfg, node: NodeReport, packages=TRAINING_PACKAGE
                                                 "Resources": {"CPU": 8.0}}])
     monkeypatch.setattr(node_versions, "node_reports", lambda timeout_s, ids: asked.append(ids) or [node])
     monkeypatch.setattr(node_versions, "_PASSED", {})
-    return run.start_cluster(cfg, 1.0, packages), asked
+    return run.start_cluster(cfg, 1.0), asked
 
 
 def test_start_cluster_refuses_a_node_outside_the_supported_versions(monkeypatch):
@@ -193,10 +193,8 @@ def test_start_cluster_refuses_a_node_outside_the_supported_versions(monkeypatch
     no_vllm = _node(gpus=0.0, drop=("vllm",))
     ctx, asked = _start_cluster(monkeypatch, sft, no_vllm)  # SFT needs no vLLM
     assert ctx.gpus_per_worker == 0.0 and asked == [["n1"]]
-    from rlhf.trainers.rl_runner import RL_PACKAGES  # what an RL run checks
-
     with pytest.raises(UnsupportedVersionError, match="node 10.0.0.3: vllm is not installed"):
-        _start_cluster(monkeypatch, rl, no_vllm, RL_PACKAGES)
+        _start_cluster(monkeypatch, rl, no_vllm)  # online RL's descriptor needs vLLM
 
 
 def test_nodes_that_passed_are_not_asked_again(monkeypatch):

@@ -1,0 +1,103 @@
+"""The trainers, one descriptor each: everything that differs between SFT, reward modelling, DPO and online RL.
+
+A :class:`TrainerKind` holds a trainer's facts: its run config class, its train function, the role and kind of the
+model it trains, the models LoRA wraps, its resource plan, the libraries it needs, the loss column the audit
+tabulates, and what tells its configs apart. The command lines, ``--dry-run``, the audit, LoRA's checks and the
+output directory read the descriptor of a config (:func:`kind_of`, by the config's class); no code asks a config
+which sections it has. Adding a trainer is one entry here, its config class and its train function.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, List, Tuple
+
+from rlhf.config.rl_schema import RLRunConfig
+from rlhf.config.schema import DPORunConfig, RewardModelRunConfig, SFTRunConfig
+from rlhf.distributed.resource_plan import ResourcePlan, offline_plan, rl_plan
+from rlhf.hub import RUN_MODEL_KEYS
+from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
+from rlhf.registry import Registry
+from rlhf.utils.versions import TRAINING_PACKAGES
+
+
+@dataclass(frozen=True)
+class TrainerKind:
+    """One trainer (module docstring)."""
+
+    name: str  # sft | rm | dpo | ppo: the registry name, the audit's --trainer
+    run_name: str  # sft | rm | dpo | rl: the prefix of the run's log lines and of a new output directory
+    config_cls: type  # its run config
+    train_path: str  # "module:function" (cfg -> RunResult), imported when called: the trainers import this module
+    policy_role: str  # the role of the model it trains
+    policy_kind: str  # CAUSAL_LM, or SCALAR_HEAD for a reward model
+    primary_loss: str  # the loss column of the audit's table
+    sections: Tuple[str, ...]  # config sections only this trainer has (what tells its configs apart)
+    preset_prefixes: Tuple[str, ...]  # its shipped presets are named <prefix>_...
+    # whether a run scores against a frozen reference model (with LoRA, the base under the adapters)
+    has_reference: Callable[[Any], bool] = lambda cfg: False
+    reference_ranks: Callable[[Any], int] = lambda cfg: 0  # offline: the reference group's ranks
+    model_keys: Tuple[str, ...] = RUN_MODEL_KEYS  # the config keys naming models it loads (hub ids pinned)
+    online: bool = False  # rollouts from vLLM engines: online RL's plan, its extra trained models, vLLM needed
+
+    @property
+    def packages(self) -> Tuple[str, ...]:
+        """The libraries a run checks on the driver and on every node (``rlhf.utils.versions``)."""
+        return TRAINING_PACKAGES + (("vllm",) if self.online else ())
+
+    def train(self, cfg):
+        module, function = self.train_path.split(":")
+        return getattr(importlib.import_module(module), function)(cfg)
+
+    def plan(self, cfg, gpus_per_worker: float) -> ResourcePlan:
+        """What a run of ``cfg`` asks the cluster for, in the order its runner starts it."""
+        if self.online:
+            return rl_plan(cfg, gpus_per_worker)
+        # LoRA: the policy's workers score the reference (the adapters off); no group of its own
+        own_reference = self.has_reference(cfg) and not cfg.model.reference_is_base
+        return offline_plan(cfg, gpus_per_worker, self.policy_role, self.reference_ranks(cfg) if own_reference else 0)
+
+    def trained_models(self, cfg) -> List[Tuple[str, str]]:
+        """``(path, kind)`` of every model a run of ``cfg`` trains, and so wraps with LoRA when ``model.lora`` is on:
+        the policy (a reward model for ``rm``) and, in online RL, the critic when the algorithm has one."""
+        models = [(cfg.model.path, self.policy_kind)]
+        if self.online and cfg.algo.needs_critic:
+            models.append((cfg.critic.path or cfg.model.path, SCALAR_HEAD))
+        return models
+
+
+# In the order an audit tries a config's class against them.
+_KINDS: Tuple[TrainerKind, ...] = (
+    TrainerKind(name="sft", run_name="sft", config_cls=SFTRunConfig, train_path="rlhf.trainers.sft:train_sft",
+                policy_role="policy", policy_kind=CAUSAL_LM, primary_loss="loss", sections=(),
+                preset_prefixes=("sft",)),
+    TrainerKind(name="rm", run_name="rm", config_cls=RewardModelRunConfig,
+                train_path="rlhf.trainers.reward_model:train_reward_model", policy_role="reward_model",
+                policy_kind=SCALAR_HEAD, primary_loss="loss", sections=("rm",), preset_prefixes=("rm",)),
+    TrainerKind(name="dpo", run_name="dpo", config_cls=DPORunConfig, train_path="rlhf.trainers.dpo:train_dpo",
+                policy_role="policy", policy_kind=CAUSAL_LM, primary_loss="loss", sections=("dpo",),
+                preset_prefixes=("dpo",), has_reference=lambda cfg: True,
+                reference_ranks=lambda cfg: cfg.dpo.ref_num_workers),
+    TrainerKind(name="ppo", run_name="rl", config_cls=RLRunConfig, train_path="rlhf.trainers.rl_runner:train_ppo",
+                policy_role="policy", policy_kind=CAUSAL_LM, primary_loss="policy_loss",
+                sections=("rollout", "reward", "algo", "critic", "colocate"), preset_prefixes=("ppo", "grpo"),
+                has_reference=lambda cfg: cfg.algo.kl_coef > 0,
+                model_keys=RUN_MODEL_KEYS + ("critic.path", "reward.model_path"), online=True),
+)
+TRAINER_KINDS: Registry[TrainerKind] = Registry("trainer")
+for _kind in _KINDS:
+    TRAINER_KINDS.register(_kind.name)(_kind)
+
+
+def kinds() -> List[TrainerKind]:
+    """Every trainer: sft, rm, dpo, ppo (the order an audit tries a config against them)."""
+    return list(_KINDS)
+
+
+def kind_of(cfg) -> TrainerKind:
+    """The descriptor of a run config, by its class."""
+    for kind in kinds():
+        if type(cfg) is kind.config_cls:
+            return kind
+    raise TypeError(f"{type(cfg).__name__} is no trainer's run config; the trainers' are "
+                    + ", ".join(kind.config_cls.__name__ for kind in kinds()))

@@ -1,0 +1,89 @@
+"""One descriptor per trainer (``rlhf.trainers.kinds``): what the command lines, ``--dry-run``, the audit, LoRA and
+the output directory read, and no code left that guesses a config's trainer from the sections it has."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from rlhf.config import DPORunConfig, RewardModelRunConfig, SFTRunConfig, load_config
+from rlhf.config.rl_schema import RLRunConfig
+from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
+from rlhf.registry import UnknownNameError
+from rlhf.trainers.kinds import TRAINER_KINDS, kind_of, kinds
+
+ROOT = Path(__file__).resolve().parents[2]
+OVERRIDES = ["model.path=/m", "data.train_path=/d.jsonl"]
+
+
+def _cfg(cls, preset, *extra):
+    return load_config(cls, preset, [*OVERRIDES, *extra])
+
+
+def test_every_run_config_has_one_descriptor_found_by_its_class():
+    pairs = {SFTRunConfig: "sft", RewardModelRunConfig: "rm", DPORunConfig: "dpo", RLRunConfig: "ppo"}
+    assert [k.name for k in kinds()] == ["sft", "rm", "dpo", "ppo"]
+    for cls, name in pairs.items():
+        assert kind_of(object.__new__(cls)) is TRAINER_KINDS.get(name)
+        assert TRAINER_KINDS.get(name).config_cls is cls
+    with pytest.raises(TypeError, match=r"^dict is no trainer's run config; the trainers' are SFTRunConfig, "
+                                        r"RewardModelRunConfig, DPORunConfig, RLRunConfig$"):
+        kind_of({})
+    with pytest.raises(UnknownNameError, match=r"unknown trainer 'kto'\..*Valid names: dpo, ppo, rm, sft"):
+        TRAINER_KINDS.get("kto")
+
+
+def test_the_descriptors_facts():
+    sft, rm, dpo, ppo = kinds()
+    assert [(k.policy_role, k.policy_kind, k.run_name) for k in kinds()] == [
+        ("policy", CAUSAL_LM, "sft"), ("reward_model", SCALAR_HEAD, "rm"), ("policy", CAUSAL_LM, "dpo"),
+        ("policy", CAUSAL_LM, "rl")]
+    assert "vllm" not in sft.packages and "vllm" in ppo.packages and ppo.online and not dpo.online
+    assert ppo.model_keys == ("model.path", "model.ref_path", "critic.path", "reward.model_path")
+    assert sft.model_keys == rm.model_keys == dpo.model_keys == ("model.path", "model.ref_path")
+
+
+def test_a_plan_comes_from_the_descriptor():
+    """DPO's reference group, or none with LoRA (the policy's workers score the base); the reward model's role."""
+    dpo = _cfg(DPORunConfig, "dpo_tiny", "dpo.ref_num_workers=3")
+    assert [(a.role, a.count) for a in kind_of(dpo).plan(dpo, 0.0).actors] == [("policy", 1), ("reference", 3)]
+    lora = _cfg(DPORunConfig, "dpo_tiny", "model.lora.r=8")
+    assert [a.role for a in kind_of(lora).plan(lora, 0.0).actors] == ["policy"]
+    rm = _cfg(RewardModelRunConfig, "rm_tiny")
+    assert [a.role for a in kind_of(rm).plan(rm, 0.0).actors] == ["reward_model"]
+    gae = _cfg(RLRunConfig, "grpo_tiny", "algo.advantage_estimator=gae", "reward.functions=[m:f]")
+    assert "critic" in [a.role for a in kind_of(gae).plan(gae, 0.0).actors]
+    assert kind_of(gae).trained_models(gae) == [("/m", CAUSAL_LM), ("/m", SCALAR_HEAD)]
+
+
+def test_the_command_lines_parse_the_descriptors_config_class(capsys):
+    """Each ``train_*`` CLI is its descriptor: ``--help`` lists a key only that trainer's config has."""
+    import importlib
+
+    for module, key in (("train_sft", "data.assistant_turns"), ("train_rm", "rm.use_margin"),
+                        ("train_dpo", "dpo.beta"), ("train_ppo", "rollout.num_engines")):
+        with pytest.raises(SystemExit):
+            importlib.import_module(f"rlhf.cli.{module}").main(["--help"])
+        assert key in capsys.readouterr().out, module
+
+
+def _attribute_probes(path: Path, root: Path = ROOT):
+    """``hasattr(cfg, ...)`` / ``getattr(cfg, "literal", ...)`` calls on a config in ``path``: a trainer guessed from
+    its sections."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
+                and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in ("cfg", "config")
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
+            yield f"{path.relative_to(root)}:{node.lineno}"
+
+
+def test_no_code_asks_a_config_which_sections_it_has():
+    found = [hit for path in sorted((ROOT / "rlhf").rglob("*.py")) for hit in _attribute_probes(path)]
+    assert found == [], "read the trainer's descriptor (rlhf.trainers.kinds.kind_of) instead: " + ", ".join(found)
+
+
+def test_the_probe_finder_finds_a_probe(tmp_path):
+    sample = tmp_path / "probe.py"
+    sample.write_text("def f(cfg):\n    return hasattr(cfg, 'rollout')\n", encoding="utf-8")
+    assert list(_attribute_probes(sample, tmp_path)) == ["probe.py:2"]
