@@ -33,7 +33,7 @@ export PYTHONUNBUFFERED ?= 1
 # DeepSpeed's JIT-built ops live in the venv (rlhf/distributed/cluster.py says why); `install` builds them once.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install install-gpu install-flash-attn demo test test-fast bench lint docs doctor clean
+.PHONY: install install-gpu install-flash-attn demo test test-fast bench lint typecheck docs doctor clean
 
 ifeq ($(FLAVOUR),cpu)
 install: $(STAMP_CPU)
@@ -104,6 +104,7 @@ demo: $(STAMP)
 PYTEST_ARGS ?= -n 2 --dist loadfile
 test: $(STAMP)
 	$(PY) -m pytest -q -ra --durations=20 $(PYTEST_ARGS)
+	$(PY) -m mypy
 
 # The unit tests, tests/unit: no Ray cluster, no actors (tests/unit/conftest.py fails one that starts Ray); about a
 # minute.
@@ -124,6 +125,10 @@ bench: $(STAMP)
 # ruff's lint, the rules in pyproject.toml's [tool.ruff.lint] (make test runs it too: tests/unit/test_lint.py).
 lint: $(STAMP)
 	$(PY) -m ruff check .
+
+# mypy over the package ([tool.mypy] in pyproject.toml); make test ends with it too (about a minute).
+typecheck: $(STAMP)
+	$(PY) -m mypy
 
 docs: $(STAMP)
 	$(PY) docs/gen_config_reference.py

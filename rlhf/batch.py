@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence
+from typing import Any, Iterable, List, Optional, Sequence, cast
 
 import torch
 
@@ -80,7 +80,8 @@ class Batch:
         return self.input_ids.dim() == 3
 
     def replace(self, **fields: Optional[Tensor]) -> "Batch":
-        return dataclasses.replace(self, **fields)
+        # cast: mypy would check every field against the one value type of **fields; replace checks names at run time.
+        return dataclasses.replace(self, **cast("dict[str, Any]", fields))
 
     # ------------------------------------------------------------------ cutting
     def slice(self, start: int, stop: int) -> "Batch":

@@ -98,6 +98,7 @@ def advantages_for(batch: Batch, scores: Union[torch.Tensor, Sequence[float]],
                          "TokenValues()))")
     # float64 when the policy's log-probs are (strategy.precision=fp64): the advantages are then float64 too
     fp64 = batch.old_logps is not None and batch.old_logps.dtype == torch.float64
+    assert batch.loss_mask is not None, "an experience batch carries its loss mask"
     mask = batch.loss_mask.to(torch.float64 if fp64 else torch.float32)
     scores = torch.as_tensor(scores, dtype=torch.float32)
     scores = scores.double() if fp64 else scores
@@ -106,6 +107,7 @@ def advantages_for(batch: Batch, scores: Union[torch.Tensor, Sequence[float]],
     if kl_in_reward and kl_coef > 0:
         if batch.ref_logps is None:
             raise ValueError("kl_in_reward needs batch.ref_logps (the reference's log-probs)")
+        assert batch.old_logps is not None, "the KL penalty is taken against the policy's log-probs"
         kl = kl_estimate(kl_estimator, batch.old_logps, batch.ref_logps, bounded=True)
         penalty = kl_coef * torch.where(mask != 0, kl, 0.0)
     per_token = penalty is not None and entry.kl_in_reward == "per token"
@@ -126,5 +128,6 @@ def logp_mismatch(batch: Batch) -> Optional[float]:
     every weight sync landed."""
     if batch.old_logps is None or batch.rollout_logps is None:
         return None
+    assert batch.loss_mask is not None, "an experience batch carries its loss mask"
     mask = batch.loss_mask.float()
     return float(((batch.old_logps - batch.rollout_logps).abs() * mask).sum() / mask.sum().clamp(min=1))

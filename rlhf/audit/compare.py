@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 FAIL, OK, DIVERGED, NOT_COMPARED = "FAIL", "ok", "rollouts differ", "not compared"
 
@@ -87,7 +87,7 @@ class Diff:
 class StepReport:
     step: int
     status: str  # ok | FAIL | rollouts differ | not compared
-    rows: Dict[str, dict]  # run label -> its logged row
+    rows: Dict[str, Optional[dict]]  # run label -> its logged row (None: that run logged no such step)
     diffs: Dict[str, Diff] = field(default_factory=dict)  # metric -> worst run's difference
     tol: float = 0.0
 
@@ -151,7 +151,7 @@ def compare_steps(runs: Dict[str, List[dict]], tol: Tolerances, rl: bool = False
     diverged = False
     for i, ref in enumerate(r for r in ref_rows if not r.get("skipped")):
         step = ref.get("step", i + 1)
-        rows = {ref_label: ref}
+        rows: Dict[str, Optional[dict]] = {ref_label: ref}
         for label, other_rows in others:
             rows[label] = next((r for r in other_rows if r.get("step") == step), None)
         report = StepReport(step=step, status=NOT_COMPARED if diverged else OK, rows=rows, tol=tol.at(step))
@@ -204,7 +204,7 @@ def verdict(steps: Sequence[StepReport], weights: Sequence[WeightsDiff], tol: To
             labels: Dict[str, str]) -> Verdict:
     """The audit's last line and exit code. ``labels``: run label -> its description (``1x4x2 (micro 1)``), the
     reference first."""
-    name = lambda label: labels.get(label, label)  # noqa: E731
+    name: Callable[[str], str] = lambda label: labels.get(label, label)  # noqa: E731
     ref = next(iter(labels), "the configured run")
     for report in steps:
         if report.status == FAIL:

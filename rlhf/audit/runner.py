@@ -21,7 +21,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 from rlhf.audit.compare import WeightsDiff
 from rlhf.audit.factorizations import Factorization, Fits
@@ -122,7 +122,7 @@ def runs_deepspeed_config(user: Optional[dict], workdir: str, fp64: bool = False
 
 
 @contextlib.contextmanager
-def cluster(cfgs: Sequence) -> "contextlib.AbstractContextManager[str]":
+def cluster(cfgs: Sequence) -> Iterator[str]:
     """Join or start Ray once for every run (sized for the largest); yields the precision the runs resolve to.
     A cluster started here is shut down at the end; one that was already up (a test session) is left alone."""
     import ray

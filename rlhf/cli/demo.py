@@ -98,6 +98,8 @@ def main(argv=None) -> int:
     print(f"\n{'model (final/ dirs, HF)':<24} {'greedy acc':>10} {'sampled acc':>12}")
     for name, model_dir in (("base (random init)", assets["model"]), ("after SFT", sft.final_dir),
                             ("after GRPO", rl.final_dir)):
+        # loading the model from None would fail: both runs save final/ (train.save_final defaults on)
+        assert model_dir is not None, f"{name}: the run saved no final/ directory"
         greedy = accuracy(model_dir, eval_rows, is_correct)
         sampled = sampled_accuracy(model_dir, eval_rows, is_correct, samples_per_prompt=EVAL_SAMPLES)
         print(f"{name:<24} {greedy:>10.1%} {sampled:>12.1%}")

@@ -122,7 +122,8 @@ def _live_nodes(address: str) -> Tuple[NodeShape, ...]:
     joined = not ray.is_initialized()
     try:
         if joined:
-            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+            # ignore: ray annotates logging_level as int, yet its own default (LOGGER_LEVEL) is the name "info"
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR")  # type: ignore[arg-type]
         nodes = nodes_from_ray(ray.nodes())
     except Exception as exc:  # noqa: BLE001 - any failure to reach the cluster is reported as one line
         raise ConfigError(f"cannot read the Ray cluster at {address} ({type(exc).__name__}: {exc}); give "

@@ -17,7 +17,7 @@ import io
 import sys
 import textwrap
 import tokenize
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Generic, Sequence, TypeVar, cast
 
 from rlhf.config.loader import _type_name, _walk, available_presets, load_config
 from rlhf.config.schema import ConfigError
@@ -199,8 +199,9 @@ def _field_comments(klass: type) -> dict[str, str]:
     comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
     lines = source.splitlines()
     found: dict[str, str] = {}
-    for stmt in node.body:
+    for stmt in cast(ast.ClassDef, node).body:  # cast: inspect.getsource of a class is that one class statement
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            assert stmt.end_lineno is not None, "ast.parse sets end_lineno on every statement"
             rows = range(stmt.lineno, stmt.end_lineno + 1)
             parts = [next((comments[r] for r in rows if r in comments), "")]
             above = stmt.lineno - 1

@@ -31,7 +31,7 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence, TypeVar, Union
+from typing import Any, Iterator, Mapping, Sequence, TypeVar, Union, cast
 
 import yaml
 
@@ -326,7 +326,7 @@ def _build(cls: type[T], data: Any, prefix: str, root: type) -> T:
     for name in data:
         if name not in fields:
             raise _unknown_key(root, _join(prefix, str(name)), cls, prefix)
-    hints = _hints(cls)
+    hints = _hints(cast(type, cls))  # cast: mypy does not see that type[T] is Hashable (lru_cache's key)
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         key, tp = _join(prefix, name), hints[name]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -160,7 +160,9 @@ def tokenize_pairs(rows: Sequence[dict], tokenizer, *, max_length: int, prompt_k
             with row_errors(i):
                 encoded = _conversational_pair(row, chat, prompt_key=prompt_key, chosen_key=chosen_key,
                                                rejected_key=rejected_key)
-            sides[i] = tuple(_truncated(e, max_length) for e in encoded)
+            # cast: encoded is _conversational_pair's (chosen, rejected), so the tuple has two items.
+            sides[i] = cast(Tuple[Optional[Example], Optional[Example]],
+                            tuple(_truncated(e, max_length) for e in encoded))
     examples, skipped = [], []
     for i in range(len(rows)):
         ec, er = sides[i]
@@ -188,6 +190,7 @@ def collate_pairs(examples: Sequence[PairExample], pad_id: int, indices: Optiona
     """Pairs -> ``(B, 2, T)`` fields (chosen at index 0), padded to the longest completion of the batch."""
     flat = [seq for pair in examples for seq in (pair.chosen, pair.rejected)]
     inner = collate_sft(flat, pad_id)
+    assert inner.loss_mask is not None, "collate_sft always sets loss_mask"
     width = inner.input_ids.shape[1]
     margins = [p.margin for p in examples]
     return Batch(

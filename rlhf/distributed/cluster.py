@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 from rlhf.hub import hub_env
 
@@ -89,7 +89,7 @@ BUILD_MESSAGE = "compiling DeepSpeed's CPU communication op, first run only, ~1 
 _BUILD_CODE = "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=False)"
 
 
-def _comm_op_inputs() -> Optional[Dict[str, object]]:
+def _comm_op_inputs() -> Optional[Dict[str, Any]]:
     """This environment's op sources and torch headers as torch's build file names them, found without importing
     DeepSpeed; ``None`` when DeepSpeed is not installed or the op is not built here (it is Linux-only)."""
     import importlib.util
@@ -97,6 +97,8 @@ def _comm_op_inputs() -> Optional[Dict[str, object]]:
     ds, torch_spec = importlib.util.find_spec("deepspeed"), importlib.util.find_spec("torch")
     if sys.platform != "linux" or ds is None or torch_spec is None:
         return None
+    # Both are packages (find_spec found their directories), so their search locations are set.
+    assert ds.submodule_search_locations is not None and torch_spec.submodule_search_locations is not None
     # DeepSpeed passes absolute source paths under deepspeed/ops (OpBuilder.deepspeed_src_path), torch its headers
     comm = os.path.join(os.path.abspath(ds.submodule_search_locations[0]), "ops", "csrc", "cpu", "comm")
     return {"sources": [os.path.join(comm, name) for name in ("shm_interface.cpp", "shm.cpp")],

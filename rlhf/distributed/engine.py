@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Tuple, overload
 
 import torch
 
@@ -158,7 +158,8 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     1-D placeholder and keeps the real shape in ``ds_shape``, so ``param.ndim`` would put every weight in the
     no-decay group and silently switch weight decay off.
     """
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for _, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -179,7 +180,7 @@ def _make_optimizer(model: torch.nn.Module, optim: OptimSpec, offload: bool):
     optimizer steps on the host: DeepSpeed's CPU Adam, which ZeRO-Offload requires.
     """
     groups = parameter_groups(model, optim.weight_decay)
-    kwargs = dict(lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    kwargs: Dict[str, Any] = dict(lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -202,6 +203,7 @@ def _undo_construction_step(optimizer) -> None:
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
+    pairs: Iterable[Tuple[Any, Any]]
     if isinstance(optimizer, FP16_Optimizer):
         pairs = zip(optimizer.fp32_groups_flat, optimizer.fp16_groups_flat)
     elif isinstance(optimizer, FP16_UnfusedOptimizer):
@@ -397,6 +399,21 @@ def float64_sum_of_squares(tensors: Sequence[torch.Tensor],
 
 
 _CPU = torch.device("cpu")
+
+
+# Typed per device: a device yields tensors, ``device=None`` yields ``None`` for each.
+@overload
+def iter_full_state(module: torch.nn.Module, zero_stage: int, device: torch.device = _CPU
+                    ) -> Iterator[Tuple[str, torch.Tensor]]: ...
+
+
+@overload
+def iter_full_state(module: torch.nn.Module, zero_stage: int, device: None) -> Iterator[Tuple[str, None]]: ...
+
+
+@overload
+def iter_full_state(module: torch.nn.Module, zero_stage: int, device: Optional[torch.device] = _CPU
+                    ) -> Iterator[Tuple[str, Optional[torch.Tensor]]]: ...
 
 
 def iter_full_state(module: torch.nn.Module, zero_stage: int, device: Optional[torch.device] = _CPU

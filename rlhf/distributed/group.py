@@ -10,7 +10,7 @@ tensor at the batch's width. Results come back in rank order, and any actor fail
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -52,7 +52,8 @@ class StepResult:
         """``micro_batches`` and ``fillers`` for a metrics row, under a token budget; empty otherwise."""
         if self.micro_batches is None:
             return {}
-        return {"micro_batches": self.micro_batches, "fillers": self.fillers}
+        # cast: train_batch sets fillers together with micro_batches
+        return {"micro_batches": self.micro_batches, "fillers": cast(int, self.fillers)}
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ class WorkerGroup:
         self.engine_spec: Optional[EngineSpec] = None  # set by build(): the micro-batch and accumulation shape
         self.trainable = False
         actor_cls = ray.remote(self.worker_class)
-        self.workers = [
+        # ray.actor.ActorHandle[TrainerWorker]; Any: ray's annotations give its methods no typed .remote
+        self.workers: List[Any] = [
             actor_cls.options(**placement.actor_options(rank), runtime_env={"env_vars": dict(resources.env_vars)})
             .remote(role, rank, self.size, placement.threads_per_actor)
             for rank in range(self.size)
@@ -168,9 +170,9 @@ class WorkerGroup:
         tests that place rows on ranks by hand."""
         if len(per_rank) != self.size:
             raise ValueError(f"{self.role}: {len(per_rank)} rank shards for {self.size} workers")
-        counted = counted or [None] * self.size
+        flags: Sequence[Optional[List[bool]]] = counted or [None] * self.size  # None: the rank's default, all count
         refs = [w.train_step.remote(mb, objective, normalizer, schedule_step, c)
-                for w, mb, c in zip(self.workers, per_rank, counted)]
+                for w, mb, c in zip(self.workers, per_rank, flags)]
         return self._gather(refs, "train_step")
 
     def _cut(self, batch: Batch, spec: EngineSpec) -> StepCut:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 from rlhf.distributed.resource_plan import ActorPlan, GroupPlan, ResourcePlan
 
@@ -230,12 +230,12 @@ def _pack_group(group: GroupPlan, nodes: _Nodes) -> Optional[List[Slot]]:
                 pending.remove(index)
         candidates.remove(node)
     nodes.cpus, nodes.gpus = trial.cpus, trial.gpus
-    return slots  # type: ignore[return-value]
+    return cast(List[Slot], slots)  # cast: the loop ends once no bundle is pending, so every slot is set
 
 
 def _place_own(actors: ActorPlan, nodes: _Nodes) -> Tuple[List[Slot], Optional[int]]:
     """First node with room, actor by actor; the slots placed and the index of the first that did not fit."""
-    slots = []
+    slots: List[Slot] = []
     for i in range(actors.count):
         node = next((n for n in range(len(nodes.cpus)) if nodes.score(n, actors.request) >= 0), None)
         if node is None:

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import socket
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -94,7 +94,7 @@ class TrainerWorker:
             self._store = connect_store(master_addr, master_port, self.world_size, timeout_s, members[self.rank],
                                         members[0])
         arrive(self._store, self.rank, members, timeout_s, f"the {self.role}'s process group")
-        options = {}
+        options: Dict[str, Any] = {}
         if backend == "nccl":
             # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is device 0 here.
             torch.cuda.set_device(0)
@@ -188,6 +188,7 @@ class TrainerWorker:
     @torch.no_grad()
     def score(self, batches: List[Batch], fn: ScoreFn) -> List[torch.Tensor]:
         """Forward-only ``fn`` over each batch (reference log-probs, rewards, values), results on CPU."""
+        assert self.model is not None, "build() sets the model before any call that uses it"
         model = self.engine if self.engine is not None else self.model
         was_training = self.model.training
         self.model.eval()
@@ -199,6 +200,7 @@ class TrainerWorker:
     @torch.no_grad()
     def evaluate(self, batches: List[Batch], objective: Objective, counted: List[bool]) -> Sums:
         """Forward-only objective sums over ``batches`` (those with ``counted[i]`` False are lockstep fillers)."""
+        assert self.model is not None, "build() sets the model before any call that uses it"
         model = self.engine if self.engine is not None else self.model
         was_training = self.model.training
         self.model.eval()
@@ -218,13 +220,16 @@ class TrainerWorker:
         With LoRA: the merged full model with the adapter in ``path/adapter`` (``merged``), or the adapter alone in
         ``path`` (loadable with ``peft.PeftModel.from_pretrained(base, path)``).
         """
-        state = {}
+        assert self.model is not None, "build() sets the model before any call that uses it"
+        state: Dict[str, torch.Tensor] = {}
         for name, tensor in iter_full_state(self.model, self.zero_stage):
             if self.rank == 0:
                 state[name] = tensor
         if self.rank == 0 and self.lora is None:
-            self.model.save_pretrained(path, state_dict=state)
+            # ignore: torch types nn.Module.__getattr__ as Tensor | Module; this is the HF model's method
+            self.model.save_pretrained(path, state_dict=state)  # type: ignore[operator]
         elif self.rank == 0:
+            assert self.lora is not None and self.spec is not None, "lora None took the branch above; build() set spec"
             if merged:
                 save_merged(self.model, self.lora, path, named=state.items())
             save_adapter(state.items(), self.lora, os.path.join(path, "adapter") if merged else path,
@@ -249,6 +254,7 @@ class TrainerWorker:
 
         Collective under ZeRO-3: every rank gathers each parameter in lockstep, whether or not it sends.
         """
+        assert self.model is not None, "build() sets the model before any call that uses it"
         sender = self.weight_sender
         if sender is None:
             for _ in iter_full_state(self.model, self.zero_stage, device=None):

@@ -20,6 +20,7 @@ importing this module stays light.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -78,7 +79,7 @@ class _EnvActor:
         results: List[Any] = [None] * len(items)
         for k, (episode, payload) in enumerate(items):
             try:
-                results[k] = self._timed(lambda episode=episode, payload=payload: call(episode, payload))
+                results[k] = self._timed(functools.partial(call, episode, payload))
             except _Hung:
                 turn = turn_of(episode)
                 phase = "reset" if turn == 0 else "step"

@@ -129,7 +129,9 @@ def _linear_modules(model: torch.nn.Module) -> Tuple[List[str], List[str], Dict[
     inside a PEFT model or DeepSpeed engine, with their prefixes removed)."""
     model = _hf_model(model)
     heads = []
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # ignore: torch types nn.Module.__getattr__ as Tensor | Module; this is the HF model's method
+    output = (model.get_output_embeddings()  # type: ignore[operator]
+              if hasattr(model, "get_output_embeddings") else None)
     for attr in SCALAR_HEAD_NAMES:
         if output is None and isinstance(getattr(model, attr, None), torch.nn.Module):
             output = getattr(model, attr)
@@ -427,6 +429,7 @@ def merged_named_tensors(named: Named, spec: LoraSpec) -> Iterator[Tuple[str, to
         if base:
             pending.base.append((base["leaf"], tensor))
         else:
+            assert lora is not None, "module is set, so _BASE or _LORA matched"
             _check_adapter(full_name, lora["adapter"])
             pending.lora[lora["ab"]] = tensor
     if pending is not None:
@@ -505,7 +508,8 @@ def save_merged(model: torch.nn.Module, spec: LoraSpec, directory: str, named: O
     """
     hf_model = _hf_model(model)
     state = dict(merged_named_tensors(named if named is not None else _named(model), spec))
-    hf_model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+    # ignore: torch types nn.Module.__getattr__ as Tensor | Module; this is the HF model's method
+    hf_model.save_pretrained(directory, state_dict=state, safe_serialization=True)  # type: ignore[operator]
     return directory
 
 

@@ -24,7 +24,7 @@ module's, on every device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -170,7 +170,10 @@ def _varlen_sdpa_mask(*args: Any, attention_mask: Optional[Tensor] = None, **kwa
         return None
     from transformers.masking_utils import sdpa_mask
 
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    # Typed as Callable[..., ...]: mypy cannot tell that *args (transformers' positional ones) stop before
+    # attention_mask, and would report it given twice.
+    mask_fn: Callable[..., Optional[Tensor]] = sdpa_mask
+    return mask_fn(*args, attention_mask=attention_mask, **kwargs)
 
 
 def _varlen_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],

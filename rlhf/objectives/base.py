@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Protocol, Tuple
+from typing import Any, Dict, Protocol, Tuple
 
 import torch
 
@@ -19,19 +19,23 @@ class Objective(Protocol):
     loss as a *sum* over its units (the group divides it by the global count) and its metric sums.
     ``finalize(sums, normalizer)`` turns metric sums added over any number of micro-batches, ranks and
     optimizer steps into the logged means; it is called once per global quantity.
+
+    ``model`` is typed ``Any`` here: a worker passes its ``torch.nn.Module`` or the ``TrainEngine`` wrapping it
+    (called like the model, ``.module`` the model), and an objective may annotate it as the module it uses.
     """
 
     def count(self, batch: Batch) -> int: ...
 
-    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, Sums]: ...
+    def loss(self, model: Any, batch: Batch) -> Tuple[torch.Tensor, Sums]: ...
 
     def finalize(self, sums: Sums, normalizer: int) -> Dict[str, float]: ...
 
 
 class ScoreFn(Protocol):
-    """A forward-only computation run on frozen workers (e.g. reference log-probs): ``(model, batch) -> (B, ...)``."""
+    """A forward-only computation run on frozen workers (e.g. reference log-probs): ``(model, batch) -> (B, ...)``;
+    ``model`` as in :class:`Objective`."""
 
-    def __call__(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor: ...
+    def __call__(self, model: Any, batch: Batch) -> torch.Tensor: ...
 
 
 def add_sums(total: Sums, part: Sums) -> Sums:

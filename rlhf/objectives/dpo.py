@@ -25,6 +25,7 @@ def pair_sequence_logps(model: torch.nn.Module, batch: Batch,
     ``2B`` sequences run packed per :func:`rlhf.models.packing.runs_packed`."""
     pairs, width = batch.input_ids.shape[0], batch.input_ids.shape[-1]
     flat_ids = batch.input_ids.reshape(2 * pairs, width)
+    assert batch.loss_mask is not None, "a pair batch carries its loss mask"
     flat_mask = batch.loss_mask.reshape(2 * pairs, width)
     token_logps = causal_lm_token_logps(model, flat_ids, batch.attention_mask.reshape(2 * pairs, width), packing)
     seq = sequence_logprobs(token_logps, flat_mask.to(token_logps.dtype))
@@ -70,6 +71,7 @@ class DPOObjective:
             losses = losses + self.nll_coef * nll
             sums["chosen_nll_sum"] = nll.detach().sum().item()
         total = losses.sum()
+        assert batch.loss_mask is not None, "a pair batch carries its loss mask (pair_sequence_logps read it)"
         sums.update({
             "loss_sum": total.item(),
             "chosen_reward_sum": chosen_rewards.sum().item(),

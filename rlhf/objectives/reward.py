@@ -3,7 +3,7 @@ eq. 1), with the optional margin of Llama 2 (Touvron et al. 2023). Normalized by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, cast
 
 import torch
 
@@ -34,10 +34,12 @@ class RewardObjective:
         if self.use_margin and batch.margin is None:
             raise ValueError("rm.use_margin=true but the batch carries no margins (data.margin_key missing?)")
         scores = pair_scores(model, batch, self.packing)
-        margin = batch.margin.to(scores.dtype) if self.use_margin else None
+        # cast: with use_margin a batch without margins was refused above
+        margin = cast(torch.Tensor, batch.margin).to(scores.dtype) if self.use_margin else None
         losses = bradley_terry_losses(scores[:, 0], scores[:, 1], margin)
         total = losses.sum()
         detached = scores.detach()
+        assert batch.loss_mask is not None, "a pair batch carries its loss mask"
         sums = {
             "loss_sum": total.item(),
             "correct_pairs": float(pair_accuracy_count(detached[:, 0], detached[:, 1])),

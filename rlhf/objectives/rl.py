@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, cast
 
 import torch
 
@@ -97,7 +97,7 @@ def tempered_entropy(logits: Tensor, temperature: float, sampling_filter: Option
         return torch.cat(rows, dim=0)
     if input_ids is None:
         raise ValueError("tempered_entropy with a sampling filter needs input_ids (the sampled tokens it keeps)")
-    edges = next_token_edges(logits, input_ids, temperature, sampling_filter)
+    edges = next_token_edges(logits, input_ids, temperature, cast(SamplingFilter, sampling_filter))  # filtered: set
     rows = [entropy_from_logits(drop_below(logits[i:i + 1].to(dtype) / temperature, edges[i:i + 1]))
             for i in range(logits.shape[0])]
     return torch.cat(rows, dim=0)
@@ -202,7 +202,9 @@ class PolicyObjective:
 
         out = _policy_forward(model, batch, self.packing)
         logps = out.per_token(token_logprobs(out.logits, out.input_ids, self.temperature, self.sampling_filter))
-        pg, stats = policy_loss(self.loss_type, logps, batch.old_logps, batch.advantages, mask, self.clip,
+        # cast: _require above raised unless both are set
+        pg, stats = policy_loss(self.loss_type, logps, cast(Tensor, batch.old_logps), cast(Tensor, batch.advantages),
+                                mask, self.clip,
                                 rollout_logps=batch.rollout_logps if self.use_tis else None)
         per_token = pg
 
@@ -244,7 +246,8 @@ class PolicyObjective:
             sums["tis_capped_sum"] = _agg(mode, stats["tis_capped"], mask, length)
         if batch.rollout_logps is not None:
             zero = torch.zeros((), dtype=torch.float64, device=mask.device)
-            gap = torch.where(mask, (batch.old_logps.double() - batch.rollout_logps.double()).abs(), zero)
+            old_logps = cast(Tensor, batch.old_logps)  # _require at the top raised unless it is set
+            gap = torch.where(mask, (old_logps.double() - batch.rollout_logps.double()).abs(), zero)
             sums["logp_mismatch_sum"] = _agg(mode, gap, mask, length)
         return total, sums
 
@@ -298,11 +301,12 @@ class ValueObjective:
         mode, length = self.agg_mode, self.agg_length
         values = token_values(model, batch, self.packing)
         old = batch.values if batch.values is not None else values.detach()  # unused without clipping
-        per_token = value_loss(values, old, batch.returns, self.clip, mask)
+        returns = cast(Tensor, batch.returns)  # _require above raised unless it is set
+        per_token = value_loss(values, old, returns, self.clip, mask)
         total = aggregate_sum(mode, per_token, mask, length)
         sums: Sums = {
             "value_loss_sum": total.item(),
-            "value_clipfrac_sum": _agg(mode, self._clipped(values.detach(), old, batch.returns, mask), mask, length),
+            "value_clipfrac_sum": _agg(mode, self._clipped(values.detach(), old, returns, mask), mask, length),
             "values_sum": _agg(mode, values, mask, length),
             "num_tokens": float(mask.sum().item()),
         }

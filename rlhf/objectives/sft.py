@@ -30,10 +30,12 @@ class SFTObjective:
     packing: Optional[bool] = None
 
     def count(self, batch: Batch) -> int:
+        assert batch.loss_mask is not None, "an SFT batch carries its loss mask"
         return target_count(batch.loss_mask)
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, Sums]:
         logps = causal_lm_token_logps(model, batch.input_ids, batch.attention_mask, self.packing)
+        assert batch.loss_mask is not None, "an SFT batch carries its loss mask"
         nll = sft_nll_sum(logps, batch.loss_mask.to(logps.dtype))
         return nll, {"loss_sum": nll.item(), "num_tokens": float(self.count(batch))}
 

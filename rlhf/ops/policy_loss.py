@@ -193,6 +193,7 @@ def ppo_loss(
         loss = torch.where(dual, bound, loss)
     stats: Dict[str, Tensor] = {}
     if rollout_logps is not None:
+        assert cfg.tis_cap is not None, "_check_tis: rollout_logps without tis_cap already raised"
         weight, capped = _tis_weight(old_logps, rollout_logps, m, dtype, cfg.tis_cap)
         loss = loss * weight
         stats["tis_weight"] = torch.where(m, weight, 0.0)

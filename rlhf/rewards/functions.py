@@ -24,7 +24,7 @@ import math
 import numbers
 from collections.abc import Sequence as _SequenceABC
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -395,11 +395,11 @@ def compute_rewards(sources: Sequence[RewardSource], prompts: Sequence[str], res
     if len(responses) != n:
         raise RewardFunctionError(f"compute_rewards: got {n} prompts but {len(responses)} responses")
     columns = dict(columns or {})
-    for key, values in columns.items():
+    for key, column in columns.items():  # not ``values``: that name holds each source's reward tensor below
         if not isinstance(key, str):
             raise RewardFunctionError(f"compute_rewards: column names must be strings, got {key!r}")
-        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != n:
-            got = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
+        if isinstance(column, (str, bytes)) or not hasattr(column, "__len__") or len(column) != n:
+            got = f"{len(column)} values" if hasattr(column, "__len__") else type(column).__name__
             raise RewardFunctionError(f"compute_rewards: column {key!r} must be a list of {n} values (one per "
                                       f"prompt), got {got}")
     column_names = list(columns)
@@ -462,7 +462,7 @@ class RewardFunctionScorer:
         """Load (once per process) and return the sources."""
         if self._sources is None:
             object.__setattr__(self, "_sources", parse_reward_specs(self.specs))
-        return list(self._sources)
+        return list(cast(List[RewardSource], self._sources))  # set just above when it was None
 
     def __call__(self, prompts: Sequence[str], responses: Sequence[str],
                  columns: Optional[Mapping[str, Sequence]] = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from rlhf.distributed.errors import gather
 from rlhf.distributed.packing import InfeasiblePlan, check_actors_fit, nodes_from_available
@@ -79,7 +79,8 @@ class RolloutEngines:
         else:
             check_room(num_engines, cpus_per_engine, gpus_per_engine, spec.tensor_parallel_size)
             options = [{"num_cpus": cpus_per_engine, "num_gpus": gpus_per_engine}] * num_engines
-        self.handles = [actor.options(**opts, runtime_env=runtime_env).remote(spec) for opts in options]
+        # Any: Ray's stubs cannot type an actor handle's remote methods (each is an ActorMethod found at run time)
+        self.handles: List[Any] = [actor.options(**opts, runtime_env=runtime_env).remote(spec) for opts in options]
         self._gather([h.ready.remote() for h in self.handles], "start-up")
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSpec) -> List[Generation]:

@@ -18,7 +18,7 @@ the last message), ``encoder(text, response_ids)`` the tokens to append after a 
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Protocol, Sequence, Union
+from typing import Callable, List, Optional, Protocol, Sequence, Union, cast
 
 __all__ = ["ObservationEncoder", "TextObservations", "ChatObservations", "as_encoder"]
 
@@ -54,7 +54,10 @@ class TextObservations:
 
 def as_encoder(encode: Union[ObservationEncoder, Callable[[str], Sequence[int]]]) -> ObservationEncoder:
     """An encoder as it is; a one-argument function as :class:`TextObservations`."""
-    return encode if hasattr(encode, "first") else TextObservations(encode)
+    # duck-typed on purpose (not isinstance on the Protocol), so the casts only tell mypy which branch is which
+    if hasattr(encode, "first"):
+        return cast(ObservationEncoder, encode)
+    return TextObservations(cast(Callable[[str], Sequence[int]], encode))
 
 
 class ChatObservations:

@@ -19,7 +19,7 @@ broadcast has delivered its bytes before it returns, so its sender reuses one bu
 from __future__ import annotations
 
 import time
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -102,7 +102,7 @@ class BroadcastSender(_Sender):
                                             for w in range(n)]
         self.world_size = len(self.members)
         self.backend = backend
-        self._store = None
+        self._store: Optional[object] = None  # the group's store (listen): kept alive while the group lives
         self._address: Optional[GroupAddress] = None
         self._group: Optional[SyncGroup] = None
         self._reused: Optional[torch.Tensor] = None
@@ -126,7 +126,7 @@ class BroadcastSender(_Sender):
         wire = bucket.wire_metas()
         refs = [e.receive_bucket.remote(wire, bucket.nbytes) for e in self.engines]
         try:
-            self._group.broadcast(bucket.data, src=0)
+            cast(SyncGroup, self._group).broadcast(bucket.data, src=0)  # set by connect(), before any send
         except Exception as exc:  # a dead or failing engine: name it rather than the group's echo
             self._all("receive_bucket", refs)
             raise WorkerError(f"weight broadcast to the rollout engines failed: {exc}") from exc
@@ -155,8 +155,9 @@ class IpcSender(_Sender):
 
     def _buffer(self, group) -> torch.Tensor:
         self._turn ^= 1
-        self._shared[self._turn] = _fitting(self._shared[self._turn], group, self.bucket_bytes, self.device)
-        return self._shared[self._turn]
+        buffer = _fitting(self._shared[self._turn], group, self.bucket_bytes, self.device)
+        self._shared[self._turn] = buffer
+        return buffer
 
     def send(self, named: Named) -> dict:
         self._handles = [None, None]
@@ -177,6 +178,7 @@ class IpcSender(_Sender):
     def _handle(self) -> bytes:
         """The current buffer's handle, exported on its first bucket of the sync (again if the buffer grew)."""
         buffer, cached = self._shared[self._turn], self._handles[self._turn]
+        assert buffer is not None, "_buffer() packed this bucket into it"
         if cached is None or cached[0] is not buffer:
             self._handles[self._turn] = cached = (buffer, share(buffer))
         return cached[1]

@@ -109,7 +109,8 @@ class VLLMEngine:
                            stop_token_ids=list(sampling.stop_token_ids) or None)
             for i in range(len(prompt_ids))
         ]
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        # ignore: vLLM marks the other keys typing.NotRequired, which mypy for python_version 3.10 does not read
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]  # type: ignore[typeddict-item]
         outputs = []
         for start, end in prefill_groups([len(p) for p in prompt_ids], self._prefill_budget()):
             outputs += self.llm.generate(prompts[start:end], params[start:end], use_tqdm=False)

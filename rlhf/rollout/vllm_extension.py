@@ -15,6 +15,7 @@ Three transports carry the same packed buckets (``rlhf.rollout.senders``), and a
 from __future__ import annotations
 
 import logging
+from typing import Any, Dict
 
 import torch
 
@@ -48,6 +49,13 @@ class WeightSyncExtension:
     pair uses vLLM's layerwise in-place reload: parameters are restored to checkpoint layout, buckets load
     through the ordinary HF-name loader, and each layer is re-processed once all of its tensors have arrived.
     """
+
+    # For the type checker only: bare annotations create no class attributes, so vLLM's check that the extension
+    # adds no name the worker already has (``dir``) sees none of them. The first two are the vLLM worker's own.
+    model_runner: Any  # the worker's GPU/CPU model runner (``.model``, ``.device``, ``.vllm_config``)
+    rank: int  # the worker's rank within its engine (tensor parallel)
+    _rlhf_opened: Dict[bytes, torch.Tensor]  # IPC handle -> the tensor it opened, during one update
+    _rlhf_group: SyncGroup  # the broadcast transport's group (rlhf_join_weight_group)
 
     def rlhf_begin_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload

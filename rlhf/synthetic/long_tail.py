@@ -96,7 +96,7 @@ def _digits(rng: random.Random, tokens: int) -> str:
     ending with a digit; ``tokens`` even ends with a two-digit group (``"3 1 41"``) so no space is doubled."""
     if tokens <= 0:
         return ""
-    out = []
+    out: List[str] = []
     while tokens > 0:
         if out:
             out.append(" ")

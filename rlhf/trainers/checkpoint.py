@@ -19,13 +19,21 @@ import json
 import os
 import re
 import shutil
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Protocol, Tuple
 
 from rlhf.config.schema import ConfigError
 
 _NAME = re.compile(r"^step_(\d{6,})$")
 DRIVER_FILE = "driver.json"
 CHECKPOINT_DIR = "checkpoints"  # under output_dir
+
+
+class Checkpointable(Protocol):
+    """What a checkpoint saves and loads: a :class:`~rlhf.distributed.group.WorkerGroup`, or a test double."""
+
+    def save_checkpoint(self, directory: str) -> None: ...
+
+    def load_checkpoint(self, directory: str) -> None: ...
 
 
 class Checkpoints:
@@ -55,7 +63,7 @@ class Checkpoints:
         with open(os.path.join(path, DRIVER_FILE), encoding="utf-8") as f:
             return path, json.load(f)
 
-    def save(self, step: int, groups: Dict[str, object], driver_state: dict) -> str:
+    def save(self, step: int, groups: Mapping[str, Checkpointable], driver_state: dict) -> str:
         """Write ``groups`` (name -> WorkerGroup) and ``driver_state`` as the checkpoint of ``step``."""
         final = os.path.join(self.root, f"step_{step:06d}")
         tmp = final + ".tmp"
@@ -85,7 +93,7 @@ class Checkpoints:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def load_groups(path: str, groups: Dict[str, object]) -> None:
+def load_groups(path: str, groups: Mapping[str, Checkpointable]) -> None:
     """Restore every group's state from the checkpoint at ``path``."""
     for name, group in groups.items():
         directory = os.path.join(path, name)
@@ -137,7 +145,7 @@ class RunCheckpoints:
         """Whether :meth:`prepare` found a checkpoint to continue from (else the run starts at step 1)."""
         return self._resume_from is not None
 
-    def restore(self, groups: Dict[str, object]) -> int:
+    def restore(self, groups: Mapping[str, Checkpointable]) -> int:
         """Load the checkpoint :meth:`prepare` found into ``groups``; returns the number of steps already done (0
         for a fresh start). The metric writers cut their files back to that step (``RunWriters``)."""
         if self._resume_from is None:
@@ -148,13 +156,13 @@ class RunCheckpoints:
         print(f"[{self.name}] resumed from {path} (step {done})", flush=True)
         return done
 
-    def save_start(self, groups: Dict[str, object]) -> None:
+    def save_start(self, groups: Mapping[str, Checkpointable]) -> None:
         """Checkpoint the starting state as step 0 unless a checkpoint exists: a health-guard skip before the
         first ``save_every`` checkpoint then has a state to rewind to."""
         if self.store.latest() is None:
             self.store.save(0, groups, {"identity": self.identity})
 
-    def rewind(self, groups: Dict[str, object]) -> int:
+    def rewind(self, groups: Mapping[str, Checkpointable]) -> int:
         """Load the newest complete checkpoint into the live ``groups``; returns its step."""
         found = self.store.latest()
         if found is None:
@@ -163,7 +171,7 @@ class RunCheckpoints:
         load_groups(path, groups)
         return int(state["step"])
 
-    def after_step(self, step: int, total_steps: int, groups: Dict[str, object]) -> bool:
+    def after_step(self, step: int, total_steps: int, groups: Mapping[str, Checkpointable]) -> bool:
         """Checkpoint when due; True when the run should stop here (``train.stop_after_steps``)."""
         t = self.train
         stop = bool(t.stop_after_steps) and step - self.started_after >= t.stop_after_steps and step < total_steps

@@ -6,7 +6,7 @@ global batch (``online``, for datasets too large to score up front). Both give t
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Sequence
 
 import torch
 
@@ -17,6 +17,7 @@ from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.distributed.group import WorkerGroup
 from rlhf.models.loading import CAUSAL_LM
 from rlhf.models.lora import OnBaseModel
+from rlhf.objectives.base import ScoreFn
 from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
 from rlhf.trainers.offline import OfflineTask, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunContext, RunResult
@@ -31,7 +32,7 @@ class _PairData:
         self.examples, self.pad_id = examples, pad_id
         self.ref_logps: torch.Tensor | None = None
 
-    def collate(self, rows: List[int]) -> Batch:
+    def collate(self, rows: Sequence[int]) -> Batch:
         ref = None if self.ref_logps is None else self.ref_logps[torch.tensor(rows, dtype=torch.long)]
         return collate_pairs([self.examples[i] for i in rows], self.pad_id, rows, ref_logps=ref)
 
@@ -64,6 +65,7 @@ def attach_reference(task: OfflineTask, ctx: RunContext, policy: WorkerGroup, da
     the policy's frozen base, the policy's workers with the adapters off. Every pair's log-probs are precomputed
     now (train and held-out data; a group of its own is released after), or each step's global batch is scored."""
     cfg: DPORunConfig = ctx.cfg
+    fn: ScoreFn  # on the base: OnBaseModel(ReferenceLogps()); on a group of its own: ReferenceLogps()
     if cfg.model.reference_is_base:
         scorer, fn = policy, OnBaseModel(ReferenceLogps())
     else:
@@ -85,12 +87,13 @@ def attach_reference(task: OfflineTask, ctx: RunContext, policy: WorkerGroup, da
     print(f"[dpo] reference log-probs precomputed for {pairs} pairs; reference workers released", flush=True)
 
 
-def precompute_reference(ref: WorkerGroup, data: _PairData, fn: ReferenceLogps) -> torch.Tensor:
+def precompute_reference(ref: WorkerGroup, data: _PairData, fn: ScoreFn) -> torch.Tensor:
     """``(N, 2)`` summed reference log-probs of every pair: on a frozen group ``REF_BATCH_SIZE`` pairs per forward,
     on the trained one (LoRA's base) its micro-batch size, under ``train.max_tokens_per_micro_batch`` as many as
     the budget holds."""
     n = len(data.examples)
     window = REF_BATCH_SIZE * ref.size * 8  # collated a window at a time: a padded copy of the whole set is not kept
+    assert ref.engine_spec is not None, "the reference group was built before it scores"
     rows = None if ref.engine_spec.max_tokens_per_micro_batch or ref.trainable else REF_BATCH_SIZE
     parts = [ref.score_batch(data.collate(list(range(i, min(i + window, n)))), fn, rows_per_forward=rows)
              for i in range(0, n, window)]

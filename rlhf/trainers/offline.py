@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from rlhf.batch import Batch
 from rlhf.config.deepspeed_check import check_user_config
@@ -131,6 +131,7 @@ def evaluate(task: OfflineTask, policy: WorkerGroup, rows_per_call: int) -> dict
     ``rows_per_call`` rows at a time, scored in micro-batch chunks)."""
     n, totals = task.eval_num_examples, Totals()
     for start in range(0, n, rows_per_call):
+        assert task.eval_collate is not None, "held-out examples come with their collate"
         batch = task.eval_collate(list(range(start, min(start + rows_per_call, n))))
         if task.prepare is not None:
             batch = task.prepare(batch)
@@ -190,7 +191,7 @@ def describe_plan(name: str, plan: EpochPlan, train_cfg, skipped: int) -> str:
 
 
 # (cfg, tokenizer) -> (task, skipped_rows); reads and tokenizes data, starts nothing.
-TaskBuilder = Callable[[object, object], tuple]
+TaskBuilder = Callable[[Any, Any], tuple]
 
 
 def run_offline(cfg, build_task: TaskBuilder) -> RunResult:

@@ -164,6 +164,7 @@ class RLTrainer:
             drop = rollout.at_limit if drop is None else drop | rollout.at_limit
         if drop is None or not bool(drop.any()):
             return batch
+        assert batch.loss_mask is not None, "a rollout batch carries its loss mask"
         keep = (~drop).to(batch.loss_mask.dtype)
         return batch.replace(loss_mask=batch.loss_mask * keep[:, None])
 
@@ -209,12 +210,14 @@ class RLTrainer:
         empty = 0
         for train_step in plan.steps():
             rows = batch.select(train_step.indices)
+            assert rows.loss_mask is not None, "a rollout batch carries its loss mask"
             if not bool(rows.loss_mask.any()):  # every episode masked (rollout.episode_limit=mask): nothing to learn
                 empty += 1
                 continue
             schedule_step = first + train_step.step - 1  # skipped RL steps advance the schedule too
             policy.add(self.actors.policy.train_batch(rows, self.policy_objective, schedule_step))
             if self.actors.critic is not None:
+                assert self.value_objective is not None, "a critic is trained with its value objective"
                 critic.add(self.actors.critic.train_batch(rows, self.value_objective, schedule_step))
         return {**critic.metrics(self.value_objective, "critic_"), **policy.metrics(self.policy_objective, ""),
                 "optimizer_steps": plan.total_steps - empty,
@@ -244,6 +247,7 @@ class RLTrainer:
         training samples; the run calls it before the first step, every ``train.eval_every`` steps and after the
         last. The seeds are the same at every evaluation, so successive rows differ only by the policy."""
         n = self.cfg.rollout.eval_samples_per_prompt
+        assert self.eval_prompts is not None, "the run evaluates only with has_eval, i.e. with eval_prompts"
         index = [i for i in range(len(self.eval_prompts.prompt_ids)) for _ in range(n)]
         rollout = self._sample(self.eval_prompts, index, EVAL_SEED_BASE + self.cfg.train.seed * 1_000_003, step=0)
         scores, per_source = self.score(rollout, self.eval_prompts)
@@ -304,6 +308,7 @@ def _largest(norms: List[Optional[float]]) -> Optional[float]:
 def _sample_stats(scores: torch.Tensor, per_source: Dict[str, torch.Tensor], batch: Batch) -> dict:
     """What a training step and a held-out evaluation both report about their samples: mean reward, each source's
     mean, accuracy (when verifiable) and mean response length in tokens."""
+    assert batch.loss_mask is not None, "a rollout batch carries its loss mask"
     return {"reward_mean": float(scores.mean()),
             **{f"reward/{k}": float(v.float().mean()) for k, v in per_source.items()},
             **_accuracy(per_source),

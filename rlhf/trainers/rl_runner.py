@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional
+from typing import Dict, Optional, Union
 
 from rlhf.config.rl_schema import HYBRID_BROADCAST_ON_GPUS, RLRunConfig
 from rlhf.distributed.cluster import actor_env
 from rlhf.distributed.errors import WorkerError, WorkerTimeout
+from rlhf.distributed.group import WorkerGroup
 from rlhf.distributed.resource_plan import engine_gpus, engine_sleep, policy_side_roles, rl_plan
 from rlhf.envs import EnvError, EnvironmentPool, load_environment
 from rlhf.config.schema import ConfigError
@@ -194,8 +195,9 @@ def _needed_cpus(cfg: RLRunConfig) -> float:
 
 def _write_placement(actors: RLActors, output_dir: str) -> None:
     """``placement.json``: every rank's placement group and resources, by role (shows what is colocated)."""
-    roles = {"policy": actors.policy, "rollout": actors.engines, "reference": actors.reference,
-             "critic": actors.critic, "reward_model": actors.reward_model}
+    roles: Dict[str, Union[WorkerGroup, RolloutEngines, None]] = {
+        "policy": actors.policy, "rollout": actors.engines, "reference": actors.reference,
+        "critic": actors.critic, "reward_model": actors.reward_model}
     where = {role: group.placements() for role, group in roles.items() if group is not None}
     with open(os.path.join(output_dir, "placement.json"), "w", encoding="utf-8") as f:
         json.dump(where, f, indent=1)

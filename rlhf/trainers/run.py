@@ -22,7 +22,7 @@ import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Protocol, Sequence, Tuple, cast
 
 from rlhf.config.deepspeed_check import check_user_config
 from rlhf.config.schema import ConfigError
@@ -57,11 +57,27 @@ class Steps(Protocol):
     """What a trainer gives :class:`Run`: one step, held-out evaluation, and how its rows read on the console."""
 
     name: str  # the run's name in console lines and checkpoints: sft | rm | dpo | rl
-    watched: Tuple[str, ...]  # row keys the health guard keeps finite
-    zero_loss_key: Optional[str]  # a row key whose exact 0 the guard reports (None: a zero loss can be legitimate)
-    eval_console_keys: Tuple[str, ...]  # the evaluation row's keys printed on the console
-    evaluates_start: bool  # evaluate the starting model (step 0) before the first step of a fresh run
-    has_eval: bool  # held-out data is set: evaluate every train.eval_every steps and after the last
+    # read-only (properties) so that a trainer may give each as a class attribute, a field or a property
+
+    @property
+    def watched(self) -> Tuple[str, ...]:
+        """Row keys the health guard keeps finite."""
+
+    @property
+    def zero_loss_key(self) -> Optional[str]:
+        """A row key whose exact 0 the guard reports (None: a zero loss can be legitimate)."""
+
+    @property
+    def eval_console_keys(self) -> Tuple[str, ...]:
+        """The evaluation row's keys printed on the console."""
+
+    @property
+    def evaluates_start(self) -> bool:
+        """Evaluate the starting model (step 0) before the first step of a fresh run."""
+
+    @property
+    def has_eval(self) -> bool:
+        """Held-out data is set: evaluate every train.eval_every steps and after the last."""
 
     def resume(self) -> None:
         """Called before training continues from restored state (a resume or a rewind)."""
@@ -141,6 +157,7 @@ class Run:
         while True:
             guard = guard_from_config(h, steps.watched, zero_loss_key=steps.zero_loss_key)
             if guard is not None:  # decide as the uninterrupted run would: its statistics from the rows kept
+                assert self.writers is not None, "train() opens the writers before this loop"
                 guard.observe([row for row in read_metrics(self.writers.metrics.path) if row["step"] <= done])
             try:
                 return self._fit(steps, done, frozenset(skip_steps), guard, first)
@@ -152,6 +169,7 @@ class Run:
                                               f"already", step=exc.step) from None
                 skipped_here, first = skipped_here + 1, False
                 done = self.checkpoints.rewind(trained)
+                assert self.writers is not None, "train() opens the writers before this loop"
                 self.writers.rewind(done)
                 skip_steps.add(exc.step)
                 print(f"[health] {exc}; rewound to the checkpoint of step {done}, step {exc.step} will be skipped "
@@ -188,6 +206,7 @@ class Run:
             progress.close()
 
     def _log(self, row: dict, progress: Progress, line: str, quiet: bool = False) -> None:
+        assert self.writers is not None, "train() opens the writers before any step is logged"
         self.writers.metrics.log(row)
         progress.advance(row["step"])
         if not quiet:
@@ -202,6 +221,8 @@ class Run:
 
     def _evaluate(self, steps: Steps, step: Optional[StepPlan], progress: Progress) -> None:
         row = steps.evaluate(step)
+        # only called with steps.has_eval, which train() passed as with_eval: the eval writer is open
+        assert self.writers is not None and self.writers.eval is not None, "train() opens the eval writer"
         self.writers.eval.log(row)
         progress.print(f"[{self.name}] eval at step {row['step']}: " + format_row(row, steps.eval_console_keys))
 
@@ -261,7 +282,7 @@ def check_lora_targets(cfg, models: Sequence[Tuple[str, str]]) -> None:
     spec = lora_spec(cfg)
     for path, kind in models if spec is not None else ():
         try:
-            check_targets(path, kind, spec.target_modules)
+            check_targets(path, kind, cast(LoraSpec, spec).target_modules)  # no iteration when spec is None
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
@@ -297,7 +318,7 @@ def start_cluster(cfg, needed_cpus: float) -> "RunContext":
 class RunContext:
     """The resolved run settings once Ray is up, and the factory of the run's worker groups (shut down on exit)."""
 
-    cfg: object
+    cfg: Any  # the run's config (an rlhf.config *RunConfig of any kind): each method reads the fields it needs
     precision: str
     backend: str
     gpus_per_worker: float

@@ -8,11 +8,14 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from rlhf.atomic import write_text_atomic
 from rlhf.config.loader import config_to_dict
 from rlhf.utils.wandb_sink import WandbSink
+
+if TYPE_CHECKING:  # imported where used: only a run with logging.tensorboard=true pays for it
+    from torch.utils.tensorboard import SummaryWriter
 
 # What the writers put in a run's output_dir (rlhf/trainers/output_dir.py counts them as the run's artifacts).
 METRICS_FILE = "metrics.jsonl"
@@ -35,7 +38,8 @@ class MetricsWriter:
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir, self.path = output_dir, os.path.join(output_dir, filename)
         self._tensorboard, self._wandb, self._prefix = tensorboard, wandb, tb_prefix
-        self._file = self._tb = None
+        self._file: Optional[TextIO] = None
+        self._tb: Optional[SummaryWriter] = None
         self._open(resume_after)
 
     def _open(self, resume_after: Optional[int]) -> None:
@@ -54,6 +58,7 @@ class MetricsWriter:
         self._open(step)
 
     def log(self, row: Dict[str, Any], step: Optional[int] = None) -> None:
+        assert self._file is not None, "__init__ opened it (and rewind reopens it)"
         self._file.write(json.dumps(row, sort_keys=False) + "\n")
         self._file.flush()  # a crash keeps every finished step
         step = int(row.get("step", 0) if step is None else step)
@@ -68,6 +73,7 @@ class MetricsWriter:
         self._close_files()
 
     def _close_files(self) -> None:
+        assert self._file is not None, "__init__ opened it"
         self._file.close()
         if self._tb is not None:
             self._tb.close()

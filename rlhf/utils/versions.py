@@ -160,6 +160,8 @@ def torch_gpu_build() -> Optional[str]:
         return None
     namespace: dict = {}
     try:
+        # a package spec has search locations; were it None, list() would raise TypeError, caught below like this
+        assert spec.submodule_search_locations is not None, "torch is a package"
         with open(os.path.join(list(spec.submodule_search_locations)[0], "version.py"), encoding="utf-8") as f:
             exec(compile(f.read(), "torch/version.py", "exec"), namespace)  # noqa: S102 - torch's own constants
     except Exception:  # noqa: BLE001 - an unusual layout: ask torch itself

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Dict
+from typing import Any, Dict, Literal, cast
 
 
 class WandbSink:
@@ -27,8 +27,10 @@ class WandbSink:
             run_id = uuid.uuid4().hex[:12]
             with open(id_file, "w", encoding="utf-8") as f:
                 f.write(run_id)
+        # cast: logging.wandb_mode is validated to one of these two at config construction
         self._run = wandb.init(project=project, name=name or os.path.basename(os.path.normpath(output_dir)),
-                               dir=output_dir, mode=mode, config=config, id=run_id, resume="allow",
+                               dir=output_dir, mode=cast(Literal["online", "offline"], mode), config=config,
+                               id=run_id, resume="allow",
                                settings=wandb.Settings(console="off", silent=True))
 
     def log(self, scalars: Dict[str, float], step: int) -> None:

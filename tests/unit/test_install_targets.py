@@ -190,14 +190,16 @@ def test_a_stale_cpu_stamp_never_reinstalls_a_gpu_venv(tmp_path, target):
 
 def test_the_cpu_venv_and_a_fresh_clone_install_as_before(tmp_path):
     venv = _venv(tmp_path, "cpu", stamps=[".installed"])
-    assert _recipe("test", venv) == [f"{venv}/bin/python -m pytest -q -ra --durations=20 -n 2 --dist loadfile"]
+    assert _recipe("test", venv) == [f"{venv}/bin/python -m pytest -q -ra --durations=20 -n 2 --dist loadfile",
+                                     f"{venv}/bin/python -m mypy"]
     _stale_cpu_stamp(venv)
     lines = _recipe("test", venv)
     assert _index(lines, '-m pip install -e ".[cpu,dev]"') < _index(lines, "-m pytest")
     fresh = tmp_path / "fresh"
     lines = _recipe("test", fresh)
     assert _index(lines, f"python3 -m venv {fresh}") < _index(lines, '-m pip install -e ".[cpu,dev]"')
-    assert lines[-1].endswith("-m pytest -q -ra --durations=20 -n 2 --dist loadfile")
+    assert lines[-2:] == [f"{fresh}/bin/python -m pytest -q -ra --durations=20 -n 2 --dist loadfile",
+                          f"{fresh}/bin/python -m mypy"]
 
 
 def test_the_cpu_build_refuses_a_venv_that_install_gpu_has_begun(tmp_path):
