@@ -31,7 +31,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from rlhf.batch import Batch
-from rlhf.objectives.rl import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
+from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
 from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, token_level_rewards, whiten
 from rlhf.ops.kl import kl_estimate
 from rlhf.ops.logprobs import SamplingFilter

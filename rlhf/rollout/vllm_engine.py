@@ -10,7 +10,7 @@ Device-dependent choices (:func:`llm_options`): on a GPU vLLM captures CUDA grap
 (``enforce_eager=False``), which the weight sync keeps valid because it reloads every parameter in place (same
 storage, so the addresses a graph recorded still hold the new weights); on CPU the engine runs eagerly
 (:func:`_settle_cpu_process`). The hybrid engine sleeps at level 2 (:data:`SLEEP_LEVEL`) and wakes in two parts,
-weights then KV cache, around the weight sync (:meth:`rlhf.trainers.rl.RLTrainer.push_weights`); every parameter
+weights then KV cache, around the weight sync (:meth:`rlhf.trainers.rl_steps.RLTrainer.push_weights`); every parameter
 is overwritten by that sync, so nothing the level-2 sleep discarded is read.
 """
 from __future__ import annotations

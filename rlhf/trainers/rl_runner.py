@@ -1,6 +1,6 @@
 """``train_ppo(cfg)``: the PPO family (PPO, GRPO, Dr. GRPO, RLOO, REINFORCE++; ``python -m rlhf.cli.train_ppo``):
 validate, start the actors (policy, vLLM engines, reference, critic, reward model, environment pool), run the
-:class:`~rlhf.trainers.rl.RLTrainer`'s steps in a :class:`~rlhf.trainers.run.Run`, save ``final/``."""
+:class:`~rlhf.trainers.rl_steps.RLTrainer`'s steps in a :class:`~rlhf.trainers.run.Run`, save ``final/``."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +21,7 @@ from rlhf.data.plan import EpochPlan
 from rlhf.hub import is_hub_ref, model_dir, pin_run_sources
 from rlhf.models.checks import check_scalar_head
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
-from rlhf.objectives.rl import PolicyObjective, ValueObjective
+from rlhf.objectives.actor_critic import PolicyObjective, ValueObjective
 from rlhf.ops.policy_loss import PolicyLossConfig
 from rlhf.rewards.functions import RewardFunctionScorer
 from rlhf.rl import ChatObservations, TurnLimits
@@ -32,7 +32,7 @@ from rlhf.rollout.weight_sync import resolve_weight_sync
 from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.offline import check_paths, load_tokenizer
 from rlhf.trainers.output_dir import claim_output_dir
-from rlhf.trainers.rl import RLActors, RLTrainer
+from rlhf.trainers.rl_steps import RLActors, RLTrainer
 from rlhf.trainers.rl_experience import PromptSet, prepare_prompts
 from rlhf.trainers.rl_rollout import EpisodeRollout, observation_format
 from rlhf.trainers.run import (Run, RunContext, RunResult, check_lora_targets, optim_spec,

@@ -56,7 +56,7 @@ def data(tiny_model):
     from transformers import AutoTokenizer
 
     from rlhf.objectives.dpo import ReferenceLogps
-    from rlhf.objectives.rl import TokenLogps
+    from rlhf.objectives.actor_critic import TokenLogps
     from rlhf.ops.advantages import AdvantageInputs, compute_advantages
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -128,7 +128,7 @@ def _train(groups: dict, batches: dict, tiny_model: str, tiny_reward_model: str,
     ``model -> layout -> probe``)."""
     from rlhf.objectives.dpo import DPOObjective
     from rlhf.objectives.reward import RewardObjective
-    from rlhf.objectives.rl import PolicyObjective, TokenLogps
+    from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps
     from rlhf.objectives.sft import SFTObjective
 
     rows = {key: {name: [] for name in groups} for key in ("sft", "dpo", "rl", "rm")}

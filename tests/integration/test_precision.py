@@ -121,7 +121,7 @@ def _train_in_lockstep(groups: dict, batches: dict) -> dict:
     group (the policy's log-probs after the DPO step), one tensor for all. Returns name -> the steps'
     ``{"loss", "grad_norm"}``."""
     from rlhf.objectives.dpo import DPOObjective
-    from rlhf.objectives.rl import PolicyObjective, TokenLogps
+    from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps
     from rlhf.objectives.sft import SFTObjective
 
     rows = {name: [] for name in groups}

@@ -241,7 +241,7 @@ def _run_step(cfg, actors, rollout, tmp_path):
     """The driver's stages on the real groups, from the initial checkpoint; returns (logged stats, weights)."""
     from safetensors.torch import load_file
 
-    from rlhf.trainers.rl import RLActors, RLTrainer
+    from rlhf.trainers.rl_steps import RLActors, RLTrainer
     from rlhf.rl import rollout_batch
     from rlhf.trainers.rl_runner import _objectives
 
@@ -406,7 +406,7 @@ def test_dual_clip_and_tis_change_the_update_as_written(rollout, initial_models)
     log-probs away from pi_old (the same spread), with advantages of both signs, so both corrections bind on a
     sizeable share of the tokens (an RL step on the tiny model has ratios and mismatches too close to 1 for that:
     tests/integration/test_rl_algorithms.py only shows them binding in a run)."""
-    from rlhf.objectives.rl import PolicyObjective
+    from rlhf.objectives.actor_critic import PolicyObjective
     from rlhf.ops.policy_loss import PolicyLossConfig
     from rlhf.rl import rollout_batch
 

@@ -108,7 +108,7 @@ def test_trainer_logprobs_replay_the_samplers_top_k_and_top_p(engine, tiny_model
     renormalised. The trainer's score function with the same SamplingFilter (its own logits, the sampler's rule
     replayed) gives the same log-probs to float32 rounding; scored over the whole vocabulary they would be off by
     the log of the kept mass, which is what every PPO ratio would carry."""
-    from rlhf.objectives.rl import TokenLogps
+    from rlhf.objectives.actor_critic import TokenLogps
     from rlhf.ops.logprobs import SamplingFilter
     from rlhf.rl import logp_mismatch, rollout_batch
 

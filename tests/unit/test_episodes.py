@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from group_helpers import LocalGroup
 from shared_helpers import float64_model
 from rlhf.distributed.engine import EngineSpec
-from rlhf.objectives.rl import PolicyObjective, TokenLogps
+from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps
 from rlhf.ops.aggregation import aggregate_sum
 from rlhf.ops.policy_loss import PolicyLossConfig, policy_loss
 from rlhf.rl import Episode, EpisodeError, episodes_batch, rollout_batch

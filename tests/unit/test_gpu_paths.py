@@ -99,7 +99,7 @@ class _Recorder:
 
 @pytest.mark.parametrize("sleeps", [True, False])
 def test_push_weights_empties_the_trainers_caches_wakes_weights_syncs_then_wakes_the_kv_cache(sleeps):
-    from rlhf.trainers.rl import RLActors, RLTrainer
+    from rlhf.trainers.rl_steps import RLActors, RLTrainer
 
     log: list = []
     trainer = object.__new__(RLTrainer)

@@ -18,7 +18,7 @@ from group_helpers import LocalGroup
 from rlhf.batch import Batch
 from rlhf.distributed.engine import EngineSpec
 from rlhf.objectives.base import Totals
-from rlhf.objectives.rl import TokenLogps
+from rlhf.objectives.actor_critic import TokenLogps
 from rlhf.objectives.sft import SFTObjective
 
 

@@ -14,7 +14,7 @@ from rlhf.distributed.engine import EngineSpec
 from rlhf.distributed.group import row_lengths
 from rlhf.distributed.micro_batches import consecutive_by_tokens, cut_by_rows, cut_by_tokens, micro_batch_tokens
 from rlhf.objectives.base import Totals
-from rlhf.objectives.rl import TokenLogps
+from rlhf.objectives.actor_critic import TokenLogps
 from rlhf.objectives.sft import SFTObjective
 
 

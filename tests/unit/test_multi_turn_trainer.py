@@ -21,11 +21,11 @@ from rlhf.data.chat import ChatFormatter
 from rlhf.distributed.engine import EngineSpec
 from rlhf.distributed.resource_plan import rl_plan
 from rlhf.envs import EnvError, StepOutcome
-from rlhf.objectives.rl import PolicyObjective
+from rlhf.objectives.actor_critic import PolicyObjective
 from rlhf.rollout.episodes import EpisodeError
 from rlhf.rollout.multi_turn import RolloutStats, TurnLimits, episode_metrics, run_episodes
 from rlhf.rollout.observations import ChatObservations, TextObservations
-from rlhf.trainers.rl import RLActors, RLTrainer
+from rlhf.trainers.rl_steps import RLActors, RLTrainer
 from rlhf.rollout.vllm_engine import Generation
 from rlhf.trainers.rl_experience import PromptSet, prepare_prompts
 from rlhf.trainers.rl_rollout import EpisodeRollout, Rollout, observation_format

@@ -14,7 +14,7 @@ from rlhf.batch import Batch
 from rlhf.models.packing import VARLEN_SDPA, PackedRows, packed_attention, packed_forward
 from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
 from rlhf.objectives.reward import RewardObjective
-from rlhf.objectives.rl import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
+from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
 from rlhf.objectives.sft import SFTObjective
 
 LENGTHS = (7, 1, 13, 4, 10, 2)  # uneven, with a one-token row

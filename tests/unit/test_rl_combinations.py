@@ -36,7 +36,7 @@ from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS
 from rlhf.ops.aggregation import LOSS_AGGREGATIONS
 from rlhf.ops.kl import KL_ESTIMATORS
 from rlhf.ops.policy_loss import POLICY_LOSSES
-from rlhf.trainers.rl import RLTrainer
+from rlhf.trainers.rl_steps import RLTrainer
 from rlhf.trainers.rl_runner import _objectives
 
 import rl_reference_math as ref

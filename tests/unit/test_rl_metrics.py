@@ -18,8 +18,8 @@ from rlhf.batch import Batch
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.distributed.engine import EngineSpec
-from rlhf.objectives.rl import PolicyObjective, TokenLogps
-from rlhf.trainers.rl import RLActors, RLTrainer, _largest
+from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps
+from rlhf.trainers.rl_steps import RLActors, RLTrainer, _largest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # this module's maths on one thread
 

@@ -8,7 +8,7 @@ import torch
 
 from rlhf.batch import Batch
 from rlhf.objectives.base import add_sums
-from rlhf.objectives.rl import (
+from rlhf.objectives.actor_critic import (
     PolicyObjective,
     SequenceScores,
     TokenLogps,

@@ -17,7 +17,7 @@ import rlhf.ops.logprobs as lp_mod
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
-from rlhf.objectives.rl import PolicyObjective, TokenLogps, response_mask, tempered_entropy
+from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps, response_mask, tempered_entropy
 from rlhf.ops.logprobs import SamplingFilter, sampling_mask, token_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -312,7 +312,7 @@ def test_rollout_top_k_is_validated_naming_the_key():
 def test_the_trainer_samples_and_scores_with_the_configs_top_k_and_top_p():
     """The engines get rollout.top_k / top_p, and pi_old, the reference and the loss score the same kept set."""
     from rlhf.rollout.vllm_engine import Generation
-    from rlhf.trainers.rl import RLActors, RLTrainer
+    from rlhf.trainers.rl_steps import RLActors, RLTrainer
     from rlhf.trainers.rl_experience import PromptSet
     from rlhf.trainers.rl_runner import _objectives
 

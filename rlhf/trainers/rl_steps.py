@@ -6,7 +6,7 @@ One RL step reads like the algorithm::
     -> old & reference log-probs, values -> advantages over the whole rollout batch -> policy (and critic) updates
     -> weight sync -> log
 
-Each stage is one method of :class:`RLTrainer`; the maths lives in ``rlhf.ops``, ``rlhf.objectives.rl`` and
+Each stage is one method of :class:`RLTrainer`; the maths lives in ``rlhf.ops``, ``rlhf.objectives.actor_critic`` and
 ``rlhf.rl``, the actors in ``rlhf.distributed`` and ``rlhf.rollout``. The run around the steps (checkpoints, the
 health guard, logging, rewinds) is :class:`rlhf.trainers.run.Run`'s, the same as every trainer's.
 """
@@ -25,7 +25,7 @@ from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.distributed.group import StepResult, WorkerGroup
 from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.base import Totals
-from rlhf.objectives.rl import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
+from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
 from rlhf.rl import advantages_for, logp_mismatch
 from rlhf.rollout.engines import RolloutEngines
 from rlhf.rollout.vllm_engine import SamplingSpec
