@@ -89,11 +89,15 @@ class TrainerWorker:
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         members = [f"{self.role} rank {r}" for r in range(self.world_size)]
         if self.rank == 0:
-            self._store = host_store(master_addr, master_port, self.world_size, timeout_s)
+            store = host_store(master_addr, master_port, self.world_size, timeout_s)
         else:
-            self._store = connect_store(master_addr, master_port, self.world_size, timeout_s, members[self.rank],
-                                        members[0])
-        arrive(self._store, self.rank, members, timeout_s, f"the {self.role}'s process group")
+            store = connect_store(master_addr, master_port, self.world_size, timeout_s, members[self.rank],
+                                  members[0])
+        self._store = store
+        arrive(store, self.rank, members, timeout_s, f"the {self.role}'s process group")
+        # From here the store serves the group (its backend's and DeepSpeed's sub-groups' set-up): with the
+        # collectives' timeout, as under torch's own env:// rendezvous, not the arrival bound.
+        store.set_timeout(default_pg_timeout)
         options: Dict[str, Any] = {}
         if backend == "nccl":
             # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is device 0 here.
@@ -104,7 +108,7 @@ class TrainerWorker:
             if self.world_size > 1 and not torch.__version__.startswith(("2.6.", "2.7.0")):
                 options["device_id"] = self.device
         # The collectives' own timeout stays DeepSpeed's (DEEPSPEED_TIMEOUT, 10 minutes by default).
-        torch.distributed.init_process_group(backend, store=self._store, rank=self.rank, world_size=self.world_size,
+        torch.distributed.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
                                              timeout=default_pg_timeout, **options)
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
