@@ -46,11 +46,10 @@ class RolloutConfig:
     # broadcast (NCCL / gloo group; refused with colocate.hybrid_engine on GPUs) | ipc (same device: CUDA IPC / shm)
     # | object_store
     weight_sync: str = "auto"
-    # Bounds on the weight sync (an engine that never answers is named, not waited for): forming the broadcast group
-    # (with weight_sync=auto, the wait before falling back to the object store), and any one call of a sync (a
-    # bucket's broadcast or load, the begin and end of an update)
+    # Bounds on the weight sync: an engine that never answers is named, not waited for. Forming the broadcast
+    # group (with weight_sync=auto, the wait before falling back to the object store):
     weight_sync_connect_timeout_s: float = 60.0
-    weight_sync_timeout_s: float = 600.0
+    weight_sync_timeout_s: float = 600.0  # any one call of a sync: a bucket's broadcast or load, an update's begin/end
     eval_samples_per_prompt: int = 4  # with data.eval_path: samples per held-out prompt at each evaluation
     # Multi-turn episodes (with env.spec; docs/algorithms/multi_turn.md):
     max_turns: int = 1  # policy turns per episode at most
