@@ -23,15 +23,17 @@ import re
 import socket
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from rlhf.config.schema import ConfigError
+from rlhf.config.schema import ConfigError, RunConfig, RunConfigT
+from rlhf.utils.log import get_logger
+
+log = get_logger(__name__)
 
 MODEL = "model"
 DATASET = "dataset"
 
-# (config key, repository type). critic.path and reward.model_path exist only in RL configs.
+# Config keys naming hub repositories. A trainer may load more models (online RL: critic.path, reward.model_path):
+# its descriptor lists them (rlhf.trainers.kinds, model_keys) and passes them to pin_run_sources.
 RUN_MODEL_KEYS = ("model.path", "model.ref_path")  # the model keys of every trainer's config
-# every model key a trainer's config may have (each trainer's own: rlhf.trainers.kinds, model_keys)
-MODEL_KEYS = RUN_MODEL_KEYS + ("critic.path", "reward.model_path")
 TOKENIZER_KEYS = ("model.tokenizer_path",)
 DATA_KEYS = ("data.train_path", "data.eval_path")
 
@@ -127,7 +129,7 @@ def hub_env() -> Dict[str, str]:
 # -------------------------------------------------------------------------------------------- the run config
 
 
-def pin_run_sources(cfg, model_keys: Sequence[str] = RUN_MODEL_KEYS):
+def pin_run_sources(cfg: RunConfigT, model_keys: Sequence[str] = RUN_MODEL_KEYS) -> RunConfigT:
     """Resolve every hub reference of a run config and pin it to the commit it resolved to.
 
     Keys: ``model_keys`` (model repositories: the trainer's, e.g. online RL adds ``critic.path`` and
@@ -144,7 +146,7 @@ def pin_run_sources(cfg, model_keys: Sequence[str] = RUN_MODEL_KEYS):
             neither a local path nor resolvable, or resolves to a repository without a model's ``config.json``
             (a tokenizer's files for ``model.tokenizer_path``).
     """
-    recorded = _pins_of_resumed_run(cfg)
+    recorded = _pins_of_resumed_run(cfg, model_keys)
     config_name = cfg.data.config_name
     snapshots: Dict[Tuple[str, str], str] = {}  # (repo type, reference) -> snapshot, when two keys share one
     changes: Dict[str, Dict[str, str]] = {}
@@ -165,7 +167,7 @@ def pin_run_sources(cfg, model_keys: Sequence[str] = RUN_MODEL_KEYS):
             snapshot = snapshots[(repo_type, ref)]
             _check_snapshot(key, ref, snapshot)
             pinned = f"{parse_ref(ref)[0]}@{os.path.basename(snapshot)}"
-            print(f"[hub] {key}: {ref} -> {pinned} ({snapshot})", flush=True)
+            log.info(f"[hub] {key}: {ref} -> {pinned} ({snapshot})")
             changes.setdefault(section, {})[name] = pinned
     if not changes:
         return cfg
@@ -174,14 +176,26 @@ def pin_run_sources(cfg, model_keys: Sequence[str] = RUN_MODEL_KEYS):
 
 
 def _check_snapshot(key: str, ref: str, snapshot: str) -> None:
-    if key in MODEL_KEYS and not os.path.isfile(os.path.join(snapshot, "config.json")):
-        raise ConfigError(f"{key}: hub repository {ref!r} (snapshot {snapshot}) is not an HF model (no config.json)")
-    if key in TOKENIZER_KEYS and not any(os.path.isfile(os.path.join(snapshot, f)) for f in _TOKENIZER_FILES):
-        raise ConfigError(f"{key}: hub repository {ref!r} (snapshot {snapshot}) has no tokenizer files "
-                          f"({', '.join(_TOKENIZER_FILES)})")
+    if key in TOKENIZER_KEYS:
+        if not any(os.path.isfile(os.path.join(snapshot, f)) for f in _TOKENIZER_FILES):
+            raise ConfigError(f"{key}: hub repository {ref!r} (snapshot {snapshot}) has no tokenizer files "
+                              f"({', '.join(_TOKENIZER_FILES)})")
+    elif key not in DATA_KEYS:
+        check_model_folder(key, ref, snapshot)
 
 
-def _pins_of_resumed_run(cfg) -> Dict[str, str]:
+def check_model_folder(key: str, ref: str, folder: str) -> None:
+    """Refuse a model directory without ``config.json``, naming ``key``: ``folder`` is ``ref`` itself (a local path)
+    or the snapshot the hub reference ``ref`` resolved to. The one "is this a model" check of the hub's pinning,
+    the runs' preflight and ``--dry-run``."""
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return
+    if folder == ref:
+        raise ConfigError(f"{key}: {ref!r} is not an HF model directory (no config.json)")
+    raise ConfigError(f"{key}: hub repository {ref!r} (snapshot {folder}) is not an HF model (no config.json)")
+
+
+def _pins_of_resumed_run(cfg: RunConfig, model_keys: Sequence[str]) -> Dict[str, str]:
     """``{key: pinned reference}`` from the ``config.yaml`` of the run ``train.resume`` continues, if any."""
     train = cfg.train
     if not train.resume or not train.output_dir:
@@ -197,7 +211,7 @@ def _pins_of_resumed_run(cfg) -> Dict[str, str]:
     except (OSError, yaml.YAMLError):
         return {}  # the runner's own reading of the output directory reports a broken one
     out = {}
-    for key in MODEL_KEYS + TOKENIZER_KEYS + DATA_KEYS:
+    for key in tuple(model_keys) + TOKENIZER_KEYS + DATA_KEYS:
         section, name = key.split(".")
         value = tree.get(section, {}).get(name) if isinstance(tree, dict) and isinstance(tree.get(section), dict) \
             else None
@@ -210,7 +224,7 @@ def _keep_recorded_pin(key: str, ref: str, recorded: str) -> str:
     """The resumed run's pin when ``ref`` is the same repository given without a revision, else ``ref``."""
     if "@" in ref or not recorded or parse_ref(recorded)[0] != ref:
         return ref
-    print(f"[hub] {key}: {ref} stays at {recorded}, the commit the resumed run was pinned to", flush=True)
+    log.info(f"[hub] {key}: {ref} stays at {recorded}, the commit the resumed run was pinned to")
     return recorded
 
 

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from rlhf.config.deepspeed_check import DTYPE_NAMES, contradictions, section_enabled
+from rlhf.config.rl_schema import RLRunConfig
+from rlhf.config.schema import RunConfig, TrainConfig
 from rlhf.data.plan import EpochPlan
 from rlhf.trainers.kinds import kind_of
 
@@ -85,7 +87,7 @@ def from_config_error(message: str) -> Optional[Finding]:
     return None
 
 
-def lint(cfg, user_ds_config: Optional[dict] = None, train_rows: Optional[int] = None) -> List[Finding]:
+def lint(cfg: RunConfig, user_ds_config: Optional[dict] = None, train_rows: Optional[int] = None) -> List[Finding]:
     """Every hazard of a validated run config (SFT, reward model, DPO or RL), errors first.
 
     Args:
@@ -99,7 +101,7 @@ def lint(cfg, user_ds_config: Optional[dict] = None, train_rows: Optional[int] =
     found: List[Finding] = []
     if user_ds_config is not None:
         found += deepspeed_findings(cfg, user_ds_config)
-    if kind_of(cfg).online:
+    if kind_of(cfg).online and isinstance(cfg, RLRunConfig):  # online: always an RLRunConfig (narrows the type)
         found += _rl_batches(cfg, train_rows)
     elif train_rows is not None:
         found += _epochs(cfg.train.global_batch_size, "train.global_batch_size", "rows", train_rows, cfg.train)
@@ -119,7 +121,7 @@ def _precisions(precision: str) -> List[Tuple[str, str, str]]:
     return [(precision, "", ERROR)]
 
 
-def deepspeed_findings(cfg, user: dict) -> List[Finding]:
+def deepspeed_findings(cfg: RunConfig, user: dict) -> List[Finding]:
     """The JSON's contradictions (:func:`rlhf.config.deepspeed_check.contradictions`, for each precision the run may
     resolve to), fp16 without dynamic loss scaling, and ``torch_autocast`` in another precision."""
     s, t = cfg.strategy, cfg.train
@@ -176,7 +178,7 @@ def _autocast(user: dict, precision: str) -> List[str]:
 # --------------------------------------------------------------------------------------------- batches and data
 
 
-def _epochs(batch: int, key: str, unit: str, rows: int, t) -> List[Finding]:
+def _epochs(batch: int, key: str, unit: str, rows: int, t: TrainConfig) -> List[Finding]:
     """Rows against one step's batch: not one step, rows left over each epoch, ``max_steps`` beyond the epochs."""
     if rows < batch:
         return [Finding(ERROR, f"{key}={batch}", f"data.train_path has only {rows} {unit}: not one step fits")]
@@ -198,7 +200,7 @@ def _epochs(batch: int, key: str, unit: str, rows: int, t) -> List[Finding]:
     return found
 
 
-def _rl_batches(cfg, prompts: Optional[int]) -> List[Finding]:
+def _rl_batches(cfg: RLRunConfig, prompts: Optional[int]) -> List[Finding]:
     t, r = cfg.train, cfg.rollout
     found = [] if prompts is None else _epochs(r.prompts_per_step, "rollout.prompts_per_step", "prompts", prompts, t)
     samples, batch = r.samples_per_step, t.global_batch_size
@@ -212,7 +214,7 @@ def _rl_batches(cfg, prompts: Optional[int]) -> List[Finding]:
     return found + _rl_algorithm(cfg)
 
 
-def _rl_algorithm(cfg) -> List[Finding]:
+def _rl_algorithm(cfg: RLRunConfig) -> List[Finding]:
     """Settings the config accepts whose effect is not what their names suggest (the registry entries' facts)."""
     a, found = cfg.algo, []
     if a.aggregation == "seq-mean-token-sum" and cfg.train.max_grad_norm > 0:
@@ -235,7 +237,7 @@ def _rl_algorithm(cfg) -> List[Finding]:
 # --------------------------------------------------------------------------------------------- run settings
 
 
-def _run_settings(cfg) -> List[Finding]:
+def _run_settings(cfg: RunConfig) -> List[Finding]:
     found = []
     if not cfg.model.disable_dropout:
         found.append(Finding(WARNING, "model.disable_dropout=false",

@@ -11,7 +11,7 @@ fp64, would contradict them).
 
 The runs share one Ray cluster, joined or started here as a training command would (``ray.address`` /
 ``RAY_ADDRESS``, else a local one); each run's console output goes to ``<label>.log`` next to its output
-directory.
+directory, and not to the audit's console (:func:`run_one`).
 """
 from __future__ import annotations
 
@@ -19,15 +19,20 @@ import contextlib
 import glob
 import json
 import os
+import sys
 import time
+import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, TextIO
 
 from rlhf.audit.compare import WeightsDiff
 from rlhf.audit.factorizations import Factorization, Fits
+from rlhf.config.rl_schema import RLRunConfig
+from rlhf.config.schema import RunConfig
 from rlhf.distributed.cluster import cluster_gpus, init_ray
 from rlhf.distributed.resource_plan import resolve_devices
 from rlhf.trainers.kinds import kind_of
+from rlhf.utils.log import capture
 from rlhf.utils.metrics import METRICS_FILE, read_metrics
 
 # Fields of a user DeepSpeed JSON that the run sets (rlhf.distributed.engine.build_ds_config) and that differ
@@ -53,7 +58,8 @@ class RunOutcome:
     seconds: float
 
 
-def audit_overrides(cfg, steps: int, output_dir: str, precision: str = "", deepspeed_config: str = "") -> List[str]:
+def audit_overrides(cfg: RunConfig, steps: int, output_dir: str, precision: str = "",
+                    deepspeed_config: str = "") -> List[str]:
     """What every run of the audit changes in the user's config (module docstring)."""
     t = cfg.train
     max_steps = steps if t.max_steps == -1 else min(steps, t.max_steps)
@@ -71,7 +77,7 @@ def audit_overrides(cfg, steps: int, output_dir: str, precision: str = "", deeps
     return out
 
 
-def split_overrides(cfg, f: Factorization) -> List[str]:
+def split_overrides(cfg: RunConfig, f: Factorization) -> List[str]:
     """``train.micro_batch_size`` and ``train.num_workers`` of ``f``; online RL: the groups tied to the policy's
     ranks follow (a critic with as many ranks, a colocated reward model, hybrid-engine vLLM engines). Under a token
     budget (``train.max_tokens_per_micro_batch``) the configured run keeps it and the others cut by rows: the
@@ -79,7 +85,7 @@ def split_overrides(cfg, f: Factorization) -> List[str]:
     out = [f"train.micro_batch_size={f.micro}", f"train.num_workers={f.ranks}"]
     if cfg.train.max_tokens_per_micro_batch and f.why != "configured":
         out.append("train.max_tokens_per_micro_batch=0")
-    if kind_of(cfg).online:
+    if kind_of(cfg).online and isinstance(cfg, RLRunConfig):  # online: an RLRunConfig (narrows the type)
         if cfg.algo.needs_critic and cfg.critic.num_workers == cfg.train.num_workers:
             out.append(f"critic.num_workers={f.ranks}")
             if cfg.colocate.critic_reward:
@@ -89,10 +95,10 @@ def split_overrides(cfg, f: Factorization) -> List[str]:
     return out
 
 
-def split_fits(cfg) -> Fits:
+def split_fits(cfg: RunConfig) -> Fits:
     """Online RL with a critic: its ranks (tied to the policy's, or fixed) must divide the global batch too."""
     def fits(micro: int, ranks: int) -> bool:
-        if not (kind_of(cfg).online and cfg.algo.needs_critic):
+        if not (kind_of(cfg).online and isinstance(cfg, RLRunConfig) and cfg.algo.needs_critic):
             return True
         critic = ranks if cfg.critic.num_workers == cfg.train.num_workers else cfg.critic.num_workers
         return cfg.train.global_batch_size % (micro * critic) == 0
@@ -137,21 +143,81 @@ def cluster(cfgs: Sequence) -> Iterator[str]:
             ray.shutdown()
 
 
-def run_one(train: Callable, cfg, f: Factorization, log_path: str) -> RunOutcome:
+def run_one(train: Callable, cfg: RunConfig, f: Factorization, log_path: str) -> RunOutcome:
     """Train ``cfg`` (one factorisation) with its console output in ``log_path``; its rows and ``final/``.
+
+    The log gets, instead of the console: the run's own lines (the ``rlhf`` logger, :func:`rlhf.utils.log.capture`),
+    its actors' output that Ray forwards to the driver (:func:`_actor_output_to`), and the driver's Python
+    warnings. The audit's console shows only its own lines.
 
     Raises:
         RunFailed: The run raised; the caller decides what the cause means (a config error, a dead worker).
     """
     started = time.perf_counter()
-    with open(log_path, "w", encoding="utf-8") as log:
+    with capture(log_path, console=False) as log:
         try:
-            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            with _actor_output_to(log), _warnings_to(log):
                 result = train(cfg)
         except Exception as exc:  # noqa: BLE001 - reported with the run's label and log by the caller
             raise RunFailed(f.label, exc, log_path) from exc
     rows = read_metrics(os.path.join(cfg.train.output_dir, METRICS_FILE))
     return RunOutcome(f, rows, result.final_dir, time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def _actor_output_to(stream: TextIO) -> Iterator[None]:
+    """The actors' stdout and stderr that Ray forwards to this driver go to ``stream`` meanwhile, each line with
+    Ray's prefix (``(policy rank 0 pid=..., ip=...)``, the actor's ``__repr__``), instead of the console.
+
+    Ray's driver prints the forwarded lines from a thread of its own, through the handlers of a dispatcher
+    (``ray._private.ray_logging.global_worker_stdstream_dispatcher``; its console handler is ``"ray_print_logs"``,
+    added by ``ray.init(log_to_driver=True)``, the default). No public API turns the forwarding off for a while on a
+    cluster already joined (``log_to_driver`` is read once, at ``ray.init``), so this swaps the console handler
+    for one writing to ``stream``, and puts it back after. Ours is added before theirs is removed, and theirs is
+    back before ours goes: a batch arriving meanwhile is written twice at worst, never lost. On a Ray without
+    that dispatcher the lines stay on the console.
+    """
+    if "ray" not in sys.modules:  # no cluster joined in this process: nothing is forwarded (and ray stays unloaded)
+        yield
+        return
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+        from ray._private.worker import print_worker_logs
+        handlers = list(dispatcher.handlers)
+    except (ImportError, AttributeError):
+        yield
+        return
+    theirs = [(name, handler) for name, handler in handlers if name == "ray_print_logs"]
+    dispatcher.add_handler(_AUDIT_HANDLER, lambda batch: print_worker_logs(batch, stream))
+    dispatcher.remove_handler("ray_print_logs")
+    try:
+        yield
+    finally:
+        for name, handler in theirs:
+            dispatcher.add_handler(name, handler)
+        dispatcher.remove_handler(_AUDIT_HANDLER)
+
+
+_AUDIT_HANDLER = "rlhf_audit_log"
+
+
+@contextlib.contextmanager
+def _warnings_to(stream: TextIO) -> Iterator[None]:
+    """The driver's Python warnings (``warnings.warn``, printed on ``sys.stderr``) go to ``stream`` meanwhile,
+    formatted as Python prints them."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if file not in (None, sys.stderr):
+            shown(message, category, filename, lineno, file, line)
+        else:
+            stream.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def log_tail(path: str, lines: int = 25) -> str:

@@ -30,13 +30,16 @@ from rlhf.audit.trainers import TRAINERS, infer_trainer
 from rlhf.cli.common import quiet_environment
 from rlhf.config.deepspeed_check import read_user_config
 from rlhf.config.loader import load_config
-from rlhf.config.schema import ConfigError
+from rlhf.config.schema import ConfigError, RunConfig
 from rlhf.data.io import DataError, read_rows
 from rlhf.data.plan import PlanError
 from rlhf.distributed.errors import WorkerError
 from rlhf.hub import HubError
 from rlhf.trainers.health import TrainingHealthError
+from rlhf.trainers.preflight import preflight
+from rlhf.utils.log import get_logger
 
+log = get_logger(__name__)
 PROG = "python -m rlhf.cli.audit"
 
 
@@ -83,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return _audit(args)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error(f"error: {exc}")
         return 2
     except _Failed as exc:
         return exc.code
@@ -99,8 +102,8 @@ class _Failed(Exception):
 
 def _audit(args) -> int:
     trainer = TRAINERS[args.trainer or infer_trainer(args.config, args.overrides)]
-    print(f"audit: {trainer.name} config {args.config or '(defaults)'}"
-          + (f" with {' '.join(args.overrides)}" if args.overrides else ""), flush=True)
+    log.info(f"audit: {trainer.name} config {args.config or '(defaults)'}"
+             + (f" with {' '.join(args.overrides)}" if args.overrides else ""))
     cfg, user_ds, findings = _lint(trainer, args)
     errors = [f for f in findings if f.level == ERROR]
     if errors:
@@ -137,7 +140,7 @@ def _lint(trainer, args):
     return cfg, user_ds, findings
 
 
-def _count_rows(cfg) -> Tuple[Optional[int], str]:
+def _count_rows(cfg: RunConfig) -> Tuple[Optional[int], str]:
     """Rows of ``data.train_path`` (RL: prompts), read as the trainer reads them; ``(None, why)`` when they cannot
     be read here (a path only the cluster sees, a hub dataset offline)."""
     d = cfg.data
@@ -147,7 +150,8 @@ def _count_rows(cfg) -> Tuple[Optional[int], str]:
         return None, f"data.train_path not read here, its rows not checked: {exc}"
 
 
-def _run_and_compare(trainer, cfg, user_ds, args) -> int:
+def _run_and_compare(trainer, cfg: RunConfig, user_ds, args) -> int:
+    preflight(cfg)  # what each run checks before its actors start, once before the audit's cluster starts
     t = cfg.train
     fits = split_fits(cfg)
     # under a token budget the configured run is 1 row a micro-batch to DeepSpeed (rlhf.audit.runner.split_overrides)
@@ -156,11 +160,11 @@ def _run_and_compare(trainer, cfg, user_ds, args) -> int:
         try:
             splits = with_configured(splits[0], parse_factorizations(args.factorizations, t.global_batch_size, fits))
         except ValueError as exc:
-            print(f"error: --factorizations {exc}", file=sys.stderr)
+            log.error(f"error: --factorizations {exc}")
             return 2
     if len(splits) < 2:
-        print(f"error: train.global_batch_size={t.global_batch_size} has no other factorisation than "
-              f"{splits[0].label} on at most {t.num_workers} rank(s): nothing to compare", file=sys.stderr)
+        log.error(f"error: train.global_batch_size={t.global_batch_size} has no other factorisation than "
+                  f"{splits[0].label} on at most {t.num_workers} rank(s): nothing to compare")
         return 2
     workdir = _workdir(cfg, args.workdir)
     try:
@@ -169,12 +173,12 @@ def _run_and_compare(trainer, cfg, user_ds, args) -> int:
         return _report(trainer, outcomes, tol, precision)
     finally:
         if args.keep:
-            print(f"runs kept in {workdir}")
+            log.info(f"runs kept in {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _workdir(cfg, given: str) -> str:
+def _workdir(cfg: RunConfig, given: str) -> str:
     """``--workdir``, else a new directory next to ``train.output_dir`` (storage the cluster's nodes write, as the
     run needs), else in the system's temporary directory."""
     if given:
@@ -184,7 +188,7 @@ def _workdir(cfg, given: str) -> str:
     return tempfile.mkdtemp(prefix="rlhf-audit-", dir=parent if parent and os.path.isdir(parent) else None)
 
 
-def _runs(trainer, cfg, user_ds, splits, workdir: str, args):
+def _runs(trainer, cfg: RunConfig, user_ds, splits, workdir: str, args):
     """Every factorisation's run: ``(outcomes, the precision they trained in)``.
 
     Raises:
@@ -196,12 +200,12 @@ def _runs(trainer, cfg, user_ds, splits, workdir: str, args):
                         [*args.overrides, *audit_overrides(cfg, args.steps, os.path.join(workdir, f.label), precision,
                                                            ds_copy), *split_overrides(cfg, f)]) for f in splits]
     what = {"configured": "the configured split"}
-    print(f"runs: {len(splits)} factorisations of the global batch {cfg.train.global_batch_size} "
-          f"(micro x accumulation x ranks), {args.steps} {'RL ' if trainer.online else ''}step(s) each: "
-          + ", ".join(f"{f.label} ({what.get(f.why, f.why)})" for f in splits), flush=True)
+    log.info(f"runs: {len(splits)} factorisations of the global batch {cfg.train.global_batch_size} "
+             f"(micro x accumulation x ranks), {args.steps} {'RL ' if trainer.online else ''}step(s) each: "
+             + ", ".join(f"{f.label} ({what.get(f.why, f.why)})" for f in splits))
     if precision == "fp64" and cfg.strategy.zero_stage != 0:
-        print(f"  in fp64 on ZeRO 0 (the only stage DeepSpeed trains float64 on; the run's is "
-              f"strategy.zero_stage={cfg.strategy.zero_stage})", flush=True)
+        log.info(f"  in fp64 on ZeRO 0 (the only stage DeepSpeed trains float64 on; the run's is "
+                 f"strategy.zero_stage={cfg.strategy.zero_stage})")
     outcomes = []
     with cluster(cfgs) as resolved:
         for f, run_cfg in zip(splits, cfgs):
@@ -211,7 +215,7 @@ def _runs(trainer, cfg, user_ds, splits, workdir: str, args):
                 raise _Failed(_failed(exc, args.keep)) from None
             outcomes.append(outcome)
             short = f" (the run has only {len(outcome.rows)})" if len(outcome.rows) < args.steps else ""
-            print(f"  {f.label}: {len(outcome.rows)} steps{short} in {outcome.seconds:.0f} s", flush=True)
+            log.info(f"  {f.label}: {len(outcome.rows)} steps{short} in {outcome.seconds:.0f} s")
     return outcomes, precision or resolved
 
 
@@ -222,11 +226,11 @@ def _failed(exc, keep: bool) -> int:
     bad_input = (ConfigError, DataError, HubError, PlanError, RewardFunctionError)
     expected = isinstance(exc.cause, bad_input + (WorkerError, TrainingHealthError))
     if expected:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error(f"error: {exc}")
     tail = log_tail(exc.log)
     if tail:
-        print(f"--- the end of the {exc.label} run's log ({exc.log}{'' if keep else ', removed: --keep keeps it'}):"
-              f"\n{tail}", file=sys.stderr)
+        log.error(f"--- the end of the {exc.label} run's log ({exc.log}{'' if keep else ', removed: --keep keeps it'}):"
+                  f"\n{tail}")
     if not expected:  # a bug: its traceback, as the training commands give one
         raise exc.cause
     return 2 if isinstance(exc.cause, bad_input) else 1

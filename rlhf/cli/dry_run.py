@@ -6,37 +6,31 @@ and colocate their roles from, packed onto the cluster's nodes by :func:`rlhf.di
 starts), else this machine as a local run would size it. Paths that exist only on the cluster (a data set under
 ``/data``, a model directory) are listed as such, not refused; a hub id (``org/name[@revision]``) is looked up without
 downloading anything (the commit it resolves to, from the cache offline, else from the hub), and refused only when the
-hub says it does not exist. Every other check a real run makes before its first actor (the config's own validation, a
-contradicting ``strategy.deepspeed_config``, reward function specs, precision / backend / sleep-mode rules) still
-applies.
+hub says it does not exist. Every other check a real run makes before its first actor still applies: the run's own
+preflight (:func:`rlhf.trainers.preflight.preflight`: model folders, a contradicting ``strategy.deepspeed_config``,
+reward functions, environments, reward heads, LoRA targets, batch arithmetic), then precision / backend / sleep-mode
+rules.
 
 Exit status (through ``rlhf.cli.common.run_cli``): 0 when the plan fits, 2 with ``error: ...`` naming the placement
 group or role that does not fit, or the bad setting.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import List, Sequence, Tuple
 
-from rlhf.config.deepspeed_check import check_user_config
-from rlhf.config.schema import ConfigError
+from rlhf.config.rl_schema import RLRunConfig
+from rlhf.config.schema import ConfigError, DPORunConfig, RunConfig
 from rlhf.distributed.cluster import local_num_cpus
 from rlhf.distributed.packing import (NodeShape, Packing, check_feasible, describe_cluster, nodes_from_ray,
                                       pack, parse_cluster)
 from rlhf.distributed.resource_plan import (ENVIRONMENT, ROLLOUT, ActorPlan, Devices, GroupPlan, ResourcePlan,
                                             engine_gpus, engine_sleep, resolve_devices)
-from rlhf.envs import EnvError, load_environment
-from rlhf.hub import DATASET, MODEL, HubError, cache_dir, is_hub_ref, locate, model_dir, offline
 from rlhf.ops.algorithms import describe, needs_length
 from rlhf.trainers.kinds import kind_of
-from rlhf.trainers.output_dir import output_dir_status
-from rlhf.utils.specs import looks_like_path
+from rlhf.trainers.preflight import preflight
 
-NOT_HERE = "not on this machine (checked at run time)"
-
-
-def dry_run(cfg, prog: str, cluster: str = "") -> None:
+def dry_run(cfg: RunConfig, prog: str, cluster: str = "") -> None:
     """Print the resource plan of ``cfg`` on the cluster; raise when it does not fit or a setting is wrong.
 
     Args:
@@ -52,9 +46,9 @@ def dry_run(cfg, prog: str, cluster: str = "") -> None:
     name, label, nodes = cluster_nodes(cfg, cluster)
     devices = resolve_devices(cfg.strategy, sum(n.gpus for n in nodes))
     plan = kind.plan(cfg, devices.gpus_per_worker)
-    paths = check_paths(cfg, devices.precision)
-    _check_lora(cfg)
-    rollout = _rollout_lines(cfg, plan, devices) if kind.online else []
+    paths = preflight(cfg, here=False, precision=devices.precision)
+    # online: always an RLRunConfig (the isinstance narrows the type)
+    rollout = _rollout_lines(cfg, plan, devices) if kind.online and isinstance(cfg, RLRunConfig) else []
     packing = pack(plan, nodes, cluster=name)
     lines = [f"dry run: {prog}: the configuration is valid; nothing was started (no Ray actor, no weights loaded)",
              "", f"cluster: {label}: {describe_cluster(nodes)}"]
@@ -70,30 +64,10 @@ def dry_run(cfg, prog: str, cluster: str = "") -> None:
     check_feasible(packing)
 
 
-def _check_lora(cfg) -> None:
-    """``model.lora.target_modules`` against the layers of each model LoRA would wrap, as a run checks them (only
-    where the model's config can be read here; the paths table says why not otherwise)."""
-    if not cfg.model.lora.enabled:
-        return
-    # lazy: torch and transformers, only when LoRA is asked for
-    from rlhf.trainers.run import check_lora_targets
-
-    trained = kind_of(cfg).trained_models(cfg)
-    check_lora_targets(cfg, [(path, kind) for path, kind in trained if _readable_model(path)])
-
-
-def _readable_model(path: str) -> bool:
-    try:
-        model_dir(path)
-    except (OSError, HubError):
-        return False
-    return True
-
-
 # ------------------------------------------------------------------------------------------------- the cluster
 
 
-def cluster_nodes(cfg, cluster: str) -> Tuple[str, str, Tuple[NodeShape, ...]]:
+def cluster_nodes(cfg: RunConfig, cluster: str) -> Tuple[str, str, Tuple[NodeShape, ...]]:
     """``(name, description, nodes)`` of the simulated ``cluster``, else of the live one at the run's address, else
     of this machine."""
     if cluster:
@@ -136,102 +110,10 @@ def _live_nodes(address: str) -> Tuple[NodeShape, ...]:
     return nodes
 
 
-# ---------------------------------------------------------------------------------------------------- checks
+# ---------------------------------------------------------------------------------------------------- rollout
 
 
-def check_paths(cfg, precision: str) -> List[Tuple[str, str, str]]:
-    """``(key, path, status)`` rows; a path that exists here must pass the runner's check, one that does not is
-    left to the run (it may exist only on the cluster)."""
-    m, d = cfg.model, cfg.data
-    online = kind_of(cfg).online
-    models = [("model.path", m.path), ("model.ref_path", m.ref_path)]
-    if online:
-        models += [("reward.model_path", cfg.reward.model_path), ("critic.path", cfg.critic.path)]
-    rows = []
-    for key, path in models:
-        if path:
-            rows.append((key, path, _model_dir_status(key, path)))
-    for key, path, repo_type in (("model.tokenizer_path", m.tokenizer_path, MODEL),
-                                 ("data.train_path", d.train_path, DATASET), ("data.eval_path", d.eval_path, DATASET)):
-        if path:
-            status = _hub_status(key, path, repo_type) if is_hub_ref(path, repo_type) else \
-                "found" if os.path.exists(path) else NOT_HERE
-            rows.append((key, path, status))
-    ds = cfg.strategy.deepspeed_config
-    if ds:
-        found = os.path.isfile(ds)
-        if found:
-            check_user_config(cfg, precision)  # a contradiction is refused as a real run would
-        rows.append(("strategy.deepspeed_config", ds, "found, consistent with the run" if found else NOT_HERE))
-    for spec in cfg.reward.functions if online else ():
-        rows.append(("reward.functions", spec, _reward_status(spec)))
-    if online and cfg.env.spec:
-        rows.append(("env.spec", cfg.env.spec, _environment_status(cfg.env.spec)))
-    rows.append(("train.output_dir", cfg.train.output_dir or '""', output_dir_status(cfg)
-                 + ("" if not cfg.train.output_dir else ", on storage every node writes")))
-    return rows
-
-
-def _model_dir_status(key: str, path: str) -> str:
-    if is_hub_ref(path, MODEL):
-        return _hub_status(key, path, MODEL)
-    if not os.path.exists(path):
-        return NOT_HERE
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"{key}: {path!r} is not an HF model directory (no config.json)")
-    return "found"
-
-
-def _hub_status(key: str, ref: str, repo_type: str) -> str:
-    """Where a hub reference stands, downloading nothing: the commit it resolves to (from the cache offline, else
-    from the hub) and whether this machine's cache holds it. One the hub says does not exist is refused."""
-    try:
-        sha, snapshot = locate(ref, repo_type)
-    except HubError as exc:
-        if exc.not_found:
-            raise ConfigError(f"{key}: {ref!r} is not a local path, and {exc}") from None
-        if offline():
-            return (f"hub {repo_type}, not in the HF cache here ({cache_dir()}; HF_HUB_OFFLINE=1): a run resolves it "
-                    f"at start, through the cache of the machine it starts on")
-        return f"hub {repo_type}, the hub is not reachable from here: resolved when a run starts"
-    if snapshot and repo_type == MODEL and key != "model.tokenizer_path" and \
-            not os.path.isfile(os.path.join(snapshot, "config.json")):
-        raise ConfigError(f"{key}: hub repository {ref!r} (snapshot {snapshot}) is not an HF model (no config.json)")
-    where = "cached here" if snapshot else "downloaded when a run starts"
-    return f"hub {repo_type} at commit {sha[:12]}, {where} (a run pins it in config.yaml)"
-
-
-def _reward_status(spec: str) -> str:
-    """Load a reward function that resolves here (a bad one is an error); one that does not is left to the run."""
-    from rlhf.rewards.functions import RewardFunctionScorer, load_reward_function  # lazy: pulls in torch
-
-    RewardFunctionScorer((spec,))  # spec form and weight, nothing imported
-    head, at, tail = spec.rpartition("@")
-    name = head if at and ":" not in tail else spec
-    target = name.rpartition(":")[0]
-    is_file = target.endswith(".py") or "/" in target
-    here = os.path.isfile(target) if is_file else importlib.util.find_spec(target.split(".")[0]) is not None
-    if not here:
-        return NOT_HERE
-    load_reward_function(name)
-    return "found, loads"
-
-
-def _environment_status(spec: str) -> str:
-    """Load an environment class that resolves here (a bad one is an error, as in a run); else left to the run."""
-    target = spec.strip().rpartition(":")[0]
-    here = os.path.isfile(target) if looks_like_path(target) else \
-        importlib.util.find_spec(target.split(".")[0]) is not None
-    if not here:
-        return NOT_HERE
-    try:
-        load_environment(spec)
-    except EnvError as e:
-        raise ConfigError(f"env.spec: {e}") from None
-    return "found, loads"
-
-
-def _rollout_lines(cfg, plan: ResourcePlan, devices: Devices) -> List[str]:
+def _rollout_lines(cfg: RLRunConfig, plan: ResourcePlan, devices: Devices) -> List[str]:
     """Engines, devices per engine, vLLM sleep mode and the weight-sync transport, as the RL runner resolves them."""
     from rlhf.rollout.weight_sync import resolve_weight_sync  # lazy: pulls in torch
 
@@ -292,7 +174,7 @@ def _ranges(values: Sequence[int]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
 
 
-def _devices_line(cfg, devices: Devices) -> str:
+def _devices_line(cfg: RunConfig, devices: Devices) -> str:
     s = cfg.strategy
     gpus = f"{devices.gpus_per_worker:g} GPU per rank" if devices.gpus_per_worker else "CPU ranks"
     auto = " (auto)" if s.gpus_per_worker < 0 else ""
@@ -352,7 +234,7 @@ def _sharing(plan: ResourcePlan, packing: Packing) -> str:
     return text
 
 
-def batch_lines(cfg) -> List[str]:
+def batch_lines(cfg: RunConfig) -> List[str]:
     """The global-batch arithmetic: offline, global = micro x accumulation x ranks; RL, the rollout batch and the
     optimizer steps it makes."""
     t, lora, kind = cfg.train, cfg.model.lora, kind_of(cfg)
@@ -360,17 +242,23 @@ def batch_lines(cfg) -> List[str]:
     if lora.enabled:
         lines.append(f"  LoRA: r {lora.r}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}"
                      + ("; the reference is the frozen base under the adapters (no reference workers)"
-                        if cfg.model.reference_is_base and kind.has_reference(cfg) else ""))
-    if not kind.online:
-        if kind.has_reference(cfg) and not cfg.model.reference_is_base:  # DPO's reference group
-            dpo = cfg.dpo
-            lines.append(f"  reference: {dpo.ref_num_workers} ranks, dpo.ref_mode={dpo.ref_mode}"
-                         + (" (scores every pair once, then released)" if dpo.ref_mode == "precompute" else ""))
-        lines.append(f"  optimizer steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
-                     f"floor(rows / {t.global_batch_size})), rows counted at run time; data.max_length "
-                     f"{cfg.data.max_length}")
-        return lines
-    r, a = cfg.rollout, cfg.algo
+                        if kind.reference_on_policy(cfg) else ""))
+    if kind.online and isinstance(cfg, RLRunConfig):  # online: always an RLRunConfig (narrows the type)
+        return _rl_batch_lines(cfg, lines)
+    if kind.reference_group(cfg) and isinstance(cfg, DPORunConfig):  # DPO's reference group (narrows the type)
+        dpo = cfg.dpo
+        lines.append(f"  reference: {dpo.ref_num_workers} ranks, dpo.ref_mode={dpo.ref_mode}"
+                     + (" (scores every pair once, then released)" if dpo.ref_mode == "precompute" else ""))
+    lines.append(f"  optimizer steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
+                 f"floor(rows / {t.global_batch_size})), rows counted at run time; data.max_length "
+                 f"{cfg.data.max_length}")
+    return lines
+
+
+def _rl_batch_lines(cfg: RLRunConfig, lines: List[str]) -> List[str]:
+    """:func:`batch_lines` of online RL: the rollout batch first, then ``lines`` (the global batch, LoRA), then the
+    optimizer steps, the LR schedule and the algorithm."""
+    t, r, a = cfg.train, cfg.rollout, cfg.algo
     dropped = r.samples_per_step % t.global_batch_size
     lines.insert(0, f"  RL step: {r.prompts_per_step} prompts x {r.n_samples_per_prompt} samples = rollout batch "
                     f"{r.samples_per_step} ({-(-r.samples_per_step // r.num_engines)} samples per engine)")
@@ -378,8 +266,6 @@ def batch_lines(cfg) -> List[str]:
                  f"{t.global_batch_size}) = {cfg.optimizer_steps_per_rl_step}"
                  + (f" ({dropped} samples per pass dropped)" if dropped else ""))
     if a.needs_critic:
-        if cfg.critic_batch_problem():  # the rule rl_runner._check_rl_paths applies before any actor
-            raise ConfigError(cfg.critic_batch_problem())
         lines.append(f"  critic: {t.describe_batching(cfg.critic.num_workers)}")
     lines.append(f"  RL steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
                  f"floor(prompts / {r.prompts_per_step})), prompts counted at run time")

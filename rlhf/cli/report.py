@@ -12,7 +12,10 @@ import sys
 from typing import Dict, List, Sequence, Tuple
 
 from rlhf.reports.plots import plot_runs
+from rlhf.utils.log import get_logger
 from rlhf.utils.metrics import MetricsFileError, read_metrics
+
+log = get_logger(__name__)
 
 # (metric key, panel title), in display order; only the ones present are drawn.
 PANELS: Tuple[Tuple[str, str], ...] = (
@@ -94,7 +97,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     missing = _missing_matplotlib()
     if missing:
-        print(f"error: {missing}", file=sys.stderr)
+        log.error(f"error: {missing}")
         return 1
 
     try:
@@ -103,12 +106,12 @@ def main(argv=None) -> int:
         if not panels:
             raise ReportError(f"no metric to plot in {', '.join(args.runs)}")
     except (ReportError, MetricsFileError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error(f"error: {exc}")
         return 2
     out = args.out or (os.path.join(args.runs[0], "report.png") if len(args.runs) == 1 else "report.png")
     drawn = plot_runs(runs, panels, out, smooth=args.smooth, unsmoothed=held_out,
                       title=" vs ".join(n for n in runs if n not in held_out))
-    print(f"wrote {out} ({len(drawn)} panels: {', '.join(drawn)})")
+    log.info(f"wrote {out} ({len(drawn)} panels: {', '.join(drawn)})")
     return 0
 
 

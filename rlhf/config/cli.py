@@ -79,7 +79,7 @@ def parse_cli_args(cls: type[T], argv: Sequence[str] | None = None, prog: str | 
     try:
         config = load_config(cls, args.config, args.overrides)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)  # a usage error, printed as argparse prints its own
         raise SystemExit(2) from None
     return CliRequest(config=config, dry_run=args.dry_run, cluster=args.cluster)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, List, Optional
 
-from rlhf.config.schema import ConfigError
+from rlhf.config.schema import ConfigError, RunConfig
 
 # The spellings DeepSpeed's DtypeEnum accepts for each precision. It has none for fp64: in an fp64 run any
 # `communication_data_type` or `data_types.grad_accum_dtype` contradicts the run (float64 gradients, summed in their
@@ -111,7 +111,7 @@ def _grad_accum_contradiction(user: dict, precision: str, zero_stage: int) -> Li
             f"{_NO_FP64_NAME.get(precision, '')}"]
 
 
-def check_user_config(cfg, precision: Optional[str] = None) -> Optional[dict]:
+def check_user_config(cfg: RunConfig, precision: Optional[str] = None) -> Optional[dict]:
     """Raise :class:`ConfigError` listing every contradiction between ``strategy.deepspeed_config`` and ``cfg``;
     returns the (checked) user JSON, ``None`` without one."""
     s, t = cfg.strategy, cfg.train

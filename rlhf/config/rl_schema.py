@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
-from rlhf.config.schema import ConfigError, _check, _choice, _RunConfig
+from rlhf.config.schema import ConfigError, RunConfig, _check, _choice
 
 # rollout.weight_sync=broadcast with the hybrid engine on GPUs: the message follows the key in the ConfigError.
 HYBRID_BROADCAST_ON_GPUS = (
@@ -287,7 +287,7 @@ class ColocateConfig:
 
 
 @dataclass(frozen=True)
-class RLRunConfig(_RunConfig):
+class RLRunConfig(RunConfig):
     """``python -m rlhf.cli.train_ppo``: online RL (PPO, GRPO, REINFORCE++, RLOO) with vLLM rollouts."""
 
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Optional, Tuple, TypeVar
 
 
 class ConfigError(ValueError):
@@ -347,7 +347,14 @@ class RewardModelConfig:
 
 
 @dataclass(frozen=True)
-class _RunConfig:
+class RunConfig:
+    """Any trainer's run config: the sections every trainer has.
+
+    Each trainer's own config (:class:`SFTRunConfig`, :class:`RewardModelRunConfig`, :class:`DPORunConfig`,
+    :class:`rlhf.config.rl_schema.RLRunConfig`) extends it with its own sections; code that serves any trainer takes
+    a ``RunConfig``.
+    """
+
     model: ModelConfig  # no default: model.path is required
     data: DataConfig  # no default: data.train_path is required
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -368,20 +375,24 @@ class _RunConfig:
                "factorisations); use auto or sdpa")
 
 
+# A function that returns the run config it was given (changed or not) keeps its class: RunConfigT -> RunConfigT.
+RunConfigT = TypeVar("RunConfigT", bound=RunConfig)
+
+
 @dataclass(frozen=True)
-class SFTRunConfig(_RunConfig):
+class SFTRunConfig(RunConfig):
     """``python -m rlhf.cli.train_sft``: supervised fine-tuning, loss on response tokens."""
 
 
 @dataclass(frozen=True)
-class RewardModelRunConfig(_RunConfig):
+class RewardModelRunConfig(RunConfig):
     """``python -m rlhf.cli.train_rm``: pairwise reward model."""
 
     rm: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
 @dataclass(frozen=True)
-class DPORunConfig(_RunConfig):
+class DPORunConfig(RunConfig):
     """``python -m rlhf.cli.train_dpo``: offline preference optimisation against a frozen reference."""
 
     dpo: DPOConfig = field(default_factory=DPOConfig)

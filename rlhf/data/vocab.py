@@ -11,6 +11,9 @@ import os
 from typing import Optional
 
 from rlhf.config.schema import ConfigError
+from rlhf.utils.log import get_logger
+
+log = get_logger(__name__)
 
 #: A real vocabulary has thousands of tokens; fewer than this means the tokenizer files are missing or broken.
 MIN_VOCAB = 32
@@ -47,8 +50,8 @@ def check_tokenizer(tokenizer, key: str, ref: str, model_vocab_size: Optional[in
     if tokenizer.pad_token_id is None:
         # Attention masks, not the pad id, decide what is padding everywhere in this project, so EOS is safe.
         tokenizer.pad_token = tokenizer.eos_token
-        print(f"[data] the tokenizer has no pad token; padding with its EOS {tokenizer.eos_token!r} "
-              f"(attention masks mark the padding)", flush=True)
+        log.info(f"[data] the tokenizer has no pad token; padding with its EOS {tokenizer.eos_token!r} "
+                 f"(attention masks mark the padding)")
     return tokenizer
 
 

@@ -10,6 +10,9 @@ import time
 from typing import Any, Dict, Optional
 
 from rlhf.hub import hub_env
+from rlhf.utils.log import get_logger
+
+log = get_logger(__name__)
 
 # DeepSpeed JIT-compiles its CPU communication op (~1 min on 2 cores) into TORCH_EXTENSIONS_DIR. torch's default,
 # ~/.cache/torch_extensions, is shared by every checkout and venv of a machine, and a build is keyed by its source
@@ -164,7 +167,8 @@ def ensure_cpu_comm_op(extensions_dir: str = "") -> bool:
 
 
 def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    # on stderr (a warning's level): a slow one-off build that the user should know of, not a line of the run's output
+    log.warning(line)
 
 
 def _tail(text: str, lines: int = 30) -> str:

@@ -8,10 +8,12 @@ within ``timeout_s`` is named, not waited for.
 """
 from __future__ import annotations
 
-import sys
 from typing import Dict, List, Sequence, Set, Tuple
 
+from rlhf.utils.log import get_logger
 from rlhf.utils.versions import NodeReport, cluster_problems, local_report, raise_cluster_problems
+
+log = get_logger(__name__)
 
 REPORT_TIMEOUT_S = 120.0  # a fresh worker process per node: seconds; a node's runtime_env install can take longer
 
@@ -79,7 +81,7 @@ def check_node_versions(packages: Sequence[str], uses_gpus: bool, attn_implement
     problems, warnings = cluster_problems(local_report("the driver", 0.0), node_reports(timeout_s, new), packages,
                                           uses_gpus, attn_implementation)
     for line in warnings:
-        print(f"warning: {line}", file=sys.stderr, flush=True)
+        log.warning(f"warning: {line}")
     raise_cluster_problems(problems)
     passed.update(new)
 

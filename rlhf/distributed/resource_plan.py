@@ -1,10 +1,8 @@
 """What a run asks Ray for, as data: placement groups, their bundles, and every role's actors, in creation order.
 
-The runners size their clusters and colocate their roles from these plans (``rlhf.trainers.offline`` for SFT,
-reward model and DPO, ``rlhf.trainers.rl_runner`` for online RL), and ``--dry-run`` prints the same plans and packs
-them onto a cluster's nodes (:mod:`rlhf.distributed.packing`), so a dry run cannot drift from what a real run
-requests. ``tests/unit/test_launchers.py`` records the requests the runner's actor start-up makes and compares them
-with the plan.
+The runners size their clusters from these plans and start their actors from them
+(:func:`rlhf.trainers.actors.start_plan`), and ``--dry-run`` prints the same plans and packs them onto a cluster's
+nodes (:mod:`rlhf.distributed.packing`), so a dry run cannot drift from what a real run starts.
 
 Pure: no Ray, no torch; the config objects are only read.
 """
@@ -13,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
-from rlhf.config.schema import ConfigError
+from rlhf.config.rl_schema import ColocateConfig, RLRunConfig
+from rlhf.config.schema import ConfigError, RunConfig, StrategyConfig
 
 ROLLOUT = "rollout"  # the vLLM engines' role name in plans and shared placement groups
 ENVIRONMENT = "environment"  # the multi-turn environment pool's actors (rlhf.envs.EnvironmentPool)
@@ -28,7 +27,7 @@ class Devices:
     backend: str  # gloo | nccl
 
 
-def resolve_devices(strategy, cluster_gpus: float) -> Devices:
+def resolve_devices(strategy: StrategyConfig, cluster_gpus: float) -> Devices:
     """``strategy.gpus_per_worker`` / ``precision`` / ``backend`` with ``auto`` (-1) resolved for a cluster.
 
     The driver may have no GPU, so ``auto`` follows the cluster: one GPU per rank and bf16 + NCCL when the cluster
@@ -172,11 +171,12 @@ class _Builder:
         return ResourcePlan(requests=tuple(self.requests), actors=tuple(self.actors))
 
 
-def offline_plan(cfg, gpus_per_worker: float, policy_role: str = "policy", reference_ranks: int = 0) -> ResourcePlan:
+def offline_plan(cfg: RunConfig, gpus_per_worker: float, policy_role: str = "policy",
+                 reference_ranks: int = 0) -> ResourcePlan:
     """SFT, reward model and DPO: the trained model's group, then (DPO) the reference's.
 
-    The DPO reference group is started once the policy is built (``rlhf.trainers.dpo.attach_reference``), so
-    both hold their resources at once, even with ``dpo.ref_mode=precompute`` (which releases it before training).
+    Both groups hold their resources at once, even with ``dpo.ref_mode=precompute``, whose reference group is
+    released after scoring, before the first step (``rlhf.trainers.dpo.attach_reference``).
 
     Args:
         cfg: An SFT / reward-model / DPO run config.
@@ -192,19 +192,21 @@ def offline_plan(cfg, gpus_per_worker: float, policy_role: str = "policy", refer
     return b.build()
 
 
-def policy_side_roles(colocate) -> Tuple[str, ...]:
+def policy_side_roles(colocate: ColocateConfig) -> Tuple[str, ...]:
     """The roles sharing the policy's bundles: ``policy`` plus a colocated reference and hybrid-engine engines."""
     return (("policy",) + (("reference",) if colocate.policy_reference else ())
             + ((ROLLOUT,) if colocate.hybrid_engine else ()))
 
 
-def rl_plan(cfg, gpus_per_worker: float) -> ResourcePlan:
-    """Online RL, in ``rl_runner._start_actors``' order: policy side, engines, reference, critic side, environment
-    actors (multi-turn).
+def rl_plan(cfg: RLRunConfig, gpus_per_worker: float, reference: bool) -> ResourcePlan:
+    """Online RL: policy side, engines, reference, critic side, environment actors (multi-turn).
 
     Args:
         cfg: An :class:`~rlhf.config.rl_schema.RLRunConfig`.
         gpus_per_worker: Resolved GPUs per trainer rank (:func:`resolve_devices`); CPU counts do not depend on it.
+        reference: Whether a frozen reference group is started (the trainer's descriptor says:
+            ``rlhf.trainers.kinds``; not with a KL-free algorithm, nor under LoRA, where the policy's workers score
+            the reference with the adapters off).
     """
     t, r, c = cfg.train, cfg.rollout, cfg.colocate
     b = _Builder(cfg.strategy.cpus_per_worker, gpus_per_worker)
@@ -214,7 +216,7 @@ def rl_plan(cfg, gpus_per_worker: float) -> ResourcePlan:
         b.on(policy_side, ROLLOUT, r.num_engines)
     else:
         b.own(ROLLOUT, r.num_engines, r.cpus_per_engine, engine_gpus(r.tensor_parallel_size, gpus_per_worker))
-    if cfg.algo.kl_coef > 0 and not cfg.model.reference_is_base:  # LoRA: the policy's workers score the reference
+    if reference:
         b.on(policy_side if c.policy_reference else b.group(("reference",), t.num_workers), "reference",
              t.num_workers)
     critic_side = b.group(("critic", "reward_model"), cfg.critic.num_workers) if c.critic_reward else None
@@ -229,7 +231,7 @@ def rl_plan(cfg, gpus_per_worker: float) -> ResourcePlan:
     return b.build()
 
 
-def engine_sleep(colocate, gpus_per_engine: float) -> bool:
+def engine_sleep(colocate: ColocateConfig, gpus_per_engine: float) -> bool:
     """Whether the engines use vLLM sleep mode (``colocate.engine_sleep``): CUDA-only, so ``on`` without GPU engines
     is refused; ``auto`` turns it on for the hybrid engine on GPUs."""
     c = colocate

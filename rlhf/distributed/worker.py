@@ -66,6 +66,10 @@ class TrainerWorker:
         self.spec: Optional[ModelSpec] = None
         self.lora: Optional[LoraSpec] = None  # the adapters this trainable rank trains (model.lora.*)
 
+    def __repr__(self) -> str:
+        # Ray prefixes the output it forwards from this actor with its repr: "(policy rank 0 pid=..., ip=...)"
+        return f"{self.role} rank {self.rank}"
+
     # ------------------------------------------------------------------ set-up
     def rendezvous_address(self) -> Tuple[str, int]:
         """This node's IP and a free port, for rank 0 to host the process group."""

@@ -44,14 +44,18 @@ class _EnvActor:
     stuck thread cannot be stopped).
     """
 
-    def __init__(self, spec: str, load_spec: str, step_timeout_s: float) -> None:
-        self.spec, self.step_timeout_s = spec, step_timeout_s
+    def __init__(self, spec: str, load_spec: str, step_timeout_s: float, index: int = 0) -> None:
+        self.spec, self.step_timeout_s, self.index = spec, step_timeout_s, index
         self.episodes: Dict[int, LocalEpisode] = {}
         self.load_error: Optional[EnvError] = None
         try:
             self.cls: Any = load_environment(load_spec)
         except EnvError as e:
             self.cls, self.load_error = None, e
+
+    def __repr__(self) -> str:
+        # Ray prefixes the output it forwards from this actor with its repr: "(env actor 0 pid=..., ip=...)"
+        return f"env actor {self.index}"
 
     def ready(self) -> Optional[EnvError]:
         return self.load_error
@@ -158,7 +162,7 @@ class EnvironmentPool:
         self._lost: Dict[int, str] = {}  # episode -> why it was lost (its actor was replaced)
         try:
             for i in range(num_actors):
-                self._actors[i] = self._start_actor()
+                self._actors[i] = self._start_actor(i)
             self._check_ready(list(range(num_actors)))
         except BaseException:
             self.shutdown()
@@ -166,8 +170,8 @@ class EnvironmentPool:
 
     # ------------------------------------------------------------------------------------------------ actors
 
-    def _start_actor(self) -> Any:
-        return self._remote.remote(self.spec, self._load_spec, self.step_timeout_s)
+    def _start_actor(self, index: int) -> Any:
+        return self._remote.remote(self.spec, self._load_spec, self.step_timeout_s, index)
 
     def _check_ready(self, indices: List[int]) -> None:
         import ray  # lazy: keeps `import rlhf.envs` light
@@ -195,7 +199,7 @@ class EnvironmentPool:
         for episode in [e for e in self._turns if e % self.num_actors == index]:
             del self._turns[episode]
             self._lost[episode] = reason
-        self._actors[index] = self._start_actor()
+        self._actors[index] = self._start_actor(index)
         self._check_ready([index])
 
     def _call(self, method: str, items: Sequence[Tuple[int, Any]], what: str, errors: str = "raise") -> List[Any]:

@@ -80,7 +80,8 @@ class RolloutEngines:
             check_room(num_engines, cpus_per_engine, gpus_per_engine, spec.tensor_parallel_size)
             options = [{"num_cpus": cpus_per_engine, "num_gpus": gpus_per_engine}] * num_engines
         # Any: Ray's stubs cannot type an actor handle's remote methods (each is an ActorMethod found at run time)
-        self.handles: List[Any] = [actor.options(**opts, runtime_env=runtime_env).remote(spec) for opts in options]
+        self.handles: List[Any] = [actor.options(**opts, runtime_env=runtime_env).remote(spec, e)
+                                   for e, opts in enumerate(options)]
         self._gather([h.ready.remote() for h in self.handles], "start-up")
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSpec) -> List[Generation]:

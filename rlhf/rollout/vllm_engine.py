@@ -82,8 +82,12 @@ def _settle_cpu_process() -> None:
 
 
 class VLLMEngine:
-    def __init__(self, spec: VLLMSpec) -> None:
+    """One vLLM engine (a Ray actor); ``index``: its place among the run's engines, named in its output's prefix."""
+
+    def __init__(self, spec: VLLMSpec, index: int = 0) -> None:
         import torch
+
+        self.index = index  # first: __repr__ needs it, and Ray calls it once __init__ returns
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
         if not torch.cuda.is_available():
@@ -93,6 +97,10 @@ class VLLMEngine:
         self.spec = spec
         # the model: this node's snapshot of the pinned commit, as every trainer loads
         self.llm = LLM(model=model_dir(spec.model_path), **llm_options(spec, cuda=torch.cuda.is_available()))
+
+    def __repr__(self) -> str:
+        # Ray prefixes the output it forwards from this actor with its repr: "(vllm engine 0 pid=..., ip=...)"
+        return f"vllm engine {self.index}"
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSpec) -> List[Generation]:
         """Request ``i`` is sampled with ``sampling.seed + i``. On CPU the requests go to vLLM in groups whose

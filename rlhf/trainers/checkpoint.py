@@ -22,6 +22,9 @@ import shutil
 from typing import Dict, List, Mapping, Optional, Protocol, Tuple
 
 from rlhf.config.schema import ConfigError
+from rlhf.utils.log import get_logger
+
+log = get_logger(__name__)
 
 _NAME = re.compile(r"^step_(\d{6,})$")
 DRIVER_FILE = "driver.json"
@@ -128,8 +131,7 @@ class RunCheckpoints:
             return 0
         found = self.store.latest()
         if found is None:
-            print(f"[{self.name}] train.resume: no checkpoint under {self.store.root}; starting from step 1",
-                  flush=True)
+            log.info(f"[{self.name}] train.resume: no checkpoint under {self.store.root}; starting from step 1")
             return 0
         path, state = found
         saved = state.get("identity", {})
@@ -153,7 +155,7 @@ class RunCheckpoints:
         path, done = self._resume_from
         load_groups(path, groups)
         self.started_after = done
-        print(f"[{self.name}] resumed from {path} (step {done})", flush=True)
+        log.info(f"[{self.name}] resumed from {path} (step {done})")
         return done
 
     def save_start(self, groups: Mapping[str, Checkpointable]) -> None:
@@ -177,9 +179,9 @@ class RunCheckpoints:
         stop = bool(t.stop_after_steps) and step - self.started_after >= t.stop_after_steps and step < total_steps
         if stop or (t.save_every and step % t.save_every == 0):
             path = self.store.save(step, groups, {"identity": self.identity})
-            print(f"[{self.name}] checkpoint {path}", flush=True)
+            log.info(f"[{self.name}] checkpoint {path}")
         if stop:
             self.stopped_early = True
-            print(f"[{self.name}] stopped after step {step} (train.stop_after_steps); continue with "
-                  f"train.resume=true", flush=True)
+            log.info(f"[{self.name}] stopped after step {step} (train.stop_after_steps); continue with "
+                     f"train.resume=true")
         return stop

@@ -6,7 +6,7 @@ global batch (``online``, for datasets too large to score up front). Both give t
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -15,12 +15,14 @@ from rlhf.config.schema import DPORunConfig
 from rlhf.data.formats import pair_fields, read_formatted
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.distributed.group import WorkerGroup
-from rlhf.models.loading import CAUSAL_LM
 from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.base import ScoreFn
 from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
 from rlhf.trainers.offline import OfflineTask, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunContext, RunResult
+from rlhf.utils.log import get_logger
+
+log = get_logger(__name__)
 
 REF_BATCH_SIZE = 16  # pairs per reference forward when precomputing
 
@@ -56,22 +58,23 @@ def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
                        num_examples=len(train.examples), collate=data.collate,
                        eval_num_examples=len(held_out.examples), eval_collate=held_out.collate,
                        console_keys=("loss", "rewards/accuracy", "rewards/margin", "grad_norm", "lr"),
-                       attach=lambda task_, ctx, policy: attach_reference(task_, ctx, policy, [data, held_out]))
+                       attach=lambda task_, ctx, policy, reference: attach_reference(task_, ctx, policy, reference,
+                                                                                  [data, held_out]))
     return task, train.skipped_rows
 
 
-def attach_reference(task: OfflineTask, ctx: RunContext, policy: WorkerGroup, datasets: List[_PairData]) -> None:
-    """Score the reference: on a group of its own (``model.ref_path``, else the initial policy), or with LoRA on
-    the policy's frozen base, the policy's workers with the adapters off. Every pair's log-probs are precomputed
-    now (train and held-out data; a group of its own is released after), or each step's global batch is scored."""
+def attach_reference(task: OfflineTask, ctx: RunContext, policy: WorkerGroup, reference: Optional[WorkerGroup],
+                     datasets: List[_PairData]) -> None:
+    """Score the reference: its group of the plan (``model.ref_path``, else the initial policy), or without one
+    (LoRA) the policy's frozen base, the policy's workers with the adapters off. Every pair's log-probs are
+    precomputed now (train and held-out data; the reference group is released after), or each step's global batch
+    is scored."""
     cfg: DPORunConfig = ctx.cfg
     fn: ScoreFn  # on the base: OnBaseModel(ReferenceLogps()); on a group of its own: ReferenceLogps()
-    if cfg.model.reference_is_base:
+    if reference is None:
         scorer, fn = policy, OnBaseModel(ReferenceLogps())
     else:
-        scorer, fn = ctx.make_group("reference", cfg.dpo.ref_num_workers), ReferenceLogps()
-        scorer.build(ctx.model_spec(cfg.model.ref_path or cfg.model.path, CAUSAL_LM),
-                     ctx.engine_spec(cfg.dpo.ref_num_workers, trainable=False), optim=None)
+        scorer, fn = reference, ReferenceLogps()
     if cfg.dpo.ref_mode == "online":
         task.prepare = lambda batch: batch.replace(ref_logps=scorer.score_batch(batch, fn))
         return
@@ -79,12 +82,11 @@ def attach_reference(task: OfflineTask, ctx: RunContext, policy: WorkerGroup, da
         data.ref_logps = precompute_reference(scorer, data, fn)
     pairs = sum(len(d.examples) for d in datasets)
     if scorer is policy:
-        print(f"[dpo] reference log-probs precomputed for {pairs} pairs on the policy's frozen base (LoRA)",
-              flush=True)
+        log.info(f"[dpo] reference log-probs precomputed for {pairs} pairs on the policy's frozen base (LoRA)")
         return
     scorer.shutdown()
     ctx.groups.remove(scorer)
-    print(f"[dpo] reference log-probs precomputed for {pairs} pairs; reference workers released", flush=True)
+    log.info(f"[dpo] reference log-probs precomputed for {pairs} pairs; reference workers released")
 
 
 def precompute_reference(ref: WorkerGroup, data: _PairData, fn: ScoreFn) -> torch.Tensor:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Tuple, Type
 
 from rlhf.config.rl_schema import RLRunConfig
-from rlhf.config.schema import DPORunConfig, RewardModelRunConfig, SFTRunConfig
+from rlhf.config.schema import DPORunConfig, RewardModelRunConfig, RunConfig, SFTRunConfig
 from rlhf.distributed.resource_plan import ResourcePlan, offline_plan, rl_plan
 from rlhf.hub import RUN_MODEL_KEYS
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
@@ -27,7 +27,7 @@ class TrainerKind:
 
     name: str  # sft | rm | dpo | ppo: the registry name, the audit's --trainer
     run_name: str  # sft | rm | dpo | rl: the prefix of the run's log lines and of a new output directory
-    config_cls: type  # its run config
+    config_cls: Type[RunConfig]  # its run config
     train_path: str  # "module:function" (cfg -> RunResult), imported when called: the trainers import this module
     policy_role: str  # the role of the model it trains
     policy_kind: str  # CAUSAL_LM, or SCALAR_HEAD for a reward model
@@ -45,23 +45,32 @@ class TrainerKind:
         """The libraries a run checks on the driver and on every node (``rlhf.utils.versions``)."""
         return TRAINING_PACKAGES + (("vllm",) if self.online else ())
 
-    def train(self, cfg):
+    def train(self, cfg: RunConfig):
         module, function = self.train_path.split(":")
         return getattr(importlib.import_module(module), function)(cfg)
 
-    def plan(self, cfg, gpus_per_worker: float) -> ResourcePlan:
-        """What a run of ``cfg`` asks the cluster for, in the order its runner starts it."""
-        if self.online:
-            return rl_plan(cfg, gpus_per_worker)
-        # LoRA: the policy's workers score the reference (the adapters off); no group of its own
-        own_reference = self.has_reference(cfg) and not cfg.model.reference_is_base
-        return offline_plan(cfg, gpus_per_worker, self.policy_role, self.reference_ranks(cfg) if own_reference else 0)
+    def plan(self, cfg: RunConfig, gpus_per_worker: float) -> ResourcePlan:
+        """What a run of ``cfg`` asks the cluster for, and the actors its runner starts, in order
+        (:func:`rlhf.trainers.actors.start_plan`)."""
+        if self.online and isinstance(cfg, RLRunConfig):  # online: always an RLRunConfig (narrows the type)
+            return rl_plan(cfg, gpus_per_worker, reference=self.reference_group(cfg))
+        reference_ranks = self.reference_ranks(cfg) if self.reference_group(cfg) else 0
+        return offline_plan(cfg, gpus_per_worker, self.policy_role, reference_ranks)
 
-    def trained_models(self, cfg) -> List[Tuple[str, str]]:
+    def reference_group(self, cfg: RunConfig) -> bool:
+        """Whether a run of ``cfg`` starts a frozen reference group of its own."""
+        return self.has_reference(cfg) and not cfg.model.reference_is_base
+
+    def reference_on_policy(self, cfg: RunConfig) -> bool:
+        """Whether the reference is the policy's own frozen base (LoRA with the adapters off): the policy's workers
+        score it, and no reference group is started."""
+        return self.has_reference(cfg) and cfg.model.reference_is_base
+
+    def trained_models(self, cfg: RunConfig) -> List[Tuple[str, str]]:
         """``(path, kind)`` of every model a run of ``cfg`` trains, and so wraps with LoRA when ``model.lora`` is on:
         the policy (a reward model for ``rm``) and, in online RL, the critic when the algorithm has one."""
         models = [(cfg.model.path, self.policy_kind)]
-        if self.online and cfg.algo.needs_critic:
+        if self.online and isinstance(cfg, RLRunConfig) and cfg.algo.needs_critic:
             models.append((cfg.critic.path or cfg.model.path, SCALAR_HEAD))
         return models
 
@@ -94,7 +103,7 @@ def kinds() -> List[TrainerKind]:
     return list(_KINDS)
 
 
-def kind_of(cfg) -> TrainerKind:
+def kind_of(cfg: RunConfig) -> TrainerKind:
     """The descriptor of a run config, by its class."""
     for kind in kinds():
         if type(cfg) is kind.config_cls:

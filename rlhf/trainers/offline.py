@@ -10,14 +10,12 @@ actor starts. ``final/`` appears only when the run finished: it is written to a 
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from rlhf.batch import Batch
-from rlhf.config.deepspeed_check import check_user_config
-from rlhf.config.schema import ConfigError
+from rlhf.config.schema import RunConfig, TrainConfig
 from rlhf.data.formats import located
 from rlhf.data.io import DataError
 from rlhf.data.plan import EpochPlan, StepPlan
@@ -25,14 +23,20 @@ from rlhf.data.tokenize import Tokenized, example_lengths
 from rlhf.data.vocab import check_tokenizer, config_vocab_size
 from rlhf.distributed.group import WorkerGroup
 from rlhf.distributed.micro_batches import micro_batch_tokens
-from rlhf.hub import DATASET, MODEL, is_hub_ref, model_dir, pin_run_sources
+from rlhf.hub import model_dir, pin_run_sources
 from rlhf.objectives.base import Objective, Totals
+from rlhf.models.loading import CAUSAL_LM
+from rlhf.trainers.actors import frozen_group, start_plan, trained_group
 from rlhf.trainers.kinds import kind_of
+from rlhf.trainers.preflight import preflight
 from rlhf.trainers.output_dir import claim_output_dir
-from rlhf.trainers.run import (Run, RunContext, RunResult, check_lora_targets, optim_spec,
+from rlhf.trainers.run import (Run, RunContext, RunResult, optim_spec,
                                run_identity, with_restarts)
 from rlhf.utils.metrics import Progress, format_row
+from rlhf.utils.log import get_logger
 from rlhf.utils.versions import check_versions
+
+log = get_logger(__name__)
 
 Collate = Callable[[Sequence[int]], Batch]
 
@@ -50,32 +54,12 @@ class OfflineTask:
     # Held-out data (data.eval_path): number of examples and their collate.
     eval_num_examples: int = 0
     eval_collate: Optional[Collate] = None
-    # Optional hook run once Ray is up, before the first step (DPO starts its reference model here).
-    attach: Optional[Callable[["OfflineTask", "RunContext", WorkerGroup], None]] = None
+    # Optional hook run once the plan's groups are up, before the first step, given the policy and the frozen
+    # reference group (None without one); DPO scores its reference log-probs here.
+    attach: Optional[Callable[["OfflineTask", "RunContext", WorkerGroup, Optional[WorkerGroup]], None]] = None
 
 
-def check_paths(cfg) -> None:
-    """Fail before Ray starts when a model or data path is wrong, naming the config key.
-
-    Hub references (``org/name@sha``) were resolved, and their repositories checked, by
-    :func:`rlhf.hub.pin_run_sources`; local paths are checked here.
-    """
-    models = (("model.path", cfg.model.path, True), ("model.ref_path", cfg.model.ref_path, True),
-              ("model.tokenizer_path", cfg.model.tokenizer_path, False))
-    for key, path, needs_config in models:
-        if not path or is_hub_ref(path, MODEL):
-            continue
-        if not os.path.isdir(path):
-            raise ConfigError(f"{key}: {path!r} is not a directory")
-        if needs_config and not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(f"{key}: {path!r} is not an HF model directory (no config.json)")
-    for key, path in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
-        if path and not is_hub_ref(path, DATASET) and not os.path.exists(path):
-            raise ConfigError(f"{key}: {path!r} does not exist")
-    check_user_config(cfg)  # precision-independent fields now; the rest once `auto` is resolved
-
-
-def read_train_and_eval(cfg, tokenizer, read: Callable) -> tuple:
+def read_train_and_eval(cfg: RunConfig, tokenizer, read: Callable) -> tuple:
     """``read(cfg, tokenizer, path, split) -> Tokenized`` for ``data.train_path`` and, when set, ``data.eval_path``;
     returns ``(train Tokenized, held-out examples)``. A row the chat template cannot render is reported with its
     source; a training set left without any example (every row's prompt fills ``data.max_length``) is refused."""
@@ -96,7 +80,7 @@ def read_train_and_eval(cfg, tokenizer, read: Callable) -> tuple:
     return train, held_out
 
 
-def _check_token_budget(train_cfg, key: str, path: str, data: Tokenized) -> None:
+def _check_token_budget(train_cfg: TrainConfig, key: str, path: str, data: Tokenized) -> None:
     """Refuse, before any actor starts, a row that no micro-batch of ``train.max_tokens_per_micro_batch`` can hold
     (naming the longest such row by its position in the file)."""
     budget = train_cfg.max_tokens_per_micro_batch
@@ -116,7 +100,7 @@ def _how_counted(packing: bool) -> str:
     return "the sum of its sequences' lengths, packed" if packing else "its sequences x the longest, padded"
 
 
-def load_tokenizer(cfg):
+def load_tokenizer(cfg: RunConfig):
     """The run's tokenizer (``model.tokenizer_path``, else ``model.path``), checked before anything starts."""
     from transformers import AutoTokenizer
 
@@ -182,7 +166,7 @@ class OfflineSteps:
                 + format_row(row, self.task.console_keys) + f" ({progress.eta()})")
 
 
-def describe_plan(name: str, plan: EpochPlan, train_cfg, skipped: int) -> str:
+def describe_plan(name: str, plan: EpochPlan, train_cfg: TrainConfig, skipped: int) -> str:
     dropped = plan.num_samples - plan.steps_per_epoch * plan.global_batch_size
     return (f"[{name}] {plan.num_samples} examples ({skipped} skipped: no token to train on within "
             f"data.max_length), "
@@ -194,31 +178,31 @@ def describe_plan(name: str, plan: EpochPlan, train_cfg, skipped: int) -> str:
 TaskBuilder = Callable[[Any, Any], tuple]
 
 
-def run_offline(cfg, build_task: TaskBuilder) -> RunResult:
+def run_offline(cfg: RunConfig, build_task: TaskBuilder) -> RunResult:
     """An offline task end to end; ``train.on_failure=restart`` restarts from checkpoints."""
     # hub ids -> org/name@<sha>: config.yaml and every actor get them
     cfg = pin_run_sources(claim_output_dir(cfg), kind_of(cfg).model_keys)
     return with_restarts(cfg, lambda c: _run_offline_once(c, build_task))
 
 
-def _run_offline_once(cfg, build_task: TaskBuilder) -> RunResult:
+def _run_offline_once(cfg: RunConfig, build_task: TaskBuilder) -> RunResult:
     kind = kind_of(cfg)
     check_versions(kind.packages)
-    check_paths(cfg)
+    preflight(cfg)
     tokenizer = load_tokenizer(cfg)
     task, skipped = build_task(cfg, tokenizer)
-    check_lora_targets(cfg, kind.trained_models(cfg))
     t = cfg.train
     plan = EpochPlan(num_samples=task.num_examples, global_batch_size=t.global_batch_size, max_epochs=t.max_epochs,
                      max_steps=t.max_steps, seed=t.seed)
-    print(describe_plan(kind.run_name, plan, t, len(skipped)), flush=True)
+    log.info(describe_plan(kind.run_name, plan, t, len(skipped)))
     run = Run(cfg, kind.run_name, plan, run_identity(cfg, plan))
     # CPUs do not depend on the GPUs per worker, which are known only once the cluster is joined.
     with run.cluster(needed_cpus=kind.plan(cfg, 0.0).needed_cpus) as ctx:
-        policy = ctx.make_group(kind.policy_role, t.num_workers)
-        policy.build(ctx.model_spec(cfg.model.path, kind.policy_kind),
-                     ctx.engine_spec(t.num_workers), optim_spec(t, plan.total_steps))
+        groups = start_plan(kind.plan(cfg, ctx.gpus_per_worker), ctx, {
+            kind.policy_role: trained_group(ctx, cfg.model.path, kind.policy_kind, optim_spec(t, plan.total_steps)),
+            "reference": frozen_group(ctx, cfg.model.ref_path or cfg.model.path, CAUSAL_LM)})
+        policy = groups[kind.policy_role]
         if task.attach is not None:
-            task.attach(task, ctx, policy)
+            task.attach(task, ctx, policy, groups.get("reference"))
         last = run.train(OfflineSteps(kind.run_name, task, policy), trained={"policy": policy})
         return run.finish(policy, tokenizer, last)

@@ -29,11 +29,13 @@ import time
 from typing import List, Optional
 
 from rlhf.config.loader import is_saved_config, save_config
-from rlhf.config.schema import ConfigError
+from rlhf.config.schema import ConfigError, RunConfig, RunConfigT
 from rlhf.trainers.checkpoint import CHECKPOINT_DIR, Checkpoints
 from rlhf.trainers.kinds import kind_of
+from rlhf.utils.log import get_logger
 from rlhf.utils.metrics import EVAL_FILE, METRICS_FILE, TENSORBOARD_DIR
 
+log = get_logger(__name__)
 OUTPUTS_ROOT = "outputs"
 CONFIG_FILE = "config.yaml"  # save_config, here
 FINAL_DIR = "final"  # rlhf.trainers.run.save_final
@@ -50,7 +52,7 @@ RUN_ARTIFACTS = (
 # Drawn from a run's metrics afterwards (rlhf.cli.report, the demo): deleted with the run, not a run by themselves.
 DERIVED_ARTIFACTS = ("report.png", "rl_curves.png")
 
-def trainer_name(cfg) -> str:
+def trainer_name(cfg: RunConfig) -> str:
     """``sft``, ``rm``, ``dpo`` or ``rl``: the prefix of the run's log lines and of a new output directory."""
     return kind_of(cfg).run_name
 
@@ -100,7 +102,7 @@ def clear_run(directory: str) -> List[str]:
     return removed
 
 
-def claim_output_dir(cfg):
+def claim_output_dir(cfg: RunConfigT) -> RunConfigT:
     """Once per invocation, before any data is read or actor started: the directory the run will write.
 
     Returns ``cfg`` itself, or a copy with ``train.output_dir`` set to a new directory when it was empty. Prints
@@ -113,13 +115,13 @@ def claim_output_dir(cfg):
     t, name = cfg.train, trainer_name(cfg)
     if not t.output_dir:
         path = new_output_dir(name)
-        print(f"[{name}] output directory: {path} (new: train.output_dir is not set)", flush=True)
+        log.info(f"[{name}] output directory: {path} (new: train.output_dir is not set)")
         return dataclasses.replace(cfg, train=dataclasses.replace(t, output_dir=path))
-    print(f"[{name}] output directory: {t.output_dir}{_ANNOUNCE[_planned(t)]}", flush=True)
+    log.info(f"[{name}] output directory: {t.output_dir}{_ANNOUNCE[_planned(t)]}")
     return cfg
 
 
-def output_dir_status(cfg) -> str:
+def output_dir_status(cfg: RunConfig) -> str:
     """What a run of ``cfg`` would do with ``train.output_dir`` (for ``--dry-run``); nothing is printed or written.
 
     Raises:
@@ -135,7 +137,7 @@ def output_dir_status(cfg) -> str:
             "start over": "holds an unfinished run without a checkpoint: started over (train.resume=true)"}[action]
 
 
-def prepare_output_dir(cfg, checkpoints) -> None:
+def prepare_output_dir(cfg: RunConfig, checkpoints) -> None:
     """Right before a run's first write, after ``checkpoints.prepare()``: delete an old run being overwritten (or
     an unfinished one that starts over), create the directory, and write the resolved ``config.yaml``.
 
@@ -157,8 +159,8 @@ def prepare_output_dir(cfg, checkpoints) -> None:
     if action in ("overwrite", "start over"):
         listing = _listing(run_artifacts(t.output_dir, derived=True), t.output_dir)
         clear_run(t.output_dir)
-        print(f"[{checkpoints.name}] deleted the previous run in {t.output_dir}: {listing} "
-              f"({'train.overwrite' if action == 'overwrite' else 'train.resume, no checkpoint'})", flush=True)
+        log.info(f"[{checkpoints.name}] deleted the previous run in {t.output_dir}: {listing} "
+                 f"({'train.overwrite' if action == 'overwrite' else 'train.resume, no checkpoint'})")
     os.makedirs(t.output_dir, exist_ok=True)
     spent = dataclasses.replace(cfg, train=dataclasses.replace(t, overwrite=False))
     save_config(spent, os.path.join(t.output_dir, CONFIG_FILE))

@@ -27,6 +27,9 @@ from rlhf.rollout.multi_turn import RolloutStats
 from rlhf.rollout.observations import ChatObservations, TextObservations
 from rlhf.rollout.vllm_engine import SamplingSpec
 from rlhf.trainers.rl_experience import PromptSet
+from rlhf.utils.log import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -96,9 +99,8 @@ class EpisodeRollout:
             raise EpisodeError(f"{_where(step)}: {e}") from e
         failed = [r for r in records if r.error]
         if failed:  # the run goes on without them (env.on_error=drop); say what happened, once per step
-            print(f"[rl] {_where(step)}: {len(failed)} of {len(records)} "
-                  f"episodes ended by an environment error (env.on_error=drop), the first: {failed[0].error}",
-                  flush=True)
+            log.info(f"[rl] {_where(step)}: {len(failed)} of {len(records)} "
+                     f"episodes ended by an environment error (env.on_error=drop), the first: {failed[0].error}")
         batch = episodes_batch([r.episode for r in records], self.tokenizer.pad_token_id)
         return Rollout(batch, prompt_index, responses=[decode(_last_response(r)) for r in records],
                        columns={"transcript": [decode(r.episode.token_ids[len(r.episode.prompt_ids):])

@@ -6,20 +6,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Dict, Optional, Union
+from typing import Any, Dict, Optional
 
 from rlhf.config.rl_schema import HYBRID_BROADCAST_ON_GPUS, RLRunConfig
 from rlhf.distributed.cluster import actor_env
 from rlhf.distributed.errors import WorkerError, WorkerTimeout
-from rlhf.distributed.group import WorkerGroup
-from rlhf.distributed.resource_plan import engine_gpus, engine_sleep, policy_side_roles, rl_plan
-from rlhf.envs import EnvError, EnvironmentPool, load_environment
+from rlhf.distributed.placement import Placement
+from rlhf.distributed.resource_plan import ENVIRONMENT, ROLLOUT, ActorPlan, engine_gpus, engine_sleep
+from rlhf.envs import EnvironmentPool
 from rlhf.config.schema import ConfigError
 from rlhf.data.formats import located, prompt_fields, read_formatted
 from rlhf.data.io import DataError
 from rlhf.data.plan import EpochPlan
-from rlhf.hub import is_hub_ref, model_dir, pin_run_sources
-from rlhf.models.checks import check_scalar_head
+from rlhf.hub import pin_run_sources
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
 from rlhf.objectives.actor_critic import PolicyObjective, ValueObjective
 from rlhf.ops.policy_loss import PolicyLossConfig
@@ -29,15 +28,20 @@ from rlhf.rollout.engines import RolloutEngines
 from rlhf.rollout.sync_group import SyncTimeouts
 from rlhf.rollout.vllm_engine import VLLMSpec
 from rlhf.rollout.weight_sync import resolve_weight_sync
+from rlhf.trainers.actors import RoleStarter, frozen_group, start_plan, trained_group
 from rlhf.trainers.kinds import kind_of
-from rlhf.trainers.offline import check_paths, load_tokenizer
+from rlhf.trainers.offline import load_tokenizer
+from rlhf.trainers.preflight import preflight
 from rlhf.trainers.output_dir import claim_output_dir
 from rlhf.trainers.rl_steps import RLActors, RLTrainer
 from rlhf.trainers.rl_experience import PromptSet, prepare_prompts
 from rlhf.trainers.rl_rollout import EpisodeRollout, observation_format
-from rlhf.trainers.run import (Run, RunContext, RunResult, check_lora_targets, optim_spec,
+from rlhf.trainers.run import (Run, RunContext, RunResult, optim_spec,
                                run_identity, with_restarts)
+from rlhf.utils.log import get_logger
 from rlhf.utils.versions import check_versions
+
+log = get_logger(__name__)
 
 
 def _objectives(cfg: RLRunConfig):
@@ -55,31 +59,21 @@ def _objectives(cfg: RLRunConfig):
     return policy, value
 
 
-def _check_rl_paths(cfg: RLRunConfig) -> None:
-    check_paths(cfg)
-    for key, path in (("reward.model_path", cfg.reward.model_path), ("critic.path", cfg.critic.path)):
-        # a hub reference's repository was checked when it was pinned (rlhf.hub.pin_run_sources)
-        if path and not is_hub_ref(path) and not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(f"{key}: {path!r} is not an HF model directory (no config.json)")
-    if cfg.critic_batch_problem():
-        raise ConfigError(cfg.critic_batch_problem())
-    check_lora_targets(cfg, kind_of(cfg).trained_models(cfg))
-
-
-def _start_engines(cfg: RLRunConfig, ctx, placement):
+def _start_engines(cfg: RLRunConfig, ctx: RunContext, engines: ActorPlan,
+                   placement: Optional[Placement]) -> RolloutEngines:
+    """The plan's vLLM engines: on the policy's bundles (hybrid engine) or with resources of their own."""
     r = cfg.rollout
-    gpus = engine_gpus(r.tensor_parallel_size, ctx.gpus_per_worker)  # what the plan and --dry-run count
-    sleep = engine_sleep(cfg.colocate, gpus)
+    sleep = engine_sleep(cfg.colocate, engine_gpus(r.tensor_parallel_size, ctx.gpus_per_worker))
     # vLLM runs no float64: an fp64 run's engines sample in float32 (the weight sync casts, rlhf.rollout.senders)
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float32"}[ctx.precision]
     spec = VLLMSpec(model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size, seed=cfg.train.seed,
-                      max_model_len=_engine_context(cfg), dtype=dtype,
-                      gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib,
-                      enable_sleep_mode=sleep)
-    engines = RolloutEngines(spec, r.num_engines, cpus_per_engine=r.cpus_per_engine, gpus_per_engine=gpus,
-                             env_vars=actor_env(gpus), placement=placement, sleep=sleep)
-    ctx.groups.append(engines)  # shut down with the worker groups, before the placement groups go
-    return engines
+                    max_model_len=_engine_context(cfg), dtype=dtype,
+                    gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib,
+                    enable_sleep_mode=sleep)
+    started = RolloutEngines(spec, engines.count, cpus_per_engine=engines.cpus, gpus_per_engine=engines.gpus,
+                             env_vars=actor_env(engines.gpus), placement=placement, sleep=sleep)
+    ctx.groups.append(started)  # shut down with the worker groups, before the placement groups go
+    return started
 
 
 def _engine_context(cfg: RLRunConfig) -> int:
@@ -89,24 +83,26 @@ def _engine_context(cfg: RLRunConfig) -> int:
     return cfg.max_sequence_length + (r.max_new_tokens if cfg.multi_turn else 0)
 
 
-def _start_environments(cfg: RLRunConfig, ctx, prompts: PromptSet, tokenizer) -> EpisodeRollout:
-    """The environment pool (``env.*``) and the multi-turn rollout around it; shut down with the worker groups."""
-    e, r = cfg.env, cfg.rollout
-    pool = EnvironmentPool(e.spec, e.num_actors, cpus_per_actor=e.cpus_per_actor, step_timeout_s=e.step_timeout_s)
+def _start_environment_pool(cfg: RLRunConfig, ctx: RunContext, actors: ActorPlan) -> EnvironmentPool:
+    """The plan's environment actors (``env.*``, multi-turn); shut down with the worker groups."""
+    pool = EnvironmentPool(cfg.env.spec, actors.count, cpus_per_actor=actors.cpus,
+                           step_timeout_s=cfg.env.step_timeout_s)
     ctx.groups.append(pool)
+    return pool
+
+
+def _episode_rollout(cfg: RLRunConfig, pool: EnvironmentPool, prompts: PromptSet, tokenizer) -> EpisodeRollout:
+    """Multi-turn rollouts of the environment pool's episodes."""
+    r = cfg.rollout
     return EpisodeRollout(pool, tokenizer, observation_format(r.observation_format, prompts.chat is not None),
                           r.observation_role, TurnLimits(r.max_turns, r.max_episode_tokens), r.on_prefix_mismatch,
-                          on_error=e.on_error)
+                          on_error=cfg.env.on_error)
 
 
 def _check_episodes(cfg: RLRunConfig, *prompt_sets: Optional[PromptSet]) -> None:
-    """What a multi-turn run needs, checked before any actor starts: the environment class loads here, and each
-    prompt set (training, held-out) can take its observations (chat format: conversational prompts whose template
-    renders observation turns, rlhf.rollout.observations)."""
-    try:
-        load_environment(cfg.env.spec)
-    except EnvError as e:
-        raise ConfigError(f"env.spec: {e}") from None
+    """What a multi-turn run needs of its prompts, checked before any actor starts (the environment class loaded in
+    the preflight): each prompt set (training, held-out) can take its observations (chat format: conversational
+    prompts whose template renders observation turns, rlhf.rollout.observations)."""
     r = cfg.rollout
     for prompts in filter(None, prompt_sets):
         if observation_format(r.observation_format, prompts.chat is not None) == "chat":
@@ -138,12 +134,12 @@ def _connect_weight_sync(cfg: RLRunConfig, ctx, actors: RLActors) -> None:
         if r.weight_sync != "auto" or method == "object_store":
             raise ConfigError(f"rollout.weight_sync={r.weight_sync}: cannot set up the {method} transport: "
                               f"{exc}") from exc
-        print(f"[rl] weight sync: a {method} group could not be formed ({exc}); using the object store "
-              f"(rollout.weight_sync=auto)", flush=True)
+        log.info(f"[rl] weight sync: a {method} group could not be formed ({exc}); using the object store "
+              f"(rollout.weight_sync=auto)")
         method = "object_store"
         actors.engines.connect_weight_sync(actors.policy, method, bucket_bytes, backend, timeouts)
-    print(f"[rl] weight sync: {method} in {r.weight_sync_bucket_mb} MB buckets"
-          + (f" ({backend})" if method == "broadcast" else ""), flush=True)
+    log.info(f"[rl] weight sync: {method} in {r.weight_sync_bucket_mb} MB buckets"
+          + (f" ({backend})" if method == "broadcast" else ""))
 
 
 def _actor_died(exc: BaseException) -> bool:
@@ -152,53 +148,31 @@ def _actor_died(exc: BaseException) -> bool:
     return isinstance(exc.__cause__, ray.exceptions.RayActorError)
 
 
-def _policy_side_roles(cfg: RLRunConfig) -> list:
-    """The roles sharing the policy's bundles: ``["policy"]`` plus colocated reference / engines."""
-    return list(policy_side_roles(cfg.colocate))
+def _start_actors(cfg: RLRunConfig, ctx: RunContext, total_optimizer_steps: int) -> Dict[str, Any]:
+    """Every role of the run's plan (``--dry-run`` prints it), in its order; ``{role: started group}``."""
+    m = cfg.model
+    optim = optim_spec(cfg.train, total_optimizer_steps)
+    starters: Dict[str, RoleStarter] = {
+        "policy": trained_group(ctx, m.path, CAUSAL_LM, optim),
+        ROLLOUT: lambda engines, placement: _start_engines(cfg, ctx, engines, placement),
+        "reference": frozen_group(ctx, m.ref_path or m.path, CAUSAL_LM),
+        "critic": trained_group(ctx, cfg.critic.path or m.path, SCALAR_HEAD,
+                                dataclasses.replace(optim, lr=cfg.critic.lr)),
+        "reward_model": frozen_group(ctx, cfg.reward.model_path, SCALAR_HEAD),
+        ENVIRONMENT: lambda pool, _: _start_environment_pool(cfg, ctx, pool),
+    }
+    return start_plan(kind_of(cfg).plan(cfg, ctx.gpus_per_worker), ctx, starters)
 
 
-def _start_actors(cfg: RLRunConfig, ctx: RunContext, total_optimizer_steps: int) -> RLActors:
-    t, c = cfg.train, cfg.colocate
-    roles = _policy_side_roles(cfg)
-    shared = ctx.shared_placement(roles, t.num_workers) if len(roles) > 1 else None
-    policy = ctx.make_group("policy", t.num_workers, placement=shared)
-    policy.build(ctx.model_spec(cfg.model.path, CAUSAL_LM), ctx.engine_spec(t.num_workers),
-                 optim_spec(t, total_optimizer_steps))
-    actors = RLActors(policy=policy, engines=_start_engines(cfg, ctx, shared if c.hybrid_engine else None))
-    _connect_weight_sync(cfg, ctx, actors)
-    actors.reference_is_base = cfg.algo.kl_coef > 0 and cfg.model.reference_is_base
-    if cfg.algo.kl_coef > 0 and not actors.reference_is_base:
-        actors.reference = ctx.make_group("reference", t.num_workers,
-                                          placement=shared if c.policy_reference else None)
-        actors.reference.build(ctx.model_spec(cfg.model.ref_path or cfg.model.path, CAUSAL_LM),
-                               ctx.engine_spec(t.num_workers, trainable=False), None)
-    critic_side = (ctx.shared_placement(["critic", "reward_model"], cfg.critic.num_workers)
-                   if c.critic_reward else None)
-    if cfg.algo.needs_critic:
-        actors.critic = ctx.make_group("critic", cfg.critic.num_workers, placement=critic_side)
-        critic_engine = ctx.engine_spec(cfg.critic.num_workers)
-        critic_optim = dataclasses.replace(optim_spec(t, total_optimizer_steps), lr=cfg.critic.lr)
-        actors.critic.build(ctx.model_spec(cfg.critic.path or cfg.model.path, SCALAR_HEAD), critic_engine,
-                            critic_optim)
-    if cfg.reward.model_path:
-        actors.reward_model = ctx.make_group("reward_model", cfg.reward.model_num_workers, placement=critic_side)
-        actors.reward_model.build(ctx.model_spec(cfg.reward.model_path, SCALAR_HEAD),
-                                  ctx.engine_spec(cfg.reward.model_num_workers, trainable=False), None)
-    return actors
+def _rl_actors(cfg: RLRunConfig, started: Dict[str, Any]) -> RLActors:
+    return RLActors(policy=started["policy"], engines=started[ROLLOUT], reference=started.get("reference"),
+                    reference_is_base=kind_of(cfg).reference_on_policy(cfg), critic=started.get("critic"),
+                    reward_model=started.get("reward_model"))
 
 
-def _needed_cpus(cfg: RLRunConfig) -> float:
-    """CPUs the run's actors ask for: one bundle per rank of each placement, plus engines of their own (the plan
-    ``--dry-run`` prints; CPU counts do not depend on the GPUs per worker, unknown before the cluster is joined)."""
-    return rl_plan(cfg, gpus_per_worker=0.0).needed_cpus
-
-
-def _write_placement(actors: RLActors, output_dir: str) -> None:
+def _write_placement(started: Dict[str, Any], output_dir: str) -> None:
     """``placement.json``: every rank's placement group and resources, by role (shows what is colocated)."""
-    roles: Dict[str, Union[WorkerGroup, RolloutEngines, None]] = {
-        "policy": actors.policy, "rollout": actors.engines, "reference": actors.reference,
-        "critic": actors.critic, "reward_model": actors.reward_model}
-    where = {role: group.placements() for role, group in roles.items() if group is not None}
+    where = {role: group.placements() for role, group in started.items() if role != ENVIRONMENT}
     with open(os.path.join(output_dir, "placement.json"), "w", encoding="utf-8") as f:
         json.dump(where, f, indent=1)
     groups: dict = {}
@@ -206,7 +180,7 @@ def _write_placement(actors: RLActors, output_dir: str) -> None:
         for rank in ranks:
             groups.setdefault(rank["placement_group"], set()).add(role)
     shared = [" + ".join(sorted(roles)) for roles in groups.values() if len(roles) > 1]
-    print(f"[rl] colocated: {'; '.join(shared)}" if shared else "[rl] every role on its own resources", flush=True)
+    log.info(f"[rl] colocated: {'; '.join(shared)}" if shared else "[rl] every role on its own resources")
 
 
 def _identity(cfg: RLRunConfig, plan: EpochPlan) -> dict:
@@ -237,9 +211,7 @@ def train_ppo(cfg: RLRunConfig) -> RunResult:
 
 def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     check_versions(kind_of(cfg).packages)
-    _check_rl_paths(cfg)
-    if cfg.reward.model_path:
-        check_scalar_head(model_dir(cfg.reward.model_path), "reward.model_path", cfg.reward.model_path)
+    preflight(cfg)
     tokenizer = load_tokenizer(cfg)
     d, r, t = cfg.data, cfg.rollout, cfg.train
     prompts = _read_prompts(cfg, tokenizer, "data.train_path", d.train_path, d.split)
@@ -257,27 +229,29 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     if cfg.multi_turn:
         _check_episodes(cfg, prompts, eval_prompts)
     optimizer_steps = plan.total_steps * cfg.optimizer_steps_per_rl_step
-    print(f"[rl] {len(prompts.prompt_ids)} prompts ({prompts.skipped} skipped, {prompts.truncated} truncated), "
+    log.info(f"[rl] {len(prompts.prompt_ids)} prompts ({prompts.skipped} skipped, {prompts.truncated} truncated), "
           f"{plan.total_steps} RL steps x {r.samples_per_step} samples, {optimizer_steps} optimizer steps; "
           f"{cfg.algo.advantage_estimator} / {cfg.algo.policy_loss} / {cfg.algo.describe_aggregation()}; "
-          f"{cfg.algo.describe_clip()}", flush=True)
+          f"{cfg.algo.describe_clip()}")
     if cfg.multi_turn:
         e = cfg.env
-        print(f"[rl] episodes of {e.spec} on {e.num_actors} actor(s): up to {r.max_turns} turns and "
+        log.info(f"[rl] episodes of {e.spec} on {e.num_actors} actor(s): up to {r.max_turns} turns and "
               f"{r.max_episode_tokens} tokens (rollout.episode_limit={r.episode_limit}), observations as "
-              f"{observation_format(r.observation_format, prompts.chat is not None)}; a sample is an episode",
-              flush=True)
+              f"{observation_format(r.observation_format, prompts.chat is not None)}; a sample is an episode")
         longest = r.max_prompt_length + r.max_turns * r.max_new_tokens  # before any observation token
         if longest > r.max_episode_tokens:
-            print(f"[rl] note: a longest prompt and {r.max_turns} full responses take {longest} tokens, more than "
+            log.info(f"[rl] note: a longest prompt and {r.max_turns} full responses take {longest} tokens, more than "
                   f"rollout.max_episode_tokens={r.max_episode_tokens}: long episodes will end at the token budget "
-                  f"(episode/ended_token_budget)", flush=True)
+                  f"(episode/ended_token_budget)")
     run = Run(cfg, "rl", plan, _identity(cfg, plan))
-    with run.cluster(needed_cpus=_needed_cpus(cfg)) as ctx:
-        actors = _start_actors(cfg, ctx, optimizer_steps)
-        _write_placement(actors, t.output_dir)
+    # CPUs do not depend on the GPUs per worker, which are known only once the cluster is joined.
+    with run.cluster(needed_cpus=kind_of(cfg).plan(cfg, 0.0).needed_cpus) as ctx:
+        started = _start_actors(cfg, ctx, optimizer_steps)
+        actors = _rl_actors(cfg, started)
+        _connect_weight_sync(cfg, ctx, actors)
+        _write_placement(started, t.output_dir)
         policy_objective, value_objective = _objectives(cfg)
-        episodes = _start_environments(cfg, ctx, prompts, tokenizer) if cfg.multi_turn else None
+        episodes = _episode_rollout(cfg, started[ENVIRONMENT], prompts, tokenizer) if cfg.multi_turn else None
         trainer = RLTrainer(cfg, tokenizer, prompts, plan, actors, scorer, policy_objective, value_objective,
                             eval_prompts=eval_prompts, episodes=episodes)
         trained = {"policy": actors.policy, **({"critic": actors.critic} if actors.critic is not None else {})}

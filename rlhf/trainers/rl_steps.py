@@ -21,6 +21,7 @@ from typing import Dict, List, Optional
 import torch
 
 from rlhf.batch import Batch
+from rlhf.config.rl_schema import RLRunConfig
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.distributed.group import StepResult, WorkerGroup
 from rlhf.models.lora import OnBaseModel
@@ -77,7 +78,7 @@ class RLTrainer:
     eval_console_keys = EVAL_CONSOLE_KEYS
     evaluates_start = True  # the starting point, on the same held-out samples as every later evaluation
 
-    def __init__(self, cfg, tokenizer, prompts: PromptSet, plan: EpochPlan, actors: RLActors, scorer,
+    def __init__(self, cfg: RLRunConfig, tokenizer, prompts: PromptSet, plan: EpochPlan, actors: RLActors, scorer,
                  policy_objective: PolicyObjective, value_objective: Optional[ValueObjective],
                  eval_prompts: Optional[PromptSet] = None, episodes: Optional[EpisodeRollout] = None) -> None:
         self.cfg, self.tokenizer, self.prompts, self.plan = cfg, tokenizer, prompts, plan

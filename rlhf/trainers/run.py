@@ -22,10 +22,10 @@ import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Protocol, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional, Protocol, Sequence, Tuple, cast
 
 from rlhf.config.deepspeed_check import check_user_config
-from rlhf.config.schema import ConfigError
+from rlhf.config.schema import ConfigError, RunConfig, RunConfigT
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.distributed.cluster import actor_env, cluster_gpus, init_ray
 from rlhf.distributed.engine import EngineSpec, OptimSpec
@@ -33,15 +33,18 @@ from rlhf.distributed.errors import WorkerError
 from rlhf.distributed.group import GroupResources, WorkerGroup
 from rlhf.distributed.node_versions import check_node_versions
 from rlhf.distributed.placement import Placement
-from rlhf.distributed.resource_plan import resolve_devices
+from rlhf.distributed.resource_plan import ActorPlan, GroupPlan, resolve_devices
 from rlhf.models.loading import ModelSpec
 from rlhf.models.lora import LoraSpec, check_targets
 from rlhf.trainers.checkpoint import RunCheckpoints
 from rlhf.trainers.health import TrainingHealthError, check_health, guard_from_config
 from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.output_dir import prepare_output_dir
+from rlhf.utils.log import get_logger
 from rlhf.utils.metrics import (SKIPPED_NOTE, Progress, RunWriters, format_row, progress_bar_setting, read_metrics,
                                 skipped_row)
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ class Steps(Protocol):
 class Run:
     """Checkpoints, metric writers, the health guard, progress and rewinds around a trainer's :class:`Steps`."""
 
-    def __init__(self, cfg, name: str, plan: EpochPlan, identity: dict) -> None:
+    def __init__(self, cfg: RunConfig, name: str, plan: EpochPlan, identity: dict) -> None:
         """Checks ``train.skip_steps`` against the plan, that a checkpoint in ``train.output_dir`` belongs to this
         run (``identity``: what a resumed run must share with it), and claims the output directory. Nothing starts."""
         self.cfg, self.name, self.plan = cfg, name, plan
@@ -135,7 +138,7 @@ class Run:
         final_dir = save_final(policy, tokenizer, t.output_dir, self.cfg.model.lora.save_merged) if t.save_final \
             else None
         if final_dir:
-            print(f"[{self.name}] saved {final_dir}", flush=True)
+            log.info(f"[{self.name}] saved {final_dir}")
         return RunResult(output_dir=t.output_dir, steps=total, final_metrics=last, final_dir=final_dir)
 
     # ------------------------------------------------------------------ the loop
@@ -172,8 +175,8 @@ class Run:
                 assert self.writers is not None, "train() opens the writers before this loop"
                 self.writers.rewind(done)
                 skip_steps.add(exc.step)
-                print(f"[health] {exc}; rewound to the checkpoint of step {done}, step {exc.step} will be skipped "
-                      f"(health.action=skip, {skipped_here}/{h.max_skips})", flush=True)
+                log.info(f"[health] {exc}; rewound to the checkpoint of step {done}, step {exc.step} will be skipped "
+                         f"(health.action=skip, {skipped_here}/{h.max_skips})")
 
     def _fit(self, steps: Steps, start_after: int, skip_steps: FrozenSet[int], guard, first: bool) -> dict:
         """Steps ``start_after + 1 ..`` of the plan (each a pure function of the seed and its number, so a resume
@@ -234,7 +237,7 @@ def check_skip_steps(t, total_steps: int) -> None:
         raise ConfigError(f"train.skip_steps: {beyond} past the run's last step ({total_steps})")
 
 
-def with_restarts(cfg, run) -> RunResult:
+def with_restarts(cfg: RunConfigT, run: Callable[[RunConfigT], RunResult]) -> RunResult:
     """``run(cfg)``; with ``train.on_failure=restart``, a dead or failing actor (:class:`WorkerError`) tears the
     actors down and runs again from the newest checkpoint, at most ``train.max_restarts`` times."""
     restarts = 0
@@ -246,8 +249,7 @@ def with_restarts(cfg, run) -> RunResult:
             if t.on_failure != "restart" or restarts >= t.max_restarts:
                 raise
             restarts += 1
-            print(f"[restart {restarts}/{t.max_restarts}] {exc}; restarting from the newest checkpoint",
-                  flush=True)
+            log.info(f"[restart {restarts}/{t.max_restarts}] {exc}; restarting from the newest checkpoint")
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, resume=True))
 
 
@@ -265,7 +267,7 @@ def save_final(policy, tokenizer, output_dir: str, merged: bool = True) -> str:
     return final
 
 
-def lora_spec(cfg) -> Optional[LoraSpec]:
+def lora_spec(cfg: RunConfig) -> Optional[LoraSpec]:
     """The adapters ``model.lora.*`` asks for, ``None`` with LoRA off; a bad form is a :class:`ConfigError`."""
     lora = cfg.model.lora
     if not lora.enabled:
@@ -276,7 +278,7 @@ def lora_spec(cfg) -> Optional[LoraSpec]:
         raise ConfigError(str(err)) from None
 
 
-def check_lora_targets(cfg, models: Sequence[Tuple[str, str]]) -> None:
+def check_lora_targets(cfg: RunConfig, models: Sequence[Tuple[str, str]]) -> None:
     """Before any actor starts: ``model.lora.target_modules`` match Linear layers of every ``(path, kind)`` that
     trains with LoRA (read from the model's config on the meta device, no weights loaded)."""
     spec = lora_spec(cfg)
@@ -294,7 +296,7 @@ def optim_spec(t, total_steps: int) -> OptimSpec:
                      warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio)
 
 
-def run_identity(cfg, plan: EpochPlan) -> dict:
+def run_identity(cfg: RunConfig, plan: EpochPlan) -> dict:
     """What a checkpoint must share with the run that resumes it (see ``RunCheckpoints``)."""
     t = cfg.train
     return {"train.seed": t.seed, "train.global_batch_size": t.global_batch_size, "train.num_workers": t.num_workers,
@@ -302,7 +304,7 @@ def run_identity(cfg, plan: EpochPlan) -> dict:
             "examples in data.train_path": plan.num_samples}
 
 
-def start_cluster(cfg, needed_cpus: float) -> "RunContext":
+def start_cluster(cfg: RunConfig, needed_cpus: float) -> "RunContext":
     """Join or start Ray; every node's install of the libraries the trainer needs is checked; precision and backend
     follow the cluster's workers (the driver may have no GPU)."""
     init_ray(cfg.ray.address, cfg.ray.num_cpus, needed_cpus=needed_cpus)
@@ -346,19 +348,26 @@ class RunContext:
             return EngineSpec(micro_batch_size=t.micro_batch_size, grad_accum_steps=1, **common)
         return EngineSpec.for_global_batch(t.global_batch_size, t.micro_batch_size, num_workers, **common)
 
-    def make_group(self, role: str, num_workers: int, placement: Optional[Placement] = None) -> WorkerGroup:
-        """A worker group for ``role``; ``placement`` (from :meth:`shared_placement`) colocates it."""
-        resources = GroupResources(num_workers=num_workers, cpus_per_worker=self.cfg.strategy.cpus_per_worker,
-                                   gpus_per_worker=self.gpus_per_worker, env_vars=actor_env(self.gpus_per_worker))
-        group = WorkerGroup(role, resources, self.backend, placement=placement,
+    def group_of(self, actors: ActorPlan, placement: Optional[Placement] = None) -> WorkerGroup:
+        """A worker group of ``actors.count`` ranks of ``actors.role``: on ``placement`` (a shared placement group,
+        :meth:`place`), else on one of its own of the plan's bundle (``actors.cpus`` + ``actors.gpus`` per rank)."""
+        resources = GroupResources(num_workers=actors.count, cpus_per_worker=actors.cpus,
+                                   gpus_per_worker=actors.gpus, env_vars=actor_env(self.gpus_per_worker))
+        group = WorkerGroup(actors.role, resources, self.backend, placement=placement,
                             init_timeout_s=self.cfg.strategy.init_timeout_s)
         self.groups.append(group)
         return group
 
-    def shared_placement(self, roles: List[str], num_workers: int) -> Placement:
-        """One bundle per rank, shared by ``roles`` (each actor takes ``1/len(roles)`` of a bundle)."""
-        placement = Placement("+".join(roles), num_workers, self.cfg.strategy.cpus_per_worker,
-                              self.gpus_per_worker, share=len(roles))
+    def make_group(self, role: str, num_workers: int, placement: Optional[Placement] = None) -> WorkerGroup:
+        """A worker group for ``role`` outside a plan (custom loops, tests): one ``strategy.cpus_per_worker`` bundle
+        per rank."""
+        actors = ActorPlan(role, num_workers, self.cfg.strategy.cpus_per_worker, self.gpus_per_worker)
+        return self.group_of(actors, placement)
+
+    def place(self, group: GroupPlan) -> Placement:
+        """The placement group of a plan's ``group``: one bundle per rank, shared by its roles (each actor takes
+        ``1/len(roles)`` of a bundle); removed when the context closes."""
+        placement = Placement(group.name, group.num_bundles, group.cpus, group.gpus, share=group.share)
         self.placements.append(placement)
         return placement
 

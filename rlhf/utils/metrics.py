@@ -12,10 +12,14 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, TextIO, T
 
 from rlhf.atomic import write_text_atomic
 from rlhf.config.loader import config_to_dict
+from rlhf.config.schema import RunConfig
+from rlhf.utils.log import get_logger
 from rlhf.utils.wandb_sink import WandbSink
 
 if TYPE_CHECKING:  # imported where used: only a run with logging.tensorboard=true pays for it
     from torch.utils.tensorboard import SummaryWriter
+
+log = get_logger(__name__)
 
 # What the writers put in a run's output_dir (rlhf/trainers/output_dir.py counts them as the run's artifacts).
 METRICS_FILE = "metrics.jsonl"
@@ -127,7 +131,7 @@ class RunWriters:
     ``resume_after``: the step a resumed run continues after (``None``: a fresh run); see :class:`MetricsWriter`.
     """
 
-    def __init__(self, cfg, resume_after: Optional[int], with_eval: bool) -> None:
+    def __init__(self, cfg: RunConfig, resume_after: Optional[int], with_eval: bool) -> None:
         lg, out = cfg.logging, cfg.train.output_dir
         self.wandb: Optional[WandbSink] = None
         if lg.wandb:
@@ -169,8 +173,9 @@ def format_row(row: Dict[str, Any], keys: tuple = ()) -> str:
 class Progress:
     """Steps done out of the run's total with elapsed time and ETA (from this invocation's mean step time).
 
-    ``bar``: draw a tqdm progress bar on stderr (per-step lines then go through ``tqdm.write`` so the bar stays
-    at the bottom); ``None`` draws it when stderr is a terminal.
+    ``bar``: draw a tqdm progress bar on stderr (per-step lines are then logged inside tqdm's
+    ``external_write_mode``, as ``tqdm.write`` writes, so the bar stays at the bottom); ``None`` draws it when
+    stderr is a terminal.
     """
 
     def __init__(self, total: int, done: int = 0, bar: Optional[bool] = None, desc: str = "") -> None:
@@ -203,10 +208,14 @@ class Progress:
         return _clock((self.total - self.done) * (time.perf_counter() - self._started) / steps)
 
     def print(self, line: str) -> None:
-        if self._bar is not None:
-            self._bar.write(line)
-        else:
-            print(line, flush=True)
+        """Log ``line`` (a console line, :mod:`rlhf.utils.log`) above the bar."""
+        if self._bar is None:
+            log.info(line)
+            return
+        # tqdm.write's own steps, the line going through the logger (a capture gets it too): clear the bars,
+        # write, redraw them
+        with self._bar.external_write_mode():
+            log.info(line)
 
     def close(self) -> None:
         if self._bar is not None:

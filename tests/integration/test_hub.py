@@ -202,9 +202,10 @@ def test_actors_get_the_hub_settings(offline_hub):
 
 
 def test_dry_run_looks_ids_up_without_downloading(offline_hub):
-    from rlhf.cli.dry_run import check_paths
+    from rlhf.trainers.preflight import preflight
 
-    rows = {key: status for key, _, status in check_paths(_sft("data.eval_path=org/elsewhere"), "fp32")}
+    rows = {key: status for key, _, status in preflight(_sft("data.eval_path=org/elsewhere"), here=False,
+                                                        precision="fp32")}
     assert rows["model.path"].startswith(f"hub model at commit {SHA[:12]}, cached here")
     assert rows["data.train_path"].startswith(f"hub dataset at commit {DATA_SHA[:12]}, cached here")
     assert "not in the HF cache here" in rows["data.eval_path"]  # may be cached where the run starts

@@ -171,6 +171,14 @@ def test_usage_and_config_errors_exit_2(argv, text, tmp_path, capsys, monkeypatc
     assert rc == 2 and "error: " in err and text in err, (out, err)
 
 
+def test_the_runs_preflight_refuses_before_the_audits_cluster_starts(sft_data, tmp_path, capsys, monkeypatch):
+    not_a_model = tmp_path / "weights"
+    not_a_model.mkdir()
+    rc, out, err = _audit(_base(not_a_model, sft_data), tmp_path, capsys, monkeypatch)
+    assert rc == 2 and f"error: model.path: '{not_a_model}' is not an HF model directory (no config.json)" in err
+    assert "lint: 0 error(s)" in out and "runs:" not in out + err, (out, err)
+
+
 def test_a_global_batch_without_another_split_or_a_bad_chosen_split_exits_2(tiny_model, sft_data, tmp_path, capsys,
                                                                              monkeypatch):
     single = [f"model.path={tiny_model}", f"data.train_path={sft_data}", "--trainer", "sft",

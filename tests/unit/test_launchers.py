@@ -4,9 +4,9 @@
   two-node launcher planned against one node fails with exit 2 naming the placement group or role.
 * The PACK simulator: bundles spread over nodes, the freer node preferred, colocated roles' fractional shares,
   two ranks on one device flagged, all-or-nothing groups.
-* The plan is what the runners ask for: the requests ``rl_runner._start_actors`` and the offline runner make
-  (recorded through stand-ins for the worker groups, placement groups and engines) equal the plan, and the dry
-  run prints them.
+* The runners start their plan (``rlhf.trainers.actors.start_plan``): the requests ``rl_runner._start_actors`` and
+  the offline runner make (recorded through stand-ins for the worker groups, placement groups, engines and
+  environment actors) are the plan's, in its order, and the dry run prints them.
 * A dry run imports no Ray at all; the scripts are valid bash.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from rlhf.config import DPORunConfig, RewardModelRunConfig, SFTRunConfig, load_c
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.distributed.packing import (InfeasiblePlan, NodeShape, check_feasible, nodes_from_ray, pack,
                                       parse_cluster)
-from rlhf.distributed.resource_plan import ActorPlan, Devices, GroupPlan, ResourcePlan, resolve_devices, rl_plan
+from rlhf.distributed.resource_plan import ActorPlan, Devices, GroupPlan, ResourcePlan, resolve_devices
 from rlhf.trainers.kinds import kind_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -239,7 +239,7 @@ def test_colocated_roles_take_fractional_shares_of_one_bundle():
     cfg = load_config(RLRunConfig, "grpo_tiny", ["model.path=/m", "data.train_path=/d", "train.num_workers=2",
                                                  "rollout.num_engines=2", "colocate.hybrid_engine=true",
                                                  "colocate.policy_reference=true", "strategy.cpus_per_worker=3"])
-    plan = rl_plan(cfg, gpus_per_worker=1.0)
+    plan = kind_of(cfg).plan(cfg, gpus_per_worker=1.0)
     (group,) = plan.groups
     assert (group.name, group.num_bundles, group.bundle, group.share) == (
         "policy+reference+rollout", 2, {"CPU": 3.0, "GPU": 1.0}, 3)
@@ -336,8 +336,13 @@ class _Recorder:
                     rec.actors.append(("rollout", num_engines, placement.cpus / placement.share,
                                        placement.gpus / placement.share, placement.name))
 
-            def connect_weight_sync(self, *args, **kwargs):
+            def shutdown(self):
                 pass
+
+        class EnvironmentPool:
+            def __init__(self, spec, num_actors, cpus_per_actor=1.0, step_timeout_s=60.0):
+                rec.requests.append(("own", "environment", num_actors, cpus_per_actor, 0.0))
+                rec.actors.append(("environment", num_actors, cpus_per_actor, 0.0, None))
 
             def shutdown(self):
                 pass
@@ -348,7 +353,7 @@ class _Recorder:
         monkeypatch.setattr("rlhf.trainers.run.WorkerGroup", WorkerGroup)
         monkeypatch.setattr("rlhf.rollout.engines.RolloutEngines", RolloutEngines)
         monkeypatch.setattr("rlhf.trainers.rl_runner.RolloutEngines", RolloutEngines)  # where the RL runner starts them
-        monkeypatch.setattr("rlhf.trainers.rl_runner._connect_weight_sync", lambda *a, **k: None, raising=False)
+        monkeypatch.setattr("rlhf.trainers.rl_runner.EnvironmentPool", EnvironmentPool)
 
     @staticmethod
     def of(plan: ResourcePlan):
@@ -367,6 +372,8 @@ RL_VARIANTS = {
                           "reward.model_num_workers=2", "colocate.critic_reward=true", "rollout.num_engines=2",
                           "rollout.tensor_parallel_size=2", "rollout.cpus_per_engine=2"],
     "gae_apart": ["algo.advantage_estimator=gae", "reward.model_path=/rm", "algo.kl_coef=0", "critic.num_workers=2"],
+    "multi_turn": ["env.spec=envs.py:Retry", "rollout.max_turns=2", "rollout.max_episode_tokens=32",
+                   "env.num_actors=3", "env.cpus_per_actor=0.5"],
 }
 
 
@@ -381,10 +388,10 @@ def test_rl_runner_requests_what_the_plan_says(variant, gpus, monkeypatch):
     ctx = RunContext(cfg=cfg, precision="bf16" if gpus else "fp32", backend="nccl" if gpus else "gloo",
                      gpus_per_worker=gpus)
     rl_runner._start_actors(cfg, ctx, total_optimizer_steps=10)
-    plan = rl_plan(cfg, gpus)
+    plan = kind_of(cfg).plan(cfg, gpus)
     assert (rec.requests, rec.actors) == _Recorder.of(plan)
     held = sum(r[2] * r[3] for r in rec.requests)  # bundles (or actors) x CPUs
-    assert rl_runner._needed_cpus(cfg) == pytest.approx(held) == pytest.approx(plan.needed_cpus)
+    assert held == pytest.approx(plan.needed_cpus)
 
 
 OFFLINE = {"sft": (SFTRunConfig, "sft_tiny", "rlhf.trainers.sft:build_sft_task", "policy"),
@@ -450,3 +457,14 @@ def test_dry_run_prints_the_requests_the_runner_makes(monkeypatch, capsys):
     for role, count, cpus, gpus, group in rec.actors:
         assert re.search(rf"^  {role} +{count} \w+ +\{{CPU: {cpus:.3g}, GPU: {gpus:.3g}\}} each +"
                          + (rf"\w+ r on bundle r of {re.escape(group)}$" if group else "own resources$"), out, re.M)
+
+
+def test_a_role_without_a_starter_is_refused_before_anything_starts():
+    from rlhf.trainers.actors import start_plan
+
+    started = []
+    plan = ResourcePlan(requests=(_group(["policy"], 2),),
+                        actors=(ActorPlan("policy", 2, 1.0, 0.0, "policy"), ActorPlan("critic", 2, 1.0, 0.0, "policy")))
+    with pytest.raises(ValueError, match=r"no starter for the plan's role\(s\) \['critic'\]"):
+        start_plan(plan, None, {"policy": lambda actors, placement: started.append(actors)})
+    assert started == []

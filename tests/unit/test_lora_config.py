@@ -8,7 +8,6 @@ import pytest
 
 from rlhf.config import ConfigError, DPORunConfig, SFTRunConfig, load_config
 from rlhf.config.rl_schema import RLRunConfig
-from rlhf.distributed.resource_plan import rl_plan
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
 from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.run import check_lora_targets, lora_spec
@@ -69,7 +68,7 @@ def test_with_lora_the_reference_is_the_base_and_asks_for_no_workers(tiny_model,
     assert not other.model.reference_is_base and "reference" in [a.role for a in kind_of(other).plan(other, 0.0).actors]
     rl = ["reward.functions=[rlhf.synthetic.arithmetic:reward]", "algo.kl_coef=0.01", "model.lora.r=4"]
     cfg = _cfg(RLRunConfig, tiny_model, pairs, *rl, preset="grpo_tiny")
-    assert "reference" not in [a.role for a in rl_plan(cfg, 0.0).actors]
+    assert "reference" not in [a.role for a in kind_of(cfg).plan(cfg, 0.0).actors]
     with pytest.raises(ConfigError, match=r"^colocate.policy_reference has nothing to colocate"):
         _cfg(RLRunConfig, tiny_model, pairs, *rl, "colocate.policy_reference=true", preset="grpo_tiny")
 

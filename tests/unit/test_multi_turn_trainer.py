@@ -19,7 +19,7 @@ from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
 from rlhf.data.chat import ChatFormatter
 from rlhf.distributed.engine import EngineSpec
-from rlhf.distributed.resource_plan import rl_plan
+from rlhf.trainers.kinds import kind_of
 from rlhf.envs import EnvError, StepOutcome
 from rlhf.objectives.actor_critic import PolicyObjective
 from rlhf.rollout.episodes import EpisodeError
@@ -269,8 +269,8 @@ def test_episode_keys_are_validated(overrides, message):
 def test_episodes_set_the_sequence_length_and_the_plan_counts_the_environment_actors():
     single, multi = _cfg(), _cfg(*MULTI, "env.num_actors=3", "env.cpus_per_actor=0.5")
     assert single.max_sequence_length == 16 + 6 and multi.max_sequence_length == 32
-    assert rl_plan(multi, 0.0).needed_cpus == rl_plan(single, 0.0).needed_cpus + 1.5
-    assert "environment" not in {a.role for a in rl_plan(single, 0.0).actors}
+    assert kind_of(multi).plan(multi, 0.0).needed_cpus == kind_of(single).plan(single, 0.0).needed_cpus + 1.5
+    assert "environment" not in {a.role for a in kind_of(single).plan(single, 0.0).actors}
 
 
 # ---------------------------------------------------------------------------------- episode limits
@@ -354,6 +354,7 @@ def test_single_turn_responses_cut_at_max_new_tokens_are_at_a_limit(tokenizer):
 
 
 def test_a_multi_turn_run_checks_its_environment_and_chat_template_before_any_actor(tokenizer, tmp_path):
+    from rlhf.trainers.preflight import environment_status
     from rlhf.trainers.rl_runner import _check_episodes
 
     envs = tmp_path / "envs.py"
@@ -363,7 +364,8 @@ def test_a_multi_turn_run_checks_its_environment_and_chat_template_before_any_ac
     rewriting = ChatFormatter(tokenizer, template="{{ messages[-1]['content'] }}")
     prompts = PromptSet([[1]], ["p"], {}, 0, 0, chat=rewriting)
     with pytest.raises(ConfigError, match=r"env.spec: .*has no attribute 'Retri'. Did you mean 'Retry'"):
-        _check_episodes(_cfg(f"env.spec={envs}:Retri", *keys), prompts)
+        environment_status(f"{envs}:Retri", here=True)  # the run's preflight
+    assert environment_status(f"{envs}:Retry", here=True) == "found, loads"
     with pytest.raises(ConfigError, match="rollout.observation_role=user: the chat template does not render"):
         _check_episodes(_cfg(f"env.spec={envs}:Retry", *keys), prompts)
     _check_episodes(_cfg(f"env.spec={envs}:Retry", *keys, "rollout.observation_format=text"), prompts)  # no chat

@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import types
 
 import pytest
 
@@ -141,8 +140,7 @@ def test_every_file_the_writers_leave_marks_the_run_and_overwrite_deletes_them_a
     _write_run(out, checkpoint=True, wandb=True)
     os.makedirs(os.path.join(out, "checkpoints", "step_000002.tmp"))  # a crash mid-save
     os.makedirs(os.path.join(out, f".final.tmp-{os.getpid() + 1}"))  # a crash mid-save of final/
-    _write_placement(types.SimpleNamespace(policy=_Saver(), engines=_Saver(), reference=None, critic=None,
-                                           reward_model=None), out)
+    _write_placement({"policy": _Saver(), "rollout": _Saver()}, out)
     with open(os.path.join(out, "report.png"), "wb") as f:  # python -m rlhf.cli.report RUN
         f.write(b"\x89PNG")
     _add_user_files(out)

@@ -1,0 +1,189 @@
+"""What a run checks before its first actor starts: one preflight, run by the runners, ``--dry-run`` and the audit.
+
+Checked, for the trainer's descriptor (:mod:`rlhf.trainers.kinds`): the model folders of its model keys (a
+``config.json``, :func:`rlhf.hub.check_model_folder`), the tokenizer and data paths, ``strategy.deepspeed_config``
+against the run's settings, the multi-turn environment class (it loads), a reward model's scalar head, LoRA's
+target modules against each trained model, and the critic's batch arithmetic. The config's own validation ran
+when it was built; the cluster fit is the plan's (:meth:`rlhf.trainers.kinds.TrainerKind.plan`, packed by
+``--dry-run``, placed by the run).
+
+Two strictnesses, one wording: a run (``here=True``) refuses a path missing on this machine; ``--dry-run``
+(``here=False``) lists it as :data:`NOT_HERE` (a model or data set that exists only on the cluster) and checks all
+it can read here. Hub references (``org/name@sha``) were resolved and checked by
+:func:`rlhf.hub.pin_run_sources` in a run; ``--dry-run`` looks them up without downloading. A refusal is a
+:class:`~rlhf.config.schema.ConfigError` naming the key, which the command lines exit with status 2 on.
+
+The run then reads what it needs (its tokenizer, its data rows, its reward functions), each refusing bad input with
+its file and row (:mod:`rlhf.trainers.offline`, :mod:`rlhf.trainers.rl_runner`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import List, Optional, Sequence, Tuple
+
+from rlhf.config.deepspeed_check import check_user_config
+from rlhf.config.rl_schema import RLRunConfig
+from rlhf.config.schema import ConfigError, RunConfig
+from rlhf.envs import EnvError, load_environment
+from rlhf.hub import (DATASET, MODEL, HubError, cache_dir, check_model_folder, is_hub_ref, locate, model_dir,
+                      offline)
+from rlhf.models.checks import check_scalar_head
+from rlhf.trainers.kinds import kind_of
+from rlhf.trainers.output_dir import output_dir_status
+from rlhf.utils.specs import looks_like_path
+
+NOT_HERE = "not on this machine (checked at run time)"
+Row = Tuple[str, str, str]  # (config key, path, status)
+
+
+def preflight(cfg: RunConfig, here: bool = True, precision: Optional[str] = None) -> List[Row]:
+    """Every check of the module docstring; ``(key, path, status)`` of each path the run reads.
+
+    Args:
+        cfg: A run config of any trainer.
+        here: A run on this machine (a missing path is refused); ``False`` for ``--dry-run``.
+        precision: The resolved precision (``strategy.precision=auto`` depends on the cluster), for the DeepSpeed
+            config's precision fields; ``None`` checks the others (a run checks these once Ray is up).
+
+    Raises:
+        ConfigError: Naming the key of the first setting a run would refuse.
+    """
+    kind = kind_of(cfg)
+    rows = [(key, path, _model_status(key, path, here)) for key, path in _values(cfg, kind.model_keys) if path]
+    rows += [(key, path, _path_status(key, path, repo_type, here))
+             for key, path, repo_type in (("model.tokenizer_path", cfg.model.tokenizer_path, MODEL),
+                                          ("data.train_path", cfg.data.train_path, DATASET),
+                                          ("data.eval_path", cfg.data.eval_path, DATASET)) if path]
+    rows += _deepspeed_rows(cfg, here, precision)
+    if kind.online and isinstance(cfg, RLRunConfig):  # online: always an RLRunConfig (narrows the type)
+        rows += [("reward.functions", spec, reward_function_status(spec)) for spec in cfg.reward.functions
+                 if not here]  # a run loads them into its scorer (rlhf.rewards.functions)
+        if cfg.env.spec:
+            rows.append(("env.spec", cfg.env.spec, environment_status(cfg.env.spec, here)))
+        if cfg.reward.model_path and _readable(cfg.reward.model_path, here):
+            check_scalar_head(model_dir(cfg.reward.model_path), "reward.model_path", cfg.reward.model_path)
+        if cfg.critic_batch_problem():
+            raise ConfigError(cfg.critic_batch_problem())
+    _check_lora(cfg, here)
+    rows.append(("train.output_dir", cfg.train.output_dir or '""', output_dir_status(cfg)
+                 + ("" if not cfg.train.output_dir else ", on storage every node writes")))
+    return rows
+
+
+def _values(cfg: RunConfig, keys: Sequence[str]) -> List[Tuple[str, str]]:
+    return [(key, getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])) for key in keys]
+
+
+# ------------------------------------------------------------------------------------------------------ paths
+
+
+def _model_status(key: str, path: str, here: bool) -> str:
+    if is_hub_ref(path, MODEL):
+        return "hub model, resolved by the run" if here else hub_status(key, path, MODEL)
+    if not os.path.exists(path) and not here:
+        return NOT_HERE
+    if not os.path.isdir(path):
+        raise ConfigError(f"{key}: {path!r} is not a directory")
+    check_model_folder(key, path, path)
+    return "found"
+
+
+def _path_status(key: str, path: str, repo_type: str, here: bool) -> str:
+    """A tokenizer directory or a data file / directory / hub id."""
+    if is_hub_ref(path, repo_type):
+        return f"hub {repo_type}, resolved by the run" if here else hub_status(key, path, repo_type)
+    if not os.path.exists(path):
+        if here:
+            raise ConfigError(f"{key}: {path!r} " + ("is not a directory" if repo_type == MODEL else "does not exist"))
+        return NOT_HERE
+    if repo_type == MODEL and not os.path.isdir(path):
+        raise ConfigError(f"{key}: {path!r} is not a directory")
+    return "found"
+
+
+def hub_status(key: str, ref: str, repo_type: str) -> str:
+    """Where a hub reference stands, downloading nothing: the commit it resolves to (from the cache offline, else
+    from the hub) and whether this machine's cache holds it. One the hub says does not exist is refused."""
+    try:
+        sha, snapshot = locate(ref, repo_type)
+    except HubError as exc:
+        if exc.not_found:
+            raise ConfigError(f"{key}: {ref!r} is not a local path, and {exc}") from None
+        if offline():
+            return (f"hub {repo_type}, not in the HF cache here ({cache_dir()}; HF_HUB_OFFLINE=1): a run resolves it "
+                    f"at start, through the cache of the machine it starts on")
+        return f"hub {repo_type}, the hub is not reachable from here: resolved when a run starts"
+    if snapshot and repo_type == MODEL and key != "model.tokenizer_path":
+        check_model_folder(key, ref, snapshot)
+    where = "cached here" if snapshot else "downloaded when a run starts"
+    return f"hub {repo_type} at commit {sha[:12]}, {where} (a run pins it in config.yaml)"
+
+
+def _deepspeed_rows(cfg: RunConfig, here: bool, precision: Optional[str]) -> List[Row]:
+    """``strategy.deepspeed_config`` against the run's settings (a run reads it once more when ``auto`` precision is
+    resolved, rlhf.trainers.run.start_cluster)."""
+    ds = cfg.strategy.deepspeed_config
+    if here or (ds and os.path.isfile(ds)):
+        check_user_config(cfg, precision)
+    if not ds:
+        return []
+    return [("strategy.deepspeed_config", ds, "found, consistent with the run" if os.path.isfile(ds) else NOT_HERE)]
+
+
+def _readable(ref: str, here: bool) -> bool:
+    """Whether a model's files can be read on this machine (a run's always can: its preflight checked them)."""
+    if here:
+        return True
+    if not is_hub_ref(ref, MODEL):
+        return os.path.isdir(ref)
+    try:
+        model_dir(ref)  # from this machine's cache, downloading nothing offline
+    except (OSError, HubError):
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------- code and models
+
+
+def reward_function_status(spec: str) -> str:
+    """Load a reward function that resolves here (a bad one is an error); one that does not is left to the run."""
+    from rlhf.rewards.functions import RewardFunctionScorer, load_reward_function  # lazy: pulls in torch
+
+    RewardFunctionScorer((spec,))  # spec form and weight, nothing imported
+    head, at, tail = spec.rpartition("@")
+    name = head if at and ":" not in tail else spec
+    target = name.rpartition(":")[0]
+    is_file = target.endswith(".py") or "/" in target
+    there = os.path.isfile(target) if is_file else importlib.util.find_spec(target.split(".")[0]) is not None
+    if not there:
+        return NOT_HERE
+    load_reward_function(name)
+    return "found, loads"
+
+
+def environment_status(spec: str, here: bool) -> str:
+    """Load the environment class (a bad one is an error); under ``--dry-run`` one whose module is not on this
+    machine is left to the run."""
+    target = spec.strip().rpartition(":")[0]
+    there = os.path.isfile(target) if looks_like_path(target) else \
+        importlib.util.find_spec(target.split(".")[0]) is not None
+    if not there and not here:
+        return NOT_HERE
+    try:
+        load_environment(spec)
+    except EnvError as e:
+        raise ConfigError(f"env.spec: {e}") from None
+    return "found, loads"
+
+
+def _check_lora(cfg: RunConfig, here: bool) -> None:
+    """``model.lora.target_modules`` against the layers of each model LoRA wraps (under ``--dry-run``, those whose
+    config can be read here; the paths table says why not otherwise)."""
+    if not cfg.model.lora.enabled:
+        return
+    from rlhf.trainers.run import check_lora_targets  # lazy: torch and transformers, only when LoRA is asked for
+
+    trained = kind_of(cfg).trained_models(cfg)
+    check_lora_targets(cfg, [(path, kind) for path, kind in trained if _readable(path, here)])
