@@ -33,7 +33,7 @@ export PYTHONUNBUFFERED ?= 1
 # DeepSpeed's JIT-built ops live in the venv (rlhf/distributed/cluster.py says why); `install` builds them once.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install install-gpu install-flash-attn demo test test-fast bench lint typecheck docs doctor clean
+.PHONY: install install-gpu install-flash-attn demo test test-fast bench lint format typecheck docs doctor clean
 
 ifeq ($(FLAVOUR),cpu)
 install: $(STAMP_CPU)
@@ -122,9 +122,15 @@ bench: $(STAMP)
 	$(PY) bench/bench_packing.py
 	$(PY) bench/bench_packing.py --uniform
 
-# ruff's lint, the rules in pyproject.toml's [tool.ruff.lint] (make test runs it too: tests/unit/test_lint.py).
+# ruff's lint (the rules in pyproject.toml's [tool.ruff.lint]) and format check; make test runs both too
+# (tests/unit/test_lint.py). `make format` applies the layout and the import order.
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff check --fix --select I .
+	$(PY) -m ruff format .
 
 # mypy over the package ([tool.mypy] in pyproject.toml); make test ends with it too (about a minute).
 typecheck: $(STAMP)

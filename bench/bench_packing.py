@@ -29,6 +29,7 @@ share of computed positions that were padding, and each mode's tokens/s over the
 Project step times are the run's own ``step_time_s`` (metrics.jsonl: collate + Ray round trip + the step); the
 loops' are wall time per optimizer step including collation.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,14 @@ LR, BETAS, EPS, CLIP, WARMUP = 1e-4, (0.9, 0.95), 1e-8, 1.0, 2
 # ------------------------------------------------------------------------------------------- data and plan
 def make_data(work: str, args) -> tuple:
     from rlhf.synthetic.arithmetic import write_jsonl
-    from rlhf.synthetic.long_tail import UNIFORM_72, LengthSpec, format_report, length_report, make_sft_rows, \
-        sft_lengths
+    from rlhf.synthetic.long_tail import (
+        UNIFORM_72,
+        LengthSpec,
+        format_report,
+        length_report,
+        make_sft_rows,
+        sft_lengths,
+    )
 
     spec = UNIFORM_72 if args.uniform else LengthSpec(median=args.median, sigma=args.sigma, max_tokens=args.max_len)
     rows = make_sft_rows(args.rows, args.seed, spec)
@@ -79,13 +86,14 @@ def step_plan(num_examples: int, global_batch: int, steps: int, seed: int) -> li
     """Row indices of optimizer steps 1..steps, exactly as the project's run takes them."""
     from rlhf.data.plan import EpochPlan
 
-    plan = EpochPlan(num_samples=num_examples, global_batch_size=global_batch, max_epochs=10**6, max_steps=steps,
-                     seed=seed)
+    plan = EpochPlan(
+        num_samples=num_examples, global_batch_size=global_batch, max_epochs=10**6, max_steps=steps, seed=seed
+    )
     return [s.indices for s in plan.steps()]
 
 
 def micro_batches(indices: list, micro: int) -> list:
-    return [indices[i:i + micro] for i in range(0, len(indices), micro)]
+    return [indices[i : i + micro] for i in range(0, len(indices), micro)]
 
 
 def padded_positions(lengths_of_step: list, micro: int) -> int:
@@ -96,17 +104,35 @@ def padded_positions(lengths_of_step: list, micro: int) -> int:
 # ------------------------------------------------------------------------------------------- the project's CLI
 def run_project(name: str, model_dir: str, data: str, work: str, args, extra: list) -> dict:
     run_dir = os.path.join(work, "runs", name)
-    overrides = [f"model.path={model_dir}", f"data.train_path={data}", f"train.output_dir={run_dir}",
-                 f"data.max_length={args.max_len}", f"train.global_batch_size={args.global_batch}",
-                 f"train.micro_batch_size={args.micro}", "train.num_workers=1", "strategy.cpus_per_worker=2",
-                 "strategy.zero_stage=0", "strategy.precision=fp32", f"train.max_steps={args.steps}",
-                 "train.max_epochs=1000000", f"train.lr={LR}", f"train.warmup_steps={WARMUP}",
-                 "train.weight_decay=0.0", f"train.max_grad_norm={CLIP}", f"train.seed={args.seed}",
-                 "train.save_final=false", "train.overwrite=true", "logging.tensorboard=false",
-                 "logging.print_every=1000", "health.action=warn", *extra]
+    overrides = [
+        f"model.path={model_dir}",
+        f"data.train_path={data}",
+        f"train.output_dir={run_dir}",
+        f"data.max_length={args.max_len}",
+        f"train.global_batch_size={args.global_batch}",
+        f"train.micro_batch_size={args.micro}",
+        "train.num_workers=1",
+        "strategy.cpus_per_worker=2",
+        "strategy.zero_stage=0",
+        "strategy.precision=fp32",
+        f"train.max_steps={args.steps}",
+        "train.max_epochs=1000000",
+        f"train.lr={LR}",
+        f"train.warmup_steps={WARMUP}",
+        "train.weight_decay=0.0",
+        f"train.max_grad_norm={CLIP}",
+        f"train.seed={args.seed}",
+        "train.save_final=false",
+        "train.overwrite=true",
+        "logging.tensorboard=false",
+        "logging.print_every=1000",
+        "health.action=warn",
+        *extra,
+    ]
     started = time.time()
-    done = subprocess.run([sys.executable, "-m", "rlhf.cli.train_sft", *overrides], capture_output=True, text=True,
-                          cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-m", "rlhf.cli.train_sft", *overrides], capture_output=True, text=True, cwd=REPO
+    )
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if done.returncode != 0 or not os.path.exists(metrics):
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
@@ -114,8 +140,11 @@ def run_project(name: str, model_dir: str, data: str, work: str, args, extra: li
     with open(metrics) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     rows = [r for r in rows if "step_time_s" in r]
-    return {"steps": {r["step"]: r["step_time_s"] for r in rows}, "targets": {r["step"]: r["num_tokens"] for r in rows},
-            "wall_s": time.time() - started}
+    return {
+        "steps": {r["step"]: r["step_time_s"] for r in rows},
+        "targets": {r["step"]: r["num_tokens"] for r in rows},
+        "wall_s": time.time() - started,
+    }
 
 
 # ------------------------------------------------------------------------------------------- the floor (plain loop)
@@ -134,8 +163,9 @@ def floor_worker(cfg: dict) -> dict:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
     total = len(cfg["plan"])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, total_steps=total, warmup_steps=WARMUP,
-                                                                          kind="cosine", min_ratio=0.0))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_multiplier(s, total_steps=total, warmup_steps=WARMUP, kind="cosine", min_ratio=0.0)
+    )
     pad = tok.pad_token_id
 
     def padded_micro(rows):
@@ -145,9 +175,9 @@ def floor_worker(cfg: dict) -> dict:
         tgt = torch.zeros((len(rows), width), dtype=torch.bool)
         for r, i in enumerate(rows):
             e = examples[i]
-            ids[r, :len(e.input_ids)] = torch.tensor(e.input_ids)
-            att[r, :len(e.input_ids)] = 1
-            tgt[r, :len(e.input_ids)] = torch.tensor(e.loss_mask, dtype=torch.bool)
+            ids[r, : len(e.input_ids)] = torch.tensor(e.input_ids)
+            att[r, : len(e.input_ids)] = 1
+            tgt[r, : len(e.input_ids)] = torch.tensor(e.loss_mask, dtype=torch.bool)
         return {"input_ids": ids, "attention_mask": att}, ids, tgt
 
     def packed_micro(rows):
@@ -166,8 +196,9 @@ def floor_worker(cfg: dict) -> dict:
         for inputs, ids, tgt in micros:
             logits = model(**inputs).logits[:, :-1]
             labels = ids[:, 1:].masked_fill(~tgt[:, 1:], -100)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                                                     ignore_index=-100, reduction="sum")
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100, reduction="sum"
+            )
             (loss / normalizer).backward()
             loss_sum += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -212,22 +243,44 @@ def trl_worker(cfg: dict) -> dict:
             return SequentialSampler(self.train_dataset)
 
     clock = Clock()
-    args = SFTConfig(output_dir=cfg["out"], per_device_train_batch_size=cfg["micro"],
-                     gradient_accumulation_steps=cfg["global_batch"] // cfg["micro"], max_steps=len(cfg["plan"]),
-                     learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS, weight_decay=0.0,
-                     max_grad_norm=CLIP, lr_scheduler_type="cosine", warmup_steps=WARMUP, padding_free=True,
-                     max_length=None, bf16=False, fp16=False, use_cpu=True, optim="adamw_torch", report_to=[],
-                     save_strategy="no", logging_steps=10**6, dataloader_num_workers=0, seed=0,
-                     dataset_num_proc=None, disable_tqdm=True)
+    args = SFTConfig(
+        output_dir=cfg["out"],
+        per_device_train_batch_size=cfg["micro"],
+        gradient_accumulation_steps=cfg["global_batch"] // cfg["micro"],
+        max_steps=len(cfg["plan"]),
+        learning_rate=LR,
+        adam_beta1=BETAS[0],
+        adam_beta2=BETAS[1],
+        adam_epsilon=EPS,
+        weight_decay=0.0,
+        max_grad_norm=CLIP,
+        lr_scheduler_type="cosine",
+        warmup_steps=WARMUP,
+        padding_free=True,
+        max_length=None,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        optim="adamw_torch",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10**6,
+        dataloader_num_workers=0,
+        seed=0,
+        dataset_num_proc=None,
+        disable_tqdm=True,
+    )
     trainer = InPlanOrder(model=model, args=args, train_dataset=dataset, processing_class=tok, callbacks=[clock])
     lengths = [len(x) for x in trainer.train_dataset["input_ids"]]
     trainer.train()
     marks = clock.marks
     times = [b - a for a, b in zip(marks, marks[1:])]
     g = cfg["global_batch"]
-    return {"steps": {i + 1: t for i, t in enumerate(times)},
-            "tokens": {i + 1: sum(lengths[i * g:(i + 1) * g]) for i in range(len(times))},
-            "attn": getattr(model.config, "_attn_implementation", "?")}
+    return {
+        "steps": {i + 1: t for i, t in enumerate(times)},
+        "tokens": {i + 1: sum(lengths[i * g : (i + 1) * g]) for i in range(len(times))},
+        "attn": getattr(model.config, "_attn_implementation", "?"),
+    }
 
 
 def run_worker(kind: str, cfg: dict, work: str, pythonpath: str = "") -> dict:
@@ -237,8 +290,9 @@ def run_worker(kind: str, cfg: dict, work: str, pythonpath: str = "") -> dict:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, REPO, env.get("PYTHONPATH", "")) if p)
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--_worker", kind, path], capture_output=True,
-                          text=True, env=env)
+    done = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--_worker", kind, path], capture_output=True, text=True, env=env
+    )
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
         return {"skipped": f"{kind} worker exited {done.returncode}:\n{tail}"}
@@ -252,8 +306,9 @@ def run_worker(kind: str, cfg: dict, work: str, pythonpath: str = "") -> dict:
 
 def trl_importable(trl_path: str) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (trl_path, REPO) if p))
-    done = subprocess.run([sys.executable, "-c", "import trl, sys; print(trl.__version__)"], capture_output=True,
-                          text=True, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", "import trl, sys; print(trl.__version__)"], capture_output=True, text=True, env=env
+    )
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
@@ -266,8 +321,14 @@ def summarise(name: str, result: dict, plan_tokens: list, plan_targets: list, pa
     real = sum(tokens[s] for s in timed)
     targets = sum(plan_targets[s - 1] for s in timed)
     pad = None if padded is None else (1 - real / sum(padded[s - 1] for s in timed) if padded else 0.0)
-    return {"mode": name, "timed": len(timed), "median_s": statistics.median(steps[s] for s in timed),
-            "tok_s": real / secs, "tgt_s": targets / secs, "pad": pad}
+    return {
+        "mode": name,
+        "timed": len(timed),
+        "median_s": statistics.median(steps[s] for s in timed),
+        "tok_s": real / secs,
+        "tgt_s": targets / secs,
+        "pad": pad,
+    }
 
 
 def pad_text(pad) -> str:
@@ -326,12 +387,21 @@ def main(argv=None) -> int:
     plan_tokens = [sum(ls) for ls in lengths]
     plan_targets = [sum(examples[i].num_targets for i in step) for step in plan]
     padded = [padded_positions(ls, args.micro) for ls in lengths]
-    print(f"== {args.steps} steps of global batch {args.global_batch} (micro {args.micro}), {len(examples)} rows; "
-          f"real tokens per step: median {statistics.median(plan_tokens):.0f}, max {max(plan_tokens)}; padded "
-          f"micro-batches would compute {sum(padded) / sum(plan_tokens):.2f}x the real tokens; work dir {work}",
-          flush=True)
-    worker_cfg = dict(model=model_dir, data=data, max_len=args.max_len, plan=plan, micro=args.micro,
-                      global_batch=args.global_batch, threads=2)
+    print(
+        f"== {args.steps} steps of global batch {args.global_batch} (micro {args.micro}), {len(examples)} rows; "
+        f"real tokens per step: median {statistics.median(plan_tokens):.0f}, max {max(plan_tokens)}; padded "
+        f"micro-batches would compute {sum(padded) / sum(plan_tokens):.2f}x the real tokens; work dir {work}",
+        flush=True,
+    )
+    worker_cfg = dict(
+        model=model_dir,
+        data=data,
+        max_len=args.max_len,
+        plan=plan,
+        micro=args.micro,
+        global_batch=args.global_batch,
+        threads=2,
+    )
     results, rows = {}, []
     for mode in modes:
         started = time.time()
@@ -340,15 +410,23 @@ def main(argv=None) -> int:
         elif mode == "packed":
             res = run_project(mode, model_dir, data, work, args, ["train.packing=true"])
         elif mode == "budget":
-            res = run_project(mode, model_dir, data, work, args,
-                              ["train.packing=true", f"train.max_tokens_per_micro_batch={args.max_tokens}"])
+            res = run_project(
+                mode,
+                model_dir,
+                data,
+                work,
+                args,
+                ["train.packing=true", f"train.max_tokens_per_micro_batch={args.max_tokens}"],
+            )
         elif mode in ("floor", "floor-packed"):
             res = run_worker("floor", dict(worker_cfg, name=mode, packed=mode == "floor-packed"), work)
         else:
             version = trl_importable(args.trl_path)
-            res = (run_worker("trl", dict(worker_cfg, name=mode, out=os.path.join(work, "trl-out")), work,
-                              args.trl_path) if version else
-                   {"skipped": f"`import trl` fails (--trl-path={args.trl_path or 'unset'})"})
+            res = (
+                run_worker("trl", dict(worker_cfg, name=mode, out=os.path.join(work, "trl-out")), work, args.trl_path)
+                if version
+                else {"skipped": f"`import trl` fails (--trl-path={args.trl_path or 'unset'})"}
+            )
             if version and "skipped" not in res:
                 print(f"  (TRL {version}, attention {res.get('attn')})", flush=True)
         if "skipped" in res:
@@ -359,20 +437,30 @@ def main(argv=None) -> int:
             if differ:
                 print(f"  note: {mode} saw other token counts than the plan at steps {differ[:5]}", flush=True)
         # padding share: known for the padded modes, 0 for the padding-free loops, unknown for the project's packing
-        row = summarise(mode, res, plan_tokens, plan_targets, padded if mode in ("padded", "floor") else
-                        ([] if mode in ("floor-packed", "trl") else None), args.warmup)
+        row = summarise(
+            mode,
+            res,
+            plan_tokens,
+            plan_targets,
+            padded if mode in ("padded", "floor") else ([] if mode in ("floor-packed", "trl") else None),
+            args.warmup,
+        )
         results[mode] = row
         rows.append(row)
-        print(f"  {mode:<13} median {row['median_s']:.3f} s/step  {row['tok_s']:8.1f} real tok/s  "
-              f"{row['tgt_s']:8.1f} target tok/s  padding {pad_text(row['pad'])}  ({time.time() - started:.0f} s)",
-              flush=True)
+        print(
+            f"  {mode:<13} median {row['median_s']:.3f} s/step  {row['tok_s']:8.1f} real tok/s  "
+            f"{row['tgt_s']:8.1f} target tok/s  padding {pad_text(row['pad'])}  ({time.time() - started:.0f} s)",
+            flush=True,
+        )
     if rows:
         print(f"== summary (steps {args.warmup + 1}..{args.steps}; ratios are real tokens/s over the loop's)")
         print(f"  {'mode':<13} {'s/step':>7} {'tok/s':>8} {'padding':>8} {'/floor':>7} {'/floor-packed':>14}")
         for row in rows:
             ratio = lambda ref: f"{row['tok_s'] / results[ref]['tok_s']:.2f}x" if ref in results else "-"  # noqa
-            print(f"  {row['mode']:<13} {row['median_s']:7.3f} {row['tok_s']:8.1f} {pad_text(row['pad']):>8} "
-                  f"{ratio('floor'):>7} {ratio('floor-packed'):>14}")
+            print(
+                f"  {row['mode']:<13} {row['median_s']:7.3f} {row['tok_s']:8.1f} {pad_text(row['pad']):>8} "
+                f"{ratio('floor'):>7} {ratio('floor-packed'):>14}"
+            )
     return 0
 
 

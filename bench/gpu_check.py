@@ -22,6 +22,7 @@ Prints one table and exits 1 if any check fails. ``--device cpu`` is the CPU twi
 ``--perturb-normalizer F`` multiplies the split runs' normalizer by F: a mis-normalised gradient, which the sft/dpo
 rows must catch (the failure case of the test).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,10 @@ GLOBAL_BATCH, SPLIT_MICRO = 8, 2
 # Packed vs padded per-token log-probs: the same maths on differently shaped matmuls and attention kernels; measured
 # 2e-8 (fp32) and 3e-5 (bf16, CPU). Bounds 1e-4 and 5e-2 (~13u: flash-attn and sdpa round differently in bf16); a
 # row attending across a packing boundary changes log-probs by O(1).
-BOUNDS = {"fp32": {"loss": 1e-4, "grad_norm": 1e-4, "weights": 1e-3, "logps": 1e-4},
-          "bf16": {"loss": 2e-2, "grad_norm": 2e-2, "weights": 0.2, "logps": 5e-2}}
+BOUNDS = {
+    "fp32": {"loss": 1e-4, "grad_norm": 1e-4, "weights": 1e-3, "logps": 1e-4},
+    "bf16": {"loss": 2e-2, "grad_norm": 2e-2, "weights": 0.2, "logps": 5e-2},
+}
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -104,9 +107,11 @@ def build_worker(role: str, model_path: str, precision: str, micro: int):
 
     worker = TrainerWorker(role, 0, 1, num_threads=os.cpu_count() or 1)
     worker.device = DEVICE
-    worker.build(ModelSpec(path=model_path, precision=precision, attn_implementation="auto"),
-                 EngineSpec.for_global_batch(GLOBAL_BATCH, micro, 1, zero_stage=ZERO_STAGE, precision=precision),
-                 OptimSpec(lr=1e-3, total_steps=1, max_grad_norm=0.0))  # no clipping: the norm is compared raw
+    worker.build(
+        ModelSpec(path=model_path, precision=precision, attn_implementation="auto"),
+        EngineSpec.for_global_batch(GLOBAL_BATCH, micro, 1, zero_stage=ZERO_STAGE, precision=precision),
+        OptimSpec(lr=1e-3, total_steps=1, max_grad_norm=0.0),
+    )  # no clipping: the norm is compared raw
     return worker
 
 
@@ -125,10 +130,16 @@ def one_step(worker, batch, objective, perturb: float = 1.0) -> dict:
     flat = lambda: torch.cat([t.double().flatten() for _, t in iter_full_state(worker.model, ZERO_STAGE)])  # noqa: E731
     start = flat()
     result = worker.train_step(micro, objective, normalizer * perturb)
-    return {"loss": objective.finalize(result.sums, normalizer)["loss"], "grad_norm": result.grad_norm,
-            "start": start, "end": flat(), "applied": worker.engine.last_step_applied,
-            "optimizer": type(worker.engine.optimizer.optimizer).__name__
-            if hasattr(worker.engine.optimizer, "optimizer") else type(worker.engine.optimizer).__name__}
+    return {
+        "loss": objective.finalize(result.sums, normalizer)["loss"],
+        "grad_norm": result.grad_norm,
+        "start": start,
+        "end": flat(),
+        "applied": worker.engine.last_step_applied,
+        "optimizer": type(worker.engine.optimizer.optimizer).__name__
+        if hasattr(worker.engine.optimizer, "optimizer")
+        else type(worker.engine.optimizer).__name__,
+    }
 
 
 def release() -> None:
@@ -149,15 +160,25 @@ def check_split_vs_whole(name, model_path, precision, batch, objective, perturb)
     split = one_step(build_worker(f"{name}-split", model_path, precision, SPLIT_MICRO), batch, objective, perturb)
     release()
     bounds = BOUNDS[precision]
-    diffs = {"loss": rel(split["loss"], whole["loss"]), "grad_norm": rel(split["grad_norm"], whole["grad_norm"]),
-             "weights": rel(split["end"] - split["start"], whole["end"] - whole["start"])}
+    diffs = {
+        "loss": rel(split["loss"], whole["loss"]),
+        "grad_norm": rel(split["grad_norm"], whole["grad_norm"]),
+        "weights": rel(split["end"] - split["start"], whole["end"] - whole["start"]),
+    }
     ok = all(diffs[k] <= bounds[k] for k in diffs) and bool((split["start"] == whole["start"]).all())
     detail = "  ".join(within(k, v, bounds[k]) for k, v in diffs.items())
     rows = [(f"{name}: micro {GLOBAL_BATCH}xGA1 vs {SPLIT_MICRO}xGA{GLOBAL_BATCH // SPLIT_MICRO}", ok, detail, "")]
     if name == "sft":  # the engine row: built, stepped, moved the weights, with a finite norm
         engine_ok = whole["applied"] and math.isfinite(whole["grad_norm"]) and rel(whole["end"], whole["start"]) > 0
-        rows.insert(0, (f"engine: ZeRO {ZERO_STAGE} {precision}, {whole['optimizer']}", engine_ok,
-                        f"grad_norm {whole['grad_norm']:.4g}  loss {whole['loss']:.4f}", ""))
+        rows.insert(
+            0,
+            (
+                f"engine: ZeRO {ZERO_STAGE} {precision}, {whole['optimizer']}",
+                engine_ok,
+                f"grad_norm {whole['grad_norm']:.4g}  loss {whole['loss']:.4f}",
+                "",
+            ),
+        )
     return rows
 
 
@@ -190,8 +211,11 @@ def check_packing(model_path: str, precision: str, vocab: int) -> tuple:
     batch = random_rows(rows, 8, longest, vocab, seed=7).to(DEVICE)
     results = {}
     for label, attn, packing in (("padded", padded_attn, False), ("packed", packed_attention(padded_attn), True)):
-        model = load_model(ModelSpec(path=model_path, precision=precision, attn_implementation=attn,
-                                     packing=packing)).to(DEVICE).eval()
+        model = (
+            load_model(ModelSpec(path=model_path, precision=precision, attn_implementation=attn, packing=packing))
+            .to(DEVICE)
+            .eval()
+        )
         with torch.no_grad():
             logps = causal_lm_token_logps(model, batch.input_ids, batch.attention_mask, packing)  # warm-up too
             times = []
@@ -260,8 +284,10 @@ class PipeEngine:
         deadline = time.monotonic() + timeout_s
         while not self.conn.poll(0.2):
             if not self.receiver.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the receiver process {'died' if not self.receiver.is_alive() else 'is silent'}"
-                                   f" (exit code {self.receiver.exitcode})")
+                raise RuntimeError(
+                    f"the receiver process {'died' if not self.receiver.is_alive() else 'is silent'}"
+                    f" (exit code {self.receiver.exitcode})"
+                )
         return self.conn.recv()
 
     def __getattr__(self, call: str):
@@ -298,8 +324,12 @@ def check_ipc(model_path: str, precision: str) -> tuple:
     receiver.start()
     try:
         engine = PipeEngine(ours, receiver)
-        sender = LocalIpcSender(engine, 0, bucket_bytes=256 * 1024,  # small: many buckets, both buffers
-                                timeouts=SyncTimeouts(connect_s=60.0, call_s=120.0))
+        sender = LocalIpcSender(
+            engine,
+            0,
+            bucket_bytes=256 * 1024,  # small: many buckets, both buffers
+            timeouts=SyncTimeouts(connect_s=60.0, call_s=120.0),
+        )
         sender.connect()
         named = [(n, t.detach().to(sender.device)) for n, t in model.state_dict().items()]
         stats = sender.send(iter(named))
@@ -311,9 +341,12 @@ def check_ipc(model_path: str, precision: str) -> tuple:
     want = {name: digest(t) for name, t in named}
     ok = got == want and receiver.exitcode == 0 and stats["buckets"] >= 2
     kind = "CUDA IPC" if sender.device.type == "cuda" else "shared memory"
-    return (f"ipc: {kind}, {int(stats['buckets'])} buckets", ok,
-            f"sha256 {sum(got.get(n) == d for n, d in want.items())}/{len(want)} tensors",
-            f"{stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.2f} s")
+    return (
+        f"ipc: {kind}, {int(stats['buckets'])} buckets",
+        ok,
+        f"sha256 {sum(got.get(n) == d for n, d in want.items())}/{len(want)} tensors",
+        f"{stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.2f} s",
+    )
 
 
 def check_sync_group() -> tuple:
@@ -327,8 +360,11 @@ def check_sync_group() -> tuple:
 
     backend, bound = ("nccl" if DEVICE.type == "cuda" else "gloo"), 2.0
     store = host_store("127.0.0.1", 0, 1, 60.0)
-    group = SyncGroup(GroupAddress("127.0.0.1", int(store.port), ("policy rank 0",), backend,
-                                   SyncTimeouts(60.0, 60.0)), rank=0, store=store)
+    group = SyncGroup(
+        GroupAddress("127.0.0.1", int(store.port), ("policy rank 0",), backend, SyncTimeouts(60.0, 60.0)),
+        rank=0,
+        store=store,
+    )
     data = torch.arange(4096, device=group.device).remainder(251).to(torch.uint8)
     group.broadcast(data)
     sync(DEVICE)
@@ -338,14 +374,19 @@ def check_sync_group() -> tuple:
     store = host_store("127.0.0.1", 0, len(members), 60.0)
     started, named = time.perf_counter(), False
     try:
-        SyncGroup(GroupAddress("127.0.0.1", int(store.port), members, backend, SyncTimeouts(bound, 60.0)), rank=0,
-                  store=store)
+        SyncGroup(
+            GroupAddress("127.0.0.1", int(store.port), members, backend, SyncTimeouts(bound, 60.0)), rank=0, store=store
+        )
     except RendezvousTimeout as exc:
         named = f"rollout engine 0 worker 0 did not arrive within {bound:g} s" in str(exc)
     waited = time.perf_counter() - started
-    return (f"sync group: {backend}, arrival bound", formed and named and waited < bound + 10,
-            f"1 member {'formed' if formed else 'FAILED'}; absent peer {'named' if named else 'NOT named'} after "
-            f"{waited:.1f} s (bound {bound:g} s)", "")
+    return (
+        f"sync group: {backend}, arrival bound",
+        formed and named and waited < bound + 10,
+        f"1 member {'formed' if formed else 'FAILED'}; absent peer {'named' if named else 'NOT named'} after "
+        f"{waited:.1f} s (bound {bound:g} s)",
+        "",
+    )
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -372,17 +413,20 @@ def run(args) -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    TrainerWorker("gpu-check", 0, 1).init_process_group("127.0.0.1", port, "nccl" if DEVICE.type == "cuda" else "gloo",
-                                                        timeout_s=60)
+    TrainerWorker("gpu-check", 0, 1).init_process_group(
+        "127.0.0.1", port, "nccl" if DEVICE.type == "cuda" else "gloo", timeout_s=60
+    )
 
     precision, perturb = args.precision, args.perturb_normalizer
-    checks = {"engine + sft": lambda: check_split_vs_whole("sft", model_path, precision,
-                                                          random_rows(GLOBAL_BATCH, 8, 48, vocab, seed=1),
-                                                          SFTObjective(), perturb),
-              "dpo": lambda: check_dpo(model_path, precision, vocab, perturb),
-              "packing": lambda: [check_packing(model_path, precision, vocab)],
-              "ipc": lambda: [check_ipc(model_path, precision)],
-              "sync group": lambda: [check_sync_group()]}
+    checks = {
+        "engine + sft": lambda: check_split_vs_whole(
+            "sft", model_path, precision, random_rows(GLOBAL_BATCH, 8, 48, vocab, seed=1), SFTObjective(), perturb
+        ),
+        "dpo": lambda: check_dpo(model_path, precision, vocab, perturb),
+        "packing": lambda: [check_packing(model_path, precision, vocab)],
+        "ipc": lambda: [check_ipc(model_path, precision)],
+        "sync group": lambda: [check_sync_group()],
+    }
     rows = []
     for name, check in checks.items():
         try:
@@ -393,8 +437,10 @@ def run(args) -> int:
         release()
     table = [("check", "result", "relative differences (<= bound)", "tokens/s | throughput")]
     table += [(name, "PASS" if ok else "FAIL", detail, speed) for name, ok, detail, speed in rows]
-    print(f"\nrlhf one-GPU check on {torch.cuda.get_device_name(0) if DEVICE.type == 'cuda' else 'cpu'}, "
-          f"{args.precision}, model {model_path}, {time.perf_counter() - STARTED:.0f} s")
+    print(
+        f"\nrlhf one-GPU check on {torch.cuda.get_device_name(0) if DEVICE.type == 'cuda' else 'cpu'}, "
+        f"{args.precision}, model {model_path}, {time.perf_counter() - STARTED:.0f} s"
+    )
     print_table(table)
     failed = [r[0] for r in rows if not r[1]]
     torch.distributed.destroy_process_group()  # NCCL warns at exit otherwise
@@ -405,11 +451,17 @@ def run(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
-                        help="default: bf16 on cuda, fp32 on cpu")
+    parser.add_argument(
+        "--precision", choices=("bf16", "fp32"), default=None, help="default: bf16 on cuda, fp32 on cpu"
+    )
     parser.add_argument("--model", default=None, help="an HF causal LM directory (default: a tiny Qwen2 built here)")
-    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0,
-                        help="the engine's ZeRO stage for the engine, sft and dpo rows (runs use 2 by default)")
+    parser.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=(0, 1, 2, 3),
+        default=0,
+        help="the engine's ZeRO stage for the engine, sft and dpo rows (runs use 2 by default)",
+    )
     parser.add_argument("--perturb-normalizer", type=float, default=1.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")

@@ -7,6 +7,7 @@ algorithm facts in ``docs/algorithms/rl.md`` from the registry entries (:func:`r
 The rows come from :func:`rlhf.config.describe_keys` (the same source as ``--help``): key, type, default and
 the field's trailing ``# comment`` in ``rlhf/config/schema.py`` / ``rl_schema.py``. The output is deterministic.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,8 @@ from rlhf.config import (  # noqa: E402
     describe_keys,
     load_config,
 )
-from rlhf.config.rl_schema import RLRunConfig  # noqa: E402
 from rlhf.config.cli import _format_default  # noqa: E402  (a default spelled as --help spells it)
+from rlhf.config.rl_schema import RLRunConfig  # noqa: E402
 
 #: (trainer, command module, run config), in the order the reference lists them.
 TRAINERS: tuple[tuple[str, str, type], ...] = (
@@ -185,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         current = output.read_text(encoding="utf-8") if output.is_file() else ""
         if current == text:
             continue
-        diff = difflib.unified_diff(current.splitlines(), text.splitlines(), "committed", "generated", lineterm="",
-                                    n=1)
+        diff = difflib.unified_diff(current.splitlines(), text.splitlines(), "committed", "generated", lineterm="", n=1)
         print(f"{output} is stale; regenerate it with: python docs/gen_config_reference.py", file=sys.stderr)
         print("\n".join(list(diff)[:40]), file=sys.stderr)
         stale = 1

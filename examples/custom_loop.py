@@ -15,6 +15,7 @@ numbers). ``WorkerGroup.train_batch`` does the rest: it cuts each global batch o
 micro-batches of 4 (ZeRO 2), counts the normalizer over all 16 before the first backward and returns the step's
 global metrics, the same whatever the split. docs/custom_loops.md ("Writing an objective") is the contract.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,12 +47,20 @@ class MeanLogpPreference:
         margin = self.beta * (mean[:, 0] - mean[:, 1])
         losses = -torch.nn.functional.logsigmoid(margin - self.gamma)
         total = losses.sum()  # a SUM over the micro-batch's pairs: the group divides by the global count
-        return total, {"loss_sum": total.item(), "margin_sum": margin.sum().item(),
-                       "correct": (margin > 0).sum().item(), "chosen_logp_sum": mean[:, 0].sum().item()}
+        return total, {
+            "loss_sum": total.item(),
+            "margin_sum": margin.sum().item(),
+            "correct": (margin > 0).sum().item(),
+            "chosen_logp_sum": mean[:, 0].sum().item(),
+        }
 
     def finalize(self, sums: Dict[str, float], normalizer: int) -> Dict[str, float]:
-        return {"loss": sums["loss_sum"] / normalizer, "margin": sums["margin_sum"] / normalizer,
-                "accuracy": sums["correct"] / normalizer, "logp/chosen": sums["chosen_logp_sum"] / normalizer}
+        return {
+            "loss": sums["loss_sum"] / normalizer,
+            "margin": sums["margin_sum"] / normalizer,
+            "accuracy": sums["correct"] / normalizer,
+            "logp/chosen": sums["chosen_logp_sum"] / normalizer,
+        }
 
 
 def preference_pairs(tokenizer, n: int, seed: int, max_operand: int = 5) -> list:
@@ -61,12 +70,19 @@ def preference_pairs(tokenizer, n: int, seed: int, max_operand: int = 5) -> list
     from rlhf.synthetic.arithmetic import make_preference_rows
 
     rows = make_preference_rows(n, seed=seed, max_operand=max_operand)
-    return tokenize_pairs(rows, tokenizer, max_length=32, prompt_key="prompt", chosen_key="chosen",
-                          rejected_key="rejected").examples
+    return tokenize_pairs(
+        rows, tokenizer, max_length=32, prompt_key="prompt", chosen_key="chosen", rejected_key="rejected"
+    ).examples
 
 
-def main(steps: int = 16, num_workers: int = 2, micro_batch_size: int = 4, grad_accum_steps: int = 2,
-         lr: float = 1e-3, work_dir: Optional[str] = None) -> Dict[str, object]:
+def main(
+    steps: int = 16,
+    num_workers: int = 2,
+    micro_batch_size: int = 4,
+    grad_accum_steps: int = 2,
+    lr: float = 1e-3,
+    work_dir: Optional[str] = None,
+) -> Dict[str, object]:
     """``steps`` optimizer steps of ``micro_batch_size x grad_accum_steps x num_workers`` pairs; returns
     ``{"history": [metrics per step], "eval": (before, after), "model_dir": the initial model, "final": ...}``."""
     from transformers import AutoTokenizer
@@ -88,24 +104,30 @@ def main(steps: int = 16, num_workers: int = 2, micro_batch_size: int = 4, grad_
     init_ray(needed_cpus=num_workers)  # joins a Ray that is already up
     policy = WorkerGroup("policy", GroupResources(num_workers=num_workers, env_vars=actor_env(0)), backend="gloo")
     try:
-        policy.build(ModelSpec(path=model_dir),
-                     EngineSpec.for_global_batch(global_batch, micro_batch_size, num_workers, zero_stage=2),
-                     OptimSpec(lr=lr, total_steps=steps))
+        policy.build(
+            ModelSpec(path=model_dir),
+            EngineSpec.for_global_batch(global_batch, micro_batch_size, num_workers, zero_stage=2),
+            OptimSpec(lr=lr, total_steps=steps),
+        )
         objective, history = MeanLogpPreference(), []
         before = policy.evaluate_batch(held_out, objective).finalize(objective)
         print("held-out before: " + "  ".join(f"{k} {v:.3f}" for k, v in before.items()), flush=True)
         for step in range(steps):
-            batch = collate_pairs(train[step * global_batch:(step + 1) * global_batch], tokenizer.pad_token_id)
+            batch = collate_pairs(train[step * global_batch : (step + 1) * global_batch], tokenizer.pad_token_id)
             result = policy.train_batch(batch, objective, schedule_step=step)
             history.append({**result.metrics, "grad_norm": result.grad_norm})
-            print(f"step {step + 1:2d}/{steps}  " + "  ".join(f"{k} {v:.4f}" for k, v in history[-1].items()),
-                  flush=True)
+            print(
+                f"step {step + 1:2d}/{steps}  " + "  ".join(f"{k} {v:.4f}" for k, v in history[-1].items()), flush=True
+            )
         after = policy.evaluate_batch(held_out, objective).finalize(objective)
         policy.save_pretrained(os.path.join(work, "final"))
     finally:
         policy.shutdown()
-    print(f"done: held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, "
-          f"loss {before['loss']:.3f} -> {after['loss']:.3f}; saved {work}/final", flush=True)
+    print(
+        f"done: held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, "
+        f"loss {before['loss']:.3f} -> {after['loss']:.3f}; saved {work}/final",
+        flush=True,
+    )
     return {"history": history, "eval": (before, after), "model_dir": model_dir, "final": os.path.join(work, "final")}
 
 

@@ -15,6 +15,7 @@ The loop body is the algorithm: generate -> reward -> old log-probs (``score_bat
 whole rollout (``advantages_for``) -> one optimizer step (``train_batch``, which cuts the batch into micro-batches
 and normalizes the loss over all of it) -> weight sync. docs/custom_loops.md walks it.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,14 @@ def digit_share(text: str) -> float:
     return sum(c.isdigit() for c in text) / len(text) if text else 0.0
 
 
-def main(steps: int = 20, prompts_per_step: int = 8, samples_per_prompt: int = 8, micro_batch_size: int = 16,
-         lr: float = 2e-3, work_dir: Optional[str] = None) -> List[Dict[str, float]]:
+def main(
+    steps: int = 20,
+    prompts_per_step: int = 8,
+    samples_per_prompt: int = 8,
+    micro_batch_size: int = 16,
+    lr: float = 2e-3,
+    work_dir: Optional[str] = None,
+) -> List[Dict[str, float]]:
     """``steps`` RLOO steps of ``prompts_per_step x samples_per_prompt`` samples, one optimizer step each;
     returns one record per step (``reward``, ``loss``, ``grad_norm``, ``logp_mismatch``)."""
     from transformers import AutoTokenizer
@@ -41,8 +48,16 @@ def main(steps: int = 20, prompts_per_step: int = 8, samples_per_prompt: int = 8
     from rlhf.distributed.group import GroupResources, WorkerGroup
     from rlhf.models.loading import ModelSpec
     from rlhf.models.tiny import build_tiny_model
-    from rlhf.rl import (PolicyObjective, RolloutEngines, SamplingSpec, TokenLogps, VLLMSpec, advantages_for,
-                         logp_mismatch, rollout_batch)
+    from rlhf.rl import (
+        PolicyObjective,
+        RolloutEngines,
+        SamplingSpec,
+        TokenLogps,
+        VLLMSpec,
+        advantages_for,
+        logp_mismatch,
+        rollout_batch,
+    )
     from rlhf.synthetic.arithmetic import make_rl_prompts
 
     model_dir = build_tiny_model(os.path.join(work_dir or tempfile.mkdtemp(prefix="custom-rl-"), "model"))
@@ -55,15 +70,17 @@ def main(steps: int = 20, prompts_per_step: int = 8, samples_per_prompt: int = 8
     engines = None
     try:
         # one optimizer step per RL step: the whole rollout batch, in micro-batches of micro_batch_size
-        policy.build(ModelSpec(path=model_dir), EngineSpec.for_global_batch(len(group_ids), micro_batch_size, 1),
-                     OptimSpec(lr=lr, total_steps=steps))
-        engines = RolloutEngines(VLLMSpec(model_path=model_dir, max_model_len=64), num_engines=1,
-                                 env_vars=actor_env(0))
+        policy.build(
+            ModelSpec(path=model_dir),
+            EngineSpec.for_global_batch(len(group_ids), micro_batch_size, 1),
+            OptimSpec(lr=lr, total_steps=steps),
+        )
+        engines = RolloutEngines(VLLMSpec(model_path=model_dir, max_model_len=64), num_engines=1, env_vars=actor_env(0))
         # once: the policy's rank 0 and the engine form the weight-sync group (gloo here, NCCL on GPUs)
         engines.connect_weight_sync(policy, "broadcast", bucket_bytes=64 << 20, backend="gloo")
         objective, history = PolicyObjective(), []
         for step in range(steps):
-            chunk = prompts[step * prompts_per_step:(step + 1) * prompts_per_step]
+            chunk = prompts[step * prompts_per_step : (step + 1) * prompts_per_step]
             sampling = SamplingSpec(max_new_tokens=6, seed=1000 * step, stop_token_ids=(tokenizer.eos_token_id,))
             generations = engines.generate([chunk[p] for p in group_ids], sampling)
             rewards = [digit_share(tokenizer.decode(g.response_ids, skip_special_tokens=True)) for g in generations]
@@ -72,16 +89,29 @@ def main(steps: int = 20, prompts_per_step: int = 8, samples_per_prompt: int = 8
             batch, _ = advantages_for(batch, rewards, group_ids, estimator="rloo")
             result = policy.train_batch(batch, objective, schedule_step=step)
             policy.push_weights()
-            history.append({"step": step + 1, "reward": sum(rewards) / len(rewards), "loss": result.metrics["loss"],
-                            "grad_norm": result.grad_norm, "logp_mismatch": logp_mismatch(batch)})
-            print("step {step:2d}  reward {reward:.3f}  loss {loss:.4f}  grad_norm {grad_norm:.3f}  "
-                  "logp mismatch {logp_mismatch:.1e}".format(**history[-1]), flush=True)
+            history.append(
+                {
+                    "step": step + 1,
+                    "reward": sum(rewards) / len(rewards),
+                    "loss": result.metrics["loss"],
+                    "grad_norm": result.grad_norm,
+                    "logp_mismatch": logp_mismatch(batch),
+                }
+            )
+            print(
+                "step {step:2d}  reward {reward:.3f}  loss {loss:.4f}  grad_norm {grad_norm:.3f}  "
+                "logp mismatch {logp_mismatch:.1e}".format(**history[-1]),
+                flush=True,
+            )
     finally:
         if engines is not None:
             engines.shutdown()
         policy.shutdown()
-    print(f"done: reward {history[0]['reward']:.3f} -> {history[-1]['reward']:.3f} over {steps} steps; "
-          f"largest logp mismatch {max(h['logp_mismatch'] for h in history):.1e}", flush=True)
+    print(
+        f"done: reward {history[0]['reward']:.3f} -> {history[-1]['reward']:.3f} over {steps} steps; "
+        f"largest logp mismatch {max(h['logp_mismatch'] for h in history):.1e}",
+        flush=True,
+    )
     return history
 
 

@@ -1,4 +1,5 @@
 """Writing a file so that a reader, or a crash, sees the old content or the new, never a part of it."""
+
 from __future__ import annotations
 
 import contextlib

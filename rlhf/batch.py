@@ -13,6 +13,7 @@ in one pass.
 Token conventions: ``loss_mask[b, t] == 1`` means token ``t`` is a target whose log-probability (predicted at
 position ``t - 1``) enters the loss; position 0 is never a target. Padding is on the right.
 """
+
 from __future__ import annotations
 
 import dataclasses

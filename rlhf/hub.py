@@ -15,6 +15,7 @@ The cache directory and the offline switch are read from the environment at each
 ``HF_HOME``, ``HF_HUB_OFFLINE``) rather than from ``huggingface_hub.constants``, which freezes them when first
 imported: a driver may set them later, and :func:`hub_env` forwards them to the actors.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,14 +47,32 @@ DEFAULT_REVISION = "main"
 _DATA_FILE_EXTS = (".json", ".jsonl", ".parquet", ".csv", ".tsv", ".arrow", ".txt", ".gz", ".zst", ".zip")
 # Files of a model repository that transformers and vLLM never read here (other frameworks' weights, exports,
 # the original non-HF checkpoints): not downloaded.
-_NOT_LOADED = ("*.onnx", "*.onnx_data", "onnx/*", "*.gguf", "*.h5", "*.msgpack", "*.tflite", "*.ot", "*.mlmodel",
-               "coreml/*", "openvino/*", "original/*")
+_NOT_LOADED = (
+    "*.onnx",
+    "*.onnx_data",
+    "onnx/*",
+    "*.gguf",
+    "*.h5",
+    "*.msgpack",
+    "*.tflite",
+    "*.ot",
+    "*.mlmodel",
+    "coreml/*",
+    "openvino/*",
+    "original/*",
+)
 # PyTorch pickles duplicate the safetensors weights when a repository has both; transformers loads safetensors.
 _PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth")
 _CARD_FILES = ("README.md",)
 # Any one of these makes a directory a tokenizer (fast tokenizer, its config, or a slow tokenizer's vocabulary).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
-                    "spiece.model")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+)
 
 
 class HubError(ValueError):
@@ -111,8 +130,9 @@ def offline() -> bool:
     """``HF_HUB_OFFLINE`` now, or when huggingface_hub was imported (it then refuses every request anyway)."""
     from huggingface_hub import constants
 
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE") or \
-        bool(constants.HF_HUB_OFFLINE)
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE") or bool(
+        constants.HF_HUB_OFFLINE
+    )
 
 
 #: What a worker needs to resolve references as the driver does: the same cache location, the same offline switch
@@ -171,15 +191,18 @@ def pin_run_sources(cfg: RunConfigT, model_keys: Sequence[str] = RUN_MODEL_KEYS)
             changes.setdefault(section, {})[name] = pinned
     if not changes:
         return cfg
-    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)
-                                       for section, fields in changes.items()})
+    return dataclasses.replace(
+        cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields) for section, fields in changes.items()}
+    )
 
 
 def _check_snapshot(key: str, ref: str, snapshot: str) -> None:
     if key in TOKENIZER_KEYS:
         if not any(os.path.isfile(os.path.join(snapshot, f)) for f in _TOKENIZER_FILES):
-            raise ConfigError(f"{key}: hub repository {ref!r} (snapshot {snapshot}) has no tokenizer files "
-                              f"({', '.join(_TOKENIZER_FILES)})")
+            raise ConfigError(
+                f"{key}: hub repository {ref!r} (snapshot {snapshot}) has no tokenizer files "
+                f"({', '.join(_TOKENIZER_FILES)})"
+            )
     elif key not in DATA_KEYS:
         check_model_folder(key, ref, snapshot)
 
@@ -213,8 +236,9 @@ def _pins_of_resumed_run(cfg: RunConfig, model_keys: Sequence[str]) -> Dict[str,
     out = {}
     for key in tuple(model_keys) + TOKENIZER_KEYS + DATA_KEYS:
         section, name = key.split(".")
-        value = tree.get(section, {}).get(name) if isinstance(tree, dict) and isinstance(tree.get(section), dict) \
-            else None
+        value = (
+            tree.get(section, {}).get(name) if isinstance(tree, dict) and isinstance(tree.get(section), dict) else None
+        )
         if isinstance(value, str) and is_hub_ref(value) and is_pinned(value):
             out[key] = value
     return out
@@ -271,8 +295,9 @@ def locate(ref: str, repo_type: str = MODEL) -> Tuple[str, Optional[str]]:
     from huggingface_hub import HfApi
 
     try:
-        sha = _ask_hub(repo_id, revision, repo_type,
-                       lambda: HfApi().repo_info(repo_id, repo_type=repo_type, revision=revision).sha)
+        sha = _ask_hub(
+            repo_id, revision, repo_type, lambda: HfApi().repo_info(repo_id, repo_type=repo_type, revision=revision).sha
+        )
     except HubError as e:
         if found and not e.not_found:  # unreachable, but cached: what a run here would use
             return os.path.basename(found), found
@@ -326,19 +351,22 @@ def _uncached(repo_id: str, revision: str, repo_type: str) -> str:
     commits = sorted(os.listdir(snapshots)) if os.path.isdir(snapshots) else []
     held = ""
     if have or commits:
-        held = (f" (it holds other revisions of it: {', '.join(have) or 'no branch'}; "
-                f"commits {', '.join(c[:12] for c in commits) or 'none'})")
+        held = (
+            f" (it holds other revisions of it: {', '.join(have) or 'no branch'}; "
+            f"commits {', '.join(c[:12] for c in commits) or 'none'})"
+        )
     flag = " --repo-type dataset" if repo_type == DATASET else ""
-    return (f"hub {repo_type} {repo_id} (revision {revision}) is not in the Hugging Face cache {cache_dir()} on "
-            f"{socket.gethostname()}{held}, and HF_HUB_OFFLINE=1 forbids downloading it: download it where the hub "
-            f"is reachable (hf download {repo_id}{flag} --revision {revision}) into that cache, or point "
-            f"HF_HUB_CACHE / HF_HOME at a cache that holds it")
+    return (
+        f"hub {repo_type} {repo_id} (revision {revision}) is not in the Hugging Face cache {cache_dir()} on "
+        f"{socket.gethostname()}{held}, and HF_HUB_OFFLINE=1 forbids downloading it: download it where the hub "
+        f"is reachable (hf download {repo_id}{flag} --revision {revision}) into that cache, or point "
+        f"HF_HUB_CACHE / HF_HOME at a cache that holds it"
+    )
 
 
 def _ask_hub(repo_id: str, revision: str, repo_type: str, call: Callable):
     """``call()`` with huggingface_hub's errors turned into :class:`HubError` naming the reference and the cache."""
-    from huggingface_hub.errors import (GatedRepoError, HFValidationError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 
     what = f"hub {repo_type} {repo_id} (revision {revision})"
     try:
@@ -346,16 +374,24 @@ def _ask_hub(repo_id: str, revision: str, repo_type: str, call: Callable):
     except HFValidationError as e:
         raise HubError(f"{repo_id!r} is not a valid hub {repo_type} id: {e}", not_found=True) from None
     except GatedRepoError:
-        raise HubError(f"{what} is gated: accept its terms on huggingface.co, then log in on every node "
-                       f"(hf auth login, or HF_TOKEN)", not_found=True) from None
+        raise HubError(
+            f"{what} is gated: accept its terms on huggingface.co, then log in on every node "
+            f"(hf auth login, or HF_TOKEN)",
+            not_found=True,
+        ) from None
     except RepositoryNotFoundError:
-        raise HubError(f"{what}: no such repository on the hub {_endpoint()} (a private one needs a login: "
-                       f"hf auth login, or HF_TOKEN)", not_found=True) from None
+        raise HubError(
+            f"{what}: no such repository on the hub {_endpoint()} (a private one needs a login: "
+            f"hf auth login, or HF_TOKEN)",
+            not_found=True,
+        ) from None
     except RevisionNotFoundError:
         raise HubError(f"{what}: the repository has no revision {revision!r}", not_found=True) from None
     except (OSError, ConnectionError) as e:  # unreachable hub and nothing cached; HfHubHTTPError is an OSError too
-        raise HubError(f"{what} is not in the Hugging Face cache {cache_dir()} on {socket.gethostname()} and the "
-                       f"hub {_endpoint()} could not provide it ({type(e).__name__}: {_first_line(e)})") from None
+        raise HubError(
+            f"{what} is not in the Hugging Face cache {cache_dir()} on {socket.gethostname()} and the "
+            f"hub {_endpoint()} could not provide it ({type(e).__name__}: {_first_line(e)})"
+        ) from None
 
 
 def _endpoint() -> str:
@@ -368,13 +404,24 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0]
 
 
-def _download(repo_id: str, revision: str, repo_type: str, allow: Optional[List[str]] = None,
-              ignore: Optional[List[str]] = None) -> str:
+def _download(
+    repo_id: str, revision: str, repo_type: str, allow: Optional[List[str]] = None, ignore: Optional[List[str]] = None
+) -> str:
     from huggingface_hub import snapshot_download
 
-    return _ask_hub(repo_id, revision, repo_type, lambda: snapshot_download(
-        repo_id, repo_type=repo_type, revision=revision, cache_dir=cache_dir(), allow_patterns=allow,
-        ignore_patterns=ignore))
+    return _ask_hub(
+        repo_id,
+        revision,
+        repo_type,
+        lambda: snapshot_download(
+            repo_id,
+            repo_type=repo_type,
+            revision=revision,
+            cache_dir=cache_dir(),
+            allow_patterns=allow,
+            ignore_patterns=ignore,
+        ),
+    )
 
 
 def _fetch_model(repo_id: str, revision: str) -> str:
@@ -426,16 +473,25 @@ def _config_patterns(snapshot: str, config_name: str, what: str) -> Optional[Lis
     names = [str(c.get("config_name", "default")) for c in configs]
     if config_name:
         if config_name not in names:
-            raise HubError(f"hub dataset {what}: no config {config_name!r} (available configs: {', '.join(names)})",
-                           not_found=True, of_repository=False)
+            raise HubError(
+                f"hub dataset {what}: no config {config_name!r} (available configs: {', '.join(names)})",
+                not_found=True,
+                of_repository=False,
+            )
         chosen = configs[names.index(config_name)]
     else:
-        defaults = [c for c in configs if c.get("default")] or \
-                   [c for c, n in zip(configs, names) if n == "default"] or (configs if len(configs) == 1 else [])
+        defaults = (
+            [c for c in configs if c.get("default")]
+            or [c for c, n in zip(configs, names) if n == "default"]
+            or (configs if len(configs) == 1 else [])
+        )
         if not defaults:
-            raise HubError(f"hub dataset {what} has several configs and none is the default: choose one with "
-                           f"data.config_name (available configs: {', '.join(names)})", not_found=True,
-                           of_repository=False)
+            raise HubError(
+                f"hub dataset {what} has several configs and none is the default: choose one with "
+                f"data.config_name (available configs: {', '.join(names)})",
+                not_found=True,
+                of_repository=False,
+            )
         chosen = defaults[0]
     return _data_file_patterns(chosen)
 

@@ -3,6 +3,7 @@
 A registry maps a name to a callable. Looking up an unknown name raises an error that lists every valid
 name, so a typo in a config (``dpo.loss_type=sigmod``) is answered with the fix, not a KeyError.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -52,9 +53,7 @@ class Registry(Generic[T]):
         if name not in self._items:
             close = difflib.get_close_matches(name, self._items, n=3)
             hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise UnknownNameError(
-                f"unknown {self.kind} {name!r}.{hint} Valid names: {', '.join(sorted(self._items))}"
-            )
+            raise UnknownNameError(f"unknown {self.kind} {name!r}.{hint} Valid names: {', '.join(sorted(self._items))}")
         return self._items[name]
 
     def names(self) -> list[str]:

@@ -24,6 +24,7 @@ the policy's sampled tokens carry loss (rlhf/rollout/episodes.py). ``encode`` is
 or ``ChatObservations(chat, role)`` (a chat template's observation turns; a reset observation is rendered onto
 the episode's own prompt: pass ``prompt_messages=``, aligned with ``prompt_ids``), or any ``text -> ids`` function.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple, Union
@@ -42,11 +43,33 @@ from rlhf.rollout.multi_turn import EpisodeRecord, TurnLimits, episode_metrics, 
 from rlhf.rollout.observations import ChatObservations, TextObservations
 from rlhf.rollout.vllm_engine import Generation, SamplingSpec, VLLMSpec
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "ChatObservations", "Episode", "EpisodeError", "EpisodeRecord", "Generation",
-           "PolicyLossConfig", "PolicyObjective", "RolloutEngines", "SamplingFilter", "SamplingSpec",
-           "SequenceScores", "TextObservations", "TokenLogps", "TokenValues", "TurnLimits", "VLLMSpec",
-           "ValueObjective", "advantages_for", "episode_metrics", "episodes_batch", "logp_mismatch", "rollout_batch",
-           "run_episodes"]
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "ChatObservations",
+    "Episode",
+    "EpisodeError",
+    "EpisodeRecord",
+    "Generation",
+    "PolicyLossConfig",
+    "PolicyObjective",
+    "RolloutEngines",
+    "SamplingFilter",
+    "SamplingSpec",
+    "SequenceScores",
+    "TextObservations",
+    "TokenLogps",
+    "TokenValues",
+    "TurnLimits",
+    "VLLMSpec",
+    "ValueObjective",
+    "advantages_for",
+    "episode_metrics",
+    "episodes_batch",
+    "logp_mismatch",
+    "rollout_batch",
+    "run_episodes",
+]
+
 
 def rollout_batch(generations: Sequence, pad_id: int) -> Batch:
     """Single-turn generations (``rlhf.rollout.vllm_engine.Generation``) -> one right-padded ``(B, T)`` batch.
@@ -63,10 +86,19 @@ def rollout_batch(generations: Sequence, pad_id: int) -> Batch:
     return episodes_batch(episodes, pad_id)
 
 
-def advantages_for(batch: Batch, scores: Union[torch.Tensor, Sequence[float]],
-                   group_ids: Union[torch.Tensor, Sequence[int], None] = None, *, estimator: str,
-                   gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, kl_estimator: str = "k3",
-                   kl_in_reward: bool = False, whiten_advantages: str = "none") -> Tuple[Batch, dict]:
+def advantages_for(
+    batch: Batch,
+    scores: Union[torch.Tensor, Sequence[float]],
+    group_ids: Union[torch.Tensor, Sequence[int], None] = None,
+    *,
+    estimator: str,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    kl_in_reward: bool = False,
+    whiten_advantages: str = "none",
+) -> Tuple[Batch, dict]:
     """Attach ``advantages`` and ``returns`` (``(B, T)``) to the whole rollout batch; returns it with KL stats.
 
     Args:
@@ -94,8 +126,9 @@ def advantages_for(batch: Batch, scores: Union[torch.Tensor, Sequence[float]],
     if entry.needs_group_ids and group_ids is None:
         raise ValueError(f"estimator {estimator!r} compares the samples of a prompt: pass group_ids (B,)")
     if entry.needs_critic and batch.values is None:
-        raise ValueError(f"estimator {estimator!r} needs batch.values (the critic's, e.g. critic.score_batch(batch, "
-                         "TokenValues()))")
+        raise ValueError(
+            f"estimator {estimator!r} needs batch.values (the critic's, e.g. critic.score_batch(batch, TokenValues()))"
+        )
     # float64 when the policy's log-probs are (strategy.precision=fp64): the advantages are then float64 too
     fp64 = batch.old_logps is not None and batch.old_logps.dtype == torch.float64
     assert batch.loss_mask is not None, "an experience batch carries its loss mask"
@@ -114,8 +147,15 @@ def advantages_for(batch: Batch, scores: Union[torch.Tensor, Sequence[float]],
     if penalty is not None and not per_token:
         scores = scores - penalty.sum(-1).to(scores.dtype)
     rewards = token_level_rewards(scores, mask, penalty if per_token else None, 1.0)
-    inputs = AdvantageInputs(token_rewards=rewards, scores=scores, response_mask=mask, values=batch.values,
-                             group_ids=groups, gamma=gamma, lam=lam)
+    inputs = AdvantageInputs(
+        token_rewards=rewards,
+        scores=scores,
+        response_mask=mask,
+        values=batch.values,
+        group_ids=groups,
+        gamma=gamma,
+        lam=lam,
+    )
     advantages, returns = entry.fn(inputs)
     if whiten_advantages != "none":
         advantages = whiten(advantages, mask, shift_mean=whiten_advantages == "whiten")

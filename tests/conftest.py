@@ -19,6 +19,7 @@ first. Files with no record yet (a fresh clone, a new file) go first, integratio
 may be long. Inside a file the tests keep their order. Under xdist the controlling process reads the cache once and
 hands the same figures to every worker, so the workers' collections agree even if the cache changes meanwhile.
 """
+
 from __future__ import annotations
 
 import os
@@ -71,13 +72,17 @@ class _TestSeconds:
         recorded = dict(recorded) if isinstance(recorded, dict) else {}
         recorded.update({nodeid: round(s, 3) for nodeid, s in self.ran.items()})
         root = Path(self.config.rootpath)
-        cache.set(SECONDS_KEY, {nodeid: s for nodeid, s in sorted(recorded.items())
-                                if (root / _file(nodeid)).is_file()})  # files since removed are forgotten
+        cache.set(
+            SECONDS_KEY, {nodeid: s for nodeid, s in sorted(recorded.items()) if (root / _file(nodeid)).is_file()}
+        )  # files since removed are forgotten
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: starts Ray actors or trains end to end: every test under "
-                                       "tests/integration (`make test-fast` runs tests/unit only)")
+    config.addinivalue_line(
+        "markers",
+        "slow: starts Ray actors or trains end to end: every test under "
+        "tests/integration (`make test-fast` runs tests/unit only)",
+    )
     if hasattr(config, "workerinput"):  # an xdist worker: the controller read the cache and records the times
         config.stash[_SECONDS] = config.workerinput.get("rlhf_test_seconds", {})
         return
@@ -180,7 +185,12 @@ def ray_session():
         # Logical CPUs: an RL run holds policy, reference, critic and vLLM actors at once; they take turns on 2 cores.
         # address="local": always a cluster of this process's own (parallel test processes each start one),
         # never one found through RAY_ADDRESS or /tmp/ray/ray_current_cluster.
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}})
+        ray.init(
+            address="local",
+            num_cpus=8,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}},
+        )
     yield ray
     ray.shutdown()

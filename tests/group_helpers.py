@@ -1,4 +1,5 @@
 """An in-process stand-in for a worker group's actors, for unit tests of the group's own logic (no Ray)."""
+
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,6 @@
 """Shared by the offline end-to-end test files (SFT, DPO, reward model): run overrides, metric rows, weight
 comparisons, and plain single-process PyTorch references (no DeepSpeed, no Ray, no project loss code)."""
+
 from __future__ import annotations
 
 import glob
@@ -8,7 +9,6 @@ import math
 import os
 
 import torch
-
 
 LOSS_RTOL = 1e-5  # fp32; observed ~1e-7
 ABS_TOL = 1e-5  # for quantities that are ~0
@@ -26,7 +26,7 @@ WEIGHT_RTOL = 1e-3  # Adam turns rounding noise in ~zero gradients (attention k 
 # where at most 0.49 beta u (|lc| + |lr|) = 1.9e-6 was seen (the signs partly cancel; 1.9e-6 is also the figure a
 # fixed 1e-6 bound failed on). A policy that is not the reference's weights gives far larger margins (0.035 after one
 # update at lr 2e-3 on this data). Each pair's sign (rewards/accuracy) is rounding's then: not compared at those steps.
-FP32_UNIT_ROUNDOFF = 2.0 ** -24
+FP32_UNIT_ROUNDOFF = 2.0**-24
 SUMMED_LOGP_ROUNDING = 8  # K above
 
 
@@ -48,15 +48,30 @@ def assert_dpo_policy_is_the_reference(row, beta, label_smoothing=0.0):
     float32 rounding (each pair's ~0.69 within a few u, summed over a handful of pairs: 16 u)."""
     bound = dpo_rounding_margin(row, beta)
     assert abs(row["rewards/margin"]) <= bound, (row["step"], row["rewards/margin"], bound)
-    assert abs(row["loss"] - math.log(2)) <= (1 - 2 * label_smoothing) / 2 * bound + 16 * FP32_UNIT_ROUNDOFF, \
-        (row["step"], row["loss"], bound)
+    assert abs(row["loss"] - math.log(2)) <= (1 - 2 * label_smoothing) / 2 * bound + 16 * FP32_UNIT_ROUNDOFF, (
+        row["step"],
+        row["loss"],
+        bound,
+    )
 
 
 def _overrides(model, data, out, gb, mbs, nw, zero, epochs=2, lr=1e-3, extra=()):
-    return [f"model.path={model}", f"data.train_path={data}", f"train.output_dir={out}",
-            f"train.global_batch_size={gb}", f"train.micro_batch_size={mbs}", f"train.num_workers={nw}",
-            f"strategy.zero_stage={zero}", f"train.max_epochs={epochs}", f"train.lr={lr}", "train.seed=7",
-            "train.warmup_steps=1", "data.max_length=64", "logging.tensorboard=false", *extra]
+    return [
+        f"model.path={model}",
+        f"data.train_path={data}",
+        f"train.output_dir={out}",
+        f"train.global_batch_size={gb}",
+        f"train.micro_batch_size={mbs}",
+        f"train.num_workers={nw}",
+        f"strategy.zero_stage={zero}",
+        f"train.max_epochs={epochs}",
+        f"train.lr={lr}",
+        "train.seed=7",
+        "train.warmup_steps=1",
+        "data.max_length=64",
+        "logging.tensorboard=false",
+        *extra,
+    ]
 
 
 def _rows(out):
@@ -96,8 +111,9 @@ def _assert_same_runs(runs, keys, tight_steps=None, loose_rtol=1e-3, dpo_beta=No
                     floor = max(ABS_TOL, sum(rounding))
                 if at_reference and key == "loss":  # log 2 - h / 2 to first order (assert_dpo_policy_is_the_reference)
                     floor = max(ABS_TOL, sum(rounding) / 2 + 32 * FP32_UNIT_ROUNDOFF)
-                assert abs(a[key] - b[key]) <= rtol * abs(a[key]) + floor, \
+                assert abs(a[key] - b[key]) <= rtol * abs(a[key]) + floor, (
                     f"{name} step {a['step']} {key}: {a[key]} vs {b[key]}"
+                )
 
 
 def _assert_ranks_ran_different_counts(runs):
@@ -111,8 +127,9 @@ def _assert_ranks_ran_different_counts(runs):
             assert all("fillers" not in r and "micro_batches" not in r for r in rows), name
     for name, rows in budget.items():
         assert all(r["micro_batches"] >= 1 and r["fillers"] >= 0 for r in rows), name
-        assert any(r["fillers"] > 0 for r in rows), \
+        assert any(r["fillers"] > 0 for r in rows), (
             f"{name}: no step had ranks with different micro-batch counts: {[r['micro_batches'] for r in rows]}"
+        )
 
 
 def _assert_same_weights(dirs):
@@ -133,8 +150,9 @@ def _plain_model(path, kind="causal"):
     if kind == "causal":
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     else:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
-                                                                   attn_implementation="eager")
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=torch.float32, attn_implementation="eager"
+        )
     return model.train()
 
 
@@ -153,7 +171,7 @@ def _completion_nll_and_count(model, tokenizer, prompt, completion):
     p, c = _tokenize_whole(tokenizer, prompt, completion)
     ids = torch.tensor([p + c])
     logits = model(input_ids=ids).logits[0, :-1]
-    nll = torch.nn.functional.cross_entropy(logits[len(p) - 1:], ids[0, len(p):], reduction="sum")
+    nll = torch.nn.functional.cross_entropy(logits[len(p) - 1 :], ids[0, len(p) :], reduction="sum")
     return nll, len(c)
 
 

@@ -2,6 +2,7 @@
 lockstep under several (ranks x micro-batch) layouts of the same global batch, each step through
 ``WorkerGroup.train_batch``: the batch cut exactly as the trainers cut it and the normalizer counted once over every
 micro-batch of every rank."""
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor

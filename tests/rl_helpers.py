@@ -1,5 +1,6 @@
 """Shared by the RL end-to-end test files: the run helper and the per-step row checks (the prompts and the
 shaping reward are the ``rl_prompts`` / ``rl_shaping`` fixtures of conftest.py)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -8,24 +9,54 @@ import os
 
 import torch
 
-
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
 
-STEP_KEYS = ("step", "epoch", "reward_mean", "reward_std", "accuracy", "policy_loss", "entropy", "clip_frac",
-             "response_length", "logp_mismatch", "time/generate", "time/score", "time/logprobs", "time/train",
-             "time/sync", "samples_per_s", "grad_norm", "lr", "num_samples")
+STEP_KEYS = (
+    "step",
+    "epoch",
+    "reward_mean",
+    "reward_std",
+    "accuracy",
+    "policy_loss",
+    "entropy",
+    "clip_frac",
+    "response_length",
+    "logp_mismatch",
+    "time/generate",
+    "time/score",
+    "time/logprobs",
+    "time/train",
+    "time/sync",
+    "samples_per_s",
+    "grad_norm",
+    "lr",
+    "num_samples",
+)
 
 
 def run_rl(tiny_model, prompts, shaping, out, *extra):
     from rlhf.trainers.rl_runner import train_ppo
 
-    cfg = load_config(RLRunConfig, "grpo_tiny", [
-        f"model.path={tiny_model}", f"data.train_path={prompts}", f"train.output_dir={out}",
-        f"reward.functions=[rlhf.synthetic.arithmetic:reward,{shaping}]",
-        "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=4",
-        "train.global_batch_size=8", "train.micro_batch_size=8", "train.max_steps=2", "train.lr=1e-4",
-        "logging.tensorboard=false", *extra])
+    cfg = load_config(
+        RLRunConfig,
+        "grpo_tiny",
+        [
+            f"model.path={tiny_model}",
+            f"data.train_path={prompts}",
+            f"train.output_dir={out}",
+            f"reward.functions=[rlhf.synthetic.arithmetic:reward,{shaping}]",
+            "rollout.prompts_per_step=4",
+            "rollout.n_samples_per_prompt=4",
+            "rollout.max_new_tokens=4",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=8",
+            "train.max_steps=2",
+            "train.lr=1e-4",
+            "logging.tensorboard=false",
+            *extra,
+        ],
+    )
     result = train_ppo(cfg)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f], result

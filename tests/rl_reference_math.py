@@ -7,6 +7,7 @@ time, so it shares no code (and no padding, alignment, masking or micro-batching
 checks. A sample is ``(prompt ids, response ids)``; per-token quantities are 1-D tensors over the response tokens
 of one sample, ``(R_i,)``, kept in a list over samples (ragged, never padded).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,7 @@ def response_logits(model, prompt: Sequence[int], response: Sequence[int], tempe
     ids = torch.tensor([list(prompt) + list(response)])
     logits = model(input_ids=ids).logits[0]
     p = len(prompt)
-    return logits[p - 1:p - 1 + len(response)] / temperature
+    return logits[p - 1 : p - 1 + len(response)] / temperature
 
 
 def logps_and_entropy(model, samples, temperature: float) -> Tuple[Ragged, Ragged]:
@@ -49,7 +50,7 @@ def values(critic, samples) -> Ragged:
         hidden = critic.model(input_ids=ids).last_hidden_state[0]
         v = critic.score(hidden)[:, 0]
         p = len(prompt)
-        out.append(v[p - 1:p - 1 + len(response)])
+        out.append(v[p - 1 : p - 1 + len(response)])
     return out
 
 
@@ -73,8 +74,9 @@ def kl(estimator: str, logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ advantages
-def group_advantages(estimator: str, scores: Sequence[float], groups: Sequence[int], lengths: Sequence[int],
-                     eps: float = 1e-6) -> Ragged:
+def group_advantages(
+    estimator: str, scores: Sequence[float], groups: Sequence[int], lengths: Sequence[int], eps: float = 1e-6
+) -> Ragged:
     """One value per sample on every token of it, from its group (the samples of its prompt); a group whose scores
     are all equal gets 0:
 
@@ -150,8 +152,15 @@ def gae(rewards: Ragged, vals: Ragged, gamma: float, lam: float) -> Tuple[Ragged
 
 
 # ------------------------------------------------------------------------------------------------ losses
-def ppo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, clip_low: float, clip_high: float,
-                   dual_clip: float = 0.0, tis_weight: Tensor = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+def ppo_token_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float = 0.0,
+    tis_weight: Tensor = None,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
     """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7) as a loss,
     ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; dual clip (Ye et al. 2020) bounds it by ``-c A`` for
     ``A < 0``; TIS multiplies it by the detached weight. Returns the loss and 0/1 indicators of what bound."""
@@ -213,8 +222,9 @@ def clip_scale(norm: float, max_grad_norm: float) -> float:
 
 
 @torch.no_grad()
-def clipped_adamw_first_step(model, *, lr: float, betas: Tuple[float, float], eps: float, weight_decay: float,
-                             max_grad_norm: float) -> float:
+def clipped_adamw_first_step(
+    model, *, lr: float, betas: Tuple[float, float], eps: float, weight_decay: float, max_grad_norm: float
+) -> float:
     """Clip the gradient to ``max_grad_norm`` (:func:`clip_scale`), then the first AdamW step (Loshchilov & Hutter
     2019) from zero moments: ``m = (1 - b1) g``, ``v = (1 - b2) g^2``, bias-corrected,
     ``w <- w (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)``, no weight decay on 1-D parameters (biases, norms).
@@ -234,8 +244,17 @@ def clipped_adamw_first_step(model, *, lr: float, betas: Tuple[float, float], ep
     return norm
 
 
-def weight_agreement(got: Dict[str, Tensor], model, *, lr: float, eps: float, norm: float, max_grad_norm: float,
-                     update_rtol: float, grad_rtol: float) -> Tuple[float, float, str]:
+def weight_agreement(
+    got: Dict[str, Tensor],
+    model,
+    *,
+    lr: float,
+    eps: float,
+    norm: float,
+    max_grad_norm: float,
+    update_rtol: float,
+    grad_rtol: float,
+) -> Tuple[float, float, str]:
     """How far the weights ``got`` (name -> tensor) are from ``model``'s after :func:`clipped_adamw_first_step`.
 
     The first Adam step moves a weight by ``lr g / (|g| + eps')`` (``eps' = eps / clip scale``, the clipped

@@ -1,6 +1,7 @@
 """Helpers shared by tests in ``tests/unit`` and ``tests/integration`` (``from shared_helpers import ...``: the root
 ``conftest.py`` puts ``tests/`` on ``sys.path``). Kept out of ``conftest.py`` because ``tests/unit/conftest.py`` is a
 second module named ``conftest``: ``from conftest import`` would find whichever was imported last."""
+
 from __future__ import annotations
 
 import contextlib
@@ -32,9 +33,14 @@ def uneven_pair_rows(n: int, seed: int) -> list[dict]:
     rows = []
     for _ in range(n):
         a, b = rng.randrange(30), rng.randrange(30)
-        rows.append({"prompt": f"{a}+{b}=", "chosen": f"{a + b} {_digits(rng, 0, 12)}".strip(),
-                     "rejected": f"{a + b + rng.randint(1, 5)} {_digits(rng, 0, 18)}".strip(),
-                     "margin": float(rng.randint(1, 3))})
+        rows.append(
+            {
+                "prompt": f"{a}+{b}=",
+                "chosen": f"{a + b} {_digits(rng, 0, 12)}".strip(),
+                "rejected": f"{a + b + rng.randint(1, 5)} {_digits(rng, 0, 18)}".strip(),
+                "margin": float(rng.randint(1, 3)),
+            }
+        )
     return rows
 
 

@@ -8,6 +8,7 @@ else the last number in the response.
 Named in the configs as ``examples/launchers/math_reward.py:correct_answer``: a path relative to the job's working
 directory, the repository root (``ray job submit --working-dir .``).
 """
+
 from __future__ import annotations
 
 import re

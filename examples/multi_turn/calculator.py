@@ -24,6 +24,7 @@ Rules (the class attributes say the numbers):
 The file imports nothing but ``re`` and ``rlhf``: it is loaded by spec (``examples/multi_turn/calculator.py:
 Calculator``) in Ray actors that do not have ``examples/`` on their path.
 """
+
 from __future__ import annotations
 
 import re
@@ -108,8 +109,7 @@ class Calculator(Environment):
             return StepOutcome(None, float(correct), True, {"tool_calls": self.calls, "correct": correct})
         self.calls += 1
         if self.calls > self.MAX_CALLS:
-            return StepOutcome(None, 0.0, True, {"tool_calls": self.calls, "correct": False,
-                                                 "ended": "tool_limit"})
+            return StepOutcome(None, 0.0, True, {"tool_calls": self.calls, "correct": False, "ended": "tool_limit"})
         try:
             observation = self.result_text(self.evaluate(response))
             info = {"tool_calls": self.calls}

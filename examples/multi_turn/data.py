@@ -19,6 +19,7 @@ ids. ``tests/unit/test_example_envs.py`` checks it token by token.
 The text formats (the call, the result, the feedback) come from the environments themselves, loaded by spec as
 the rollout's actors load them, so data and environment cannot drift apart.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,10 @@ from rlhf.models.tiny import EOS_TOKEN
 from rlhf.synthetic.arithmetic import make_rl_prompts, make_sft_rows, write_jsonl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SPECS = {"calculator": os.path.join(HERE, "calculator.py") + ":Calculator",
-         "retry": os.path.join(HERE, "retry.py") + ":Retry"}
+SPECS = {
+    "calculator": os.path.join(HERE, "calculator.py") + ":Calculator",
+    "retry": os.path.join(HERE, "retry.py") + ":Retry",
+}
 
 # Each file draws from its own seed (seed x stride + offset), as rlhf.cli.make_assets does.
 _SEED_STRIDE = 1000
@@ -80,8 +83,9 @@ def _wrong_answer(rng: random.Random, right: int) -> int:
     return right + rng.choice([d for d in offsets if right + d >= 0])
 
 
-def retry_sft_rows(n: int, seed: int, retry_share: float = 0.05, eos: str = EOS_TOKEN,
-                   max_operand: int = RETRY_MAX_OPERAND) -> List[Dict[str, str]]:
+def retry_sft_rows(
+    n: int, seed: int, retry_share: float = 0.05, eos: str = EOS_TOKEN, max_operand: int = RETRY_MAX_OPERAND
+) -> List[Dict[str, str]]:
     """``n`` addition rows (``rlhf.synthetic.arithmetic.make_sft_rows``); for a ``retry_share`` of them one more
     row that answers right after a wrong first answer, its EOS and the environment's feedback.
 
@@ -106,15 +110,23 @@ def addition_rows(n: int, seed: int, max_operand: int = RETRY_MAX_OPERAND) -> Li
     return make_rl_prompts(n, seed, max_operand)
 
 
-def example_rows(env: str, seed: int = 0, num_sft: int = 2000, num_prompts: int = 1024, num_eval: int = 64,
-                 share: Optional[float] = None, eos: str = EOS_TOKEN) -> Dict[str, List[Dict[str, str]]]:
+def example_rows(
+    env: str,
+    seed: int = 0,
+    num_sft: int = 2000,
+    num_prompts: int = 1024,
+    num_eval: int = 64,
+    share: Optional[float] = None,
+    eos: str = EOS_TOKEN,
+) -> Dict[str, List[Dict[str, str]]]:
     """The rows of one example: ``sft``, ``prompts`` and ``eval_prompts`` (a fresh sample from another seed; the
     problem space is small, so not a disjoint one). ``share``: the SFT rows' tool (calculator) or retry (retry)
     share, default the functions' own."""
     if env not in SPECS:
         raise ValueError(f"unknown example {env!r}; choose one of {sorted(SPECS)}")
-    seeds = {part: seed * _SEED_STRIDE + offset for part, offset in (("sft", _SFT), ("prompts", _PROMPTS),
-                                                                      ("eval", _EVAL))}
+    seeds = {
+        part: seed * _SEED_STRIDE + offset for part, offset in (("sft", _SFT), ("prompts", _PROMPTS), ("eval", _EVAL))
+    }
     extra = {} if share is None else {"tool_share" if env == "calculator" else "retry_share": share}
     if env == "calculator":
         sft = calculator_sft_rows(num_sft, seeds["sft"], eos=eos, **extra)
@@ -134,8 +146,11 @@ def write_example_data(env: str, out_dir: str, **kwargs) -> Dict[str, str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python examples/multi_turn/data.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python examples/multi_turn/data.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--env", choices=sorted(SPECS), required=True)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
@@ -144,8 +159,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--num-eval", type=int, default=64)
     parser.add_argument("--share", type=float, default=None, help="SFT tool / retry share (default 0.3 / 0.05)")
     args = parser.parse_args(argv)
-    paths = write_example_data(args.env, args.out, seed=args.seed, num_sft=args.num_sft,
-                               num_prompts=args.num_prompts, num_eval=args.num_eval, share=args.share)
+    paths = write_example_data(
+        args.env,
+        args.out,
+        seed=args.seed,
+        num_sft=args.num_sft,
+        num_prompts=args.num_prompts,
+        num_eval=args.num_eval,
+        share=args.share,
+    )
     for name, path in paths.items():
         print(f"wrote {path} ({name})")
     return 0

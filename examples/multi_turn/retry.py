@@ -18,6 +18,7 @@ that side). ``reset`` returns ``""``: the prompt row is the whole first turn. Ru
 The file imports nothing but ``rlhf``: it is loaded by spec (``examples/multi_turn/retry.py:Retry``) in Ray
 actors that do not have ``examples/`` on their path.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Tuple

@@ -18,6 +18,7 @@ It prints one line per step (reward, accuracy, turns per episode, how often the 
 needed, the trainer-vs-vLLM log-prob mismatch), a held-out evaluation of the warmed-up model and of the final
 one (the same rollout on prompts of another seed), and a ``done:`` line with the first and last steps' rewards.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,12 +55,30 @@ class Settings:
 SETTINGS = {
     # A call is 18 tokens + EOS; up to 2 calls and an answer. Calling is one decision at the first token, which
     # GRPO moves in ~10 steps at 2e-4.
-    "calculator": Settings(sft_epochs=8, sft_lr=1e-3, lr=2e-4, steps=30, prompts_per_step=8, samples_per_prompt=8,
-                           max_turns=3, max_episode_tokens=96, max_new_tokens=20),
+    "calculator": Settings(
+        sft_epochs=8,
+        sft_lr=1e-3,
+        lr=2e-4,
+        steps=30,
+        prompts_per_step=8,
+        samples_per_prompt=8,
+        max_turns=3,
+        max_episode_tokens=96,
+        max_new_tokens=20,
+    ),
     # Sums are per-problem knowledge, which RL sharpens slowly on this model: 5e-5 rises steadily over 300 steps,
     # 1e-4 dips first, 3e-4 and above collapse the warmed-up model (measured; README).
-    "retry": Settings(sft_epochs=8, sft_lr=1e-3, lr=5e-5, steps=300, prompts_per_step=16, samples_per_prompt=8,
-                      max_turns=2, max_episode_tokens=48, max_new_tokens=6),
+    "retry": Settings(
+        sft_epochs=8,
+        sft_lr=1e-3,
+        lr=5e-5,
+        steps=300,
+        prompts_per_step=16,
+        samples_per_prompt=8,
+        max_turns=2,
+        max_episode_tokens=48,
+        max_new_tokens=6,
+    ),
 }
 
 
@@ -81,8 +100,11 @@ def episode_stats(env: str, records: Sequence, decode: Callable[[Sequence[int]],
     ``tool_rate`` / ``tool_calls`` and the accuracy with and without a call (calculator) or ``retry_rate`` and
     ``retry_success`` (retry)."""
     n = max(len(records), 1)
-    stats = {"reward": sum(r.reward for r in records) / n, "accuracy": sum(r.reward > 0 for r in records) / n,
-             "turns": sum(r.episode.turns for r in records) / n}
+    stats = {
+        "reward": sum(r.reward for r in records) / n,
+        "accuracy": sum(r.reward > 0 for r in records) / n,
+        "turns": sum(r.episode.turns for r in records) / n,
+    }
     if env == "calculator":
         from rlhf.envs import load_environment
 
@@ -90,12 +112,19 @@ def episode_stats(env: str, records: Sequence, decode: Callable[[Sequence[int]],
         calls = [sum(is_call(decode(s.ids)) for s in r.episode.segments if s.source == "policy") for r in records]
         used = [r for r, c in zip(records, calls) if c]
         direct = [r for r, c in zip(records, calls) if not c]
-        stats.update(tool_rate=len(used) / n, tool_calls=sum(calls) / n,
-                     acc_tool=_share(r.reward > 0 for r in used), acc_direct=_share(r.reward > 0 for r in direct))
+        stats.update(
+            tool_rate=len(used) / n,
+            tool_calls=sum(calls) / n,
+            acc_tool=_share(r.reward > 0 for r in used),
+            acc_direct=_share(r.reward > 0 for r in direct),
+        )
     else:
         retried = [r for r in records if r.episode.turns > 1]
-        stats.update(retry_rate=len(retried) / n, first_try=sum(r.reward == 1.0 for r in records) / n,
-                     retry_success=_share(r.reward > 0 for r in retried))
+        stats.update(
+            retry_rate=len(retried) / n,
+            first_try=sum(r.reward == 1.0 for r in records) / n,
+            retry_success=_share(r.reward > 0 for r in retried),
+        )
     return stats
 
 
@@ -106,9 +135,12 @@ def _share(flags) -> float:
 
 def _line(env: str, s: Dict[str, float]) -> str:
     show = lambda x: "-" if x != x else f"{x:.2f}"  # noqa: E731  (NaN: no episode of that kind)
-    extra = (f"tool rate {show(s['tool_rate'])}  calls/ep {show(s['tool_calls'])}  acc via tool {show(s['acc_tool'])}  "
-             f"direct {show(s['acc_direct'])}" if env == "calculator" else
-             f"first try {show(s['first_try'])}  retried {show(s['retry_rate'])}  retry ok {show(s['retry_success'])}")
+    extra = (
+        f"tool rate {show(s['tool_rate'])}  calls/ep {show(s['tool_calls'])}  acc via tool {show(s['acc_tool'])}  "
+        f"direct {show(s['acc_direct'])}"
+        if env == "calculator"
+        else f"first try {show(s['first_try'])}  retried {show(s['retry_rate'])}  retry ok {show(s['retry_success'])}"
+    )
     return f"reward {s['reward']:.3f}  acc {show(s['accuracy'])}  turns {show(s['turns'])}  {extra}"
 
 
@@ -119,13 +151,25 @@ def warm_up(model_dir: str, sft_path: str, out_dir: str, settings: Settings) -> 
     from rlhf.config.schema import SFTRunConfig
     from rlhf.trainers.sft import train_sft
 
-    cfg = load_config(SFTRunConfig, "sft_tiny", [
-        f"model.path={model_dir}", f"data.train_path={sft_path}", f"train.output_dir={out_dir}",
-        f"train.max_epochs={settings.sft_epochs}", f"train.lr={settings.sft_lr}", "train.global_batch_size=32",
-        "train.micro_batch_size=32", "train.num_workers=1", "logging.print_every=50", "train.overwrite=true",
-        # the first ~100 steps of a random tiny model at this lr see grad-norm spikes of 10-20x the running median
-        # (measured); clipping at 1.0 bounds the update, so a spike is reported, not a reason to stop
-        "health.action=warn"])
+    cfg = load_config(
+        SFTRunConfig,
+        "sft_tiny",
+        [
+            f"model.path={model_dir}",
+            f"data.train_path={sft_path}",
+            f"train.output_dir={out_dir}",
+            f"train.max_epochs={settings.sft_epochs}",
+            f"train.lr={settings.sft_lr}",
+            "train.global_batch_size=32",
+            "train.micro_batch_size=32",
+            "train.num_workers=1",
+            "logging.print_every=50",
+            "train.overwrite=true",
+            # the first ~100 steps of a random tiny model at this lr see grad-norm spikes of 10-20x the running median
+            # (measured); clipping at 1.0 bounds the update, so a spike is reported, not a reason to stop
+            "health.action=warn",
+        ],
+    )
     return train_sft(cfg).final_dir
 
 
@@ -147,16 +191,32 @@ class Rollout:
         (what data.py's SFT rows were built for)."""
         from rlhf.rl import SamplingSpec, TextObservations, run_episodes
 
-        sampling = SamplingSpec(max_new_tokens=self.max_new_tokens, seed=seed,
-                                stop_token_ids=(self.tokenizer.eos_token_id,))
+        sampling = SamplingSpec(
+            max_new_tokens=self.max_new_tokens, seed=seed, stop_token_ids=(self.tokenizer.eos_token_id,)
+        )
         prompt_ids = [self.tokenizer(r["prompt"])["input_ids"] for r in rows]
-        records = run_episodes(self.engines, self.pool, prompt_ids, rows, sampling, TextObservations.of(self.tokenizer),
-                               self.decode, self.limits)
+        records = run_episodes(
+            self.engines,
+            self.pool,
+            prompt_ids,
+            rows,
+            sampling,
+            TextObservations.of(self.tokenizer),
+            self.decode,
+            self.limits,
+        )
         return records, episode_stats(self.env, records, self.decode)
 
 
-def rl_step(rollout: Rollout, policy, objective, rows: Sequence[Dict[str, str]], group_ids: Sequence[int],
-            step: int, observe: Optional[Callable] = None) -> Dict[str, Any]:
+def rl_step(
+    rollout: Rollout,
+    policy,
+    objective,
+    rows: Sequence[Dict[str, str]],
+    group_ids: Sequence[int],
+    step: int,
+    observe: Optional[Callable] = None,
+) -> Dict[str, Any]:
     """One GRPO step on ``rows`` (one per episode; ``group_ids[i]``: the prompt of episode ``i``)."""
     from rlhf.rl import TokenLogps, advantages_for, episodes_batch, logp_mismatch
 
@@ -169,9 +229,15 @@ def rl_step(rollout: Rollout, policy, objective, rows: Sequence[Dict[str, str]],
     policy.push_weights()
     if observe is not None:
         observe(step + 1, records, batch)
-    return {"split": "train", "step": step + 1, **stats, "logp_mismatch": logp_mismatch(batch),
-            "loss": result.metrics["loss"], "grad_norm": result.grad_norm,
-            "seconds": time.perf_counter() - started}
+    return {
+        "split": "train",
+        "step": step + 1,
+        **stats,
+        "logp_mismatch": logp_mismatch(batch),
+        "loss": result.metrics["loss"],
+        "grad_norm": result.grad_norm,
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def evaluate(rollout: Rollout, rows: Sequence[Dict[str, str]], samples: int, step: int) -> Dict[str, Any]:
@@ -181,9 +247,19 @@ def evaluate(rollout: Rollout, rows: Sequence[Dict[str, str]], samples: int, ste
 
 
 # ---------------------------------------------------------------------------- the run
-def main(env: str = "calculator", *, num_sft: int = 2000, sft_share: Optional[float] = None,
-         micro_batch_size: int = 32, eval_samples: int = 4, num_eval: int = 64, seed: int = 0,
-         work_dir: Optional[str] = None, observe: Optional[Callable] = None, **overrides: Any) -> List[Dict[str, Any]]:
+def main(
+    env: str = "calculator",
+    *,
+    num_sft: int = 2000,
+    sft_share: Optional[float] = None,
+    micro_batch_size: int = 32,
+    eval_samples: int = 4,
+    num_eval: int = 64,
+    seed: int = 0,
+    work_dir: Optional[str] = None,
+    observe: Optional[Callable] = None,
+    **overrides: Any,
+) -> List[Dict[str, Any]]:
     """The SFT warm-up, then GRPO with the example's :data:`SETTINGS` (``overrides``: any of its fields, e.g.
     ``steps=3``).
 
@@ -211,21 +287,40 @@ def main(env: str = "calculator", *, num_sft: int = 2000, sft_share: Optional[fl
     work_dir = work_dir or tempfile.mkdtemp(prefix=f"multi-turn-{env}-")
     model_dir = build_tiny_model(os.path.join(work_dir, "model"), seed=seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    paths = data.write_example_data(env, os.path.join(work_dir, "data"), seed=seed, num_sft=num_sft,
-                                    num_prompts=settings.steps * settings.prompts_per_step, num_eval=num_eval,
-                                    share=sft_share, eos=tokenizer.eos_token)
+    paths = data.write_example_data(
+        env,
+        os.path.join(work_dir, "data"),
+        seed=seed,
+        num_sft=num_sft,
+        num_prompts=settings.steps * settings.prompts_per_step,
+        num_eval=num_eval,
+        share=sft_share,
+        eos=tokenizer.eos_token,
+    )
     init_ray(needed_cpus=3)  # joins a Ray that is already up (a test session, `ray job submit`)
     print(f"== SFT warm-up: {settings.sft_epochs} epochs on {paths['sft']}", flush=True)
     sft_dir = warm_up(model_dir, paths["sft"], os.path.join(work_dir, "sft"), settings)
-    print(f"== GRPO: {settings.steps} steps x {settings.prompts_per_step} prompts x {settings.samples_per_prompt} "
-          f"episodes, lr {settings.lr:g} (SFT done at {time.time() - started:.0f} s)", flush=True)
+    print(
+        f"== GRPO: {settings.steps} steps x {settings.prompts_per_step} prompts x {settings.samples_per_prompt} "
+        f"episodes, lr {settings.lr:g} (SFT done at {time.time() - started:.0f} s)",
+        flush=True,
+    )
     history = train(env, sft_dir, tokenizer, paths, settings, micro_batch_size, eval_samples, actor_env(0), observe)
     _summary(env, history, time.time() - started)
     return history
 
 
-def train(env: str, sft_dir: str, tokenizer, paths: Dict[str, str], settings: Settings, micro_batch_size: int,
-          eval_samples: int, actor_vars: Dict[str, str], observe: Optional[Callable]) -> List[Dict[str, Any]]:
+def train(
+    env: str,
+    sft_dir: str,
+    tokenizer,
+    paths: Dict[str, str],
+    settings: Settings,
+    micro_batch_size: int,
+    eval_samples: int,
+    actor_vars: Dict[str, str],
+    observe: Optional[Callable],
+) -> List[Dict[str, Any]]:
     """The GRPO part of :func:`main`: its actors live and die here."""
     from rlhf.distributed.engine import EngineSpec, OptimSpec
     from rlhf.distributed.group import GroupResources, WorkerGroup
@@ -239,11 +334,17 @@ def train(env: str, sft_dir: str, tokenizer, paths: Dict[str, str], settings: Se
     policy = WorkerGroup("policy", GroupResources(num_workers=1, env_vars=actor_vars), backend="gloo")
     engines = pool = None
     try:
-        policy.build(ModelSpec(path=sft_dir), EngineSpec.for_global_batch(len(group_ids), micro_batch_size, 1),
-                     OptimSpec(lr=settings.lr, total_steps=settings.steps, scheduler="constant"))
+        policy.build(
+            ModelSpec(path=sft_dir),
+            EngineSpec.for_global_batch(len(group_ids), micro_batch_size, 1),
+            OptimSpec(lr=settings.lr, total_steps=settings.steps, scheduler="constant"),
+        )
         # room for the longest episode plus one turn's tokens: the last response is cut to the episode budget
-        engines = RolloutEngines(VLLMSpec(model_path=sft_dir, max_model_len=settings.max_episode_tokens +
-                                          settings.max_new_tokens), num_engines=1, env_vars=actor_vars)
+        engines = RolloutEngines(
+            VLLMSpec(model_path=sft_dir, max_model_len=settings.max_episode_tokens + settings.max_new_tokens),
+            num_engines=1,
+            env_vars=actor_vars,
+        )
         engines.connect_weight_sync(policy, "broadcast", bucket_bytes=64 << 20, backend="gloo")
         pool = EnvironmentPool(data.SPECS[env], num_actors=1, cpus_per_actor=0.25, step_timeout_s=30)
         rollout = Rollout(env, engines, pool, tokenizer, settings)
@@ -252,11 +353,14 @@ def train(env: str, sft_dir: str, tokenizer, paths: Dict[str, str], settings: Se
         history = [evaluate(rollout, held_out, eval_samples, 0)]
         print(f"held-out before RL: {_line(env, history[0])}", flush=True)
         for step in range(settings.steps):
-            chunk = prompts[step * per_step:(step + 1) * per_step]
+            chunk = prompts[step * per_step : (step + 1) * per_step]
             record = rl_step(rollout, policy, objective, [chunk[p] for p in group_ids], group_ids, step, observe)
             history.append(record)
-            print(f"step {record['step']:3d}  {_line(env, record)}  grad_norm {record['grad_norm']:.2f}  "
-                  f"logp mismatch {record['logp_mismatch']:.1e}  ({record['seconds']:.1f} s)", flush=True)
+            print(
+                f"step {record['step']:3d}  {_line(env, record)}  grad_norm {record['grad_norm']:.2f}  "
+                f"logp mismatch {record['logp_mismatch']:.1e}  ({record['seconds']:.1f} s)",
+                flush=True,
+            )
         history.append(evaluate(rollout, held_out, eval_samples, settings.steps))
         print(f"held-out after RL:  {_line(env, history[-1])}", flush=True)
     finally:
@@ -281,20 +385,31 @@ def _summary(env: str, history: List[Dict[str, Any]], seconds: float) -> None:
     last = sum(h["reward"] for h in steps[-window:]) / window
     key = "tool_rate" if env == "calculator" else "retry_rate"
     mismatch = max((h["logp_mismatch"] for h in steps[1:]), default=float("nan"))
-    print(f"done: reward {first:.3f} -> {last:.3f} (mean of the first / last {window} steps); held-out reward "
-          f"{before['reward']:.3f} -> {after['reward']:.3f}, accuracy {before['accuracy']:.2f} -> "
-          f"{after['accuracy']:.2f}, {key} {before[key]:.2f} -> {after[key]:.2f}; largest logp mismatch from "
-          f"step 2 {mismatch:.1e}; {seconds:.0f} s", flush=True)
+    print(
+        f"done: reward {first:.3f} -> {last:.3f} (mean of the first / last {window} steps); held-out reward "
+        f"{before['reward']:.3f} -> {after['reward']:.3f}, accuracy {before['accuracy']:.2f} -> "
+        f"{after['accuracy']:.2f}, {key} {before[key]:.2f} -> {after[key]:.2f}; largest logp mismatch from "
+        f"step 2 {mismatch:.1e}; {seconds:.0f} s",
+        flush=True,
+    )
 
 
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python examples/multi_turn/train_loop.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python examples/multi_turn/train_loop.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--env", choices=sorted(SETTINGS), default="calculator")
     for field in dataclasses.fields(Settings):  # every setting, default the example's
         kind = int if field.type == "int" else float  # the annotations are strings (postponed evaluation)
-        ap.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=kind, default=None,
-                        help=f"default: the example's {field.name}")
+        ap.add_argument(
+            f"--{field.name.replace('_', '-')}",
+            dest=field.name,
+            type=kind,
+            default=None,
+            help=f"default: the example's {field.name}",
+        )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work-dir", default=None, help="default: a new temporary directory")
     return ap.parse_args(argv)

@@ -21,6 +21,7 @@ the engines sampled other tokens from weights that differ: by more than rounding
 rounding that happened to flip a sampled token (rare in fp32, ~never in fp64). The audit cannot tell which, so it
 fails the step as ``rollouts differ`` and says so; the steps after it train on other samples and are not compared.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,9 +30,22 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 FAIL, OK, DIVERGED, NOT_COMPARED = "FAIL", "ok", "rollouts differ", "not compared"
 
-SKIPPED_KEYS = frozenset({"step", "epoch", "step_time_s", "samples_per_s", "sync_mb_per_s", "prompts_skipped",
-                          "prompts_truncated", "skipped",
-                          "micro_batches", "fillers", "critic_micro_batches", "critic_fillers"})  # how a step was cut
+SKIPPED_KEYS = frozenset(
+    {
+        "step",
+        "epoch",
+        "step_time_s",
+        "samples_per_s",
+        "sync_mb_per_s",
+        "prompts_skipped",
+        "prompts_truncated",
+        "skipped",
+        "micro_batches",
+        "fillers",
+        "critic_micro_batches",
+        "critic_fillers",
+    }
+)  # how a step was cut
 SKIPPED_PREFIXES = ("time/",)
 EXACT_KEYS = frozenset({"num_samples", "num_tokens", "optimizer_steps"})
 # Numbers of an RL step's samples (not of its update): equal while the rollouts are.
@@ -55,18 +69,29 @@ class Tolerances:
 # fp32: observed ~1e-7 (losses, grad norms) and ~1e-4 (weights after a few AdamW steps) on CPU, docs/concepts.md;
 # bf16: tests/integration/test_precision.py's bounds (3e-3 + 5e-4 absolute; observed up to 7.7e-4);
 # fp64: rounding at ~1e-16.
-DEFAULT_TOLERANCES = {"fp32": Tolerances(first=1e-5, later=1e-3, weights=1e-3, atol=1e-5),
-                      "bf16": Tolerances(first=3e-3, later=1e-2, weights=1e-2, atol=5e-4),
-                      "fp64": Tolerances(first=1e-10, later=1e-10, weights=1e-8, atol=1e-12)}
+DEFAULT_TOLERANCES = {
+    "fp32": Tolerances(first=1e-5, later=1e-3, weights=1e-3, atol=1e-5),
+    "bf16": Tolerances(first=3e-3, later=1e-2, weights=1e-2, atol=5e-4),
+    "fp64": Tolerances(first=1e-10, later=1e-10, weights=1e-8, atol=1e-12),
+}
 
 
-def tolerances_for(precision: str, first: Optional[float] = None, later: Optional[float] = None,
-                   weights: Optional[float] = None, atol: Optional[float] = None) -> Tolerances:
+def tolerances_for(
+    precision: str,
+    first: Optional[float] = None,
+    later: Optional[float] = None,
+    weights: Optional[float] = None,
+    atol: Optional[float] = None,
+) -> Tolerances:
     """The defaults of a (resolved) precision, each overridable."""
     base = DEFAULT_TOLERANCES.get(precision, DEFAULT_TOLERANCES["fp32"])
     pick = lambda given, default: default if given is None else given  # noqa: E731
-    return Tolerances(first=pick(first, base.first), later=pick(later, base.later),
-                      weights=pick(weights, base.weights), atol=pick(atol, base.atol))
+    return Tolerances(
+        first=pick(first, base.first),
+        later=pick(later, base.later),
+        weights=pick(weights, base.weights),
+        atol=pick(atol, base.atol),
+    )
 
 
 @dataclass(frozen=True)
@@ -111,8 +136,14 @@ class WeightsDiff:
 
 def compared_keys(row: dict) -> List[str]:
     """The metrics of a row that must agree across factorisations."""
-    return [k for k, v in row.items() if k not in SKIPPED_KEYS and not k.startswith(SKIPPED_PREFIXES)
-            and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return [
+        k
+        for k, v in row.items()
+        if k not in SKIPPED_KEYS
+        and not k.startswith(SKIPPED_PREFIXES)
+        and isinstance(v, (int, float))
+        and not isinstance(v, bool)
+    ]
 
 
 def is_rollout_key(key: str) -> bool:
@@ -180,8 +211,10 @@ def compare_steps(runs: Dict[str, List[dict]], tol: Tolerances, rl: bool = False
 def _missing_steps(runs: Dict[str, List[dict]], ref_label: str, ref_rows: List[dict]) -> List[StepReport]:
     """Steps another run logged beyond the reference's last one (a run that trained more steps than it should)."""
     known = {r.get("step") for r in ref_rows}
-    extra = sorted({r.get("step") for label, rows in runs.items() if label != ref_label for r in rows} - known,
-                   key=lambda s: (s is None, s))
+    extra = sorted(
+        {r.get("step") for label, rows in runs.items() if label != ref_label for r in rows} - known,
+        key=lambda s: (s is None, s),
+    )
     out = []
     for step in extra:
         rows = {label: next((r for r in rs if r.get("step") == step), None) for label, rs in runs.items()}
@@ -200,8 +233,9 @@ class Verdict:
     line: str
 
 
-def verdict(steps: Sequence[StepReport], weights: Sequence[WeightsDiff], tol: Tolerances,
-            labels: Dict[str, str]) -> Verdict:
+def verdict(
+    steps: Sequence[StepReport], weights: Sequence[WeightsDiff], tol: Tolerances, labels: Dict[str, str]
+) -> Verdict:
     """The audit's last line and exit code. ``labels``: run label -> its description (``1x4x2 (micro 1)``), the
     reference first."""
     name: Callable[[str], str] = lambda label: labels.get(label, label)  # noqa: E731
@@ -212,11 +246,14 @@ def verdict(steps: Sequence[StepReport], weights: Sequence[WeightsDiff], tol: To
             return Verdict(1, f"VERDICT: FAIL at step {report.step}: {_failure(d, name(d.run), name(ref))}")
         if report.status == DIVERGED:
             d = next(d for d in report.failures if is_rollout_key(d.metric))
-            return Verdict(1, f"VERDICT: FAIL at step {report.step}: the rollouts differ "
-                              f"({_failure(d, name(d.run), name(ref))}): "
-                              f"the engines sampled other tokens, so the weights after step {report.step - 1} "
-                              f"differ, by more than rounding or by rounding that flipped a sampled token; "
-                              f"--precision fp64 tells the two apart. Later steps were not compared")
+            return Verdict(
+                1,
+                f"VERDICT: FAIL at step {report.step}: the rollouts differ "
+                f"({_failure(d, name(d.run), name(ref))}): "
+                f"the engines sampled other tokens, so the weights after step {report.step - 1} "
+                f"differ, by more than rounding or by rounding that flipped a sampled token; "
+                f"--precision fp64 tells the two apart. Later steps were not compared",
+            )
     for w in weights:
         if w.problem or not w.worst <= tol.weights:
             what = w.problem or f"{w.tensor} differs by {w.worst:.1e} (relative L2) > tolerance {tol.weights:.0e}"
@@ -225,20 +262,26 @@ def verdict(steps: Sequence[StepReport], weights: Sequence[WeightsDiff], tol: To
     if not compared:
         return Verdict(1, "VERDICT: FAIL: no step was compared (the runs logged no trained step)")
     metrics = {k for r in compared for k in r.diffs}
-    return Verdict(0, f"VERDICT: contract kept: {len(labels)} factorisations agree on {len(compared)} step(s) "
-                      f"({len(metrics)} metrics each) and on the final weights")
+    return Verdict(
+        0,
+        f"VERDICT: contract kept: {len(labels)} factorisations agree on {len(compared)} step(s) "
+        f"({len(metrics)} metrics each) and on the final weights",
+    )
 
 
 def _failure(d: Diff, run: str, ref: str) -> str:
     if d.metric == "step":
-        return f"{run} logged no step {d.step}" if d.value is None else \
-            f"{run} logged step {d.value}, which {ref} did not"
+        return (
+            f"{run} logged no step {d.step}" if d.value is None else f"{run} logged step {d.value}, which {ref} did not"
+        )
     if d.value is None:
         return f"{run} logged no {d.metric} (the reference {ref} did)"
     if d.metric in EXACT_KEYS:
         return f"{d.metric} of {run} is {d.value} vs {d.ref} in {ref} (counts must be equal)"
-    return (f"{d.metric} of {run} is {_num(d.value)} vs {_num(d.ref)} in {ref}: relative difference {_rel(d)} > "
-            f"tolerance {d.tol:.0e}")
+    return (
+        f"{d.metric} of {run} is {_num(d.value)} vs {_num(d.ref)} in {ref}: relative difference {_rel(d)} > "
+        f"tolerance {d.tol:.0e}"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ table
@@ -267,19 +310,29 @@ def _rel(d: Optional[Diff]) -> str:
 def table(steps: Sequence[StepReport], primary: str, labels: Sequence[str]) -> List[str]:
     """Aligned lines: step, lr, the primary metric of every run, its and grad_norm's worst relative difference,
     the worst other metric, the tolerance and the step's verdict."""
-    header = (["step", "lr"] + [f"{primary} {label}" for label in labels]
-              + [f"{primary} rel", "grad_norm rel", "worst other (rel)", "tol", "verdict"])
+    header = (
+        ["step", "lr"]
+        + [f"{primary} {label}" for label in labels]
+        + [f"{primary} rel", "grad_norm rel", "worst other (rel)", "tol", "verdict"]
+    )
     cells = [header]
     for r in steps:
         ref = r.rows.get(labels[0]) or {}
-        others = [d for k, d in r.diffs.items()
-                  if k not in (primary, "grad_norm") and (k not in EXACT_KEYS or not d.ok)]
+        others = [
+            d for k, d in r.diffs.items() if k not in (primary, "grad_norm") and (k not in EXACT_KEYS or not d.ok)
+        ]
         worst = max(others, key=_severity) if others else None
         status = r.status if r.status != FAIL else "FAIL " + ", ".join(sorted({d.metric for d in r.failures}))
-        cells.append([str(r.step), _num(ref.get("lr"))]
-                     + [_num((r.rows.get(label) or {}).get(primary), digits=9) for label in labels]
-                     + [_rel(r.diffs.get(primary)), _rel(r.diffs.get("grad_norm")),
-                        f"{worst.metric} {_rel(worst)}" if worst is not None else "-",
-                        f"{r.tol:.0e}" if r.tol else "-", status])
+        cells.append(
+            [str(r.step), _num(ref.get("lr"))]
+            + [_num((r.rows.get(label) or {}).get(primary), digits=9) for label in labels]
+            + [
+                _rel(r.diffs.get(primary)),
+                _rel(r.diffs.get("grad_norm")),
+                f"{worst.metric} {_rel(worst)}" if worst is not None else "-",
+                f"{r.tol:.0e}" if r.tol else "-",
+                status,
+            ]
+        )
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]

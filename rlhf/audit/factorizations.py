@@ -12,6 +12,7 @@ When these coincide (a run on one rank, or with micro-batch 1), the next ones co
 configured ranks, then on one rank, smallest first (micro 2, then 4 ...), until there are three or no other divisor
 of the global batch is left.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,8 +52,9 @@ def split(global_batch: int, micro: int, ranks: int, why: str = "") -> Optional[
     return Factorization(micro, global_batch // (micro * ranks), ranks, why)
 
 
-def factorizations(global_batch: int, micro: int, ranks: int, count: int = 3,
-                   fits: Optional[Fits] = None) -> List[Factorization]:
+def factorizations(
+    global_batch: int, micro: int, ranks: int, count: int = 3, fits: Optional[Fits] = None
+) -> List[Factorization]:
     """The configured factorisation first, then up to ``count - 1`` distinct others (module docstring).
 
     Args:
@@ -98,8 +100,10 @@ def parse_factorizations(text: str, global_batch: int, fits: Optional[Fits] = No
         except ValueError:
             raise ValueError(f"{part!r}: expected MICROxACCUMxRANKS, e.g. 2x4x1") from None
         if min(micro, accum, ranks) < 1 or micro * accum * ranks != global_batch:
-            raise ValueError(f"{part!r}: {micro} x {accum} x {ranks} must be the global batch {global_batch} "
-                             f"(train.global_batch_size), every factor >= 1")
+            raise ValueError(
+                f"{part!r}: {micro} x {accum} x {ranks} must be the global batch {global_batch} "
+                f"(train.global_batch_size), every factor >= 1"
+            )
         if fits is not None and not fits(micro, ranks):
             raise ValueError(f"{part!r}: does not fit the run (another group's ranks must divide the batch too)")
         out.append(Factorization(micro, accum, ranks, "chosen"))

@@ -30,6 +30,7 @@ With ``strategy.precision=auto`` the precision-dependent checks are made for bot
 workers, fp32 on CPU ones) and a finding says which one it applies to: one of the GPU run is an error (an audit on
 a CPU box checks the GPU run it prepares), one of the CPU run only a warning.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,8 +47,10 @@ from rlhf.trainers.kinds import kind_of
 ERROR, WARNING = "error", "warning"
 
 # Why a contradicting DeepSpeed field matters, appended to deepspeed_check's message.
-_WHY = {"communication_data_type": "bf16 training with fp32 communication drove a 7B run's loss and gradients to zero "
-                                   "within ten steps"}
+_WHY = {
+    "communication_data_type": "bf16 training with fp32 communication drove a 7B run's loss and gradients to zero "
+    "within ten steps"
+}
 
 _KEY = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+)+)")
 
@@ -80,10 +83,10 @@ def from_config_error(message: str) -> Optional[Finding]:
     """
     fp16 = "strategy.precision is fp16, which is "
     if message.startswith(fp16):
-        return Finding(ERROR, "strategy.precision=fp16", message[len(fp16):])
+        return Finding(ERROR, "strategy.precision=fp16", message[len(fp16) :])
     match = _KEY.match(message)
     if match and match.group(1) == "train.global_batch_size":
-        return Finding(ERROR, match.group(1), message[len(match.group(1)):].lstrip(" :"))
+        return Finding(ERROR, match.group(1), message[len(match.group(1)) :].lstrip(" :"))
     return None
 
 
@@ -116,8 +119,10 @@ def _precisions(precision: str) -> List[Tuple[str, str, str]]:
     """``(precision, note, level)`` for each precision the run may train in. With ``auto``, a contradiction of the
     GPU run (bf16) is an error: that is the run the audit prepares; one of the CPU run (fp32) only, a warning."""
     if precision == "auto":
-        return [("bf16", "with strategy.precision=auto on GPU workers (bf16)", ERROR),
-                ("fp32", "with strategy.precision=auto on CPU workers (fp32)", WARNING)]
+        return [
+            ("bf16", "with strategy.precision=auto on GPU workers (bf16)", ERROR),
+            ("fp32", "with strategy.precision=auto on CPU workers (fp32)", WARNING),
+        ]
     return [(precision, "", ERROR)]
 
 
@@ -128,9 +133,15 @@ def deepspeed_findings(cfg: RunConfig, user: dict) -> List[Finding]:
     by_message: Dict[str, List[Tuple[str, str]]] = {}
     choices = _precisions(s.precision)
     for precision, note, level in choices:
-        found = contradictions(user, zero_stage=s.zero_stage, micro_batch_size=t.engine_micro_batch_size,
-                               grad_accum_steps=t.grad_accum_steps, world_size=t.num_workers,
-                               max_grad_norm=t.max_grad_norm, precision=precision) + _autocast(user, precision)
+        found = contradictions(
+            user,
+            zero_stage=s.zero_stage,
+            micro_batch_size=t.engine_micro_batch_size,
+            grad_accum_steps=t.grad_accum_steps,
+            world_size=t.num_workers,
+            max_grad_norm=t.max_grad_norm,
+            precision=precision,
+        ) + _autocast(user, precision)
         for message in found:
             by_message.setdefault(message, []).append((note, level))
     findings = []
@@ -153,11 +164,15 @@ def _fp16_loss_scale(user: dict) -> List[Finding]:
     if scale in (0, "0", None):
         return []
     if scale in (1, 1.0, "1"):
-        what = ("fp16.loss_scale=1: fp16 without loss scaling; gradients below fp16's smallest subnormal (6e-8) "
-                "flush to zero, and an overflow is not detected")
+        what = (
+            "fp16.loss_scale=1: fp16 without loss scaling; gradients below fp16's smallest subnormal (6e-8) "
+            "flush to zero, and an overflow is not detected"
+        )
     else:
-        what = (f"fp16.loss_scale={scale}: a static loss scale, no dynamic scaling; an overflowing step goes into "
-                f"the weights as inf/NaN instead of being skipped")
+        what = (
+            f"fp16.loss_scale={scale}: a static loss scale, no dynamic scaling; an overflowing step goes into "
+            f"the weights as inf/NaN instead of being skipped"
+        )
     return [Finding(ERROR, "strategy.deepspeed_config", what + "; remove fp16 and set strategy.precision=bf16 or fp32")]
 
 
@@ -170,9 +185,11 @@ def _autocast(user: dict, precision: str) -> List[str]:
     if dtype is not None and str(dtype).lower() in DTYPE_NAMES.get(precision, ()):
         return []
     shown = repr(dtype) if dtype is not None else "the device default (fp16 on CUDA, bf16 on CPU)"
-    return [f"torch_autocast.enabled: true with dtype {shown} but the run trains in {precision} "
-            f"(strategy.precision): the forward and the gradient all-reduce of Linear layers run in that dtype; "
-            f"remove it and set strategy.precision"]
+    return [
+        f"torch_autocast.enabled: true with dtype {shown} but the run trains in {precision} "
+        f"(strategy.precision): the forward and the gradient all-reduce of Linear layers run in that dtype; "
+        f"remove it and set strategy.precision"
+    ]
 
 
 # --------------------------------------------------------------------------------------------- batches and data
@@ -187,16 +204,26 @@ def _epochs(batch: int, key: str, unit: str, rows: int, t: TrainConfig) -> List[
     left = rows - per_epoch * batch
     found = []
     if left:
-        found.append(Finding(WARNING, f"{key}={batch}",
-                             f"data.train_path's {rows} {unit} give {per_epoch} steps per epoch and leave {left} "
-                             f"{unit} unused per epoch (dropped after each reshuffle, a different {left} each epoch; "
-                             f"never a partial accumulation window)"))
+        found.append(
+            Finding(
+                WARNING,
+                f"{key}={batch}",
+                f"data.train_path's {rows} {unit} give {per_epoch} steps per epoch and leave {left} "
+                f"{unit} unused per epoch (dropped after each reshuffle, a different {left} each epoch; "
+                f"never a partial accumulation window)",
+            )
+        )
     if t.max_steps != -1 and t.max_steps > total:
         epochs = math.ceil(t.max_steps / per_epoch)
-        found.append(Finding(ERROR, f"train.max_steps={t.max_steps}",
-                             f"the data gives only {t.max_epochs} epoch(s) x {per_epoch} steps = {total} steps "
-                             f"(a run is min(train.max_steps, train.max_epochs x steps per epoch)); set "
-                             f"train.max_epochs={epochs} or train.max_steps<={total}"))
+        found.append(
+            Finding(
+                ERROR,
+                f"train.max_steps={t.max_steps}",
+                f"the data gives only {t.max_epochs} epoch(s) x {per_epoch} steps = {total} steps "
+                f"(a run is min(train.max_steps, train.max_epochs x steps per epoch)); set "
+                f"train.max_epochs={epochs} or train.max_steps<={total}",
+            )
+        )
     return found
 
 
@@ -205,10 +232,15 @@ def _rl_batches(cfg: RLRunConfig, prompts: Optional[int]) -> List[Finding]:
     found = [] if prompts is None else _epochs(r.prompts_per_step, "rollout.prompts_per_step", "prompts", prompts, t)
     samples, batch = r.samples_per_step, t.global_batch_size
     if samples % batch:
-        found.append(Finding(WARNING, f"train.global_batch_size={batch}",
-                             f"each rollout batch of {samples} samples (rollout.prompts_per_step x "
-                             f"rollout.n_samples_per_prompt) gives {samples // batch} optimizer steps and leaves "
-                             f"{samples % batch} samples out of every pass: generated and scored, never trained on"))
+        found.append(
+            Finding(
+                WARNING,
+                f"train.global_batch_size={batch}",
+                f"each rollout batch of {samples} samples (rollout.prompts_per_step x "
+                f"rollout.n_samples_per_prompt) gives {samples // batch} optimizer steps and leaves "
+                f"{samples % batch} samples out of every pass: generated and scored, never trained on",
+            )
+        )
     if cfg.critic_batch_problem():
         found.append(Finding(ERROR, f"critic.num_workers={cfg.critic.num_workers}", cfg.critic_batch_problem()))
     return found + _rl_algorithm(cfg)
@@ -218,19 +250,29 @@ def _rl_algorithm(cfg: RLRunConfig) -> List[Finding]:
     """Settings the config accepts whose effect is not what their names suggest (the registry entries' facts)."""
     a, found = cfg.algo, []
     if a.aggregation == "seq-mean-token-sum" and cfg.train.max_grad_norm > 0:
-        found.append(Finding(WARNING, "algo.loss_agg_mode=seq-mean-token-sum",
-                             f"sums each response's ~{cfg.max_response_tokens} token losses, so the gradient norm is "
-                             f"~{cfg.max_response_tokens}x the per-token scale and train.max_grad_norm="
-                             f"{cfg.train.max_grad_norm:g} clips almost every step (a clipped step no longer follows "
-                             f"its gradient's size); seq-mean-token-sum-norm is the same objective over the "
-                             f"generation budget, Dr. GRPO's"))
+        found.append(
+            Finding(
+                WARNING,
+                "algo.loss_agg_mode=seq-mean-token-sum",
+                f"sums each response's ~{cfg.max_response_tokens} token losses, so the gradient norm is "
+                f"~{cfg.max_response_tokens}x the per-token scale and train.max_grad_norm="
+                f"{cfg.train.max_grad_norm:g} clips almost every step (a clipped step no longer follows "
+                f"its gradient's size); seq-mean-token-sum-norm is the same objective over the "
+                f"generation budget, Dr. GRPO's",
+            )
+        )
     entry, (low, high) = a.policy_loss_entry, a.clip
     if entry.sequence_level and max(low / entry.clip_low, high / entry.clip_high) >= 10:
-        found.append(Finding(WARNING, "algo.clip_low" if low / entry.clip_low >= 10 else "algo.clip_high",
-                             f"{low:g} / {high:g} with policy loss {a.policy_loss}: its ratio is a per-token geometric "
-                             f"mean over the sequence, which almost never leaves [1 - {low:g}, 1 + {high:g}], so it "
-                             f"runs unclipped; its paper clips at {entry.clip_low:g} / {entry.clip_high:g} (unset "
-                             f"algo.clip_low and algo.clip_high to train with it)"))
+        found.append(
+            Finding(
+                WARNING,
+                "algo.clip_low" if low / entry.clip_low >= 10 else "algo.clip_high",
+                f"{low:g} / {high:g} with policy loss {a.policy_loss}: its ratio is a per-token geometric "
+                f"mean over the sequence, which almost never leaves [1 - {low:g}, 1 + {high:g}], so it "
+                f"runs unclipped; its paper clips at {entry.clip_low:g} / {entry.clip_high:g} (unset "
+                f"algo.clip_low and algo.clip_high to train with it)",
+            )
+        )
     return found
 
 
@@ -240,16 +282,26 @@ def _rl_algorithm(cfg: RLRunConfig) -> List[Finding]:
 def _run_settings(cfg: RunConfig) -> List[Finding]:
     found = []
     if not cfg.model.disable_dropout:
-        found.append(Finding(WARNING, "model.disable_dropout=false",
-                             "dropout draws its masks per micro-batch, so two factorisations train differently "
-                             "whenever the model has dropout > 0 (the audit's runs show whether it does)"))
+        found.append(
+            Finding(
+                WARNING,
+                "model.disable_dropout=false",
+                "dropout draws its masks per micro-batch, so two factorisations train differently "
+                "whenever the model has dropout > 0 (the audit's runs show whether it does)",
+            )
+        )
     s, t = cfg.strategy, cfg.train
     if s.zero_stage == 0 and t.grad_accum_steps > 1 and s.precision in ("bf16", "auto"):
         when = " (strategy.precision=auto: bf16 on GPU workers)" if s.precision == "auto" else ""
-        found.append(Finding(WARNING, "strategy.zero_stage=0",
-                             f"bf16 training{when} on ZeRO 0 sums the {t.grad_accum_steps} micro-batch gradients of "
-                             f"a step in bf16 (DeepSpeed has no fp32 accumulation without ZeRO); prefer "
-                             f"strategy.zero_stage=1"))
+        found.append(
+            Finding(
+                WARNING,
+                "strategy.zero_stage=0",
+                f"bf16 training{when} on ZeRO 0 sums the {t.grad_accum_steps} micro-batch gradients of "
+                f"a step in bf16 (DeepSpeed has no fp32 accumulation without ZeRO); prefer "
+                f"strategy.zero_stage=1",
+            )
+        )
     return found
 
 

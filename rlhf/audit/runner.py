@@ -13,6 +13,7 @@ The runs share one Ray cluster, joined or started here as a training command wou
 ``RAY_ADDRESS``, else a local one); each run's console output goes to ``<label>.log`` next to its output
 directory, and not to the audit's console (:func:`run_one`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,16 +59,30 @@ class RunOutcome:
     seconds: float
 
 
-def audit_overrides(cfg: RunConfig, steps: int, output_dir: str, precision: str = "",
-                    deepspeed_config: str = "") -> List[str]:
+def audit_overrides(
+    cfg: RunConfig, steps: int, output_dir: str, precision: str = "", deepspeed_config: str = ""
+) -> List[str]:
     """What every run of the audit changes in the user's config (module docstring)."""
     t = cfg.train
     max_steps = steps if t.max_steps == -1 else min(steps, t.max_steps)
-    out = [f"train.max_steps={max_steps}", f"train.output_dir={output_dir}", "train.overwrite=false",
-           "train.resume=false", "train.save_final=true", "train.save_every=0", "train.stop_after_steps=0",
-           "train.eval_every=0", "train.skip_steps=[]", "train.on_failure=exit", "data.eval_path=",
-           "logging.tensorboard=false", "logging.wandb=false", "logging.progress_bar=off", "logging.console=line",
-           f"health.action={'off' if cfg.health.action == 'off' else 'warn'}"]
+    out = [
+        f"train.max_steps={max_steps}",
+        f"train.output_dir={output_dir}",
+        "train.overwrite=false",
+        "train.resume=false",
+        "train.save_final=true",
+        "train.save_every=0",
+        "train.stop_after_steps=0",
+        "train.eval_every=0",
+        "train.skip_steps=[]",
+        "train.on_failure=exit",
+        "data.eval_path=",
+        "logging.tensorboard=false",
+        "logging.wandb=false",
+        "logging.progress_bar=off",
+        "logging.console=line",
+        f"health.action={'off' if cfg.health.action == 'off' else 'warn'}",
+    ]
     if precision == "fp64":  # DeepSpeed trains float64 end to end on ZeRO 0 only (rlhf.config.schema.StrategyConfig)
         out += ["strategy.precision=fp64", "strategy.zero_stage=0", "strategy.offload_optimizer=false"]
     elif precision:
@@ -97,11 +112,13 @@ def split_overrides(cfg: RunConfig, f: Factorization) -> List[str]:
 
 def split_fits(cfg: RunConfig) -> Fits:
     """Online RL with a critic: its ranks (tied to the policy's, or fixed) must divide the global batch too."""
+
     def fits(micro: int, ranks: int) -> bool:
         if not (kind_of(cfg).online and isinstance(cfg, RLRunConfig) and cfg.algo.needs_critic):
             return True
         critic = ranks if cfg.critic.num_workers == cfg.train.num_workers else cfg.critic.num_workers
         return cfg.train.global_batch_size % (micro * critic) == 0
+
     return fits
 
 
@@ -183,6 +200,7 @@ def _actor_output_to(stream: TextIO) -> Iterator[None]:
     try:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
         from ray._private.worker import print_worker_logs
+
         handlers = list(dispatcher.handlers)
     except (ImportError, AttributeError):
         yield
@@ -239,8 +257,12 @@ def weights_diff(ref_dir: Optional[str], other_dir: Optional[str], label: str) -
     ref, other = _tensor_files(ref_dir), _tensor_files(other_dir)
     if not ref or set(ref) != set(other):
         only_ref, only_other = sorted(set(ref) - set(other))[:3], sorted(set(other) - set(ref))[:3]
-        return WeightsDiff(label, float("inf"), "", f"the saved tensors differ (only in the reference: {only_ref}, "
-                                                    f"only in {label}: {only_other})")
+        return WeightsDiff(
+            label,
+            float("inf"),
+            "",
+            f"the saved tensors differ (only in the reference: {only_ref}, only in {label}: {only_other})",
+        )
     worst, where = 0.0, ""
     for name in sorted(ref):
         a, b = _tensor(ref[name], name), _tensor(other[name], name)

@@ -10,6 +10,7 @@
 A config with none of these (only ``model`` / ``data`` / ``train`` ...) fits SFT, the reward model and DPO alike:
 the audit refuses to guess and asks for ``--trainer``.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,10 @@ def infer_trainer(config_ref: Optional[str], overrides: Sequence[str] = ()) -> s
         return preset
     if len(errors) == len(TRAINER_NAMES) and len(set(errors.values())) == 1:
         raise ConfigError(errors["sft"])  # the same error whatever the trainer (a missing file, bad YAML)
-    raise ConfigError("cannot tell which trainer this config is for: it has no dpo, rm or rollout/reward/algo "
-                      "section and names no preset; pass --trainer " + "|".join(fits))
+    raise ConfigError(
+        "cannot tell which trainer this config is for: it has no dpo, rm or rollout/reward/algo "
+        "section and names no preset; pass --trainer " + "|".join(fits)
+    )
 
 
 def _other_section(message: str) -> bool:
@@ -92,7 +95,7 @@ def _preset_trainer(config_ref: Optional[str]) -> Optional[str]:
         names = [refs] if isinstance(refs, str) else [r for r in refs if isinstance(r, str)]
     presets = set(available_presets())
     for ref in names:
-        stem = ref[:-len(".yaml")] if ref.endswith(".yaml") else ref
+        stem = ref[: -len(".yaml")] if ref.endswith(".yaml") else ref
         if stem in presets:
             return _PRESET_PREFIXES.get(stem.split("_")[0])
     return None

@@ -12,6 +12,7 @@
 Exit status: 0 the run keeps the contract; 1 a lint error or a step / the weights past tolerance (named), or a
 failed worker; 2 a usage or configuration error (as the training commands). docs/audit.md has the details.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,17 @@ from typing import List, Optional, Sequence, Tuple
 from rlhf.audit import compare
 from rlhf.audit.factorizations import factorizations, parse_factorizations, with_configured
 from rlhf.audit.lint import ERROR, from_config_error, lint
-from rlhf.audit.runner import (RunFailed, audit_overrides, cluster, log_tail, run_one, runs_deepspeed_config,
-                               split_fits, split_overrides, weights_diff)
+from rlhf.audit.runner import (
+    RunFailed,
+    audit_overrides,
+    cluster,
+    log_tail,
+    run_one,
+    runs_deepspeed_config,
+    split_fits,
+    split_overrides,
+    weights_diff,
+)
 from rlhf.audit.trainers import TRAINERS, infer_trainer
 from rlhf.cli.common import quiet_environment
 from rlhf.config.deepspeed_check import read_user_config
@@ -44,35 +54,69 @@ PROG = "python -m rlhf.cli.audit"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Exit status: 0 contract kept; 1 a lint error or a difference past tolerance "
-                                       "(the key, or the step and metric, named); 2 a usage or config error.")
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit status: 0 contract kept; 1 a lint error or a difference past tolerance "
+        "(the key, or the step and metric, named); 2 a usage or config error.",
+    )
     p.add_argument("--config", "-c", metavar="FILE_OR_PRESET", default=None, help="the run's YAML config or preset")
-    p.add_argument("--trainer", choices=("sft", "rm", "dpo", "ppo"), default=None,
-                   help="the trainer the config is for (default: told by its sections, saved-config line or preset)")
+    p.add_argument(
+        "--trainer",
+        choices=("sft", "rm", "dpo", "ppo"),
+        default=None,
+        help="the trainer the config is for (default: told by its sections, saved-config line or preset)",
+    )
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run (RL: RL steps); default 3")
-    p.add_argument("--precision", choices=("as-configured", "fp64"), default="as-configured",
-                   help="fp64: train every run in float64 (strategy.precision=fp64, on ZeRO 0: the only stage "
-                        "DeepSpeed trains float64 on), so that rounding is ~1e-16 and tolerances can be 1e-10")
-    p.add_argument("--factorizations", metavar="MxAxR,...", default="",
-                   help="the other splits to run (micro x accumulation x ranks), e.g. 1x8x1,2x2x2; default: micro 1 on "
-                        "the configured ranks and the configured micro on one rank")
-    p.add_argument("--tol-first", type=float, default=None,
-                   help="relative tolerance at step 1 (default fp32 1e-5, bf16 3e-3, fp64 1e-10)")
-    p.add_argument("--tol", type=float, default=None,
-                   help="relative tolerance from step 2 on (default fp32 1e-3, bf16 1e-2, fp64 1e-10)")
-    p.add_argument("--tol-weights", type=float, default=None,
-                   help="relative L2 tolerance per tensor of the final weights (default fp32 1e-3, bf16 1e-2, "
-                        "fp64 1e-8)")
-    p.add_argument("--atol", type=float, default=None,
-                   help="absolute floor for numbers near 0 (default fp32 1e-5, bf16 5e-4, fp64 1e-12)")
+    p.add_argument(
+        "--precision",
+        choices=("as-configured", "fp64"),
+        default="as-configured",
+        help="fp64: train every run in float64 (strategy.precision=fp64, on ZeRO 0: the only stage "
+        "DeepSpeed trains float64 on), so that rounding is ~1e-16 and tolerances can be 1e-10",
+    )
+    p.add_argument(
+        "--factorizations",
+        metavar="MxAxR,...",
+        default="",
+        help="the other splits to run (micro x accumulation x ranks), e.g. 1x8x1,2x2x2; default: micro 1 on "
+        "the configured ranks and the configured micro on one rank",
+    )
+    p.add_argument(
+        "--tol-first",
+        type=float,
+        default=None,
+        help="relative tolerance at step 1 (default fp32 1e-5, bf16 3e-3, fp64 1e-10)",
+    )
+    p.add_argument(
+        "--tol",
+        type=float,
+        default=None,
+        help="relative tolerance from step 2 on (default fp32 1e-3, bf16 1e-2, fp64 1e-10)",
+    )
+    p.add_argument(
+        "--tol-weights",
+        type=float,
+        default=None,
+        help="relative L2 tolerance per tensor of the final weights (default fp32 1e-3, bf16 1e-2, fp64 1e-8)",
+    )
+    p.add_argument(
+        "--atol",
+        type=float,
+        default=None,
+        help="absolute floor for numbers near 0 (default fp32 1e-5, bf16 5e-4, fp64 1e-12)",
+    )
     p.add_argument("--lint-only", action="store_true", help="only lint the config; start nothing")
     p.add_argument("--keep", action="store_true", help="keep the runs' directories and logs")
-    p.add_argument("--workdir", default="",
-                   help="where the runs write (default: a new temporary directory next to train.output_dir, "
-                        "else in the system's temporary directory); on a multi-node cluster, storage every node "
-                        "writes")
+    p.add_argument(
+        "--workdir",
+        default="",
+        help="where the runs write (default: a new temporary directory next to train.output_dir, "
+        "else in the system's temporary directory); on a multi-node cluster, storage every node "
+        "writes",
+    )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, as for the training commands")
     return p
 
@@ -102,8 +146,10 @@ class _Failed(Exception):
 
 def _audit(args) -> int:
     trainer = TRAINERS[args.trainer or infer_trainer(args.config, args.overrides)]
-    log.info(f"audit: {trainer.name} config {args.config or '(defaults)'}"
-             + (f" with {' '.join(args.overrides)}" if args.overrides else ""))
+    log.info(
+        f"audit: {trainer.name} config {args.config or '(defaults)'}"
+        + (f" with {' '.join(args.overrides)}" if args.overrides else "")
+    )
     cfg, user_ds, findings = _lint(trainer, args)
     errors = [f for f in findings if f.level == ERROR]
     if errors:
@@ -163,8 +209,10 @@ def _run_and_compare(trainer, cfg: RunConfig, user_ds, args) -> int:
             log.error(f"error: --factorizations {exc}")
             return 2
     if len(splits) < 2:
-        log.error(f"error: train.global_batch_size={t.global_batch_size} has no other factorisation than "
-                  f"{splits[0].label} on at most {t.num_workers} rank(s): nothing to compare")
+        log.error(
+            f"error: train.global_batch_size={t.global_batch_size} has no other factorisation than "
+            f"{splits[0].label} on at most {t.num_workers} rank(s): nothing to compare"
+        )
         return 2
     workdir = _workdir(cfg, args.workdir)
     try:
@@ -196,16 +244,29 @@ def _runs(trainer, cfg: RunConfig, user_ds, splits, workdir: str, args):
     """
     precision = "fp64" if args.precision == "fp64" else ""
     ds_copy = runs_deepspeed_config(user_ds, workdir, fp64=precision == "fp64")
-    cfgs = [load_config(trainer.config_cls, args.config,
-                        [*args.overrides, *audit_overrides(cfg, args.steps, os.path.join(workdir, f.label), precision,
-                                                           ds_copy), *split_overrides(cfg, f)]) for f in splits]
+    cfgs = [
+        load_config(
+            trainer.config_cls,
+            args.config,
+            [
+                *args.overrides,
+                *audit_overrides(cfg, args.steps, os.path.join(workdir, f.label), precision, ds_copy),
+                *split_overrides(cfg, f),
+            ],
+        )
+        for f in splits
+    ]
     what = {"configured": "the configured split"}
-    log.info(f"runs: {len(splits)} factorisations of the global batch {cfg.train.global_batch_size} "
-             f"(micro x accumulation x ranks), {args.steps} {'RL ' if trainer.online else ''}step(s) each: "
-             + ", ".join(f"{f.label} ({what.get(f.why, f.why)})" for f in splits))
+    log.info(
+        f"runs: {len(splits)} factorisations of the global batch {cfg.train.global_batch_size} "
+        f"(micro x accumulation x ranks), {args.steps} {'RL ' if trainer.online else ''}step(s) each: "
+        + ", ".join(f"{f.label} ({what.get(f.why, f.why)})" for f in splits)
+    )
     if precision == "fp64" and cfg.strategy.zero_stage != 0:
-        log.info(f"  in fp64 on ZeRO 0 (the only stage DeepSpeed trains float64 on; the run's is "
-                 f"strategy.zero_stage={cfg.strategy.zero_stage})")
+        log.info(
+            f"  in fp64 on ZeRO 0 (the only stage DeepSpeed trains float64 on; the run's is "
+            f"strategy.zero_stage={cfg.strategy.zero_stage})"
+        )
     outcomes = []
     with cluster(cfgs) as resolved:
         for f, run_cfg in zip(splits, cfgs):
@@ -229,8 +290,10 @@ def _failed(exc, keep: bool) -> int:
         log.error(f"error: {exc}")
     tail = log_tail(exc.log)
     if tail:
-        log.error(f"--- the end of the {exc.label} run's log ({exc.log}{'' if keep else ', removed: --keep keeps it'}):"
-                  f"\n{tail}")
+        log.error(
+            f"--- the end of the {exc.label} run's log ({exc.log}{'' if keep else ', removed: --keep keeps it'}):"
+            f"\n{tail}"
+        )
     if not expected:  # a bug: its traceback, as the training commands give one
         raise exc.cause
     return 2 if isinstance(exc.cause, bad_input) else 1
@@ -239,8 +302,10 @@ def _failed(exc, keep: bool) -> int:
 def _report(trainer, outcomes: List, tol, precision: str) -> int:
     labels = {o.factorization.label: f"{o.factorization.label} ({o.factorization.why})" for o in outcomes}
     steps = compare.compare_steps({o.factorization.label: o.rows for o in outcomes}, tol, rl=trainer.online)
-    print(f"\n{precision}; tolerance: relative {tol.first:.0e} at step 1, {tol.later:.0e} later, absolute "
-          f"{tol.atol:.0e} for numbers near 0; reference: {next(iter(labels.values()))}")
+    print(
+        f"\n{precision}; tolerance: relative {tol.first:.0e} at step 1, {tol.later:.0e} later, absolute "
+        f"{tol.atol:.0e} for numbers near 0; reference: {next(iter(labels.values()))}"
+    )
     for line in compare.table(steps, trainer.primary_loss, list(labels)):
         print(line)
     weights = []
@@ -248,9 +313,11 @@ def _report(trainer, outcomes: List, tol, precision: str) -> int:
         ref = outcomes[0]
         weights = [weights_diff(ref.final_dir, o.final_dir, o.factorization.label) for o in outcomes[1:]]
         worst = max(weights, key=lambda w: w.worst if w.worst == w.worst else float("inf"))
-        print(f"\nfinal weights: worst relative L2 difference {worst.worst:.1e}"
-              + (f" ({worst.tensor}, {labels[worst.run]} vs {labels[ref.factorization.label]})" if worst.tensor else "")
-              + f"; tolerance {tol.weights:.0e}")
+        print(
+            f"\nfinal weights: worst relative L2 difference {worst.worst:.1e}"
+            + (f" ({worst.tensor}, {labels[worst.run]} vs {labels[ref.factorization.label]})" if worst.tensor else "")
+            + f"; tolerance {tol.weights:.0e}"
+        )
     result = compare.verdict(steps, weights, tol, labels)
     print(result.line)
     return result.code

@@ -1,4 +1,5 @@
 """Shared entry-point plumbing: parse the config, run, and turn expected failures into one-line errors."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,11 @@ def quiet_environment() -> None:
     into the HF cache; with ``HF_HUB_OFFLINE=1`` only cached ones resolve (``rlhf.hub``). Local paths never reach
     the network either way.
     """
-    for key, value in (("TOKENIZERS_PARALLELISM", "false"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
-                       ("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")):
+    for key, value in (
+        ("TOKENIZERS_PARALLELISM", "false"),
+        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+        ("HF_DATASETS_DISABLE_PROGRESS_BARS", "1"),
+    ):
         os.environ.setdefault(key, value)
 
 
@@ -49,8 +53,15 @@ def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]
             dry_run(request.config, prog=prog, cluster=request.cluster)
         else:
             train(request.config)
-    except (ConfigError, DataError, HubError, PlanError, RewardFunctionError, InfeasiblePlan,
-            UnsupportedVersionError) as exc:
+    except (
+        ConfigError,
+        DataError,
+        HubError,
+        PlanError,
+        RewardFunctionError,
+        InfeasiblePlan,
+        UnsupportedVersionError,
+    ) as exc:
         log.error(f"error: {exc}")
         return 2
     except Exception as exc:  # noqa: BLE001 - a worker failure is reported as one line naming role and rank

@@ -13,6 +13,7 @@ On a GPU cluster it is the first thing to run
 (``RAY_AUTH_MODE=token ray job submit --address http://HEAD_IP:8265 --working-dir . -- python -m rlhf.cli.doctor``);
 the test suite runs it on CPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -91,12 +92,16 @@ def _probe_worker(gpus: float) -> dict:
         import torch
 
         # strategy.precision=auto on a GPU is bf16 (on CPU attention is sdpa whatever the precision)
-        return {"attn": resolve_attn_implementation("auto", "bf16"), "cuda": torch.version.cuda or "none",
-                "devices": torch.cuda.device_count(), "bf16": bool(torch.cuda.is_available() and
-                                                                    torch.cuda.is_bf16_supported())}
+        return {
+            "attn": resolve_attn_implementation("auto", "bf16"),
+            "cuda": torch.version.cuda or "none",
+            "devices": torch.cuda.device_count(),
+            "bf16": bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()),
+        }
 
-    return ray.get(probe.options(num_cpus=0.1, num_gpus=min(gpus, 1.0),
-                                 runtime_env={"env_vars": actor_env(gpus)}).remote())
+    return ray.get(
+        probe.options(num_cpus=0.1, num_gpus=min(gpus, 1.0), runtime_env={"env_vars": actor_env(gpus)}).remote()
+    )
 
 
 def _selections(cluster_gpus: float) -> dict:
@@ -123,8 +128,14 @@ def _selections(cluster_gpus: float) -> dict:
 
 
 def _assets(workdir: str) -> dict:
-    return make_assets(os.path.join(workdir, "assets"), num_sft=64, num_pref=8, num_prompts=32,
-                       num_eval_prompts=8, log=lambda line: None)
+    return make_assets(
+        os.path.join(workdir, "assets"),
+        num_sft=64,
+        num_pref=8,
+        num_prompts=32,
+        num_eval_prompts=8,
+        log=lambda line: None,
+    )
 
 
 def _finite(row: dict, keys) -> None:
@@ -136,10 +147,22 @@ def _finite(row: dict, keys) -> None:
 def _sft(assets: dict, workdir: str, precision: str) -> str:
     from rlhf.trainers.sft import train_sft  # lazy: pulls in torch (and a broken install fails this check only)
 
-    cfg = load_config(SFTRunConfig, "sft_tiny", [
-        f"model.path={assets['model']}", f"data.train_path={assets['sft']}", f"train.output_dir={workdir}/sft",
-        "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=2", "train.save_final=false",
-        "logging.tensorboard=false", "logging.progress_bar=off", "train.overwrite=true"])  # --workdir may be reused
+    cfg = load_config(
+        SFTRunConfig,
+        "sft_tiny",
+        [
+            f"model.path={assets['model']}",
+            f"data.train_path={assets['sft']}",
+            f"train.output_dir={workdir}/sft",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=4",
+            "train.max_steps=2",
+            "train.save_final=false",
+            "logging.tensorboard=false",
+            "logging.progress_bar=off",
+            "train.overwrite=true",
+        ],
+    )  # --workdir may be reused
     result = train_sft(cfg)
     row = result.final_metrics
     _finite(row, ("loss", "grad_norm"))
@@ -150,12 +173,27 @@ def _grpo(assets: dict, workdir: str, name: str, precision: str, extra: tuple = 
     from rlhf.trainers.rl_runner import train_ppo  # lazy: pulls in torch (and a broken install fails this check only)
 
     out = os.path.join(workdir, name)
-    cfg = load_config(RLRunConfig, "grpo_tiny", [
-        f"model.path={assets['model']}", f"data.train_path={assets['prompts']}", f"train.output_dir={out}",
-        "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
-        "train.global_batch_size=16", "train.micro_batch_size=8", "train.max_steps=2", "train.lr=1e-3",
-        "train.save_final=false", "logging.tensorboard=false", "logging.progress_bar=off", "train.overwrite=true",
-        *extra])
+    cfg = load_config(
+        RLRunConfig,
+        "grpo_tiny",
+        [
+            f"model.path={assets['model']}",
+            f"data.train_path={assets['prompts']}",
+            f"train.output_dir={out}",
+            "rollout.prompts_per_step=4",
+            "rollout.n_samples_per_prompt=4",
+            "rollout.max_new_tokens=8",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=8",
+            "train.max_steps=2",
+            "train.lr=1e-3",
+            "train.save_final=false",
+            "logging.tensorboard=false",
+            "logging.progress_bar=off",
+            "train.overwrite=true",
+            *extra,
+        ],
+    )
     train_ppo(cfg)
     rows = read_metrics(os.path.join(out, "metrics.jsonl"))
     for row in rows:
@@ -163,10 +201,14 @@ def _grpo(assets: dict, workdir: str, name: str, precision: str, extra: tuple = 
     # Step 2 samples from the weights step 1 pushed: its mismatch is the sync's proof.
     mismatch, limit = rows[-1]["logp_mismatch"], MISMATCH_LIMIT[precision]
     if not mismatch < limit:
-        raise RuntimeError(f"step 2 vLLM/trainer log-prob mismatch {mismatch:.2e} >= {limit:g}: the engine does not "
-                           f"hold the policy's weights")
-    return (f"2 steps: reward {rows[-1]['reward_mean']:.3f}, step-2 log-prob mismatch {mismatch:.1e} (< {limit:g}), "
-            f"sync {rows[-1]['sync_mb_per_s']:.0f} MB/s")
+        raise RuntimeError(
+            f"step 2 vLLM/trainer log-prob mismatch {mismatch:.2e} >= {limit:g}: the engine does not "
+            f"hold the policy's weights"
+        )
+    return (
+        f"2 steps: reward {rows[-1]['reward_mean']:.3f}, step-2 log-prob mismatch {mismatch:.1e} (< {limit:g}), "
+        f"sync {rows[-1]['sync_mb_per_s']:.0f} MB/s"
+    )
 
 
 def _runs(checks: List[Check], picks: dict, workdir: str) -> None:
@@ -181,11 +223,15 @@ def _runs(checks: List[Check], picks: dict, workdir: str) -> None:
         return
     _run_check(checks, f"SFT (DeepSpeed, {picks['backend']})", lambda: _sft(assets, workdir, precision))
     method = picks["weight sync, own engines"]
-    _run_check(checks, f"GRPO + vLLM, weight sync {method}",
-               lambda: _grpo(assets, workdir, "grpo", precision))
+    _run_check(checks, f"GRPO + vLLM, weight sync {method}", lambda: _grpo(assets, workdir, "grpo", precision))
     if picks["devices"].gpus_per_worker > 0:  # the hybrid engine's IPC and sleep mode exist only on GPUs
-        _run_check(checks, "GRPO, hybrid engine (ipc, sleep)", lambda: _grpo(
-            assets, workdir, "grpo-hybrid", precision, ("colocate.hybrid_engine=true", "rollout.num_engines=1")))
+        _run_check(
+            checks,
+            "GRPO, hybrid engine (ipc, sleep)",
+            lambda: _grpo(
+                assets, workdir, "grpo-hybrid", precision, ("colocate.hybrid_engine=true", "rollout.num_engines=1")
+            ),
+        )
 
 
 def report(checks: List[Check]) -> int:
@@ -199,8 +245,9 @@ def report(checks: List[Check]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rlhf.cli.doctor", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m rlhf.cli.doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workdir", default="", help="where the tiny assets and runs go (default: a temp dir)")
     ap.add_argument("--address", default="", help="Ray cluster to join (default: RAY_ADDRESS, else a local one)")
     ap.add_argument("--no-runs", action="store_true", help="only print what is found and selected")

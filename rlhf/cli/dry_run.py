@@ -14,6 +14,7 @@ rules.
 Exit status (through ``rlhf.cli.common.run_cli``): 0 when the plan fits, 2 with ``error: ...`` naming the placement
 group or role that does not fit, or the bad setting.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,13 +23,30 @@ from typing import List, Sequence, Tuple
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError, DPORunConfig, RunConfig
 from rlhf.distributed.cluster import local_num_cpus
-from rlhf.distributed.packing import (NodeShape, Packing, check_feasible, describe_cluster, nodes_from_ray,
-                                      pack, parse_cluster)
-from rlhf.distributed.resource_plan import (ENVIRONMENT, ROLLOUT, ActorPlan, Devices, GroupPlan, ResourcePlan,
-                                            engine_gpus, engine_sleep, resolve_devices)
+from rlhf.distributed.packing import (
+    NodeShape,
+    Packing,
+    check_feasible,
+    describe_cluster,
+    nodes_from_ray,
+    pack,
+    parse_cluster,
+)
+from rlhf.distributed.resource_plan import (
+    ENVIRONMENT,
+    ROLLOUT,
+    ActorPlan,
+    Devices,
+    GroupPlan,
+    ResourcePlan,
+    engine_gpus,
+    engine_sleep,
+    resolve_devices,
+)
 from rlhf.ops.algorithms import describe, needs_length
 from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.preflight import preflight
+
 
 def dry_run(cfg: RunConfig, prog: str, cluster: str = "") -> None:
     """Print the resource plan of ``cfg`` on the cluster; raise when it does not fit or a setting is wrong.
@@ -50,8 +68,11 @@ def dry_run(cfg: RunConfig, prog: str, cluster: str = "") -> None:
     # online: always an RLRunConfig (the isinstance narrows the type)
     rollout = _rollout_lines(cfg, plan, devices) if kind.online and isinstance(cfg, RLRunConfig) else []
     packing = pack(plan, nodes, cluster=name)
-    lines = [f"dry run: {prog}: the configuration is valid; nothing was started (no Ray actor, no weights loaded)",
-             "", f"cluster: {label}: {describe_cluster(nodes)}"]
+    lines = [
+        f"dry run: {prog}: the configuration is valid; nothing was started (no Ray actor, no weights loaded)",
+        "",
+        f"cluster: {label}: {describe_cluster(nodes)}",
+    ]
     lines += [f"  node {i}: {n.describe()}" for i, n in enumerate(nodes)]
     lines += ["", "paths:"] + _table(paths)
     lines += ["", _devices_line(cfg, devices)] + rollout
@@ -79,8 +100,11 @@ def cluster_nodes(cfg: RunConfig, cluster: str) -> Tuple[str, str, Tuple[NodeSha
     if address:
         return "the live cluster", f"live cluster at {address}", _live_nodes(address)
     cpus = local_num_cpus(cfg.ray.num_cpus, kind_of(cfg).plan(cfg, 0.0).needed_cpus)
-    return ("this machine", f"this machine (the local Ray cluster a run here would start: {cpus} logical CPUs)",
-            (NodeShape(cpus=float(cpus), gpus=_local_gpus()),))
+    return (
+        "this machine",
+        f"this machine (the local Ray cluster a run here would start: {cpus} logical CPUs)",
+        (NodeShape(cpus=float(cpus), gpus=_local_gpus()),),
+    )
 
 
 def _local_gpus() -> int:
@@ -100,8 +124,10 @@ def _live_nodes(address: str) -> Tuple[NodeShape, ...]:
             ray.init(address=address, log_to_driver=False, logging_level="ERROR")  # type: ignore[arg-type]
         nodes = nodes_from_ray(ray.nodes())
     except Exception as exc:  # noqa: BLE001 - any failure to reach the cluster is reported as one line
-        raise ConfigError(f"cannot read the Ray cluster at {address} ({type(exc).__name__}: {exc}); give "
-                          f"--cluster SHAPE to plan against a simulated one") from None
+        raise ConfigError(
+            f"cannot read the Ray cluster at {address} ({type(exc).__name__}: {exc}); give "
+            f"--cluster SHAPE to plan against a simulated one"
+        ) from None
     finally:
         if joined and ray.is_initialized():
             ray.shutdown()
@@ -125,25 +151,33 @@ def _rollout_lines(cfg: RLRunConfig, plan: ResourcePlan, devices: Devices) -> Li
     if engines.group:
         device = f"engine e on policy rank e's {'device' if engines.gpus else 'bundle'} (colocate.hybrid_engine)"
     backend = "nccl" if engines.gpus > 0 and devices.gpus_per_worker > 0 else "gloo"  # both ends on GPUs
-    transport = {"ipc": "CUDA IPC handles, policy rank e -> engine e on their shared device",
-                 "object_store": "buckets through the Ray object store",
-                 "broadcast": f"policy rank 0 -> every engine worker over a {backend} process group"}.get(sync, sync)
-    context = (f"{r.max_episode_tokens + r.max_new_tokens} (rollout.max_episode_tokens + max_new_tokens: a turn may "
-               f"sample past the episode's budget, which keeps what fits)" if cfg.multi_turn else
-               f"{r.max_prompt_length + r.max_new_tokens} (rollout.max_prompt_length + max_new_tokens)")
-    lines = [f"rollout: {_count(r.num_engines, 'vLLM engine')}, tensor_parallel_size {r.tensor_parallel_size}, "
-             f"{device}",
-             f"  max_model_len {context}",
-            f"  vLLM sleep mode: {'on' if sleep else 'off'} (colocate.engine_sleep={c.engine_sleep})",
-             f"  weight sync: {sync}: {transport} (rollout.weight_sync={r.weight_sync}), "
-             f"{r.weight_sync_bucket_mb} MB buckets"]
+    transport = {
+        "ipc": "CUDA IPC handles, policy rank e -> engine e on their shared device",
+        "object_store": "buckets through the Ray object store",
+        "broadcast": f"policy rank 0 -> every engine worker over a {backend} process group",
+    }.get(sync, sync)
+    context = (
+        f"{r.max_episode_tokens + r.max_new_tokens} (rollout.max_episode_tokens + max_new_tokens: a turn may "
+        f"sample past the episode's budget, which keeps what fits)"
+        if cfg.multi_turn
+        else f"{r.max_prompt_length + r.max_new_tokens} (rollout.max_prompt_length + max_new_tokens)"
+    )
+    lines = [
+        f"rollout: {_count(r.num_engines, 'vLLM engine')}, tensor_parallel_size {r.tensor_parallel_size}, {device}",
+        f"  max_model_len {context}",
+        f"  vLLM sleep mode: {'on' if sleep else 'off'} (colocate.engine_sleep={c.engine_sleep})",
+        f"  weight sync: {sync}: {transport} (rollout.weight_sync={r.weight_sync}), "
+        f"{r.weight_sync_bucket_mb} MB buckets",
+    ]
     if cfg.multi_turn:
         e = cfg.env
-        lines += [f"environment: {e.spec} on {_count(e.num_actors, 'actor')}, {e.step_timeout_s:g} s per reset or "
-                  f"step at most (env.step_timeout_s)",
-                  f"  episodes: up to {r.max_turns} turns and {r.max_episode_tokens} tokens each, then "
-                  f"rollout.episode_limit={r.episode_limit}; observations: rollout.observation_format="
-                  f"{r.observation_format}; an episode is one sample of the rollout batch"]
+        lines += [
+            f"environment: {e.spec} on {_count(e.num_actors, 'actor')}, {e.step_timeout_s:g} s per reset or "
+            f"step at most (env.step_timeout_s)",
+            f"  episodes: up to {r.max_turns} turns and {r.max_episode_tokens} tokens each, then "
+            f"rollout.episode_limit={r.episode_limit}; observations: rollout.observation_format="
+            f"{r.observation_format}; an episode is one sample of the rollout batch",
+        ]
     return lines
 
 
@@ -180,8 +214,10 @@ def _devices_line(cfg: RunConfig, devices: Devices) -> str:
     auto = " (auto)" if s.gpus_per_worker < 0 else ""
     extras = ", gradient checkpointing" if cfg.model.gradient_checkpointing else ""
     extras += ", optimizer offloaded to CPU" if s.offload_optimizer else ""
-    return (f"devices: {gpus}{auto}; {devices.precision} (strategy.precision={s.precision}), "
-            f"{devices.backend} (strategy.backend={s.backend}); DeepSpeed ZeRO-{s.zero_stage}{extras}")
+    return (
+        f"devices: {gpus}{auto}; {devices.precision} (strategy.precision={s.precision}), "
+        f"{devices.backend} (strategy.backend={s.backend}); DeepSpeed ZeRO-{s.zero_stage}{extras}"
+    )
 
 
 def placement_lines(packing: Packing) -> List[str]:
@@ -194,20 +230,29 @@ def placement_lines(packing: Packing) -> List[str]:
             lines.append(f"  {i}. {request.name}: {_count(request.num_bundles, 'bundle')} x {bundle}{shared}")
             what = "bundles"
         else:
-            lines.append(f"  {i}. {request.role}: {_count(request.count, 'actor')} x {_res(request)}, no placement "
-                         f"group (Ray's default scheduler)")
+            lines.append(
+                f"  {i}. {request.role}: {_count(request.count, 'actor')} x {_res(request)}, no placement "
+                f"group (Ray's default scheduler)"
+            )
             what = "actors"
         if slots is None:
-            lines.append("       NOT PLACED" if packing.failure and _first_failed(packing) == i - 1
-                         else "       (not tried: an earlier request did not fit)")
+            lines.append(
+                "       NOT PLACED"
+                if packing.failure and _first_failed(packing) == i - 1
+                else "       (not tried: an earlier request did not fit)"
+            )
             continue
         by_node: dict = {}
         for index, slot in enumerate(slots):
             by_node.setdefault(slot.node, ([], set()))[0].append(index)
             by_node[slot.node][1].update(slot.gpu_ids)
-        lines.append("       " + "; ".join(
-            f"node {node}: {what} {_ranges(ix)}" + (f" (GPUs {_ranges(sorted(g))})" if g else "")
-            for node, (ix, g) in sorted(by_node.items())))
+        lines.append(
+            "       "
+            + "; ".join(
+                f"node {node}: {what} {_ranges(ix)}" + (f" (GPUs {_ranges(sorted(g))})" if g else "")
+                for node, (ix, g) in sorted(by_node.items())
+            )
+        )
     return lines
 
 
@@ -225,8 +270,11 @@ def actor_lines(plan: ResourcePlan) -> List[str]:
 
 
 def _sharing(plan: ResourcePlan, packing: Packing) -> str:
-    shared = [f"{' + '.join(g.roles)} (rank r of each on bundle r, 1/{g.share} of it each)"
-              for g in plan.groups if g.share > 1]
+    shared = [
+        f"{' + '.join(g.roles)} (rank r of each on bundle r, 1/{g.share} of it each)"
+        for g in plan.groups
+        if g.share > 1
+    ]
     text = "; ".join(shared) if shared else "none (every role on its own bundles)"
     crowded = packing.shared_devices()
     if crowded:
@@ -240,18 +288,27 @@ def batch_lines(cfg: RunConfig) -> List[str]:
     t, lora, kind = cfg.train, cfg.model.lora, kind_of(cfg)
     lines = [f"  train.global_batch_size {t.global_batch_size} = {t.describe_batching()} (samples per optimizer step)"]
     if lora.enabled:
-        lines.append(f"  LoRA: r {lora.r}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}"
-                     + ("; the reference is the frozen base under the adapters (no reference workers)"
-                        if kind.reference_on_policy(cfg) else ""))
+        lines.append(
+            f"  LoRA: r {lora.r}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}"
+            + (
+                "; the reference is the frozen base under the adapters (no reference workers)"
+                if kind.reference_on_policy(cfg)
+                else ""
+            )
+        )
     if kind.online and isinstance(cfg, RLRunConfig):  # online: always an RLRunConfig (narrows the type)
         return _rl_batch_lines(cfg, lines)
     if kind.reference_group(cfg) and isinstance(cfg, DPORunConfig):  # DPO's reference group (narrows the type)
         dpo = cfg.dpo
-        lines.append(f"  reference: {dpo.ref_num_workers} ranks, dpo.ref_mode={dpo.ref_mode}"
-                     + (" (scores every pair once, then released)" if dpo.ref_mode == "precompute" else ""))
-    lines.append(f"  optimizer steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
-                 f"floor(rows / {t.global_batch_size})), rows counted at run time; data.max_length "
-                 f"{cfg.data.max_length}")
+        lines.append(
+            f"  reference: {dpo.ref_num_workers} ranks, dpo.ref_mode={dpo.ref_mode}"
+            + (" (scores every pair once, then released)" if dpo.ref_mode == "precompute" else "")
+        )
+    lines.append(
+        f"  optimizer steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
+        f"floor(rows / {t.global_batch_size})), rows counted at run time; data.max_length "
+        f"{cfg.data.max_length}"
+    )
     return lines
 
 
@@ -260,25 +317,37 @@ def _rl_batch_lines(cfg: RLRunConfig, lines: List[str]) -> List[str]:
     optimizer steps, the LR schedule and the algorithm."""
     t, r, a = cfg.train, cfg.rollout, cfg.algo
     dropped = r.samples_per_step % t.global_batch_size
-    lines.insert(0, f"  RL step: {r.prompts_per_step} prompts x {r.n_samples_per_prompt} samples = rollout batch "
-                    f"{r.samples_per_step} ({-(-r.samples_per_step // r.num_engines)} samples per engine)")
-    lines.append(f"  optimizer steps per RL step: algo.ppo_epochs {a.ppo_epochs} x floor({r.samples_per_step} / "
-                 f"{t.global_batch_size}) = {cfg.optimizer_steps_per_rl_step}"
-                 + (f" ({dropped} samples per pass dropped)" if dropped else ""))
+    lines.insert(
+        0,
+        f"  RL step: {r.prompts_per_step} prompts x {r.n_samples_per_prompt} samples = rollout batch "
+        f"{r.samples_per_step} ({-(-r.samples_per_step // r.num_engines)} samples per engine)",
+    )
+    lines.append(
+        f"  optimizer steps per RL step: algo.ppo_epochs {a.ppo_epochs} x floor({r.samples_per_step} / "
+        f"{t.global_batch_size}) = {cfg.optimizer_steps_per_rl_step}"
+        + (f" ({dropped} samples per pass dropped)" if dropped else "")
+    )
     if a.needs_critic:
         lines.append(f"  critic: {t.describe_batching(cfg.critic.num_workers)}")
-    lines.append(f"  RL steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
-                 f"floor(prompts / {r.prompts_per_step})), prompts counted at run time")
-    decay = ("constant" if t.lr_scheduler == "constant" else
-             f"{t.lr_scheduler} towards lr x {t.min_lr_ratio} over the run's optimizer steps (RL steps x "
-             f"{cfg.optimizer_steps_per_rl_step})")
+    lines.append(
+        f"  RL steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
+        f"floor(prompts / {r.prompts_per_step})), prompts counted at run time"
+    )
+    decay = (
+        "constant"
+        if t.lr_scheduler == "constant"
+        else f"{t.lr_scheduler} towards lr x {t.min_lr_ratio} over the run's optimizer steps (RL steps x "
+        f"{cfg.optimizer_steps_per_rl_step})"
+    )
     lines.append(f"  LR: warmup {t.warmup_steps} optimizer steps, then {decay}; skipped steps advance it")
-    lines.append(f"  loss aggregation: {a.describe_aggregation()}"
-                 + (f", L = {cfg.max_response_tokens} tokens (the generation budget)" if needs_length(a.aggregation)
-                    else ""))
+    lines.append(
+        f"  loss aggregation: {a.describe_aggregation()}"
+        + (f", L = {cfg.max_response_tokens} tokens (the generation budget)" if needs_length(a.aggregation) else "")
+    )
     lines.append(f"  clip: {a.describe_clip()}")
-    lines += [f"  {line}" for line in describe(a.advantage_estimator, a.policy_loss, a.kl_mode, a.kl_estimator,
-                                               a.kl_coef)]
+    lines += [
+        f"  {line}" for line in describe(a.advantage_estimator, a.policy_loss, a.kl_mode, a.kl_estimator, a.kl_coef)
+    ]
     return lines
 
 

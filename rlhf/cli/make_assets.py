@@ -10,6 +10,7 @@ Writes ``model/`` (tiny Qwen2 + tokenizer with a ChatML chat template), ``sft.js
 (``sft_chat.jsonl``, ``preference_chat.jsonl``, ``prompts_chat.jsonl``). Anything that already exists is kept
 unless ``--force``; every output appears atomically, so an existing path is always a complete one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,9 +93,7 @@ def make_assets(
         "sft": lambda: arithmetic.make_sft_rows(num_sft, _derived_seed(seed, _SFT), max_operand),
         "preference": lambda: arithmetic.make_preference_rows(num_pref, _derived_seed(seed, _PREF), max_operand),
         "prompts": lambda: arithmetic.make_rl_prompts(num_prompts, _derived_seed(seed, _PROMPTS), max_operand),
-        "eval_prompts": lambda: arithmetic.make_rl_prompts(
-            num_eval_prompts, _derived_seed(seed, _EVAL), max_operand
-        ),
+        "eval_prompts": lambda: arithmetic.make_rl_prompts(num_eval_prompts, _derived_seed(seed, _EVAL), max_operand),
         # The same draws as conversations (the chat template of the tiny tokenizer renders them).
         "sft_chat": lambda: arithmetic.to_chat_sft(makers["sft"]()),
         "preference_chat": lambda: arithmetic.to_chat_preference(makers["preference"]()),

@@ -4,6 +4,7 @@ One panel per metric any of the runs logged (loss, reward, KL, grad norm, lr, st
 run, held-out evaluations (``eval.jsonl``) as points. With one run the figure goes to ``OUTPUT_DIR/report.png``;
 with several, to ``--out`` (default ``report.png``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,15 +20,27 @@ log = get_logger(__name__)
 
 # (metric key, panel title), in display order; only the ones present are drawn.
 PANELS: Tuple[Tuple[str, str], ...] = (
-    ("loss", "loss"), ("reward_mean", "reward"), ("accuracy", "accuracy"), ("rewards/accuracy", "DPO reward accuracy"),
-    ("rewards/margin", "DPO reward margin"), ("kl", "KL to the reference"), ("policy_loss", "policy loss"),
-    ("value_loss", "value loss"), ("entropy", "entropy"), ("response_length", "response length"),
-    ("clip_frac", "clip fraction"), ("logp_mismatch", "vLLM / trainer log-prob mismatch"),
-    ("grad_norm", "grad norm"), ("critic_grad_norm", "critic grad norm"), ("lr", "learning rate"),
+    ("loss", "loss"),
+    ("reward_mean", "reward"),
+    ("accuracy", "accuracy"),
+    ("rewards/accuracy", "DPO reward accuracy"),
+    ("rewards/margin", "DPO reward margin"),
+    ("kl", "KL to the reference"),
+    ("policy_loss", "policy loss"),
+    ("value_loss", "value loss"),
+    ("entropy", "entropy"),
+    ("response_length", "response length"),
+    ("clip_frac", "clip fraction"),
+    ("logp_mismatch", "vLLM / trainer log-prob mismatch"),
+    ("grad_norm", "grad norm"),
+    ("critic_grad_norm", "critic grad norm"),
+    ("lr", "learning rate"),
     ("samples_per_s", "samples / s"),
     # multi-turn episodes (env.spec)
-    ("reward/env", "environment reward"), ("episode/turns", "turns per episode"),
-    ("episode/policy_tokens", "policy tokens per episode"), ("episode/env_tokens", "environment tokens per episode"),
+    ("reward/env", "environment reward"),
+    ("episode/turns", "turns per episode"),
+    ("episode/policy_tokens", "policy tokens per episode"),
+    ("episode/env_tokens", "environment tokens per episode"),
     ("episode/ended_done", "episodes ended by the environment"),
     ("episode/ended_max_turns", "episodes cut at rollout.max_turns"),
     ("episode/ended_token_budget", "episodes cut at rollout.max_episode_tokens"),
@@ -73,9 +86,11 @@ def panels_for(runs: Dict[str, List[dict]]) -> List[Tuple[str, str]]:
     keys = {k for rows in runs.values() for row in rows for k in row}
     timings = sorted(k for k in keys if k.startswith(TIMING_PREFIX))
     turns = sorted((k for k in keys if k.startswith(TURN_REWARD_PREFIX)), key=lambda k: int(k.rsplit("_", 1)[1]))
-    return ([p for p in PANELS if p[0] in keys] + [(k, f"environment reward at turn {k.rsplit('_', 1)[1]}")
-                                                    for k in turns]
-            + [(k, f"seconds: {k[len(TIMING_PREFIX):]}") for k in timings])
+    return (
+        [p for p in PANELS if p[0] in keys]
+        + [(k, f"environment reward at turn {k.rsplit('_', 1)[1]}") for k in turns]
+        + [(k, f"seconds: {k[len(TIMING_PREFIX) :]}") for k in timings]
+    )
 
 
 def _missing_matplotlib() -> str:
@@ -83,14 +98,17 @@ def _missing_matplotlib() -> str:
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
-        return (f"the report draws with matplotlib, which does not import here ({exc}); install it with "
-                f"`pip install matplotlib` (it is a dependency of rlhf: `pip install -e .` brings it)")
+        return (
+            f"the report draws with matplotlib, which does not import here ({exc}); install it with "
+            f"`pip install matplotlib` (it is a dependency of rlhf: `pip install -e .` brings it)"
+        )
     return ""
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rlhf.cli.report", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m rlhf.cli.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("runs", nargs="+", metavar="OUTPUT_DIR", help="run directories (train.output_dir)")
     ap.add_argument("--out", default="", help="PNG path (default: OUTPUT_DIR/report.png, or report.png for several)")
     ap.add_argument("--smooth", type=int, default=1, help="moving-average window over each run's steps (1 = raw)")
@@ -109,8 +127,14 @@ def main(argv=None) -> int:
         log.error(f"error: {exc}")
         return 2
     out = args.out or (os.path.join(args.runs[0], "report.png") if len(args.runs) == 1 else "report.png")
-    drawn = plot_runs(runs, panels, out, smooth=args.smooth, unsmoothed=held_out,
-                      title=" vs ".join(n for n in runs if n not in held_out))
+    drawn = plot_runs(
+        runs,
+        panels,
+        out,
+        smooth=args.smooth,
+        unsmoothed=held_out,
+        title=" vs ".join(n for n in runs if n not in held_out),
+    )
     log.info(f"wrote {out} ({len(drawn)} panels: {', '.join(drawn)})")
     return 0
 

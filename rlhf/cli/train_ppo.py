@@ -5,6 +5,7 @@ Runs on a local Ray cluster by default, or joins ``RAY_ADDRESS``
 (``RAY_AUTH_MODE=token ray job submit --address http://HEAD_IP:8265 --working-dir . --
     python -m rlhf.cli.train_ppo ...``). ``--help`` lists every configuration key.
 """
+
 from __future__ import annotations
 
 import sys

@@ -5,6 +5,7 @@ Runs on a local Ray cluster by default, or joins ``RAY_ADDRESS``
     python -m rlhf.cli.train_sft ...``).
 ``--help`` lists every configuration key with its default.
 """
+
 from __future__ import annotations
 
 import sys

@@ -2,6 +2,7 @@
 
 Importing this package needs only the standard library and PyYAML (no torch, no ray).
 """
+
 from __future__ import annotations
 
 from rlhf.config.cli import describe_keys, parse_cli

@@ -6,6 +6,7 @@
 configuration reference (``docs/gen_config_reference.py``). Loading and validation live in
 :mod:`rlhf.config.loader`, which this module builds on (and which imports nothing from here).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,7 @@ def parse_cli_args(cls: type[T], argv: Sequence[str] | None = None, prog: str | 
     dashed = dashed_overrides(cls, argv)
     if dashed:
         written, corrected = " ".join(w for w, _ in dashed), " ".join(c for _, c in dashed)
-        parser.error(f"unrecognized arguments {written!r}: overrides are KEY=VALUE without dashes; write: "
-                     f"{corrected}")
+        parser.error(f"unrecognized arguments {written!r}: overrides are KEY=VALUE without dashes; write: {corrected}")
     args = parser.parse_intermixed_args(argv)
     if args.cluster and not args.dry_run:
         parser.error("--cluster only applies to a --dry-run (a real run uses the cluster it joins)")
@@ -255,23 +255,31 @@ def _build_parser(cls: type, prog: str | None) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument(
-        "--config", "-c", metavar="FILE_OR_PRESET", default=None,
+        "--config",
+        "-c",
+        metavar="FILE_OR_PRESET",
+        default=None,
         help="YAML config file, or the name of a shipped preset (see the list below)",
     )
     parser.add_argument(
-        "--dry-run", action="store_true",
+        "--dry-run",
+        action="store_true",
         help="validate the config and print the resource plan (placement groups, bundles per node, shared devices, "
-             "engines, precision, weight sync, batch sizes) without starting Ray or loading weights; exit 0 when "
-             "the plan fits the cluster, 2 naming the role that does not",
+        "engines, precision, weight sync, batch sizes) without starting Ray or loading weights; exit 0 when "
+        "the plan fits the cluster, 2 naming the role that does not",
     )
     parser.add_argument(
-        "--cluster", metavar="SHAPE", default="",
+        "--cluster",
+        metavar="SHAPE",
+        default="",
         help="with --dry-run: plan against a simulated cluster, NxGgpu[:Ccpu] or NxCcpu nodes joined with '+' "
-             "(2x8gpu, 2x8gpu:96cpu, 1x4cpu, 1x16cpu+2x8gpu; a GPU node without :Ccpu has 8 CPUs per GPU). "
-             "Default: the live cluster at ray.address / RAY_ADDRESS (read, nothing started), else this machine",
+        "(2x8gpu, 2x8gpu:96cpu, 1x4cpu, 1x16cpu+2x8gpu; a GPU node without :Ccpu has 8 CPUs per GPU). "
+        "Default: the live cluster at ray.address / RAY_ADDRESS (read, nothing started), else this machine",
     )
     parser.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE",
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
         help="dotted overrides applied after the config file, e.g. train.micro_batch_size=2",
     )
     return parser

@@ -6,6 +6,7 @@ not silently overridden: it is reported, naming the field, because the user beli
 precision checks exist because such mismatches fail silently in practice: bf16 training with
 ``communication_data_type: fp32`` drove a 7B model's loss and gradients to zero within ten steps.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,12 @@ from rlhf.config.schema import ConfigError, RunConfig
 # The spellings DeepSpeed's DtypeEnum accepts for each precision. It has none for fp64: in an fp64 run any
 # `communication_data_type` or `data_types.grad_accum_dtype` contradicts the run (float64 gradients, summed in their
 # `.grad` and all-reduced in float64; rlhf.distributed.engine), and DeepSpeed would refuse an fp64 spelling itself.
-DTYPE_NAMES = {"fp32": {"fp32", "float32", "float", "torch.float32"}, "bf16": {"bf16", "bfloat16", "torch.bfloat16"},
-                "fp16": {"fp16", "float16", "half", "torch.float16"}, "fp64": set()}
+DTYPE_NAMES = {
+    "fp32": {"fp32", "float32", "float", "torch.float32"},
+    "bf16": {"bf16", "bfloat16", "torch.bfloat16"},
+    "fp16": {"fp16", "float16", "half", "torch.float16"},
+    "fp64": set(),
+}
 _NO_FP64_NAME = {"fp64": " (DeepSpeed has no fp64 value for it; the run keeps float64 without it)"}
 
 
@@ -40,8 +45,16 @@ def section_enabled(config: dict, section: str) -> bool:
     return isinstance(value, dict) and value.get("enabled") in (True, "true", "auto")
 
 
-def contradictions(user: dict, *, zero_stage: int, micro_batch_size: int, grad_accum_steps: int,
-                   world_size: int, max_grad_norm: float, precision: Optional[str]) -> List[str]:
+def contradictions(
+    user: dict,
+    *,
+    zero_stage: int,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    world_size: int,
+    max_grad_norm: float,
+    precision: Optional[str],
+) -> List[str]:
     """Every field of ``user`` that contradicts the run, as ``"<field>: ..."`` messages.
 
     ``precision`` is the run's resolved precision (``fp32``/``bf16``/``fp64``), or ``None`` while it is still
@@ -54,15 +67,20 @@ def contradictions(user: dict, *, zero_stage: int, micro_batch_size: int, grad_a
             found.append(f"{field}: {user[field]!r} but the run uses {run_value!r} ({run_key})")
 
     differs("train_micro_batch_size_per_gpu", micro_batch_size, "train.micro_batch_size")
-    differs("gradient_accumulation_steps", grad_accum_steps,
-            "train.global_batch_size / (train.micro_batch_size x train.num_workers)")
+    differs(
+        "gradient_accumulation_steps",
+        grad_accum_steps,
+        "train.global_batch_size / (train.micro_batch_size x train.num_workers)",
+    )
     differs("train_batch_size", micro_batch_size * grad_accum_steps * world_size, "train.global_batch_size")
     differs("gradient_clipping", max(0.0, max_grad_norm), "train.max_grad_norm")
     stage = user.get("zero_optimization", {}).get("stage") if isinstance(user.get("zero_optimization"), dict) else None
     if stage is not None and stage != zero_stage:
         found.append(f"zero_optimization.stage: {stage!r} but the run uses {zero_stage} (strategy.zero_stage)")
-    for section, owner in (("optimizer", "AdamW from train.lr / adam_betas / weight_decay"),
-                           ("scheduler", "the schedule from train.lr_scheduler / warmup_steps")):
+    for section, owner in (
+        ("optimizer", "AdamW from train.lr / adam_betas / weight_decay"),
+        ("scheduler", "the schedule from train.lr_scheduler / warmup_steps"),
+    ):
         if section in user:
             found.append(f"{section}: the run builds {owner}; remove this section")
     if section_enabled(user, "fp16") and section_enabled(user, "bf16"):
@@ -73,8 +91,10 @@ def contradictions(user: dict, *, zero_stage: int, micro_batch_size: int, grad_a
                 found.append(f"{section}.enabled: true but the run trains in {precision} (strategy.precision)")
         comm = user.get("communication_data_type")
         if comm is not None and str(comm).lower() not in DTYPE_NAMES[precision]:
-            found.append(f"communication_data_type: {comm!r} with {precision} training (strategy.precision); "
-                         f"remove it to communicate in the training precision{_NO_FP64_NAME.get(precision, '')}")
+            found.append(
+                f"communication_data_type: {comm!r} with {precision} training (strategy.precision); "
+                f"remove it to communicate in the training precision{_NO_FP64_NAME.get(precision, '')}"
+            )
         found += _grad_accum_contradiction(user, precision, zero_stage)
     return found
 
@@ -106,9 +126,11 @@ def _grad_accum_contradiction(user: dict, precision: str, zero_stage: int) -> Li
     run_value = grad_accum_dtype(precision, zero_stage)
     if str(value).lower() in DTYPE_NAMES[run_value]:
         return []
-    return [f"data_types.grad_accum_dtype: {value!r} but {precision} training on ZeRO {zero_stage} accumulates "
-            f"gradients in {run_value} (strategy.precision, strategy.zero_stage); remove it"
-            f"{_NO_FP64_NAME.get(precision, '')}"]
+    return [
+        f"data_types.grad_accum_dtype: {value!r} but {precision} training on ZeRO {zero_stage} accumulates "
+        f"gradients in {run_value} (strategy.precision, strategy.zero_stage); remove it"
+        f"{_NO_FP64_NAME.get(precision, '')}"
+    ]
 
 
 def check_user_config(cfg: RunConfig, precision: Optional[str] = None) -> Optional[dict]:
@@ -120,10 +142,17 @@ def check_user_config(cfg: RunConfig, precision: Optional[str] = None) -> Option
         return None
     if precision is None and s.precision != "auto":
         precision = s.precision
-    found = contradictions(user, zero_stage=s.zero_stage, micro_batch_size=t.engine_micro_batch_size,
-                           grad_accum_steps=t.grad_accum_steps, world_size=t.num_workers,
-                           max_grad_norm=t.max_grad_norm, precision=precision)
+    found = contradictions(
+        user,
+        zero_stage=s.zero_stage,
+        micro_batch_size=t.engine_micro_batch_size,
+        grad_accum_steps=t.grad_accum_steps,
+        world_size=t.num_workers,
+        max_grad_norm=t.max_grad_norm,
+        precision=precision,
+    )
     if found:
-        raise ConfigError(f"strategy.deepspeed_config ({s.deepspeed_config}) contradicts the run:\n  "
-                          + "\n  ".join(found))
+        raise ConfigError(
+            f"strategy.deepspeed_config ({s.deepspeed_config}) contradicts the run:\n  " + "\n  ".join(found)
+        )
     return user

@@ -22,6 +22,7 @@ message is passed on unchanged.
 The command line (``parse_cli``, ``--help``, :func:`~rlhf.config.cli.describe_keys`) is :mod:`rlhf.config.cli`,
 which builds on this module; this module imports nothing from it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -546,4 +547,3 @@ def _type_name(tp: Any) -> str:
     if isinstance(tp, type):
         return tp.__name__
     return str(tp).replace("typing.", "")
-

@@ -7,6 +7,7 @@ optimizer steps of ``train.global_batch_size`` samples, cut into micro-batches a
 training does (drop_last at train-batch granularity after a per-pass reshuffle). ``train.max_steps`` counts RL
 steps; ``train.max_epochs`` counts passes over the prompt data.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ from rlhf.config.schema import ConfigError, RunConfig, _check, _choice
 # rollout.weight_sync=broadcast with the hybrid engine on GPUs: the message follows the key in the ConfigError.
 HYBRID_BROADCAST_ON_GPUS = (
     "is broadcast, which colocate.hybrid_engine=true cannot use on GPUs: policy rank 0 and engine 0 share one GPU, "
-    "and NCCL refuses a process group with two ranks on the same device; use rollout.weight_sync=ipc or auto")
+    "and NCCL refuses a process group with two ranks on the same device; use rollout.weight_sync=ipc or auto"
+)
 
 WEIGHT_SYNC_METHODS = ("auto", "broadcast", "ipc", "object_store")
 EPISODE_LIMITS = ("truncate", "mask", "penalize")
@@ -70,12 +72,24 @@ class RolloutConfig:
     on_prefix_mismatch: str = "error"
 
     def __post_init__(self) -> None:
-        for key in ("num_engines", "tensor_parallel_size", "prompts_per_step", "n_samples_per_prompt",
-                    "max_prompt_length", "max_new_tokens", "kv_cache_gib", "weight_sync_bucket_mb",
-                    "eval_samples_per_prompt", "max_turns"):
+        for key in (
+            "num_engines",
+            "tensor_parallel_size",
+            "prompts_per_step",
+            "n_samples_per_prompt",
+            "max_prompt_length",
+            "max_new_tokens",
+            "kv_cache_gib",
+            "weight_sync_bucket_mb",
+            "eval_samples_per_prompt",
+            "max_turns",
+        ):
             _check(getattr(self, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(self, key)}")
-        _check(self.max_episode_tokens >= 0, "rollout.max_episode_tokens",
-               f"must be >= 0 (0: single-turn, unused), got {self.max_episode_tokens}")
+        _check(
+            self.max_episode_tokens >= 0,
+            "rollout.max_episode_tokens",
+            f"must be >= 0 (0: single-turn, unused), got {self.max_episode_tokens}",
+        )
         _choice(self.episode_limit, "rollout.episode_limit", EPISODE_LIMITS)
         _choice(self.observation_format, "rollout.observation_format", ("auto", "text", "chat"))
         _choice(self.observation_role, "rollout.observation_role", ("user", "tool", "system"))
@@ -170,8 +184,12 @@ class AlgorithmConfig:
         from rlhf.ops.kl import KL_ESTIMATORS
         from rlhf.ops.policy_loss import POLICY_LOSSES
 
-        for key, registry in (("advantage_estimator", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES),
-                              ("kl_estimator", KL_ESTIMATORS), ("loss_agg_mode", LOSS_AGGREGATIONS)):
+        for key, registry in (
+            ("advantage_estimator", ADVANTAGE_ESTIMATORS),
+            ("policy_loss", POLICY_LOSSES),
+            ("kl_estimator", KL_ESTIMATORS),
+            ("loss_agg_mode", LOSS_AGGREGATIONS),
+        ):
             if key == "loss_agg_mode" and self.loss_agg_mode == "auto":
                 continue
             try:
@@ -180,19 +198,27 @@ class AlgorithmConfig:
                 raise ConfigError(f"algo.{key}: {exc}" + (", or auto" if key == "loss_agg_mode" else "")) from None
         _check(self.ppo_epochs >= 1, "algo.ppo_epochs", f"must be >= 1, got {self.ppo_epochs}")
         low, high = self.clip
-        _check(0 <= low < 1, "algo.clip_low",
-               f"must be in [0, 1) (the ratio's lower bound 1 - clip_low > 0), got {low}")
+        _check(
+            0 <= low < 1, "algo.clip_low", f"must be in [0, 1) (the ratio's lower bound 1 - clip_low > 0), got {low}"
+        )
         _check(high >= 0, "algo.clip_high", f"must be >= 0, got {high}")
-        _check(self.dual_clip == 0 or self.dual_clip > 1, "algo.dual_clip",
-               f"must be 0 (off) or > 1, got {self.dual_clip}")
+        _check(
+            self.dual_clip == 0 or self.dual_clip > 1, "algo.dual_clip", f"must be 0 (off) or > 1, got {self.dual_clip}"
+        )
         _check(self.tis_cap >= 0, "algo.tis_cap", f"must be >= 0, got {self.tis_cap}")
         _check(self.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {self.kl_coef}")
         _choice(self.kl_mode, "algo.kl_mode", ("loss", "reward"))
         _choice(self.whiten_advantages, "algo.whiten_advantages", ("none", "whiten", "scale"))
         _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "and algo.lam must be in [0, 1]")
         for key, message in combination_problems(
-                estimator_name=self.advantage_estimator, policy_loss=self.policy_loss, kl_mode=self.kl_mode,
-                kl_estimator=self.kl_estimator, kl_coef=self.kl_coef, dual_clip=self.dual_clip, tis_cap=self.tis_cap):
+            estimator_name=self.advantage_estimator,
+            policy_loss=self.policy_loss,
+            kl_mode=self.kl_mode,
+            kl_estimator=self.kl_estimator,
+            kl_coef=self.kl_coef,
+            dual_clip=self.dual_clip,
+            tis_cap=self.tis_cap,
+        ):
             raise ConfigError(f"{key} {message}")
 
     @property
@@ -209,8 +235,13 @@ class AlgorithmConfig:
 
         low, high = self.clip
         paper = paper_clip(self.policy_loss)
-        source = ("the paper's; algo.clip_low/clip_high unset" if (self.clip_low, self.clip_high) == (None, None)
-                  else "the paper's" if (low, high) == paper else f"the paper's is {paper[0]:g} / {paper[1]:g}")
+        source = (
+            "the paper's; algo.clip_low/clip_high unset"
+            if (self.clip_low, self.clip_high) == (None, None)
+            else "the paper's"
+            if (low, high) == paper
+            else f"the paper's is {paper[0]:g} / {paper[1]:g}"
+        )
         return f"ratio in [1 - {low:g}, 1 + {high:g}] ({source})"
 
     @property
@@ -300,21 +331,36 @@ class RLRunConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(bool(self.reward.functions) or bool(self.reward.model_path) or self.multi_turn, "reward.functions",
-               "is required unless reward.model_path or env.spec (an environment's rewards) is set: RL needs a reward")
+        _check(
+            bool(self.reward.functions) or bool(self.reward.model_path) or self.multi_turn,
+            "reward.functions",
+            "is required unless reward.model_path or env.spec (an environment's rewards) is set: RL needs a reward",
+        )
         self._check_episodes()
         budget = self.train.max_tokens_per_micro_batch
-        _check(not budget or budget >= self.max_sequence_length, "train.max_tokens_per_micro_batch",
-               f"({budget}) must hold the longest row a step can train on: {self.max_sequence_length} tokens ("
-               + ("rollout.max_episode_tokens)" if self.multi_turn else
-                  "rollout.max_prompt_length + rollout.max_new_tokens)"))
+        _check(
+            not budget or budget >= self.max_sequence_length,
+            "train.max_tokens_per_micro_batch",
+            f"({budget}) must hold the longest row a step can train on: {self.max_sequence_length} tokens ("
+            + (
+                "rollout.max_episode_tokens)"
+                if self.multi_turn
+                else "rollout.max_prompt_length + rollout.max_new_tokens)"
+            ),
+        )
         samples, gb = self.rollout.samples_per_step, self.train.global_batch_size
-        _check(samples >= gb, "train.global_batch_size",
-               f"({gb}) must not exceed the rollout batch, rollout.prompts_per_step x rollout.n_samples_per_prompt "
-               f"= {samples}")
+        _check(
+            samples >= gb,
+            "train.global_batch_size",
+            f"({gb}) must not exceed the rollout batch, rollout.prompts_per_step x rollout.n_samples_per_prompt "
+            f"= {samples}",
+        )
         if self.algo.estimator.needs_group_ids:
-            _check(self.rollout.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt",
-                   f"must be >= 2 for algo.advantage_estimator={self.algo.advantage_estimator} (group baselines)")
+            _check(
+                self.rollout.n_samples_per_prompt >= 2,
+                "rollout.n_samples_per_prompt",
+                f"must be >= 2 for algo.advantage_estimator={self.algo.advantage_estimator} (group baselines)",
+            )
         self._check_colocation()
 
     @property
@@ -329,10 +375,14 @@ class RLRunConfig(RunConfig):
         if not self.algo.needs_critic or t.global_batch_size % (t.engine_micro_batch_size * ranks) == 0:
             return ""
         if t.max_tokens_per_micro_batch:
-            return (f"train.global_batch_size ({t.global_batch_size}) must be divisible by critic.num_workers "
-                    f"({ranks}): the critic trains on the same batches, the same number of rows on every rank")
-        return (f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size x "
-                f"critic.num_workers ({t.micro_batch_size} x {ranks}): the critic trains on the same batches")
+            return (
+                f"train.global_batch_size ({t.global_batch_size}) must be divisible by critic.num_workers "
+                f"({ranks}): the critic trains on the same batches, the same number of rows on every rank"
+            )
+        return (
+            f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size x "
+            f"critic.num_workers ({t.micro_batch_size} x {ranks}): the critic trains on the same batches"
+        )
 
     @property
     def max_response_tokens(self) -> int:
@@ -357,40 +407,71 @@ class RLRunConfig(RunConfig):
     def _check_episodes(self) -> None:
         r = self.rollout
         if not self.multi_turn:
-            _check(r.max_turns == 1, "rollout.max_turns", f"is {r.max_turns}, which needs an environment (env.spec): "
-                   f"without one a rollout is one prompt -> one response")
+            _check(
+                r.max_turns == 1,
+                "rollout.max_turns",
+                f"is {r.max_turns}, which needs an environment (env.spec): "
+                f"without one a rollout is one prompt -> one response",
+            )
             return
-        _check(r.max_episode_tokens > r.max_prompt_length, "rollout.max_episode_tokens",
-               f"must be set above rollout.max_prompt_length ({r.max_prompt_length}) with env.spec: the episode's "
-               f"prompt, responses and observations in all (got {r.max_episode_tokens})")
+        _check(
+            r.max_episode_tokens > r.max_prompt_length,
+            "rollout.max_episode_tokens",
+            f"must be set above rollout.max_prompt_length ({r.max_prompt_length}) with env.spec: the episode's "
+            f"prompt, responses and observations in all (got {r.max_episode_tokens})",
+        )
 
     def _check_colocation(self) -> None:
         c, r = self.colocate, self.rollout
         if c.policy_reference:
             _check(self.algo.kl_coef > 0, "colocate.policy_reference", "needs a reference model (algo.kl_coef > 0)")
-            _check(not self.model.reference_is_base, "colocate.policy_reference",
-                   "has nothing to colocate: with model.lora.r > 0 the reference is the policy's own frozen base, "
-                   "scored by the policy's workers with the adapters off")
+            _check(
+                not self.model.reference_is_base,
+                "colocate.policy_reference",
+                "has nothing to colocate: with model.lora.r > 0 the reference is the policy's own frozen base, "
+                "scored by the policy's workers with the adapters off",
+            )
         if c.critic_reward:
-            _check(self.algo.needs_critic and bool(self.reward.model_path), "colocate.critic_reward",
-                   "needs a critic (algo.advantage_estimator=gae) and a reward model (reward.model_path)")
-            _check(self.critic.num_workers == self.reward.model_num_workers, "colocate.critic_reward",
-                   f"needs critic.num_workers ({self.critic.num_workers}) == reward.model_num_workers "
-                   f"({self.reward.model_num_workers})")
+            _check(
+                self.algo.needs_critic and bool(self.reward.model_path),
+                "colocate.critic_reward",
+                "needs a critic (algo.advantage_estimator=gae) and a reward model (reward.model_path)",
+            )
+            _check(
+                self.critic.num_workers == self.reward.model_num_workers,
+                "colocate.critic_reward",
+                f"needs critic.num_workers ({self.critic.num_workers}) == reward.model_num_workers "
+                f"({self.reward.model_num_workers})",
+            )
         if c.hybrid_engine:
-            _check(r.num_engines == self.train.num_workers, "colocate.hybrid_engine",
-                   f"needs rollout.num_engines ({r.num_engines}) == train.num_workers ({self.train.num_workers}): "
-                   f"one engine per policy rank")
-            _check(r.tensor_parallel_size == 1, "colocate.hybrid_engine",
-                   f"needs rollout.tensor_parallel_size=1 (got {r.tensor_parallel_size}): an engine lives on one "
-                   f"policy rank's device")
+            _check(
+                r.num_engines == self.train.num_workers,
+                "colocate.hybrid_engine",
+                f"needs rollout.num_engines ({r.num_engines}) == train.num_workers ({self.train.num_workers}): "
+                f"one engine per policy rank",
+            )
+            _check(
+                r.tensor_parallel_size == 1,
+                "colocate.hybrid_engine",
+                f"needs rollout.tensor_parallel_size=1 (got {r.tensor_parallel_size}): an engine lives on one "
+                f"policy rank's device",
+            )
         # On GPUs only: the CPU twin (gloo) forms the same group on one host without complaint. The config knows the
         # device when strategy.gpus_per_worker says so; with -1 (auto) the runner refuses once the cluster decided.
-        _check(not (c.hybrid_engine and r.weight_sync == "broadcast" and self.strategy.gpus_per_worker > 0),
-               "rollout.weight_sync", HYBRID_BROADCAST_ON_GPUS)
-        _check(r.weight_sync != "ipc" or c.hybrid_engine, "rollout.weight_sync",
-               "is ipc, which needs colocate.hybrid_engine=true: IPC hands each engine the buckets of the policy rank "
-               "on its own device")
-        _check(c.engine_sleep != "on" or c.hybrid_engine, "colocate.engine_sleep",
-               "must be auto or off without colocate.hybrid_engine=true (sleeping only helps when the policy trains "
-               "on the engines' devices)")
+        _check(
+            not (c.hybrid_engine and r.weight_sync == "broadcast" and self.strategy.gpus_per_worker > 0),
+            "rollout.weight_sync",
+            HYBRID_BROADCAST_ON_GPUS,
+        )
+        _check(
+            r.weight_sync != "ipc" or c.hybrid_engine,
+            "rollout.weight_sync",
+            "is ipc, which needs colocate.hybrid_engine=true: IPC hands each engine the buckets of the policy rank "
+            "on its own device",
+        )
+        _check(
+            c.engine_sleep != "on" or c.hybrid_engine,
+            "colocate.engine_sleep",
+            "must be auto or off without colocate.hybrid_engine=true (sleeping only helps when the policy trains "
+            "on the engines' devices)",
+        )

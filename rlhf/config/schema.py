@@ -7,6 +7,7 @@ Construction is validation: a config object that exists is a valid one, and it e
 
 Load one with :func:`rlhf.config.loader.load_config` from YAML and dotted overrides.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,11 +44,17 @@ class LoraConfig:
         # the form of target_modules is checked with the model's layers, before any actor starts
         # (rlhf.trainers.run.check_lora_targets, through rlhf.models.lora.LoraSpec)
         _check(self.r >= 0, "model.lora.r", f"must be an integer >= 0 (0 disables LoRA), got {self.r}")
-        _check(self.alpha > 0 and math.isfinite(self.alpha), "model.lora.alpha",
-               f"must be a finite number > 0 (the adapter is scaled by alpha / r), got {self.alpha}")
+        _check(
+            self.alpha > 0 and math.isfinite(self.alpha),
+            "model.lora.alpha",
+            f"must be a finite number > 0 (the adapter is scaled by alpha / r), got {self.alpha}",
+        )
         _check(0 <= self.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {self.dropout}")
-        _check(bool(self.target_modules), "model.lora.target_modules",
-               "must name modules (e.g. [q_proj, v_proj]) or be [all-linear]")
+        _check(
+            bool(self.target_modules),
+            "model.lora.target_modules",
+            "must name modules (e.g. [q_proj, v_proj]) or be [all-linear]",
+        )
 
     @property
     def enabled(self) -> bool:
@@ -69,10 +76,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check(bool(self.path), "model.path", "is required (an HF model directory or a hub id, org/name)")
         _choice(self.attn_implementation, "model.attn_implementation", ("auto", "sdpa", "eager", "flash_attention_2"))
-        _check(self.lora.dropout == 0 or not self.disable_dropout, "model.lora.dropout",
-               f"is {self.lora.dropout}, but model.disable_dropout=true: dropout draws from the RNG per micro-batch "
-               f"(a different split trains differently) and breaks RL log-prob ratios; set model.disable_dropout="
-               f"false to train with it")
+        _check(
+            self.lora.dropout == 0 or not self.disable_dropout,
+            "model.lora.dropout",
+            f"is {self.lora.dropout}, but model.disable_dropout=true: dropout draws from the RNG per micro-batch "
+            f"(a different split trains differently) and breaks RL log-prob ratios; set model.disable_dropout="
+            f"false to train with it",
+        )
 
     @property
     def reference_is_base(self) -> bool:
@@ -103,12 +113,18 @@ class DataConfig:
     assistant_turns: str = "all"  # conversational SFT: loss on all assistant turns | last (only the final one)
 
     def __post_init__(self) -> None:
-        _check(bool(self.train_path), "data.train_path",
-               "is required (JSON lines, Parquet, a saved dataset directory or a hub dataset id)")
+        _check(
+            bool(self.train_path),
+            "data.train_path",
+            "is required (JSON lines, Parquet, a saved dataset directory or a hub dataset id)",
+        )
         _check(self.max_length >= 2, "data.max_length", f"must be >= 2, got {self.max_length}")
         _choice(self.assistant_turns, "data.assistant_turns", ("all", "last"))
-        _check(self.chat_template in ("auto", "none") or self.chat_template.endswith((".jinja", ".j2", ".txt")),
-               "data.chat_template", f"must be auto, none or a template file (.jinja), got {self.chat_template!r}")
+        _check(
+            self.chat_template in ("auto", "none") or self.chat_template.endswith((".jinja", ".j2", ".txt")),
+            "data.chat_template",
+            f"must be auto, none or a template file (.jinja), got {self.chat_template!r}",
+        )
 
 
 @dataclass(frozen=True)
@@ -157,35 +173,56 @@ class TrainConfig:
         for key in ("global_batch_size", "micro_batch_size", "num_workers", "max_epochs", "keep_checkpoints"):
             value = getattr(self, key)
             _check(value >= 1, f"train.{key}", f"must be >= 1, got {value}")
-        _check(self.max_steps == -1 or self.max_steps >= 1, "train.max_steps",
-               f"must be -1 or >= 1, got {self.max_steps}")
+        _check(
+            self.max_steps == -1 or self.max_steps >= 1, "train.max_steps", f"must be -1 or >= 1, got {self.max_steps}"
+        )
         _check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         _choice(self.lr_scheduler, "train.lr_scheduler", ("constant", "linear", "cosine"))
         _check(self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        _check(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas), "train.adam_betas",
-               f"must be two numbers in [0, 1), got {self.adam_betas}")
-        _check(self.max_tokens_per_micro_batch >= 0, "train.max_tokens_per_micro_batch",
-               f"must be >= 0 (0 = micro-batches of train.micro_batch_size rows), "
-               f"got {self.max_tokens_per_micro_batch}")
+        _check(
+            len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
+            "train.adam_betas",
+            f"must be two numbers in [0, 1), got {self.adam_betas}",
+        )
+        _check(
+            self.max_tokens_per_micro_batch >= 0,
+            "train.max_tokens_per_micro_batch",
+            f"must be >= 0 (0 = micro-batches of train.micro_batch_size rows), got {self.max_tokens_per_micro_batch}",
+        )
         if self.max_tokens_per_micro_batch:
-            _check(self.global_batch_size % self.num_workers == 0, "train.global_batch_size",
-                   f"({self.global_batch_size}) must be divisible by train.num_workers ({self.num_workers}): under "
-                   f"train.max_tokens_per_micro_batch every rank takes the same number of rows")
+            _check(
+                self.global_batch_size % self.num_workers == 0,
+                "train.global_batch_size",
+                f"({self.global_batch_size}) must be divisible by train.num_workers ({self.num_workers}): under "
+                f"train.max_tokens_per_micro_batch every rank takes the same number of rows",
+            )
         else:
             per_pass = self.micro_batch_size * self.num_workers
-            _check(self.global_batch_size % per_pass == 0, "train.global_batch_size",
-                   f"({self.global_batch_size}) must be divisible by train.micro_batch_size x train.num_workers "
-                   f"({self.micro_batch_size} x {self.num_workers} = {per_pass})")
-        _check(bool(self.output_dir) or not self.resume, "train.output_dir",
-               "must name the run to continue when train.resume=true (it is empty: a new directory)")
+            _check(
+                self.global_batch_size % per_pass == 0,
+                "train.global_batch_size",
+                f"({self.global_batch_size}) must be divisible by train.micro_batch_size x train.num_workers "
+                f"({self.micro_batch_size} x {self.num_workers} = {per_pass})",
+            )
+        _check(
+            bool(self.output_dir) or not self.resume,
+            "train.output_dir",
+            "must name the run to continue when train.resume=true (it is empty: a new directory)",
+        )
         _choice(self.on_failure, "train.on_failure", ("exit", "restart"))
-        _check(self.on_failure != "restart" or self.save_every > 0, "train.on_failure",
-               "=restart needs train.save_every > 0: a restart continues from the last checkpoint")
+        _check(
+            self.on_failure != "restart" or self.save_every > 0,
+            "train.on_failure",
+            "=restart needs train.save_every > 0: a restart continues from the last checkpoint",
+        )
         for key in ("eval_every", "save_every", "stop_after_steps", "max_restarts"):
             _check(getattr(self, key) >= 0, f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
-        _check(all(s >= 1 for s in self.skip_steps), "train.skip_steps",
-               f"must be step numbers >= 1, got {list(self.skip_steps)}")
+        _check(
+            all(s >= 1 for s in self.skip_steps),
+            "train.skip_steps",
+            f"must be step numbers >= 1, got {list(self.skip_steps)}",
+        )
 
     @property
     def engine_micro_batch_size(self) -> int:
@@ -205,8 +242,10 @@ class TrainConfig:
         ranks = ranks or self.num_workers
         packed = ", packed" if self.packing else ""
         if self.max_tokens_per_micro_batch:
-            return (f"{self.global_batch_size // ranks} rows x ranks {ranks} in micro-batches of <= "
-                    f"{self.max_tokens_per_micro_batch} tokens{packed}")
+            return (
+                f"{self.global_batch_size // ranks} rows x ranks {ranks} in micro-batches of <= "
+                f"{self.max_tokens_per_micro_batch} tokens{packed}"
+            )
         accumulation = self.global_batch_size // (self.micro_batch_size * ranks)
         return f"micro {self.micro_batch_size} x accumulation {accumulation} x ranks {ranks}{packed}"
 
@@ -231,37 +270,51 @@ class StrategyConfig:
         _check(self.init_timeout_s > 0, "strategy.init_timeout_s", f"must be > 0, got {self.init_timeout_s}")
         _check(self.zero_stage in (0, 1, 2, 3), "strategy.zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}")
         _choice(self.precision, "strategy.precision", ("auto", "fp32", "bf16", "fp64", "fp16"))
-        _check(self.precision != "fp16", "strategy.precision",
-               "is fp16, which is not supported: DeepSpeed's fp16 path (dynamic loss scaling, overflowing steps "
-               "skipped while the LR schedule waits) has no CPU twin the tests could run (DeepSpeed's CPU accelerator "
-               "has no fp16); use bf16 (Ampere and newer GPUs, CPUs) or fp32")
+        _check(
+            self.precision != "fp16",
+            "strategy.precision",
+            "is fp16, which is not supported: DeepSpeed's fp16 path (dynamic loss scaling, overflowing steps "
+            "skipped while the LR schedule waits) has no CPU twin the tests could run (DeepSpeed's CPU accelerator "
+            "has no fp16); use bf16 (Ampere and newer GPUs, CPUs) or fp32",
+        )
         if self.precision == "fp64":
             self._check_fp64()
         _choice(self.backend, "strategy.backend", ("auto", "gloo", "nccl"))
         _check(self.cpus_per_worker > 0, "strategy.cpus_per_worker", f"must be > 0, got {self.cpus_per_worker}")
-        _check(self.gpus_per_worker == -1 or self.gpus_per_worker >= 0, "strategy.gpus_per_worker",
-               f"must be -1 (auto) or >= 0, got {self.gpus_per_worker}")
+        _check(
+            self.gpus_per_worker == -1 or self.gpus_per_worker >= 0,
+            "strategy.gpus_per_worker",
+            f"must be -1 (auto) or >= 0, got {self.gpus_per_worker}",
+        )
 
     def _check_fp64(self) -> None:
         """fp64 is for audits: only ZeRO 0 trains in float64 end to end (docs/concepts.md, Precision)."""
-        _check(self.zero_stage == 0, "strategy.precision",
-               f"is fp64, which runs on ZeRO 0 only (strategy.zero_stage=0), got strategy.zero_stage="
-               f"{self.zero_stage}: {FP64_REFUSED_STAGES.get(self.zero_stage, '')}")
-        _check(not self.offload_optimizer, "strategy.precision",
-               "is fp64, which cannot offload the optimizer (strategy.offload_optimizer=true): ZeRO-Offload moves "
-               "the ZeRO optimizer's float32 master weights and Adam state to the CPU (DeepSpeedCPUAdam)")
+        _check(
+            self.zero_stage == 0,
+            "strategy.precision",
+            f"is fp64, which runs on ZeRO 0 only (strategy.zero_stage=0), got strategy.zero_stage="
+            f"{self.zero_stage}: {FP64_REFUSED_STAGES.get(self.zero_stage, '')}",
+        )
+        _check(
+            not self.offload_optimizer,
+            "strategy.precision",
+            "is fp64, which cannot offload the optimizer (strategy.offload_optimizer=true): ZeRO-Offload moves "
+            "the ZeRO optimizer's float32 master weights and Adam state to the CPU (DeepSpeedCPUAdam)",
+        )
 
 
 # Why DeepSpeed 0.19.8 cannot train float64 weights on ZeRO 1-3 (seen on its CPU accelerator; docs/concepts.md).
-_ZERO_1_2_FP32 = ("DeepSpeed's ZeRO 1/2 optimizer (DeepSpeedZeroOptimizer) keeps the master weights, gradient "
-                  "partitions and Adam state in float32 whatever the weights' dtype (it knows no other master dtype "
-                  "than fp32, bf16 and fp16), so every update would be rounded to float32 (and its grad norm is "
-                  "float32)")
+_ZERO_1_2_FP32 = (
+    "DeepSpeed's ZeRO 1/2 optimizer (DeepSpeedZeroOptimizer) keeps the master weights, gradient "
+    "partitions and Adam state in float32 whatever the weights' dtype (it knows no other master dtype "
+    "than fp32, bf16 and fp16), so every update would be rounded to float32 (and its grad norm is "
+    "float32)"
+)
 FP64_REFUSED_STAGES = {
     1: _ZERO_1_2_FP32,
     2: _ZERO_1_2_FP32,
     3: "DeepSpeed's ZeRO 3 loads through deepspeed.zero.Init, which casts the weights to float32 (its dtype follows "
-       "the fp16/bf16 flags, float32 when neither is on), and keeps float32 masters: the run would be float32",
+    "the fp16/bf16 flags, float32 when neither is on), and keeps float32 masters: the run would be float32",
 }
 
 
@@ -308,8 +361,11 @@ class HealthConfig:
         _choice(self.action, "health.action", ("stop", "skip", "warn", "off"))
         _check(self.max_skips >= 1, "health.max_skips", f"must be >= 1, got {self.max_skips}")
         _check(self.zero_loss_steps >= 0, "health.zero_loss_steps", f"must be >= 0, got {self.zero_loss_steps}")
-        _check(self.spike_factor == 0 or self.spike_factor > 1, "health.spike_factor",
-               f"must be 0 (off) or > 1, got {self.spike_factor}")
+        _check(
+            self.spike_factor == 0 or self.spike_factor > 1,
+            "health.spike_factor",
+            f"must be 0 (off) or > 1, got {self.spike_factor}",
+        )
         _check(self.spike_window >= 1, "health.spike_window", f"must be >= 1, got {self.spike_window}")
 
 
@@ -326,8 +382,9 @@ class DPOConfig:
 
     def __post_init__(self) -> None:
         _check(self.beta > 0, "dpo.beta", f"must be > 0, got {self.beta}")
-        _check(0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing",
-               f"must be in [0, 0.5), got {self.label_smoothing}")
+        _check(
+            0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}"
+        )
         _check(self.nll_coef >= 0, "dpo.nll_coef", f"must be >= 0, got {self.nll_coef}")
         _choice(self.ref_mode, "dpo.ref_mode", ("precompute", "online"))
         _check(self.ref_num_workers >= 1, "dpo.ref_num_workers", f"must be >= 1, got {self.ref_num_workers}")
@@ -364,15 +421,24 @@ class RunConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
-        _check(self.health.action != "skip" or self.train.save_every > 0, "health.action",
-               "is skip, which needs train.save_every > 0: a skip rewinds to the newest checkpoint")
-        _check(not self.train.packing or self.model.attn_implementation != "eager", "train.packing",
-               "needs a variable-length attention, which model.attn_implementation=eager does not have: use auto "
-               "(flash_attention_2 on GPU, else rlhf's varlen sdpa), sdpa or flash_attention_2")
-        _check(self.strategy.precision != "fp64" or self.model.attn_implementation != "eager",
-               "model.attn_implementation", "is eager, which strategy.precision=fp64 cannot audit: transformers' eager "
-               "attention takes its softmax in float32, whose rounding depends on the padded width (~1e-8 between "
-               "factorisations); use auto or sdpa")
+        _check(
+            self.health.action != "skip" or self.train.save_every > 0,
+            "health.action",
+            "is skip, which needs train.save_every > 0: a skip rewinds to the newest checkpoint",
+        )
+        _check(
+            not self.train.packing or self.model.attn_implementation != "eager",
+            "train.packing",
+            "needs a variable-length attention, which model.attn_implementation=eager does not have: use auto "
+            "(flash_attention_2 on GPU, else rlhf's varlen sdpa), sdpa or flash_attention_2",
+        )
+        _check(
+            self.strategy.precision != "fp64" or self.model.attn_implementation != "eager",
+            "model.attn_implementation",
+            "is eager, which strategy.precision=fp64 cannot audit: transformers' eager "
+            "attention takes its softmax in float32, whose rounding depends on the padded width (~1e-8 between "
+            "factorisations); use auto or sdpa",
+        )
 
 
 # A function that returns the run config it was given (changed or not) keeps its class: RunConfigT -> RunConfigT.

@@ -3,13 +3,16 @@
 
 Used by the loader's unknown-key errors and by the command line's hint for ``--key value`` arguments.
 """
+
 from __future__ import annotations
 
 import difflib
 from typing import Dict, List, Sequence, Tuple
 
-_ACCUMULATION = ("gradient accumulation is derived here, not set: train.global_batch_size / "
-                 "(train.micro_batch_size x train.num_workers) micro-batches per rank per optimizer step")
+_ACCUMULATION = (
+    "gradient accumulation is derived here, not set: train.global_batch_size / "
+    "(train.micro_batch_size x train.num_workers) micro-batches per rank per optimizer step"
+)
 _WARMUP = "train.warmup_steps counts optimizer steps, not a fraction of the run"
 _SAMPLES = "train.global_batch_size counts samples per optimizer step; rollout.prompts_per_step counts prompts"
 
@@ -125,14 +128,13 @@ def suggest_keys(key: str, valid: Sequence[str], limit: int = 3) -> Tuple[List[s
     # Neither the key itself nor a section it is already in ('strategy' for 'strategy.zero'; 'train.lr' for
     # 'train.lr.x' is a leaf, and a fair guess).
     sections = {k.rsplit(".", 1)[0] for k in valid if "." in k}
-    return [k for k in dict.fromkeys(same_leaf + close)
-            if k != key and not (k in sections and key.startswith(k + "."))][:limit], ""
+    return [
+        k for k in dict.fromkeys(same_leaf + close) if k != key and not (k in sections and key.startswith(k + "."))
+    ][:limit], ""
 
 
 def close_matches(key: str, candidates: Sequence[str], cutoff: float = 0.6, spread: float = 0.1) -> List[str]:
     """Candidates similar to ``key``: above ``cutoff`` and within ``spread`` of the best match, best first."""
-    scored = sorted(
-        ((difflib.SequenceMatcher(None, key, c).ratio(), c) for c in candidates), key=lambda sc: -sc[0]
-    )
+    scored = sorted(((difflib.SequenceMatcher(None, key, c).ratio(), c) for c in candidates), key=lambda sc: -sc[0])
     best = scored[0][0] if scored else 0.0
     return [c for score, c in scored[:3] if score >= cutoff and score >= best - spread]

@@ -17,6 +17,7 @@ the rendered conversation, and the prompt ids are exactly what the model is give
 that rewrites earlier turns when later ones follow (it is not prefix-stable) cannot be masked this way; such a
 row is refused with a message that says so.
 """
+
 from __future__ import annotations
 
 import os
@@ -66,8 +67,10 @@ def split_implicit_prompt(chosen: Messages, rejected: Messages) -> Tuple[Message
     while n > 0 and chosen[n - 1].get("role") == "assistant":  # the prompt ends before the answers differ
         n -= 1
     if n == 0:
-        raise ValueError("fields 'chosen' and 'rejected' are whole conversations but share no leading prompt "
-                         "messages; give the prompt separately (a 'prompt' field of messages)")
+        raise ValueError(
+            "fields 'chosen' and 'rejected' are whole conversations but share no leading prompt "
+            "messages; give the prompt separately (a 'prompt' field of messages)"
+        )
     for name, conv in (("chosen", chosen), ("rejected", rejected)):
         if len(conv) == n:
             raise ValueError(f"field {name!r} has no messages after the shared prompt")
@@ -106,20 +109,27 @@ class ChatFormatter:
         self.tokenizer, self.setting = tokenizer, setting
         self.template = template if template is not None else getattr(tokenizer, "chat_template", None)
         if setting == "none":
-            raise ChatTemplateError("the data has conversational rows (lists of messages) but data.chat_template=none; "
-                                    "set data.chat_template=auto (the tokenizer's template) or a .jinja file")
+            raise ChatTemplateError(
+                "the data has conversational rows (lists of messages) but data.chat_template=none; "
+                "set data.chat_template=auto (the tokenizer's template) or a .jinja file"
+            )
         if not self.template:
-            raise ChatTemplateError("the data has conversational rows (lists of messages) but the tokenizer has no "
-                                    "chat template; set data.chat_template to a .jinja template file")
+            raise ChatTemplateError(
+                "the data has conversational rows (lists of messages) but the tokenizer has no "
+                "chat template; set data.chat_template to a .jinja template file"
+            )
         if not getattr(tokenizer, "is_fast", False):
-            raise ChatTemplateError("conversational rows need a fast tokenizer (tokenizer.json): the loss mask is "
-                                    "derived from token offsets")
+            raise ChatTemplateError(
+                "conversational rows need a fast tokenizer (tokenizer.json): the loss mask is "
+                "derived from token offsets"
+            )
 
     # ---------------------------------------------------------------------------------- rendering
     def render(self, messages: Messages, generation_prompt: bool = False) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                messages, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt
+            )
         except Exception as e:  # noqa: BLE001 - a Jinja error (e.g. "roles must alternate") is a data problem
             raise ValueError(f"the chat template cannot render this conversation: {type(e).__name__}: {e}") from None
 
@@ -137,8 +147,7 @@ class ChatFormatter:
         full = self.render(messages)
         spans = [self._turn_span(messages, i, full) for i in trained_turns]
         ids, offsets = self._encode(full)
-        mask = [int(any(start < end_tok and begin_tok < end for start, end in spans))
-                for begin_tok, end_tok in offsets]
+        mask = [int(any(start < end_tok and begin_tok < end for start, end in spans)) for begin_tok, end_tok in offsets]
         return Encoded(tuple(ids), tuple(mask))
 
     def _turn_span(self, messages: Messages, i: int, full: str) -> Tuple[int, int]:
@@ -148,14 +157,18 @@ class ChatFormatter:
         before = self.render(messages[:i], generation_prompt=True) if i else ""
         through = self.render(messages[: i + 1])
         if not (full.startswith(before) and full.startswith(through)) or len(through) < len(before):
-            raise ValueError(f"the chat template renders earlier turns differently once later turns follow, so "
-                             f"assistant turn {i} cannot be located in the rendered conversation; train on the last "
-                             f"turn only (data.assistant_turns=last) or use a prefix-stable template "
-                             f"(data.chat_template)")
+            raise ValueError(
+                f"the chat template renders earlier turns differently once later turns follow, so "
+                f"assistant turn {i} cannot be located in the rendered conversation; train on the last "
+                f"turn only (data.assistant_turns=last) or use a prefix-stable template "
+                f"(data.chat_template)"
+            )
         end = len(through.rstrip())
         if end <= len(before):
-            raise ValueError(f"assistant turn {i} renders to no text at all (empty content and no end-of-turn "
-                             f"marker in the template): it has no token to train on")
+            raise ValueError(
+                f"assistant turn {i} renders to no text at all (empty content and no end-of-turn "
+                f"marker in the template): it has no token to train on"
+            )
         return len(before), end
 
     def _encode(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:

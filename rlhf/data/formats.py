@@ -5,6 +5,7 @@ their allowed types and a per-row ``check`` that tells a plain row from a conver
 mixes them, so a bad row is reported with its file and line. :func:`chat_formatter` then builds the chat template
 renderer when (and only when) the rows read are conversational; :func:`read_formatted` does both.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +18,9 @@ from rlhf.data.tokenize import RowError
 _TEXT_OR_MESSAGES = (str, list)
 
 
-def _fields(keys: Sequence[str], check: Callable[[dict], None], extra_types: Optional[dict] = None,
-            optional: Sequence[str] = ()) -> Dict[str, Any]:
+def _fields(
+    keys: Sequence[str], check: Callable[[dict], None], extra_types: Optional[dict] = None, optional: Sequence[str] = ()
+) -> Dict[str, Any]:
     """``read_rows`` arguments: ``keys`` kept and typed text-or-messages (``extra_types`` overrides), ``optional``
     kept untyped, every row through ``check``."""
     types = {k: _TEXT_OR_MESSAGES for k in keys}
@@ -35,24 +37,30 @@ def _need(row: dict, keys: Sequence[str], form: str) -> None:
 
 def sft_fields(prompt_key: str, response_key: str, messages_key: str) -> Dict[str, Any]:
     """SFT: ``{messages_key: [...]}``, or ``prompt_key`` + ``response_key`` both text or both messages."""
+
     def check(row: dict) -> None:
         if messages_key in row:
             check_messages(row[messages_key], messages_key)
             return
         if prompt_key not in row and response_key not in row:
-            raise ValueError(f"expected {messages_key!r} (a conversation) or {prompt_key!r} and {response_key!r}; "
-                             f"the row has none of them")
+            raise ValueError(
+                f"expected {messages_key!r} (a conversation) or {prompt_key!r} and {response_key!r}; "
+                f"the row has none of them"
+            )
         _need(row, (prompt_key, response_key), f"a {prompt_key!r}/{response_key!r} row")
         if not _same_form(row, (prompt_key, response_key)):
             check_messages(row[prompt_key], prompt_key)
             check_messages(row[response_key], response_key, assistant_only=True)
+
     return _fields((messages_key, prompt_key, response_key), check)
 
 
-def pair_fields(prompt_key: str, chosen_key: str, rejected_key: str, margin_key: str = "",
-                margin_required: bool = False) -> Dict[str, Any]:
+def pair_fields(
+    prompt_key: str, chosen_key: str, rejected_key: str, margin_key: str = "", margin_required: bool = False
+) -> Dict[str, Any]:
     """Preference pairs: text ``prompt``/``chosen``/``rejected``, or messages (``prompt`` optional: whole
     conversations that share their first turns)."""
+
     def check(row: dict) -> None:
         _need(row, (chosen_key, rejected_key), "a preference pair")
         if margin_required:
@@ -66,16 +74,19 @@ def pair_fields(prompt_key: str, chosen_key: str, rejected_key: str, margin_key:
             check_messages(row[prompt_key], prompt_key)
         for key in (chosen_key, rejected_key):  # after an explicit prompt: the answers; else whole conversations
             check_messages(row[key], key, assistant_only=explicit)
+
     keys = (prompt_key, chosen_key, rejected_key) + ((margin_key,) if margin_key else ())
     return _fields(keys, check, {margin_key: (int, float)} if margin_key else None)
 
 
 def prompt_fields(prompt_key: str, columns: Sequence[str] = ()) -> Dict[str, Any]:
     """RL prompts: ``prompt_key`` as text or messages, plus reward-function columns when present."""
+
     def check(row: dict) -> None:
         _need(row, (prompt_key,), "a prompt row")
         if not isinstance(row[prompt_key], str):
             check_messages(row[prompt_key], prompt_key)
+
     return _fields((prompt_key,), check, optional=tuple(c for c in columns if c != prompt_key))
 
 
@@ -85,8 +96,10 @@ def _same_form(row: dict, keys: Sequence[str]) -> bool:
     for key in keys[1:]:
         if isinstance(row[key], str) != text:
             kind = lambda k: "text" if isinstance(row[k], str) else "messages"  # noqa: E731
-            raise ValueError(f"field {keys[0]!r} is {kind(keys[0])} but {key!r} is {kind(key)}: a row is either "
-                             f"plain text or conversational throughout")
+            raise ValueError(
+                f"field {keys[0]!r} is {kind(keys[0])} but {key!r} is {kind(key)}: a row is either "
+                f"plain text or conversational throughout"
+            )
     return text
 
 
@@ -103,8 +116,9 @@ def chat_formatter(tokenizer, setting: str, rows: Sequence[dict], keys: Sequence
     return ChatFormatter(tokenizer, load_template(setting), setting)
 
 
-def read_formatted(data, path: str, split: str, tokenizer, fields: Dict[str, Any],
-                   chat_keys: Sequence[str]) -> Tuple[list, Optional[ChatFormatter]]:
+def read_formatted(
+    data, path: str, split: str, tokenizer, fields: Dict[str, Any], chat_keys: Sequence[str]
+) -> Tuple[list, Optional[ChatFormatter]]:
     """A trainer's rows of ``path`` (``split``, ``data.config_name``), checked with ``fields`` (a ``*_fields``
     result), and the chat renderer they need (``data.chat_template``), None for plain text."""
     rows = read_rows(path, split=split, config_name=data.config_name, **fields)

@@ -10,6 +10,7 @@ is read file by file from its snapshot in the HF cache, each data file as a loca
 Rows come back as plain dicts holding only the requested fields that are present; a ``null`` in an optional
 field counts as absent, so downstream code only has to test ``"margin" in row``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,10 @@ _JSON_EXTS = (".jsonl", ".json")
 _PARQUET_EXTS = (".parquet",)
 # datasets' reader of a hub dataset's data file by extension (JSON is read here, with line numbers)
 _READERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
-_SUPPORTED = (".jsonl, .json (JSON lines, or one JSON array of objects), .parquet, a directory written by datasets' "
-              "save_to_disk, or a hub dataset id (org/name[@revision])")
+_SUPPORTED = (
+    ".jsonl, .json (JSON lines, or one JSON array of objects), .parquet, a directory written by datasets' "
+    "save_to_disk, or a hub dataset id (org/name[@revision])"
+)
 
 
 class DataError(ValueError):
@@ -163,7 +166,10 @@ def _load_with_datasets(builder: str, path: str) -> list[dict]:
 
 
 def _read_jsonl(
-    path: str, required: Sequence[str], optional: Sequence[str], types: Mapping[str, tuple[type, ...]],
+    path: str,
+    required: Sequence[str],
+    optional: Sequence[str],
+    types: Mapping[str, tuple[type, ...]],
     check: RowCheck | None = None,
 ) -> list[dict]:
     scanned = _scan_jsonl(path)
@@ -252,12 +258,14 @@ def _read_table(path: str, reader: str) -> list[dict]:
     try:
         return _load_with_datasets(reader, path)
     except Exception as e:  # noqa: BLE001 - report any reader failure as a data error on this file
-        raise DataError(f"{path}: could not read it with datasets' {reader!r} reader: {type(e).__name__}: "
-                        f"{e}") from e
+        raise DataError(f"{path}: could not read it with datasets' {reader!r} reader: {type(e).__name__}: {e}") from e
 
 
 def _read_json_file(
-    path: str, required: Sequence[str], optional: Sequence[str], types: Mapping[str, tuple[type, ...]],
+    path: str,
+    required: Sequence[str],
+    optional: Sequence[str],
+    types: Mapping[str, tuple[type, ...]],
     check: RowCheck | None = None,
 ) -> list[dict]:
     """A ``.json``/``.jsonl`` file: JSON lines (errors ``file:line``) or one JSON array of objects (``file: row i``)."""
@@ -286,8 +294,13 @@ def _json_array(path: str) -> list | None:
 
 
 def _read_hub_rows(
-    ref: str, split: str, config_name: str, required: Sequence[str], optional: Sequence[str],
-    types: Mapping[str, tuple[type, ...]], check: RowCheck | None = None,
+    ref: str,
+    split: str,
+    config_name: str,
+    required: Sequence[str],
+    optional: Sequence[str],
+    types: Mapping[str, tuple[type, ...]],
+    check: RowCheck | None = None,
 ) -> list[dict]:
     """Rows of ``split`` of a hub dataset: each data file of the split, read and validated as a local file is."""
     module, files = _hub_split_files(ref, split, config_name)
@@ -322,8 +335,9 @@ def _hub_split_files(ref: str, split: str, config_name: str) -> tuple[str, list[
         except DataError:
             raise
         except Exception as e:  # noqa: BLE001 - no data files, a card datasets cannot parse, no default config
-            raise DataError(f"{ref}: datasets cannot find its data in {root}: {type(e).__name__}: "
-                            f"{str(e).strip()}") from None
+            raise DataError(
+                f"{ref}: datasets cannot find its data in {root}: {type(e).__name__}: {str(e).strip()}"
+            ) from None
     data_files = builder.config.data_files or {}
     if split not in data_files:
         which = f" in config {builder.config.name!r}" if len(names) > 1 else ""

@@ -13,6 +13,7 @@ Pure arithmetic, shared by every offline trainer (and PPO's epochs over a rollou
 
 Step ``k`` is a function of ``(seed, k)`` alone, so resuming at any step replays exactly the same data.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,8 @@ class StepPlan:
         per_rank = len(self.indices) // num_workers
         out = []
         for rank in range(num_workers):
-            rows = self.indices[rank * per_rank:(rank + 1) * per_rank]
-            out.append([rows[i:i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)])
+            rows = self.indices[rank * per_rank : (rank + 1) * per_rank]
+            out.append([rows[i : i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)])
         return out
 
 
@@ -50,8 +51,10 @@ class EpochPlan:
 
     def __post_init__(self) -> None:
         if self.num_samples < self.global_batch_size:
-            raise PlanError(f"the data has {self.num_samples} usable rows, fewer than train.global_batch_size="
-                            f"{self.global_batch_size}: not a single optimizer step fits")
+            raise PlanError(
+                f"the data has {self.num_samples} usable rows, fewer than train.global_batch_size="
+                f"{self.global_batch_size}: not a single optimizer step fits"
+            )
 
     @property
     def steps_per_epoch(self) -> int:
@@ -91,4 +94,4 @@ class EpochPlan:
 
     def _cut(self, step: int, order: List[int]) -> StepPlan:
         offset = ((step - 1) % self.steps_per_epoch) * self.global_batch_size
-        return StepPlan(step=step, epoch=self._epoch_of(step), indices=order[offset:offset + self.global_batch_size])
+        return StepPlan(step=step, epoch=self._epoch_of(step), indices=order[offset : offset + self.global_batch_size])

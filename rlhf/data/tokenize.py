@@ -8,6 +8,7 @@ whose prompt alone leaves no room for one completion token is skipped and counte
 Conversational rows are rendered with a chat template and tokenized once; their masks come from token offsets
 (:mod:`rlhf.data.chat`). They are cut at ``max_length`` tokens, and skipped when no trained token is left.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -106,8 +107,9 @@ def _truncated(encoded, max_length: int) -> Optional[Example]:
     return Example(tuple(ids), mask) if any(mask) else None
 
 
-def _conversational_sft(row: dict, chat, *, prompt_key: str, response_key: str, messages_key: str,
-                        assistant_turns: str):
+def _conversational_sft(
+    row: dict, chat, *, prompt_key: str, response_key: str, messages_key: str, assistant_turns: str
+):
     if messages_key in row:
         messages = row[messages_key]
         return chat.encode(messages, sft_turns(messages, assistant_turns))
@@ -115,9 +117,18 @@ def _conversational_sft(row: dict, chat, *, prompt_key: str, response_key: str, 
     return chat.encode(prompt + completion, range(len(prompt), len(prompt) + len(completion)))
 
 
-def tokenize_sft(rows: Sequence[dict], tokenizer, *, max_length: int, prompt_key: str, response_key: str,
-                 add_eos: bool = True, messages_key: str = "messages", chat=None,
-                 assistant_turns: str = "all") -> Tokenized:
+def tokenize_sft(
+    rows: Sequence[dict],
+    tokenizer,
+    *,
+    max_length: int,
+    prompt_key: str,
+    response_key: str,
+    add_eos: bool = True,
+    messages_key: str = "messages",
+    chat=None,
+    assistant_turns: str = "all",
+) -> Tokenized:
     """Plain rows (``prompt`` + ``response`` text) and conversational rows (see :mod:`rlhf.data.chat`, rendered
     with ``chat``, a :class:`~rlhf.data.chat.ChatFormatter`) -> examples; rows left without a target are skipped."""
     plain = [i for i, r in enumerate(rows) if isinstance(r.get(prompt_key), str) and messages_key not in r]
@@ -127,8 +138,14 @@ def tokenize_sft(rows: Sequence[dict], tokenizer, *, max_length: int, prompt_key
     for i, row in enumerate(rows):
         if i not in by_row:
             with row_errors(i):
-                encoded = _conversational_sft(row, chat, prompt_key=prompt_key, response_key=response_key,
-                                              messages_key=messages_key, assistant_turns=assistant_turns)
+                encoded = _conversational_sft(
+                    row,
+                    chat,
+                    prompt_key=prompt_key,
+                    response_key=response_key,
+                    messages_key=messages_key,
+                    assistant_turns=assistant_turns,
+                )
             by_row[i] = _truncated(encoded, max_length)
     examples = [by_row[i] for i in range(len(rows)) if by_row[i] is not None]
     return Tokenized(examples, [i for i in range(len(rows)) if by_row[i] is None])
@@ -141,28 +158,43 @@ def _conversational_pair(row: dict, chat, *, prompt_key: str, chosen_key: str, r
     else:
         prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
     start = len(prompt)
-    return (chat.encode(prompt + chosen, range(start, start + len(chosen))),
-            chat.encode(prompt + rejected, range(start, start + len(rejected))))
+    return (
+        chat.encode(prompt + chosen, range(start, start + len(chosen))),
+        chat.encode(prompt + rejected, range(start, start + len(rejected))),
+    )
 
 
-def tokenize_pairs(rows: Sequence[dict], tokenizer, *, max_length: int, prompt_key: str, chosen_key: str,
-                   rejected_key: str, margin_key: Optional[str] = None, add_eos: bool = True, chat=None) -> Tokenized:
+def tokenize_pairs(
+    rows: Sequence[dict],
+    tokenizer,
+    *,
+    max_length: int,
+    prompt_key: str,
+    chosen_key: str,
+    rejected_key: str,
+    margin_key: Optional[str] = None,
+    add_eos: bool = True,
+    chat=None,
+) -> Tokenized:
     """Plain pairs (prompt, chosen and rejected text) and conversational pairs (rendered with ``chat``) ->
     :class:`PairExample`; a pair is skipped when either side is left without a target."""
     plain = [i for i, r in enumerate(rows) if isinstance(r[chosen_key], str)]
     prompts = _encode(tokenizer, [rows[i][prompt_key] for i in plain], special=True)
     chosen = _completions(tokenizer, [rows[i][chosen_key] for i in plain], add_eos)
     rejected = _completions(tokenizer, [rows[i][rejected_key] for i in plain], add_eos)
-    sides = {i: (_join(p, c, max_length), _join(p, r, max_length))
-             for i, p, c, r in zip(plain, prompts, chosen, rejected)}
+    sides = {
+        i: (_join(p, c, max_length), _join(p, r, max_length)) for i, p, c, r in zip(plain, prompts, chosen, rejected)
+    }
     for i, row in enumerate(rows):
         if i not in sides:
             with row_errors(i):
-                encoded = _conversational_pair(row, chat, prompt_key=prompt_key, chosen_key=chosen_key,
-                                               rejected_key=rejected_key)
+                encoded = _conversational_pair(
+                    row, chat, prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key
+                )
             # cast: encoded is _conversational_pair's (chosen, rejected), so the tuple has two items.
-            sides[i] = cast(Tuple[Optional[Example], Optional[Example]],
-                            tuple(_truncated(e, max_length) for e in encoded))
+            sides[i] = cast(
+                Tuple[Optional[Example], Optional[Example]], tuple(_truncated(e, max_length) for e in encoded)
+            )
     examples, skipped = [], []
     for i in range(len(rows)):
         ec, er = sides[i]
@@ -185,8 +217,12 @@ def collate_sft(examples: Sequence[Example], pad_id: int, indices: Optional[Sequ
     )
 
 
-def collate_pairs(examples: Sequence[PairExample], pad_id: int, indices: Optional[Sequence[int]] = None,
-                  ref_logps: Optional[torch.Tensor] = None) -> Batch:
+def collate_pairs(
+    examples: Sequence[PairExample],
+    pad_id: int,
+    indices: Optional[Sequence[int]] = None,
+    ref_logps: Optional[torch.Tensor] = None,
+) -> Batch:
     """Pairs -> ``(B, 2, T)`` fields (chosen at index 0), padded to the longest completion of the batch."""
     flat = [seq for pair in examples for seq in (pair.chosen, pair.rejected)]
     inner = collate_sft(flat, pad_id)

@@ -4,6 +4,7 @@
 empty tokenizer that encodes every row to nothing, and the run then dies much later with a zero normalizer. These
 checks run on the driver before any actor starts and name the config key to fix.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,21 +38,29 @@ def check_tokenizer(tokenizer, key: str, ref: str, model_vocab_size: Optional[in
     """
     size = len(tokenizer)
     if size < MIN_VOCAB:
-        raise ConfigError(f"{key}: the tokenizer loaded from {ref!r} has {size} token(s): the directory has no usable "
-                          f"tokenizer files (tokenizer.json, or vocab + merges); add them or set "
-                          f"model.tokenizer_path to a directory or hub id that has them")
+        raise ConfigError(
+            f"{key}: the tokenizer loaded from {ref!r} has {size} token(s): the directory has no usable "
+            f"tokenizer files (tokenizer.json, or vocab + merges); add them or set "
+            f"model.tokenizer_path to a directory or hub id that has them"
+        )
     if tokenizer.eos_token_id is None:
-        raise ConfigError(f"{key}: the tokenizer loaded from {ref!r} has no eos_token: completions are ended and "
-                          f"generation is stopped with it; set eos_token in its tokenizer_config.json")
+        raise ConfigError(
+            f"{key}: the tokenizer loaded from {ref!r} has no eos_token: completions are ended and "
+            f"generation is stopped with it; set eos_token in its tokenizer_config.json"
+        )
     if model_vocab_size is not None and size > model_vocab_size:
-        raise ConfigError(f"{key}: the tokenizer from {ref!r} has {size} tokens but the model has {model_vocab_size} "
-                          f"embedding rows (config.json vocab_size): ids past them would crash; use the model's own "
-                          f"tokenizer (model.tokenizer_path)")
+        raise ConfigError(
+            f"{key}: the tokenizer from {ref!r} has {size} tokens but the model has {model_vocab_size} "
+            f"embedding rows (config.json vocab_size): ids past them would crash; use the model's own "
+            f"tokenizer (model.tokenizer_path)"
+        )
     if tokenizer.pad_token_id is None:
         # Attention masks, not the pad id, decide what is padding everywhere in this project, so EOS is safe.
         tokenizer.pad_token = tokenizer.eos_token
-        log.info(f"[data] the tokenizer has no pad token; padding with its EOS {tokenizer.eos_token!r} "
-                 f"(attention masks mark the padding)")
+        log.info(
+            f"[data] the tokenizer has no pad token; padding with its EOS {tokenizer.eos_token!r} "
+            f"(attention masks mark the padding)"
+        )
     return tokenizer
 
 

@@ -1,6 +1,7 @@
 """Connecting to Ray: join ``ray.address`` / ``RAY_ADDRESS`` (e.g. under ``ray job submit``), or start a local
 cluster sized for the run's actors; on a cluster without GPUs, compile DeepSpeed's CPU communication op once before
 the first actor needs it."""
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,13 @@ def init_ray(address: str = "", num_cpus: int = -1, needed_cpus: float = 1.0) ->
     else:
         # address="local": always a new local cluster, as documented. Without it Ray would try to join whatever
         # `ray start` last left in /tmp/ray/ray_current_cluster on this machine, even a cluster long gone.
-        ray.init(address="local", num_cpus=local_num_cpus(num_cpus, needed_cpus), include_dashboard=False,
-                 log_to_driver=True, runtime_env={"env_vars": {**ACTOR_ENV, **hub_env()}})
+        ray.init(
+            address="local",
+            num_cpus=local_num_cpus(num_cpus, needed_cpus),
+            include_dashboard=False,
+            log_to_driver=True,
+            runtime_env={"env_vars": {**ACTOR_ENV, **hub_env()}},
+        )
         joined = "local"
     if cluster_gpus() == 0:
         ensure_cpu_comm_op()
@@ -79,8 +85,11 @@ def actor_placement() -> Dict[str, object]:
     import ray
 
     ctx = ray.get_runtime_context()
-    return {"node": ctx.get_node_id(), "placement_group": ctx.get_placement_group_id(),
-            "resources": dict(ctx.get_assigned_resources())}
+    return {
+        "node": ctx.get_node_id(),
+        "placement_group": ctx.get_placement_group_id(),
+        "resources": dict(ctx.get_assigned_resources()),
+    }
 
 
 # ---------------------------------------------------------------------------- DeepSpeed's CPU communication op
@@ -104,8 +113,10 @@ def _comm_op_inputs() -> Optional[Dict[str, Any]]:
     assert ds.submodule_search_locations is not None and torch_spec.submodule_search_locations is not None
     # DeepSpeed passes absolute source paths under deepspeed/ops (OpBuilder.deepspeed_src_path), torch its headers
     comm = os.path.join(os.path.abspath(ds.submodule_search_locations[0]), "ops", "csrc", "cpu", "comm")
-    return {"sources": [os.path.join(comm, name) for name in ("shm_interface.cpp", "shm.cpp")],
-            "torch_include": os.path.join(os.path.abspath(torch_spec.submodule_search_locations[0]), "include")}
+    return {
+        "sources": [os.path.join(comm, name) for name in ("shm_interface.cpp", "shm.cpp")],
+        "torch_include": os.path.join(os.path.abspath(torch_spec.submodule_search_locations[0]), "include"),
+    }
 
 
 def cpu_comm_op_built(extensions_dir: str = "") -> bool:
@@ -130,8 +141,10 @@ def cpu_comm_op_built(extensions_dir: str = "") -> bool:
             rules = f.read()
     except OSError:
         return False
-    names_this_env = all(f": compile {src}\n" in rules for src in inputs["sources"]) and \
-        f"-isystem {inputs['torch_include']} " in rules
+    names_this_env = (
+        all(f": compile {src}\n" in rules for src in inputs["sources"])
+        and f"-isystem {inputs['torch_include']} " in rules
+    )
     return names_this_env and built >= newest_input
 
 
@@ -152,16 +165,20 @@ def ensure_cpu_comm_op(extensions_dir: str = "") -> bool:
         return False
     lock = os.path.join(extensions_dir, SHM_COMM_OP, "lock")
     if os.path.exists(lock):
-        _say(f"waiting for another process compiling DeepSpeed's CPU communication op into {extensions_dir} "
-             f"(if none is running, a killed build left {lock}: delete it)")
+        _say(
+            f"waiting for another process compiling DeepSpeed's CPU communication op into {extensions_dir} "
+            f"(if none is running, a killed build left {lock}: delete it)"
+        )
     else:
         _say(f"{BUILD_MESSAGE} (into {extensions_dir})")
     start = time.time()
     env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=extensions_dir)
     done = subprocess.run([sys.executable, "-c", _BUILD_CODE], env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"compiling DeepSpeed's CPU communication op into {extensions_dir} failed "
-                           f"(exit {done.returncode}):\n{_tail(done.stdout + done.stderr)}")
+        raise RuntimeError(
+            f"compiling DeepSpeed's CPU communication op into {extensions_dir} failed "
+            f"(exit {done.returncode}):\n{_tail(done.stdout + done.stderr)}"
+        )
     _say(f"DeepSpeed's CPU communication op is ready ({time.time() - start:.0f} s)")
     return True
 

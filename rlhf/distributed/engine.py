@@ -12,6 +12,7 @@ Gradient-accumulation contract (docs/concepts.md):
   optimizer exactly there, once, so an accumulation window can never straddle two steps (or two epochs, or a
   resume).
 """
+
 from __future__ import annotations
 
 import copy
@@ -62,33 +63,65 @@ class EngineSpec:
         if self.max_tokens_per_micro_batch < 0:
             raise ValueError(f"max_tokens_per_micro_batch must be >= 0, got {self.max_tokens_per_micro_batch}")
         if self.max_tokens_per_micro_batch and self.micro_batch_size != 1:
-            raise ValueError("a token budget cuts micro-batches itself: micro_batch_size must be 1 (one row is the "
-                             f"smallest micro-batch), got {self.micro_batch_size}")
+            raise ValueError(
+                "a token budget cuts micro-batches itself: micro_batch_size must be 1 (one row is the "
+                f"smallest micro-batch), got {self.micro_batch_size}"
+            )
 
     @classmethod
-    def for_global_batch(cls, global_batch_size: int, micro_batch_size: int, num_workers: int, *,
-                         zero_stage: int = 0, precision: str = "fp32", **kwargs: Any) -> "EngineSpec":
+    def for_global_batch(
+        cls,
+        global_batch_size: int,
+        micro_batch_size: int,
+        num_workers: int,
+        *,
+        zero_stage: int = 0,
+        precision: str = "fp32",
+        **kwargs: Any,
+    ) -> "EngineSpec":
         """The spec whose optimizer step consumes ``global_batch_size`` rows: ``grad_accum_steps`` micro-batches of
         ``micro_batch_size`` on each of ``num_workers`` ranks (refused, with the numbers, when they do not divide)."""
         per_step = micro_batch_size * num_workers
         if micro_batch_size < 1 or num_workers < 1 or global_batch_size < per_step or global_batch_size % per_step:
-            raise ValueError(f"global batch {global_batch_size} is not a multiple of micro_batch_size "
-                             f"{micro_batch_size} x {num_workers} workers = {per_step}")
-        return cls(zero_stage=zero_stage, precision=precision, micro_batch_size=micro_batch_size,
-                   grad_accum_steps=global_batch_size // per_step, **kwargs)
+            raise ValueError(
+                f"global batch {global_batch_size} is not a multiple of micro_batch_size "
+                f"{micro_batch_size} x {num_workers} workers = {per_step}"
+            )
+        return cls(
+            zero_stage=zero_stage,
+            precision=precision,
+            micro_batch_size=micro_batch_size,
+            grad_accum_steps=global_batch_size // per_step,
+            **kwargs,
+        )
 
     @classmethod
-    def for_token_budget(cls, global_batch_size: int, max_tokens: int, num_workers: int, *, packing: bool = False,
-                         zero_stage: int = 0, precision: str = "fp32", **kwargs: Any) -> "EngineSpec":
+    def for_token_budget(
+        cls,
+        global_batch_size: int,
+        max_tokens: int,
+        num_workers: int,
+        *,
+        packing: bool = False,
+        zero_stage: int = 0,
+        precision: str = "fp32",
+        **kwargs: Any,
+    ) -> "EngineSpec":
         """The spec whose optimizer step consumes ``global_batch_size`` rows, ``global_batch_size / num_workers`` per
         rank, in micro-batches of at most ``max_tokens`` tokens."""
         if num_workers < 1 or global_batch_size < num_workers or global_batch_size % num_workers:
             raise ValueError(f"global batch {global_batch_size} does not divide over {num_workers} workers")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        return cls(zero_stage=zero_stage, precision=precision, micro_batch_size=1,
-                   grad_accum_steps=global_batch_size // num_workers, max_tokens_per_micro_batch=max_tokens,
-                   packing=packing, **kwargs)
+        return cls(
+            zero_stage=zero_stage,
+            precision=precision,
+            micro_batch_size=1,
+            grad_accum_steps=global_batch_size // num_workers,
+            max_tokens_per_micro_batch=max_tokens,
+            packing=packing,
+            **kwargs,
+        )
 
     def global_batch_size(self, world_size: int) -> int:
         """Rows one optimizer step consumes over ``world_size`` ranks."""
@@ -147,8 +180,9 @@ def _train_in_fp64(ds_engine) -> None:
     if torch.float64 not in supported:
         accelerator.supported_dtypes = lambda: supported + [torch.float64]
     ds_engine.communication_data_type = torch.float64
-    ds_engine.clip_fp32_gradients = lambda: torch.nn.utils.clip_grad_norm_(ds_engine.module.parameters(),
-                                                                           ds_engine.gradient_clipping())
+    ds_engine.clip_fp32_gradients = lambda: torch.nn.utils.clip_grad_norm_(
+        ds_engine.module.parameters(), ds_engine.gradient_clipping()
+    )
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -245,8 +279,13 @@ class TrainEngine:
         def schedule(opt):  # DeepSpeed calls this with the optimizer it wraps
             return torch.optim.lr_scheduler.LambdaLR(
                 opt,
-                lambda step: lr_multiplier(step, total_steps=optim.total_steps, warmup_steps=optim.warmup_steps,
-                                           kind=optim.scheduler, min_ratio=optim.min_lr_ratio),
+                lambda step: lr_multiplier(
+                    step,
+                    total_steps=optim.total_steps,
+                    warmup_steps=optim.warmup_steps,
+                    kind=optim.scheduler,
+                    min_ratio=optim.min_lr_ratio,
+                ),
             )
 
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -313,8 +352,10 @@ class TrainEngine:
         if self._micro_in_step == 0:
             self._steps_before = self.engine.global_steps
         if self._micro_in_step + 1 > self.spec.grad_accum_steps:
-            raise RuntimeError(f"accumulation window out of step: micro-batch {self._micro_in_step + 1} of a window "
-                               f"of at most {self.spec.grad_accum_steps} (is_last={is_last})")
+            raise RuntimeError(
+                f"accumulation window out of step: micro-batch {self._micro_in_step + 1} of a window "
+                f"of at most {self.spec.grad_accum_steps} (is_last={is_last})"
+            )
         self.engine.set_gradient_accumulation_boundary(is_last)
         self.engine.backward(loss, scale_wrt_gas=False)
         own_norm = self._local_grad_norm() if is_last and self._measures_norm_itself() else None
@@ -322,8 +363,10 @@ class TrainEngine:
         self._micro_in_step += 1
         stepped = self.engine.global_steps - self._steps_before
         if stepped != int(is_last):
-            raise RuntimeError(f"accumulation window out of step: DeepSpeed took {stepped} optimizer steps by "
-                               f"micro-batch {self._micro_in_step} (is_last={is_last})")
+            raise RuntimeError(
+                f"accumulation window out of step: DeepSpeed took {stepped} optimizer steps by "
+                f"micro-batch {self._micro_in_step} (is_last={is_last})"
+            )
         if is_last:
             self.last_step_applied = bool(self.engine.was_step_applied())
             self.last_grad_norm = self._step_grad_norm(own_norm)
@@ -345,15 +388,26 @@ class TrainEngine:
 
         Collective: every rank of the group calls it with the same ``directory``.
         """
-        rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available()
-               else None}
-        self.engine.save_checkpoint(directory, tag=CHECKPOINT_TAG, client_state={"rng": rng},
-                                    save_latest=False, exclude_frozen_parameters=self.adapters_only)
+        rng = {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+        self.engine.save_checkpoint(
+            directory,
+            tag=CHECKPOINT_TAG,
+            client_state={"rng": rng},
+            save_latest=False,
+            exclude_frozen_parameters=self.adapters_only,
+        )
 
     def load_checkpoint(self, directory: str) -> None:
-        _, client = self.engine.load_checkpoint(directory, tag=CHECKPOINT_TAG, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True,
-                                                load_module_strict=not self.adapters_only)
+        _, client = self.engine.load_checkpoint(
+            directory,
+            tag=CHECKPOINT_TAG,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            load_module_strict=not self.adapters_only,
+        )
         if client is None:
             raise RuntimeError(f"no checkpoint under {directory}/{CHECKPOINT_TAG}")
         torch.set_rng_state(client["rng"]["torch"])
@@ -377,8 +431,9 @@ class TrainEngine:
         return math.sqrt(squares)
 
 
-def float64_sum_of_squares(tensors: Sequence[torch.Tensor],
-                           scratch: Optional[torch.Tensor] = None) -> Tuple[float, Optional[torch.Tensor]]:
+def float64_sum_of_squares(
+    tensors: Sequence[torch.Tensor], scratch: Optional[torch.Tensor] = None
+) -> Tuple[float, Optional[torch.Tensor]]:
     """The sum of every element's square, in float64 (a float32 square is exact in float64).
 
     Each tensor is upcast into ``scratch`` (a 1-D float64 buffer, grown when too small) and squared in place: the
@@ -393,7 +448,7 @@ def float64_sum_of_squares(tensors: Sequence[torch.Tensor],
         scratch = torch.empty(largest, dtype=torch.float64, device=device)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for tensor in tensors:
-        upcast = scratch[:tensor.numel()].view(tensor.shape).copy_(tensor)
+        upcast = scratch[: tensor.numel()].view(tensor.shape).copy_(tensor)
         total += upcast.mul_(upcast).sum()
     return float(total), scratch
 
@@ -403,8 +458,9 @@ _CPU = torch.device("cpu")
 
 # Typed per device: a device yields tensors, ``device=None`` yields ``None`` for each.
 @overload
-def iter_full_state(module: torch.nn.Module, zero_stage: int, device: torch.device = _CPU
-                    ) -> Iterator[Tuple[str, torch.Tensor]]: ...
+def iter_full_state(
+    module: torch.nn.Module, zero_stage: int, device: torch.device = _CPU
+) -> Iterator[Tuple[str, torch.Tensor]]: ...
 
 
 @overload
@@ -412,12 +468,14 @@ def iter_full_state(module: torch.nn.Module, zero_stage: int, device: None) -> I
 
 
 @overload
-def iter_full_state(module: torch.nn.Module, zero_stage: int, device: Optional[torch.device] = _CPU
-                    ) -> Iterator[Tuple[str, Optional[torch.Tensor]]]: ...
+def iter_full_state(
+    module: torch.nn.Module, zero_stage: int, device: Optional[torch.device] = _CPU
+) -> Iterator[Tuple[str, Optional[torch.Tensor]]]: ...
 
 
-def iter_full_state(module: torch.nn.Module, zero_stage: int, device: Optional[torch.device] = _CPU
-                    ) -> Iterator[Tuple[str, Optional[torch.Tensor]]]:
+def iter_full_state(
+    module: torch.nn.Module, zero_stage: int, device: Optional[torch.device] = _CPU
+) -> Iterator[Tuple[str, Optional[torch.Tensor]]]:
     """Yield ``(name, full tensor on device)`` for every entry of the module's state dict, gathering ZeRO-3 shards.
 
     ``device=None`` yields ``(name, None)``: the caller only takes part in the gathers. Collective under ZeRO-3:

@@ -1,4 +1,5 @@
 """Turning a failed or dead Ray actor into an error that names who failed: the role, the rank and the call."""
+
 from __future__ import annotations
 
 import time

@@ -7,6 +7,7 @@ normalizer over the whole batch before the first backward, steps, and returns th
 tensor at the batch's width. Results come back in rank order, and any actor failure becomes a
 :class:`WorkerError` naming the role, the rank and the call.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -69,9 +70,14 @@ class WorkerGroup:
 
     worker_class = TrainerWorker  # what each rank's actor hosts (a subclass may extend it)
 
-    def __init__(self, role: str, resources: GroupResources, backend: str,
-                 placement: Optional[Placement] = None,
-                 init_timeout_s: float = StrategyConfig.init_timeout_s) -> None:
+    def __init__(
+        self,
+        role: str,
+        resources: GroupResources,
+        backend: str,
+        placement: Optional[Placement] = None,
+        init_timeout_s: float = StrategyConfig.init_timeout_s,
+    ) -> None:
         """``placement``: a placement group shared with colocated roles (rank r on its bundle r); by default
         the group makes and owns one of its own. ``init_timeout_s`` (``strategy.init_timeout_s``) bounds forming
         the process group: a rank that never arrives is named, and the group's actors are stopped."""
@@ -83,27 +89,33 @@ class WorkerGroup:
         if placement is None:
             placement = Placement(role, self.size, resources.cpus_per_worker, resources.gpus_per_worker)
         elif placement.num_bundles != self.size:
-            raise ValueError(f"{role}: {self.size} workers cannot share {placement.name}'s "
-                             f"{placement.num_bundles} bundles")
+            raise ValueError(
+                f"{role}: {self.size} workers cannot share {placement.name}'s {placement.num_bundles} bundles"
+            )
         self.placement = placement
         self.engine_spec: Optional[EngineSpec] = None  # set by build(): the micro-batch and accumulation shape
         self.trainable = False
         actor_cls = ray.remote(self.worker_class)
         # ray.actor.ActorHandle[TrainerWorker]; Any: ray's annotations give its methods no typed .remote
         self.workers: List[Any] = [
-            actor_cls.options(**placement.actor_options(rank), runtime_env={"env_vars": dict(resources.env_vars)})
-            .remote(role, rank, self.size, placement.threads_per_actor)
+            actor_cls.options(
+                **placement.actor_options(rank), runtime_env={"env_vars": dict(resources.env_vars)}
+            ).remote(role, rank, self.size, placement.threads_per_actor)
             for rank in range(self.size)
         ]
         try:
             # started first, without the bound: a busy cluster may take long to start an actor (its runtime
             # environment, imports), which is not a peer failing to arrive
             self._gather([w.__ray_ready__.remote() for w in self.workers], "start")
-            addr, port = self._gather([self.workers[0].rendezvous_address.remote()], "rendezvous_address",
-                                      init_timeout_s)[0]
+            addr, port = self._gather(
+                [self.workers[0].rendezvous_address.remote()], "rendezvous_address", init_timeout_s
+            )[0]
             # the ranks' own bound names the rank they waited for; the driver's, longer, one that never answered
-            self._gather([w.init_process_group.remote(addr, port, backend, init_timeout_s) for w in self.workers],
-                         "init_process_group", init_timeout_s + DRIVER_GRACE_S)
+            self._gather(
+                [w.init_process_group.remote(addr, port, backend, init_timeout_s) for w in self.workers],
+                "init_process_group",
+                init_timeout_s + DRIVER_GRACE_S,
+            )
         except WorkerError:
             self.shutdown()  # nothing stays blocked: the ranks still waiting, or stuck, are stopped
             raise
@@ -137,18 +149,29 @@ class WorkerGroup:
         if not self.trainable:
             raise ValueError(f"{self.role}: train_batch needs a trainable group (built with an optimizer)")
         if len(batch) != self.global_batch_size:
-            shape = (f"{self.global_batch_size // self.size} rows per rank in micro-batches of at most "
-                     f"{spec.max_tokens_per_micro_batch} tokens" if spec.max_tokens_per_micro_batch else
-                     f"micro_batch_size {spec.micro_batch_size} x grad_accum_steps {spec.grad_accum_steps}")
-            raise ValueError(f"{self.role}: train_batch got {len(batch)} rows; one optimizer step takes "
-                             f"{shape} x {self.size} ranks = {self.global_batch_size}")
+            shape = (
+                f"{self.global_batch_size // self.size} rows per rank in micro-batches of at most "
+                f"{spec.max_tokens_per_micro_batch} tokens"
+                if spec.max_tokens_per_micro_batch
+                else f"micro_batch_size {spec.micro_batch_size} x grad_accum_steps {spec.grad_accum_steps}"
+            )
+            raise ValueError(
+                f"{self.role}: train_batch got {len(batch)} rows; one optimizer step takes "
+                f"{shape} x {self.size} ranks = {self.global_batch_size}"
+            )
         cut = self._cut(batch, spec)
         per_rank = [[_piece(batch, rows) for rows in shard] for shard in cut.micro_batches]
         # the whole global batch, before any backward (fillers repeat a row: not counted)
-        normalizer = sum(objective.count(mb) for mbs, counted in zip(per_rank, cut.counted)
-                         for mb, keep in zip(mbs, counted) if keep)
-        results = self.train_step(per_rank, objective, normalizer, schedule_step,
-                                  counted=[list(c) for c in cut.counted] if cut.fillers else None)
+        normalizer = sum(
+            objective.count(mb) for mbs, counted in zip(per_rank, cut.counted) for mb, keep in zip(mbs, counted) if keep
+        )
+        results = self.train_step(
+            per_rank,
+            objective,
+            normalizer,
+            schedule_step,
+            counted=[list(c) for c in cut.counted] if cut.fillers else None,
+        )
         norms = {repr(r.grad_norm) for r in results}  # repr: a NaN equals itself here
         if len(norms) > 1:  # the norm is all-reduced: ranks that disagree trained different models
             raise RuntimeError(f"{self.role}: ranks report different grad norms {[r.grad_norm for r in results]}")
@@ -156,14 +179,25 @@ class WorkerGroup:
         for result in results:
             totals.add(result.sums, 0)
         by_tokens = bool(spec.max_tokens_per_micro_batch)
-        return StepResult(metrics=totals.finalize(objective), sums=totals.sums, normalizer=normalizer,
-                          grad_norm=results[0].grad_norm, lr=results[0].lr, num_samples=len(batch),
-                          micro_batches=len(cut.micro_batches[0]) if by_tokens else None,
-                          fillers=cut.fillers if by_tokens else None)
+        return StepResult(
+            metrics=totals.finalize(objective),
+            sums=totals.sums,
+            normalizer=normalizer,
+            grad_norm=results[0].grad_norm,
+            lr=results[0].lr,
+            num_samples=len(batch),
+            micro_batches=len(cut.micro_batches[0]) if by_tokens else None,
+            fillers=cut.fillers if by_tokens else None,
+        )
 
-    def train_step(self, per_rank: Sequence[List[Batch]], objective: Objective, normalizer: int,
-                   schedule_step: Optional[int] = None,
-                   counted: Optional[Sequence[List[bool]]] = None) -> List[RankStepResult]:
+    def train_step(
+        self,
+        per_rank: Sequence[List[Batch]],
+        objective: Objective,
+        normalizer: int,
+        schedule_step: Optional[int] = None,
+        counted: Optional[Sequence[List[bool]]] = None,
+    ) -> List[RankStepResult]:
         """The primitive under :meth:`train_batch`: one optimizer step on micro-batches the caller placed
         (``per_rank[r]`` for rank r) with a ``normalizer`` the caller counted over all of them; ``counted[r][m]``
         False marks a lockstep filler (default: every micro-batch counts). Prefer :meth:`train_batch`; this is for
@@ -171,8 +205,10 @@ class WorkerGroup:
         if len(per_rank) != self.size:
             raise ValueError(f"{self.role}: {len(per_rank)} rank shards for {self.size} workers")
         flags: Sequence[Optional[List[bool]]] = counted or [None] * self.size  # None: the rank's default, all count
-        refs = [w.train_step.remote(mb, objective, normalizer, schedule_step, c)
-                for w, mb, c in zip(self.workers, per_rank, flags)]
+        refs = [
+            w.train_step.remote(mb, objective, normalizer, schedule_step, c)
+            for w, mb, c in zip(self.workers, per_rank, flags)
+        ]
         return self._gather(refs, "train_step")
 
     def _cut(self, batch: Batch, spec: EngineSpec) -> StepCut:
@@ -200,8 +236,7 @@ class WorkerGroup:
         out = torch.cat([_pad_to(p, width) if token else p for p, token in zip(parts, per_token)])
         return out.float() if out.is_floating_point() and out.dtype != torch.float64 else out
 
-    def evaluate_batch(self, batch: Batch, objective: Objective,
-                       rows_per_forward: Optional[int] = None) -> Totals:
+    def evaluate_batch(self, batch: Batch, objective: Objective, rows_per_forward: Optional[int] = None) -> Totals:
         """Forward-only ``objective`` over ``batch`` in chunks (as :meth:`score_batch`) -> its sums and normalizer,
         to be added over every chunk of a held-out set and finalized once."""
         chunks = self._chunks(batch, rows_per_forward, "evaluate_batch")
@@ -223,8 +258,9 @@ class WorkerGroup:
     def evaluate(self, batches: Sequence[Batch], objective: Objective) -> Sums:
         """Forward-only objective sums over ``batches`` spread across the ranks, added over ranks."""
         shards, counted = self._spread(batches)
-        results = self._gather([w.evaluate.remote(s, objective, c) for w, s, c in zip(self.workers, shards, counted)],
-                               "evaluate")
+        results = self._gather(
+            [w.evaluate.remote(s, objective, c) for w, s, c in zip(self.workers, shards, counted)], "evaluate"
+        )
         totals = Totals()
         for sums in results:
             totals.add(sums, 0)
@@ -237,15 +273,16 @@ class WorkerGroup:
         filler = per_rank * self.size - len(batches)
         padded = list(batches) + [batches[-1]] * filler
         counted = [True] * len(batches) + [False] * filler
-        cut = lambda xs: [xs[r * per_rank:(r + 1) * per_rank] for r in range(self.size)]  # noqa: E731
+        cut = lambda xs: [xs[r * per_rank : (r + 1) * per_rank] for r in range(self.size)]  # noqa: E731
         return cut(padded), cut(counted)
 
     def attach_weight_senders(self, senders: Sequence[Any]) -> List[Any]:
         """Give rank r ``senders[r]`` (a ``WeightSender`` or ``None``); returns what each one's ``listen`` gave."""
         if len(senders) != self.size:
             raise ValueError(f"{self.role}: {len(senders)} weight senders for {self.size} workers")
-        return self._gather([w.attach_weight_sender.remote(s) for w, s in zip(self.workers, senders)],
-                            "attach_weight_sender")
+        return self._gather(
+            [w.attach_weight_sender.remote(s) for w, s in zip(self.workers, senders)], "attach_weight_sender"
+        )
 
     def connect_weight_senders_async(self) -> List[Any]:
         """Start every rank's ``connect``; the caller gathers the refs after telling the peers to join."""
@@ -335,7 +372,7 @@ def _with_sample(err: ValueError, batch: Batch) -> str:
     if batch.sample_index is None or not text.startswith("row "):
         return text
     row = int(text.split()[1])
-    return f"row {row} (sample {int(batch.sample_index[row])})" + text[len(f"row {row}"):]
+    return f"row {row} (sample {int(batch.sample_index[row])})" + text[len(f"row {row}") :]
 
 
 def _pad_to(part: torch.Tensor, width: int) -> torch.Tensor:

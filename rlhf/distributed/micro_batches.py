@@ -22,6 +22,7 @@ micro-batches of ``micro_batch_size`` rows.
 A micro-batch's tokens are what its forward holds: the sum of its sequences' lengths when packed (``train.packing``),
 its sequences times the longest one when padded. A row of a preference batch holds two sequences.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,9 +57,13 @@ def cut_by_rows(num_rows: int, ranks: int, micro_batch_size: int) -> StepCut:
     per_rank = num_rows // ranks
     if per_rank * ranks != num_rows or per_rank % micro_batch_size:
         raise ValueError(f"{num_rows} rows do not cut into {ranks} ranks of micro-batches of {micro_batch_size}")
-    shards = tuple(tuple(tuple(range(start, start + micro_batch_size))
-                         for start in range(r * per_rank, (r + 1) * per_rank, micro_batch_size))
-                   for r in range(ranks))
+    shards = tuple(
+        tuple(
+            tuple(range(start, start + micro_batch_size))
+            for start in range(r * per_rank, (r + 1) * per_rank, micro_batch_size)
+        )
+        for r in range(ranks)
+    )
     return StepCut(micro_batches=shards, counted=tuple((True,) * len(s) for s in shards))
 
 
@@ -73,8 +78,10 @@ def cut_by_tokens(lengths: Sequence[RowLengths], ranks: int, max_tokens: int, pa
         raise ValueError(f"{len(lengths)} rows do not divide over {ranks} ranks")
     for index, row in enumerate(lengths):
         if micro_batch_tokens([row], packing) > max_tokens:
-            raise ValueError(f"row {index} holds {micro_batch_tokens([row], packing)} tokens, more than "
-                             f"train.max_tokens_per_micro_batch={max_tokens}")
+            raise ValueError(
+                f"row {index} holds {micro_batch_tokens([row], packing)} tokens, more than "
+                f"train.max_tokens_per_micro_batch={max_tokens}"
+            )
     shards = [_first_fit_decreasing(rows, lengths, max_tokens, packing) for rows in _balanced_shards(lengths, ranks)]
     most = max(len(s) for s in shards)
     micro, counted = [], []
@@ -114,8 +121,9 @@ def _balanced_shards(lengths: Sequence[RowLengths], ranks: int) -> List[List[int
     return shards
 
 
-def _first_fit_decreasing(rows: Sequence[int], lengths: Sequence[RowLengths], max_tokens: int,
-                          packing: bool) -> List[Tuple[int, ...]]:
+def _first_fit_decreasing(
+    rows: Sequence[int], lengths: Sequence[RowLengths], max_tokens: int, packing: bool
+) -> List[Tuple[int, ...]]:
     bins: List[List[int]] = []
     for row in _longest_first(rows, lengths):
         for members in bins:

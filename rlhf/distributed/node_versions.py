@@ -6,6 +6,7 @@ run's actors will fill), returns the node's :class:`~rlhf.utils.versions.NodeRep
 ``cluster_problems`` compares them with the supported ranges and with the driver's. A node that does not answer
 within ``timeout_s`` is named, not waited for.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Set, Tuple
@@ -39,8 +40,12 @@ def node_reports(timeout_s: float = REPORT_TIMEOUT_S, node_ids: Sequence[str] = 
 
     nodes = [n for n in ray.nodes() if n.get("Alive") and (not node_ids or n["NodeID"] in node_ids)]
     task = ray.remote(num_cpus=0, max_retries=0)(_report_here)
-    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-            .remote(n["NodeManagerAddress"], float(n.get("Resources", {}).get("GPU", 0.0))) for n in nodes]
+    refs = [
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+            n["NodeManagerAddress"], float(n.get("Resources", {}).get("GPU", 0.0))
+        )
+        for n in nodes
+    ]
     if not refs:
         return []
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
@@ -49,8 +54,10 @@ def node_reports(timeout_s: float = REPORT_TIMEOUT_S, node_ids: Sequence[str] = 
         ip = node["NodeManagerAddress"]
         if ref not in ready:
             ray.cancel(ref, force=True)
-            failures.append(f"node {ip}: did not report its library versions within {timeout_s:g} s (is its raylet "
-                            f"up and its Python environment importable?)")
+            failures.append(
+                f"node {ip}: did not report its library versions within {timeout_s:g} s (is its raylet "
+                f"up and its Python environment importable?)"
+            )
             continue
         try:
             reports.append(ray.get(ref))
@@ -62,8 +69,9 @@ def node_reports(timeout_s: float = REPORT_TIMEOUT_S, node_ids: Sequence[str] = 
     return reports
 
 
-def check_node_versions(packages: Sequence[str], uses_gpus: bool, attn_implementation: str = "auto",
-                        timeout_s: float = REPORT_TIMEOUT_S) -> None:
+def check_node_versions(
+    packages: Sequence[str], uses_gpus: bool, attn_implementation: str = "auto", timeout_s: float = REPORT_TIMEOUT_S
+) -> None:
     """Before any actor starts: every alive node has ``packages`` within their supported ranges and at the
     driver's releases, a CUDA torch where the run uses GPUs, and (warned, or refused with
     ``model.attn_implementation=flash_attention_2``) a working flash-attn on its GPU nodes.
@@ -78,10 +86,10 @@ def check_node_versions(packages: Sequence[str], uses_gpus: bool, attn_implement
     new = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in passed]
     if not new:
         return
-    problems, warnings = cluster_problems(local_report("the driver", 0.0), node_reports(timeout_s, new), packages,
-                                          uses_gpus, attn_implementation)
+    problems, warnings = cluster_problems(
+        local_report("the driver", 0.0), node_reports(timeout_s, new), packages, uses_gpus, attn_implementation
+    )
     for line in warnings:
         log.warning(f"warning: {line}")
     raise_cluster_problems(problems)
     passed.update(new)
-

@@ -20,6 +20,7 @@ The requests are placed one after another, as the runner makes them, each taking
 Ties go to the lower node index; Ray breaks them by hash order, so on identical nodes the node numbers may differ
 from a real run's, never the counts.
 """
+
 from __future__ import annotations
 
 import math
@@ -76,10 +77,15 @@ def parse_cluster(spec: str) -> Tuple[NodeShape, ...]:
 
 def nodes_from_ray(rows: Sequence[dict]) -> Tuple[NodeShape, ...]:
     """The alive nodes of ``ray.nodes()`` rows (``Alive``, ``Resources``, ``NodeManagerAddress``), in its order."""
-    return tuple(NodeShape(cpus=float(row.get("Resources", {}).get("CPU", 0.0)),
-                           gpus=int(row.get("Resources", {}).get("GPU", 0.0)),
-                           name=str(row.get("NodeManagerAddress", "")))
-                 for row in rows if row.get("Alive", False))
+    return tuple(
+        NodeShape(
+            cpus=float(row.get("Resources", {}).get("CPU", 0.0)),
+            gpus=int(row.get("Resources", {}).get("GPU", 0.0)),
+            name=str(row.get("NodeManagerAddress", "")),
+        )
+        for row in rows
+        if row.get("Alive", False)
+    )
 
 
 def nodes_from_available(per_node: Mapping[str, Mapping[str, float]]) -> Tuple[NodeShape, ...]:
@@ -89,13 +95,17 @@ def nodes_from_available(per_node: Mapping[str, Mapping[str, float]]) -> Tuple[N
     actor with resources of its own asks for whole GPUs, and Ray reports only the node's summed free fraction
     (two half-free devices count as one here, which can overstate the room, never understate it).
     """
-    return tuple(NodeShape(cpus=float(free.get("CPU", 0.0)), gpus=int(math.floor(free.get("GPU", 0.0) + _EPS)),
-                           name=str(node_id)[:8])
-                 for node_id, free in sorted(per_node.items()))
+    return tuple(
+        NodeShape(
+            cpus=float(free.get("CPU", 0.0)), gpus=int(math.floor(free.get("GPU", 0.0) + _EPS)), name=str(node_id)[:8]
+        )
+        for node_id, free in sorted(per_node.items())
+    )
 
 
-def check_actors_fit(actors: ActorPlan, free: Sequence[NodeShape], hint: str = "",
-                     cluster: str = "the running cluster") -> None:
+def check_actors_fit(
+    actors: ActorPlan, free: Sequence[NodeShape], hint: str = "", cluster: str = "the running cluster"
+) -> None:
     """Fail at once when ``actors`` (resources of their own) cannot all be placed on the nodes' free resources.
 
     The same first-node-with-room simulation as :func:`pack` (and ``--dry-run``), on what a live cluster has left:
@@ -118,8 +128,11 @@ def check_actors_fit(actors: ActorPlan, free: Sequence[NodeShape], hint: str = "
 def describe_cluster(nodes: Sequence[NodeShape]) -> str:
     """``2 nodes, 16 GPU, 128 CPU``."""
     gpus = sum(n.gpus for n in nodes)
-    return (f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}, " + (f"{gpus} GPU, " if gpus else "")
-            + f"{sum(n.cpus for n in nodes):g} CPU")
+    return (
+        f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}, "
+        + (f"{gpus} GPU, " if gpus else "")
+        + f"{sum(n.cpus for n in nodes):g} CPU"
+    )
 
 
 @dataclass(frozen=True)
@@ -159,8 +172,11 @@ class Packing:
             for rank, slot in enumerate(slots):
                 for gpu in slot.gpu_ids:
                     owners.setdefault((slot.node, gpu), []).append(rank)
-            found += [f"{request.name} ranks {', '.join(map(str, ranks))} share GPU {gpu} of node {node}"
-                      for (node, gpu), ranks in sorted(owners.items()) if len(ranks) > 1]
+            found += [
+                f"{request.name} ranks {', '.join(map(str, ranks))} share GPU {gpu} of node {node}"
+                for (node, gpu), ranks in sorted(owners.items())
+                if len(ranks) > 1
+            ]
         return found
 
 
@@ -183,7 +199,7 @@ class _Nodes:
             return ()
         if gpus >= 1 - _EPS:
             whole = [i for i, f in enumerate(free) if f >= 1 - _EPS]
-            return tuple(whole[:round(gpus)]) if len(whole) >= round(gpus) else None
+            return tuple(whole[: round(gpus)]) if len(whole) >= round(gpus) else None
         fits = [(f, i) for i, f in enumerate(free) if f >= gpus - _EPS]
         return (min(fits)[1],) if fits else None
 
@@ -249,8 +265,10 @@ def _resources(request: Dict[str, float]) -> str:
 
 
 def _free_text(nodes: _Nodes) -> str:
-    return "; ".join(f"node {n}: " + (f"{sum(g):g} GPU, " if g else "") + f"{c:g} CPU"
-                     for n, (c, g) in enumerate(zip(nodes.cpus, nodes.gpus)))
+    return "; ".join(
+        f"node {n}: " + (f"{sum(g):g} GPU, " if g else "") + f"{c:g} CPU"
+        for n, (c, g) in enumerate(zip(nodes.cpus, nodes.gpus))
+    )
 
 
 def pack(plan: ResourcePlan, nodes: Sequence[NodeShape], cluster: str = "the cluster") -> Packing:
@@ -277,18 +295,22 @@ def pack(plan: ResourcePlan, nodes: Sequence[NodeShape], cluster: str = "the clu
             slots = _pack_group(request, state)
             if slots is None:
                 need = {k: v * request.num_bundles for k, v in request.bundle.items()}
-                failure = (f"cannot place placement group {request.name} (role{'s' if request.share > 1 else ''} "
-                           f"{', '.join(request.roles)}): "
-                           f"{request.num_bundles} bundles x {_resources(request.bundle)} (in all "
-                           f"{_resources(need)}) do not fit on {cluster}; free before it: {_free_text(state)}")
+                failure = (
+                    f"cannot place placement group {request.name} (role{'s' if request.share > 1 else ''} "
+                    f"{', '.join(request.roles)}): "
+                    f"{request.num_bundles} bundles x {_resources(request.bundle)} (in all "
+                    f"{_resources(need)}) do not fit on {cluster}; free before it: {_free_text(state)}"
+                )
             placed.append(None if slots is None else tuple(slots))
         else:
             _check_whole(request.role, request.gpus)
             slots, missing = _place_own(request, state)
             if missing is not None:
-                failure = (f"cannot place {request.role} actor {missing} of {request.count} "
-                           f"({_resources(request.request)} each, no placement group) on {cluster}; free then: "
-                           f"{_free_text(state)}")
+                failure = (
+                    f"cannot place {request.role} actor {missing} of {request.count} "
+                    f"({_resources(request.request)} each, no placement group) on {cluster}; free then: "
+                    f"{_free_text(state)}"
+                )
             placed.append(tuple(slots) if missing is None else None)
     free = tuple((c, tuple(g)) for c, g in zip(state.cpus, state.gpus))
     return Packing(plan=plan, nodes=tuple(nodes), slots=tuple(placed), free=free, failure=failure)

@@ -5,6 +5,7 @@ engines for the hybrid engine) share one placement group: rank ``r`` of each rol
 takes ``1/share`` of it, so e.g. on a GPU cluster the policy and the reference rank 0 sit on the same device
 with ``num_gpus=0.5`` each (Ray's fractional resources), the arrangement OpenRLHF calls ``colocate_actor_ref``.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,10 @@ def _check_feasible(name: str, bundle: Dict[str, float], count: int) -> None:
     total = ray.cluster_resources()
     for resource, amount in bundle.items():
         if amount * count > total.get(resource, 0.0) + 1e-9:
-            raise WorkerError(f"{name}: {count} workers x {amount:g} {resource} exceed the cluster's total "
-                              f"{total.get(resource, 0.0):g} {resource}")
+            raise WorkerError(
+                f"{name}: {count} workers x {amount:g} {resource} exceed the cluster's total "
+                f"{total.get(resource, 0.0):g} {resource}"
+            )
 
 
 class Placement:
@@ -51,8 +54,10 @@ class Placement:
         ready, _ = ray.wait([self.group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             remove_placement_group(self.group)  # do not leave a pending request holding the queue
-            raise WorkerError(f"{name}: could not place {num_bundles} workers x {bundle} within "
-                              f"{PLACEMENT_TIMEOUT_S:.0f}s; cluster has {ray.cluster_resources()}")
+            raise WorkerError(
+                f"{name}: could not place {num_bundles} workers x {bundle} within "
+                f"{PLACEMENT_TIMEOUT_S:.0f}s; cluster has {ray.cluster_resources()}"
+            )
 
     def actor_options(self, bundle_index: int) -> dict:
         """``.options(...)`` for an actor of one of the sharing roles on bundle ``bundle_index``."""
@@ -60,9 +65,13 @@ class Placement:
 
         if not 0 <= bundle_index < self.num_bundles:
             raise ValueError(f"{self.name}: bundle {bundle_index} of {self.num_bundles}")
-        return {"num_cpus": self.cpus / self.share, "num_gpus": self.gpus / self.share,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.group,
-                                                                        placement_group_bundle_index=bundle_index)}
+        return {
+            "num_cpus": self.cpus / self.share,
+            "num_gpus": self.gpus / self.share,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=bundle_index
+            ),
+        }
 
     @property
     def threads_per_actor(self) -> int:

@@ -17,6 +17,7 @@ The same code runs for gloo and NCCL (only the backend built afterwards differs)
 path's waits. Used by the trainers' group (:meth:`rlhf.distributed.worker.TrainerWorker.init_process_group`) and
 the weight-sync group (:mod:`rlhf.rollout.sync_group`).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -38,8 +39,9 @@ def host_store(host: str, port: int, world_size: int, timeout_s: float):
     """Rank 0: a ``TCPStore`` on ``port`` (``0``: the OS picks a free one, ``store.port`` says which) of this node,
     whose address the others are given as ``host``. It returns at once: :func:`arrive` is where rank 0 waits for
     the others."""
-    return torch.distributed.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
-                                      timeout=datetime.timedelta(seconds=timeout_s))
+    return torch.distributed.TCPStore(
+        host, port, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 def connect_store(host: str, port: int, world_size: int, timeout_s: float, who: str, host_name: str):
@@ -47,13 +49,15 @@ def connect_store(host: str, port: int, world_size: int, timeout_s: float, who: 
     ``timeout_s`` naming ``who`` (this member), the address and ``host_name`` (the member that hosts it)."""
     started = time.monotonic()
     try:
-        return torch.distributed.TCPStore(host, port, world_size, is_master=False,
-                                          timeout=datetime.timedelta(seconds=timeout_s))
+        return torch.distributed.TCPStore(
+            host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
     except (RuntimeError, OSError) as exc:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
         raise RendezvousTimeout(
             f"{who} could not reach the store of {host_name} at {host}:{port} within {timeout_s:g} s "
             f"(gave up after {time.monotonic() - started:.0f} s: {str(exc).splitlines()[0][:200]}); check that "
-            f"{host} is reachable from this node on that port (firewall, NCCL_SOCKET_IFNAME)") from exc
+            f"{host} is reachable from this node on that port (firewall, NCCL_SOCKET_IFNAME)"
+        ) from exc
 
 
 def _key(rank: int) -> str:
@@ -78,7 +82,8 @@ def arrive(store, rank: int, members: Sequence[str], timeout_s: float, what: str
         raise RendezvousTimeout(
             f"{what}: {_listed(missing)} did not arrive within {timeout_s:g} s ({members[rank]} waited for "
             f"{'it' if len(missing) == 1 else 'them'}); look at {missing[0]}'s log for why it did not start or "
-            f"could not reach the store") from exc
+            f"could not reach the store"
+        ) from exc
 
 
 def _listed(names: Sequence[str]) -> str:

@@ -6,6 +6,7 @@ nodes (:mod:`rlhf.distributed.packing`), so a dry run cannot drift from what a r
 
 Pure: no Ray, no torch; the config objects are only read.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -171,8 +172,9 @@ class _Builder:
         return ResourcePlan(requests=tuple(self.requests), actors=tuple(self.actors))
 
 
-def offline_plan(cfg: RunConfig, gpus_per_worker: float, policy_role: str = "policy",
-                 reference_ranks: int = 0) -> ResourcePlan:
+def offline_plan(
+    cfg: RunConfig, gpus_per_worker: float, policy_role: str = "policy", reference_ranks: int = 0
+) -> ResourcePlan:
     """SFT, reward model and DPO: the trained model's group, then (DPO) the reference's.
 
     Both groups hold their resources at once, even with ``dpo.ref_mode=precompute``, whose reference group is
@@ -194,8 +196,11 @@ def offline_plan(cfg: RunConfig, gpus_per_worker: float, policy_role: str = "pol
 
 def policy_side_roles(colocate: ColocateConfig) -> Tuple[str, ...]:
     """The roles sharing the policy's bundles: ``policy`` plus a colocated reference and hybrid-engine engines."""
-    return (("policy",) + (("reference",) if colocate.policy_reference else ())
-            + ((ROLLOUT,) if colocate.hybrid_engine else ()))
+    return (
+        ("policy",)
+        + (("reference",) if colocate.policy_reference else ())
+        + ((ROLLOUT,) if colocate.hybrid_engine else ())
+    )
 
 
 def rl_plan(cfg: RLRunConfig, gpus_per_worker: float, reference: bool) -> ResourcePlan:
@@ -217,8 +222,7 @@ def rl_plan(cfg: RLRunConfig, gpus_per_worker: float, reference: bool) -> Resour
     else:
         b.own(ROLLOUT, r.num_engines, r.cpus_per_engine, engine_gpus(r.tensor_parallel_size, gpus_per_worker))
     if reference:
-        b.on(policy_side if c.policy_reference else b.group(("reference",), t.num_workers), "reference",
-             t.num_workers)
+        b.on(policy_side if c.policy_reference else b.group(("reference",), t.num_workers), "reference", t.num_workers)
     critic_side = b.group(("critic", "reward_model"), cfg.critic.num_workers) if c.critic_reward else None
     if cfg.algo.needs_critic:
         n = cfg.critic.num_workers

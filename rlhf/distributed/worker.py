@@ -5,6 +5,7 @@ class; :class:`rlhf.distributed.group.WorkerGroup` turns it into Ray actors, one
 methods. Ray and DeepSpeed are imported inside the methods that need them (the rendezvous address, the process
 group, a frozen ZeRO-3 engine), so that this module stays importable without them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -89,14 +90,18 @@ class TrainerWorker:
         import deepspeed
         from deepspeed.constants import default_pg_timeout
 
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK="0",
+        )
         members = [f"{self.role} rank {r}" for r in range(self.world_size)]
         if self.rank == 0:
             store = host_store(master_addr, master_port, self.world_size, timeout_s)
         else:
-            store = connect_store(master_addr, master_port, self.world_size, timeout_s, members[self.rank],
-                                  members[0])
+            store = connect_store(master_addr, master_port, self.world_size, timeout_s, members[self.rank], members[0])
         self._store = store
         arrive(store, self.rank, members, timeout_s, f"the {self.role}'s process group")
         # From here the store serves the group (its backend's and DeepSpeed's sub-groups' set-up): with the
@@ -112,8 +117,9 @@ class TrainerWorker:
             if self.world_size > 1 and not torch.__version__.startswith(("2.6.", "2.7.0")):
                 options["device_id"] = self.device
         # The collectives' own timeout stays DeepSpeed's (DEEPSPEED_TIMEOUT, 10 minutes by default).
-        torch.distributed.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
-                                             timeout=default_pg_timeout, **options)
+        torch.distributed.init_process_group(
+            backend, store=store, rank=self.rank, world_size=self.world_size, timeout=default_pg_timeout, **options
+        )
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
     def build(self, model: ModelSpec, engine: EngineSpec, optim: Optional[OptimSpec]) -> Dict[str, int]:
@@ -121,8 +127,9 @@ class TrainerWorker:
         # Capability is decided where the model runs: flash-attention 2 on a CUDA worker that has it, else sdpa; a
         # packing run takes the variable-length form of either (rlhf.models.packing).
         attention = resolve_attn_implementation(model.attn_implementation, model.precision)
-        model = dataclasses.replace(model, attn_implementation=packed_attention(attention) if model.packing
-                                    else attention)
+        model = dataclasses.replace(
+            model, attn_implementation=packed_attention(attention) if model.packing else attention
+        )
         zero3 = None
         if engine.zero_stage == 3:  # load straight into partitions, and reuse the config for a frozen engine
             zero3 = build_ds_config(engine, self.world_size, 0.0, trainable=optim is not None)
@@ -146,14 +153,23 @@ class TrainerWorker:
         else:
             self.model = module.to(self.device).eval()
             self.model.requires_grad_(False)
-        sizes = [(p.ds_numel if hasattr(p, "ds_numel") else p.numel(), p.requires_grad)
-                 for p in self.model.parameters()]
-        return {"parameters": sum(n for n, _ in sizes),
-                "trainable_parameters": sum(n for n, grad in sizes if grad) if optim is not None else 0}
+        sizes = [
+            (p.ds_numel if hasattr(p, "ds_numel") else p.numel(), p.requires_grad) for p in self.model.parameters()
+        ]
+        return {
+            "parameters": sum(n for n, _ in sizes),
+            "trainable_parameters": sum(n for n, grad in sizes if grad) if optim is not None else 0,
+        }
 
     # ------------------------------------------------------------------ work
-    def train_step(self, micro_batches: List[Batch], objective: Objective, normalizer: int,
-                   schedule_step: Optional[int] = None, counted: Optional[List[bool]] = None) -> RankStepResult:
+    def train_step(
+        self,
+        micro_batches: List[Batch],
+        objective: Objective,
+        normalizer: int,
+        schedule_step: Optional[int] = None,
+        counted: Optional[List[bool]] = None,
+    ) -> RankStepResult:
         """One optimizer step over this rank's micro-batches of a global batch.
 
         Args:
@@ -170,15 +186,21 @@ class TrainerWorker:
             raise RuntimeError(f"{self.role} rank {self.rank} is frozen: train_step needs a trainable worker")
         spec = self.engine.spec
         budget = spec.max_tokens_per_micro_batch
-        if (len(micro_batches) > spec.grad_accum_steps or not micro_batches) if budget else \
-                len(micro_batches) != spec.grad_accum_steps:
+        if (
+            (len(micro_batches) > spec.grad_accum_steps or not micro_batches)
+            if budget
+            else len(micro_batches) != spec.grad_accum_steps
+        ):
             expected = f"1 to {spec.grad_accum_steps}" if budget else f"grad_accum_steps={spec.grad_accum_steps}"
-            raise ValueError(f"{self.role} rank {self.rank} got {len(micro_batches)} micro-batches, "
-                             f"expected {expected}")
+            raise ValueError(
+                f"{self.role} rank {self.rank} got {len(micro_batches)} micro-batches, expected {expected}"
+            )
         counted = [True] * len(micro_batches) if counted is None else counted
         if len(counted) != len(micro_batches) or not any(counted):
-            raise ValueError(f"{self.role} rank {self.rank}: {len(counted)} counted flags for {len(micro_batches)} "
-                             f"micro-batches, at least one counted")
+            raise ValueError(
+                f"{self.role} rank {self.rank}: {len(counted)} counted flags for {len(micro_batches)} "
+                f"micro-batches, at least one counted"
+            )
         if schedule_step is not None:
             self.engine.position_schedule(schedule_step)
         lr = self.engine.current_lr()
@@ -240,8 +262,13 @@ class TrainerWorker:
             assert self.lora is not None and self.spec is not None, "lora None took the branch above; build() set spec"
             if merged:
                 save_merged(self.model, self.lora, path, named=state.items())
-            save_adapter(state.items(), self.lora, os.path.join(path, "adapter") if merged else path,
-                         self.spec.kind, base_model_name_or_path=self.spec.path)
+            save_adapter(
+                state.items(),
+                self.lora,
+                os.path.join(path, "adapter") if merged else path,
+                self.spec.kind,
+                base_model_name_or_path=self.spec.path,
+            )
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
 
@@ -293,8 +320,10 @@ class TrainerWorker:
 
     def _trainable(self, call: str) -> TrainEngine:
         if self.engine is None:
-            raise RuntimeError(f"{self.role} rank {self.rank}: {call} needs a trainable worker (built with an "
-                               f"optimizer); this one is frozen")
+            raise RuntimeError(
+                f"{self.role} rank {self.rank}: {call} needs a trainable worker (built with an "
+                f"optimizer); this one is frozen"
+            )
         return self.engine
 
     def placement(self) -> dict:

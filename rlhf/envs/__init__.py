@@ -10,9 +10,17 @@ models still score the finished episode. See ``docs/algorithms/multi_turn.md``.
 
 Importing this package does not import Ray.
 """
+
 from rlhf.envs.base import EnvError, Environment, LocalEpisode, Observation, StepOutcome
 from rlhf.envs.loading import load_environment
 from rlhf.envs.pool import EnvironmentPool
 
-__all__ = ["EnvError", "Environment", "LocalEpisode", "Observation", "StepOutcome", "load_environment",
-           "EnvironmentPool"]
+__all__ = [
+    "EnvError",
+    "Environment",
+    "LocalEpisode",
+    "Observation",
+    "StepOutcome",
+    "load_environment",
+    "EnvironmentPool",
+]

@@ -4,6 +4,7 @@ An episode: ``obs = env.reset(row)``, then per turn the policy answers with a re
 ``env.step(response, response_ids)`` returns a :class:`StepOutcome` ``(observation, reward, done, info)`` (or that
 4-tuple), until ``done``. Turns are counted from 1 (the first ``step`` after ``reset``); ``reset`` is turn 0.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,9 @@ class EnvError(ValueError):
     cause (the original exception type and message); the same are attributes (``None`` when not known).
     """
 
-    def __init__(self, message: str, spec: Optional[str] = None, episode: Optional[int] = None,
-                 turn: Optional[int] = None) -> None:
+    def __init__(
+        self, message: str, spec: Optional[str] = None, episode: Optional[int] = None, turn: Optional[int] = None
+    ) -> None:
         super().__init__(message)
         self.spec, self.episode, self.turn = spec, episode, turn
 
@@ -64,26 +66,38 @@ class StepOutcome:
 
     def __post_init__(self) -> None:
         if self.observation is not None and not isinstance(self.observation, str):
-            raise ValueError(f"StepOutcome.observation must be a str or None, got {type(self.observation).__name__} "
-                             f"{clip_plain(repr(self.observation), 80)}")
+            raise ValueError(
+                f"StepOutcome.observation must be a str or None, got {type(self.observation).__name__} "
+                f"{clip_plain(repr(self.observation), 80)}"
+            )
         r = self.reward
         if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(float(r)):
-            raise ValueError(f"StepOutcome.reward must be a finite real number (not a bool; write float(ok)), got "
-                             f"{type(r).__name__} {clip_plain(repr(r), 80)}")
+            raise ValueError(
+                f"StepOutcome.reward must be a finite real number (not a bool; write float(ok)), got "
+                f"{type(r).__name__} {clip_plain(repr(r), 80)}"
+            )
         if not isinstance(self.done, bool):
-            raise ValueError(f"StepOutcome.done must be a bool (write bool(...)), got {type(self.done).__name__} "
-                             f"{clip_plain(repr(self.done), 80)}")
+            raise ValueError(
+                f"StepOutcome.done must be a bool (write bool(...)), got {type(self.done).__name__} "
+                f"{clip_plain(repr(self.done), 80)}"
+            )
         if not isinstance(self.info, Mapping):
             raise ValueError(f"StepOutcome.info must be a dict, got {type(self.info).__name__}")
         if self.prompt_ids is not None:
             ids = self.prompt_ids
-            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or not all(
-                    isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
-                raise ValueError(f"StepOutcome.prompt_ids must be a sequence of non-negative token ids, got "
-                                 f"{clip_plain(repr(ids), 80)}")
+            if (
+                isinstance(ids, (str, bytes))
+                or not hasattr(ids, "__len__")
+                or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids)
+            ):
+                raise ValueError(
+                    f"StepOutcome.prompt_ids must be a sequence of non-negative token ids, got "
+                    f"{clip_plain(repr(ids), 80)}"
+                )
             if self.observation is not None:
-                raise ValueError("StepOutcome takes an observation as text or as the whole prompt's token ids "
-                                 "(prompt_ids), not both")
+                raise ValueError(
+                    "StepOutcome takes an observation as text or as the whole prompt's token ids (prompt_ids), not both"
+                )
             object.__setattr__(self, "prompt_ids", tuple(int(t) for t in ids))
         object.__setattr__(self, "reward", float(r))
         object.__setattr__(self, "info", dict(self.info))
@@ -96,8 +110,10 @@ class StepOutcome:
             return value
         if isinstance(value, tuple) and len(value) == 4:
             return cls(*value)
-        raise ValueError(f"step must return a StepOutcome or a tuple (observation, reward, done, info), got "
-                         f"{type(value).__name__} {clip_plain(repr(value), 80)}")
+        raise ValueError(
+            f"step must return a StepOutcome or a tuple (observation, reward, done, info), got "
+            f"{type(value).__name__} {clip_plain(repr(value), 80)}"
+        )
 
 
 class Environment:
@@ -144,8 +160,12 @@ class LocalEpisode:
         """``EnvError("environment 'SPEC' WHAT in PHASE (turn T of episode E)")``; the phase defaults to reset for
         turn 0, else step."""
         phase = phase or ("reset" if turn == 0 else "step")
-        return EnvError(f"environment {self.spec!r} {what} in {phase} (turn {turn} of episode {self.index})",
-                        self.spec, self.index, turn)
+        return EnvError(
+            f"environment {self.spec!r} {what} in {phase} (turn {turn} of episode {self.index})",
+            self.spec,
+            self.index,
+            turn,
+        )
 
     def reset(self, row: Mapping[str, Any]) -> Observation:
         """``env.reset(row)``, which must return a ``str``."""
@@ -154,8 +174,11 @@ class LocalEpisode:
         except Exception as e:
             raise self.error(f"raised {_cause(e)}", 0) from e
         if not isinstance(observation, str):
-            raise self.error(f"returned {type(observation).__name__} {clip_plain(repr(observation), 80)} "
-                             f"(reset must return the first observation as a str)", 0)
+            raise self.error(
+                f"returned {type(observation).__name__} {clip_plain(repr(observation), 80)} "
+                f"(reset must return the first observation as a str)",
+                0,
+            )
         return observation
 
     def step(self, response: str, response_ids: Tuple[int, ...]) -> StepOutcome:

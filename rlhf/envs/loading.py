@@ -4,6 +4,7 @@ Specs are read as reward function specs are (:mod:`rlhf.utils.specs`: a file is 
 private module; a relative path is relative to the working directory); every error is an :class:`EnvError`
 naming the spec.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -15,8 +16,9 @@ from rlhf.utils.specs import SpecKind, defined_classes, load_module, looks_like_
 
 __all__ = ["load_environment", "absolute_spec"]
 
-_KIND = SpecKind(noun="environment spec", what="Class", error=EnvError, file_prefix="_rlhf_env_file_",
-                 listing="Classes")
+_KIND = SpecKind(
+    noun="environment spec", what="Class", error=EnvError, file_prefix="_rlhf_env_file_", listing="Classes"
+)
 
 
 def load_environment(spec: str) -> Type:
@@ -30,21 +32,34 @@ def load_environment(spec: str) -> Type:
     target, attr = split_spec(spec, _KIND)
     cls: Any = resolve_attr(spec, target, attr, load_module(spec, target, _KIND), _KIND, available=defined_classes)
     if not inspect.isclass(cls):
-        raise EnvError(f"environment spec {spec!r}: {attr} is not a class (it is {type(cls).__name__}); name the "
-                       f"environment class, whose instances have reset(row) and step(response, response_ids)", spec)
+        raise EnvError(
+            f"environment spec {spec!r}: {attr} is not a class (it is {type(cls).__name__}); name the "
+            f"environment class, whose instances have reset(row) and step(response, response_ids)",
+            spec,
+        )
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:
-        raise EnvError(f"environment spec {spec!r}: class {cls.__name__} has no {' or '.join(missing)} method; an "
-                       f"environment needs reset(row) -> str and step(response, response_ids) -> StepOutcome", spec)
+        raise EnvError(
+            f"environment spec {spec!r}: class {cls.__name__} has no {' or '.join(missing)} method; an "
+            f"environment needs reset(row) -> str and step(response, response_ids) -> StepOutcome",
+            spec,
+        )
     try:
         signature = inspect.signature(cls)
     except (TypeError, ValueError):  # no introspectable signature: constructing it will tell
         return cls
-    required = [p.name for p in signature.parameters.values() if p.default is inspect.Parameter.empty
-                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    required = [
+        p.name
+        for p in signature.parameters.values()
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
     if required:
-        raise EnvError(f"environment spec {spec!r}: {cls.__name__}() must be callable with no arguments (one "
-                       f"instance is made per episode); its constructor requires {', '.join(required)}", spec)
+        raise EnvError(
+            f"environment spec {spec!r}: {cls.__name__}() must be callable with no arguments (one "
+            f"instance is made per episode); its constructor requires {', '.join(required)}",
+            spec,
+        )
     return cls
 
 

@@ -18,6 +18,7 @@ After an :class:`EnvError` from :meth:`EnvironmentPool.step` the episodes of tha
 state (some may have taken their turn): close or reset them. ``import ray`` happens inside the pool's methods, so
 importing this module stays light.
 """
+
 from __future__ import annotations
 
 import functools
@@ -78,8 +79,9 @@ class _EnvActor:
             raise box["error"]
         return box["value"]
 
-    def _run(self, items: Sequence[Tuple[int, Any]], call: Callable[[int, Any], Any],
-             turn_of: Callable[[int], int]) -> Tuple[List[Any], bool]:
+    def _run(
+        self, items: Sequence[Tuple[int, Any]], call: Callable[[int, Any], Any], turn_of: Callable[[int], int]
+    ) -> Tuple[List[Any], bool]:
         results: List[Any] = [None] * len(items)
         for k, (episode, payload) in enumerate(items):
             try:
@@ -87,14 +89,22 @@ class _EnvActor:
             except _Hung:
                 turn = turn_of(episode)
                 phase = "reset" if turn == 0 else "step"
-                results[k] = EnvError(f"environment {self.spec!r} hung for more than {self.step_timeout_s:g} s in "
-                                      f"{phase} (turn {turn} of episode {episode})", self.spec, episode, turn)
+                results[k] = EnvError(
+                    f"environment {self.spec!r} hung for more than {self.step_timeout_s:g} s in "
+                    f"{phase} (turn {turn} of episode {episode})",
+                    self.spec,
+                    episode,
+                    turn,
+                )
                 return results, True
             except EnvError as e:
                 results[k] = e
             except Exception as e:  # a bug of ours rather than the environment's; still name the episode
-                results[k] = EnvError(f"environment {self.spec!r}: episode {episode} failed in the pool: "
-                                      f"{type(e).__name__}: {e}", self.spec, episode)
+                results[k] = EnvError(
+                    f"environment {self.spec!r}: episode {episode} failed in the pool: {type(e).__name__}: {e}",
+                    self.spec,
+                    episode,
+                )
         return results, False
 
     def reset(self, items: Sequence[Tuple[int, Mapping[str, Any]]]) -> Tuple[List[Any], bool]:
@@ -105,8 +115,13 @@ class _EnvActor:
             try:
                 env = self.cls()
             except Exception as e:
-                raise EnvError(f"environment {self.spec!r} raised {type(e).__name__}: {e} in its constructor "
-                               f"(turn 0 of episode {episode})", self.spec, episode, 0) from e
+                raise EnvError(
+                    f"environment {self.spec!r} raised {type(e).__name__}: {e} in its constructor "
+                    f"(turn 0 of episode {episode})",
+                    self.spec,
+                    episode,
+                    0,
+                ) from e
             fresh = LocalEpisode(env, self.spec, episode)
             observation = fresh.reset(row)
             self.episodes[episode] = fresh
@@ -144,15 +159,23 @@ class EnvironmentPool:
         EnvError: if the spec is malformed or an actor cannot load the class (naming the spec and the reason).
     """
 
-    def __init__(self, spec: str, num_actors: int, cpus_per_actor: float = 1.0, step_timeout_s: float = 60.0,
-                 start_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        spec: str,
+        num_actors: int,
+        cpus_per_actor: float = 1.0,
+        step_timeout_s: float = 60.0,
+        start_timeout_s: float = 120.0,
+    ) -> None:
         import ray  # lazy: keeps `import rlhf.envs` light
 
         if not isinstance(num_actors, int) or isinstance(num_actors, bool) or num_actors < 1:
             raise ValueError(f"EnvironmentPool: num_actors must be a positive int, got {num_actors!r}")
         if not step_timeout_s > 0 or not start_timeout_s > 0 or not cpus_per_actor >= 0:
-            raise ValueError(f"EnvironmentPool: step_timeout_s and start_timeout_s must be > 0 and cpus_per_actor "
-                             f">= 0, got {step_timeout_s!r}, {start_timeout_s!r}, {cpus_per_actor!r}")
+            raise ValueError(
+                f"EnvironmentPool: step_timeout_s and start_timeout_s must be > 0 and cpus_per_actor "
+                f">= 0, got {step_timeout_s!r}, {start_timeout_s!r}, {cpus_per_actor!r}"
+            )
         self.spec, self.num_actors = spec, num_actors
         self.step_timeout_s, self.start_timeout_s = float(step_timeout_s), float(start_timeout_s)
         self._load_spec = absolute_spec(spec)
@@ -180,11 +203,16 @@ class EnvironmentPool:
         try:
             errors = ray.get(refs, timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise EnvError(f"environment {self.spec!r}: the pool's actors did not start within "
-                           f"{self.start_timeout_s:g} s", self.spec) from None
+            raise EnvError(
+                f"environment {self.spec!r}: the pool's actors did not start within {self.start_timeout_s:g} s",
+                self.spec,
+            ) from None
         except ray.exceptions.RayError as e:
-            raise EnvError(f"environment {self.spec!r}: a pool actor failed to start: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}", self.spec) from None
+            raise EnvError(
+                f"environment {self.spec!r}: a pool actor failed to start: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}",
+                self.spec,
+            ) from None
         for error in errors:
             if error is not None:
                 raise error
@@ -214,8 +242,10 @@ class EnvironmentPool:
         by_actor: Dict[int, List[int]] = {}
         for position, (episode, _) in enumerate(items):
             by_actor.setdefault(episode % self.num_actors, []).append(position)
-        refs = {getattr(self._actors[a], method).remote([items[p] for p in positions]): a
-                for a, positions in by_actor.items()}
+        refs = {
+            getattr(self._actors[a], method).remote([items[p] for p in positions]): a
+            for a, positions in by_actor.items()
+        }
         longest = max(len(p) for p in by_actor.values()) if by_actor else 0
         ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=self.step_timeout_s * longest + _GRACE_S)
         results: List[Any] = [None] * len(items)
@@ -225,9 +255,13 @@ class EnvironmentPool:
             a = refs[ref]
             episodes = [items[p][0] for p in by_actor[a]]
             turns = [self._turn_for(e, what) for e in episodes]
-            error = EnvError(f"environment {self.spec!r}: the actor hosting episodes {episodes} did not answer "
-                             f"within {self.step_timeout_s * longest + _GRACE_S:g} s in {what} (turns {turns})",
-                             self.spec, episodes[0], turns[0])
+            error = EnvError(
+                f"environment {self.spec!r}: the actor hosting episodes {episodes} did not answer "
+                f"within {self.step_timeout_s * longest + _GRACE_S:g} s in {what} (turns {turns})",
+                self.spec,
+                episodes[0],
+                turns[0],
+            )
             failures.update({p: error for p in by_actor[a]})
             replace[a] = str(error)
         for ref in ready:
@@ -238,8 +272,13 @@ class EnvironmentPool:
                 episodes = [items[p][0] for p in positions]
                 turns = [self._turn_for(e_, what) for e_ in episodes]
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                error = EnvError(f"environment {self.spec!r}: the actor hosting episodes {episodes} died in {what} "
-                                 f"(turns {turns}): {type(e).__name__}: {first}", self.spec, episodes[0], turns[0])
+                error = EnvError(
+                    f"environment {self.spec!r}: the actor hosting episodes {episodes} died in {what} "
+                    f"(turns {turns}): {type(e).__name__}: {first}",
+                    self.spec,
+                    episodes[0],
+                    turns[0],
+                )
                 failures.update({p: error for p in positions})
                 replace[a] = str(error)
                 continue
@@ -251,9 +290,15 @@ class EnvironmentPool:
                 else:
                     results[p] = value
             if broken and errors == "return":  # the items after the hung one never ran, the ones before are lost
-                for p in positions:                  # with the actor
-                    failures.setdefault(p, EnvError(f"environment {self.spec!r}: episode {items[p][0]} was lost "
-                                                    f"with its actor: {replace[a]}", self.spec, items[p][0]))
+                for p in positions:  # with the actor
+                    failures.setdefault(
+                        p,
+                        EnvError(
+                            f"environment {self.spec!r}: episode {items[p][0]} was lost with its actor: {replace[a]}",
+                            self.spec,
+                            items[p][0],
+                        ),
+                    )
         for a, reason in replace.items():  # the stuck call dies with its actor
             self._replace_actor(a, reason)
         if failures and errors == "raise":
@@ -265,8 +310,9 @@ class EnvironmentPool:
 
     # --------------------------------------------------------------------------------------------------- API
 
-    def reset(self, rows: Sequence[Mapping[str, Any]], episode_ids: Optional[Sequence[int]] = None,
-              errors: str = "raise") -> List[Observation]:
+    def reset(
+        self, rows: Sequence[Mapping[str, Any]], episode_ids: Optional[Sequence[int]] = None, errors: str = "raise"
+    ) -> List[Observation]:
         """Start one episode per row and return the first observations, in order.
 
         Args:
@@ -290,8 +336,13 @@ class EnvironmentPool:
                 self._turns[e] = 0
         return observations
 
-    def step(self, episode_ids: Sequence[int], responses: Sequence[str],
-             response_ids: Optional[Sequence[Sequence[int]]] = None, errors: str = "raise") -> List[StepOutcome]:
+    def step(
+        self,
+        episode_ids: Sequence[int],
+        responses: Sequence[str],
+        response_ids: Optional[Sequence[Sequence[int]]] = None,
+        errors: str = "raise",
+    ) -> List[StepOutcome]:
         """One turn of each listed episode (all sent together), the outcomes in input order.
 
         Args:
@@ -330,11 +381,16 @@ class EnvironmentPool:
     def _not_steppable(self, episode: int) -> Optional[EnvError]:
         """Why ``episode`` cannot take a turn (lost with a replaced actor, or not live), or ``None``."""
         if episode in self._lost:
-            return EnvError(f"environment {self.spec!r}: episode {episode} was lost (its actor was replaced after: "
-                            f"{self._lost[episode]}); reset it", self.spec, episode)
+            return EnvError(
+                f"environment {self.spec!r}: episode {episode} was lost (its actor was replaced after: "
+                f"{self._lost[episode]}); reset it",
+                self.spec,
+                episode,
+            )
         if episode not in self._turns:
-            return EnvError(f"environment {self.spec!r}: episode {episode} is not live (reset it first)", self.spec,
-                            episode)
+            return EnvError(
+                f"environment {self.spec!r}: episode {episode} is not live (reset it first)", self.spec, episode
+            )
         return None
 
     def close(self, episode_ids: Sequence[int]) -> None:

@@ -1,4 +1,5 @@
 """Checks on model directories that the driver runs before any actor starts."""
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,13 @@ def check_scalar_head(model_dir: str, key: str, ref: str) -> None:
     architectures = config.get("architectures") or []
     if not any(a.endswith("ForSequenceClassification") for a in architectures):
         found = ", ".join(architectures) or "none declared"
-        raise ConfigError(f"{key}: {ref!r} is not a reward model: its config.json declares {found}, not a "
-                          f"*ForSequenceClassification with a scalar head (a causal LM would get a random score "
-                          f"head); train one with python -m rlhf.cli.train_rm")
+        raise ConfigError(
+            f"{key}: {ref!r} is not a reward model: its config.json declares {found}, not a "
+            f"*ForSequenceClassification with a scalar head (a causal LM would get a random score "
+            f"head); train one with python -m rlhf.cli.train_rm"
+        )
     labels = len(config.get("id2label") or {}) or config.get("num_labels", 1)
     if labels != 1:
-        raise ConfigError(f"{key}: {ref!r} has a {labels}-label classification head; a reward model has one "
-                          f"(a scalar score)")
+        raise ConfigError(
+            f"{key}: {ref!r} has a {labels}-label classification head; a reward model has one (a scalar score)"
+        )

@@ -5,6 +5,7 @@ Two kinds: a causal LM (policy, reference) and a scalar-head model (reward model
 Scores are read at the last real token through :func:`scalar_head_values`, which uses the attention mask rather
 than the pad id (tokenizers whose pad id equals the EOS id would otherwise score the wrong token).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -133,8 +134,10 @@ def keep_fp32_buffers(zero3_config: Dict[str, Any], dtypes: Dict[str, torch.dtyp
         return zero3_config
     patterns = _suffixes(keep) - _suffixes(dtypes.keys() - keep)
     # DeepSpeed turns each "*" into ".*" and searches; module paths hold no "*", so escaped names stay exact.
-    data_types = {**zero3_config.get("data_types", {}),
-                  "keep_in_fp32_modules": sorted(f"^{re.escape(name)}$" for name in patterns)}
+    data_types = {
+        **zero3_config.get("data_types", {}),
+        "keep_in_fp32_modules": sorted(f"^{re.escape(name)}$" for name in patterns),
+    }
     return {**zero3_config, "data_types": data_types}
 
 
@@ -151,7 +154,8 @@ def check_buffer_dtypes(model: torch.nn.Module, dtypes: Dict[str, torch.dtype]) 
             "DeepSpeed's zero.Init left buffers in another dtype than an ordinary build gives them: "
             + ", ".join(f"{name} is {dtype}, expected {dtypes[name]}" for name, dtype in sorted(wrong.items()))
             + "; this ZeRO-3 build would compute differently from ZeRO 0-2 (strategy.zero_stage): use "
-              "strategy.zero_stage=2, or report the model")
+            "strategy.zero_stage=2, or report the model"
+        )
 
 
 @contextlib.contextmanager
@@ -184,8 +188,9 @@ def disable_dropout(model: torch.nn.Module) -> None:
             setattr(model.config, key, 0.0)
 
 
-def scalar_head_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       packing: Optional[bool] = None) -> torch.Tensor:
+def scalar_head_values(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, packing: Optional[bool] = None
+) -> torch.Tensor:
     """Per-token scalar outputs of a sequence-classification model, ``(B, T)`` float32 (float64 for a float64 model);
     the forward runs on the packed rows per :func:`rlhf.models.packing.runs_packed` (0 at padding then).
 

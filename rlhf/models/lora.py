@@ -22,6 +22,7 @@ keeps only what PEFT's ``save_pretrained`` writes.
 
 ``peft`` and ``transformers`` are imported inside the functions that need them: importing this module is cheap.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,12 +68,19 @@ class LoraSpec:
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 0:
             raise ValueError(f"{KEY}.r must be an integer >= 0 (0 disables LoRA), got {self.r!r}")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
-                math.isfinite(self.alpha) and self.alpha > 0):
-            raise ValueError(f"{KEY}.alpha must be a finite number > 0 (the adapter is scaled by alpha / r), "
-                             f"got {self.alpha!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not (
-                0.0 <= self.dropout < 1.0):
+        if (
+            isinstance(self.alpha, bool)
+            or not isinstance(self.alpha, (int, float))
+            or not (math.isfinite(self.alpha) and self.alpha > 0)
+        ):
+            raise ValueError(
+                f"{KEY}.alpha must be a finite number > 0 (the adapter is scaled by alpha / r), got {self.alpha!r}"
+            )
+        if (
+            isinstance(self.dropout, bool)
+            or not isinstance(self.dropout, (int, float))
+            or not (0.0 <= self.dropout < 1.0)
+        ):
             raise ValueError(f"{KEY}.dropout must be in [0, 1), got {self.dropout!r}")
         object.__setattr__(self, "target_modules", _normalized_targets(self.target_modules))
 
@@ -101,20 +109,26 @@ def _normalized_targets(targets: Any) -> Targets:
         try:
             re.compile(targets)
         except re.error as exc:
-            raise ValueError(f"{key}={targets!r} is a string, so a regular expression over module paths, and it "
-                             f"does not compile: {exc}") from None
+            raise ValueError(
+                f"{key}={targets!r} is a string, so a regular expression over module paths, and it "
+                f"does not compile: {exc}"
+            ) from None
         return targets
     if not isinstance(targets, (list, tuple)) or not targets:
-        raise ValueError(f"{key} must be a non-empty list of module names, a regular expression string or "
-                         f"{ALL_LINEAR!r}, got {targets!r}")
+        raise ValueError(
+            f"{key} must be a non-empty list of module names, a regular expression string or "
+            f"{ALL_LINEAR!r}, got {targets!r}"
+        )
     names = tuple(targets)
     bad = [n for n in names if not isinstance(n, str) or not n]
     if bad:
         raise ValueError(f"{key} entries must be non-empty strings, got {bad!r} in {list(names)!r}")
     if any(n.lower() == ALL_LINEAR for n in names):
         if len(names) > 1:
-            raise ValueError(f"{key}: {ALL_LINEAR!r} already means every Linear layer; it cannot be combined with "
-                             f"other names ({list(names)!r})")
+            raise ValueError(
+                f"{key}: {ALL_LINEAR!r} already means every Linear layer; it cannot be combined with "
+                f"other names ({list(names)!r})"
+            )
         return ALL_LINEAR
     return names
 
@@ -130,8 +144,11 @@ def _linear_modules(model: torch.nn.Module) -> Tuple[List[str], List[str], Dict[
     model = _hf_model(model)
     heads = []
     # ignore: torch types nn.Module.__getattr__ as Tensor | Module; this is the HF model's method
-    output = (model.get_output_embeddings()  # type: ignore[operator]
-              if hasattr(model, "get_output_embeddings") else None)
+    output = (
+        model.get_output_embeddings()  # type: ignore[operator]
+        if hasattr(model, "get_output_embeddings")
+        else None
+    )
     for attr in SCALAR_HEAD_NAMES:
         if output is None and isinstance(getattr(model, attr, None), torch.nn.Module):
             output = getattr(model, attr)
@@ -205,17 +222,24 @@ def validate_targets(model: torch.nn.Module, target_modules: Targets, where: str
     available = f"its Linear layers end in: {', '.join(suffixes)}"
     hit_heads = [] if targets == ALL_LINEAR else [h for h in heads if _matches(targets, h)]
     if hit_heads:
-        why = ("a scalar head is a freshly initialised (1, hidden) layer: with LoRA it is trained fully instead "
-               "(PEFT's modules_to_save)" if hit_heads[0] in SCALAR_HEAD_NAMES else
-               "it maps hidden states to the vocabulary (and is often tied to the input embedding); train the head "
-               "fully without LoRA if it must change")
-        raise ValueError(f"{key} would wrap the output head {hit_heads[0]!r} of {where}: the head is the output "
-                         f"layer, not a place for a low-rank update; {why}. Remove it; {available}")
+        why = (
+            "a scalar head is a freshly initialised (1, hidden) layer: with LoRA it is trained fully instead "
+            "(PEFT's modules_to_save)"
+            if hit_heads[0] in SCALAR_HEAD_NAMES
+            else "it maps hidden states to the vocabulary (and is often tied to the input embedding); train the head "
+            "fully without LoRA if it must change"
+        )
+        raise ValueError(
+            f"{key} would wrap the output head {hit_heads[0]!r} of {where}: the head is the output "
+            f"layer, not a place for a low-rank update; {why}. Remove it; {available}"
+        )
     if targets != ALL_LINEAR:
         not_linear = [f"{n} ({cls})" for n, cls in other.items() if _matches(targets, n)]
         if not_linear:
-            raise ValueError(f"{key} matches modules of {where} that are not Linear layers: "
-                             f"{', '.join(not_linear[:5])}; LoRA here wraps Linear layers only, {available}")
+            raise ValueError(
+                f"{key} matches modules of {where} that are not Linear layers: "
+                f"{', '.join(not_linear[:5])}; LoRA here wraps Linear layers only, {available}"
+            )
     found = matching_modules(model, targets)
     if not found:
         raise ValueError(f"{key} matches no Linear layer of {where}; {available}")
@@ -256,7 +280,10 @@ def lora_config(spec: LoraSpec, kind: str, **overrides: Any):
         raise ValueError(f"unknown model kind {kind!r}; valid: {CAUSAL_LM}, {SCALAR_HEAD}")
     targets = spec.target_modules
     kwargs: Dict[str, Any] = dict(
-        r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        bias="none",
         target_modules=targets if isinstance(targets, str) else list(targets),
         task_type=TaskType.CAUSAL_LM if kind == CAUSAL_LM else TaskType.SEQ_CLS,
         # PEFT's SEQ_CLS model adds these itself; named here so the saved config says so whoever builds it.
@@ -294,8 +321,10 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec, kind: str, seed: Optional
         # Under zero.Init the adapters are partitioned as they are created, before PEFT initialises them: PEFT's
         # in-place init then writes into empty placeholders and B keeps nn.Linear's random init (seen: the wrapped
         # model no longer starts at its base). Created outside, DeepSpeed partitions them at initialize().
-        raise RuntimeError("apply_lora ran inside deepspeed.zero.Init: call it after load_model returns (the base "
-                           "may be ZeRO-3 partitioned), outside any zero.Init context")
+        raise RuntimeError(
+            "apply_lora ran inside deepspeed.zero.Init: call it after load_model returns (the base "
+            "may be ZeRO-3 partitioned), outside any zero.Init context"
+        )
     return peft_model
 
 
@@ -340,7 +369,7 @@ _UNSUPPORTED = re.compile(r"\.(lora_embedding_[AB]|lora_magnitude_vector|lora_bi
 
 
 def _strip_prefix(name: str) -> str:
-    return name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+    return name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
 
 
 def _check_adapter(name: str, adapter: str) -> None:
@@ -359,12 +388,16 @@ class _PendingModule:
     def merged(self, scaling: float, rank: int) -> Iterator[Tuple[str, torch.Tensor]]:
         base = dict(self.base)
         if "weight" not in base or set(self.lora) != {"A", "B"}:
-            raise ValueError(f"LoRA module {self.module!r} arrived incomplete (base {sorted(base)}, lora "
-                             f"{sorted(self.lora)}): its tensors must come together, as a state dict orders them")
+            raise ValueError(
+                f"LoRA module {self.module!r} arrived incomplete (base {sorted(base)}, lora "
+                f"{sorted(self.lora)}): its tensors must come together, as a state dict orders them"
+            )
         a, b, w = self.lora["A"], self.lora["B"], base["weight"]
         if a.shape[0] != rank or b.shape[1] != rank or (b.shape[0], a.shape[1]) != tuple(w.shape):
-            raise ValueError(f"{self.module}: A {tuple(a.shape)}, B {tuple(b.shape)}, W {tuple(w.shape)} do not fit "
-                             f"W + B @ A with r={rank} (the spec is not the one the model was wrapped with)")
+            raise ValueError(
+                f"{self.module}: A {tuple(a.shape)}, B {tuple(b.shape)}, W {tuple(w.shape)} do not fit "
+                f"W + B @ A with r={rank} (the spec is not the one the model was wrapped with)"
+            )
         for leaf, tensor in self.base:
             yield f"{self.module}.{leaf}", merge_weight(w, a, b, scaling) if leaf == "weight" else tensor
 
@@ -423,8 +456,10 @@ def merged_named_tensors(named: Named, spec: LoraSpec) -> Iterator[Tuple[str, to
                 yield name, tensor
             continue
         if module in finished:
-            raise ValueError(f"{full_name} arrived after its module's other tensors: merging needs a module's "
-                             f"base_layer / lora_A / lora_B tensors together")
+            raise ValueError(
+                f"{full_name} arrived after its module's other tensors: merging needs a module's "
+                f"base_layer / lora_A / lora_B tensors together"
+            )
         pending = pending or _PendingModule(module)
         if base:
             pending.base.append((base["leaf"], tensor))
@@ -465,8 +500,13 @@ def _named(model_or_named: Union[torch.nn.Module, Named]) -> Named:
 
 
 # ---------------------------------------------------------------------------------------------------- saving
-def save_adapter(model_or_named: Union[torch.nn.Module, Named], spec: LoraSpec, directory: str, kind: str,
-                 base_model_name_or_path: Optional[str] = None) -> str:
+def save_adapter(
+    model_or_named: Union[torch.nn.Module, Named],
+    spec: LoraSpec,
+    directory: str,
+    kind: str,
+    base_model_name_or_path: Optional[str] = None,
+) -> str:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` as PEFT's ``save_pretrained`` does, loadable
     with ``peft.PeftModel.from_pretrained(base, directory)`` (and by vLLM's LoRA loader for a causal LM).
 
@@ -488,8 +528,9 @@ def save_adapter(model_or_named: Union[torch.nn.Module, Named], spec: LoraSpec, 
     if spec.all_linear:
         # The wrapped modules' suffixes: the same set as the shorthand ("all-linear" leaves only the head out) in
         # the plain form every loader reads. PEFT's own save writes every full path instead.
-        config.target_modules = sorted({n[: -len(".lora_A.weight")].rsplit(".", 1)[-1]
-                                        for n in tensors if n.endswith(".lora_A.weight")})
+        config.target_modules = sorted(
+            {n[: -len(".lora_A.weight")].rsplit(".", 1)[-1] for n in tensors if n.endswith(".lora_A.weight")}
+        )
     config.save_pretrained(directory)
     save_file(tensors, os.path.join(directory, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return directory

@@ -21,6 +21,7 @@ Attention paths (selected by :func:`packed_attention`, per worker, from what it 
 Only the attention function differs between the two: the packing, the model call and the unpacking are this
 module's, on every device.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,8 +66,9 @@ class PackedRows:
             ValueError: a mask that is not a prefix of ones (left padding or holes cannot be packed this way).
         """
         if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-            raise ValueError(f"packing takes (B, T) ids and mask, got {tuple(input_ids.shape)} and "
-                             f"{tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"packing takes (B, T) ids and mask, got {tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
+            )
         rows, width = input_ids.shape
         lengths = attention_mask.long().sum(-1)
         columns = torch.arange(width, device=input_ids.device)
@@ -77,9 +79,16 @@ class PackedRows:
         positions = columns.expand(rows, width).reshape(-1)[index]
         nonempty = lengths[lengths > 0]
         cu_seqlens = torch.nn.functional.pad(nonempty.cumsum(0), (1, 0)).to(torch.int32)
-        return cls(input_ids=input_ids.reshape(-1)[index][None], position_ids=positions[None], cu_seqlens=cu_seqlens,
-                   max_length=int(lengths.max()) if rows else 0, rows=rows, width=width, index=index,
-                   row_start=positions == 0)
+        return cls(
+            input_ids=input_ids.reshape(-1)[index][None],
+            position_ids=positions[None],
+            cu_seqlens=cu_seqlens,
+            max_length=int(lengths.max()) if rows else 0,
+            rows=rows,
+            width=width,
+            index=index,
+            row_start=positions == 0,
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -88,8 +97,14 @@ class PackedRows:
     def model_inputs(self) -> Dict[str, Any]:
         """Keyword arguments of the model forward: the packed ids, their positions and the row boundaries in the
         form transformers hands to the attention function (flash-attention's variable-length arguments)."""
-        return dict(input_ids=self.input_ids, position_ids=self.position_ids, cu_seq_lens_q=self.cu_seqlens,
-                    cu_seq_lens_k=self.cu_seqlens, max_length_q=self.max_length, max_length_k=self.max_length)
+        return dict(
+            input_ids=self.input_ids,
+            position_ids=self.position_ids,
+            cu_seq_lens_q=self.cu_seqlens,
+            cu_seq_lens_k=self.cu_seqlens,
+            max_length_q=self.max_length,
+            max_length_k=self.max_length,
+        )
 
     def unpack(self, values: Tensor, *, token_aligned: bool) -> Tensor:
         """Per-position outputs of the packed forward back in the padded layout, 0 at padding.
@@ -134,8 +149,10 @@ def packed_forward(model: Any, input_ids: Tensor, attention_mask: Tensor, **kwar
     """
     implementation = attention_of(model)
     if implementation not in VARLEN_ATTENTION:
-        raise RuntimeError(f"a packed forward needs a variable-length attention ({', '.join(VARLEN_ATTENTION)}); "
-                           f"this model runs {implementation!r} (built without packing)")
+        raise RuntimeError(
+            f"a packed forward needs a variable-length attention ({', '.join(VARLEN_ATTENTION)}); "
+            f"this model runs {implementation!r} (built without packing)"
+        )
     rows = PackedRows.from_padded(input_ids, attention_mask)
     return model(**rows.model_inputs(), **kwargs), rows
 
@@ -176,9 +193,18 @@ def _varlen_sdpa_mask(*args: Any, attention_mask: Optional[Tensor] = None, **kwa
     return mask_fn(*args, attention_mask=attention_mask, **kwargs)
 
 
-def _varlen_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
-                 cu_seq_lens_q: Optional[Tensor] = None, cu_seq_lens_k: Optional[Tensor] = None,
-                 max_length_q: Optional[int] = None, max_length_k: Optional[int] = None, **kwargs: Any):
+def _varlen_sdpa(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    cu_seq_lens_q: Optional[Tensor] = None,
+    cu_seq_lens_k: Optional[Tensor] = None,
+    max_length_q: Optional[int] = None,
+    max_length_k: Optional[int] = None,
+    **kwargs: Any,
+):
     """Causal sdpa on each row of a packed ``(1, heads, N, head_dim)`` query/key/value; ``(1, N, heads, head_dim)``
     out, as transformers' attention functions return. Unpacked (no ``cu_seq_lens_q``): plain sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -191,12 +217,16 @@ def _varlen_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Ten
     window = kwargs.get("sliding_window")
     if window is not None and max_length_q is not None and max_length_q > window:
         # flash-attention applies the window; this loop would not, and rows would see more than they should
-        raise NotImplementedError(f"varlen sdpa has no sliding window: a {max_length_q}-token row exceeds the "
-                                  f"model's {window}-token window (use flash_attention_2 or shorter rows)")
+        raise NotImplementedError(
+            f"varlen sdpa has no sliding window: a {max_length_q}-token row exceeds the "
+            f"model's {window}-token window (use flash_attention_2 or shorter rows)"
+        )
     kwargs["is_causal"] = True
     bounds = cu_seq_lens_q.tolist()
-    parts = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
-             for s, e in zip(bounds[:-1], bounds[1:])]
+    parts = [
+        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
     return torch.cat(parts, dim=1), None
 
 

@@ -3,6 +3,7 @@
 Tokenization and pooling match training exactly (prompt with special tokens, completion + EOS, score at the
 last real token found from the attention mask), so a pair scored here ranks as it did in training.
 """
+
 from __future__ import annotations
 
 from typing import List, Sequence, Tuple
@@ -25,8 +26,14 @@ def load_reward_model(path: str, device: str = "cpu") -> Tuple[torch.nn.Module, 
 
 
 @torch.no_grad()
-def score_texts(model: torch.nn.Module, tokenizer, prompts: Sequence[str], completions: Sequence[str],
-                batch_size: int = 32, add_eos: bool = True) -> torch.Tensor:
+def score_texts(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    batch_size: int = 32,
+    add_eos: bool = True,
+) -> torch.Tensor:
     """Scores ``(N,)`` of ``prompts[i] + completions[i]``."""
     device = next(model.parameters()).device
     prompt_ids = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
@@ -36,7 +43,7 @@ def score_texts(model: torch.nn.Module, tokenizer, prompts: Sequence[str], compl
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     out = []
     for i in range(0, len(seqs), batch_size):
-        chunk = seqs[i:i + batch_size]
+        chunk = seqs[i : i + batch_size]
         ids = pad_sequences(chunk, pad).to(device)
         mask = pad_sequences([[1] * len(s) for s in chunk], 0, ids.shape[1]).to(device)
         out.append(last_token_values(scalar_head_values(model, ids, mask), mask).cpu())

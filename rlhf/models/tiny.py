@@ -5,6 +5,7 @@ Tests, examples and the demo need a real Hugging Face checkpoint that every part
 nothing: a byte-level BPE tokenizer trained on the synthetic arithmetic task and a ~0.5M-parameter Qwen2 model.
 Both are deterministic in the seed, so two builds are byte-identical and a cached copy can be trusted.
 """
+
 from __future__ import annotations
 
 import os

@@ -10,4 +10,5 @@ An objective is a small picklable object that crosses from the driver to the tra
 * ``finalize(sums, normalizer) -> metrics`` (driver side): turns the summed-over-everything sums into the
   logged numbers, each divided once by its global count.
 """
+
 from rlhf.objectives.base import Objective, ScoreFn  # noqa: F401

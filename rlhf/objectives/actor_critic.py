@@ -17,6 +17,7 @@ denominator of the aggregation mode (:mod:`rlhf.ops.aggregation`), ``loss`` retu
 and every metric is returned as a numerator of the *same* aggregation, so ``finalize`` divides each one once by
 the global count and a metric is the same whatever the micro-batch / rank split.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,14 @@ from rlhf.models.packing import LMLogits, lm_logits
 from rlhf.objectives.base import Sums
 from rlhf.ops.aggregation import LOSS_AGGREGATIONS, aggregate_count, aggregate_sum
 from rlhf.ops.kl import KL_ESTIMATORS, kl_estimate
-from rlhf.ops.logprobs import (SamplingFilter, at_least_float32, drop_below, entropy_from_logits, next_token_edges,
-                               token_logprobs)
+from rlhf.ops.logprobs import (
+    SamplingFilter,
+    at_least_float32,
+    drop_below,
+    entropy_from_logits,
+    next_token_edges,
+    token_logprobs,
+)
 from rlhf.ops.policy_loss import POLICY_LOSSES, PolicyLossConfig, policy_loss, value_loss
 
 Tensor = torch.Tensor
@@ -59,8 +66,10 @@ def _require(batch: Batch, *names: str, why: str) -> None:
 def _check_agg_mode(agg_mode: str, length: Optional[int]) -> None:
     # fail on the driver, with the valid names, not inside a worker
     if LOSS_AGGREGATIONS.get(agg_mode).per_length and not (length is not None and length >= 1):
-        raise ValueError(f"agg_mode {agg_mode!r} divides each sequence's token sum by a constant length: set "
-                         f"agg_length >= 1 (the generation budget), got {length}")
+        raise ValueError(
+            f"agg_mode {agg_mode!r} divides each sequence's token sum by a constant length: set "
+            f"agg_length >= 1 (the generation budget), got {length}"
+        )
 
 
 def _check_sampling_filter(sampling_filter) -> None:
@@ -72,8 +81,12 @@ def _policy_forward(model: torch.nn.Module, batch: Batch, packing: Optional[bool
     return lm_logits(model, batch.input_ids, batch.attention_mask, packing)
 
 
-def tempered_entropy(logits: Tensor, temperature: float, sampling_filter: Optional[SamplingFilter] = None,
-                     input_ids: Optional[Tensor] = None) -> Tensor:
+def tempered_entropy(
+    logits: Tensor,
+    temperature: float,
+    sampling_filter: Optional[SamplingFilter] = None,
+    input_ids: Optional[Tensor] = None,
+) -> Tensor:
     """Entropy ``(B, T)`` of ``softmax(logits / temperature)``, aligned like :func:`token_logprobs`: the entropy
     of the distribution actually sampled from.
 
@@ -93,13 +106,15 @@ def tempered_entropy(logits: Tensor, temperature: float, sampling_filter: Option
         return entropy_from_logits(logits)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     if not filtered:
-        rows = [entropy_from_logits(logits[i:i + 1].to(dtype) / temperature) for i in range(logits.shape[0])]
+        rows = [entropy_from_logits(logits[i : i + 1].to(dtype) / temperature) for i in range(logits.shape[0])]
         return torch.cat(rows, dim=0)
     if input_ids is None:
         raise ValueError("tempered_entropy with a sampling filter needs input_ids (the sampled tokens it keeps)")
     edges = next_token_edges(logits, input_ids, temperature, cast(SamplingFilter, sampling_filter))  # filtered: set
-    rows = [entropy_from_logits(drop_below(logits[i:i + 1].to(dtype) / temperature, edges[i:i + 1]))
-            for i in range(logits.shape[0])]
+    rows = [
+        entropy_from_logits(drop_below(logits[i : i + 1].to(dtype) / temperature, edges[i : i + 1]))
+        for i in range(logits.shape[0])
+    ]
     return torch.cat(rows, dim=0)
 
 
@@ -182,8 +197,15 @@ class PolicyObjective:
         # Probe the loss on one token so a combination the loss rejects (e.g. gspo with dual_clip) fails here, on
         # the driver, rather than in every worker at the first step.
         one = torch.zeros(1, 1)
-        policy_loss(self.loss_type, one, one, one, torch.ones(1, 1, dtype=torch.bool), self.clip,
-                    rollout_logps=one if self.use_tis else None)
+        policy_loss(
+            self.loss_type,
+            one,
+            one,
+            one,
+            torch.ones(1, 1, dtype=torch.bool),
+            self.clip,
+            rollout_logps=one if self.use_tis else None,
+        )
 
     def count(self, batch: Batch) -> int:
         return aggregate_count(self.agg_mode, response_mask(batch))
@@ -195,27 +217,34 @@ class PolicyObjective:
         if self.kl_loss_coef:
             _require(batch, "ref_logps", why="kl_loss_coef > 0 needs reference log-probs")
         if batch.ref_logps is not None and batch.ref_logps.shape != batch.input_ids.shape:
-            raise ValueError(f"RL ref_logps must be per-token {tuple(batch.input_ids.shape)}, "
-                             f"got {tuple(batch.ref_logps.shape)}")
+            raise ValueError(
+                f"RL ref_logps must be per-token {tuple(batch.input_ids.shape)}, got {tuple(batch.ref_logps.shape)}"
+            )
         mask = response_mask(batch)
         mode, length = self.agg_mode, self.agg_length
 
         out = _policy_forward(model, batch, self.packing)
         logps = out.per_token(token_logprobs(out.logits, out.input_ids, self.temperature, self.sampling_filter))
         # cast: _require above raised unless both are set
-        pg, stats = policy_loss(self.loss_type, logps, cast(Tensor, batch.old_logps), cast(Tensor, batch.advantages),
-                                mask, self.clip,
-                                rollout_logps=batch.rollout_logps if self.use_tis else None)
+        pg, stats = policy_loss(
+            self.loss_type,
+            logps,
+            cast(Tensor, batch.old_logps),
+            cast(Tensor, batch.advantages),
+            mask,
+            self.clip,
+            rollout_logps=batch.rollout_logps if self.use_tis else None,
+        )
         per_token = pg
 
         if self.entropy_coef:
-            entropy = out.per_token(tempered_entropy(out.logits, self.temperature, self.sampling_filter,
-                                                     out.input_ids))
+            entropy = out.per_token(tempered_entropy(out.logits, self.temperature, self.sampling_filter, out.input_ids))
             per_token = per_token - self.entropy_coef * entropy
         else:
             with torch.no_grad():
-                entropy = out.per_token(tempered_entropy(out.logits.detach(), self.temperature,
-                                                         self.sampling_filter, out.input_ids))
+                entropy = out.per_token(
+                    tempered_entropy(out.logits.detach(), self.temperature, self.sampling_filter, out.input_ids)
+                )
 
         kl = None
         if batch.ref_logps is not None:
@@ -264,8 +293,13 @@ class PolicyObjective:
             "approx_kl": sums["approx_kl_sum"] / n,
             "num_tokens": int(sums["num_tokens"]),
         }
-        optional = {"kl_sum": "kl", "logp_mismatch_sum": "logp_mismatch", "dual_clipfrac_sum": "dual_clip_frac",
-                    "tis_weight_sum": "tis_weight", "tis_capped_sum": "tis_capped_frac"}
+        optional = {
+            "kl_sum": "kl",
+            "logp_mismatch_sum": "logp_mismatch",
+            "dual_clipfrac_sum": "dual_clip_frac",
+            "tis_weight_sum": "tis_weight",
+            "tis_capped_sum": "tis_capped_frac",
+        }
         for key, name in optional.items():
             if key in sums:
                 out[name] = sums[key] / n
@@ -358,8 +392,9 @@ class TokenLogps:
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
         out = _policy_forward(model, batch, self.packing)
-        return at_least_float32(out.per_token(token_logprobs(out.logits, out.input_ids, self.temperature,
-                                                             self.sampling_filter)))
+        return at_least_float32(
+            out.per_token(token_logprobs(out.logits, out.input_ids, self.temperature, self.sampling_filter))
+        )
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
 """Protocols shared by the objectives (see the package docstring for the contract)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

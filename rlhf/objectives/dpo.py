@@ -5,6 +5,7 @@ Chosen and rejected completions of a pair are scored in one forward: the ``(B, 2
 over micro-batches and ranks gives the same gradient (TRL and OpenRLHF average per micro-batch instead, which is
 exact only when every micro-batch has the same number of pairs).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,8 +20,9 @@ from rlhf.ops.logprobs import at_least_float32, sequence_logprobs
 from rlhf.ops.preference import DPO_LOSSES, chosen_nll, dpo_pair_losses
 
 
-def pair_sequence_logps(model: torch.nn.Module, batch: Batch,
-                        packing: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def pair_sequence_logps(
+    model: torch.nn.Module, batch: Batch, packing: Optional[bool] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Summed target log-probs and target lengths of a pair batch, both ``(B, 2)`` (column 0 = chosen); the
     ``2B`` sequences run packed per :func:`rlhf.models.packing.runs_packed`."""
     pairs, width = batch.input_ids.shape[0], batch.input_ids.shape[-1]
@@ -72,15 +74,17 @@ class DPOObjective:
             sums["chosen_nll_sum"] = nll.detach().sum().item()
         total = losses.sum()
         assert batch.loss_mask is not None, "a pair batch carries its loss mask (pair_sequence_logps read it)"
-        sums.update({
-            "loss_sum": total.item(),
-            "chosen_reward_sum": chosen_rewards.sum().item(),
-            "rejected_reward_sum": rejected_rewards.sum().item(),
-            "correct_pairs": (chosen_rewards > rejected_rewards).sum().item(),
-            "chosen_logp_sum": policy[:, 0].detach().sum().item(),
-            "rejected_logp_sum": policy[:, 1].detach().sum().item(),
-            "num_tokens": float(target_count(batch.loss_mask)),
-        })
+        sums.update(
+            {
+                "loss_sum": total.item(),
+                "chosen_reward_sum": chosen_rewards.sum().item(),
+                "rejected_reward_sum": rejected_rewards.sum().item(),
+                "correct_pairs": (chosen_rewards > rejected_rewards).sum().item(),
+                "chosen_logp_sum": policy[:, 0].detach().sum().item(),
+                "rejected_logp_sum": policy[:, 1].detach().sum().item(),
+                "num_tokens": float(target_count(batch.loss_mask)),
+            }
+        )
         return total, sums
 
     def finalize(self, sums: Sums, normalizer: int) -> Dict[str, float]:

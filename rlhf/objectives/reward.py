@@ -1,5 +1,6 @@
 """Pairwise reward-model objective: Bradley-Terry on the scores of the last real token (Ouyang et al. 2022,
 eq. 1), with the optional margin of Llama 2 (Touvron et al. 2023). Normalized by pairs in the global batch."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,6 @@
 """Supervised fine-tuning: negative log-likelihood of the response tokens, normalized by the number of
 response tokens in the whole global batch (the same number whatever the micro-batch / rank split)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,8 +15,9 @@ from rlhf.ops.logprobs import token_logprobs
 from rlhf.ops.losses import sft_nll_sum
 
 
-def causal_lm_token_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          packing: Optional[bool] = None) -> torch.Tensor:
+def causal_lm_token_logps(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packing: Optional[bool] = None
+) -> torch.Tensor:
     """Per-token log-probs ``(B, T)`` of ``input_ids`` under a causal LM (column 0 is 0); the forward runs on the
     packed rows when ``packing`` (:mod:`rlhf.models.packing`), the result is the same layout either way."""
     out = lm_logits(model, input_ids, attention_mask, packing)

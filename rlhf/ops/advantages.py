@@ -12,6 +12,7 @@ carrying no reward, value or discount; the step after the last response token is
 exactly 0 at every position outside ``response_mask`` whatever the inputs hold there (even inf/NaN), and are
 detached (advantages are constants of the policy-gradient loss).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -272,10 +273,15 @@ def _broadcast(per_sample: Tensor, inputs: AdvantageInputs) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ estimators
-@_estimator("gae", paper="Schulman et al. 2016 (GAE), with PPO (Schulman et al. 2017) as in InstructGPT "
-                         "(Ouyang et al. 2022)",
-            reads=(TOKEN_REWARDS,), needs_group_ids=False, needs_critic=True, aggregation="token-mean",
-            paper_kl="a per-token KL penalty in the reward (InstructGPT eq. 2): algo.kl_mode=reward, k1")
+@_estimator(
+    "gae",
+    paper="Schulman et al. 2016 (GAE), with PPO (Schulman et al. 2017) as in InstructGPT (Ouyang et al. 2022)",
+    reads=(TOKEN_REWARDS,),
+    needs_group_ids=False,
+    needs_critic=True,
+    aggregation="token-mean",
+    paper_kl="a per-token KL penalty in the reward (InstructGPT eq. 2): algo.kl_mode=reward, k1",
+)
 def gae(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     """Generalized advantage estimation (Schulman et al. 2016, "High-dimensional continuous control using
     generalized advantage estimation", eq. 16) over the response tokens.
@@ -298,9 +304,15 @@ def gae(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     return advantages, returns
 
 
-@_estimator("grpo", paper="Shao et al. 2024 (DeepSeekMath), sec. 4.1", reads=(SCORES,), needs_group_ids=True,
-            needs_critic=False, aggregation="seq-mean-token-mean",
-            paper_kl="a k3 KL loss next to the policy loss (eq. 3-4): algo.kl_mode=loss, k3")
+@_estimator(
+    "grpo",
+    paper="Shao et al. 2024 (DeepSeekMath), sec. 4.1",
+    reads=(SCORES,),
+    needs_group_ids=True,
+    needs_critic=False,
+    aggregation="seq-mean-token-mean",
+    paper_kl="a k3 KL loss next to the policy loss (eq. 3-4): algo.kl_mode=loss, k3",
+)
 def grpo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     """GRPO outcome supervision (Shao et al. 2024, DeepSeekMath, sec. 4.1.2): ``(s_i - mean_g) / (std_g + eps)``
     over the samples of the prompt's group, the same value on every response token.
@@ -322,9 +334,15 @@ def grpo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     return out, out.clone()
 
 
-@_estimator("dr_grpo", paper="Liu et al. 2025 (Understanding R1-Zero-like training), sec. 3.2", reads=(SCORES,),
-            needs_group_ids=True, needs_critic=False, aggregation="seq-mean-token-sum-norm",
-            paper_kl="none (the paper drops the KL term: kl_coef 0)")
+@_estimator(
+    "dr_grpo",
+    paper="Liu et al. 2025 (Understanding R1-Zero-like training), sec. 3.2",
+    reads=(SCORES,),
+    needs_group_ids=True,
+    needs_critic=False,
+    aggregation="seq-mean-token-sum-norm",
+    paper_kl="none (the paper drops the KL term: kl_coef 0)",
+)
 def dr_grpo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training: a critical perspective", sec. 3.2):
     ``s_i - mean_g``, without GRPO's division by the group standard deviation (which up-weights prompts that are
@@ -341,9 +359,15 @@ def dr_grpo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     return out, out.clone()
 
 
-@_estimator("rloo", paper="Ahmadian et al. 2024 (Back to basics), eq. 6", reads=(SCORES,), needs_group_ids=True,
-            needs_critic=False, aggregation="seq-mean-token-sum-norm",
-            paper_kl="a sequence-level KL penalty in the reward (sec. 2): algo.kl_mode=reward, k1")
+@_estimator(
+    "rloo",
+    paper="Ahmadian et al. 2024 (Back to basics), eq. 6",
+    reads=(SCORES,),
+    needs_group_ids=True,
+    needs_critic=False,
+    aggregation="seq-mean-token-sum-norm",
+    paper_kl="a sequence-level KL penalty in the reward (sec. 2): algo.kl_mode=reward, k1",
+)
 def rloo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     """REINFORCE leave-one-out (Ahmadian et al. 2024, "Back to basics", eq. 6; Kool et al. 2019):
     ``s_i - (sum_g - s_i) / (n - 1)``, the score minus the mean of the *other* samples of its group, an unbiased
@@ -361,9 +385,15 @@ def rloo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     return out, out.clone()
 
 
-@_estimator("reinforce_pp", paper="Hu 2025 (REINFORCE++)", reads=(TOKEN_REWARDS,), needs_group_ids=False,
-            needs_critic=False, aggregation="token-mean",
-            paper_kl="a per-token KL penalty in the reward: algo.kl_mode=reward")
+@_estimator(
+    "reinforce_pp",
+    paper="Hu 2025 (REINFORCE++)",
+    reads=(TOKEN_REWARDS,),
+    needs_group_ids=False,
+    needs_critic=False,
+    aggregation="token-mean",
+    paper_kl="a per-token KL penalty in the reward: algo.kl_mode=reward",
+)
 def reinforce_pp(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025, "REINFORCE++: a simple and efficient approach for aligning large language models"):
     the discounted return-to-go of the per-token rewards, ``G_t = r_t + gamma G_{t'}`` over the row's response
@@ -380,9 +410,15 @@ def reinforce_pp(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     return whiten(returns, mask).to(dtype), returns
 
 
-@_estimator("reinforce_pp_baseline", paper="Hu 2025 (REINFORCE++, revised: REINFORCE++-baseline)",
-            reads=(TOKEN_REWARDS, SCORES), needs_group_ids=True, needs_critic=False, aggregation="token-mean",
-            paper_kl="a KL loss (the revised paper's recipe) or a per-token KL penalty in the reward")
+@_estimator(
+    "reinforce_pp_baseline",
+    paper="Hu 2025 (REINFORCE++, revised: REINFORCE++-baseline)",
+    reads=(TOKEN_REWARDS, SCORES),
+    needs_group_ids=True,
+    needs_critic=False,
+    aggregation="token-mean",
+    paper_kl="a KL loss (the revised paper's recipe) or a per-token KL penalty in the reward",
+)
 def reinforce_pp_baseline(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     """REINFORCE++-baseline (Hu 2025, REINFORCE++ revised version, "REINFORCE++-baseline"): subtract the group
     mean score, then proceed as :func:`reinforce_pp`.

@@ -44,6 +44,7 @@ times (mean response length / ``L``) <= 1, so the clip binds no more often than 
 ``auto`` picks for both. (Measured on the demo's RLOO, ``L = 6``, mean length 2.8: grad norms 11.9 / 1.98 / 4.35 at
 step 1 for the sum / ``-norm`` / ``token-mean``, the sum exactly ``L`` times the ``-norm``.)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -108,9 +109,9 @@ def _seq_mean_token_sum_sum(per_token: Tensor, mask: Tensor) -> Tensor:
 LOSS_AGGREGATIONS.register("token-mean")(LossAggregation(_token_mean_sum, _token_count))
 LOSS_AGGREGATIONS.register("seq-mean-token-mean")(LossAggregation(_seq_mean_token_mean_sum, _row_count))
 LOSS_AGGREGATIONS.register("seq-mean-token-sum")(LossAggregation(_seq_mean_token_sum_sum, _row_count))
-LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")(LossAggregation(_seq_mean_token_sum_sum, _row_count,
-                                                                      per_length=True))
-
+LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")(
+    LossAggregation(_seq_mean_token_sum_sum, _row_count, per_length=True)
+)
 
 
 def _bool_mask(mask: Tensor, shape: torch.Size | None = None) -> Tensor:
@@ -150,8 +151,10 @@ def aggregate_sum(mode: str, per_token: Tensor, mask: Tensor, length: Optional[i
     if not agg.per_length:
         return total
     if length is None or length < 1:
-        raise ValueError(f"loss aggregation {mode!r} divides by a constant length (the generation budget): pass "
-                         f"length >= 1, got {length}")
+        raise ValueError(
+            f"loss aggregation {mode!r} divides by a constant length (the generation budget): pass "
+            f"length >= 1, got {length}"
+        )
     return total / length
 
 

@@ -7,6 +7,7 @@ Every fact lives in one registry entry (:class:`rlhf.ops.advantages.Estimator`,
 (``rlhf.config.rl_schema.AlgorithmConfig``), ``--dry-run``, the audit lint and the generated table of
 docs/algorithms/rl.md call these functions, so adding an estimator is one entry plus its maths.
 """
+
 from __future__ import annotations
 
 from typing import List, Tuple
@@ -44,8 +45,16 @@ def needs_length(aggregation: str) -> bool:
     return LOSS_AGGREGATIONS.get(aggregation).per_length
 
 
-def combination_problems(*, estimator_name: str, policy_loss: str, kl_mode: str, kl_estimator: str,
-                         kl_coef: float, dual_clip: float, tis_cap: float) -> List[Tuple[str, str]]:
+def combination_problems(
+    *,
+    estimator_name: str,
+    policy_loss: str,
+    kl_mode: str,
+    kl_estimator: str,
+    kl_coef: float,
+    dual_clip: float,
+    tis_cap: float,
+) -> List[Tuple[str, str]]:
     """Why this combination does not train what its keys say: ``[(config key, message), ...]``, empty when it does.
 
     What is refused, and why (each rule reads the registry entries, never a list of names):
@@ -57,33 +66,53 @@ def combination_problems(*, estimator_name: str, policy_loss: str, kl_mode: str,
     problems = []
     kl = KL_ESTIMATORS.get(kl_estimator)
     if kl_coef > 0 and kl_mode == "loss" and not kl.usable_as_loss:
-        problems.append(("algo.kl_estimator",
-                         f"is {kl_estimator} with algo.kl_mode=loss: its gradient as a loss is zero in expectation "
-                         f"(log r's expected score is 0), so the KL term would add noise and no regularisation; use "
-                         f"k3 (DeepSeekMath's) or k2 (the reverse KL's gradient), or algo.kl_mode=reward"))
+        problems.append(
+            (
+                "algo.kl_estimator",
+                f"is {kl_estimator} with algo.kl_mode=loss: its gradient as a loss is zero in expectation "
+                f"(log r's expected score is 0), so the KL term would add noise and no regularisation; use "
+                f"k3 (DeepSeekMath's) or k2 (the reverse KL's gradient), or algo.kl_mode=reward",
+            )
+        )
     entry = loss(policy_loss)
     if not entry.token_corrections:
         for key, value in (("algo.dual_clip", dual_clip), ("algo.tis_cap", tis_cap)):
             if value:
-                problems.append((key, f"is {value:g}, a token-level correction that policy loss {policy_loss!r} "
-                                      f"({entry.paper}) has no form for: its ratio is one number per sequence"))
+                problems.append(
+                    (
+                        key,
+                        f"is {value:g}, a token-level correction that policy loss {policy_loss!r} "
+                        f"({entry.paper}) has no form for: its ratio is one number per sequence",
+                    )
+                )
     return problems
 
 
 def describe(estimator_name: str, policy_loss: str, kl_mode: str, kl_estimator: str, kl_coef: float) -> List[str]:
     """What a run with these settings trains, in the words of the registry entries (``--dry-run``, run start)."""
     est, pl = estimator(estimator_name), loss(policy_loss)
-    needs = [what for what, needed in (("group ids: n_samples_per_prompt >= 2", est.needs_group_ids),
-                                       ("a critic", est.needs_critic)) if needed]
-    lines = [f"advantages: {estimator_name} ({est.paper}); reads {' and '.join(est.reads)}"
-             + (f"; needs {', '.join(needs)}" if needs else ""),
-             f"policy loss: {policy_loss} ({pl.paper})" + ("; sequence-level ratio" if pl.sequence_level else "")]
+    needs = [
+        what
+        for what, needed in (
+            ("group ids: n_samples_per_prompt >= 2", est.needs_group_ids),
+            ("a critic", est.needs_critic),
+        )
+        if needed
+    ]
+    lines = [
+        f"advantages: {estimator_name} ({est.paper}); reads {' and '.join(est.reads)}"
+        + (f"; needs {', '.join(needs)}" if needs else ""),
+        f"policy loss: {policy_loss} ({pl.paper})" + ("; sequence-level ratio" if pl.sequence_level else ""),
+    ]
     if kl_coef > 0:
-        where = ("a loss term" if kl_mode == "loss" else f"a penalty in the reward, {est.kl_in_reward}")
-        grad = (f"; its gradient follows the {KL_ESTIMATORS.get(kl_estimator).loss_gradient}"
-                if kl_mode == "loss" else "")
-        lines.append(f"KL: {kl_coef:g} x {kl_estimator} as {where}, each token within +-{KL_VALUE_BOUND:g}{grad}; "
-                     f"the paper's: {est.paper_kl}")
+        where = "a loss term" if kl_mode == "loss" else f"a penalty in the reward, {est.kl_in_reward}"
+        grad = (
+            f"; its gradient follows the {KL_ESTIMATORS.get(kl_estimator).loss_gradient}" if kl_mode == "loss" else ""
+        )
+        lines.append(
+            f"KL: {kl_coef:g} x {kl_estimator} as {where}, each token within +-{KL_VALUE_BOUND:g}{grad}; "
+            f"the paper's: {est.paper_kl}"
+        )
     else:
         lines.append(f"KL: none (algo.kl_coef=0); the paper's: {est.paper_kl}")
     return lines
@@ -92,25 +121,35 @@ def describe(estimator_name: str, policy_loss: str, kl_mode: str, kl_estimator: 
 def facts_table() -> str:
     """The Markdown table of every estimator and policy loss and their facts (docs/algorithms/rl.md embeds it; a
     test checks that the page's copy is current)."""
-    rows = ["| estimator | paper | reads | KL in the reward | group ids | critic | paper's aggregation | paper's KL |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| estimator | paper | reads | KL in the reward | group ids | critic | paper's aggregation | paper's KL |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name in ADVANTAGE_ESTIMATORS:
         e = estimator(name)
-        rows.append(f"| `{name}` | {e.paper} | {', '.join(e.reads)} | {e.kl_in_reward} | "
-                    f"{'yes' if e.needs_group_ids else 'no'} | {'yes' if e.needs_critic else 'no'} | "
-                    f"`{e.aggregation}` | {e.paper_kl} |")
-    rows += ["", "| policy loss | paper | clip_low / clip_high | ratio | aggregation it imposes | dual clip, TIS |",
-             "|---|---|---|---|---|---|"]
+        rows.append(
+            f"| `{name}` | {e.paper} | {', '.join(e.reads)} | {e.kl_in_reward} | "
+            f"{'yes' if e.needs_group_ids else 'no'} | {'yes' if e.needs_critic else 'no'} | "
+            f"`{e.aggregation}` | {e.paper_kl} |"
+        )
+    rows += [
+        "",
+        "| policy loss | paper | clip_low / clip_high | ratio | aggregation it imposes | dual clip, TIS |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in POLICY_LOSSES:
         p = loss(name)
         imposes = f"`{p.aggregation}`" if p.aggregation else "the estimator's"
-        rows.append(f"| `{name}` | {p.paper} | {p.clip_low:g} / {p.clip_high:g} | "
-                    f"{'per sequence' if p.sequence_level else 'per token'} | {imposes} | "
-                    f"{'yes' if p.token_corrections else 'refused'} |")
+        rows.append(
+            f"| `{name}` | {p.paper} | {p.clip_low:g} / {p.clip_high:g} | "
+            f"{'per sequence' if p.sequence_level else 'per token'} | {imposes} | "
+            f"{'yes' if p.token_corrections else 'refused'} |"
+        )
     rows += ["", "| KL estimator | as a loss, its gradient follows | with algo.kl_mode=loss |", "|---|---|---|"]
     for name in KL_ESTIMATORS:
         k = KL_ESTIMATORS.get(name)
-        rows.append(f"| `{name}` | {k.loss_gradient if k.usable_as_loss else 'nothing (zero in expectation)'} | "
-                    f"{'accepted' if k.usable_as_loss else 'refused'} |")
+        rows.append(
+            f"| `{name}` | {k.loss_gradient if k.usable_as_loss else 'nothing (zero in expectation)'} | "
+            f"{'accepted' if k.usable_as_loss else 'refused'} |"
+        )
     return "\n".join(rows) + "\n"
-

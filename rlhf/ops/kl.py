@@ -26,6 +26,7 @@ DeepSeekMath's GRPO uses ``k3`` as its KL loss; ``k2`` is the one whose gradient
 All functions are element-wise: values at padding are whatever the inputs make them, and the caller's mask (or
 :mod:`rlhf.ops.aggregation`) drops them.
 """
+
 from __future__ import annotations
 
 import math
@@ -97,8 +98,9 @@ def _k3(log_ratio: Tensor) -> Tensor:
     return torch.expm1(-log_ratio) + log_ratio
 
 
-def kl_estimate(name: str, logps: Tensor, ref_logps: Tensor, clamp: Optional[float] = None,
-                bounded: bool = False) -> Tensor:
+def kl_estimate(
+    name: str, logps: Tensor, ref_logps: Tensor, clamp: Optional[float] = None, bounded: bool = False
+) -> Tensor:
     """Per-token KL estimate ``name`` (``"k1"``, ``"k2"`` or ``"k3"``) from policy and reference log-probs.
 
     Args:

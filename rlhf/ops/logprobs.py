@@ -14,6 +14,7 @@ vocabulary, and vLLM reports the log-probs of that distribution. :class:`Samplin
 keep rule on the trainer's logits (:func:`sampling_mask`), so :func:`token_logprobs` and the entropy are those of
 the very distribution the tokens were drawn from and a PPO ratio or TIS weight is not off by the kept mass.
 """
+
 from __future__ import annotations
 
 import math
@@ -131,8 +132,9 @@ def _sampler_edges(x: Tensor, sampling_filter: SamplingFilter) -> Tensor:
 
 
 @torch.no_grad()
-def _kept_edges(logits: Tensor, targets: Optional[Tensor], temperature: float,
-                sampling_filter: SamplingFilter) -> Tensor:
+def _kept_edges(
+    logits: Tensor, targets: Optional[Tensor], temperature: float, sampling_filter: SamplingFilter
+) -> Tensor:
     """:func:`_sampler_edges` of ``logits / temperature`` for ``(N, V)`` logits, chunk by chunk, lowered to each
     row's ``targets`` value when given: ``(N,)`` in the compute dtype."""
     n, vocab = logits.shape
@@ -146,8 +148,7 @@ def _kept_edges(logits: Tensor, targets: Optional[Tensor], temperature: float,
     return edges
 
 
-def next_token_edges(logits: Tensor, input_ids: Tensor, temperature: float,
-                     sampling_filter: SamplingFilter) -> Tensor:
+def next_token_edges(logits: Tensor, input_ids: Tensor, temperature: float, sampling_filter: SamplingFilter) -> Tensor:
     """Per position, the smallest value of ``logits / temperature`` in the set the next token was drawn from.
 
     ``out[b, t]`` is :class:`SamplingFilter`'s edge of the distribution at position ``t`` (the one
@@ -207,8 +208,13 @@ class _TargetLogProbs(torch.autograd.Function):
     set ``logits / temperature >= edges`` only: dropped logits get ``-inf``, hence probability and gradient 0."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float,  # type: ignore[override]
-                edges: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        ctx,
+        logits: Tensor,
+        targets: Tensor,
+        temperature: float,  # type: ignore[override]
+        edges: Optional[Tensor] = None,
+    ) -> Tensor:
         n, vocab = logits.shape
         dtype = _compute_dtype(logits.dtype)
         out = torch.empty(n, dtype=dtype, device=logits.device)
@@ -292,8 +298,9 @@ def _align(per_position: Tensor) -> Tensor:
     return torch.nn.functional.pad(per_position[:, :-1], (1, 0))
 
 
-def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0,
-                   sampling_filter: Optional[SamplingFilter] = None) -> Tensor:
+def token_logprobs(
+    logits: Tensor, input_ids: Tensor, temperature: float = 1.0, sampling_filter: Optional[SamplingFilter] = None
+) -> Tensor:
     """Log-probability of each token under the distribution predicted at the previous position.
 
     ``out[:, t] = log softmax(logits[:, t - 1] / temperature)[input_ids[:, t]]`` for ``t >= 1`` and
@@ -328,8 +335,7 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0,
         flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), next_ids.reshape(-1).long(), float(temperature))
     else:
         edges = next_token_edges(logits, input_ids, temperature, sampling_filter).reshape(-1)
-        flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), next_ids.reshape(-1).long(), float(temperature),
-                                     edges)
+        flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), next_ids.reshape(-1).long(), float(temperature), edges)
     return _align(flat.view(batch, length))
 
 

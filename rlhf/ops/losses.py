@@ -6,6 +6,7 @@ micro-batch of short answers count more than tokens in one of long answers. Ther
 the trainer counts the normalizer (e.g. target tokens) over all micro-batches on all ranks before the step, and
 every micro-batch calls :func:`normalize` with that same number.
 """
+
 from __future__ import annotations
 
 import math

@@ -11,6 +11,7 @@ trainer's recomputation at rollout time; detached here), and ``mask`` marks resp
 mask are replaced by constants *before* any arithmetic, so inf/NaN in padding can reach neither the loss nor its
 gradient.
 """
+
 from __future__ import annotations
 
 import math
@@ -225,8 +226,15 @@ def _tis_weight(old_logps: Tensor, rollout_logps: Tensor, m: Tensor, dtype: torc
     return torch.where(capped, torch.tensor(cap, dtype=dtype, device=w.device), w), capped
 
 
-@_policy_loss("gspo", paper="Zheng et al. 2025 (GSPO), eq. 5-7 and 13-14", clip_low=3e-4, clip_high=4e-4,
-              sequence_level=True, aggregation="seq-mean-token-mean", token_corrections=False)
+@_policy_loss(
+    "gspo",
+    paper="Zheng et al. 2025 (GSPO), eq. 5-7 and 13-14",
+    clip_low=3e-4,
+    clip_high=4e-4,
+    sequence_level=True,
+    aggregation="seq-mean-token-mean",
+    token_corrections=False,
+)
 def gspo_loss(
     logps: Tensor,
     old_logps: Tensor,

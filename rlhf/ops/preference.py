@@ -8,6 +8,7 @@ for ``y_l``, and ``h = chosen_logratio - rejected_logratio``. Log-probs are sums
 loss sets ``average_logps``, in which case both policy and reference log-probs are divided by the target-token
 count of their completion first.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

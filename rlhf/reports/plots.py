@@ -3,14 +3,19 @@
 Rewards of single RL steps are noisy (each step sees different prompts), so a trailing moving average is
 drawn over the raw values.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
 
 Panel = Tuple[str, str]  # (metric key, title)
 
-RL_PANELS: Tuple[Panel, ...] = (("reward_mean", "reward (mean over samples)"), ("accuracy", "accuracy (sampled)"),
-                                ("kl", "KL to the reference"), ("response_length", "response length (tokens)"))
+RL_PANELS: Tuple[Panel, ...] = (
+    ("reward_mean", "reward (mean over samples)"),
+    ("accuracy", "accuracy (sampled)"),
+    ("kl", "KL to the reference"),
+    ("response_length", "response length (tokens)"),
+)
 
 
 def moving_average(values: Sequence[float], window: int) -> List[float]:
@@ -24,8 +29,14 @@ def moving_average(values: Sequence[float], window: int) -> List[float]:
     return out
 
 
-def plot_runs(runs: Dict[str, List[dict]], panels: Sequence[Panel], png_path: str, smooth: int = 10,
-              title: str = "", unsmoothed: Sequence[str] = ()) -> List[str]:
+def plot_runs(
+    runs: Dict[str, List[dict]],
+    panels: Sequence[Panel],
+    png_path: str,
+    smooth: int = 10,
+    title: str = "",
+    unsmoothed: Sequence[str] = (),
+) -> List[str]:
     """Draw ``panels`` for every run into ``png_path``; returns the metric keys that had data.
 
     Args:
@@ -56,8 +67,13 @@ def plot_runs(runs: Dict[str, List[dict]], panels: Sequence[Panel], png_path: st
                 ax.plot(steps, values, color=color, linewidth=2, marker="o", label=name)
             elif smooth > 1:
                 ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
-                ax.plot(steps, moving_average(values, smooth), color=color, linewidth=2,
-                        label=f"{name} ({smooth}-step mean)")
+                ax.plot(
+                    steps,
+                    moving_average(values, smooth),
+                    color=color,
+                    linewidth=2,
+                    label=f"{name} ({smooth}-step mean)",
+                )
             else:
                 ax.plot(steps, values, color=color, linewidth=1.5, label=name)
         ax.set_title(heading)
@@ -65,7 +81,7 @@ def plot_runs(runs: Dict[str, List[dict]], panels: Sequence[Panel], png_path: st
         ax.grid(alpha=0.3)
         if len(runs) > 1 or smooth > 1:
             ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(present):]:
+    for ax in list(axes.flat)[len(present) :]:
         ax.axis("off")
     if title:
         fig.suptitle(title)

@@ -33,6 +33,7 @@ response.
 
 Trained reward models are served by Ray actors elsewhere; this package only covers reward functions.
 """
+
 from rlhf.rewards.functions import (  # noqa: F401
     RewardFunctionError,
     RewardFunctionScorer,

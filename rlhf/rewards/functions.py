@@ -17,6 +17,7 @@ The function name may be dotted (``module:Class.method``). A trailing ``@WEIGHT`
 source in :func:`parse_reward_specs`; an ``@`` before the last ``:`` belongs to the path. Spec splitting, file
 execution and attribute lookup are shared with environments (:mod:`rlhf.utils.specs`).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -51,8 +52,9 @@ class RewardFunctionError(ValueError):
     when one sample is at fault, that sample."""
 
 
-_KIND = SpecKind(noun="reward function spec", what="function", error=RewardFunctionError,
-                 file_prefix="_rlhf_reward_file_")
+_KIND = SpecKind(
+    noun="reward function spec", what="function", error=RewardFunctionError, file_prefix="_rlhf_reward_file_"
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -76,8 +78,9 @@ def _split_spec(spec: Any) -> Tuple[str, str]:
 def _split_weight(spec: Any) -> Tuple[str, float]:
     """``"SPEC@WEIGHT"`` -> ``(SPEC, WEIGHT)``; no ``@`` after the last ``:`` means weight 1.0."""
     if not isinstance(spec, str):
-        raise RewardFunctionError(f"a reward spec must be a string like 'my_rewards.py:fn@0.5', got "
-                                  f"{type(spec).__name__} {spec!r}")
+        raise RewardFunctionError(
+            f"a reward spec must be a string like 'my_rewards.py:fn@0.5', got {type(spec).__name__} {spec!r}"
+        )
     text = spec.strip()
     head, sep, tail = text.rpartition("@")
     if not sep or ":" in tail:  # no '@', or the '@' is part of the path (before the last ':')
@@ -85,8 +88,9 @@ def _split_weight(spec: Any) -> Tuple[str, float]:
     try:
         weight = float(tail)
     except ValueError:
-        raise RewardFunctionError(f"reward spec {spec!r}: weight {tail!r} after '@' is not a number "
-                                  f"(write e.g. 'my_rewards.py:fn@0.5')") from None
+        raise RewardFunctionError(
+            f"reward spec {spec!r}: weight {tail!r} after '@' is not a number (write e.g. 'my_rewards.py:fn@0.5')"
+        ) from None
     if not math.isfinite(weight):
         raise RewardFunctionError(f"reward spec {spec!r}: weight must be a finite number, got {tail!r}")
     return head.strip(), weight
@@ -99,8 +103,10 @@ def _check_batch_signature(spec: str, fn: Callable) -> None:
     except (TypeError, ValueError):  # some builtins have no signature; calling them will tell
         return
     if _positional_split(signature)[0]:
-        raise RewardFunctionError(f"reward function spec {spec!r}: the function must accept (prompts, responses, "
-                                  f"...) as its first two positional parameters; its signature is {signature}")
+        raise RewardFunctionError(
+            f"reward function spec {spec!r}: the function must accept (prompts, responses, "
+            f"...) as its first two positional parameters; its signature is {signature}"
+        )
 
 
 def load_reward_function(spec: str) -> Callable:
@@ -114,8 +120,10 @@ def load_reward_function(spec: str) -> Callable:
     target, attr = _split_spec(spec)
     obj = resolve_attr(spec, target, attr, load_module(spec, target, _KIND), _KIND)
     if not callable(obj):
-        raise RewardFunctionError(f"reward function spec {spec!r}: {attr} is not callable (it is "
-                                  f"{type(obj).__name__} {clip_plain(repr(obj), 80)})")
+        raise RewardFunctionError(
+            f"reward function spec {spec!r}: {attr} is not callable (it is "
+            f"{type(obj).__name__} {clip_plain(repr(obj), 80)})"
+        )
     _check_batch_signature(spec, obj)
     return obj
 
@@ -137,8 +145,7 @@ class RewardSource:
         if not isinstance(self.name, str) or not self.name:
             raise RewardFunctionError(f"RewardSource.name must be a non-empty string, got {self.name!r}")
         if not callable(self.fn):
-            raise RewardFunctionError(f"reward source {self.name!r}: fn must be callable, got "
-                                      f"{type(self.fn).__name__}")
+            raise RewardFunctionError(f"reward source {self.name!r}: fn must be callable, got {type(self.fn).__name__}")
         w = self.weight
         if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(float(w)):
             raise RewardFunctionError(f"reward source {self.name!r}: weight must be a finite number, got {w!r}")
@@ -148,16 +155,19 @@ class RewardSource:
 def _check_specs(specs: Sequence[str]) -> List[Tuple[str, float]]:
     """``(name, weight)`` per spec, checking the form, the weights and duplicate names without importing."""
     if isinstance(specs, (str, bytes)):
-        raise RewardFunctionError(f"reward specs must be a list of strings, got the single string {specs!r}; "
-                                  f"wrap it in a list")
+        raise RewardFunctionError(
+            f"reward specs must be a list of strings, got the single string {specs!r}; wrap it in a list"
+        )
     parsed: List[Tuple[str, float]] = []
     seen: Dict[str, str] = {}
     for spec in specs:
         name, weight = _split_weight(spec)
         _split_spec(name)
         if name in seen:
-            raise RewardFunctionError(f"reward spec {spec!r} names the same function as {seen[name]!r}; each "
-                                      f"function may be listed once (combine the weights)")
+            raise RewardFunctionError(
+                f"reward spec {spec!r} names the same function as {seen[name]!r}; each "
+                f"function may be listed once (combine the weights)"
+            )
         seen[name] = spec
         parsed.append((name, weight))
     return parsed
@@ -171,8 +181,9 @@ def parse_reward_specs(specs: Sequence[str]) -> List[RewardSource]:
         RewardFunctionError: naming the spec, for a bad weight, a duplicate, or anything
             :func:`load_reward_function` rejects.
     """
-    return [RewardSource(name=name, fn=load_reward_function(name), weight=weight)
-            for name, weight in _check_specs(specs)]
+    return [
+        RewardSource(name=name, fn=load_reward_function(name), weight=weight) for name, weight in _check_specs(specs)
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -215,8 +226,10 @@ def _bind_columns(source: RewardSource, columns: Sequence[str]) -> Dict[str, str
         return {}
     slots, first_names, rest = _positional_split(signature)
     if slots:
-        raise RewardFunctionError(f"reward function {source.name!r} must accept (prompts, responses, ...) as its "
-                                  f"first two positional parameters; its signature is {signature}")
+        raise RewardFunctionError(
+            f"reward function {source.name!r} must accept (prompts, responses, ...) as its "
+            f"first two positional parameters; its signature is {signature}"
+        )
     available = ", ".join(repr(c) for c in columns) if columns else "none"
     binding: Dict[str, str] = {}
     takes_all = False
@@ -230,8 +243,10 @@ def _bind_columns(source: RewardSource, columns: Sequence[str]) -> Dict[str, str
         if p.kind is inspect.Parameter.POSITIONAL_ONLY:
             if has_default:
                 continue
-            raise RewardFunctionError(f"reward function {source.name!r}: parameter {p.name!r} is positional-only, "
-                                      f"so no column can be passed to it by name; make it a regular parameter")
+            raise RewardFunctionError(
+                f"reward function {source.name!r}: parameter {p.name!r} is positional-only, "
+                f"so no column can be passed to it by name; make it a regular parameter"
+            )
         column = _match_column(p.name, columns)
         if column is not None:
             binding[p.name] = column
@@ -240,26 +255,37 @@ def _bind_columns(source: RewardSource, columns: Sequence[str]) -> Dict[str, str
             raise RewardFunctionError(
                 f"reward function {source.name!r} needs parameter {p.name!r} but no column matches it (looked for "
                 f"column {looked}); available columns: {available}. Add the field to the prompt data or give the "
-                f"parameter a default")
+                f"parameter a default"
+            )
     if takes_all:
         used = set(binding.values())
         for column in columns:
             if column in used:
                 continue
             if column in first_names:
-                raise RewardFunctionError(f"reward function {source.name!r}: column {column!r} would reach "
-                                          f"**kwargs under the name of its parameter {column!r}; rename the "
-                                          f"parameter or the dataset field")
+                raise RewardFunctionError(
+                    f"reward function {source.name!r}: column {column!r} would reach "
+                    f"**kwargs under the name of its parameter {column!r}; rename the "
+                    f"parameter or the dataset field"
+                )
             binding[column] = column
     return binding
 
 
-def _call_error(source: RewardSource, error: Exception, binding: Mapping[str, str], prompts: Sequence[str],
-                responses: Sequence[str], columns: Mapping[str, Sequence]) -> RewardFunctionError:
+def _call_error(
+    source: RewardSource,
+    error: Exception,
+    binding: Mapping[str, str],
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    columns: Mapping[str, Sequence],
+) -> RewardFunctionError:
     """The error for a function that raised on the batch, naming the first sample that fails on its own."""
     n = len(prompts)
-    head = (f"reward function {source.name!r} raised {type(error).__name__}: {clip_plain(str(error), 500)} "
-            f"on a batch of {n}")
+    head = (
+        f"reward function {source.name!r} raised {type(error).__name__}: {clip_plain(str(error), 500)} "
+        f"on a batch of {n}"
+    )
     for i in range(n):
         kwargs = {param: [columns[col][i]] for param, col in binding.items()}
         try:
@@ -267,17 +293,21 @@ def _call_error(source: RewardSource, error: Exception, binding: Mapping[str, st
         except Exception as e:
             return RewardFunctionError(
                 f"{head}; the first sample that fails on its own is index {i} ({type(e).__name__}: "
-                f"{clip_plain(str(e), 500)}): prompt={_clip(prompts[i])}; response={_clip(responses[i])}")
-    return RewardFunctionError(f"{head}; every sample succeeds on its own, so the failure depends on the batch, "
-                               f"not on one sample")
+                f"{clip_plain(str(e), 500)}): prompt={_clip(prompts[i])}; response={_clip(responses[i])}"
+            )
+    return RewardFunctionError(
+        f"{head}; every sample succeeds on its own, so the failure depends on the batch, not on one sample"
+    )
 
 
-def _bad_value(source: RewardSource, i: int, n: int, what: str, value: Any, prompts: Sequence[str],
-               responses: Sequence[str]) -> RewardFunctionError:
+def _bad_value(
+    source: RewardSource, i: int, n: int, what: str, value: Any, prompts: Sequence[str], responses: Sequence[str]
+) -> RewardFunctionError:
     return RewardFunctionError(
         f"reward function {source.name!r} returned {what} at index {i} of {n}: "
         f"{clip_plain(repr(value), _PREVIEW_CHARS)}; "
-        f"prompt={_clip(prompts[i])}; response={_clip(responses[i])}")
+        f"prompt={_clip(prompts[i])}; response={_clip(responses[i])}"
+    )
 
 
 def _scalar(x: Any) -> Tuple[Optional[float], str]:
@@ -302,26 +332,29 @@ def _scalar(x: Any) -> Tuple[Optional[float], str]:
     return None, f"a non-numeric value ({type(x).__name__})"
 
 
-def _result_values(source: RewardSource, result: Any, prompts: Sequence[str],
-                   responses: Sequence[str]) -> torch.Tensor:
+def _result_values(source: RewardSource, result: Any, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
     """Validate one function's result and return it as a float32 ``(N,)`` tensor."""
     n = len(prompts)
     where = f"reward function {source.name!r}"
     expected = f"a list, tuple, 1-D numpy array or 1-D torch tensor of {n} numbers (one per response)"
 
     def wrong_length(m: int) -> RewardFunctionError:
-        return RewardFunctionError(f"{where} returned {m} values for a batch of {n} responses (expected {n}, got "
-                                   f"{m}); it must return one reward per response")
+        return RewardFunctionError(
+            f"{where} returned {m} values for a batch of {n} responses (expected {n}, got "
+            f"{m}); it must return one reward per response"
+        )
 
-    if not isinstance(result, (torch.Tensor, np.ndarray, str, bytes, bytearray, _SequenceABC)) \
-            and hasattr(result, "__array__"):  # pandas Series, jax arrays, ...
+    if not isinstance(result, (torch.Tensor, np.ndarray, str, bytes, bytearray, _SequenceABC)) and hasattr(
+        result, "__array__"
+    ):  # pandas Series, jax arrays, ...
         result = np.asarray(result)
 
     if isinstance(result, (torch.Tensor, np.ndarray)):
         shape = tuple(result.shape)
         if len(shape) != 1:
-            raise RewardFunctionError(f"{where} returned a {type(result).__name__} of shape {shape}; expected "
-                                      f"shape ({n},): {expected}")
+            raise RewardFunctionError(
+                f"{where} returned a {type(result).__name__} of shape {shape}; expected shape ({n},): {expected}"
+            )
         if shape[0] != n:
             raise wrong_length(shape[0])
     if isinstance(result, torch.Tensor):
@@ -340,8 +373,9 @@ def _result_values(source: RewardSource, result: Any, prompts: Sequence[str],
             raise wrong_length(len(result))
         values, items = None, result
     else:
-        raise RewardFunctionError(f"{where} returned {type(result).__name__} "
-                                  f"{clip_plain(repr(result), 80)}; expected {expected}")
+        raise RewardFunctionError(
+            f"{where} returned {type(result).__name__} {clip_plain(repr(result), 80)}; expected {expected}"
+        )
 
     if values is None:
         floats = []
@@ -362,9 +396,12 @@ def _result_values(source: RewardSource, result: Any, prompts: Sequence[str],
     return out
 
 
-def compute_rewards(sources: Sequence[RewardSource], prompts: Sequence[str], responses: Sequence[str],
-                    columns: Optional[Mapping[str, Sequence]] = None
-                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+def compute_rewards(
+    sources: Sequence[RewardSource],
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    columns: Optional[Mapping[str, Sequence]] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Score a batch with every source: each function is called once, on the whole batch.
 
     Args:
@@ -400,8 +437,9 @@ def compute_rewards(sources: Sequence[RewardSource], prompts: Sequence[str], res
             raise RewardFunctionError(f"compute_rewards: column names must be strings, got {key!r}")
         if isinstance(column, (str, bytes)) or not hasattr(column, "__len__") or len(column) != n:
             got = f"{len(column)} values" if hasattr(column, "__len__") else type(column).__name__
-            raise RewardFunctionError(f"compute_rewards: column {key!r} must be a list of {n} values (one per "
-                                      f"prompt), got {got}")
+            raise RewardFunctionError(
+                f"compute_rewards: column {key!r} must be a list of {n} values (one per prompt), got {got}"
+            )
     column_names = list(columns)
     prompts, responses = list(prompts), list(responses)
 
@@ -424,8 +462,10 @@ def compute_rewards(sources: Sequence[RewardSource], prompts: Sequence[str], res
     total32 = total.to(torch.float32)
     if not bool(torch.isfinite(total32).all()):
         i = int((~torch.isfinite(total32)).nonzero()[0, 0])
-        raise RewardFunctionError(f"the weighted total reward at index {i} overflows float32 ({float(total[i])}); "
-                                  f"sources: {', '.join(f'{s.name}@{s.weight}' for s in sources)}")
+        raise RewardFunctionError(
+            f"the weighted total reward at index {i} overflows float32 ({float(total[i])}); "
+            f"sources: {', '.join(f'{s.name}@{s.weight}' for s in sources)}"
+        )
     return total32, per_source
 
 
@@ -464,9 +504,9 @@ class RewardFunctionScorer:
             object.__setattr__(self, "_sources", parse_reward_specs(self.specs))
         return list(cast(List[RewardSource], self._sources))  # set just above when it was None
 
-    def __call__(self, prompts: Sequence[str], responses: Sequence[str],
-                 columns: Optional[Mapping[str, Sequence]] = None
-                 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    def __call__(
+        self, prompts: Sequence[str], responses: Sequence[str], columns: Optional[Mapping[str, Sequence]] = None
+    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """:func:`compute_rewards` with this scorer's sources."""
         return compute_rewards(self.load(), prompts, responses, columns)
 

@@ -1,5 +1,6 @@
 """The rollout engines as one group: start them (own resources, or on the policy's bundles for the hybrid
 engine), spread a batch of prompts over them, sleep/wake them, and name the engine when one fails."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ from rlhf.distributed.rendezvous import DRIVER_GRACE_S
 from rlhf.distributed.resource_plan import ROLLOUT, ActorPlan
 from rlhf.rollout.senders import make_senders
 from rlhf.rollout.sync_group import SyncTimeouts
-from rlhf.rollout.vllm_engine import VLLMSpec, Generation, SamplingSpec, VLLMEngine
+from rlhf.rollout.vllm_engine import Generation, SamplingSpec, VLLMEngine, VLLMSpec
 
 ROLE = "rollout engine"
 ROOM_GRACE_S = 5.0  # how long a failing room check (check_room) is re-read before it counts
@@ -37,9 +38,11 @@ def check_room(num_engines: int, cpus_per_engine: float, gpus_per_engine: float,
     except ImportError:  # a Ray without this API: no check, the start-up waits as it did before the check
         return
 
-    hint = (f"rollout.num_engines={num_engines} engines x rollout.cpus_per_engine={cpus_per_engine:g} CPUs"
-            + (f" + rollout.tensor_parallel_size={tensor_parallel_size} GPUs" if gpus_per_engine > 0 else "")
-            + " each: lower them, or add nodes")
+    hint = (
+        f"rollout.num_engines={num_engines} engines x rollout.cpus_per_engine={cpus_per_engine:g} CPUs"
+        + (f" + rollout.tensor_parallel_size={tensor_parallel_size} GPUs" if gpus_per_engine > 0 else "")
+        + " each: lower them, or add nodes"
+    )
     engines = ActorPlan(ROLLOUT, num_engines, cpus_per_engine, gpus_per_engine)
     deadline = time.monotonic() + ROOM_GRACE_S
     while True:
@@ -64,8 +67,16 @@ class RolloutEngines:
         sleep: Release weights and KV cache between rollouts (vLLM sleep mode; GPU only).
     """
 
-    def __init__(self, spec: VLLMSpec, num_engines: int, cpus_per_engine: float = 1.0, gpus_per_engine: float = 0.0,
-                 env_vars: Optional[dict] = None, placement: Optional[Placement] = None, sleep: bool = False) -> None:
+    def __init__(
+        self,
+        spec: VLLMSpec,
+        num_engines: int,
+        cpus_per_engine: float = 1.0,
+        gpus_per_engine: float = 0.0,
+        env_vars: Optional[dict] = None,
+        placement: Optional[Placement] = None,
+        sleep: bool = False,
+    ) -> None:
         import ray
 
         self.size, self.sleeps = num_engines, sleep
@@ -80,8 +91,9 @@ class RolloutEngines:
             check_room(num_engines, cpus_per_engine, gpus_per_engine, spec.tensor_parallel_size)
             options = [{"num_cpus": cpus_per_engine, "num_gpus": gpus_per_engine}] * num_engines
         # Any: Ray's stubs cannot type an actor handle's remote methods (each is an ActorMethod found at run time)
-        self.handles: List[Any] = [actor.options(**opts, runtime_env=runtime_env).remote(spec, e)
-                                   for e, opts in enumerate(options)]
+        self.handles: List[Any] = [
+            actor.options(**opts, runtime_env=runtime_env).remote(spec, e) for e, opts in enumerate(options)
+        ]
         self._gather([h.ready.remote() for h in self.handles], "start-up")
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSpec) -> List[Generation]:
@@ -92,10 +104,14 @@ class RolloutEngines:
         """
         per_engine = -(-len(prompt_ids) // self.size)
         starts = range(0, len(prompt_ids), per_engine)
-        shifted = lambda first: sampling if sampling.seed is None else dataclasses.replace(  # noqa: E731
-            sampling, seed=sampling.seed + first)
-        refs = [self.handles[e].generate.remote(list(prompt_ids[s:s + per_engine]), shifted(s))
-                for e, s in enumerate(starts)]
+
+        def shifted(first: int) -> SamplingSpec:
+            return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + first)
+
+        refs = [
+            self.handles[e].generate.remote(list(prompt_ids[s : s + per_engine]), shifted(s))
+            for e, s in enumerate(starts)
+        ]
         return [g for chunk in self._gather(refs, "generate") for g in chunk]
 
     def sleep(self) -> None:
@@ -116,8 +132,9 @@ class RolloutEngines:
         if self.sleeps:
             self._gather([h.wake_kv_cache.remote() for h in self.handles], "wake_kv_cache")
 
-    def connect_weight_sync(self, policy, method: str, bucket_bytes: int, backend: str,
-                            timeouts: Optional[SyncTimeouts] = None) -> None:
+    def connect_weight_sync(
+        self, policy, method: str, bucket_bytes: int, backend: str, timeouts: Optional[SyncTimeouts] = None
+    ) -> None:
         """Attach a sender per policy rank (``policy``: the trainable ``WorkerGroup``) and connect it to these
         engines by ``method`` (``broadcast`` | ``ipc`` | ``object_store``, already resolved); for a broadcast,
         the policy's rank 0 and every engine worker form the weight-sync process group here, within

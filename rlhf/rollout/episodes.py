@@ -16,6 +16,7 @@ so environment tokens are context: no loss, no log-prob ratio, no KL, no advanta
 loss aggregation. An episode is one row (one sample) whatever its number of turns. A single-turn rollout is the
 episode ``prompt + one policy segment`` (:func:`rlhf.rl.rollout_batch`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,8 +46,10 @@ class Segment:
         if self.source not in (POLICY, ENV):
             raise ValueError(f"Segment.source must be {POLICY!r} or {ENV!r}, got {self.source!r}")
         if self.source == POLICY and (self.logps is None or len(self.logps) != len(self.ids)):
-            raise ValueError(f"a policy segment needs one sampling log-prob per token: {len(self.ids)} tokens, "
-                             f"{None if self.logps is None else len(self.logps)} log-probs")
+            raise ValueError(
+                f"a policy segment needs one sampling log-prob per token: {len(self.ids)} tokens, "
+                f"{None if self.logps is None else len(self.logps)} log-probs"
+            )
         if self.source == ENV and self.logps is not None:
             raise ValueError("an environment segment has no log-probs: the policy did not sample it")
 
@@ -101,17 +104,18 @@ class Episode:
         have, full = self.token_ids, tuple(full_ids)
         at = _first_difference(have, full)
         if at is None:
-            self.add_observation(full[len(have):])
+            self.add_observation(full[len(have) :])
             return True
         if on_mismatch == "truncate":
             self.truncated = True
             return False
-        shown = lambda ids: list(ids[max(0, at - 2):at + 3])  # noqa: E731
+        shown = lambda ids: list(ids[max(0, at - 2) : at + 3])  # noqa: E731
         raise EpisodeError(
             f"episode {self.index}, turn {self.turns}: the new prompt does not extend the episode's tokens: they "
             f"differ at position {at} of {len(have)} (had {shown(have)}, got {shown(full)} around it); something "
             f"re-encoded the text (the environment or the chat template). Append the observation's own ids, or end "
-            f"such episodes at the mismatch (rollout.on_prefix_mismatch=truncate)")
+            f"such episodes at the mismatch (rollout.on_prefix_mismatch=truncate)"
+        )
 
 
 def _first_difference(prefix: Tuple[int, ...], full: Tuple[int, ...]) -> Optional[int]:
@@ -140,5 +144,10 @@ def episodes_batch(episodes: Sequence[Episode], pad_id: int) -> Batch:
                 mask[row, start:end] = 1
                 rollout[row, start:end] = torch.tensor(segment.logps, dtype=torch.float32)
             start = end
-    return Batch(input_ids=ids, attention_mask=pad_sequences([[1] * len(s) for s in seqs], 0, ids.shape[1]),
-                 loss_mask=mask, rollout_logps=rollout, sample_index=torch.arange(len(seqs)))
+    return Batch(
+        input_ids=ids,
+        attention_mask=pad_sequences([[1] * len(s) for s in seqs], 0, ids.shape[1]),
+        loss_mask=mask,
+        rollout_logps=rollout,
+        sample_index=torch.arange(len(seqs)),
+    )

@@ -12,9 +12,11 @@ shared segment and unlinks it at zero; CUDA IPC has a producer-side counter of i
 until ``torch.cuda.ipc_collect()`` sees the counter at zero). :class:`rlhf.rollout.senders.IpcSender` therefore
 exports each of its buffers once per sync and the engine opens each handle once, whatever the number of buckets.
 """
+
 from __future__ import annotations
 
 import pickle
+
 import torch
 
 _STORAGE_DEVICE_ARG = 6  # rebuild_cuda_tensor(cls, size, stride, offset, storage_cls, dtype, device, handle, ...)

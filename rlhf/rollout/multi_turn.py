@@ -20,6 +20,7 @@ Seeds follow the single-turn rule: request ``j`` of a turn is drawn with ``seed 
 whichever engine serves it, so a rollout does not depend on ``rollout.num_engines``. Nothing is decoded and
 re-encoded between turns (rlhf/rollout/episodes.py says why).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -100,13 +101,20 @@ class RolloutStats:
     env_errors: int = 0  # environment failures that ended an episode (on_env_error="end")
 
 
-def run_episodes(engines: Generator, environments: Environments, prompt_ids: Sequence[Sequence[int]],
-                 rows: Sequence[Mapping], sampling: SamplingSpec,
-                 encode: Union[ObservationEncoder, Callable[[str], Sequence[int]]],
-                 decode: Callable[[Sequence[int]], str], limits: TurnLimits,
-                 stats: Optional[RolloutStats] = None, on_prefix_mismatch: str = "error",
-                 on_env_error: str = "raise",
-                 prompt_messages: Optional[Sequence[Optional[Messages]]] = None) -> List[EpisodeRecord]:
+def run_episodes(
+    engines: Generator,
+    environments: Environments,
+    prompt_ids: Sequence[Sequence[int]],
+    rows: Sequence[Mapping],
+    sampling: SamplingSpec,
+    encode: Union[ObservationEncoder, Callable[[str], Sequence[int]]],
+    decode: Callable[[Sequence[int]], str],
+    limits: TurnLimits,
+    stats: Optional[RolloutStats] = None,
+    on_prefix_mismatch: str = "error",
+    on_env_error: str = "raise",
+    prompt_messages: Optional[Sequence[Optional[Messages]]] = None,
+) -> List[EpisodeRecord]:
     """Episode ``i`` starts from ``prompt_ids[i]`` and environment row ``rows[i]``; returns one record per episode,
     in order.
 
@@ -129,8 +137,10 @@ def run_episodes(engines: Generator, environments: Environments, prompt_ids: Seq
     response is cut at the budget and ends ``token_budget`` before any turn, as a later observation would.
     """
     if len(prompt_ids) != len(rows) or (prompt_messages is not None and len(prompt_messages) != len(rows)):
-        raise ValueError(f"{len(prompt_ids)} prompts for {len(rows)} environment rows"
-                         + (f" and {len(prompt_messages)} prompt messages" if prompt_messages is not None else ""))
+        raise ValueError(
+            f"{len(prompt_ids)} prompts for {len(rows)} environment rows"
+            + (f" and {len(prompt_messages)} prompt messages" if prompt_messages is not None else "")
+        )
     encoder = as_encoder(encode)
     stats = stats if stats is not None else RolloutStats()
     if on_env_error not in ("raise", "end"):
@@ -140,20 +150,28 @@ def run_episodes(engines: Generator, environments: Environments, prompt_ids: Seq
     first = environments.reset(list(rows), **errors)
     stats.env_seconds += time.perf_counter() - started
     messages = prompt_messages if prompt_messages is not None else [None] * len(rows)
-    records = [_start(i, p, m, obs, encoder, limits, stats) for i, (p, m, obs) in
-               enumerate(zip(prompt_ids, messages, first))]
+    records = [
+        _start(i, p, m, obs, encoder, limits, stats) for i, (p, m, obs) in enumerate(zip(prompt_ids, messages, first))
+    ]
     live = [i for i, r in enumerate(records) if r.ended_by != "token_budget" and not r.error]
     for turn in range(1, limits.max_turns + 1):
         if not live:
             break
         stats.turns = turn
-        seeded = sampling if sampling.seed is None else dataclasses.replace(
-            sampling, seed=sampling.seed + (turn - 1) * TURN_SEED_STRIDE)
+        seeded = (
+            sampling
+            if sampling.seed is None
+            else dataclasses.replace(sampling, seed=sampling.seed + (turn - 1) * TURN_SEED_STRIDE)
+        )
         generations = engines.generate([records[i].episode.token_ids for i in live], seeded)
         cut = {i: _respond(records[i].episode, g, limits) for i, g in zip(live, generations)}
         started = time.perf_counter()
-        outcomes = environments.step(live, [decode(records[i].episode.segments[-1].ids) for i in live],
-                                     [records[i].episode.segments[-1].ids for i in live], **errors)
+        outcomes = environments.step(
+            live,
+            [decode(records[i].episode.segments[-1].ids) for i in live],
+            [records[i].episode.segments[-1].ids for i in live],
+            **errors,
+        )
         stats.env_seconds += time.perf_counter() - started
         still: List[int] = []
         for i, outcome in zip(live, outcomes):
@@ -174,8 +192,15 @@ def run_episodes(engines: Generator, environments: Environments, prompt_ids: Seq
     return records
 
 
-def _start(index: int, prompt_ids: Sequence[int], messages: Optional[Messages], observation,
-           encoder: ObservationEncoder, limits: TurnLimits, stats: RolloutStats) -> EpisodeRecord:
+def _start(
+    index: int,
+    prompt_ids: Sequence[int],
+    messages: Optional[Messages],
+    observation,
+    encoder: ObservationEncoder,
+    limits: TurnLimits,
+    stats: RolloutStats,
+) -> EpisodeRecord:
     """Episode ``index``'s record before its first turn: its prompt with the reset ``observation`` (text, ``""`` /
     ``None`` for none, or the environment's exception), cut to the token budget."""
     if isinstance(observation, Exception):
@@ -187,7 +212,7 @@ def _start(index: int, prompt_ids: Sequence[int], messages: Optional[Messages], 
             ids = tuple(encoder.first(prompt_ids, observation, messages))
         except ValueError as e:
             raise ValueError(f"episode {index}'s reset observation: {e}") from None
-    record = EpisodeRecord(Episode(ids[:limits.max_episode_tokens], index=index))
+    record = EpisodeRecord(Episode(ids[: limits.max_episode_tokens], index=index))
     if _room(record.episode, limits) <= 0:
         record.ended_by = "token_budget"
     return record
@@ -203,19 +228,20 @@ def _respond(episode: Episode, generation: Generation, limits: TurnLimits) -> st
     return "max_new_tokens" if generation.finish_reason == "length" else ""
 
 
-def _observe(record: EpisodeRecord, outcome, encoder: ObservationEncoder, limits: TurnLimits,
-             on_prefix_mismatch: str) -> bool:
+def _observe(
+    record: EpisodeRecord, outcome, encoder: ObservationEncoder, limits: TurnLimits, on_prefix_mismatch: str
+) -> bool:
     """Append a live episode's observation (cut to its token budget); whether it goes on to another turn."""
     episode = record.episode
     prompt_ids = getattr(outcome, "prompt_ids", None)
     if prompt_ids is not None:
-        budget = tuple(prompt_ids)[:limits.max_episode_tokens]
+        budget = tuple(prompt_ids)[: limits.max_episode_tokens]
         if not episode.extend_to(budget, on_mismatch=on_prefix_mismatch):
             record.ended_by = "prefix_mismatch"
             return False
     elif outcome.observation:
         ids = encoder(outcome.observation, episode.segments[-1].ids)
-        episode.add_observation(ids[:_room(episode, limits)])
+        episode.add_observation(ids[: _room(episode, limits)])
     if _room(episode, limits) > 0:
         return True
     record.ended_by = "token_budget"
@@ -232,9 +258,12 @@ def episode_metrics(records: Sequence[EpisodeRecord], stats: RolloutStats) -> Di
     environment's time."""
     n = max(len(records), 1)
     ended = {why: sum(r.ended_by == why for r in records) / n for why in ENDINGS}
-    return {"episode/turns": sum(r.episode.turns for r in records) / n,
-            "episode/policy_tokens": sum(r.episode.policy_tokens for r in records) / n,
-            "episode/env_tokens": sum(r.episode.env_tokens for r in records) / n,
-            "episode/env_reward": sum(r.reward for r in records) / n,
-            **{f"episode/ended_{why}": share for why, share in ended.items()},
-            "episode/env_errors": stats.env_errors, "time/env": round(stats.env_seconds, 4)}
+    return {
+        "episode/turns": sum(r.episode.turns for r in records) / n,
+        "episode/policy_tokens": sum(r.episode.policy_tokens for r in records) / n,
+        "episode/env_tokens": sum(r.episode.env_tokens for r in records) / n,
+        "episode/env_reward": sum(r.reward for r in records) / n,
+        **{f"episode/ended_{why}": share for why, share in ended.items()},
+        "episode/env_errors": stats.env_errors,
+        "time/env": round(stats.env_seconds, 4),
+    }

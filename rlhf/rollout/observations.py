@@ -16,6 +16,7 @@ observation (``messages``: that prompt's own messages, which a chat encoder rend
 the last message), ``encoder(text, response_ids)`` the tokens to append after a response. A plain function
 ``encode(text) -> ids`` is accepted wherever an encoder is (:func:`as_encoder`).
 """
+
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Protocol, Sequence, Union, cast
@@ -80,12 +81,14 @@ class ChatObservations:
             after = chat.render(probe + [self._message(_MARK)], generation_prompt=True)
         except ValueError as e:
             raise ValueError(f"rollout.observation_role={role}: {e}") from None
-        if not after.startswith(base) or _MARK not in after[len(base):]:
-            raise ValueError(f"rollout.observation_role={role}: the chat template does not render an observation "
-                             f"message after an assistant turn as a continuation of the conversation (it rewrites the "
-                             f"earlier turns); use rollout.observation_format=text")
-        self.head, self.tail = after[len(base):].split(_MARK, 1)
-        close = base[base.rindex("2") + 1:]  # what the template writes after an assistant's text: "<|im_end|>\n"
+        if not after.startswith(base) or _MARK not in after[len(base) :]:
+            raise ValueError(
+                f"rollout.observation_role={role}: the chat template does not render an observation "
+                f"message after an assistant turn as a continuation of the conversation (it rewrites the "
+                f"earlier turns); use rollout.observation_format=text"
+            )
+        self.head, self.tail = after[len(base) :].split(_MARK, 1)
+        close = base[base.rindex("2") + 1 :]  # what the template writes after an assistant's text: "<|im_end|>\n"
         self.close_ids = tuple(chat.tokenize(close)) if close else ()
 
     def _message(self, text: str) -> dict:
@@ -105,18 +108,24 @@ class ChatObservations:
                 of another prompt.
         """
         if messages is None:
-            raise ValueError("a chat observation at reset is rendered as the prompt's last message: it needs the "
-                             "prompt's messages (run_episodes(..., prompt_messages=...))")
+            raise ValueError(
+                "a chat observation at reset is rendered as the prompt's last message: it needs the "
+                "prompt's messages (run_episodes(..., prompt_messages=...))"
+            )
         whole = self.chat.prompt_ids(list(messages))
         dropped = len(whole) - len(prompt_ids)
         if dropped < 0 or whole[dropped:] != list(prompt_ids):
-            raise ValueError(f"the prompt's messages render to {len(whole)} tokens that do not end with its "
-                             f"{len(prompt_ids)} token ids: the messages of another prompt?")
+            raise ValueError(
+                f"the prompt's messages render to {len(whole)} tokens that do not end with its "
+                f"{len(prompt_ids)} token ids: the messages of another prompt?"
+            )
         observed = self.chat.prompt_ids(list(messages) + [self._message(text)])
         if observed[:dropped] != whole[:dropped]:  # the tokens a truncation dropped must be the same ones
-            raise ValueError("the chat template renders the start of a truncated prompt (rollout.prompt_overflow="
-                             "truncate) differently once an observation message follows: it cannot take a reset "
-                             "observation; use rollout.observation_format=text")
+            raise ValueError(
+                "the chat template renders the start of a truncated prompt (rollout.prompt_overflow="
+                "truncate) differently once an observation message follows: it cannot take a reset "
+                "observation; use rollout.observation_format=text"
+            )
         return observed[dropped:]
 
     def __call__(self, text: str, response_ids: Sequence[int]) -> List[int]:

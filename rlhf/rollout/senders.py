@@ -16,6 +16,7 @@ At most one bucket is in flight: the next is packed while the engines load the l
 two buckets whatever the model size. A buffer the engines read in place (IPC) is therefore double-buffered; a
 broadcast has delivered its bytes before it returns, so its sender reuses one buffer.
 """
+
 from __future__ import annotations
 
 import time
@@ -38,8 +39,13 @@ class _Sender:
 
     method = ""
 
-    def __init__(self, engines: Sequence, bucket_bytes: int, timeouts: Optional[SyncTimeouts] = None,
-                 engine_ids: Optional[Sequence[int]] = None) -> None:
+    def __init__(
+        self,
+        engines: Sequence,
+        bucket_bytes: int,
+        timeouts: Optional[SyncTimeouts] = None,
+        engine_ids: Optional[Sequence[int]] = None,
+    ) -> None:
         self.engines = list(engines)
         self.bucket_bytes, self.timeouts = bucket_bytes, timeouts or SyncTimeouts.of()
         self.names = [f"{ENGINE_ROLE} {e}" for e in (engine_ids if engine_ids is not None else range(len(engines)))]
@@ -63,8 +69,13 @@ class _Sender:
             sent, tensors, buckets = sent + bucket.nbytes, tensors + len(bucket.metas), buckets + 1
         self._all("load_weights", pending)
         self._all("finish_weight_update", [e.finish_weight_update.remote() for e in self.engines])
-        return {"bytes": float(sent), "tensors": float(tensors), "buckets": float(buckets),
-                "seconds": time.perf_counter() - started, "method": self.method}
+        return {
+            "bytes": float(sent),
+            "tensors": float(tensors),
+            "buckets": float(buckets),
+            "seconds": time.perf_counter() - started,
+            "method": self.method,
+        }
 
     def _buffer(self, group) -> Optional[torch.Tensor]:
         """Where to pack ``group``: ``None`` for a new tensor on :attr:`device`."""
@@ -95,11 +106,18 @@ class BroadcastSender(_Sender):
 
     method = "broadcast"
 
-    def __init__(self, engines: Sequence, engine_workers: Sequence[int], bucket_bytes: int, backend: str,
-                 timeouts: Optional[SyncTimeouts] = None) -> None:
+    def __init__(
+        self,
+        engines: Sequence,
+        engine_workers: Sequence[int],
+        bucket_bytes: int,
+        backend: str,
+        timeouts: Optional[SyncTimeouts] = None,
+    ) -> None:
         super().__init__(engines, bucket_bytes, timeouts)
-        self.members = ["policy rank 0"] + [f"{ENGINE_ROLE} {e} worker {w}" for e, n in enumerate(engine_workers)
-                                            for w in range(n)]
+        self.members = ["policy rank 0"] + [
+            f"{ENGINE_ROLE} {e} worker {w}" for e, n in enumerate(engine_workers) for w in range(n)
+        ]
         self.world_size = len(self.members)
         self.backend = backend
         self._store: Optional[object] = None  # the group's store (listen): kept alive while the group lives
@@ -150,8 +168,9 @@ class IpcSender(_Sender):
         self._handles: List[Optional[Tuple[torch.Tensor, bytes]]] = [None, None]
 
     def connect(self) -> None:
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
 
     def _buffer(self, group) -> torch.Tensor:
         self._turn ^= 1
@@ -200,13 +219,21 @@ def _fitting(buffer: Optional[torch.Tensor], group, bucket_bytes: int, device: t
     return torch.empty(max(size, bucket_bytes + ALIGN), dtype=torch.uint8, device=device)
 
 
-def make_senders(method: str, engines: Sequence, engine_workers: Sequence[int], num_ranks: int,
-                 bucket_bytes: int, backend: str, timeouts: Optional[SyncTimeouts] = None) -> List[Optional[_Sender]]:
+def make_senders(
+    method: str,
+    engines: Sequence,
+    engine_workers: Sequence[int],
+    num_ranks: int,
+    bucket_bytes: int,
+    backend: str,
+    timeouts: Optional[SyncTimeouts] = None,
+) -> List[Optional[_Sender]]:
     """One entry per policy rank (``None``: the rank only takes part in the ZeRO-3 gathers)."""
     if method == "ipc":
         if len(engines) != num_ranks:
-            raise ValueError(f"ipc weight sync needs one engine per policy rank; got {len(engines)} engines for "
-                             f"{num_ranks} ranks")
+            raise ValueError(
+                f"ipc weight sync needs one engine per policy rank; got {len(engines)} engines for {num_ranks} ranks"
+            )
         return [IpcSender(engine, r, bucket_bytes, timeouts) for r, engine in enumerate(engines)]
     if method == "broadcast":
         first: _Sender = BroadcastSender(engines, engine_workers, bucket_bytes, backend, timeouts)

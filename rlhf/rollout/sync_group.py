@@ -8,6 +8,7 @@ device differ, so the CPU tests run the GPU path's code.
 
 Rank 0 is the sender; engine ``e``'s tensor-parallel worker ``w`` is rank ``1 + sum(tp of engines < e) + w``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,8 +58,9 @@ class GroupAddress:
 
     @classmethod
     def from_wire(cls, wire: dict) -> "GroupAddress":
-        return cls(wire["host"], int(wire["port"]), tuple(wire["members"]), wire["backend"],
-                   SyncTimeouts(**wire["timeouts"]))
+        return cls(
+            wire["host"], int(wire["port"]), tuple(wire["members"]), wire["backend"], SyncTimeouts(**wire["timeouts"])
+        )
 
 
 def listen(members: Sequence[str], backend: str, timeouts: SyncTimeouts) -> Tuple[object, GroupAddress]:
@@ -79,16 +81,19 @@ class SyncGroup:
     def __init__(self, address: GroupAddress, rank: int, store=None) -> None:
         t = address.timeouts
         if store is None:
-            store = connect_store(address.host, address.port, address.world_size, t.connect_s,
-                                  address.members[rank], address.members[0])
+            store = connect_store(
+                address.host, address.port, address.world_size, t.connect_s, address.members[rank], address.members[0]
+            )
         self.rank, self.address, self._store = rank, address, store
         prefixed = torch.distributed.PrefixStore(_PREFIX, store)
         arrive(prefixed, rank, address.members, t.connect_s, "the weight-sync group")
         # every member is here: the backend's own rendezvous (NCCL's at the first collective) waits for no one
-        self.backend = _make_backend(address.backend, prefixed, rank, address.world_size,
-                                     datetime.timedelta(seconds=t.call_s))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if address.backend == "nccl" else \
-            torch.device("cpu")
+        self.backend = _make_backend(
+            address.backend, prefixed, rank, address.world_size, datetime.timedelta(seconds=t.call_s)
+        )
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if address.backend == "nccl" else torch.device("cpu")
+        )
         # NCCL builds its communicator at the first collective: one byte now makes a group that cannot really
         # form fail at start-up, not at the first weight sync.
         self.broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device), src=0)

@@ -13,6 +13,7 @@ storage, so the addresses a graph recorded still hold the new weights); on CPU t
 weights then KV cache, around the weight sync (:meth:`rlhf.trainers.rl_steps.RLTrainer.push_weights`); every parameter
 is overwritten by that sync, so nothing the level-2 sleep discarded is read.
 """
+
 from __future__ import annotations
 
 import os
@@ -111,10 +112,15 @@ class VLLMEngine:
         from vllm import SamplingParams, TokensPrompt
 
         params = [
-            SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                           top_p=sampling.top_p, top_k=sampling.top_k, logprobs=0,
-                           seed=None if sampling.seed is None else sampling.seed + i,
-                           stop_token_ids=list(sampling.stop_token_ids) or None)
+            SamplingParams(
+                max_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                logprobs=0,
+                seed=None if sampling.seed is None else sampling.seed + i,
+                stop_token_ids=list(sampling.stop_token_ids) or None,
+            )
             for i in range(len(prompt_ids))
         ]
         # ignore: vLLM marks the other keys typing.NotRequired, which mypy for python_version 3.10 does not read

@@ -12,6 +12,7 @@ Three transports carry the same packed buckets (``rlhf.rollout.senders``), and a
   memory on CPU);
 * object store: :meth:`rlhf_load_bucket` gets the bucket's bytes through ``LLM.collective_rpc``.
 """
+
 from __future__ import annotations
 
 import logging

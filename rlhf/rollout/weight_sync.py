@@ -9,6 +9,7 @@ the bucket's bytes travel: a broadcast over a process group (NCCL / gloo), a CUD
 the Ray object store. On the engine side the names stay HF checkpoint names: vLLM's own ``model.load_weights``
 maps them onto its fused layers (qkv, gate_up).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,8 +18,19 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 ALIGN = 16  # every tensor starts on a 16-byte boundary so it can be viewed in place as any dtype
-DTYPES = {str(dt).removeprefix("torch."): dt for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                                         torch.int64, torch.int32, torch.uint8, torch.bool)}
+DTYPES = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -68,8 +80,9 @@ def layout(named: Sequence[Tuple[str, torch.Tensor]]) -> Tuple[Tuple[TensorMeta,
     return tuple(metas), offset
 
 
-def pack_bucket(named: Sequence[Tuple[str, torch.Tensor]], device: Optional[torch.device] = None,
-                out: Optional[torch.Tensor] = None) -> WeightBucket:
+def pack_bucket(
+    named: Sequence[Tuple[str, torch.Tensor]], device: Optional[torch.device] = None, out: Optional[torch.Tensor] = None
+) -> WeightBucket:
     """Copy ``named`` into one flat buffer: ``out[:size]`` when given (a reused or shared buffer), else a new
     one on ``device`` (default: the first tensor's device)."""
     named = list(named)
@@ -83,7 +96,7 @@ def pack_bucket(named: Sequence[Tuple[str, torch.Tensor]], device: Optional[torc
         data = out[:size]
     for meta, (_, tensor) in zip(metas, named):
         if meta.nbytes:
-            data[meta.offset:meta.offset + meta.nbytes].copy_(_as_bytes(tensor))
+            data[meta.offset : meta.offset + meta.nbytes].copy_(_as_bytes(tensor))
     return WeightBucket(metas, data)
 
 
@@ -100,12 +113,13 @@ def unpack_bucket(metas: Sequence[TensorMeta], data: torch.Tensor) -> List[Tuple
         if m.nbytes == 0:
             out.append((m.name, torch.empty(m.shape, dtype=dtype, device=data.device)))
             continue
-        out.append((m.name, data[m.offset:m.offset + m.nbytes].view(dtype).reshape(m.shape)))
+        out.append((m.name, data[m.offset : m.offset + m.nbytes].view(dtype).reshape(m.shape)))
     return out
 
 
-def bucket_groups(named: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int
-                  ) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+def bucket_groups(
+    named: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[List[Tuple[str, torch.Tensor]]]:
     """Tensors in order, grouped to at most ``bucket_bytes`` each (a larger tensor gets a bucket alone)."""
     pending: List[Tuple[str, torch.Tensor]] = []
     size = 0

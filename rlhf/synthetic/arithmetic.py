@@ -8,6 +8,7 @@ the tokenizer side appends the EOS token.
 Every sampler takes an explicit seed and draws from its own ``random.Random`` so that datasets are reproducible
 and independent of any global RNG state another library may touch.
 """
+
 from __future__ import annotations
 
 import json
@@ -96,9 +97,7 @@ def make_preference_rows(n: int, seed: int, max_operand: int = DEFAULT_MAX_OPERA
     for _ in range(n):
         a, b = _sample_operands(rng, max_operand)
         wrong, margin = _wrong_answer(rng, a + b)
-        rows.append(
-            {"prompt": format_prompt(a, b), "chosen": str(a + b), "rejected": str(wrong), "margin": margin}
-        )
+        rows.append({"prompt": format_prompt(a, b), "chosen": str(a + b), "rejected": str(wrong), "margin": margin})
     return rows
 
 
@@ -143,15 +142,23 @@ def to_chat_sft(rows: list[dict]) -> list[dict]:
 
 def to_chat_preference(rows: list[dict]) -> list[dict]:
     """Preference rows as a prompt conversation with one assistant message chosen and one rejected."""
-    return [{"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, _user(r["prompt"])],
-             "chosen": [_assistant(r["chosen"])], "rejected": [_assistant(r["rejected"])], "margin": r["margin"]}
-            for r in rows]
+    return [
+        {
+            "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, _user(r["prompt"])],
+            "chosen": [_assistant(r["chosen"])],
+            "rejected": [_assistant(r["rejected"])],
+            "margin": r["margin"],
+        }
+        for r in rows
+    ]
 
 
 def to_chat_prompts(rows: list[dict]) -> list[dict]:
     """RL prompts as conversations, answered after the chat template's generation prompt."""
-    return [{"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, _user(r["prompt"])], "answer": r["answer"]}
-            for r in rows]
+    return [
+        {"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, _user(r["prompt"])], "answer": r["answer"]}
+        for r in rows
+    ]
 
 
 def extract_answer(response: str) -> str | None:
@@ -186,9 +193,7 @@ def reward(prompts: list[str], responses: list[str], answers: list[str]) -> list
         One reward per response.
     """
     if not (len(prompts) == len(responses) == len(answers)):
-        raise ValueError(
-            f"reward: got {len(prompts)} prompts, {len(responses)} responses and {len(answers)} answers"
-        )
+        raise ValueError(f"reward: got {len(prompts)} prompts, {len(responses)} responses and {len(answers)} answers")
     return [1.0 if is_correct(r, a) else 0.0 for r, a in zip(responses, answers)]
 
 

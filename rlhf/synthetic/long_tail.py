@@ -18,6 +18,7 @@ Pure Python (no torch, no transformers): importable anywhere, and cheap enough f
 
 writes ``OUT_DIR/sft.jsonl`` and ``OUT_DIR/pairs.jsonl`` and prints their length reports.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,10 @@ class LengthSpec:
 
     def __post_init__(self) -> None:
         if self.min_tokens < MIN_PROMPT_TOKENS + MIN_RESPONSE_TOKENS + EOS_TOKENS + 2:
-            raise ValueError(f"min_tokens must be >= {MIN_PROMPT_TOKENS + MIN_RESPONSE_TOKENS + EOS_TOKENS + 2} "
-                             f"(a prompt, an answer and EOS), got {self.min_tokens}")
+            raise ValueError(
+                f"min_tokens must be >= {MIN_PROMPT_TOKENS + MIN_RESPONSE_TOKENS + EOS_TOKENS + 2} "
+                f"(a prompt, an answer and EOS), got {self.min_tokens}"
+            )
         if self.max_tokens < self.min_tokens:
             raise ValueError(f"max_tokens {self.max_tokens} < min_tokens {self.min_tokens}")
         if not (self.median > 0 and self.sigma >= 0):
@@ -76,8 +79,9 @@ def sample_lengths(n: int, seed: int, spec: LengthSpec = LengthSpec()) -> List[i
     """``n`` row lengths (tokens) drawn from ``spec``, deterministic in ``seed``."""
     rng = random.Random(seed)
     mu = math.log(spec.median)
-    return [min(spec.max_tokens, max(spec.min_tokens, int(round(rng.lognormvariate(mu, spec.sigma)))))
-            for _ in range(n)]
+    return [
+        min(spec.max_tokens, max(spec.min_tokens, int(round(rng.lognormvariate(mu, spec.sigma))))) for _ in range(n)
+    ]
 
 
 def token_length(text: str) -> int:
@@ -167,11 +171,13 @@ def make_preference_rows(n: int, seed: int, spec: LengthSpec = LengthSpec()) -> 
         prompt_tokens, _ = _split(rng, min(chosen_total, rejected_total), spec)
         prompt, answer = _prompt(rng, prompt_tokens)
         wrong = answer + rng.choice((-2, -1, 1, 2)) if answer >= 2 else answer + rng.choice((1, 2))
-        rows.append({
-            "prompt": prompt,
-            "chosen": _response(rng, max(MIN_RESPONSE_TOKENS, chosen_total - EOS_TOKENS - len(prompt)), answer),
-            "rejected": _response(rng, max(MIN_RESPONSE_TOKENS, rejected_total - EOS_TOKENS - len(prompt)), wrong),
-        })
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": _response(rng, max(MIN_RESPONSE_TOKENS, chosen_total - EOS_TOKENS - len(prompt)), answer),
+                "rejected": _response(rng, max(MIN_RESPONSE_TOKENS, rejected_total - EOS_TOKENS - len(prompt)), wrong),
+            }
+        )
     return rows
 
 
@@ -202,28 +208,41 @@ def length_report(lengths: Sequence[int], edges: Optional[Sequence[int]] = None)
     values = sorted(lengths)
     if not values:
         raise ValueError("length_report of no lengths")
-    edges = list(edges) if edges is not None else [2 ** k for k in range(0, 21)]
+    edges = list(edges) if edges is not None else [2**k for k in range(0, 21)]
     hist: Dict[str, int] = {}
     for v in values:
         i = bisect.bisect_right(edges, v) - 1
-        key = f"{edges[i]}-{edges[i + 1] - 1}" if 0 <= i < len(edges) - 1 else (f">={edges[-1]}" if i >= 0 else
-                                                                                   f"<{edges[0]}")
+        key = (
+            f"{edges[i]}-{edges[i + 1] - 1}"
+            if 0 <= i < len(edges) - 1
+            else (f">={edges[-1]}" if i >= 0 else f"<{edges[0]}")
+        )
         hist[key] = hist.get(key, 0) + 1
     total = sum(values)
-    top = values[len(values) - max(1, len(values) // 10):]
+    top = values[len(values) - max(1, len(values) // 10) :]
     p = {f"p{q}": percentile(values, q) for q in (10, 25, 50, 75, 90, 95, 99)}
-    return {"count": len(values), "tokens": total, "mean": total / len(values), "min": values[0],
-            "max": values[-1], **p, "p99_over_p50": p["p99"] / p["p50"], "top10pct_token_share": sum(top) / total,
-            "histogram": hist}
+    return {
+        "count": len(values),
+        "tokens": total,
+        "mean": total / len(values),
+        "min": values[0],
+        "max": values[-1],
+        **p,
+        "p99_over_p50": p["p99"] / p["p50"],
+        "top10pct_token_share": sum(top) / total,
+        "histogram": hist,
+    }
 
 
 def format_report(report: dict, title: str = "lengths") -> str:
     """A few printable lines of :func:`length_report`, with a text bar per histogram bin."""
     r = report
-    lines = [f"{title}: {r['count']} rows, {r['tokens']} tokens, mean {r['mean']:.1f}, min {r['min']}, "
-             f"p10 {r['p10']:.0f}, p50 {r['p50']:.0f}, p90 {r['p90']:.0f}, p99 {r['p99']:.0f}, max {r['max']}; "
-             f"p99/p50 {r['p99_over_p50']:.1f}; longest 10% of rows hold {100 * r['top10pct_token_share']:.0f}% "
-             f"of the tokens"]
+    lines = [
+        f"{title}: {r['count']} rows, {r['tokens']} tokens, mean {r['mean']:.1f}, min {r['min']}, "
+        f"p10 {r['p10']:.0f}, p50 {r['p50']:.0f}, p90 {r['p90']:.0f}, p99 {r['p99']:.0f}, max {r['max']}; "
+        f"p99/p50 {r['p99_over_p50']:.1f}; longest 10% of rows hold {100 * r['top10pct_token_share']:.0f}% "
+        f"of the tokens"
+    ]
     peak = max(r["histogram"].values())
     for key, count in r["histogram"].items():
         lines.append(f"  {key:>10} {count:6d} {'#' * max(1, round(40 * count / peak))}")
@@ -233,8 +252,10 @@ def format_report(report: dict, title: str = "lengths") -> str:
 def write_datasets(out_dir: str, n: int, seed: int, spec: LengthSpec = LengthSpec()) -> Dict[str, str]:
     """``out_dir/sft.jsonl`` and ``out_dir/pairs.jsonl`` (``n`` rows each); returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
-    return {"sft": write_jsonl(os.path.join(out_dir, "sft.jsonl"), make_sft_rows(n, seed, spec)),
-            "pairs": write_jsonl(os.path.join(out_dir, "pairs.jsonl"), make_preference_rows(n, seed, spec))}
+    return {
+        "sft": write_jsonl(os.path.join(out_dir, "sft.jsonl"), make_sft_rows(n, seed, spec)),
+        "pairs": write_jsonl(os.path.join(out_dir, "pairs.jsonl"), make_preference_rows(n, seed, spec)),
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -250,8 +271,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     spec = LengthSpec(median=args.median, sigma=args.sigma, min_tokens=args.min_tokens, max_tokens=args.max_tokens)
     paths = write_datasets(args.out_dir, args.rows, args.seed, spec)
     print(format_report(length_report(sft_lengths(make_sft_rows(args.rows, args.seed, spec))), paths["sft"]))
-    print(format_report(length_report(pair_lengths(make_preference_rows(args.rows, args.seed, spec))),
-                        paths["pairs"]))
+    print(format_report(length_report(pair_lengths(make_preference_rows(args.rows, args.seed, spec))), paths["pairs"]))
     return 0
 
 

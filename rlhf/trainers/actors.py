@@ -11,6 +11,7 @@ Starters for the model roles (:func:`trained_group`, :func:`frozen_group`) build
 :class:`~rlhf.distributed.group.WorkerGroup`; the runners add their own for the vLLM engines and the environment
 pool.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional
@@ -18,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional
 from rlhf.distributed.resource_plan import ActorPlan, ResourcePlan
 
 if TYPE_CHECKING:
+    from rlhf.distributed.engine import OptimSpec
     from rlhf.distributed.group import WorkerGroup
     from rlhf.distributed.placement import Placement
-    from rlhf.distributed.engine import OptimSpec
     from rlhf.trainers.run import RunContext
 
 # (the role's actors in the plan, the shared placement group they sit on or None) -> the started role
@@ -53,17 +54,21 @@ def start_plan(plan: ResourcePlan, ctx: "RunContext", starters: Mapping[str, Rol
 def trained_group(ctx: "RunContext", model_path: str, kind: str, optim: "OptimSpec") -> RoleStarter:
     """A starter for a trained model's role: ``kind`` (``rlhf.models.loading``) from ``model_path``, its optimizer
     ``optim``, micro-batches and accumulation from ``train.*`` over the plan's ranks."""
+
     def start(actors: ActorPlan, placement: Optional["Placement"]) -> "WorkerGroup":
         group = ctx.group_of(actors, placement)
         group.build(ctx.model_spec(model_path, kind), ctx.engine_spec(actors.count), optim)
         return group
+
     return start
 
 
 def frozen_group(ctx: "RunContext", model_path: str, kind: str) -> RoleStarter:
     """A starter for a frozen model's role (a reference, a reward model): it scores, it never steps."""
+
     def start(actors: ActorPlan, placement: Optional["Placement"]) -> "WorkerGroup":
         group = ctx.group_of(actors, placement)
         group.build(ctx.model_spec(model_path, kind), ctx.engine_spec(actors.count, trainable=False), None)
         return group
+
     return start

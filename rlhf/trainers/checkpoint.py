@@ -13,6 +13,7 @@ state are on disk, so a crash mid-write leaves no directory that :meth:`Checkpoi
 position needs no saving: which samples step ``k`` uses is a pure function of (seed, epoch, k)
 (:class:`~rlhf.data.plan.EpochPlan`), so a resumed run skips the first ``k`` steps of the same plan.
 """
+
 from __future__ import annotations
 
 import json
@@ -92,7 +93,7 @@ class Checkpoints:
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     def _prune(self) -> None:
-        for _, path in self.complete()[:-self.keep]:
+        for _, path in self.complete()[: -self.keep]:
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -135,8 +136,9 @@ class RunCheckpoints:
             return 0
         path, state = found
         saved = state.get("identity", {})
-        differ = [f"{k}={saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in self.identity.items()
-                  if saved.get(k) != v]
+        differ = [
+            f"{k}={saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in self.identity.items() if saved.get(k) != v
+        ]
         if differ:
             raise ConfigError(f"train.resume: {path} belongs to another run: " + "; ".join(differ))
         self._resume_from = (path, int(state["step"]))
@@ -182,6 +184,7 @@ class RunCheckpoints:
             log.info(f"[{self.name}] checkpoint {path}")
         if stop:
             self.stopped_early = True
-            log.info(f"[{self.name}] stopped after step {step} (train.stop_after_steps); continue with "
-                     f"train.resume=true")
+            log.info(
+                f"[{self.name}] stopped after step {step} (train.stop_after_steps); continue with train.resume=true"
+            )
         return stop

@@ -4,6 +4,7 @@ Reference log-probs come from the reference model on its own worker group, eithe
 before training (``dpo.ref_mode=precompute``, the reference group is then released) or for every step's
 global batch (``online``, for datasets too large to score up front). Both give the same numbers.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -41,10 +42,19 @@ class _PairData:
 
 def _read(cfg: DPORunConfig, tokenizer, path: str, split: str) -> Tokenized:
     d = cfg.data
-    rows, chat = read_formatted(d, path, split, tokenizer, pair_fields(d.prompt_key, d.chosen_key, d.rejected_key),
-                                chat_keys=(d.chosen_key,))
-    return tokenize_pairs(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key, chosen_key=d.chosen_key,
-                          rejected_key=d.rejected_key, add_eos=d.add_eos, chat=chat)
+    rows, chat = read_formatted(
+        d, path, split, tokenizer, pair_fields(d.prompt_key, d.chosen_key, d.rejected_key), chat_keys=(d.chosen_key,)
+    )
+    return tokenize_pairs(
+        rows,
+        tokenizer,
+        max_length=d.max_length,
+        prompt_key=d.prompt_key,
+        chosen_key=d.chosen_key,
+        rejected_key=d.rejected_key,
+        add_eos=d.add_eos,
+        chat=chat,
+    )
 
 
 def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
@@ -52,19 +62,22 @@ def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
     train, held_out_examples = read_train_and_eval(cfg, tokenizer, _read)
     data = _PairData(train.examples, tokenizer.pad_token_id)
     held_out = _PairData(held_out_examples, tokenizer.pad_token_id)
-    objective = DPOObjective(loss_type=p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing,
-                             nll_coef=p.nll_coef)
-    task = OfflineTask(objective=objective,
-                       num_examples=len(train.examples), collate=data.collate,
-                       eval_num_examples=len(held_out.examples), eval_collate=held_out.collate,
-                       console_keys=("loss", "rewards/accuracy", "rewards/margin", "grad_norm", "lr"),
-                       attach=lambda task_, ctx, policy, reference: attach_reference(task_, ctx, policy, reference,
-                                                                                  [data, held_out]))
+    objective = DPOObjective(loss_type=p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing, nll_coef=p.nll_coef)
+    task = OfflineTask(
+        objective=objective,
+        num_examples=len(train.examples),
+        collate=data.collate,
+        eval_num_examples=len(held_out.examples),
+        eval_collate=held_out.collate,
+        console_keys=("loss", "rewards/accuracy", "rewards/margin", "grad_norm", "lr"),
+        attach=lambda task_, ctx, policy, reference: attach_reference(task_, ctx, policy, reference, [data, held_out]),
+    )
     return task, train.skipped_rows
 
 
-def attach_reference(task: OfflineTask, ctx: RunContext, policy: WorkerGroup, reference: Optional[WorkerGroup],
-                     datasets: List[_PairData]) -> None:
+def attach_reference(
+    task: OfflineTask, ctx: RunContext, policy: WorkerGroup, reference: Optional[WorkerGroup], datasets: List[_PairData]
+) -> None:
     """Score the reference: its group of the plan (``model.ref_path``, else the initial policy), or without one
     (LoRA) the policy's frozen base, the policy's workers with the adapters off. Every pair's log-probs are
     precomputed now (train and held-out data; the reference group is released after), or each step's global batch
@@ -97,8 +110,10 @@ def precompute_reference(ref: WorkerGroup, data: _PairData, fn: ScoreFn) -> torc
     window = REF_BATCH_SIZE * ref.size * 8  # collated a window at a time: a padded copy of the whole set is not kept
     assert ref.engine_spec is not None, "the reference group was built before it scores"
     rows = None if ref.engine_spec.max_tokens_per_micro_batch or ref.trainable else REF_BATCH_SIZE
-    parts = [ref.score_batch(data.collate(list(range(i, min(i + window, n)))), fn, rows_per_forward=rows)
-             for i in range(0, n, window)]
+    parts = [
+        ref.score_batch(data.collate(list(range(i, min(i + window, n)))), fn, rows_per_forward=rows)
+        for i in range(0, n, window)
+    ]
     return torch.cat(parts) if parts else torch.zeros(0, 2)
 
 

@@ -15,6 +15,7 @@ over the step (``rlhf.trainers.run.Run``).
 The guard's state (running median, zero streaks) is a function of the logged rows alone: a resumed or rewound
 run rebuilds it from ``metrics.jsonl`` (:meth:`HealthGuard.observe`), so it decides as the uninterrupted run would.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,19 +34,26 @@ class TrainingHealthError(RuntimeError):
 
 class HealthGuard:
     """Args:
-        watch: metrics that must stay finite.
-        zero_loss_key: the loss whose exact zeros are counted, together with those of ``spike_key`` (``None``:
-            neither is checked, e.g. RL, where a batch of all-tied reward groups legitimately gives a zero policy
-            loss and gradient).
-        zero_loss_steps: consecutive exact zeros (of either) that trip the guard (0: off).
-        spike_key: the metric checked for spikes (a grad norm).
-        spike_factor: trip when ``value > spike_factor * median`` (0: off).
-        spike_window: steps in the running median; the check starts once the window holds ``min_history``.
+    watch: metrics that must stay finite.
+    zero_loss_key: the loss whose exact zeros are counted, together with those of ``spike_key`` (``None``:
+        neither is checked, e.g. RL, where a batch of all-tied reward groups legitimately gives a zero policy
+        loss and gradient).
+    zero_loss_steps: consecutive exact zeros (of either) that trip the guard (0: off).
+    spike_key: the metric checked for spikes (a grad norm).
+    spike_factor: trip when ``value > spike_factor * median`` (0: off).
+    spike_window: steps in the running median; the check starts once the window holds ``min_history``.
     """
 
-    def __init__(self, watch: Sequence[str], zero_loss_key: Optional[str] = "loss", zero_loss_steps: int = 3,
-                 spike_key: str = "grad_norm", spike_factor: float = 10.0, spike_window: int = 20,
-                 min_history: int = 5) -> None:
+    def __init__(
+        self,
+        watch: Sequence[str],
+        zero_loss_key: Optional[str] = "loss",
+        zero_loss_steps: int = 3,
+        spike_key: str = "grad_norm",
+        spike_factor: float = 10.0,
+        spike_window: int = 20,
+        min_history: int = 5,
+    ) -> None:
         self.watch, self.zero_loss_key, self.zero_loss_steps = tuple(watch), zero_loss_key, zero_loss_steps
         self.spike_key, self.spike_factor, self.min_history = spike_key, spike_factor, min_history
         self._history: Deque[float] = deque(maxlen=spike_window)
@@ -70,16 +78,20 @@ class HealthGuard:
             for key in self._zeros:
                 self._zeros[key] = self._zeros[key] + 1 if row.get(key) == 0.0 else 0
                 if self._zeros[key] >= self.zero_loss_steps:
-                    return (f"step {step}: {key} = 0.0 exactly for {self._zeros[key]} steps in a row (a precision "
-                            f"setting, a loss mask or a saturated model that stops every gradient?)")
+                    return (
+                        f"step {step}: {key} = 0.0 exactly for {self._zeros[key]} steps in a row (a precision "
+                        f"setting, a loss mask or a saturated model that stops every gradient?)"
+                    )
         value = row.get(self.spike_key)
         if self.spike_factor and isinstance(value, (int, float)):
             if len(self._history) >= self.min_history:
                 median = statistics.median(self._history)
                 if median > 0 and value > self.spike_factor * median:
-                    return (f"step {step}: {self.spike_key} = {value:.4g} is {value / median:.3g}x the running "
-                            f"median {median:.4g} of the last {len(self._history)} steps (limit "
-                            f"{self.spike_factor:g}x)")
+                    return (
+                        f"step {step}: {self.spike_key} = {value:.4g} is {value / median:.3g}x the running "
+                        f"median {median:.4g} of the last {len(self._history)} steps (limit "
+                        f"{self.spike_factor:g}x)"
+                    )
             self._history.append(float(value))
         return None
 
@@ -88,8 +100,14 @@ def guard_from_config(health, watch: Sequence[str], zero_loss_key: Optional[str]
     """The run's guard from its ``health`` config section, or ``None`` when ``health.action=off``."""
     if health.action == "off":
         return None
-    return HealthGuard(watch, zero_loss_key=zero_loss_key, zero_loss_steps=health.zero_loss_steps,
-                       spike_key=spike_key, spike_factor=health.spike_factor, spike_window=health.spike_window)
+    return HealthGuard(
+        watch,
+        zero_loss_key=zero_loss_key,
+        zero_loss_steps=health.zero_loss_steps,
+        spike_key=spike_key,
+        spike_factor=health.spike_factor,
+        spike_window=health.spike_window,
+    )
 
 
 def check_health(guard: Optional[HealthGuard], action: str, row: dict, say=print) -> None:
@@ -100,8 +118,10 @@ def check_health(guard: Optional[HealthGuard], action: str, row: dict, say=print
     if problem is None:
         return
     if action == "stop":
-        raise TrainingHealthError(f"health guard: {problem}; stopped (health.action=stop), the newest checkpoint "
-                                  f"is the last good state", step=row.get("step"))
+        raise TrainingHealthError(
+            f"health guard: {problem}; stopped (health.action=stop), the newest checkpoint is the last good state",
+            step=row.get("step"),
+        )
     if action == "skip":
         raise TrainingHealthError(f"health guard: {problem}", step=row.get("step"))
     say(f"[health] warning: {problem}")

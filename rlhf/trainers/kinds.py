@@ -6,6 +6,7 @@ tabulates, and what tells its configs apart. The command lines, ``--dry-run``, t
 output directory read the descriptor of a config (:func:`kind_of`, by the config's class); no code asks a config
 which sections it has. Adding a trainer is one entry here, its config class and its train function.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -77,21 +78,55 @@ class TrainerKind:
 
 # In the order an audit tries a config's class against them.
 _KINDS: Tuple[TrainerKind, ...] = (
-    TrainerKind(name="sft", run_name="sft", config_cls=SFTRunConfig, train_path="rlhf.trainers.sft:train_sft",
-                policy_role="policy", policy_kind=CAUSAL_LM, primary_loss="loss", sections=(),
-                preset_prefixes=("sft",)),
-    TrainerKind(name="rm", run_name="rm", config_cls=RewardModelRunConfig,
-                train_path="rlhf.trainers.reward_model:train_reward_model", policy_role="reward_model",
-                policy_kind=SCALAR_HEAD, primary_loss="loss", sections=("rm",), preset_prefixes=("rm",)),
-    TrainerKind(name="dpo", run_name="dpo", config_cls=DPORunConfig, train_path="rlhf.trainers.dpo:train_dpo",
-                policy_role="policy", policy_kind=CAUSAL_LM, primary_loss="loss", sections=("dpo",),
-                preset_prefixes=("dpo",), has_reference=lambda cfg: True,
-                reference_ranks=lambda cfg: cfg.dpo.ref_num_workers),
-    TrainerKind(name="ppo", run_name="rl", config_cls=RLRunConfig, train_path="rlhf.trainers.rl_runner:train_ppo",
-                policy_role="policy", policy_kind=CAUSAL_LM, primary_loss="policy_loss",
-                sections=("rollout", "reward", "algo", "critic", "colocate"), preset_prefixes=("ppo", "grpo"),
-                has_reference=lambda cfg: cfg.algo.kl_coef > 0,
-                model_keys=RUN_MODEL_KEYS + ("critic.path", "reward.model_path"), online=True),
+    TrainerKind(
+        name="sft",
+        run_name="sft",
+        config_cls=SFTRunConfig,
+        train_path="rlhf.trainers.sft:train_sft",
+        policy_role="policy",
+        policy_kind=CAUSAL_LM,
+        primary_loss="loss",
+        sections=(),
+        preset_prefixes=("sft",),
+    ),
+    TrainerKind(
+        name="rm",
+        run_name="rm",
+        config_cls=RewardModelRunConfig,
+        train_path="rlhf.trainers.reward_model:train_reward_model",
+        policy_role="reward_model",
+        policy_kind=SCALAR_HEAD,
+        primary_loss="loss",
+        sections=("rm",),
+        preset_prefixes=("rm",),
+    ),
+    TrainerKind(
+        name="dpo",
+        run_name="dpo",
+        config_cls=DPORunConfig,
+        train_path="rlhf.trainers.dpo:train_dpo",
+        policy_role="policy",
+        policy_kind=CAUSAL_LM,
+        primary_loss="loss",
+        sections=("dpo",),
+        preset_prefixes=("dpo",),
+        has_reference=lambda cfg: True,
+        reference_ranks=lambda cfg: cfg.dpo.ref_num_workers,
+    ),
+    TrainerKind(
+        name="ppo",
+        run_name="rl",
+        config_cls=RLRunConfig,
+        train_path="rlhf.trainers.rl_runner:train_ppo",
+        policy_role="policy",
+        policy_kind=CAUSAL_LM,
+        primary_loss="policy_loss",
+        sections=("rollout", "reward", "algo", "critic", "colocate"),
+        preset_prefixes=("ppo", "grpo"),
+        has_reference=lambda cfg: cfg.algo.kl_coef > 0,
+        model_keys=RUN_MODEL_KEYS + ("critic.path", "reward.model_path"),
+        online=True,
+    ),
 )
 TRAINER_KINDS: Registry[TrainerKind] = Registry("trainer")
 for _kind in _KINDS:
@@ -108,5 +143,7 @@ def kind_of(cfg: RunConfig) -> TrainerKind:
     for kind in kinds():
         if type(cfg) is kind.config_cls:
             return kind
-    raise TypeError(f"{type(cfg).__name__} is no trainer's run config; the trainers' are "
-                    + ", ".join(kind.config_cls.__name__ for kind in kinds()))
+    raise TypeError(
+        f"{type(cfg).__name__} is no trainer's run config; the trainers' are "
+        + ", ".join(kind.config_cls.__name__ for kind in kinds())
+    )

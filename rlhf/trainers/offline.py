@@ -8,6 +8,7 @@
 Everything that can be wrong with the inputs (config, paths, data rows, a plan with no step) fails before any
 actor starts. ``final/`` appears only when the run finished: it is written to a temporary directory and renamed.
 """
+
 from __future__ import annotations
 
 import time
@@ -24,16 +25,15 @@ from rlhf.data.vocab import check_tokenizer, config_vocab_size
 from rlhf.distributed.group import WorkerGroup
 from rlhf.distributed.micro_batches import micro_batch_tokens
 from rlhf.hub import model_dir, pin_run_sources
-from rlhf.objectives.base import Objective, Totals
 from rlhf.models.loading import CAUSAL_LM
+from rlhf.objectives.base import Objective, Totals
 from rlhf.trainers.actors import frozen_group, start_plan, trained_group
 from rlhf.trainers.kinds import kind_of
-from rlhf.trainers.preflight import preflight
 from rlhf.trainers.output_dir import claim_output_dir
-from rlhf.trainers.run import (Run, RunContext, RunResult, optim_spec,
-                               run_identity, with_restarts)
-from rlhf.utils.metrics import Progress, format_row
+from rlhf.trainers.preflight import preflight
+from rlhf.trainers.run import Run, RunContext, RunResult, optim_spec, run_identity, with_restarts
 from rlhf.utils.log import get_logger
+from rlhf.utils.metrics import Progress, format_row
 from rlhf.utils.versions import check_versions
 
 log = get_logger(__name__)
@@ -67,9 +67,11 @@ def read_train_and_eval(cfg: RunConfig, tokenizer, read: Callable) -> tuple:
     with located("data.train_path", d.train_path):
         train = read(cfg, tokenizer, d.train_path, d.split)
     if not train.examples:
-        raise DataError(f"data.train_path={d.train_path}: none of its {len(train.skipped_rows)} rows has a token to "
-                        f"train on within data.max_length={d.max_length} (each prompt fills it); raise "
-                        f"data.max_length or shorten the prompts")
+        raise DataError(
+            f"data.train_path={d.train_path}: none of its {len(train.skipped_rows)} rows has a token to "
+            f"train on within data.max_length={d.max_length} (each prompt fills it); raise "
+            f"data.max_length or shorten the prompts"
+        )
     _check_token_budget(cfg.train, "data.train_path", d.train_path, train)
     held_out = []
     if d.eval_path:
@@ -91,9 +93,11 @@ def _check_token_budget(train_cfg: TrainConfig, key: str, path: str, data: Token
     if costs[longest] > budget:
         skipped = set(data.skipped_rows)
         source_rows = [r for r in range(len(data.examples) + len(skipped)) if r not in skipped]
-        raise DataError(f"{key}={path}: row {source_rows[longest] + 1} (counting from 1) holds {costs[longest]} tokens "
-                        f"({_how_counted(train_cfg.packing)}), more than train.max_tokens_per_micro_batch={budget}; "
-                        f"raise the budget to at least {max(costs)} or lower data.max_length")
+        raise DataError(
+            f"{key}={path}: row {source_rows[longest] + 1} (counting from 1) holds {costs[longest]} tokens "
+            f"({_how_counted(train_cfg.packing)}), more than train.max_tokens_per_micro_batch={budget}; "
+            f"raise the budget to at least {max(costs)} or lower data.max_length"
+        )
 
 
 def _how_counted(packing: bool) -> str:
@@ -153,25 +157,37 @@ class OfflineSteps:
             batch = self.task.prepare(batch)
         # one optimizer step per plan step: a skipped step's LR is passed over, never shifted onto the next
         result = self.policy.train_batch(batch, self.task.objective, schedule_step=step.step - 1)
-        return {"step": step.step, "epoch": step.epoch, **result.metrics, "grad_norm": result.grad_norm,
-                "lr": result.lr, "num_samples": result.num_samples, **result.cut_metrics(),
-                "step_time_s": round(time.perf_counter() - started, 4)}
+        return {
+            "step": step.step,
+            "epoch": step.epoch,
+            **result.metrics,
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+            "num_samples": result.num_samples,
+            **result.cut_metrics(),
+            "step_time_s": round(time.perf_counter() - started, 4),
+        }
 
     def evaluate(self, step: Optional[StepPlan]) -> dict:
         metrics = evaluate(self.task, self.policy, self.policy.global_batch_size)
         return {"step": step.step if step else 0, "epoch": step.epoch if step else 0, **metrics}
 
     def console(self, row: dict, progress: Progress) -> str:
-        return (f"[{self.name}] step {row['step']}/{progress.total} epoch {row['epoch']} "
-                + format_row(row, self.task.console_keys) + f" ({progress.eta()})")
+        return (
+            f"[{self.name}] step {row['step']}/{progress.total} epoch {row['epoch']} "
+            + format_row(row, self.task.console_keys)
+            + f" ({progress.eta()})"
+        )
 
 
 def describe_plan(name: str, plan: EpochPlan, train_cfg: TrainConfig, skipped: int) -> str:
     dropped = plan.num_samples - plan.steps_per_epoch * plan.global_batch_size
-    return (f"[{name}] {plan.num_samples} examples ({skipped} skipped: no token to train on within "
-            f"data.max_length), "
-            f"{plan.steps_per_epoch} steps/epoch (drop {dropped} per epoch), {plan.total_steps} optimizer steps; "
-            f"global batch {train_cfg.global_batch_size} = {train_cfg.describe_batching()}")
+    return (
+        f"[{name}] {plan.num_samples} examples ({skipped} skipped: no token to train on within "
+        f"data.max_length), "
+        f"{plan.steps_per_epoch} steps/epoch (drop {dropped} per epoch), {plan.total_steps} optimizer steps; "
+        f"global batch {train_cfg.global_batch_size} = {train_cfg.describe_batching()}"
+    )
 
 
 # (cfg, tokenizer) -> (task, skipped_rows); reads and tokenizes data, starts nothing.
@@ -192,15 +208,25 @@ def _run_offline_once(cfg: RunConfig, build_task: TaskBuilder) -> RunResult:
     tokenizer = load_tokenizer(cfg)
     task, skipped = build_task(cfg, tokenizer)
     t = cfg.train
-    plan = EpochPlan(num_samples=task.num_examples, global_batch_size=t.global_batch_size, max_epochs=t.max_epochs,
-                     max_steps=t.max_steps, seed=t.seed)
+    plan = EpochPlan(
+        num_samples=task.num_examples,
+        global_batch_size=t.global_batch_size,
+        max_epochs=t.max_epochs,
+        max_steps=t.max_steps,
+        seed=t.seed,
+    )
     log.info(describe_plan(kind.run_name, plan, t, len(skipped)))
     run = Run(cfg, kind.run_name, plan, run_identity(cfg, plan))
     # CPUs do not depend on the GPUs per worker, which are known only once the cluster is joined.
     with run.cluster(needed_cpus=kind.plan(cfg, 0.0).needed_cpus) as ctx:
-        groups = start_plan(kind.plan(cfg, ctx.gpus_per_worker), ctx, {
-            kind.policy_role: trained_group(ctx, cfg.model.path, kind.policy_kind, optim_spec(t, plan.total_steps)),
-            "reference": frozen_group(ctx, cfg.model.ref_path or cfg.model.path, CAUSAL_LM)})
+        groups = start_plan(
+            kind.plan(cfg, ctx.gpus_per_worker),
+            ctx,
+            {
+                kind.policy_role: trained_group(ctx, cfg.model.path, kind.policy_kind, optim_spec(t, plan.total_steps)),
+                "reference": frozen_group(ctx, cfg.model.ref_path or cfg.model.path, CAUSAL_LM),
+            },
+        )
         policy = groups[kind.policy_role]
         if task.attach is not None:
             task.attach(task, ctx, policy, groups.get("reference"))

@@ -19,6 +19,7 @@ Two calls per run: :func:`claim_output_dir` once per invocation, before any data
 before its first write. An attempt after a restart has ``train.resume=true`` (``rlhf.trainers.run.with_restarts``): it
 continues from this invocation's checkpoint or, before the first one, starts over in the directory it owns.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,16 +42,24 @@ CONFIG_FILE = "config.yaml"  # save_config, here
 FINAL_DIR = "final"  # rlhf.trainers.run.save_final
 # Names (fnmatch patterns) the toolkit writes at the top of a run directory, temporary files included.
 RUN_ARTIFACTS = (
-    CONFIG_FILE, f".{CONFIG_FILE}.*.tmp",  # save_config
-    METRICS_FILE, EVAL_FILE, f"{METRICS_FILE}.tmp", f"{EVAL_FILE}.tmp",  # rlhf.utils.metrics (.tmp: truncate_jsonl)
-    TENSORBOARD_DIR, "events.out.tfevents.*",  # MetricsWriter's SummaryWriter
+    CONFIG_FILE,
+    f".{CONFIG_FILE}.*.tmp",  # save_config
+    METRICS_FILE,
+    EVAL_FILE,
+    f"{METRICS_FILE}.tmp",
+    f"{EVAL_FILE}.tmp",  # rlhf.utils.metrics (.tmp: truncate_jsonl)
+    TENSORBOARD_DIR,
+    "events.out.tfevents.*",  # MetricsWriter's SummaryWriter
     CHECKPOINT_DIR,  # rlhf.trainers.checkpoint
-    FINAL_DIR, f".{FINAL_DIR}.tmp-*",  # save_final
+    FINAL_DIR,
+    f".{FINAL_DIR}.tmp-*",  # save_final
     "placement.json",  # rlhf.trainers.rl_runner
-    "wandb", "wandb_run_id",  # rlhf.utils.wandb_sink
+    "wandb",
+    "wandb_run_id",  # rlhf.utils.wandb_sink
 )
 # Drawn from a run's metrics afterwards (rlhf.cli.report, the demo): deleted with the run, not a run by themselves.
 DERIVED_ARTIFACTS = ("report.png", "rl_curves.png")
+
 
 def trainer_name(cfg: RunConfig) -> str:
     """``sft``, ``rm``, ``dpo`` or ``rl``: the prefix of the run's log lines and of a new output directory."""
@@ -131,10 +140,12 @@ def output_dir_status(cfg: RunConfig) -> str:
     if not t.output_dir:
         return f"not set: a new {OUTPUTS_ROOT}/{trainer_name(cfg)}-<date>-<time> is made at run time"
     action = _planned(t)
-    return {"new": "exists, holds no run" if os.path.isdir(t.output_dir) else "created at run time",
-            "resume": "holds a run with a checkpoint: continued (train.resume=true)",
-            "overwrite": "holds a run: deleted before this one writes (train.overwrite=true)",
-            "start over": "holds an unfinished run without a checkpoint: started over (train.resume=true)"}[action]
+    return {
+        "new": "exists, holds no run" if os.path.isdir(t.output_dir) else "created at run time",
+        "resume": "holds a run with a checkpoint: continued (train.resume=true)",
+        "overwrite": "holds a run: deleted before this one writes (train.overwrite=true)",
+        "start over": "holds an unfinished run without a checkpoint: started over (train.resume=true)",
+    }[action]
 
 
 def prepare_output_dir(cfg: RunConfig, checkpoints) -> None:
@@ -159,8 +170,10 @@ def prepare_output_dir(cfg: RunConfig, checkpoints) -> None:
     if action in ("overwrite", "start over"):
         listing = _listing(run_artifacts(t.output_dir, derived=True), t.output_dir)
         clear_run(t.output_dir)
-        log.info(f"[{checkpoints.name}] deleted the previous run in {t.output_dir}: {listing} "
-                 f"({'train.overwrite' if action == 'overwrite' else 'train.resume, no checkpoint'})")
+        log.info(
+            f"[{checkpoints.name}] deleted the previous run in {t.output_dir}: {listing} "
+            f"({'train.overwrite' if action == 'overwrite' else 'train.resume, no checkpoint'})"
+        )
     os.makedirs(t.output_dir, exist_ok=True)
     spent = dataclasses.replace(cfg, train=dataclasses.replace(t, overwrite=False))
     save_config(spent, os.path.join(t.output_dir, CONFIG_FILE))
@@ -185,8 +198,10 @@ def _artifacts(directory: str) -> List[str]:
         raise ConfigError(f"train.output_dir: {directory!r} is a file, not a directory")
     config = os.path.join(directory, CONFIG_FILE)
     if os.path.exists(config) and not is_saved_config(config):
-        raise ConfigError(f"train.output_dir: {directory} has a {CONFIG_FILE} that no run wrote, which the run's "
-                          f"resolved config would replace; choose another train.output_dir")
+        raise ConfigError(
+            f"train.output_dir: {directory} has a {CONFIG_FILE} that no run wrote, which the run's "
+            f"resolved config would replace; choose another train.output_dir"
+        )
     return run_artifacts(directory)
 
 
@@ -205,11 +220,15 @@ def _decide(t, found: List[str], resumable: bool) -> str:
     where = f"{t.output_dir} holds a run ({_listing(found, t.output_dir)})"
     if finished and not Checkpoints(t.output_dir, keep=1).complete():
         key = "train.resume" if t.resume else "train.output_dir"
-        raise ConfigError(f"{key}: {where}, finished and without a checkpoint for train.resume=true to continue "
-                          f"from; set train.overwrite=true to delete it and train again, or choose another "
-                          f"train.output_dir (empty: a new directory)")
-    raise ConfigError(f"train.output_dir: {where}; set train.resume=true to continue it, train.overwrite=true to "
-                      f"delete it and start again, or choose another train.output_dir (empty: a new directory)")
+        raise ConfigError(
+            f"{key}: {where}, finished and without a checkpoint for train.resume=true to continue "
+            f"from; set train.overwrite=true to delete it and train again, or choose another "
+            f"train.output_dir (empty: a new directory)"
+        )
+    raise ConfigError(
+        f"train.output_dir: {where}; set train.resume=true to continue it, train.overwrite=true to "
+        f"delete it and start again, or choose another train.output_dir (empty: a new directory)"
+    )
 
 
 def _listing(names: List[str], directory: str, most: int = 6) -> str:

@@ -16,6 +16,7 @@ it can read here. Hub references (``org/name@sha``) were resolved and checked by
 The run then reads what it needs (its tokenizer, its data rows, its reward functions), each refusing bad input with
 its file and row (:mod:`rlhf.trainers.offline`, :mod:`rlhf.trainers.rl_runner`).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -26,8 +27,7 @@ from rlhf.config.deepspeed_check import check_user_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError, RunConfig
 from rlhf.envs import EnvError, load_environment
-from rlhf.hub import (DATASET, MODEL, HubError, cache_dir, check_model_folder, is_hub_ref, locate, model_dir,
-                      offline)
+from rlhf.hub import DATASET, MODEL, HubError, cache_dir, check_model_folder, is_hub_ref, locate, model_dir, offline
 from rlhf.models.checks import check_scalar_head
 from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.output_dir import output_dir_status
@@ -51,14 +51,20 @@ def preflight(cfg: RunConfig, here: bool = True, precision: Optional[str] = None
     """
     kind = kind_of(cfg)
     rows = [(key, path, _model_status(key, path, here)) for key, path in _values(cfg, kind.model_keys) if path]
-    rows += [(key, path, _path_status(key, path, repo_type, here))
-             for key, path, repo_type in (("model.tokenizer_path", cfg.model.tokenizer_path, MODEL),
-                                          ("data.train_path", cfg.data.train_path, DATASET),
-                                          ("data.eval_path", cfg.data.eval_path, DATASET)) if path]
+    rows += [
+        (key, path, _path_status(key, path, repo_type, here))
+        for key, path, repo_type in (
+            ("model.tokenizer_path", cfg.model.tokenizer_path, MODEL),
+            ("data.train_path", cfg.data.train_path, DATASET),
+            ("data.eval_path", cfg.data.eval_path, DATASET),
+        )
+        if path
+    ]
     rows += _deepspeed_rows(cfg, here, precision)
     if kind.online and isinstance(cfg, RLRunConfig):  # online: always an RLRunConfig (narrows the type)
-        rows += [("reward.functions", spec, reward_function_status(spec)) for spec in cfg.reward.functions
-                 if not here]  # a run loads them into its scorer (rlhf.rewards.functions)
+        rows += [
+            ("reward.functions", spec, reward_function_status(spec)) for spec in cfg.reward.functions if not here
+        ]  # a run loads them into its scorer (rlhf.rewards.functions)
         if cfg.env.spec:
             rows.append(("env.spec", cfg.env.spec, environment_status(cfg.env.spec, here)))
         if cfg.reward.model_path and _readable(cfg.reward.model_path, here):
@@ -66,8 +72,13 @@ def preflight(cfg: RunConfig, here: bool = True, precision: Optional[str] = None
         if cfg.critic_batch_problem():
             raise ConfigError(cfg.critic_batch_problem())
     _check_lora(cfg, here)
-    rows.append(("train.output_dir", cfg.train.output_dir or '""', output_dir_status(cfg)
-                 + ("" if not cfg.train.output_dir else ", on storage every node writes")))
+    rows.append(
+        (
+            "train.output_dir",
+            cfg.train.output_dir or '""',
+            output_dir_status(cfg) + ("" if not cfg.train.output_dir else ", on storage every node writes"),
+        )
+    )
     return rows
 
 
@@ -111,8 +122,10 @@ def hub_status(key: str, ref: str, repo_type: str) -> str:
         if exc.not_found:
             raise ConfigError(f"{key}: {ref!r} is not a local path, and {exc}") from None
         if offline():
-            return (f"hub {repo_type}, not in the HF cache here ({cache_dir()}; HF_HUB_OFFLINE=1): a run resolves it "
-                    f"at start, through the cache of the machine it starts on")
+            return (
+                f"hub {repo_type}, not in the HF cache here ({cache_dir()}; HF_HUB_OFFLINE=1): a run resolves it "
+                f"at start, through the cache of the machine it starts on"
+            )
         return f"hub {repo_type}, the hub is not reachable from here: resolved when a run starts"
     if snapshot and repo_type == MODEL and key != "model.tokenizer_path":
         check_model_folder(key, ref, snapshot)
@@ -167,8 +180,11 @@ def environment_status(spec: str, here: bool) -> str:
     """Load the environment class (a bad one is an error); under ``--dry-run`` one whose module is not on this
     machine is left to the run."""
     target = spec.strip().rpartition(":")[0]
-    there = os.path.isfile(target) if looks_like_path(target) else \
-        importlib.util.find_spec(target.split(".")[0]) is not None
+    there = (
+        os.path.isfile(target)
+        if looks_like_path(target)
+        else importlib.util.find_spec(target.split(".")[0]) is not None
+    )
     if not there and not here:
         return NOT_HERE
     try:

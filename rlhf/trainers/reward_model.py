@@ -3,6 +3,7 @@
 The model is saved as an ``AutoModelForSequenceClassification`` (one label) and loads back with
 :func:`rlhf.models.scoring.load_reward_model` for scoring.
 """
+
 from __future__ import annotations
 
 from rlhf.config.schema import RewardModelRunConfig
@@ -15,12 +16,21 @@ from rlhf.trainers.run import RunResult
 
 def _read(cfg: RewardModelRunConfig, tokenizer, path: str, split: str) -> Tokenized:
     d, margin = cfg.data, cfg.rm.use_margin
-    fields = pair_fields(d.prompt_key, d.chosen_key, d.rejected_key, d.margin_key if margin else "",
-                         margin_required=margin)
+    fields = pair_fields(
+        d.prompt_key, d.chosen_key, d.rejected_key, d.margin_key if margin else "", margin_required=margin
+    )
     rows, chat = read_formatted(d, path, split, tokenizer, fields, chat_keys=(d.chosen_key,))
-    return tokenize_pairs(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key, chosen_key=d.chosen_key,
-                          rejected_key=d.rejected_key, margin_key=d.margin_key if margin else None,
-                          add_eos=d.add_eos, chat=chat)
+    return tokenize_pairs(
+        rows,
+        tokenizer,
+        max_length=d.max_length,
+        prompt_key=d.prompt_key,
+        chosen_key=d.chosen_key,
+        rejected_key=d.rejected_key,
+        margin_key=d.margin_key if margin else None,
+        add_eos=d.add_eos,
+        chat=chat,
+    )
 
 
 def _collate(examples: list, pad_id: int):
@@ -30,10 +40,14 @@ def _collate(examples: list, pad_id: int):
 def build_rm_task(cfg: RewardModelRunConfig, tokenizer) -> tuple:
     train, held_out = read_train_and_eval(cfg, tokenizer, _read)
     pad = tokenizer.pad_token_id
-    task = OfflineTask(objective=RewardObjective(use_margin=cfg.rm.use_margin),
-                       num_examples=len(train.examples), collate=_collate(train.examples, pad),
-                       eval_num_examples=len(held_out), eval_collate=_collate(held_out, pad),
-                       console_keys=("loss", "accuracy", "grad_norm", "lr"))
+    task = OfflineTask(
+        objective=RewardObjective(use_margin=cfg.rm.use_margin),
+        num_examples=len(train.examples),
+        collate=_collate(train.examples, pad),
+        eval_num_examples=len(held_out),
+        eval_collate=_collate(held_out, pad),
+        console_keys=("loss", "accuracy", "grad_norm", "lr"),
+    )
     return task, train.skipped_rows
 
 

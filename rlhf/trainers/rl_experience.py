@@ -1,6 +1,7 @@
 """The RL prompt set (driver side, no actors): :func:`prepare_prompts` tokenizes the prompt data once, applying
 ``rollout.max_prompt_length`` (skip or left-truncate, counted). Generations become a train batch in
 :mod:`rlhf.rl`."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,13 +30,25 @@ class PromptSet:
         return [row[self.prompt_key] if isinstance(row[self.prompt_key], list) else None for row in self.env_rows]
 
 
-def prepare_prompts(rows: Sequence[dict], tokenizer, *, prompt_key: str, columns: Sequence[str],
-                    max_prompt_length: int, overflow: str, chat=None) -> PromptSet:
+def prepare_prompts(
+    rows: Sequence[dict],
+    tokenizer,
+    *,
+    prompt_key: str,
+    columns: Sequence[str],
+    max_prompt_length: int,
+    overflow: str,
+    chat=None,
+) -> PromptSet:
     """Tokenize every prompt once: text with the tokenizer's special tokens, messages through ``chat`` (a
     :class:`~rlhf.data.chat.ChatFormatter`) with the generation prompt; apply ``max_prompt_length``."""
     plain = [i for i, r in enumerate(rows) if isinstance(r[prompt_key], str)]
-    encoded = dict(zip(plain, tokenizer([rows[i][prompt_key] for i in plain], add_special_tokens=True)["input_ids"]
-                       if plain else []))
+    encoded = dict(
+        zip(
+            plain,
+            tokenizer([rows[i][prompt_key] for i in plain], add_special_tokens=True)["input_ids"] if plain else [],
+        )
+    )
     texts = [r[prompt_key] for r in rows]
     for i, row in enumerate(rows):
         if i not in encoded:  # rendered once: its text is what reward functions see, its ids what the engine gets
@@ -53,8 +66,17 @@ def prepare_prompts(rows: Sequence[dict], tokenizer, *, prompt_key: str, columns
         keep.append(i)
         ids.append(list(seq))
     present = [c for c in columns if all(c in rows[i] for i in keep)]
-    stops = (tokenizer.eos_token_id,) + tuple(t for t in (chat.end_of_turn_ids() if chat else ())
-                                              if t != tokenizer.eos_token_id)
-    return PromptSet(prompt_ids=ids, texts=[texts[i] for i in keep],
-                     columns={c: [rows[i][c] for i in keep] for c in present}, skipped=skipped, truncated=truncated,
-                     stop_token_ids=stops, env_rows=[dict(rows[i]) for i in keep], chat=chat, prompt_key=prompt_key)
+    stops = (tokenizer.eos_token_id,) + tuple(
+        t for t in (chat.end_of_turn_ids() if chat else ()) if t != tokenizer.eos_token_id
+    )
+    return PromptSet(
+        prompt_ids=ids,
+        texts=[texts[i] for i in keep],
+        columns={c: [rows[i][c] for i in keep] for c in present},
+        skipped=skipped,
+        truncated=truncated,
+        stop_token_ids=stops,
+        env_rows=[dict(rows[i]) for i in keep],
+        chat=chat,
+        prompt_key=prompt_key,
+    )

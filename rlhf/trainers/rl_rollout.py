@@ -11,6 +11,7 @@ environment pool are actors).
 
 Either way request ``j`` of a (turn of a) step is drawn with ``seed + j`` whichever engine serves it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,8 +22,15 @@ import torch
 from rlhf.batch import Batch
 from rlhf.config.schema import ConfigError
 from rlhf.envs.base import EnvError
-from rlhf.rl import (EpisodeError, EpisodeRecord, TurnLimits, episode_metrics, episodes_batch, rollout_batch,
-                     run_episodes)
+from rlhf.rl import (
+    EpisodeError,
+    EpisodeRecord,
+    TurnLimits,
+    episode_metrics,
+    episodes_batch,
+    rollout_batch,
+    run_episodes,
+)
 from rlhf.rollout.multi_turn import RolloutStats
 from rlhf.rollout.observations import ChatObservations, TextObservations
 from rlhf.rollout.vllm_engine import SamplingSpec
@@ -51,8 +59,13 @@ def single_turn(engines, tokenizer, prompts: PromptSet, prompt_index: List[int],
     generations = engines.generate([prompts.prompt_ids[i] for i in prompt_index], sampling)
     responses = tokenizer.batch_decode([list(g.response_ids) for g in generations], skip_special_tokens=True)
     cut = torch.tensor([g.finish_reason == "length" for g in generations], dtype=torch.bool)
-    return Rollout(rollout_batch(generations, tokenizer.pad_token_id), prompt_index, responses, at_limit=cut,
-                   metrics={"episode/ended_max_new_tokens": cut.float().mean().item() if len(cut) else 0.0})
+    return Rollout(
+        rollout_batch(generations, tokenizer.pad_token_id),
+        prompt_index,
+        responses,
+        at_limit=cut,
+        metrics={"episode/ended_max_new_tokens": cut.float().mean().item() if len(cut) else 0.0},
+    )
 
 
 class EpisodeRollout:
@@ -68,8 +81,16 @@ class EpisodeRollout:
         on_error: ``fail`` (an environment's error stops the run) | ``drop`` (ends that episode only).
     """
 
-    def __init__(self, pool, tokenizer, observation_format: str, observation_role: str, limits: TurnLimits,
-                 on_prefix_mismatch: str, on_error: str = "fail") -> None:
+    def __init__(
+        self,
+        pool,
+        tokenizer,
+        observation_format: str,
+        observation_role: str,
+        limits: TurnLimits,
+        on_prefix_mismatch: str,
+        on_error: str = "fail",
+    ) -> None:
         self.pool, self.tokenizer, self.limits = pool, tokenizer, limits
         self.format, self.role, self.on_prefix_mismatch = observation_format, observation_role, on_prefix_mismatch
         self.on_error = on_error
@@ -79,38 +100,58 @@ class EpisodeRollout:
             return ChatObservations(prompts.chat, self.role)
         return TextObservations.of(self.tokenizer)
 
-    def __call__(self, engines, prompts: PromptSet, prompt_index: List[int], sampling: SamplingSpec,
-                 step: int) -> Rollout:
+    def __call__(
+        self, engines, prompts: PromptSet, prompt_index: List[int], sampling: SamplingSpec, step: int
+    ) -> Rollout:
         """Episode ``j`` answers prompt ``prompt_index[j]``: its prompt ids, environment row and messages (for a
         reset observation) are that prompt's; ``step`` names the RL step in errors (0: evaluation)."""
         stats = RolloutStats()
         decode = lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
         messages = prompts.messages
         try:
-            records = run_episodes(engines, self.pool, [prompts.prompt_ids[i] for i in prompt_index],
-                                   [prompts.env_rows[i] for i in prompt_index], sampling, self.encoder(prompts),
-                                   decode, self.limits, stats, on_prefix_mismatch=self.on_prefix_mismatch,
-                                   on_env_error="end" if self.on_error == "drop" else "raise",
-                                   prompt_messages=[messages[i] for i in prompt_index])
+            records = run_episodes(
+                engines,
+                self.pool,
+                [prompts.prompt_ids[i] for i in prompt_index],
+                [prompts.env_rows[i] for i in prompt_index],
+                sampling,
+                self.encoder(prompts),
+                decode,
+                self.limits,
+                stats,
+                on_prefix_mismatch=self.on_prefix_mismatch,
+                on_env_error="end" if self.on_error == "drop" else "raise",
+                prompt_messages=[messages[i] for i in prompt_index],
+            )
         except EnvError as e:
-            raise EnvError(f"{_where(step)}: {e} (env.step_timeout_s={self.pool.step_timeout_s:g})", e.spec,
-                           e.episode, e.turn) from e
+            raise EnvError(
+                f"{_where(step)}: {e} (env.step_timeout_s={self.pool.step_timeout_s:g})", e.spec, e.episode, e.turn
+            ) from e
         except EpisodeError as e:  # a re-tokenizing environment (rollout.on_prefix_mismatch=error)
             raise EpisodeError(f"{_where(step)}: {e}") from e
         failed = [r for r in records if r.error]
         if failed:  # the run goes on without them (env.on_error=drop); say what happened, once per step
-            log.info(f"[rl] {_where(step)}: {len(failed)} of {len(records)} "
-                     f"episodes ended by an environment error (env.on_error=drop), the first: {failed[0].error}")
+            log.info(
+                f"[rl] {_where(step)}: {len(failed)} of {len(records)} "
+                f"episodes ended by an environment error (env.on_error=drop), the first: {failed[0].error}"
+            )
         batch = episodes_batch([r.episode for r in records], self.tokenizer.pad_token_id)
-        return Rollout(batch, prompt_index, responses=[decode(_last_response(r)) for r in records],
-                       columns={"transcript": [decode(r.episode.token_ids[len(r.episode.prompt_ids):])
-                                               for r in records],
-                                "turns": [r.episode.turns for r in records]},
-                       env_rewards=torch.tensor([r.reward for r in records], dtype=torch.float32),
-                       at_limit=torch.tensor([r.at_limit for r in records], dtype=torch.bool),
-                       failed=torch.tensor([bool(r.error) for r in records], dtype=torch.bool),
-                       metrics={**_without(episode_metrics(records, stats), "episode/env_reward"),  # = reward/env
-                                **_turn_rewards(records)})
+        return Rollout(
+            batch,
+            prompt_index,
+            responses=[decode(_last_response(r)) for r in records],
+            columns={
+                "transcript": [decode(r.episode.token_ids[len(r.episode.prompt_ids) :]) for r in records],
+                "turns": [r.episode.turns for r in records],
+            },
+            env_rewards=torch.tensor([r.reward for r in records], dtype=torch.float32),
+            at_limit=torch.tensor([r.at_limit for r in records], dtype=torch.bool),
+            failed=torch.tensor([bool(r.error) for r in records], dtype=torch.bool),
+            metrics={
+                **_without(episode_metrics(records, stats), "episode/env_reward"),  # = reward/env
+                **_turn_rewards(records),
+            },
+        )
 
 
 def _where(step: int) -> str:
@@ -142,7 +183,9 @@ def observation_format(setting: str, conversational: bool) -> str:
     if setting == "auto":
         return "chat" if conversational else "text"
     if setting == "chat" and not conversational:
-        raise ConfigError("rollout.observation_format=chat needs conversational prompts (data.prompt_key holding "
-                          "lists of messages) rendered by a chat template; these prompts are plain text: use text "
-                          "or auto")
+        raise ConfigError(
+            "rollout.observation_format=chat needs conversational prompts (data.prompt_key holding "
+            "lists of messages) rendered by a chat template; these prompts are plain text: use text "
+            "or auto"
+        )
     return setting

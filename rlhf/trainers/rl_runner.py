@@ -1,6 +1,7 @@
 """``train_ppo(cfg)``: the PPO family (PPO, GRPO, Dr. GRPO, RLOO, REINFORCE++; ``python -m rlhf.cli.train_ppo``):
 validate, start the actors (policy, vLLM engines, reference, critic, reward model, environment pool), run the
 :class:`~rlhf.trainers.rl_steps.RLTrainer`'s steps in a :class:`~rlhf.trainers.run.Run`, save ``final/``."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,15 +10,15 @@ import os
 from typing import Any, Dict, Optional
 
 from rlhf.config.rl_schema import HYBRID_BROADCAST_ON_GPUS, RLRunConfig
+from rlhf.config.schema import ConfigError
+from rlhf.data.formats import located, prompt_fields, read_formatted
+from rlhf.data.io import DataError
+from rlhf.data.plan import EpochPlan
 from rlhf.distributed.cluster import actor_env
 from rlhf.distributed.errors import WorkerError, WorkerTimeout
 from rlhf.distributed.placement import Placement
 from rlhf.distributed.resource_plan import ENVIRONMENT, ROLLOUT, ActorPlan, engine_gpus, engine_sleep
 from rlhf.envs import EnvironmentPool
-from rlhf.config.schema import ConfigError
-from rlhf.data.formats import located, prompt_fields, read_formatted
-from rlhf.data.io import DataError
-from rlhf.data.plan import EpochPlan
 from rlhf.hub import pin_run_sources
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
 from rlhf.objectives.actor_critic import PolicyObjective, ValueObjective
@@ -31,13 +32,12 @@ from rlhf.rollout.weight_sync import resolve_weight_sync
 from rlhf.trainers.actors import RoleStarter, frozen_group, start_plan, trained_group
 from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.offline import load_tokenizer
-from rlhf.trainers.preflight import preflight
 from rlhf.trainers.output_dir import claim_output_dir
-from rlhf.trainers.rl_steps import RLActors, RLTrainer
+from rlhf.trainers.preflight import preflight
 from rlhf.trainers.rl_experience import PromptSet, prepare_prompts
 from rlhf.trainers.rl_rollout import EpisodeRollout, observation_format
-from rlhf.trainers.run import (Run, RunContext, RunResult, optim_spec,
-                               run_identity, with_restarts)
+from rlhf.trainers.rl_steps import RLActors, RLTrainer
+from rlhf.trainers.run import Run, RunContext, RunResult, optim_spec, run_identity, with_restarts
 from rlhf.utils.log import get_logger
 from rlhf.utils.versions import check_versions
 
@@ -49,29 +49,49 @@ def _objectives(cfg: RLRunConfig):
     low, high = a.clip
     clip = PolicyLossConfig(clip_low=low, clip_high=high, dual_clip=a.dual_clip or None, tis_cap=a.tis_cap or None)
     length = cfg.max_response_tokens  # the constant of a per-length aggregation (Dr. GRPO's budget)
-    policy = PolicyObjective(loss_type=a.policy_loss, clip=clip, agg_mode=a.aggregation, agg_length=length,
-                             temperature=cfg.rollout.temperature,
-                             sampling_filter=cfg.rollout.sampling_filter,
-                             entropy_coef=a.entropy_coef,
-                             kl_loss_coef=a.kl_coef if a.kl_mode == "loss" else 0.0, kl_estimator=a.kl_estimator,
-                             use_tis=a.tis_cap > 0)
+    policy = PolicyObjective(
+        loss_type=a.policy_loss,
+        clip=clip,
+        agg_mode=a.aggregation,
+        agg_length=length,
+        temperature=cfg.rollout.temperature,
+        sampling_filter=cfg.rollout.sampling_filter,
+        entropy_coef=a.entropy_coef,
+        kl_loss_coef=a.kl_coef if a.kl_mode == "loss" else 0.0,
+        kl_estimator=a.kl_estimator,
+        use_tis=a.tis_cap > 0,
+    )
     value = ValueObjective(clip=cfg.critic.value_clip or None, agg_mode=a.aggregation, agg_length=length)
     return policy, value
 
 
-def _start_engines(cfg: RLRunConfig, ctx: RunContext, engines: ActorPlan,
-                   placement: Optional[Placement]) -> RolloutEngines:
+def _start_engines(
+    cfg: RLRunConfig, ctx: RunContext, engines: ActorPlan, placement: Optional[Placement]
+) -> RolloutEngines:
     """The plan's vLLM engines: on the policy's bundles (hybrid engine) or with resources of their own."""
     r = cfg.rollout
     sleep = engine_sleep(cfg.colocate, engine_gpus(r.tensor_parallel_size, ctx.gpus_per_worker))
     # vLLM runs no float64: an fp64 run's engines sample in float32 (the weight sync casts, rlhf.rollout.senders)
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float32"}[ctx.precision]
-    spec = VLLMSpec(model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size, seed=cfg.train.seed,
-                    max_model_len=_engine_context(cfg), dtype=dtype,
-                    gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib,
-                    enable_sleep_mode=sleep)
-    started = RolloutEngines(spec, engines.count, cpus_per_engine=engines.cpus, gpus_per_engine=engines.gpus,
-                             env_vars=actor_env(engines.gpus), placement=placement, sleep=sleep)
+    spec = VLLMSpec(
+        model_path=cfg.model.path,
+        tensor_parallel_size=r.tensor_parallel_size,
+        seed=cfg.train.seed,
+        max_model_len=_engine_context(cfg),
+        dtype=dtype,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        kv_cache_gib=r.kv_cache_gib,
+        enable_sleep_mode=sleep,
+    )
+    started = RolloutEngines(
+        spec,
+        engines.count,
+        cpus_per_engine=engines.cpus,
+        gpus_per_engine=engines.gpus,
+        env_vars=actor_env(engines.gpus),
+        placement=placement,
+        sleep=sleep,
+    )
     ctx.groups.append(started)  # shut down with the worker groups, before the placement groups go
     return started
 
@@ -85,8 +105,9 @@ def _engine_context(cfg: RLRunConfig) -> int:
 
 def _start_environment_pool(cfg: RLRunConfig, ctx: RunContext, actors: ActorPlan) -> EnvironmentPool:
     """The plan's environment actors (``env.*``, multi-turn); shut down with the worker groups."""
-    pool = EnvironmentPool(cfg.env.spec, actors.count, cpus_per_actor=actors.cpus,
-                           step_timeout_s=cfg.env.step_timeout_s)
+    pool = EnvironmentPool(
+        cfg.env.spec, actors.count, cpus_per_actor=actors.cpus, step_timeout_s=cfg.env.step_timeout_s
+    )
     ctx.groups.append(pool)
     return pool
 
@@ -94,9 +115,15 @@ def _start_environment_pool(cfg: RLRunConfig, ctx: RunContext, actors: ActorPlan
 def _episode_rollout(cfg: RLRunConfig, pool: EnvironmentPool, prompts: PromptSet, tokenizer) -> EpisodeRollout:
     """Multi-turn rollouts of the environment pool's episodes."""
     r = cfg.rollout
-    return EpisodeRollout(pool, tokenizer, observation_format(r.observation_format, prompts.chat is not None),
-                          r.observation_role, TurnLimits(r.max_turns, r.max_episode_tokens), r.on_prefix_mismatch,
-                          on_error=cfg.env.on_error)
+    return EpisodeRollout(
+        pool,
+        tokenizer,
+        observation_format(r.observation_format, prompts.chat is not None),
+        r.observation_role,
+        TurnLimits(r.max_turns, r.max_episode_tokens),
+        r.on_prefix_mismatch,
+        on_error=cfg.env.on_error,
+    )
 
 
 def _check_episodes(cfg: RLRunConfig, *prompt_sets: Optional[PromptSet]) -> None:
@@ -132,14 +159,19 @@ def _connect_weight_sync(cfg: RLRunConfig, ctx, actors: RLActors) -> None:
         if _actor_died(exc) or isinstance(exc, WorkerTimeout):
             raise
         if r.weight_sync != "auto" or method == "object_store":
-            raise ConfigError(f"rollout.weight_sync={r.weight_sync}: cannot set up the {method} transport: "
-                              f"{exc}") from exc
-        log.info(f"[rl] weight sync: a {method} group could not be formed ({exc}); using the object store "
-              f"(rollout.weight_sync=auto)")
+            raise ConfigError(
+                f"rollout.weight_sync={r.weight_sync}: cannot set up the {method} transport: {exc}"
+            ) from exc
+        log.info(
+            f"[rl] weight sync: a {method} group could not be formed ({exc}); using the object store "
+            f"(rollout.weight_sync=auto)"
+        )
         method = "object_store"
         actors.engines.connect_weight_sync(actors.policy, method, bucket_bytes, backend, timeouts)
-    log.info(f"[rl] weight sync: {method} in {r.weight_sync_bucket_mb} MB buckets"
-          + (f" ({backend})" if method == "broadcast" else ""))
+    log.info(
+        f"[rl] weight sync: {method} in {r.weight_sync_bucket_mb} MB buckets"
+        + (f" ({backend})" if method == "broadcast" else "")
+    )
 
 
 def _actor_died(exc: BaseException) -> bool:
@@ -156,8 +188,9 @@ def _start_actors(cfg: RLRunConfig, ctx: RunContext, total_optimizer_steps: int)
         "policy": trained_group(ctx, m.path, CAUSAL_LM, optim),
         ROLLOUT: lambda engines, placement: _start_engines(cfg, ctx, engines, placement),
         "reference": frozen_group(ctx, m.ref_path or m.path, CAUSAL_LM),
-        "critic": trained_group(ctx, cfg.critic.path or m.path, SCALAR_HEAD,
-                                dataclasses.replace(optim, lr=cfg.critic.lr)),
+        "critic": trained_group(
+            ctx, cfg.critic.path or m.path, SCALAR_HEAD, dataclasses.replace(optim, lr=cfg.critic.lr)
+        ),
         "reward_model": frozen_group(ctx, cfg.reward.model_path, SCALAR_HEAD),
         ENVIRONMENT: lambda pool, _: _start_environment_pool(cfg, ctx, pool),
     }
@@ -165,9 +198,14 @@ def _start_actors(cfg: RLRunConfig, ctx: RunContext, total_optimizer_steps: int)
 
 
 def _rl_actors(cfg: RLRunConfig, started: Dict[str, Any]) -> RLActors:
-    return RLActors(policy=started["policy"], engines=started[ROLLOUT], reference=started.get("reference"),
-                    reference_is_base=kind_of(cfg).reference_on_policy(cfg), critic=started.get("critic"),
-                    reward_model=started.get("reward_model"))
+    return RLActors(
+        policy=started["policy"],
+        engines=started[ROLLOUT],
+        reference=started.get("reference"),
+        reference_is_base=kind_of(cfg).reference_on_policy(cfg),
+        critic=started.get("critic"),
+        reward_model=started.get("reward_model"),
+    )
 
 
 def _write_placement(started: Dict[str, Any], output_dir: str) -> None:
@@ -186,20 +224,32 @@ def _write_placement(started: Dict[str, Any], output_dir: str) -> None:
 def _identity(cfg: RLRunConfig, plan: EpochPlan) -> dict:
     """What an RL checkpoint must share with the run that resumes it."""
     r = cfg.rollout
-    return {**run_identity(cfg, plan), "rollout.prompts_per_step": r.prompts_per_step,
-            "rollout.n_samples_per_prompt": r.n_samples_per_prompt, "algo.ppo_epochs": cfg.algo.ppo_epochs,
-            "critic.num_workers": cfg.critic.num_workers if cfg.algo.needs_critic else 0,
-            **({"env.spec": cfg.env.spec, "rollout.max_turns": r.max_turns} if cfg.multi_turn else {})}
+    return {
+        **run_identity(cfg, plan),
+        "rollout.prompts_per_step": r.prompts_per_step,
+        "rollout.n_samples_per_prompt": r.n_samples_per_prompt,
+        "algo.ppo_epochs": cfg.algo.ppo_epochs,
+        "critic.num_workers": cfg.critic.num_workers if cfg.algo.needs_critic else 0,
+        **({"env.spec": cfg.env.spec, "rollout.max_turns": r.max_turns} if cfg.multi_turn else {}),
+    }
 
 
 def _read_prompts(cfg: RLRunConfig, tokenizer, key: str, path: str, split: str):
     d, r = cfg.data, cfg.rollout
     columns = tuple(dict.fromkeys(cfg.reward.columns + cfg.env.columns))  # an environment's row holds both
-    rows, chat = read_formatted(d, path, split, tokenizer, prompt_fields(d.prompt_key, columns),
-                                chat_keys=(d.prompt_key,))
+    rows, chat = read_formatted(
+        d, path, split, tokenizer, prompt_fields(d.prompt_key, columns), chat_keys=(d.prompt_key,)
+    )
     with located(key, path):
-        return prepare_prompts(rows, tokenizer, prompt_key=d.prompt_key, columns=cfg.reward.columns,
-                               max_prompt_length=r.max_prompt_length, overflow=r.prompt_overflow, chat=chat)
+        return prepare_prompts(
+            rows,
+            tokenizer,
+            prompt_key=d.prompt_key,
+            columns=cfg.reward.columns,
+            max_prompt_length=r.max_prompt_length,
+            overflow=r.prompt_overflow,
+            chat=chat,
+        )
 
 
 def train_ppo(cfg: RLRunConfig) -> RunResult:
@@ -215,34 +265,48 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     tokenizer = load_tokenizer(cfg)
     d, r, t = cfg.data, cfg.rollout, cfg.train
     prompts = _read_prompts(cfg, tokenizer, "data.train_path", d.train_path, d.split)
-    eval_prompts = (_read_prompts(cfg, tokenizer, "data.eval_path", d.eval_path, d.eval_split or d.split)
-                    if d.eval_path else None)
+    eval_prompts = (
+        _read_prompts(cfg, tokenizer, "data.eval_path", d.eval_path, d.eval_split or d.split) if d.eval_path else None
+    )
     if not prompts.prompt_ids:
-        raise DataError(f"data.train_path={d.train_path}: every prompt is longer than rollout.max_prompt_length="
-                        f"{r.max_prompt_length} ({prompts.skipped} skipped); raise it or set "
-                        f"rollout.prompt_overflow=truncate")
-    plan = EpochPlan(num_samples=len(prompts.prompt_ids), global_batch_size=r.prompts_per_step,
-                     max_epochs=t.max_epochs, max_steps=t.max_steps, seed=t.seed)
+        raise DataError(
+            f"data.train_path={d.train_path}: every prompt is longer than rollout.max_prompt_length="
+            f"{r.max_prompt_length} ({prompts.skipped} skipped); raise it or set "
+            f"rollout.prompt_overflow=truncate"
+        )
+    plan = EpochPlan(
+        num_samples=len(prompts.prompt_ids),
+        global_batch_size=r.prompts_per_step,
+        max_epochs=t.max_epochs,
+        max_steps=t.max_steps,
+        seed=t.seed,
+    )
     scorer = RewardFunctionScorer(tuple(cfg.reward.functions)) if cfg.reward.functions else None
     if scorer is not None:
         scorer.load()  # a bad spec fails here, before any actor starts
     if cfg.multi_turn:
         _check_episodes(cfg, prompts, eval_prompts)
     optimizer_steps = plan.total_steps * cfg.optimizer_steps_per_rl_step
-    log.info(f"[rl] {len(prompts.prompt_ids)} prompts ({prompts.skipped} skipped, {prompts.truncated} truncated), "
-          f"{plan.total_steps} RL steps x {r.samples_per_step} samples, {optimizer_steps} optimizer steps; "
-          f"{cfg.algo.advantage_estimator} / {cfg.algo.policy_loss} / {cfg.algo.describe_aggregation()}; "
-          f"{cfg.algo.describe_clip()}")
+    log.info(
+        f"[rl] {len(prompts.prompt_ids)} prompts ({prompts.skipped} skipped, {prompts.truncated} truncated), "
+        f"{plan.total_steps} RL steps x {r.samples_per_step} samples, {optimizer_steps} optimizer steps; "
+        f"{cfg.algo.advantage_estimator} / {cfg.algo.policy_loss} / {cfg.algo.describe_aggregation()}; "
+        f"{cfg.algo.describe_clip()}"
+    )
     if cfg.multi_turn:
         e = cfg.env
-        log.info(f"[rl] episodes of {e.spec} on {e.num_actors} actor(s): up to {r.max_turns} turns and "
-              f"{r.max_episode_tokens} tokens (rollout.episode_limit={r.episode_limit}), observations as "
-              f"{observation_format(r.observation_format, prompts.chat is not None)}; a sample is an episode")
+        log.info(
+            f"[rl] episodes of {e.spec} on {e.num_actors} actor(s): up to {r.max_turns} turns and "
+            f"{r.max_episode_tokens} tokens (rollout.episode_limit={r.episode_limit}), observations as "
+            f"{observation_format(r.observation_format, prompts.chat is not None)}; a sample is an episode"
+        )
         longest = r.max_prompt_length + r.max_turns * r.max_new_tokens  # before any observation token
         if longest > r.max_episode_tokens:
-            log.info(f"[rl] note: a longest prompt and {r.max_turns} full responses take {longest} tokens, more than "
-                  f"rollout.max_episode_tokens={r.max_episode_tokens}: long episodes will end at the token budget "
-                  f"(episode/ended_token_budget)")
+            log.info(
+                f"[rl] note: a longest prompt and {r.max_turns} full responses take {longest} tokens, more than "
+                f"rollout.max_episode_tokens={r.max_episode_tokens}: long episodes will end at the token budget "
+                f"(episode/ended_token_budget)"
+            )
     run = Run(cfg, "rl", plan, _identity(cfg, plan))
     # CPUs do not depend on the GPUs per worker, which are known only once the cluster is joined.
     with run.cluster(needed_cpus=kind_of(cfg).plan(cfg, 0.0).needed_cpus) as ctx:
@@ -252,8 +316,18 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
         _write_placement(started, t.output_dir)
         policy_objective, value_objective = _objectives(cfg)
         episodes = _episode_rollout(cfg, started[ENVIRONMENT], prompts, tokenizer) if cfg.multi_turn else None
-        trainer = RLTrainer(cfg, tokenizer, prompts, plan, actors, scorer, policy_objective, value_objective,
-                            eval_prompts=eval_prompts, episodes=episodes)
+        trainer = RLTrainer(
+            cfg,
+            tokenizer,
+            prompts,
+            plan,
+            actors,
+            scorer,
+            policy_objective,
+            value_objective,
+            eval_prompts=eval_prompts,
+            episodes=episodes,
+        )
         trained = {"policy": actors.policy, **({"critic": actors.critic} if actors.critic is not None else {})}
         last = run.train(trainer, trained)
         return run.finish(actors.policy, tokenizer, last)

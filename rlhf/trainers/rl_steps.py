@@ -10,6 +10,7 @@ Each stage is one method of :class:`RLTrainer`; the maths lives in ``rlhf.ops``,
 ``rlhf.rl``, the actors in ``rlhf.distributed`` and ``rlhf.rollout``. The run around the steps (checkpoints, the
 health guard, logging, rewinds) is :class:`rlhf.trainers.run.Run`'s, the same as every trainer's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,8 @@ from rlhf.config.rl_schema import RLRunConfig
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.distributed.group import StepResult, WorkerGroup
 from rlhf.models.lora import OnBaseModel
-from rlhf.objectives.base import Totals
 from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
+from rlhf.objectives.base import Totals
 from rlhf.rl import advantages_for, logp_mismatch
 from rlhf.rollout.engines import RolloutEngines
 from rlhf.rollout.vllm_engine import SamplingSpec
@@ -34,16 +35,38 @@ from rlhf.trainers.rl_experience import PromptSet
 from rlhf.trainers.rl_rollout import EpisodeRollout, Rollout, single_turn
 from rlhf.utils.metrics import ConsoleTable, Progress, format_row
 
-CONSOLE_KEYS = ("reward_mean", "accuracy", "kl", "policy_loss", "value_loss", "entropy", "clip_frac",
-                "response_length", "episode/turns", "logp_mismatch", "samples_per_s")
+CONSOLE_KEYS = (
+    "reward_mean",
+    "accuracy",
+    "kl",
+    "policy_loss",
+    "value_loss",
+    "entropy",
+    "clip_frac",
+    "response_length",
+    "episode/turns",
+    "logp_mismatch",
+    "samples_per_s",
+)
 EVAL_CONSOLE_KEYS = ("reward_mean", "accuracy", "response_length", "episode/turns", "num_samples")
 # Metrics the health guard keeps finite. No zero-loss check: an RL step whose groups all tie has a zero loss.
 RL_WATCHED = ("policy_loss", "grad_norm", "kl", "value_loss", "critic_grad_norm", "reward_mean")
 EVAL_SEED_BASE = 1 << 40  # evaluation seeds live far from the training steps' (seed * 1_000_003 + step * 10_007 + j)
-TABLE_COLUMNS = (("step", "step"), ("reward_mean", "reward"), ("reward_std", "reward_std"), ("accuracy", "accuracy"),
-                 ("kl", "kl"), ("entropy", "entropy"), ("policy_loss", "pg_loss"), ("value_loss", "v_loss"),
-                 ("clip_frac", "clip_frac"), ("response_length", "resp_len"), ("logp_mismatch", "mismatch"),
-                 ("samples_per_s", "samples/s"), ("eta", "eta"))
+TABLE_COLUMNS = (
+    ("step", "step"),
+    ("reward_mean", "reward"),
+    ("reward_std", "reward_std"),
+    ("accuracy", "accuracy"),
+    ("kl", "kl"),
+    ("entropy", "entropy"),
+    ("policy_loss", "pg_loss"),
+    ("value_loss", "v_loss"),
+    ("clip_frac", "clip_frac"),
+    ("response_length", "resp_len"),
+    ("logp_mismatch", "mismatch"),
+    ("samples_per_s", "samples/s"),
+    ("eta", "eta"),
+)
 
 
 class StageTimer:
@@ -78,9 +101,19 @@ class RLTrainer:
     eval_console_keys = EVAL_CONSOLE_KEYS
     evaluates_start = True  # the starting point, on the same held-out samples as every later evaluation
 
-    def __init__(self, cfg: RLRunConfig, tokenizer, prompts: PromptSet, plan: EpochPlan, actors: RLActors, scorer,
-                 policy_objective: PolicyObjective, value_objective: Optional[ValueObjective],
-                 eval_prompts: Optional[PromptSet] = None, episodes: Optional[EpisodeRollout] = None) -> None:
+    def __init__(
+        self,
+        cfg: RLRunConfig,
+        tokenizer,
+        prompts: PromptSet,
+        plan: EpochPlan,
+        actors: RLActors,
+        scorer,
+        policy_objective: PolicyObjective,
+        value_objective: Optional[ValueObjective],
+        eval_prompts: Optional[PromptSet] = None,
+        episodes: Optional[EpisodeRollout] = None,
+    ) -> None:
         self.cfg, self.tokenizer, self.prompts, self.plan = cfg, tokenizer, prompts, plan
         self.actors, self.scorer, self.eval_prompts = actors, scorer, eval_prompts
         self.episodes = episodes  # multi-turn rollouts (env.spec); None: one prompt -> one response
@@ -110,8 +143,7 @@ class RLTrainer:
             train_stats = self.update(self.trained_rows(batch, rollout), step.step)
         with timer("sync"):
             sync = self.push_weights()
-        return self.row(step, scores, per_source, batch, {**rollout.metrics, **train_stats, **kl_stats}, sync,
-                        timer)
+        return self.row(step, scores, per_source, batch, {**rollout.metrics, **train_stats, **kl_stats}, sync, timer)
 
     # ---------------------------------------------------------------------------------------- stages
     def generate(self, step: StepPlan) -> Rollout:
@@ -125,9 +157,14 @@ class RLTrainer:
         r = self.cfg.rollout
         # Sample j is drawn with seed base + j whichever engine serves it: reproducible rollouts that do not
         # depend on rollout.num_engines.
-        sampling = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                top_k=r.top_k, seed=seed_base,
-                                stop_token_ids=prompts.stop_token_ids or (self.tokenizer.eos_token_id,))
+        sampling = SamplingSpec(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            seed=seed_base,
+            stop_token_ids=prompts.stop_token_ids or (self.tokenizer.eos_token_id,),
+        )
         if self.episodes is not None:
             return self.episodes(self.actors.engines, prompts, prompt_index, sampling, step)
         return single_turn(self.actors.engines, self.tokenizer, prompts, prompt_index, sampling)
@@ -188,10 +225,18 @@ class RLTrainer:
 
     def advantages(self, batch: Batch, scores: torch.Tensor, prompt_index: List[int]):
         a = self.cfg.algo
-        return advantages_for(batch, scores, torch.tensor(prompt_index, dtype=torch.long),
-                              estimator=a.advantage_estimator, gamma=a.gamma, lam=a.lam, kl_coef=a.kl_coef,
-                              kl_estimator=a.kl_estimator, kl_in_reward=a.kl_mode == "reward",
-                              whiten_advantages=a.whiten_advantages)
+        return advantages_for(
+            batch,
+            scores,
+            torch.tensor(prompt_index, dtype=torch.long),
+            estimator=a.advantage_estimator,
+            gamma=a.gamma,
+            lam=a.lam,
+            kl_coef=a.kl_coef,
+            kl_estimator=a.kl_estimator,
+            kl_in_reward=a.kl_mode == "reward",
+            whiten_advantages=a.whiten_advantages,
+        )
 
     def update(self, batch: Batch, rl_step: int) -> dict:
         """``algo.ppo_epochs`` passes over the rollout batch in exact global train batches (policy, critic).
@@ -204,8 +249,12 @@ class RLTrainer:
         token budget, ``micro_batches`` and ``fillers`` (``critic_*`` for the critic) are summed over them.
         """
         t, a = self.cfg.train, self.cfg.algo
-        plan = EpochPlan(num_samples=len(batch), global_batch_size=t.global_batch_size, max_epochs=a.ppo_epochs,
-                         seed=t.seed * 7919 + rl_step)
+        plan = EpochPlan(
+            num_samples=len(batch),
+            global_batch_size=t.global_batch_size,
+            max_epochs=a.ppo_epochs,
+            seed=t.seed * 7919 + rl_step,
+        )
         first = (rl_step - 1) * plan.total_steps  # the run's 0-based optimizer step where this RL step starts
         policy, critic = _UpdateTotals(), _UpdateTotals()
         empty = 0
@@ -220,9 +269,12 @@ class RLTrainer:
             if self.actors.critic is not None:
                 assert self.value_objective is not None, "a critic is trained with its value objective"
                 critic.add(self.actors.critic.train_batch(rows, self.value_objective, schedule_step))
-        return {**critic.metrics(self.value_objective, "critic_"), **policy.metrics(self.policy_objective, ""),
-                "optimizer_steps": plan.total_steps - empty,
-                **({"optimizer_steps_empty": empty} if empty else {})}
+        return {
+            **critic.metrics(self.value_objective, "critic_"),
+            **policy.metrics(self.policy_objective, ""),
+            "optimizer_steps": plan.total_steps - empty,
+            **({"optimizer_steps_empty": empty} if empty else {}),
+        }
 
     def push_weights(self) -> dict:
         """The policy's weights -> the engines, through the transport connected at start-up; returns its stats.
@@ -252,27 +304,36 @@ class RLTrainer:
         index = [i for i in range(len(self.eval_prompts.prompt_ids)) for _ in range(n)]
         rollout = self._sample(self.eval_prompts, index, EVAL_SEED_BASE + self.cfg.train.seed * 1_000_003, step=0)
         scores, per_source = self.score(rollout, self.eval_prompts)
-        return {"step": step.step if step else 0, **_sample_stats(scores, per_source, rollout.batch),
-                **rollout.metrics, "num_samples": len(rollout.batch)}
+        return {
+            "step": step.step if step else 0,
+            **_sample_stats(scores, per_source, rollout.batch),
+            **rollout.metrics,
+            "num_samples": len(rollout.batch),
+        }
 
     def console(self, row: dict, progress: Progress) -> str:
         if self.table is not None:
             return self.table.render({**row, "eta": progress.remaining()})
         return f"[rl] step {row['step']}/{progress.total} " + format_row(row, CONSOLE_KEYS) + f" ({progress.eta()})"
 
-    def row(self, step: StepPlan, scores, per_source, batch: Batch, train_stats: dict, sync: dict,
-            timer: StageTimer) -> dict:
+    def row(
+        self, step: StepPlan, scores, per_source, batch: Batch, train_stats: dict, sync: dict, timer: StageTimer
+    ) -> dict:
         total_s = sum(timer.seconds.values())
-        row = {"step": step.step, "epoch": step.epoch,
-               **_sample_stats(scores, per_source, batch),
-               "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
-               **train_stats,
-               "logp_mismatch": logp_mismatch(batch),
-               "num_samples": len(batch),
-               **{f"time/{k}": round(v, 4) for k, v in timer.seconds.items()},
-               "sync_mb_per_s": sync.get("bytes", 0.0) / 2**20 / max(sync.get("seconds", 0.0), 1e-9),
-               "samples_per_s": len(batch) / max(total_s, 1e-9),
-               "prompts_skipped": self.prompts.skipped, "prompts_truncated": self.prompts.truncated}
+        row = {
+            "step": step.step,
+            "epoch": step.epoch,
+            **_sample_stats(scores, per_source, batch),
+            "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
+            **train_stats,
+            "logp_mismatch": logp_mismatch(batch),
+            "num_samples": len(batch),
+            **{f"time/{k}": round(v, 4) for k, v in timer.seconds.items()},
+            "sync_mb_per_s": sync.get("bytes", 0.0) / 2**20 / max(sync.get("seconds", 0.0), 1e-9),
+            "samples_per_s": len(batch) / max(total_s, 1e-9),
+            "prompts_skipped": self.prompts.skipped,
+            "prompts_truncated": self.prompts.truncated,
+        }
         return {k: v for k, v in row.items() if v is not None}
 
 
@@ -295,8 +356,12 @@ class _UpdateTotals:
     def metrics(self, objective, prefix: str) -> dict:
         if not self.grad_norms:
             return {}
-        return {**self.totals.finalize(objective), prefix + "grad_norm": _largest(self.grad_norms),
-                prefix + "lr": self.lr, **{prefix + key: value for key, value in self.cut.items()}}
+        return {
+            **self.totals.finalize(objective),
+            prefix + "grad_norm": _largest(self.grad_norms),
+            prefix + "lr": self.lr,
+            **{prefix + key: value for key, value in self.cut.items()},
+        }
 
 
 def _largest(norms: List[Optional[float]]) -> Optional[float]:
@@ -310,10 +375,12 @@ def _sample_stats(scores: torch.Tensor, per_source: Dict[str, torch.Tensor], bat
     """What a training step and a held-out evaluation both report about their samples: mean reward, each source's
     mean, accuracy (when verifiable) and mean response length in tokens."""
     assert batch.loss_mask is not None, "a rollout batch carries its loss mask"
-    return {"reward_mean": float(scores.mean()),
-            **{f"reward/{k}": float(v.float().mean()) for k, v in per_source.items()},
-            **_accuracy(per_source),
-            "response_length": float(batch.loss_mask.sum(-1).float().mean())}
+    return {
+        "reward_mean": float(scores.mean()),
+        **{f"reward/{k}": float(v.float().mean()) for k, v in per_source.items()},
+        **_accuracy(per_source),
+        "response_length": float(batch.loss_mask.sum(-1).float().mean()),
+    }
 
 
 def _accuracy(per_source: Dict[str, torch.Tensor]) -> dict:

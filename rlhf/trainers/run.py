@@ -15,6 +15,7 @@ step is checkpointed); held-out evaluation follows when due; then the checkpoint
 (``train.stop_after_steps``). With ``health.action=skip`` a tripped guard rewinds to the newest checkpoint and
 the loop runs again with the tripping step skipped (:meth:`Run._train_with_rewinds`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,8 +42,15 @@ from rlhf.trainers.health import TrainingHealthError, check_health, guard_from_c
 from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.output_dir import prepare_output_dir
 from rlhf.utils.log import get_logger
-from rlhf.utils.metrics import (SKIPPED_NOTE, Progress, RunWriters, format_row, progress_bar_setting, read_metrics,
-                                skipped_row)
+from rlhf.utils.metrics import (
+    SKIPPED_NOTE,
+    Progress,
+    RunWriters,
+    format_row,
+    progress_bar_setting,
+    read_metrics,
+    skipped_row,
+)
 
 log = get_logger(__name__)
 
@@ -133,10 +141,12 @@ class Run:
         what there is then) or ``train.save_final`` is off."""
         t, total = self.cfg.train, self.plan.total_steps
         if self.checkpoints.stopped_early:
-            return RunResult(output_dir=t.output_dir, steps=total, final_metrics=last, final_dir=None,
-                             stopped_at=last.get("step"))
-        final_dir = save_final(policy, tokenizer, t.output_dir, self.cfg.model.lora.save_merged) if t.save_final \
-            else None
+            return RunResult(
+                output_dir=t.output_dir, steps=total, final_metrics=last, final_dir=None, stopped_at=last.get("step")
+            )
+        final_dir = (
+            save_final(policy, tokenizer, t.output_dir, self.cfg.model.lora.save_merged) if t.save_final else None
+        )
         if final_dir:
             log.info(f"[{self.name}] saved {final_dir}")
         return RunResult(output_dir=t.output_dir, steps=total, final_metrics=last, final_dir=final_dir)
@@ -168,15 +178,18 @@ class Run:
                 if h.action != "skip" or exc.step is None:
                     raise
                 if skipped_here >= h.max_skips:
-                    raise TrainingHealthError(f"{exc}; stopped: health.max_skips={h.max_skips} steps were skipped "
-                                              f"already", step=exc.step) from None
+                    raise TrainingHealthError(
+                        f"{exc}; stopped: health.max_skips={h.max_skips} steps were skipped already", step=exc.step
+                    ) from None
                 skipped_here, first = skipped_here + 1, False
                 done = self.checkpoints.rewind(trained)
                 assert self.writers is not None, "train() opens the writers before this loop"
                 self.writers.rewind(done)
                 skip_steps.add(exc.step)
-                log.info(f"[health] {exc}; rewound to the checkpoint of step {done}, step {exc.step} will be skipped "
-                         f"(health.action=skip, {skipped_here}/{h.max_skips})")
+                log.info(
+                    f"[health] {exc}; rewound to the checkpoint of step {done}, step {exc.step} will be skipped "
+                    f"(health.action=skip, {skipped_here}/{h.max_skips})"
+                )
 
     def _fit(self, steps: Steps, start_after: int, skip_steps: FrozenSet[int], guard, first: bool) -> dict:
         """Steps ``start_after + 1 ..`` of the plan (each a pure function of the seed and its number, so a resume
@@ -193,8 +206,11 @@ class Run:
             for step in self.plan.steps(start=start_after + 1):
                 if step.step in skip_steps:
                     last = skipped_row(step.step, step.epoch)
-                    self._log(last, progress, f"[{self.name}] step {step.step}/{total} epoch {step.epoch} "
-                                              f"{SKIPPED_NOTE} ({progress.eta()})")
+                    self._log(
+                        last,
+                        progress,
+                        f"[{self.name}] step {step.step}/{total} epoch {step.epoch} {SKIPPED_NOTE} ({progress.eta()})",
+                    )
                 else:
                     last = steps.train(step)
                     self._log(last, progress, steps.console(last, progress), quiet=not self._prints(step.step))
@@ -291,17 +307,30 @@ def check_lora_targets(cfg: RunConfig, models: Sequence[Tuple[str, str]]) -> Non
 
 def optim_spec(t, total_steps: int) -> OptimSpec:
     """AdamW + schedule from ``train.*``; the schedule's horizon is the run's exact optimizer-step count."""
-    return OptimSpec(lr=t.lr, total_steps=total_steps, betas=tuple(t.adam_betas), eps=t.adam_eps,
-                     weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, scheduler=t.lr_scheduler,
-                     warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio)
+    return OptimSpec(
+        lr=t.lr,
+        total_steps=total_steps,
+        betas=tuple(t.adam_betas),
+        eps=t.adam_eps,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        scheduler=t.lr_scheduler,
+        warmup_steps=t.warmup_steps,
+        min_lr_ratio=t.min_lr_ratio,
+    )
 
 
 def run_identity(cfg: RunConfig, plan: EpochPlan) -> dict:
     """What a checkpoint must share with the run that resumes it (see ``RunCheckpoints``)."""
     t = cfg.train
-    return {"train.seed": t.seed, "train.global_batch_size": t.global_batch_size, "train.num_workers": t.num_workers,
-            "strategy.zero_stage": cfg.strategy.zero_stage, "steps in the run": plan.total_steps,
-            "examples in data.train_path": plan.num_samples}
+    return {
+        "train.seed": t.seed,
+        "train.global_batch_size": t.global_batch_size,
+        "train.num_workers": t.num_workers,
+        "strategy.zero_stage": cfg.strategy.zero_stage,
+        "steps in the run": plan.total_steps,
+        "examples in data.train_path": plan.num_samples,
+    }
 
 
 def start_cluster(cfg: RunConfig, needed_cpus: float) -> "RunContext":
@@ -309,11 +338,19 @@ def start_cluster(cfg: RunConfig, needed_cpus: float) -> "RunContext":
     follow the cluster's workers (the driver may have no GPU)."""
     init_ray(cfg.ray.address, cfg.ray.num_cpus, needed_cpus=needed_cpus)
     devices = resolve_devices(cfg.strategy, cluster_gpus())  # what --dry-run resolves for its cluster too
-    check_node_versions(kind_of(cfg).packages, devices.gpus_per_worker > 0,  # each node's install
-                        cfg.model.attn_implementation)
+    check_node_versions(
+        kind_of(cfg).packages,
+        devices.gpus_per_worker > 0,  # each node's install
+        cfg.model.attn_implementation,
+    )
     user_ds_config = check_user_config(cfg, devices.precision)  # before any actor starts
-    return RunContext(cfg=cfg, precision=devices.precision, backend=devices.backend,
-                      gpus_per_worker=devices.gpus_per_worker, user_ds_config=user_ds_config)
+    return RunContext(
+        cfg=cfg,
+        precision=devices.precision,
+        backend=devices.backend,
+        gpus_per_worker=devices.gpus_per_worker,
+        user_ds_config=user_ds_config,
+    )
 
 
 @dataclass
@@ -330,17 +367,30 @@ class RunContext:
 
     def model_spec(self, path: str, kind: str) -> ModelSpec:
         m = self.cfg.model
-        return ModelSpec(path=path, kind=kind, precision=self.precision, attn_implementation=m.attn_implementation,
-                         disable_dropout=m.disable_dropout, gradient_checkpointing=m.gradient_checkpointing,
-                         seed=self.cfg.train.seed, packing=self.cfg.train.packing, lora=lora_spec(self.cfg))
+        return ModelSpec(
+            path=path,
+            kind=kind,
+            precision=self.precision,
+            attn_implementation=m.attn_implementation,
+            disable_dropout=m.disable_dropout,
+            gradient_checkpointing=m.gradient_checkpointing,
+            seed=self.cfg.train.seed,
+            packing=self.cfg.train.packing,
+            lora=lora_spec(self.cfg),
+        )
 
     def engine_spec(self, num_workers: int, trainable: bool = True) -> EngineSpec:
         """A group of ``num_workers`` ranks: trainable, its optimizer step takes ``train.global_batch_size`` rows cut
         by ``train.micro_batch_size`` or ``train.max_tokens_per_micro_batch``; frozen, it scores in chunks of the
         same micro-batch size or token budget."""
         s, t = self.cfg.strategy, self.cfg.train
-        common = dict(zero_stage=s.zero_stage, precision=self.precision, offload_optimizer=s.offload_optimizer,
-                      user_config=self.user_ds_config, packing=t.packing)
+        common = dict(
+            zero_stage=s.zero_stage,
+            precision=self.precision,
+            offload_optimizer=s.offload_optimizer,
+            user_config=self.user_ds_config,
+            packing=t.packing,
+        )
         if t.max_tokens_per_micro_batch:
             rows = t.global_batch_size if trainable else num_workers  # frozen: no accumulation window
             return EngineSpec.for_token_budget(rows, t.max_tokens_per_micro_batch, num_workers, **common)
@@ -351,10 +401,15 @@ class RunContext:
     def group_of(self, actors: ActorPlan, placement: Optional[Placement] = None) -> WorkerGroup:
         """A worker group of ``actors.count`` ranks of ``actors.role``: on ``placement`` (a shared placement group,
         :meth:`place`), else on one of its own of the plan's bundle (``actors.cpus`` + ``actors.gpus`` per rank)."""
-        resources = GroupResources(num_workers=actors.count, cpus_per_worker=actors.cpus,
-                                   gpus_per_worker=actors.gpus, env_vars=actor_env(self.gpus_per_worker))
-        group = WorkerGroup(actors.role, resources, self.backend, placement=placement,
-                            init_timeout_s=self.cfg.strategy.init_timeout_s)
+        resources = GroupResources(
+            num_workers=actors.count,
+            cpus_per_worker=actors.cpus,
+            gpus_per_worker=actors.gpus,
+            env_vars=actor_env(self.gpus_per_worker),
+        )
+        group = WorkerGroup(
+            actors.role, resources, self.backend, placement=placement, init_timeout_s=self.cfg.strategy.init_timeout_s
+        )
         self.groups.append(group)
         return group
 

@@ -1,5 +1,6 @@
 """Supervised fine-tuning on ``{"prompt", "response"}`` rows or conversations (``{"messages": [...]}``); loss on
 response / assistant tokens only."""
+
 from __future__ import annotations
 
 from rlhf.config.schema import SFTRunConfig
@@ -12,11 +13,25 @@ from rlhf.trainers.run import RunResult
 
 def _read(cfg: SFTRunConfig, tokenizer, path: str, split: str) -> Tokenized:
     d = cfg.data
-    rows, chat = read_formatted(d, path, split, tokenizer, sft_fields(d.prompt_key, d.response_key, d.messages_key),
-                                chat_keys=(d.messages_key, d.prompt_key))
-    return tokenize_sft(rows, tokenizer, max_length=d.max_length, prompt_key=d.prompt_key,
-                        response_key=d.response_key, add_eos=d.add_eos, messages_key=d.messages_key, chat=chat,
-                        assistant_turns=d.assistant_turns)
+    rows, chat = read_formatted(
+        d,
+        path,
+        split,
+        tokenizer,
+        sft_fields(d.prompt_key, d.response_key, d.messages_key),
+        chat_keys=(d.messages_key, d.prompt_key),
+    )
+    return tokenize_sft(
+        rows,
+        tokenizer,
+        max_length=d.max_length,
+        prompt_key=d.prompt_key,
+        response_key=d.response_key,
+        add_eos=d.add_eos,
+        messages_key=d.messages_key,
+        chat=chat,
+        assistant_turns=d.assistant_turns,
+    )
 
 
 def _collate(examples: list, pad_id: int):
@@ -26,9 +41,14 @@ def _collate(examples: list, pad_id: int):
 def build_sft_task(cfg: SFTRunConfig, tokenizer) -> tuple:
     train, held_out = read_train_and_eval(cfg, tokenizer, _read)
     pad = tokenizer.pad_token_id
-    task = OfflineTask(objective=SFTObjective(), num_examples=len(train.examples),
-                       collate=_collate(train.examples, pad), eval_num_examples=len(held_out),
-                       eval_collate=_collate(held_out, pad), console_keys=("loss", "grad_norm", "lr", "num_tokens"))
+    task = OfflineTask(
+        objective=SFTObjective(),
+        num_examples=len(train.examples),
+        collate=_collate(train.examples, pad),
+        eval_num_examples=len(held_out),
+        eval_collate=_collate(held_out, pad),
+        console_keys=("loss", "grad_norm", "lr", "num_tokens"),
+    )
     return task, train.skipped_rows
 
 

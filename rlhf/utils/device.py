@@ -4,6 +4,7 @@ flash-attention 2 is selected by what the worker process can actually do, so the
 laptop (sdpa) and on a GPU cluster without edits. Backend and precision are decided by the driver from the
 cluster's resources (rlhf.trainers.run.start_cluster).
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,12 +28,18 @@ def resolve_attn_implementation(requested: str, precision: str) -> str:
     flash-attn is installed but broken)."""
     if requested != "auto":
         if requested == "flash_attention_2":
-            problem = ("no CUDA device" if not cuda_available() else
-                       f"it runs bf16 or fp16 only, and this model is {precision}"
-                       if precision not in FLASH_ATTN_PRECISIONS else flash_attn_problem())
+            problem = (
+                "no CUDA device"
+                if not cuda_available()
+                else f"it runs bf16 or fp16 only, and this model is {precision}"
+                if precision not in FLASH_ATTN_PRECISIONS
+                else flash_attn_problem()
+            )
             if problem:
-                raise RuntimeError(f"model.attn_implementation=flash_attention_2 needs CUDA and a working flash-attn "
-                                   f"package: {problem}")
+                raise RuntimeError(
+                    f"model.attn_implementation=flash_attention_2 needs CUDA and a working flash-attn "
+                    f"package: {problem}"
+                )
         return requested
     if not cuda_available() or precision not in FLASH_ATTN_PRECISIONS:
         return "sdpa"
@@ -40,8 +47,11 @@ def resolve_attn_implementation(requested: str, precision: str) -> str:
     if problem and importlib.util.find_spec("flash_attn") is not None:
         import warnings
 
-        warnings.warn(f"model.attn_implementation=auto: using sdpa, not flash_attention_2: {problem}", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"model.attn_implementation=auto: using sdpa, not flash_attention_2: {problem}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return "sdpa" if problem else "flash_attention_2"
 
 

@@ -27,6 +27,7 @@ handlers instead calls :func:`use_root_handlers`. Quieter: ``logging.getLogger("
 :func:`capture` sends the lines to a file for its duration (and, with ``console=False``, keeps them off the
 console): the audit keeps each run's lines in the run's log file this way (:func:`rlhf.audit.runner.run_one`).
 """
+
 from __future__ import annotations
 
 import contextlib

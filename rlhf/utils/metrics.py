@@ -1,6 +1,7 @@
 """Per-step metrics: ``metrics.jsonl`` (one JSON object per optimizer step), TensorBoard events and W&B
 (:mod:`rlhf.utils.wandb_sink`) through :class:`RunWriters`; reading the files back; the console's per-step lines,
 table and progress bar."""
+
 from __future__ import annotations
 
 import json
@@ -36,9 +37,15 @@ class MetricsWriter:
     re-run steps are not shown twice. W&B keeps the first record of a step (its steps only move forward).
     """
 
-    def __init__(self, output_dir: str, filename: str = METRICS_FILE, tensorboard: bool = True,
-                 resume_after: Optional[int] = None, tb_prefix: str = "",
-                 wandb: Optional[WandbSink] = None) -> None:
+    def __init__(
+        self,
+        output_dir: str,
+        filename: str = METRICS_FILE,
+        tensorboard: bool = True,
+        resume_after: Optional[int] = None,
+        tb_prefix: str = "",
+        wandb: Optional[WandbSink] = None,
+    ) -> None:
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir, self.path = output_dir, os.path.join(output_dir, filename)
         self._tensorboard, self._wandb, self._prefix = tensorboard, wandb, tb_prefix
@@ -137,8 +144,18 @@ class RunWriters:
         if lg.wandb:
             self.wandb = WandbSink(out, lg.wandb_project, lg.wandb_mode, lg.wandb_run_name, config_to_dict(cfg))
         self.metrics = MetricsWriter(out, tensorboard=lg.tensorboard, resume_after=resume_after, wandb=self.wandb)
-        self.eval = (MetricsWriter(out, EVAL_FILE, tensorboard=lg.tensorboard, resume_after=resume_after,
-                                   tb_prefix="eval/", wandb=self.wandb) if with_eval else None)
+        self.eval = (
+            MetricsWriter(
+                out,
+                EVAL_FILE,
+                tensorboard=lg.tensorboard,
+                resume_after=resume_after,
+                tb_prefix="eval/",
+                wandb=self.wandb,
+            )
+            if with_eval
+            else None
+        )
 
     def rewind(self, step: int) -> None:
         """Go back to just after ``step`` (a health-guard rewind to a checkpoint)."""
@@ -225,7 +242,7 @@ class Progress:
 def _clock(seconds: float) -> str:
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
-    return (f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s")
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
 class ConsoleTable:

@@ -10,6 +10,7 @@ updates of a two-step run). Within a warm-up, step 0 does train at LR 0, as in t
 differently from the step count makes a cosine turn back up before the run ends (the OpenRLHF PR #1351 bug); here
 it cannot, and past the horizon the multiplier stays at the floor.
 """
+
 from __future__ import annotations
 
 import math

@@ -13,6 +13,7 @@ prefix), so each keeps its own wording. Light: the standard library only.
 
 The name may be dotted (``module:Class.method``).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -27,8 +28,16 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple, Type
 
-__all__ = ["SpecKind", "clip_plain", "split_spec", "looks_like_path", "load_module", "resolve_attr",
-           "public_callables", "defined_classes"]
+__all__ = [
+    "SpecKind",
+    "clip_plain",
+    "split_spec",
+    "looks_like_path",
+    "load_module",
+    "resolve_attr",
+    "public_callables",
+    "defined_classes",
+]
 
 
 @dataclass(frozen=True)
@@ -67,8 +76,10 @@ def split_spec(spec: Any, kind: SpecKind) -> Tuple[str, str]:
     if not sep or not target or not attr:
         raise kind.error(f"{kind.noun} {spec!r} must look like {kind.forms}")
     if not all(part.isidentifier() for part in attr.split(".")):
-        raise kind.error(f"{kind.noun} {spec!r}: {attr!r} after the last ':' is not a (dotted) Python name; the "
-                         f"spec must look like {kind.forms}")
+        raise kind.error(
+            f"{kind.noun} {spec!r}: {attr!r} after the last ':' is not a (dotted) Python name; the "
+            f"spec must look like {kind.forms}"
+        )
     return target, attr
 
 
@@ -83,12 +94,16 @@ _FILE_COUNTER = itertools.count()
 
 def _load_file(spec: str, target: str, kind: SpecKind) -> types.ModuleType:
     if not target.endswith(".py"):
-        raise kind.error(f"{kind.noun} {spec!r}: {target!r} looks like a file path but does not end in '.py'; a "
-                         f"module is named with dots ('package.module:{kind.what}')")
+        raise kind.error(
+            f"{kind.noun} {spec!r}: {target!r} looks like a file path but does not end in '.py'; a "
+            f"module is named with dots ('package.module:{kind.what}')"
+        )
     path = os.path.realpath(os.path.expanduser(target))
     if not os.path.exists(path):
-        raise kind.error(f"{kind.noun} {spec!r}: file {target!r} not found (resolved to {path}; relative paths are "
-                         f"relative to the working directory {os.getcwd()})")
+        raise kind.error(
+            f"{kind.noun} {spec!r}: file {target!r} not found (resolved to {path}; relative paths are "
+            f"relative to the working directory {os.getcwd()})"
+        )
     if not os.path.isfile(path):
         raise kind.error(f"{kind.noun} {spec!r}: {path} is not a file")
     stat = os.stat(path)
@@ -109,8 +124,9 @@ def _load_file(spec: str, target: str, kind: SpecKind) -> types.ModuleType:
     except BaseException as e:
         sys.modules.pop(name, None)
         if isinstance(e, Exception):
-            raise kind.error(f"{kind.noun} {spec!r}: executing {path} failed: "
-                             f"{type(e).__name__}: {clip_plain(str(e), 1000)}") from e
+            raise kind.error(
+                f"{kind.noun} {spec!r}: executing {path} failed: {type(e).__name__}: {clip_plain(str(e), 1000)}"
+            ) from e
         raise
     _FILE_MODULES[(kind.file_prefix, path)] = (stat.st_mtime_ns, stat.st_size, module)
     return module
@@ -120,8 +136,9 @@ def _import_module(spec: str, target: str, kind: SpecKind) -> types.ModuleType:
     try:
         return importlib.import_module(target)
     except Exception as e:  # ImportError, or anything the module raises at import time (SyntaxError, ...)
-        raise kind.error(f"{kind.noun} {spec!r}: cannot import module {target!r}: "
-                         f"{type(e).__name__}: {clip_plain(str(e), 1000)}") from e
+        raise kind.error(
+            f"{kind.noun} {spec!r}: cannot import module {target!r}: {type(e).__name__}: {clip_plain(str(e), 1000)}"
+        ) from e
 
 
 def load_module(spec: str, target: str, kind: SpecKind) -> types.ModuleType:
@@ -147,8 +164,14 @@ def defined_classes(owner: Any) -> List[str]:
     return sorted(n for n in dir(owner) if not n.startswith("_") and isinstance(getattr(owner, n, None), type))
 
 
-def resolve_attr(spec: str, target: str, attr: str, module: types.ModuleType, kind: SpecKind,
-                 available: Callable[[Any], List[str]] = public_callables) -> Any:
+def resolve_attr(
+    spec: str,
+    target: str,
+    attr: str,
+    module: types.ModuleType,
+    kind: SpecKind,
+    available: Callable[[Any], List[str]] = public_callables,
+) -> Any:
     """``module.<attr>`` (dotted), or ``kind.error`` naming what is missing, the close matches among
     ``available(owner)`` and that whole list."""
     obj: Any = module
@@ -162,6 +185,8 @@ def resolve_attr(spec: str, target: str, attr: str, module: types.ModuleType, ki
             close = difflib.get_close_matches(part, names, n=3)
             hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
             listing = ", ".join(names) if names else "none"
-            raise kind.error(f"{kind.noun} {spec!r}: {owner} has no attribute {part!r}.{hint} "
-                             f"{kind.listing} available there: {listing}") from None
+            raise kind.error(
+                f"{kind.noun} {spec!r}: {owner} has no attribute {part!r}.{hint} "
+                f"{kind.listing} available there: {listing}"
+            ) from None
     return obj

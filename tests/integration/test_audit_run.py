@@ -1,6 +1,7 @@
 """``python -m rlhf.cli.audit`` for real on the tiny model (Ray actors): a correct SFT config (exit 0 and a table) and
 one that only a run can show to be broken (dropout left on in a model that has it). The unit tests of the audit
 (factorisations, lint, verdicts) are in ``tests/unit/test_audit.py``."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,6 @@ import os
 import shutil
 
 import pytest
-
 from shared_helpers import run_main
 
 AUDIT = "rlhf.cli.audit"
@@ -25,23 +25,45 @@ def _audit(argv, tmp_path, capsys, monkeypatch):
 
 def _run_config(tmp_path, model, data, extra="") -> str:
     path = tmp_path / "run.yaml"
-    path.write_text(f"defaults: [sft_tiny]\nmodel:\n  path: {model}\ndata:\n  train_path: {data}\n"
-                    f"train:\n  global_batch_size: 8\n  micro_batch_size: 2\n  num_workers: 2\n"
-                    f"  output_dir: {tmp_path / 'outputs' / 'sft'}\n{extra}")
+    path.write_text(
+        f"defaults: [sft_tiny]\nmodel:\n  path: {model}\ndata:\n  train_path: {data}\n"
+        f"train:\n  global_batch_size: 8\n  micro_batch_size: 2\n  num_workers: 2\n"
+        f"  output_dir: {tmp_path / 'outputs' / 'sft'}\n{extra}"
+    )
     return str(path)
 
 
 @pytest.mark.usefixtures("ray_session")
 def test_a_correct_sft_config_keeps_the_contract(tiny_model, sft_data, tmp_path, capsys, monkeypatch):
     (tmp_path / "outputs").mkdir()  # the runs go next to train.output_dir (storage the cluster writes)
-    rc, out, err = _audit(["--config", _run_config(tmp_path, tiny_model, sft_data), "--steps", "2"], tmp_path, capsys,
-                          monkeypatch)
+    rc, out, err = _audit(
+        ["--config", _run_config(tmp_path, tiny_model, sft_data), "--steps", "2"], tmp_path, capsys, monkeypatch
+    )
     assert rc == 0, out + err
-    assert "runs: 3 factorisations of the global batch 8 (micro x accumulation x ranks), 2 step(s) each: 2x2x2 (the " \
-           "configured split), 1x4x2 (micro 1), 2x4x1 (one rank)" in out
+    assert (
+        "runs: 3 factorisations of the global batch 8 (micro x accumulation x ranks), 2 step(s) each: 2x2x2 (the "
+        "configured split), 1x4x2 (micro 1), 2x4x1 (one rank)" in out
+    )
     header = next(line for line in out.splitlines() if line.startswith("step"))
-    assert header.split() == ["step", "lr", "loss", "2x2x2", "loss", "1x4x2", "loss", "2x4x1", "loss", "rel",
-                              "grad_norm", "rel", "worst", "other", "(rel)", "tol", "verdict"]
+    assert header.split() == [
+        "step",
+        "lr",
+        "loss",
+        "2x2x2",
+        "loss",
+        "1x4x2",
+        "loss",
+        "2x4x1",
+        "loss",
+        "rel",
+        "grad_norm",
+        "rel",
+        "worst",
+        "other",
+        "(rel)",
+        "tol",
+        "verdict",
+    ]
     rows = [line.split() for line in out.splitlines() if line[:2] in ("1 ", "2 ")]
     assert [r[0] for r in rows] == ["1", "2"] and all(r[-1] == "ok" for r in rows)
     assert "final weights: worst relative L2 difference" in out
@@ -61,8 +83,15 @@ def test_dropout_left_on_is_found_by_the_runs(tiny_model, sft_data, tmp_path, ca
     config["attention_dropout"] = 0.1
     with open(os.path.join(model, "config.json"), "w") as f:
         json.dump(config, f)
-    argv = ["--config", _run_config(tmp_path, model, sft_data), "--steps", "1", "model.disable_dropout=false",
-            "train.num_workers=1", "train.global_batch_size=4"]
+    argv = [
+        "--config",
+        _run_config(tmp_path, model, sft_data),
+        "--steps",
+        "1",
+        "model.disable_dropout=false",
+        "train.num_workers=1",
+        "train.global_batch_size=4",
+    ]
     rc, out, err = _audit(argv, tmp_path, capsys, monkeypatch)
     assert rc == 1, out + err
     assert "warning  model.disable_dropout=false" in out and "2x2x1 (the configured split)" in out

@@ -7,6 +7,7 @@ conversations with the chat template and trains; real Ray, DeepSpeed and vllm-cp
 entry point (``main(argv)``, argument parsing to exit status) run in this process, so the three share the test
 session's Ray cluster; the workers find the cache through the environment the runner gives every actor.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -53,10 +54,12 @@ def hub_cache(tmp_path_factory, tiny_model):
     cache = tmp_path_factory.mktemp("hf") / "hub"
     shutil.copytree(tiny_model, _repo(cache, "model", MODEL_ID, MODEL_SHA))
     data = _repo(cache, "dataset", DATA_ID, DATA_SHA)
-    files = {"sft/train.jsonl": a.to_chat_sft(a.make_sft_rows(96, seed=1, max_operand=9)),
-             "preference/train.jsonl": a.to_chat_preference(a.make_preference_rows(32, seed=2, max_operand=9)),
-             "prompts/train.jsonl": a.to_chat_prompts(a.make_rl_prompts(16, seed=3, max_operand=9)),
-             "prompts/test.jsonl": a.to_chat_prompts(a.make_rl_prompts(4, seed=4, max_operand=9))}
+    files = {
+        "sft/train.jsonl": a.to_chat_sft(a.make_sft_rows(96, seed=1, max_operand=9)),
+        "preference/train.jsonl": a.to_chat_preference(a.make_preference_rows(32, seed=2, max_operand=9)),
+        "prompts/train.jsonl": a.to_chat_prompts(a.make_rl_prompts(16, seed=3, max_operand=9)),
+        "prompts/test.jsonl": a.to_chat_prompts(a.make_rl_prompts(4, seed=4, max_operand=9)),
+    }
     for name, rows in files.items():
         a.write_jsonl(data / name, rows)
     (data / "README.md").write_text(CARD)
@@ -87,9 +90,19 @@ def test_conversational_sft_dpo_grpo_from_hub_ids_offline(hub_cache, tmp_path, m
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     # SFT on conversations from the hub dataset's "sft" config, last assistant turn and all turns alike.
     sft = tmp_path / "sft"
-    _run("train_sft", f"model.path={MODEL_ID}", f"data.train_path={DATA_ID}",
-               "data.config_name=sft", f"train.output_dir={sft}", "train.global_batch_size=16",
-               "train.micro_batch_size=8", "train.max_epochs=2", "train.lr=2e-3", "data.max_length=128", *COMMON)
+    _run(
+        "train_sft",
+        f"model.path={MODEL_ID}",
+        f"data.train_path={DATA_ID}",
+        "data.config_name=sft",
+        f"train.output_dir={sft}",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=8",
+        "train.max_epochs=2",
+        "train.lr=2e-3",
+        "data.max_length=128",
+        *COMMON,
+    )
     assert "96 examples (0 skipped" in capsys.readouterr().out
     cfg = _config(sft)
     assert cfg["model"]["path"] == f"{MODEL_ID}@{MODEL_SHA}"  # the snapshot every worker loaded, pinned
@@ -100,20 +113,44 @@ def test_conversational_sft_dpo_grpo_from_hub_ids_offline(hub_cache, tmp_path, m
 
     # DPO from the SFT model (a local directory), on conversational pairs of the same hub dataset.
     dpo = tmp_path / "dpo"
-    _run("train_dpo", f"model.path={sft / 'final'}", f"data.train_path={DATA_ID}",
-         "data.config_name=preference", f"train.output_dir={dpo}", "train.global_batch_size=8",
-         "train.micro_batch_size=4", "train.max_epochs=1", "train.lr=1e-4", "data.max_length=128", *COMMON)
+    _run(
+        "train_dpo",
+        f"model.path={sft / 'final'}",
+        f"data.train_path={DATA_ID}",
+        "data.config_name=preference",
+        f"train.output_dir={dpo}",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "train.max_epochs=1",
+        "train.lr=1e-4",
+        "data.max_length=128",
+        *COMMON,
+    )
     rows = _metrics(dpo)
     assert len(rows) == 4 and all(r["num_samples"] == 8 for r in rows)
 
     # GRPO from the DPO model on conversational prompts rendered with the generation prompt; held-out prompts come
     # from the same hub dataset's test split.
     grpo = tmp_path / "grpo"
-    _run("train_ppo", "--config", "grpo_tiny", f"model.path={dpo / 'final'}",
-               f"data.train_path={DATA_ID}", "data.config_name=prompts", f"data.eval_path={DATA_ID}",
-               "data.eval_split=test", f"train.output_dir={grpo}", "rollout.prompts_per_step=4",
-               "rollout.n_samples_per_prompt=4", "rollout.max_prompt_length=96", "train.global_batch_size=16",
-               "train.micro_batch_size=16", "train.max_steps=2", "rollout.eval_samples_per_prompt=2", *COMMON)
+    _run(
+        "train_ppo",
+        "--config",
+        "grpo_tiny",
+        f"model.path={dpo / 'final'}",
+        f"data.train_path={DATA_ID}",
+        "data.config_name=prompts",
+        f"data.eval_path={DATA_ID}",
+        "data.eval_split=test",
+        f"train.output_dir={grpo}",
+        "rollout.prompts_per_step=4",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_prompt_length=96",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=16",
+        "train.max_steps=2",
+        "rollout.eval_samples_per_prompt=2",
+        *COMMON,
+    )
     assert "16 prompts (0 skipped" in capsys.readouterr().out
     rows = _metrics(grpo)
     assert [r["step"] for r in rows] == [1, 2]

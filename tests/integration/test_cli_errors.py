@@ -8,6 +8,7 @@ invocations share one Python process (:data:`SERVER`, started once for this modu
 import of torch / transformers instead of one per case, which was nearly all of each case's seconds. After each
 invocation the server also reports whether Ray was started, which none of these may do.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,11 @@ import subprocess
 import sys
 
 import pytest
-
 from shared_helpers import uneven_sft_rows, write_jsonl
 
 # Reads one JSON request a line on stdin, ``[module, [args...]]``, runs it as ``python -m module args...`` would, and
 # answers on the file descriptor argv[1]: ``[exit status, stdout, stderr, whether Ray is initialized]``.
-SERVER = r'''
+SERVER = r"""
 import json, os, runpy, sys, tempfile, traceback
 
 replies = os.fdopen(int(sys.argv[1]), "w")
@@ -74,15 +74,20 @@ for line in sys.stdin:
     started = bool(ray is not None and getattr(ray, "is_initialized", lambda: False)())
     replies.write(json.dumps([status, out, err, started]) + "\n")
     replies.flush()
-'''
+"""
 
 
 class _Server:
     def __init__(self):
         read_fd, write_fd = os.pipe()
         env = dict(os.environ, DS_ACCELERATOR="cpu", RAY_ADDRESS="")
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, str(write_fd)], stdin=subprocess.PIPE,
-                                     pass_fds=(write_fd,), env=env, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER, str(write_fd)],
+            stdin=subprocess.PIPE,
+            pass_fds=(write_fd,),
+            env=env,
+            text=True,
+        )
         os.close(write_fd)
         self.replies = os.fdopen(read_fd)
 
@@ -118,8 +123,13 @@ def cli():
 
 
 def _base(model, data, out):
-    return [f"model.path={model}", f"data.train_path={data}", f"train.output_dir={out}", "train.global_batch_size=4",
-            "train.micro_batch_size=2"]
+    return [
+        f"model.path={model}",
+        f"data.train_path={data}",
+        f"train.output_dir={out}",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+    ]
 
 
 def test_unknown_key_suggests_the_close_match(cli, tiny_model, sft_data, tmp_path):
@@ -129,11 +139,15 @@ def test_unknown_key_suggests_the_close_match(cli, tiny_model, sft_data, tmp_pat
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("args,corrected", [(["--train.lr", "1e-4"], "train.lr=1e-4"),
-                                           (["--train.lr=1e-4"], "train.lr=1e-4"),
-                                           (["--lr", "1e-4"], "train.lr=1e-4")])
-def test_an_override_written_as_an_option_gets_its_key_value_form(cli, args, corrected, tiny_model, sft_data,
-                                                                  tmp_path):
+@pytest.mark.parametrize(
+    "args,corrected",
+    [
+        (["--train.lr", "1e-4"], "train.lr=1e-4"),
+        (["--train.lr=1e-4"], "train.lr=1e-4"),
+        (["--lr", "1e-4"], "train.lr=1e-4"),
+    ],
+)
+def test_an_override_written_as_an_option_gets_its_key_value_form(cli, args, corrected, tiny_model, sft_data, tmp_path):
     proc = cli("train_sft", *_base(tiny_model, sft_data, tmp_path / "o"), *args)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"overrides are KEY=VALUE without dashes; write: {corrected}" in proc.stderr
@@ -154,8 +168,9 @@ def test_a_yaml_syntax_error_names_the_file_and_line(cli, tmp_path):
     config.write_text("model:\n  path: /m\ntrain:\n  lr: [1\n  seed: 3\n")
     proc = cli("train_sft", "--config", str(config))
     assert proc.returncode == 2
-    assert proc.stderr.strip() == (f"error: {config}:5:7: invalid YAML: expected ',' or ']', but got ':' "
-                                   "(while parsing a flow sequence, line 4)")
+    assert proc.stderr.strip() == (
+        f"error: {config}:5:7: invalid YAML: expected ',' or ']', but got ':' (while parsing a flow sequence, line 4)"
+    )
 
 
 def test_indivisible_global_batch_names_the_keys(cli, tiny_model, sft_data, tmp_path):
@@ -211,15 +226,25 @@ def test_too_few_rows_for_one_step(cli, tiny_model, tmp_path):
 
 
 def test_rl_bad_reward_function_is_named_before_any_actor(cli, tiny_model, sft_data, tmp_path):
-    proc = cli("train_ppo", f"model.path={tiny_model}", f"data.train_path={sft_data}",
-                f"train.output_dir={tmp_path / 'out'}", f"reward.functions=[{tmp_path}/nope.py:score]")
+    proc = cli(
+        "train_ppo",
+        f"model.path={tiny_model}",
+        f"data.train_path={sft_data}",
+        f"train.output_dir={tmp_path / 'out'}",
+        f"reward.functions=[{tmp_path}/nope.py:score]",
+    )
     assert proc.returncode == 2 and "nope.py:score" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "final").exists()
 
 
 def test_rl_unknown_estimator_lists_valid_names(cli, tiny_model, sft_data, tmp_path):
-    proc = cli("train_ppo", f"model.path={tiny_model}", f"data.train_path={sft_data}",
-                "reward.functions=[rlhf.synthetic.arithmetic:reward]", "algo.advantage_estimator=grop")
+    proc = cli(
+        "train_ppo",
+        f"model.path={tiny_model}",
+        f"data.train_path={sft_data}",
+        "reward.functions=[rlhf.synthetic.arithmetic:reward]",
+        "algo.advantage_estimator=grop",
+    )
     assert proc.returncode == 2 and "Did you mean 'grpo'" in proc.stderr and "reinforce_pp" in proc.stderr
 
 
@@ -227,7 +252,17 @@ def test_rl_unknown_estimator_lists_valid_names(cli, tiny_model, sft_data, tmp_p
 def test_help_lists_every_key(cli, module):
     proc = cli(module, "--help")
     assert proc.returncode == 0
-    for key in ("model.path", "data.train_path", "train.global_batch_size", "train.micro_batch_size",
-                "train.num_workers", "train.max_epochs", "train.max_steps", "train.lr", "train.seed",
-                "train.output_dir", "strategy.zero_stage"):
+    for key in (
+        "model.path",
+        "data.train_path",
+        "train.global_batch_size",
+        "train.micro_batch_size",
+        "train.num_workers",
+        "train.max_epochs",
+        "train.max_steps",
+        "train.lr",
+        "train.seed",
+        "train.output_dir",
+        "strategy.zero_stage",
+    ):
         assert key in proc.stdout, f"{module} --help lacks {key}"

@@ -7,6 +7,7 @@
   once (torch's lock file makes the second wait); a later call prints nothing and builds nothing; and DeepSpeed
   loading the op the way a trainer rank does (``build_shm_op``) finds it built and does not recompile.
 """
+
 from __future__ import annotations
 
 import os
@@ -72,8 +73,14 @@ def test_when_built_the_driver_imports_nothing_and_prints_nothing(tmp_path):
     inputs = _comm_op_inputs()
     _fake_build(tmp_path, inputs["sources"], inputs["torch_include"])
     code = ENSURE + "; assert 'deepspeed' not in sys.modules and 'torch' not in sys.modules"
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=_env(tmp_path), cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        env=_env(tmp_path),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "False\n" and done.stderr == ""
 
@@ -96,8 +103,17 @@ def test_init_ray_compiles_it_when_the_cluster_has_no_gpus(monkeypatch):
 @pytest.mark.slow
 def test_two_processes_build_it_once_and_deepspeed_then_loads_it_without_rebuilding(tmp_path):
     ext = tmp_path / "torch_extensions"
-    procs = [subprocess.Popen([sys.executable, "-c", ENSURE, str(ext)], env=_env(ext), cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", ENSURE, str(ext)],
+            env=_env(ext),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     results = [(p.wait(timeout=900), *p.communicate()) for p in procs]
     assert all(rc == 0 for rc, _, _ in results), [err[-3000:] for _, _, err in results]
     errs = "".join(err for _, _, err in results)
@@ -108,12 +124,18 @@ def test_two_processes_build_it_once_and_deepspeed_then_loads_it_without_rebuild
     built_at = os.path.getmtime(lib)
     assert cpu_comm_op_built(str(ext))
 
-    again = subprocess.run([sys.executable, "-c", ENSURE, str(ext)], env=_env(ext), cwd=ROOT, capture_output=True,
-                           text=True, timeout=120)
+    again = subprocess.run(
+        [sys.executable, "-c", ENSURE, str(ext)], env=_env(ext), cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert again.returncode == 0 and again.stdout == "False\n" and again.stderr == ""
 
     # what a CPU trainer rank runs in its first DeepSpeed engine (deepspeed/comm/torch.py)
-    rank = subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
-                          env=_env(ext), capture_output=True, text=True, timeout=900)
+    rank = subprocess.run(
+        [sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
+        env=_env(ext),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert rank.returncode == 0, rank.stderr[-3000:]
     assert _links(ext) == 1 and os.path.getmtime(lib) == built_at, "DeepSpeed rebuilt the op the driver built"

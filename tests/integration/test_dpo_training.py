@@ -2,20 +2,30 @@
 under different ZeRO stages and reference modes (precomputed / online) logs the same numbers and ends with the
 same weights; step 1 equals a plain PyTorch computation over the whole batch. (SFT: test_offline_training.py.)
 """
+
 from __future__ import annotations
 
 import os
 
 import pytest
 import torch
+from offline_helpers import (
+    LOSS_RTOL,
+    _assert_ranks_ran_different_counts,
+    _assert_same_runs,
+    _assert_same_weights,
+    _completion_nll_and_count,
+    _grad_norm,
+    _overrides,
+    _plain_model,
+    _read_jsonl,
+    _rows,
+    assert_dpo_policy_is_the_reference,
+)
 
 from rlhf.config.loader import load_config
 from rlhf.config.schema import DPORunConfig
 from rlhf.data.plan import EpochPlan
-
-from offline_helpers import (LOSS_RTOL, _assert_ranks_ran_different_counts, _assert_same_runs, _assert_same_weights,
-                             _completion_nll_and_count, _grad_norm, _overrides, _plain_model, _read_jsonl, _rows,
-                             assert_dpo_policy_is_the_reference)
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -38,10 +48,17 @@ def dpo_runs(tiny_model, pair_data, tmp_path_factory):
     runs = {}
     for name, (mbs, nw, zero, mode, *more) in DPO_FACTORISATIONS.items():
         out = str(base / name)
-        extra = (f"dpo.ref_mode={mode}", "dpo.beta=0.5", "dpo.label_smoothing=0.1", "dpo.ref_num_workers=2",
-                 f"data.eval_path={pair_data}", *(more[0] if more else ()))
-        cfg = load_config(DPORunConfig, overrides=_overrides(tiny_model, pair_data, out, 4, mbs, nw, zero,
-                                                             epochs=1, extra=extra))
+        extra = (
+            f"dpo.ref_mode={mode}",
+            "dpo.beta=0.5",
+            "dpo.label_smoothing=0.1",
+            "dpo.ref_num_workers=2",
+            f"data.eval_path={pair_data}",
+            *(more[0] if more else ()),
+        )
+        cfg = load_config(
+            DPORunConfig, overrides=_overrides(tiny_model, pair_data, out, 4, mbs, nw, zero, epochs=1, extra=extra)
+        )
         result = train_dpo(cfg)
         runs[name] = (_rows(out), result.final_dir, cfg)
     return runs
@@ -63,9 +80,11 @@ def test_dpo_factorisations_and_reference_modes_agree(dpo_runs):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(next(iter(dpo_runs.values()))[2].model.path)
-    expected_tokens = sum(len(tokenizer(r[k], add_special_tokens=False)["input_ids"]) + 1
-                          for r in _read_jsonl(next(iter(dpo_runs.values()))[2].data.eval_path)
-                          for k in ("chosen", "rejected"))
+    expected_tokens = sum(
+        len(tokenizer(r[k], add_special_tokens=False)["input_ids"]) + 1
+        for r in _read_jsonl(next(iter(dpo_runs.values()))[2].data.eval_path)
+        for k in ("chosen", "rejected")
+    )
     assert all(ev[0]["num_tokens"] == expected_tokens for ev in evals)
 
 

@@ -1,5 +1,6 @@
 """Rollout engines that the local Ray cluster cannot place fail at once, naming the ``rollout.*`` keys, instead of
 waiting for ever on engines Ray keeps pending (the session's cluster has 8 logical CPUs on one node)."""
+
 from __future__ import annotations
 
 import re
@@ -35,8 +36,13 @@ def test_engines_that_cannot_be_placed_fail_promptly(num_engines, cpus_per_engin
     error = outcome.get("error")
     assert isinstance(error, InfeasiblePlan), repr(error)
     # actor 1 of 2 on an idle cluster; actor 0 if an earlier test of the session still holds CPUs
-    assert re.search(rf"cannot place rollout actor [0-{num_engines - 1}] of {num_engines} "
-                     rf"\({{CPU: {cpus_per_engine:g}}} each", str(error)), str(error)
-    assert str(error).endswith(f"rollout.num_engines={num_engines} engines x rollout.cpus_per_engine="
-                               f"{cpus_per_engine:g} CPUs each: lower them, or add nodes")
+    assert re.search(
+        rf"cannot place rollout actor [0-{num_engines - 1}] of {num_engines} "
+        rf"\({{CPU: {cpus_per_engine:g}}} each",
+        str(error),
+    ), str(error)
+    assert str(error).endswith(
+        f"rollout.num_engines={num_engines} engines x rollout.cpus_per_engine="
+        f"{cpus_per_engine:g} CPUs each: lower them, or add nodes"
+    )
     print(f"failed after {time.monotonic() - began:.2f} s: {error}")

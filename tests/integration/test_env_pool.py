@@ -1,5 +1,6 @@
 """EnvironmentPool on the shared Ray cluster: batched turns in order with per-episode state, a raising environment
 and a hanging one (each an EnvError naming spec, episode and turn), and the pool still serving afterwards."""
+
 from __future__ import annotations
 
 import time
@@ -64,8 +65,11 @@ def test_batched_turns_keep_order_and_state(envs: Path):
             assert [o.observation for o in outcomes] == [str(x) for x in expected]
             assert [o.done for o in outcomes] == [turn == 3] * 5
             assert [o.info["ids"] for o in outcomes] == [[i, turn] for i in ids]
-        with pytest.raises(EnvError, match=r"stepped after its episode ended at turn 3 in step \(turn 4 of "
-                                           r"episode 3\)"):
+        with pytest.raises(
+            EnvError,
+            match=r"stepped after its episode ended at turn 3 in step \(turn 4 of "
+            r"episode 3\)",
+        ):
             pool.step([3], ["1"])
         pool.close(ids)
         with pytest.raises(EnvError, match="episode 0 is not live"):
@@ -79,8 +83,9 @@ def test_a_raising_environment_names_spec_episode_turn_and_cause(envs: Path):
         pool.step([0, 1, 2, 3], ["a"] * 4)
         with pytest.raises(EnvError) as info:
             pool.step([0, 1, 2, 3], ["a", "a", "a", "boom"])
-        assert str(info.value) == (f"environment {spec!r} raised ZeroDivisionError: tool crashed in step "
-                                   f"(turn 2 of episode 3)")
+        assert str(info.value) == (
+            f"environment {spec!r} raised ZeroDivisionError: tool crashed in step (turn 2 of episode 3)"
+        )
         assert (info.value.spec, info.value.episode, info.value.turn) == (spec, 3, 2)
 
 
@@ -123,7 +128,9 @@ def test_errors_returned_in_place_fail_only_their_episodes(envs: Path):
 
 def test_a_spec_the_actors_cannot_load_is_an_env_error(tmp_path: Path):
     path = tmp_path / "typo.py"
-    path.write_text("class Env:\n    def reset(self, row):\n        return ''\n    def step(self, r, ids):\n"
-                    "        return None, 0.0, True, {}\n")
+    path.write_text(
+        "class Env:\n    def reset(self, row):\n        return ''\n    def step(self, r, ids):\n"
+        "        return None, 0.0, True, {}\n"
+    )
     with pytest.raises(EnvError, match=r"has no attribute 'Evn'\. Did you mean 'Env'\?"):
         EnvironmentPool(f"{path}:Evn", num_actors=1, cpus_per_actor=0.5)

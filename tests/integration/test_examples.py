@@ -1,6 +1,7 @@
 """The custom-loop examples (examples/custom_rl_loop.py, examples/custom_loop.py) run end to end, short, on the
 session's Ray cluster, and what they print is what they claim: the RL loop's weight syncs land, the preference
 loop's logged metrics are global-batch numbers."""
+
 from __future__ import annotations
 
 import math
@@ -8,7 +9,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from offline_helpers import logp_rounding
 from shared_helpers import load_example
 
@@ -23,8 +23,9 @@ def _load_example(name: str):
 
 def test_custom_rl_loop_weight_syncs_land(tmp_path, capsys):
     example = _load_example("custom_rl_loop")
-    history = example.main(steps=3, prompts_per_step=4, samples_per_prompt=4, micro_batch_size=8,
-                           work_dir=str(tmp_path))
+    history = example.main(
+        steps=3, prompts_per_step=4, samples_per_prompt=4, micro_batch_size=8, work_dir=str(tmp_path)
+    )
     assert [h["step"] for h in history] == [1, 2, 3]
     for h in history:
         assert math.isfinite(h["loss"]) and h["grad_norm"] > 0 and 0 <= h["reward"] <= 1

@@ -12,16 +12,16 @@ makes the fp64 comparison a test at all. The figures are printed for docs/concep
 The groups are started once for the file and rebuilt (model + engine) per precision and model: actor start-up is
 most of the cost. The config tests that need no actors are in ``tests/unit/test_fp64.py``.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from precision_helpers import in_parallel, score_rows, started_groups, step
+from shared_helpers import uneven_pair_rows, uneven_sft_rows
 
 from rlhf.data.tokenize import collate_pairs, collate_sft, tokenize_pairs, tokenize_sft
 from rlhf.distributed.engine import EngineSpec, OptimSpec
-
-from precision_helpers import in_parallel, score_rows, started_groups, step
-from shared_helpers import uneven_pair_rows, uneven_sft_rows
 
 GLOBAL_BATCH = 4
 STEPS = 4  # optimizer steps per objective
@@ -55,20 +55,43 @@ def data(tiny_model):
     of random scores and the reference's per-token log-probs (old log-probs are each layout's own, later)."""
     from transformers import AutoTokenizer
 
-    from rlhf.objectives.dpo import ReferenceLogps
     from rlhf.objectives.actor_critic import TokenLogps
+    from rlhf.objectives.dpo import ReferenceLogps
     from rlhf.ops.advantages import AdvantageInputs, compute_advantages
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    sft = [collate_sft(tokenize_sft(uneven_sft_rows(GLOBAL_BATCH, seed=20 + k), tok, max_length=64,
-                                    prompt_key="prompt", response_key="response").examples, tok.pad_token_id)
-           for k in range(STEPS)]
-    pairs = [collate_pairs(tokenize_pairs(uneven_pair_rows(GLOBAL_BATCH, seed=30 + k), tok, max_length=64,
-                                          prompt_key="prompt", chosen_key="chosen", rejected_key="rejected",
-                                          margin_key="margin").examples, tok.pad_token_id)
-             for k in range(STEPS)]
-    rollout = collate_sft(tokenize_sft(_grpo_rows(seed=40), tok, max_length=64, prompt_key="prompt",
-                                       response_key="response").examples, tok.pad_token_id)
+    sft = [
+        collate_sft(
+            tokenize_sft(
+                uneven_sft_rows(GLOBAL_BATCH, seed=20 + k),
+                tok,
+                max_length=64,
+                prompt_key="prompt",
+                response_key="response",
+            ).examples,
+            tok.pad_token_id,
+        )
+        for k in range(STEPS)
+    ]
+    pairs = [
+        collate_pairs(
+            tokenize_pairs(
+                uneven_pair_rows(GLOBAL_BATCH, seed=30 + k),
+                tok,
+                max_length=64,
+                prompt_key="prompt",
+                chosen_key="chosen",
+                rejected_key="rejected",
+                margin_key="margin",
+            ).examples,
+            tok.pad_token_id,
+        )
+        for k in range(STEPS)
+    ]
+    rollout = collate_sft(
+        tokenize_sft(_grpo_rows(seed=40), tok, max_length=64, prompt_key="prompt", response_key="response").examples,
+        tok.pad_token_id,
+    )
     scores = torch.rand(len(rollout), generator=torch.Generator().manual_seed(41))
     out = {}
     for precision, dtype in DTYPES.items():
@@ -77,12 +100,22 @@ def data(tiny_model):
             dpo = [b.replace(ref_logps=ReferenceLogps()(model, b)) for b in pairs]
             ref_logps = TokenLogps()(model, rollout)
         mask = rollout.loss_mask.to(dtype)
-        advantages, _ = compute_advantages("grpo", AdvantageInputs(
-            token_rewards=torch.zeros_like(mask), scores=scores.to(dtype), response_mask=mask,
-            group_ids=torch.arange(len(rollout)) // 4))
+        advantages, _ = compute_advantages(
+            "grpo",
+            AdvantageInputs(
+                token_rewards=torch.zeros_like(mask),
+                scores=scores.to(dtype),
+                response_mask=mask,
+                group_ids=torch.arange(len(rollout)) // 4,
+            ),
+        )
         assert ref_logps.dtype == advantages.dtype == dpo[0].ref_logps.dtype == dtype
-        out[precision] = {"sft": sft, "dpo": dpo, "rm": pairs,
-                          "rl": rollout.replace(ref_logps=ref_logps, advantages=advantages)}
+        out[precision] = {
+            "sft": sft,
+            "dpo": dpo,
+            "rm": pairs,
+            "rl": rollout.replace(ref_logps=ref_logps, advantages=advantages),
+        }
     return out
 
 
@@ -97,10 +130,16 @@ def _build(groups: dict, path: str, kind: str, precision: str) -> None:
     from rlhf.models.loading import ModelSpec
 
     def build(group, ranks, micro):
-        group.build(ModelSpec(path=path, kind=kind, precision=precision, seed=7),
-                    EngineSpec(zero_stage=0, precision=precision, micro_batch_size=micro,
-                               grad_accum_steps=GLOBAL_BATCH // (ranks * micro)),
-                    OptimSpec(lr=1e-3, total_steps=3 * STEPS))
+        group.build(
+            ModelSpec(path=path, kind=kind, precision=precision, seed=7),
+            EngineSpec(
+                zero_stage=0,
+                precision=precision,
+                micro_batch_size=micro,
+                grad_accum_steps=GLOBAL_BATCH // (ranks * micro),
+            ),
+            OptimSpec(lr=1e-3, total_steps=3 * STEPS),
+        )
 
     in_parallel({name: (lambda g=g: build(*g)) for name, g in groups.items()})
 
@@ -115,7 +154,8 @@ def _probe():
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch AdamW (DeepSpeed wraps none)
         state = list(inner.state.values())
         fp64 = all(p.dtype == torch.float64 for p in model.module.parameters()) and all(
-            s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.float64 for s in state)
+            s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.float64 for s in state
+        )
         steps = [float(s["step"]) for s in state] or [-1.0]
         flags = [float(fp64), float(engine.communication_data_type == torch.float64), min(steps), max(steps)]
         return torch.cat(weights + [torch.tensor(flags, dtype=torch.float64)])
@@ -126,9 +166,9 @@ def _probe():
 def _train(groups: dict, batches: dict, tiny_model: str, tiny_reward_model: str, precision: str):
     """Both models' runs in lockstep -> (``objective -> layout -> [{"loss", "grad_norm"}] per step``,
     ``model -> layout -> probe``)."""
+    from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps
     from rlhf.objectives.dpo import DPOObjective
     from rlhf.objectives.reward import RewardObjective
-    from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps
     from rlhf.objectives.sft import SFTObjective
 
     rows = {key: {name: [] for name in groups} for key in ("sft", "dpo", "rl", "rm")}
@@ -140,8 +180,9 @@ def _train(groups: dict, batches: dict, tiny_model: str, tiny_reward_model: str,
             rows[key][name].append(row)
 
     def probe_all():
-        return in_parallel({name: (lambda g=g: g[0].score([batches["sft"][0]] * g[1], _probe())[0])
-                            for name, g in groups.items()})
+        return in_parallel(
+            {name: (lambda g=g: g[0].score([batches["sft"][0]] * g[1], _probe())[0]) for name, g in groups.items()}
+        )
 
     _build(groups, tiny_model, "causal_lm", precision)
     for batch in batches["sft"]:
@@ -175,21 +216,32 @@ def _worst(rows: dict, steps: slice = slice(None)) -> dict:
     out = {}
     for key, by_layout in rows.items():
         whole = by_layout["whole"]
-        out[key] = {m: max(_rel(r[m], w[m]) for name, runs in by_layout.items() if name != "whole"
-                           for r, w in list(zip(runs, whole))[steps]) for m in ("loss", "grad_norm")}
+        out[key] = {
+            m: max(
+                _rel(r[m], w[m])
+                for name, runs in by_layout.items()
+                if name != "whole"
+                for r, w in list(zip(runs, whole))[steps]
+            )
+            for m in ("loss", "grad_norm")
+        }
     return out
 
 
 def _weight_gap(probes: dict) -> dict:
     """``model -> max |w - w_whole|`` over the other layouts (the probe's 4 trailing flags excluded)."""
-    return {model: max(float((p[:-4] - by_layout["whole"][:-4]).abs().max()) for p in by_layout.values())
-            for model, by_layout in probes.items()}
+    return {
+        model: max(float((p[:-4] - by_layout["whole"][:-4]).abs().max()) for p in by_layout.values())
+        for model, by_layout in probes.items()
+    }
 
 
 @pytest.fixture(scope="module")
 def runs(groups, data, tiny_model, tiny_reward_model):
-    return {precision: _train(groups, data[precision], tiny_model, tiny_reward_model, precision)
-            for precision in ("fp64", "fp32")}
+    return {
+        precision: _train(groups, data[precision], tiny_model, tiny_reward_model, precision)
+        for precision in ("fp64", "fp32")
+    }
 
 
 def test_fp64_factorisations_agree_at_every_step_and_fp32_does_not(runs):
@@ -197,10 +249,12 @@ def test_fp64_factorisations_agree_at_every_step_and_fp32_does_not(runs):
     worst64, drift32, first32 = _worst(rows64), _worst(rows32, slice(1, None)), _worst(rows32, slice(0, 1))
     gap64, gap32 = _weight_gap(probes64), _weight_gap(probes32)
     for key in rows64:
-        print(f"[fp64] {key}: {STEPS} steps x {len(LAYOUTS) - 1} layouts vs whole, max rel diff loss "
-              f"{worst64[key]['loss']:.1e} grad_norm {worst64[key]['grad_norm']:.1e} | fp32 after step 1: loss "
-              f"{drift32[key]['loss']:.1e} grad_norm {drift32[key]['grad_norm']:.1e} (step 1: loss "
-              f"{first32[key]['loss']:.1e} grad_norm {first32[key]['grad_norm']:.1e})")
+        print(
+            f"[fp64] {key}: {STEPS} steps x {len(LAYOUTS) - 1} layouts vs whole, max rel diff loss "
+            f"{worst64[key]['loss']:.1e} grad_norm {worst64[key]['grad_norm']:.1e} | fp32 after step 1: loss "
+            f"{drift32[key]['loss']:.1e} grad_norm {drift32[key]['grad_norm']:.1e} (step 1: loss "
+            f"{first32[key]['loss']:.1e} grad_norm {first32[key]['grad_norm']:.1e})"
+        )
     print(f"[fp64] weights max |diff|: {gap64} | fp32: {gap32}")
 
     # Really fp64 on the workers: float64 weights and Adam moments, a float64 all-reduce, one Adam step per step.

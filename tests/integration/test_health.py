@@ -1,4 +1,5 @@
 """The training health guard: non-finite values, an exactly-zero loss, grad-norm spikes; stop or warn."""
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,8 @@ def test_zero_loss_needs_consecutive_steps():
     assert problem.startswith("step 6: loss = 0.0 exactly for 3 steps in a row")
     dead = HealthGuard(("loss", "grad_norm"), zero_loss_steps=2)
     assert _first_problem(dead, _rows([6.2, 6.2, 6.2], [9.7, 0.0, 0.0])).startswith(
-        "step 3: grad_norm = 0.0 exactly for 2 steps in a row")
+        "step 3: grad_norm = 0.0 exactly for 2 steps in a row"
+    )
     assert HealthGuard(("loss",), zero_loss_key=None).problem({"step": 1, "loss": 0.0}) is None  # RL: not checked
 
 
@@ -97,8 +99,9 @@ def test_stop_raises_and_warn_reports():
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_a_diverging_run_stops_naming_step_and_metric_and_keeps_the_last_good_checkpoint(tiny_model, sft_data,
-                                                                                          tmp_path):
+def test_a_diverging_run_stops_naming_step_and_metric_and_keeps_the_last_good_checkpoint(
+    tiny_model, sft_data, tmp_path
+):
     """lr=1e4 without clipping saturates the tiny model after one step (its gradient is exactly 0 from then on,
     the loss stuck): the run stops naming the step and metric, the checkpoint (taken every step) is the step
     before the one that tripped, no final/ is written."""
@@ -108,11 +111,25 @@ def test_a_diverging_run_stops_naming_step_and_metric_and_keeps_the_last_good_ch
     from rlhf.trainers.sft import train_sft
 
     out = tmp_path / "run"
-    cfg = load_config(SFTRunConfig, None, [
-        f"model.path={tiny_model}", f"data.train_path={sft_data}", f"train.output_dir={out}",
-        "train.global_batch_size=4", "train.micro_batch_size=4", "train.lr=1e4", "train.max_grad_norm=0",
-        "train.lr_scheduler=constant", "train.max_epochs=5", "train.save_every=1", "train.keep_checkpoints=1",
-        "health.spike_factor=5", "logging.tensorboard=false"])
+    cfg = load_config(
+        SFTRunConfig,
+        None,
+        [
+            f"model.path={tiny_model}",
+            f"data.train_path={sft_data}",
+            f"train.output_dir={out}",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=4",
+            "train.lr=1e4",
+            "train.max_grad_norm=0",
+            "train.lr_scheduler=constant",
+            "train.max_epochs=5",
+            "train.save_every=1",
+            "train.keep_checkpoints=1",
+            "health.spike_factor=5",
+            "logging.tensorboard=false",
+        ],
+    )
     with pytest.raises(TrainingHealthError) as caught:
         train_sft(cfg)
     match = re.match(r"health guard: step (\d+): (loss|grad_norm) = ", str(caught.value))
@@ -125,8 +142,9 @@ def test_a_diverging_run_stops_naming_step_and_metric_and_keeps_the_last_good_ch
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_a_skip_rewinds_and_ends_bit_identical_to_a_run_told_to_skip_those_steps(tiny_model, sft_data, tmp_path,
-                                                                                capsys):
+def test_a_skip_rewinds_and_ends_bit_identical_to_a_run_told_to_skip_those_steps(
+    tiny_model, sft_data, tmp_path, capsys
+):
     """health.action=skip with a hair-trigger spike limit trips on ordinary steps: each trip rewinds the live
     actors to the newest checkpoint, replays to the tripping step and passes over it. The run must end exactly as
     a run given those steps in train.skip_steps from the start (no guard): same rows, same weights."""
@@ -138,10 +156,23 @@ def test_a_skip_rewinds_and_ends_bit_identical_to_a_run_told_to_skip_those_steps
 
     def run(name, *extra):
         out = tmp_path / name
-        cfg = load_config(SFTRunConfig, None, [
-            f"model.path={tiny_model}", f"data.train_path={sft_data}", f"train.output_dir={out}",
-            "train.global_batch_size=4", "train.micro_batch_size=2", "train.max_epochs=3", "train.lr=1e-3",
-            "train.save_every=3", "train.min_lr_ratio=0.1", "logging.tensorboard=false", *extra])
+        cfg = load_config(
+            SFTRunConfig,
+            None,
+            [
+                f"model.path={tiny_model}",
+                f"data.train_path={sft_data}",
+                f"train.output_dir={out}",
+                "train.global_batch_size=4",
+                "train.micro_batch_size=2",
+                "train.max_epochs=3",
+                "train.lr=1e-3",
+                "train.save_every=3",
+                "train.min_lr_ratio=0.1",
+                "logging.tensorboard=false",
+                *extra,
+            ],
+        )
         result = train_sft(cfg)
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in r.items() if k != "step_time_s"} for r in rows], result
@@ -152,8 +183,11 @@ def test_a_skip_rewinds_and_ends_bit_identical_to_a_run_told_to_skip_those_steps
     assert skipped, "the hair-trigger guard never tripped: the test exercises nothing"
     assert [r["step"] for r in guarded] == list(range(1, 16))  # every step once, replays not duplicated
     for step in skipped:
-        assert re.search(rf"\[health\] health guard: step {step}: grad_norm = .*rewound to the checkpoint of step "
-                         rf"\d+, step {step} will be skipped", said)
+        assert re.search(
+            rf"\[health\] health guard: step {step}: grad_norm = .*rewound to the checkpoint of step "
+            rf"\d+, step {step} will be skipped",
+            said,
+        )
         assert guarded[step - 1] == {"step": step, "epoch": guarded[step - 1]["epoch"], "skipped": 1}
 
     # A skipped step advances the LR schedule: every trained step has its planned LR, so a cosine still ends with

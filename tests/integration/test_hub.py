@@ -5,6 +5,7 @@ A cached id resolves and is pinned to its commit; an uncached one is refused bef
 and the cache; a hub dataset's bad row names its file and line; an unknown split or config lists the real ones; a
 tiny SFT run from a hub model and a hub dataset, through the CLI with Ray and DeepSpeed, records the pins.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -13,14 +14,13 @@ import os
 from pathlib import Path
 
 import pytest
+from shared_helpers import uneven_pair_rows, uneven_sft_rows
 
 from rlhf.config.loader import load_config, save_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError, SFTRunConfig
 from rlhf.data.io import DataError, read_rows
 from rlhf.hub import is_hub_ref, model_dir, parse_ref, pin_run_sources
-
-from shared_helpers import uneven_pair_rows, uneven_sft_rows
 
 SHA = "1" * 40  # main of org/tiny and org/data
 OLD_SHA = "0" * 40  # an older commit of org/tiny (tag v0)
@@ -86,15 +86,26 @@ def hub_cache(tiny_model, tmp_path_factory) -> Path:
     put_repo(cache, "model", "org/tiny", OLD_SHA, model_files, refs=("v0",))
     put_repo(cache, "model", "org/no-config", SHA, {"README.md": b"# not a model\n"})
     tmp = tmp_path_factory.mktemp("parquet")
-    put_repo(cache, "dataset", "org/data", DATA_SHA, {
-        "README.md": CARD.encode(),
-        "sft/train.jsonl": _jsonl(uneven_sft_rows(12, seed=1)),
-        "sft/test.jsonl": _jsonl(uneven_sft_rows(4, seed=2)),
-        "pairs/train-00000.jsonl": _jsonl(uneven_pair_rows(3, seed=3)),
-        "pairs/train-00001.jsonl": _jsonl(uneven_pair_rows(2, seed=5)),
-    })
-    put_repo(cache, "dataset", "org/pq", PQ_SHA, {"data/train-00000-of-00001.parquet": _parquet(
-        [{"prompt": "1+1=", "response": "2"}, {"prompt": "2+2="}], tmp)})
+    put_repo(
+        cache,
+        "dataset",
+        "org/data",
+        DATA_SHA,
+        {
+            "README.md": CARD.encode(),
+            "sft/train.jsonl": _jsonl(uneven_sft_rows(12, seed=1)),
+            "sft/test.jsonl": _jsonl(uneven_sft_rows(4, seed=2)),
+            "pairs/train-00000.jsonl": _jsonl(uneven_pair_rows(3, seed=3)),
+            "pairs/train-00001.jsonl": _jsonl(uneven_pair_rows(2, seed=5)),
+        },
+    )
+    put_repo(
+        cache,
+        "dataset",
+        "org/pq",
+        PQ_SHA,
+        {"data/train-00000-of-00001.parquet": _parquet([{"prompt": "1+1=", "response": "2"}, {"prompt": "2+2="}], tmp)},
+    )
     bad = uneven_sft_rows(4, seed=4)
     del bad[2]["response"]  # line 3
     put_repo(cache, "dataset", "org/bad", BAD_SHA, {"data/train.jsonl": _jsonl(bad)})
@@ -132,8 +143,9 @@ def test_reference_forms(tmp_path, monkeypatch):
 
 
 def test_cached_ids_are_pinned_to_their_commit(offline_hub, sft_data):
-    cfg = pin_run_sources(_sft("model.tokenizer_path=org/tiny@main", "data.eval_path=org/data@main",
-                               "data.eval_split=test"))
+    cfg = pin_run_sources(
+        _sft("model.tokenizer_path=org/tiny@main", "data.eval_path=org/data@main", "data.eval_split=test")
+    )
     assert cfg.model.path == f"org/tiny@{SHA}" and cfg.model.tokenizer_path == f"org/tiny@{SHA}"
     assert cfg.data.train_path == cfg.data.eval_path == f"org/data@{DATA_SHA}"
     snapshot = offline_hub / "models--org--tiny" / "snapshots" / SHA
@@ -147,9 +159,16 @@ def test_cached_ids_are_pinned_to_their_commit(offline_hub, sft_data):
 def test_rl_keys_are_pinned(offline_hub):
     from rlhf.trainers.kinds import kind_of
 
-    cfg = load_config(RLRunConfig, overrides=["model.path=org/tiny", "data.train_path=org/data",
-                                              "critic.path=org/tiny@v0", "reward.model_path=org/tiny",
-                                              "algo.advantage_estimator=gae"])
+    cfg = load_config(
+        RLRunConfig,
+        overrides=[
+            "model.path=org/tiny",
+            "data.train_path=org/data",
+            "critic.path=org/tiny@v0",
+            "reward.model_path=org/tiny",
+            "algo.advantage_estimator=gae",
+        ],
+    )
     pinned = pin_run_sources(cfg, kind_of(cfg).model_keys)  # online RL's model keys: the critic's, the reward's
     assert (pinned.critic.path, pinned.reward.model_path) == (f"org/tiny@{OLD_SHA}", f"org/tiny@{SHA}")
 
@@ -169,8 +188,10 @@ def test_a_resumed_run_keeps_the_commits_it_was_pinned_to(offline_hub, tmp_path)
     resumed = pin_run_sources(_sft(f"train.output_dir={out}", "train.resume=true"))  # main is at SHA by now
     assert resumed.model.path == f"org/tiny@{OLD_SHA}"
     assert pin_run_sources(_sft(f"train.output_dir={out}")).model.path == f"org/tiny@{SHA}"  # a fresh run
-    assert pin_run_sources(_sft(f"train.output_dir={out}", "train.resume=true",
-                                "model.path=org/tiny@main")).model.path == f"org/tiny@{SHA}"  # asked explicitly
+    assert (
+        pin_run_sources(_sft(f"train.output_dir={out}", "train.resume=true", "model.path=org/tiny@main")).model.path
+        == f"org/tiny@{SHA}"
+    )  # asked explicitly
 
 
 def test_uncached_ids_are_refused_naming_the_id_and_the_cache(offline_hub):
@@ -179,8 +200,11 @@ def test_uncached_ids_are_refused_naming_the_id_and_the_cache(offline_hub):
     message = str(err.value)
     assert message.startswith("model.path: 'org/missing' is not a local directory, and hub model org/missing")
     assert str(offline_hub) in message and "HF_HUB_OFFLINE=1" in message
-    with pytest.raises(ConfigError, match=r"data\.train_path: 'org/nowhere' is not a local file or directory, "
-                                          r"and hub dataset org/nowhere"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data\.train_path: 'org/nowhere' is not a local file or directory, "
+        r"and hub dataset org/nowhere",
+    ):
         pin_run_sources(_sft(data="org/nowhere"))
     with pytest.raises(ConfigError) as err:  # the repository is cached, that revision is not
         pin_run_sources(_sft("model.path=org/tiny@v9"))
@@ -204,8 +228,9 @@ def test_actors_get_the_hub_settings(offline_hub):
 def test_dry_run_looks_ids_up_without_downloading(offline_hub):
     from rlhf.trainers.preflight import preflight
 
-    rows = {key: status for key, _, status in preflight(_sft("data.eval_path=org/elsewhere"), here=False,
-                                                        precision="fp32")}
+    rows = {
+        key: status for key, _, status in preflight(_sft("data.eval_path=org/elsewhere"), here=False, precision="fp32")
+    }
     assert rows["model.path"].startswith(f"hub model at commit {SHA[:12]}, cached here")
     assert rows["data.train_path"].startswith(f"hub dataset at commit {DATA_SHA[:12]}, cached here")
     assert "not in the HF cache here" in rows["data.eval_path"]  # may be cached where the run starts
@@ -219,8 +244,9 @@ def test_hub_dataset_rows_by_config_and_split(offline_hub):
     train = read_rows(ref, ["prompt", "response"])  # the default config (sft), split train
     assert train == [{"prompt": r["prompt"], "response": r["response"]} for r in uneven_sft_rows(12, seed=1)]
     assert len(read_rows("org/data", ["prompt", "response"], split="test", config_name="sft")) == 4
-    pairs = read_rows(ref, ["prompt", "chosen", "rejected"], optional=["margin"], config_name="pairs",
-                      types={"margin": (int, float)})
+    pairs = read_rows(
+        ref, ["prompt", "chosen", "rejected"], optional=["margin"], config_name="pairs", types={"margin": (int, float)}
+    )
     assert pairs == uneven_pair_rows(3, seed=3) + uneven_pair_rows(2, seed=5)  # both files, in order
 
 
@@ -256,8 +282,11 @@ def test_unknown_split_or_config_lists_the_available_ones(offline_hub):
 
 
 def test_an_uncached_dataset_id_is_a_data_error(offline_hub):
-    with pytest.raises(DataError, match=r"^org/none: no such file or directory, and hub dataset org/none "
-                                        r"\(revision main\) is not in the Hugging Face cache"):
+    with pytest.raises(
+        DataError,
+        match=r"^org/none: no such file or directory, and hub dataset org/none "
+        r"\(revision main\) is not in the Hugging Face cache",
+    ):
         read_rows("org/none", ["prompt"])
 
 
@@ -280,8 +309,9 @@ class FakeHub:
             raise RepositoryNotFoundError("404", response=httpx2.Response(404, request=httpx2.Request("GET", url)))
         return self.repos[(repo_type or "model", repo_id)]
 
-    def snapshot_download(self, repo_id, *, repo_type=None, revision=None, cache_dir=None, allow_patterns=None,
-                          ignore_patterns=None, **_):
+    def snapshot_download(
+        self, repo_id, *, repo_type=None, revision=None, cache_dir=None, allow_patterns=None, ignore_patterns=None, **_
+    ):
         from huggingface_hub.utils import filter_repo_objects
 
         sha, files = self._repo(repo_id, repo_type)
@@ -301,9 +331,12 @@ def online_hub(tiny_model, tmp_path, monkeypatch) -> FakeHub:
 
     tiny = {name: (Path(tiny_model) / name).read_bytes() for name in os.listdir(tiny_model)}
     model = {**tiny, "pytorch_model.bin": b"same weights, pickled", "onnx/model.onnx": b"onnx"}
-    data = {"README.md": CARD.encode(), "sft/train.jsonl": _jsonl(uneven_sft_rows(8, seed=1)),
-            "sft/test.jsonl": _jsonl(uneven_sft_rows(2, seed=2)),
-            "pairs/train-00000.jsonl": _jsonl(uneven_pair_rows(3, seed=3))}
+    data = {
+        "README.md": CARD.encode(),
+        "sft/train.jsonl": _jsonl(uneven_sft_rows(8, seed=1)),
+        "sft/test.jsonl": _jsonl(uneven_sft_rows(2, seed=2)),
+        "pairs/train-00000.jsonl": _jsonl(uneven_pair_rows(3, seed=3)),
+    }
     hub = FakeHub(tmp_path / "hub", {("model", "org/tiny"): (SHA, model), ("dataset", "org/data"): (DATA_SHA, data)})
     monkeypatch.setenv("HF_HUB_CACHE", str(hub.cache))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
@@ -333,8 +366,10 @@ def test_online_ids_are_downloaded_then_resolve_offline(online_hub, monkeypatch)
 def test_online_unknown_repository_is_named(online_hub):
     with pytest.raises(ConfigError) as err:
         pin_run_sources(_sft("model.path=org/typo"))
-    assert str(err.value).startswith("model.path: 'org/typo' is not a local directory, and hub model org/typo "
-                                     "(revision main): no such repository on the hub")
+    assert str(err.value).startswith(
+        "model.path: 'org/typo' is not a local directory, and hub model org/typo "
+        "(revision main): no such repository on the hub"
+    )
 
 
 # ------------------------------------------------------------------------------------- a real run, offline
@@ -347,11 +382,26 @@ def test_sft_from_a_hub_model_and_dataset_through_the_cli(offline_hub, tmp_path,
     from rlhf.trainers.sft import train_sft
 
     out = tmp_path / "sft"
-    status = run_cli(SFTRunConfig, train_sft, "train_sft", [
-        "model.path=org/tiny", "data.train_path=org/data", "data.config_name=sft", "data.eval_path=org/data",
-        "data.eval_split=test", f"train.output_dir={out}", "train.global_batch_size=4", "train.micro_batch_size=2",
-        "train.num_workers=2", "train.max_steps=2", "strategy.zero_stage=0", "data.max_length=64",
-        "logging.tensorboard=false"])
+    status = run_cli(
+        SFTRunConfig,
+        train_sft,
+        "train_sft",
+        [
+            "model.path=org/tiny",
+            "data.train_path=org/data",
+            "data.config_name=sft",
+            "data.eval_path=org/data",
+            "data.eval_split=test",
+            f"train.output_dir={out}",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+            "train.num_workers=2",
+            "train.max_steps=2",
+            "strategy.zero_stage=0",
+            "data.max_length=64",
+            "logging.tensorboard=false",
+        ],
+    )
     assert status == 0, capsys.readouterr().err
     saved = load_config(SFTRunConfig, str(out / "config.yaml"))
     assert saved.model.path == f"org/tiny@{SHA}" and saved.data.train_path == f"org/data@{DATA_SHA}"

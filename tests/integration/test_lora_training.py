@@ -14,6 +14,7 @@ code path.
 - Weight sync: a 2-rank ZeRO-3 LoRA policy's merged weights, broadcast into vLLM, give the engine exactly the
   plain transformers forward of the saved merged model.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,14 +22,19 @@ import os
 
 import pytest
 import torch
+from offline_helpers import (
+    _assert_same_runs,
+    _assert_same_weights,
+    _overrides,
+    _rows,
+    _weights,
+    assert_dpo_policy_is_the_reference,
+)
+from resume_helpers import _assert_identical, _stop_and_resume
+from rl_helpers import check_rows, run_rl
 
 from rlhf.config.loader import load_config
 from rlhf.config.schema import DPORunConfig, SFTRunConfig
-
-from offline_helpers import (_assert_same_runs, _assert_same_weights, _overrides, _rows, _weights,
-                             assert_dpo_policy_is_the_reference)
-from resume_helpers import _assert_identical, _stop_and_resume
-from rl_helpers import check_rows, run_rl
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -40,13 +46,16 @@ def sft_runs(tiny_model, sft_data, tmp_path_factory):
     from rlhf.trainers.sft import train_sft
 
     base = tmp_path_factory.mktemp("lora_sft")
-    splits = {"4x1x1-z0": (4, 1, 0, ()),
-              "1x2x2-z3-packed": (1, 2, 3, ("train.packing=true", "train.max_tokens_per_micro_batch=48"))}
+    splits = {
+        "4x1x1-z0": (4, 1, 0, ()),
+        "1x2x2-z3-packed": (1, 2, 3, ("train.packing=true", "train.max_tokens_per_micro_batch=48")),
+    }
     runs = {}
     for name, (micro, ranks, zero, extra) in splits.items():
         out = str(base / name)
         overrides = lambda o, m=micro, r=ranks, z=zero, e=extra: _overrides(  # noqa: E731
-            tiny_model, sft_data, o, 4, m, r, z, epochs=2, lr=2e-3, extra=(*LORA, *e))
+            tiny_model, sft_data, o, 4, m, r, z, epochs=2, lr=2e-3, extra=(*LORA, *e)
+        )
         runs[name] = (out, train_sft(load_config(SFTRunConfig, overrides=overrides(out))), overrides)
     return runs
 
@@ -74,8 +83,11 @@ def test_lora_sft_resumes_bit_identically_from_adapter_only_checkpoints(sft_runs
     _assert_identical(out, split)
     step, directory = Checkpoints(split, keep=1).complete()[-1]
     size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(directory) for f in files)
-    model_bytes = sum(os.path.getsize(os.path.join(out, "final", f)) for f in os.listdir(os.path.join(out, "final"))
-                      if f.endswith(".safetensors"))
+    model_bytes = sum(
+        os.path.getsize(os.path.join(out, "final", f))
+        for f in os.listdir(os.path.join(out, "final"))
+        if f.endswith(".safetensors")
+    )
     assert size < model_bytes  # the adapters and their Adam state only, not the frozen base
 
 
@@ -86,27 +98,35 @@ def test_lora_final_adapter_loads_onto_the_base_as_the_merged_model(sft_runs, ti
     final = sft_runs["4x1x1-z0"][1].final_dir
     with open(os.path.join(final, "adapter", "adapter_config.json")) as f:
         config = json.load(f)
-    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 8, ["q_proj", "up_proj",
-                                                                                            "v_proj"])
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (
+        4,
+        8,
+        ["q_proj", "up_proj", "v_proj"],
+    )
     merged = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
-                                        os.path.join(final, "adapter")).eval()
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), os.path.join(final, "adapter")
+    ).eval()
     ids = torch.tensor([[5, 17, 30, 41, 8, 99, 12]])
     with torch.no_grad():
         torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_lora_dpo_against_the_frozen_base_without_reference_workers(tiny_model, pair_data, tmp_path, capsys):
-    from rlhf.trainers.kinds import kind_of
     from rlhf.trainers.dpo import train_dpo
+    from rlhf.trainers.kinds import kind_of
 
     runs = {}
-    for name, (micro, ranks, zero, mode) in {"4x1x1-z2-pre": (4, 1, 2, "precompute"),
-                                             "1x2x2-z3-online": (1, 2, 3, "online")}.items():
+    for name, (micro, ranks, zero, mode) in {
+        "4x1x1-z2-pre": (4, 1, 2, "precompute"),
+        "1x2x2-z3-online": (1, 2, 3, "online"),
+    }.items():
         out = str(tmp_path / name)
         extra = (*LORA, f"dpo.ref_mode={mode}", "dpo.beta=0.5", "dpo.ref_num_workers=2")
-        cfg = load_config(DPORunConfig, overrides=_overrides(tiny_model, pair_data, out, 4, micro, ranks, zero,
-                                                             epochs=1, lr=2e-3, extra=extra))
+        cfg = load_config(
+            DPORunConfig,
+            overrides=_overrides(tiny_model, pair_data, out, 4, micro, ranks, zero, epochs=1, lr=2e-3, extra=extra),
+        )
         assert [a.role for a in kind_of(cfg).plan(cfg, 0.0).actors] == ["policy"]  # no reference workers asked for
         train_dpo(cfg)
         runs[name] = _rows(out)
@@ -120,10 +140,20 @@ def test_lora_dpo_against_the_frozen_base_without_reference_workers(tiny_model, 
 
 def test_lora_grpo_syncs_the_merged_weights_into_vllm(tiny_model, rl_prompts, rl_shaping, tmp_path):
     out = tmp_path / "grpo"
-    rows, result = run_rl(tiny_model, rl_prompts, rl_shaping, str(out), *LORA, "algo.kl_coef=0.05",
-                          "algo.kl_mode=loss", "train.lr=5e-3", "train.packing=true",
-                          "train.max_tokens_per_micro_batch=64", "train.global_batch_size=16",  # 1 update a step
-                          "train.warmup_steps=0")  # the preset's warm-up would train step 1 at LR 0: nothing to sync
+    rows, result = run_rl(
+        tiny_model,
+        rl_prompts,
+        rl_shaping,
+        str(out),
+        *LORA,
+        "algo.kl_coef=0.05",
+        "algo.kl_mode=loss",
+        "train.lr=5e-3",
+        "train.packing=true",
+        "train.max_tokens_per_micro_batch=64",
+        "train.global_batch_size=16",  # 1 update a step
+        "train.warmup_steps=0",
+    )  # the preset's warm-up would train step 1 at LR 0: nothing to sync
     check_rows(rows, extra_keys=("kl",))  # step 2's logp_mismatch < 1e-4: the merged weights reached vLLM
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-7) and rows[1]["kl"] > 1e-6  # the base is the reference
     with open(out / "placement.json") as f:
@@ -139,8 +169,12 @@ def test_lora_reward_model_trains_its_head_whole_next_to_the_adapters(tiny_model
     from rlhf.trainers.reward_model import train_reward_model
 
     out = str(tmp_path / "rm")
-    result = train_reward_model(load_config(RewardModelRunConfig, overrides=_overrides(
-        tiny_model, pair_data, out, 4, 2, 2, 3, epochs=3, lr=5e-3, extra=LORA)))
+    result = train_reward_model(
+        load_config(
+            RewardModelRunConfig,
+            overrides=_overrides(tiny_model, pair_data, out, 4, 2, 2, 3, epochs=3, lr=5e-3, extra=LORA),
+        )
+    )
     rows = _rows(out)
     epoch_loss = [sum(r["loss"] for r in rows if r["epoch"] == e) / 4 for e in (1, 2, 3)]  # the same 16 pairs
     assert len(rows) == 12 and epoch_loss[2] < epoch_loss[0], epoch_loss
@@ -149,8 +183,11 @@ def test_lora_reward_model_trains_its_head_whole_next_to_the_adapters(tiny_model
     with open(os.path.join(result.final_dir, "adapter", "adapter_config.json")) as f:
         assert "score" in json.load(f)["modules_to_save"]
     merged = AutoModelForSequenceClassification.from_pretrained(result.final_dir, num_labels=1).eval()
-    moved = {k for k, v in _weights(tiny_model).items() if k in merged.state_dict()
-             and not torch.equal(merged.state_dict()[k], v)}
+    moved = {
+        k
+        for k, v in _weights(tiny_model).items()
+        if k in merged.state_dict() and not torch.equal(merged.state_dict()[k], v)
+    }
     assert moved and all(k.endswith(("q_proj.weight", "v_proj.weight", "up_proj.weight")) for k in moved), moved
 
 
@@ -159,6 +196,7 @@ def test_lora_weight_sync_gives_vllm_the_hf_forward_of_the_merged_model(tiny_mod
     weights into a vLLM engine by broadcast (gloo here, NCCL on GPUs), and saves them: the engine's greedy
     continuations and log-probs equal a plain transformers forward of the saved merged model, which differs from
     the base."""
+    from rl_helpers import greedy_reference
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf.batch import Batch
@@ -171,18 +209,21 @@ def test_lora_weight_sync_gives_vllm_the_hf_forward_of_the_merged_model(tiny_mod
     from rlhf.rollout.engines import RolloutEngines
     from rlhf.rollout.vllm_engine import SamplingSpec, VLLMSpec
 
-    from rl_helpers import greedy_reference
-
-    engines = RolloutEngines(VLLMSpec(model_path=tiny_model, max_model_len=64), num_engines=1, cpus_per_engine=0.5,
-                             env_vars=actor_env(0))
+    engines = RolloutEngines(
+        VLLMSpec(model_path=tiny_model, max_model_len=64), num_engines=1, cpus_per_engine=0.5, env_vars=actor_env(0)
+    )
     policy = WorkerGroup("policy", GroupResources(num_workers=2, cpus_per_worker=0.5, env_vars=actor_env(0)), "gloo")
     try:
         lora = LoraSpec(r=4, alpha=8, target_modules=("q_proj", "v_proj", "up_proj"))
-        policy.build(ModelSpec(path=tiny_model, lora=lora), EngineSpec.for_global_batch(2, 1, 2, zero_stage=3),
-                     OptimSpec(lr=5e-2, total_steps=1))
+        policy.build(
+            ModelSpec(path=tiny_model, lora=lora),
+            EngineSpec.for_global_batch(2, 1, 2, zero_stage=3),
+            OptimSpec(lr=5e-2, total_steps=1),
+        )
         ids = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 2, 0]])
-        batch = Batch(input_ids=ids, attention_mask=(ids > 0).long(),
-                      loss_mask=torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 1, 0]]))
+        batch = Batch(
+            input_ids=ids, attention_mask=(ids > 0).long(), loss_mask=torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 1, 0]])
+        )
         assert policy.train_batch(batch, SFTObjective()).grad_norm > 0
         engines.connect_weight_sync(policy, "broadcast", bucket_bytes=1 << 16, backend="gloo")
         stats = policy.push_weights()
@@ -190,8 +231,10 @@ def test_lora_weight_sync_gives_vllm_the_hf_forward_of_the_merged_model(tiny_mod
         assert stats["tensors"] == len(base.state_dict())  # the base's names: no adapter tensors travel
         policy.save_pretrained(str(tmp_path / "merged"))
         merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
-        assert not torch.equal(merged.state_dict()["model.layers.0.self_attn.q_proj.weight"],
-                               base.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+        assert not torch.equal(
+            merged.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+            base.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+        )
         tokenizer = AutoTokenizer.from_pretrained(tiny_model)
         prompts = [tokenizer(p)["input_ids"] for p in ("1+2=", "13+7=", "20+20=")]
         gens = engines.generate(prompts, SamplingSpec(max_new_tokens=5, temperature=0.0))

@@ -7,13 +7,13 @@ turn; the observation's tokens are context (no loss mask) and the policy's sampl
 weights each step pushes land in the engine (the trainer's log-probs of the next step's samples equal vLLM's);
 rewards and rates are in range.
 """
+
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
 import pytest
-
 from shared_helpers import load_example
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -31,8 +31,8 @@ def _check_masks(records, batch, tokenizer, observations):
     for row, record in enumerate(records):
         episode = record.episode
         mask = batch.loss_mask[row].tolist()
-        assert batch.input_ids[row, :episode.num_tokens].tolist() == list(episode.token_ids)
-        assert mask[:len(episode.prompt_ids)] == [0] * len(episode.prompt_ids)
+        assert batch.input_ids[row, : episode.num_tokens].tolist() == list(episode.token_ids)
+        assert mask[: len(episode.prompt_ids)] == [0] * len(episode.prompt_ids)
         start = len(episode.prompt_ids)
         for segment in episode.segments:
             end = start + len(segment.ids)
@@ -50,8 +50,17 @@ def _run(env: str, tmp_path, **settings):
 
     loop = _load_example("train_loop")
     seen = []
-    history = loop.main(env, steps=3, samples_per_prompt=4, micro_batch_size=16, eval_samples=1, num_eval=8,
-                        work_dir=str(tmp_path), observe=lambda *args: seen.append(args), **settings)
+    history = loop.main(
+        env,
+        steps=3,
+        samples_per_prompt=4,
+        micro_batch_size=16,
+        eval_samples=1,
+        num_eval=8,
+        work_dir=str(tmp_path),
+        observe=lambda *args: seen.append(args),
+        **settings,
+    )
     train = [h for h in history if h["split"] == "train"]
     held_out = [h for h in history if h["split"] == "held_out"]
     assert [h["step"] for h in train] == [1, 2, 3] and [h["step"] for h in held_out] == [0, 3]
@@ -67,8 +76,9 @@ def _run(env: str, tmp_path, **settings):
 
 def test_calculator_loop_runs_tool_turns_and_trains_on_the_policys_tokens(tmp_path, capsys):
     # a short warm-up with the tool on half the problems: enough for the model to write calls, not to be right
-    _, seen, tokenizer = _run("calculator", tmp_path, prompts_per_step=4, sft_epochs=4, sft_lr=2e-3, num_sft=480,
-                              sft_share=0.5)
+    _, seen, tokenizer = _run(
+        "calculator", tmp_path, prompts_per_step=4, sft_epochs=4, sft_lr=2e-3, num_sft=480, sft_share=0.5
+    )
     is_call = lambda ids: "<calc>" in tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
     calls = 0
     for _, records, batch in seen:
@@ -86,8 +96,9 @@ def test_calculator_loop_runs_tool_turns_and_trains_on_the_policys_tokens(tmp_pa
 def test_retry_loop_answers_feedback_and_its_weight_syncs_land(tmp_path):
     """The a+b warm-up gets some sums right, so the groups' rewards differ and the steps change the weights (lr
     1e-3 moves the log-probs far more than the 1e-5 the sync check allows)."""
-    train, seen, tokenizer = _run("retry", tmp_path, prompts_per_step=8, sft_epochs=3, sft_lr=2e-3, num_sft=800,
-                                  sft_share=0.25, lr=1e-3)
+    train, seen, tokenizer = _run(
+        "retry", tmp_path, prompts_per_step=8, sft_epochs=3, sft_lr=2e-3, num_sft=800, sft_share=0.25, lr=1e-3
+    )
     assert any(h["grad_norm"] > 0 for h in train[:-1]), "no step changed the weights: the sync check proves nothing"
     for _, records, batch in seen:
         assert len(records) == 32 == len(batch)

@@ -6,6 +6,7 @@ episode equal the engine's sampling log-probs (~1e-7, same weights). If a turn's
 text, or an observation's tokens had landed anywhere but where the engine saw them, the two would disagree at the
 shifted positions. One optimizer step then trains on the policy tokens only.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,19 @@ from rlhf.distributed.engine import EngineSpec, OptimSpec
 from rlhf.distributed.group import GroupResources, WorkerGroup
 from rlhf.envs import EnvironmentPool
 from rlhf.models.loading import ModelSpec
-from rlhf.rl import (PolicyObjective, RolloutEngines, SamplingSpec, TokenLogps, TurnLimits, VLLMSpec, advantages_for,
-                     episode_metrics, episodes_batch, logp_mismatch, run_episodes)
+from rlhf.rl import (
+    PolicyObjective,
+    RolloutEngines,
+    SamplingSpec,
+    TokenLogps,
+    TurnLimits,
+    VLLMSpec,
+    advantages_for,
+    episode_metrics,
+    episodes_batch,
+    logp_mismatch,
+    run_episodes,
+)
 from rlhf.rollout.multi_turn import RolloutStats
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -51,16 +63,25 @@ def test_multi_turn_episodes_keep_the_sampled_tokens_and_train_on_them_only(tiny
     policy = WorkerGroup("policy", GroupResources(num_workers=1, cpus_per_worker=0.5, env_vars=actor_env(0)), "gloo")
     engines = pool = None
     try:
-        policy.build(ModelSpec(path=tiny_model), EngineSpec.for_global_batch(EPISODES, 3, 1),
-                     OptimSpec(lr=1e-3, total_steps=1))
-        engines = RolloutEngines(VLLMSpec(model_path=tiny_model, max_model_len=128), num_engines=1,
-                                 env_vars=actor_env(0))
+        policy.build(
+            ModelSpec(path=tiny_model), EngineSpec.for_global_batch(EPISODES, 3, 1), OptimSpec(lr=1e-3, total_steps=1)
+        )
+        engines = RolloutEngines(
+            VLLMSpec(model_path=tiny_model, max_model_len=128), num_engines=1, env_vars=actor_env(0)
+        )
         pool = EnvironmentPool(f"{env_file}:Feedback", num_actors=2, cpus_per_actor=0.25, step_timeout_s=30)
         stats = RolloutStats()
-        records = run_episodes(engines, pool, prompts, rows, SamplingSpec(max_new_tokens=5, seed=11),
-                               encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
-                               decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
-                               limits=TurnLimits(max_turns=3, max_episode_tokens=96), stats=stats)
+        records = run_episodes(
+            engines,
+            pool,
+            prompts,
+            rows,
+            SamplingSpec(max_new_tokens=5, seed=11),
+            encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+            decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
+            limits=TurnLimits(max_turns=3, max_episode_tokens=96),
+            stats=stats,
+        )
         assert [r.episode.turns for r in records] == [r["turns"] for r in rows]  # every episode ran to done
         # the environment's done ended each, after a whole response or one cut at max_new_tokens (a limit)
         assert all(r.ended_by in ("done", "max_new_tokens") for r in records) and stats.env_seconds > 0

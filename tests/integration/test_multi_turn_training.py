@@ -9,6 +9,7 @@ while step 3's checkpoint is written: it restarts from that checkpoint with new 
 serves both). A raising environment stops the run with an error that names the RL step, the environment, the
 episode and the turn.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,9 @@ import re
 
 import pytest
 import torch
-
 from resume_helpers import _weights
 from shared_helpers import kill_an_actor_once, tee_stdout
+
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.envs import EnvError
@@ -51,7 +52,7 @@ class Crashing(Feedback):
 '''
 
 # a reward function that also writes down what it was given (the driver calls it; the test reads the file)
-RECORDER = '''
+RECORDER = """
 import json, os
 
 def record(prompts, responses, transcript, turns):
@@ -59,7 +60,7 @@ def record(prompts, responses, transcript, turns):
         for r, t, n in zip(responses, transcript, turns):
             f.write(json.dumps({"response": r, "transcript": t, "turns": n}) + "\\n")
     return [0.0] * len(responses)
-'''
+"""
 
 STEPS = 4  # the resume stops after step 2; the resumed part's engine dies at step 3's checkpoint
 
@@ -77,13 +78,27 @@ def files(tmp_path_factory):
 
 def _overrides(tiny_model, files, out, env="Feedback", *extra):
     base, prompts = files
-    return [f"model.path={tiny_model}", f"data.train_path={prompts}", f"train.output_dir={out}",
-            f"env.spec={base / 'envs.py'}:{env}", "rollout.max_turns=3", "rollout.max_episode_tokens=160",
-            "rollout.max_prompt_length=96", "env.num_actors=2", "env.cpus_per_actor=0.25",
-            f"reward.functions=[rlhf.synthetic.arithmetic:reward,{base / 'recorder.py'}:record]",
-            "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=4",
-            "train.global_batch_size=8", "train.micro_batch_size=8", f"train.max_steps={STEPS}", "train.lr=1e-4",
-            "logging.tensorboard=false", *extra]
+    return [
+        f"model.path={tiny_model}",
+        f"data.train_path={prompts}",
+        f"train.output_dir={out}",
+        f"env.spec={base / 'envs.py'}:{env}",
+        "rollout.max_turns=3",
+        "rollout.max_episode_tokens=160",
+        "rollout.max_prompt_length=96",
+        "env.num_actors=2",
+        "env.cpus_per_actor=0.25",
+        f"reward.functions=[rlhf.synthetic.arithmetic:reward,{base / 'recorder.py'}:record]",
+        "rollout.prompts_per_step=4",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=4",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=8",
+        f"train.max_steps={STEPS}",
+        "train.lr=1e-4",
+        "logging.tensorboard=false",
+        *extra,
+    ]
 
 
 def _train(overrides):
@@ -98,8 +113,10 @@ def _rows(out):
 
 
 def _untimed(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k not in ("samples_per_s", "sync_mb_per_s")}
-            for r in rows]
+    return [
+        {k: v for k, v in r.items() if not k.startswith("time/") and k not in ("samples_per_s", "sync_mb_per_s")}
+        for r in rows
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +166,9 @@ def split(whole, tiny_model, files):
     common = ("train.save_every=1", "train.on_failure=restart")
     stopped = _train(_overrides(tiny_model, files, out, "Feedback", "train.stop_after_steps=2", *common))
     stopped_rows = _rows(out)
-    thread, killed = kill_an_actor_once(os.path.join(out, "checkpoints", "step_000003"), "ray::VLLMEngine",
-                                        while_saving=True)
+    thread, killed = kill_an_actor_once(
+        os.path.join(out, "checkpoints", "step_000003"), "ray::VLLMEngine", while_saving=True
+    )
     with tee_stdout() as printed:
         result = _train(_overrides(tiny_model, files, out, "Feedback", "train.resume=true", *common))
     thread.join(timeout=10)
@@ -185,21 +203,37 @@ def test_a_raising_environment_stops_the_run_naming_the_step_episode_and_turn(ti
     """No KL term (``algo.kl_coef=0``): the run ends in step 1's rollout, before a reference model would score
     anything, so none is started."""
     base, _ = files
-    with pytest.raises(EnvError, match=r"RL step 1: environment '.*envs.py:Crashing' raised RuntimeError: the tool "
-                                       r"crashed in step \(turn 2 of episode \d+\)"):
+    with pytest.raises(
+        EnvError,
+        match=r"RL step 1: environment '.*envs.py:Crashing' raised RuntimeError: the tool "
+        r"crashed in step \(turn 2 of episode \d+\)",
+    ):
         _train(_overrides(tiny_model, files, str(base / "crash"), "Crashing", "algo.kl_coef=0"))
 
 
-def test_with_on_error_drop_a_crashing_episode_ends_alone_and_the_run_goes_on(tiny_model, tiny_reward_model, files,
-                                                                             capsys):
+def test_with_on_error_drop_a_crashing_episode_ends_alone_and_the_run_goes_on(
+    tiny_model, tiny_reward_model, files, capsys
+):
     """Also a reward model on the finished episodes: it scores each whole episode row."""
     base, _ = files
     out = str(base / "dropped")
-    _train(_overrides(tiny_model, files, out, "Crashing", "env.on_error=drop", "train.max_steps=1",
-                      f"reward.model_path={tiny_reward_model}"))
+    _train(
+        _overrides(
+            tiny_model,
+            files,
+            out,
+            "Crashing",
+            "env.on_error=drop",
+            "train.max_steps=1",
+            f"reward.model_path={tiny_reward_model}",
+        )
+    )
     (row,) = _rows(out)
     assert math.isfinite(row["reward/reward_model"]) and row["reward/reward_model"] != 0
     assert 0 < row["episode/env_errors"] < 16 and row["episode/ended_env_error"] == row["episode/env_errors"] / 16
     assert row["grad_norm"] > 0 and row["logp_mismatch"] < 1e-4  # the other episodes trained
-    assert re.search(r"\[rl\] RL step 1: \d+ of 16 episodes ended by an environment error \(env.on_error=drop\), "
-                     r"the first: environment .* raised RuntimeError: the tool crashed", capsys.readouterr().out)
+    assert re.search(
+        r"\[rl\] RL step 1: \d+ of 16 episodes ended by an environment error \(env.on_error=drop\), "
+        r"the first: environment .* raised RuntimeError: the tool crashed",
+        capsys.readouterr().out,
+    )

@@ -1,5 +1,6 @@
 """Multi-node placement on a simulated cluster (several Ray nodes on this machine, ``ray.cluster_utils``), and the
 cluster manifests in ``ray_cluster/`` parse and point at real entry points."""
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM
-
 from rl_helpers import greedy_reference
 from rl_reference_math import clipped_adamw_first_step, weight_agreement
+from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # Runs in its own process: the session's Ray cluster must not be the one joined.
-SCRIPT = r'''
+SCRIPT = r"""
 import json, os, sys
 os.environ["DS_ACCELERATOR"] = "cpu"
 os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -70,7 +70,7 @@ engines.shutdown()
 group.shutdown()
 ray.shutdown()
 cluster.shutdown()
-'''
+"""
 
 
 def test_ranks_train_across_nodes_and_broadcast_weights_to_an_engine_on_another_node(tiny_model, tmp_path):
@@ -80,11 +80,18 @@ def test_ranks_train_across_nodes_and_broadcast_weights_to_an_engine_on_another_
     script = tmp_path / "multinode.py"
     script.write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    result = subprocess.run([sys.executable, str(script), tiny_model, str(tmp_path)], capture_output=True,
-                            text=True, timeout=600, env=env, cwd=str(ROOT))
+    result = subprocess.run(
+        [sys.executable, str(script), tiny_model, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=str(ROOT),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(next(line[len("RESULT "):] for line in result.stdout.splitlines()
-                             if line.startswith("RESULT ")))
+    report = json.loads(
+        next(line[len("RESULT ") :] for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    )
     assert report["alive_nodes"] == 3
     assert len(set(report["nodes"])) == 2, report  # one rank per worker node
     assert not set(report["engine_nodes"]) & set(report["nodes"]), report
@@ -94,8 +101,10 @@ def test_ranks_train_across_nodes_and_broadcast_weights_to_an_engine_on_another_
 
     spec = OptimSpec(lr=1e-3, total_steps=1)  # the script's: its defaults are the optimizer settings compared
     want_norm, want = _plain_sft_step(tiny_model, spec)
-    print(f"[multinode] grad norm {report['grad_norms']} vs plain {want_norm:.9g} "
-          f"(rel {abs(report['grad_norms'][0] - want_norm) / want_norm:.1e})")
+    print(
+        f"[multinode] grad norm {report['grad_norms']} vs plain {want_norm:.9g} "
+        f"(rel {abs(report['grad_norms'][0] - want_norm) / want_norm:.1e})"
+    )
     assert report["grad_norms"][0] == report["grad_norms"][1] == pytest.approx(want_norm, rel=1e-5), report
     assert want_norm > spec.max_grad_norm  # the clipping binds: part of what is compared
     assert report["lr"] == spec.lr
@@ -117,13 +126,19 @@ def _plain_sft_step(model_path: str, spec):
     rows = [([1, 5, 6, 7, 2], 2), ([1, 8, 9, 2], 2)]  # (unpadded ids, prompt length)
     nll, count = 0.0, 0
     for ids, prompt in rows:
-        logits = model(input_ids=torch.tensor([ids])).logits[0, prompt - 1:-1]
+        logits = model(input_ids=torch.tensor([ids])).logits[0, prompt - 1 : -1]
         log_p = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
         nll = nll - log_p[torch.arange(len(ids) - prompt), torch.tensor(ids[prompt:])].sum()
         count += len(ids) - prompt
     (nll / count).backward()
-    norm = clipped_adamw_first_step(model, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
-                                    max_grad_norm=spec.max_grad_norm)
+    norm = clipped_adamw_first_step(
+        model,
+        lr=spec.lr,
+        betas=spec.betas,
+        eps=spec.eps,
+        weight_decay=spec.weight_decay,
+        max_grad_norm=spec.max_grad_norm,
+    )
     return norm, model
 
 
@@ -135,10 +150,20 @@ def _assert_one_step_apart(trained_dir: str, want, norm: float, spec) -> None:
     from safetensors.torch import load_file
 
     got = load_file(os.path.join(trained_dir, "model.safetensors"))
-    worst_lr, ratio, where = weight_agreement(got, want, lr=spec.lr, eps=spec.eps, norm=norm,
-                                              max_grad_norm=spec.max_grad_norm, update_rtol=1e-4, grad_rtol=1e-7)
-    print(f"[multinode] weights after the step: max |2-node - plain| = {worst_lr:.1e} lr, "
-          f"{ratio:.2g} of the allowance ({where})")
+    worst_lr, ratio, where = weight_agreement(
+        got,
+        want,
+        lr=spec.lr,
+        eps=spec.eps,
+        norm=norm,
+        max_grad_norm=spec.max_grad_norm,
+        update_rtol=1e-4,
+        grad_rtol=1e-7,
+    )
+    print(
+        f"[multinode] weights after the step: max |2-node - plain| = {worst_lr:.1e} lr, "
+        f"{ratio:.2g} of the allowance ({where})"
+    )
     assert ratio <= 1.0, (where, ratio, worst_lr)
 
 
@@ -156,8 +181,7 @@ def test_cluster_manifests_parse(name):
 
 
 def test_slurm_script_is_valid_bash():
-    result = subprocess.run(["bash", "-n", str(ROOT / "ray_cluster" / "slurm.sbatch")], capture_output=True,
-                            text=True)
+    result = subprocess.run(["bash", "-n", str(ROOT / "ray_cluster" / "slurm.sbatch")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
@@ -181,26 +205,56 @@ def test_ray_job_submit_against_a_locally_started_head(tiny_model, sft_data, tmp
     # Its own temp dir (short: Ray's socket paths have a length limit), so that this head does not become the
     # machine's "current cluster" that a later plain `ray.init()` would try to join.
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")
-    head = subprocess.Popen([str(bin_dir / "ray"), "start", "--head", "--block", f"--port={gcs}",
-                             f"--dashboard-port={dashboard}", "--num-cpus=3", "--include-dashboard=true",
-                             # not the default 52365, which the tests' own local cluster's agent already holds:
-                             # the job API would answer, with no agent to run the job ("No available agent")
-                             f"--dashboard-agent-listen-port={agent}",
-                             "--disable-usage-stats", f"--temp-dir={temp_dir}"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True, text=True)
+    head = subprocess.Popen(
+        [
+            str(bin_dir / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={gcs}",
+            f"--dashboard-port={dashboard}",
+            "--num-cpus=3",
+            "--include-dashboard=true",
+            # not the default 52365, which the tests' own local cluster's agent already holds:
+            # the job API would answer, with no agent to run the job ("No available agent")
+            f"--dashboard-agent-listen-port={agent}",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
     out = tmp_path / "job-run"
     try:
         address = f"http://127.0.0.1:{dashboard}"
         for _ in range(120):  # the dashboard's job API takes a few seconds to come up
-            probe = subprocess.run([str(bin_dir / "ray"), "job", "list", "--address", address], env=env,
-                                   capture_output=True, text=True)
+            probe = subprocess.run(
+                [str(bin_dir / "ray"), "job", "list", "--address", address], env=env, capture_output=True, text=True
+            )
             if probe.returncode == 0:
                 break
             time.sleep(1)
-        submit = [str(bin_dir / "ray"), "job", "submit", "--address", address, "--", sys.executable, "-m",
-                  "rlhf.cli.train_sft", f"model.path={tiny_model}", f"data.train_path={sft_data}",
-                  f"train.output_dir={out}", "train.global_batch_size=4", "train.micro_batch_size=2",
-                  "train.max_steps=3", "logging.tensorboard=false"]
+        submit = [
+            str(bin_dir / "ray"),
+            "job",
+            "submit",
+            "--address",
+            address,
+            "--",
+            sys.executable,
+            "-m",
+            "rlhf.cli.train_sft",
+            f"model.path={tiny_model}",
+            f"data.train_path={sft_data}",
+            f"train.output_dir={out}",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+            "train.max_steps=3",
+            "logging.tensorboard=false",
+        ]
         job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
         assert job.returncode == 0, (job.stdout[-3000:], job.stderr[-3000:])
         assert "succeeded" in job.stdout + job.stderr

@@ -6,20 +6,30 @@ and end with the same weights; and the logged step-1 numbers must equal a plain 
 computation over the whole global batch (no DeepSpeed, no Ray, no project loss code). This file: SFT; DPO and the
 reward model: test_dpo_training.py, test_rm_training.py.
 """
+
 from __future__ import annotations
 
 import os
 
 import pytest
 import torch
+from offline_helpers import (
+    LOSS_RTOL,
+    _assert_ranks_ran_different_counts,
+    _assert_same_runs,
+    _assert_same_weights,
+    _completion_nll_and_count,
+    _grad_norm,
+    _overrides,
+    _plain_model,
+    _read_jsonl,
+    _rows,
+)
 
 from rlhf.config.loader import load_config
 from rlhf.config.schema import SFTRunConfig
 from rlhf.data.plan import EpochPlan
 from rlhf.utils.schedule import lr_multiplier
-
-from offline_helpers import (LOSS_RTOL, _assert_ranks_ran_different_counts, _assert_same_runs, _assert_same_weights,
-                             _completion_nll_and_count, _grad_norm, _overrides, _plain_model, _read_jsonl, _rows)
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -42,8 +52,10 @@ def sft_runs(tiny_model, sft_data, tmp_path_factory):
     runs = {}
     for name, (mbs, nw, zero, *extra) in SFT_FACTORISATIONS.items():
         out = str(base / name)
-        cfg = load_config(SFTRunConfig, overrides=_overrides(tiny_model, sft_data, out, 8, mbs, nw, zero,
-                                                             extra=extra[0] if extra else ()))
+        cfg = load_config(
+            SFTRunConfig,
+            overrides=_overrides(tiny_model, sft_data, out, 8, mbs, nw, zero, extra=extra[0] if extra else ()),
+        )
         result = train_sft(cfg)
         runs[name] = (_rows(out), result.final_dir, cfg)
     return runs
@@ -104,9 +116,20 @@ def test_sft_max_steps_counts_optimizer_steps_not_epochs(tiny_model, sft_data, t
     from rlhf.trainers.sft import train_sft
 
     out = str(tmp_path / "max3")
-    cfg = load_config(SFTRunConfig, overrides=_overrides(
-        tiny_model, sft_data, out, 8, 2, 2, 2, epochs=2,
-        extra=("train.max_steps=3", f"data.eval_path={sft_data}", "train.eval_every=2")))
+    cfg = load_config(
+        SFTRunConfig,
+        overrides=_overrides(
+            tiny_model,
+            sft_data,
+            out,
+            8,
+            2,
+            2,
+            2,
+            epochs=2,
+            extra=("train.max_steps=3", f"data.eval_path={sft_data}", "train.eval_every=2"),
+        ),
+    )
     result = train_sft(cfg)
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3] and result.steps == 3

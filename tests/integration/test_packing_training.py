@@ -8,12 +8,14 @@ loss and grad norm and end with the same weights. The trainers' own runs (SFT, R
 path) are in the factorisation tests of test_offline_training, test_rm_training, test_dpo_training and
 test_rl_algorithms.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 import torch
+from offline_helpers import _assert_same_weights
 
 from rlhf.batch import Batch
 from rlhf.distributed.cluster import actor_env
@@ -22,8 +24,6 @@ from rlhf.distributed.group import GroupResources, WorkerGroup, row_lengths
 from rlhf.distributed.micro_batches import cut_by_tokens
 from rlhf.models.loading import CAUSAL_LM, ModelSpec
 from rlhf.objectives.sft import SFTObjective
-
-from offline_helpers import _assert_same_weights
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -48,8 +48,11 @@ def _batch(vocab: int) -> Batch:
 def zero3_group(tiny_model):
     group = WorkerGroup("policy", GroupResources(num_workers=2, cpus_per_worker=0.5, env_vars=actor_env(0)), "gloo")
     spec = EngineSpec.for_token_budget(len(LENGTHS), BUDGET, num_workers=2, zero_stage=3)
-    group.build(ModelSpec(path=tiny_model, kind=CAUSAL_LM, packing=True), spec,
-                OptimSpec(lr=1e-3, total_steps=4, scheduler="constant", betas=(0.9, 0.99)))
+    group.build(
+        ModelSpec(path=tiny_model, kind=CAUSAL_LM, packing=True),
+        spec,
+        OptimSpec(lr=1e-3, total_steps=4, scheduler="constant", betas=(0.9, 0.99)),
+    )
     yield group
     group.shutdown()
 

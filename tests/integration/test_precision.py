@@ -10,20 +10,22 @@ count over every micro-batch of every rank).
 The two groups' actors are started once for the file and rebuilt for each stage (``build`` loads the model and
 a new engine): actor start-up is most of the cost. Tolerances: see ``BF16_RTOL``.
 """
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from precision_helpers import in_parallel as _in_parallel
+from precision_helpers import started_groups
+from precision_helpers import step as _step
+from shared_helpers import uneven_pair_rows, uneven_sft_rows
 
 from rlhf.batch import Batch
 from rlhf.config.schema import ConfigError
 from rlhf.data.tokenize import collate_pairs, collate_sft, tokenize_pairs, tokenize_sft
 from rlhf.distributed.engine import EngineSpec, OptimSpec, build_ds_config
-
-from shared_helpers import uneven_pair_rows, uneven_sft_rows
-from precision_helpers import in_parallel as _in_parallel, started_groups, step as _step
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -44,8 +46,13 @@ MIN_GRAD_NORM = 1e-3  # the comparison must not be between two vanishing gradien
 # ------------------------------------------------------------------------------------------------ pure config
 @pytest.mark.parametrize("stage, accum", [(0, "bf16"), (1, "fp32"), (2, "fp32"), (3, "fp32")])
 def test_bf16_accumulates_in_fp32_where_deepspeed_allows_it(stage, accum):
-    spec = EngineSpec(zero_stage=stage, precision="bf16", micro_batch_size=2, grad_accum_steps=2,
-                      user_config={"data_types": {"grad_accum_dtype": "fp32"}})
+    spec = EngineSpec(
+        zero_stage=stage,
+        precision="bf16",
+        micro_batch_size=2,
+        grad_accum_steps=2,
+        user_config={"data_types": {"grad_accum_dtype": "fp32"}},
+    )
     cfg = build_ds_config(spec, world_size=2, max_grad_norm=1.0)
     assert cfg["bf16"] == {"enabled": True} and cfg["fp16"]["enabled"] is False
     assert cfg["data_types"]["grad_accum_dtype"] == accum  # the run's value, never the user's
@@ -68,16 +75,36 @@ def batches(tiny_model):
     from rlhf.objectives.dpo import ReferenceLogps
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    sft = collate_sft(tokenize_sft(uneven_sft_rows(GLOBAL_BATCH, seed=11), tokenizer, max_length=64,
-                                   prompt_key="prompt", response_key="response").examples, tokenizer.pad_token_id)
-    pairs = collate_pairs(tokenize_pairs(uneven_pair_rows(GLOBAL_BATCH, seed=12), tokenizer, max_length=64,
-                                         prompt_key="prompt", chosen_key="chosen", rejected_key="rejected").examples,
-                          tokenizer.pad_token_id)
+    sft = collate_sft(
+        tokenize_sft(
+            uneven_sft_rows(GLOBAL_BATCH, seed=11),
+            tokenizer,
+            max_length=64,
+            prompt_key="prompt",
+            response_key="response",
+        ).examples,
+        tokenizer.pad_token_id,
+    )
+    pairs = collate_pairs(
+        tokenize_pairs(
+            uneven_pair_rows(GLOBAL_BATCH, seed=12),
+            tokenizer,
+            max_length=64,
+            prompt_key="prompt",
+            chosen_key="chosen",
+            rejected_key="rejected",
+        ).examples,
+        tokenizer.pad_token_id,
+    )
     with torch.no_grad():
         pairs = pairs.replace(ref_logps=ReferenceLogps()(_plain_model(tiny_model), pairs))
     advantage = torch.randn(GLOBAL_BATCH, 1, generator=torch.Generator().manual_seed(13))
-    rl = Batch(input_ids=sft.input_ids, attention_mask=sft.attention_mask, loss_mask=sft.loss_mask,
-               advantages=advantage * sft.loss_mask.float())
+    rl = Batch(
+        input_ids=sft.input_ids,
+        attention_mask=sft.attention_mask,
+        loss_mask=sft.loss_mask,
+        advantages=advantage * sft.loss_mask.float(),
+    )
     return {"sft": sft, "dpo": pairs, "rl": rl}
 
 
@@ -92,10 +119,16 @@ def groups():
 def _build(group, ranks: int, micro: int, tiny_model: str, zero_stage: int) -> None:
     from rlhf.models.loading import ModelSpec
 
-    group.build(ModelSpec(path=tiny_model, precision="bf16", seed=7),
-                EngineSpec(zero_stage=zero_stage, precision="bf16", micro_batch_size=micro,
-                           grad_accum_steps=GLOBAL_BATCH // (ranks * micro)),
-                OptimSpec(lr=1e-3, total_steps=STEPS))
+    group.build(
+        ModelSpec(path=tiny_model, precision="bf16", seed=7),
+        EngineSpec(
+            zero_stage=zero_stage,
+            precision="bf16",
+            micro_batch_size=micro,
+            grad_accum_steps=GLOBAL_BATCH // (ranks * micro),
+        ),
+        OptimSpec(lr=1e-3, total_steps=STEPS),
+    )
 
 
 def _bf16_probe():
@@ -106,12 +139,19 @@ def _bf16_probe():
         engine = model.engine
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch AdamW inside the wrapper
         states = list(inner.state.items())
-        fp32 = bool(states) and all(master.dtype == torch.float32 and state["exp_avg"].dtype == torch.float32
-                                    for master, state in states)
+        fp32 = bool(states) and all(
+            master.dtype == torch.float32 and state["exp_avg"].dtype == torch.float32 for master, state in states
+        )
         steps = [float(state["step"]) for _, state in states] or [-1.0]
-        return torch.tensor([float(engine.bfloat16_enabled()),
-                             float(all(p.dtype == torch.bfloat16 for p in model.module.parameters())),
-                             float(fp32), min(steps), max(steps)])
+        return torch.tensor(
+            [
+                float(engine.bfloat16_enabled()),
+                float(all(p.dtype == torch.bfloat16 for p in model.module.parameters())),
+                float(fp32),
+                min(steps),
+                max(steps),
+            ]
+        )
 
     return probe
 
@@ -120,8 +160,8 @@ def _train_in_lockstep(groups: dict, batches: dict) -> dict:
     """Every group takes the SFT, the DPO and the RL step in turn; the RL batch gets PPO's pi_old from the whole
     group (the policy's log-probs after the DPO step), one tensor for all. Returns name -> the steps'
     ``{"loss", "grad_norm"}``."""
-    from rlhf.objectives.dpo import DPOObjective
     from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps
+    from rlhf.objectives.dpo import DPOObjective
     from rlhf.objectives.sft import SFTObjective
 
     rows = {name: [] for name in groups}
@@ -164,10 +204,17 @@ def test_bf16_split_equals_whole_on_every_zero_stage(zero_stage, groups, tiny_mo
     for step, (whole, split) in enumerate(zip(rows["whole"], rows["split"]), start=1):
         assert math.isfinite(whole["loss"]) and min(whole["grad_norm"], split["grad_norm"]) > MIN_GRAD_NORM
         for key in ("loss", "grad_norm"):
-            print(f"[bf16 zero={zero_stage} step={step}] {key}: whole {whole[key]:.7g} split {split[key]:.7g} "
-                  f"rel {abs(whole[key] - split[key]) / abs(whole[key]):.2e}")
-            assert abs(whole[key] - split[key]) <= BF16_RTOL * abs(whole[key]) + BF16_ATOL * (key == "loss"), \
-                (zero_stage, step, key, whole, split)
+            print(
+                f"[bf16 zero={zero_stage} step={step}] {key}: whole {whole[key]:.7g} split {split[key]:.7g} "
+                f"rel {abs(whole[key] - split[key]) / abs(whole[key]):.2e}"
+            )
+            assert abs(whole[key] - split[key]) <= BF16_RTOL * abs(whole[key]) + BF16_ATOL * (key == "loss"), (
+                zero_stage,
+                step,
+                key,
+                whole,
+                split,
+            )
 
 
 # ------------------------------------------------------------------------------------------------ fp16
@@ -176,5 +223,12 @@ def test_fp16_is_refused_by_name_when_the_config_is_built(tiny_model, sft_data, 
     from rlhf.config.schema import SFTRunConfig
 
     with pytest.raises(ConfigError, match=r"^strategy\.precision is fp16, which is not supported: .* use bf16"):
-        load_config(SFTRunConfig, overrides=[f"model.path={tiny_model}", f"data.train_path={sft_data}",
-                                             f"train.output_dir={tmp_path / 'out'}", "strategy.precision=fp16"])
+        load_config(
+            SFTRunConfig,
+            overrides=[
+                f"model.path={tiny_model}",
+                f"data.train_path={sft_data}",
+                f"train.output_dir={tmp_path / 'out'}",
+                "strategy.precision=fp16",
+            ],
+        )

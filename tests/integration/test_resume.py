@@ -8,20 +8,20 @@ killed after its resume (it restarts from its newest checkpoint and still ends a
 and the checkpoint left by the run killed with ``train.on_failure=exit`` is the one a resume of another run's
 config is refused.
 """
+
 from __future__ import annotations
 
 import os
 import re
 
 import pytest
+from resume_helpers import _assert_identical, _overrides, _stop_and_resume
+from shared_helpers import kill_an_actor_once, tee_stdout
 
 from rlhf.config.loader import load_config
 from rlhf.config.schema import ConfigError, SFTRunConfig
 from rlhf.distributed.errors import WorkerError
 from rlhf.trainers.checkpoint import Checkpoints
-
-from shared_helpers import kill_an_actor_once, tee_stdout
-from resume_helpers import _assert_identical, _overrides, _stop_and_resume
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -103,10 +103,18 @@ def test_a_checkpoint_of_another_run_is_refused(sft_exited, tiny_model, sft_data
 
     out, _, _ = sft_exited
     newest = os.path.basename(Checkpoints(out, keep=2).latest()[0])
-    with pytest.raises(ConfigError, match=rf"train.resume: .*{newest} belongs to another run: "
-                                          r"train.global_batch_size=4 in the checkpoint, 8 now"):
-        train_sft(load_config(SFTRunConfig, None, [*_overrides(tiny_model, sft_data, out), "train.resume=true",
-                                                   "train.global_batch_size=8"]))
+    with pytest.raises(
+        ConfigError,
+        match=rf"train.resume: .*{newest} belongs to another run: "
+        r"train.global_batch_size=4 in the checkpoint, 8 now",
+    ):
+        train_sft(
+            load_config(
+                SFTRunConfig,
+                None,
+                [*_overrides(tiny_model, sft_data, out), "train.resume=true", "train.global_batch_size=8"],
+            )
+        )
 
 
 def test_half_written_checkpoints_are_never_picked(tmp_path):

@@ -1,13 +1,13 @@
 """Exact resume of DPO with held-out evaluation: stopped at step 7 (mid-epoch) and resumed, it ends with the
 uninterrupted run's metrics.jsonl, eval.jsonl and bit-identical weights. (SFT and faults: test_resume.py.)"""
+
 from __future__ import annotations
 
 import pytest
+from resume_helpers import _assert_identical, _overrides, _stop_and_resume
 
 from rlhf.config.loader import load_config
 from rlhf.config.schema import DPORunConfig
-
-from resume_helpers import _assert_identical, _overrides, _stop_and_resume
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -16,8 +16,9 @@ def test_dpo_resumed_equals_uninterrupted_with_eval(tiny_model, pair_data, tmp_p
     from rlhf.trainers.dpo import train_dpo
 
     def base(out):
-        return _overrides(tiny_model, pair_data, out, f"data.eval_path={pair_data}", "train.eval_every=2",
-                          "dpo.ref_mode=precompute")
+        return _overrides(
+            tiny_model, pair_data, out, f"data.eval_path={pair_data}", "train.eval_every=2", "dpo.ref_mode=precompute"
+        )
 
     train_dpo(load_config(DPORunConfig, None, base(str(tmp_path / "whole"))))
     _stop_and_resume(DPORunConfig, None, train_dpo, base, str(tmp_path / "split"), stop_after=7)

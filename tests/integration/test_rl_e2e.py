@@ -6,12 +6,12 @@ Faults (a killed vLLM engine restarts from the checkpoint and the run ends as if
 interrupted multi-turn run of test_multi_turn_training.py, which needs an uninterrupted twin anyway: actor start-up
 is most of a run's seconds, and the restart path (``train.on_failure=restart``) is the same for both kinds of run.
 """
+
 from __future__ import annotations
 
 import os
 
 import pytest
-
 from rl_helpers import check_rows, run_rl
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -21,8 +21,16 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 def grpo_pair(tiny_model, rl_prompts, rl_shaping, tmp_path_factory):
     base = tmp_path_factory.mktemp("grpo")
     one = run_rl(tiny_model, rl_prompts, rl_shaping, str(base / "m8w1"))
-    two = run_rl(tiny_model, rl_prompts, rl_shaping, str(base / "m2w2z3"), "train.micro_batch_size=2",
-                 "train.num_workers=2", "strategy.zero_stage=3", "rollout.num_engines=2")
+    two = run_rl(
+        tiny_model,
+        rl_prompts,
+        rl_shaping,
+        str(base / "m2w2z3"),
+        "train.micro_batch_size=2",
+        "train.num_workers=2",
+        "strategy.zero_stage=3",
+        "rollout.num_engines=2",
+    )
     return one, two
 
 
@@ -47,5 +55,5 @@ def test_rl_step_is_invariant_to_micro_batches_ranks_and_engine_count(grpo_pair)
     # samples, unbiased std) times the per-token disagreement of two batchings of the same float32 weights (<= 16 u
     # seen on the tiny model, u = 2^-24; 64 u taken): 5.7e-6 per run. (Its normalizer cannot show here: -mean(A) is
     # 0 under any; the grad norm is what checks the split.)
-    floor = 2 * 1.5 * 64 * 2.0 ** -24
+    floor = 2 * 1.5 * 64 * 2.0**-24
     assert abs(a[0]["policy_loss"] - b[0]["policy_loss"]) <= floor, (a[0]["policy_loss"], b[0]["policy_loss"])

@@ -22,6 +22,7 @@ schedule back at step 0).
 
 Also here: dual clip and TIS on the PPO objective against the same formulas, on and off (no actors).
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,42 +31,84 @@ import random
 import time
 
 import pytest
-import torch
-
 import rl_reference_math as ref
+import torch
 
 N_PROMPTS, N_SAMPLES = 4, 4  # 16 samples: one optimizer step, 2 ranks x 4 micro-batches of 2
 MICRO, RANKS = 2, 2
 PROMPTS = ["3+4=", "12+19=", "7+25=", "20+2="]
-SCORES = [0.1, 0.9, 0.4, 0.4,  # a group with a tie
-          1.0, 1.0, 1.0, 1.0,  # all equal: no GRPO signal
-          0.0, 1.0, 0.0, 0.0,
-          0.3, 0.7, 0.2, 0.95]
+SCORES = [
+    0.1,
+    0.9,
+    0.4,
+    0.4,  # a group with a tie
+    1.0,
+    1.0,
+    1.0,
+    1.0,  # all equal: no GRPO signal
+    0.0,
+    1.0,
+    0.0,
+    0.0,
+    0.3,
+    0.7,
+    0.2,
+    0.95,
+]
 TEMPERATURE = 0.8
 TRAIN = {"lr": 1e-3, "adam_betas": (0.9, 0.95), "adam_eps": 1e-8, "weight_decay": 0.1, "max_grad_norm": 0.3}
 CRITIC_LR = 5e-4
 VALUE_CLIP = 0.2
 
 CASES = {
-    "grpo-seq-mean-token-mean": ["algo.advantage_estimator=grpo", "algo.loss_agg_mode=seq-mean-token-mean",
-                                 "algo.kl_coef=0.05", "algo.kl_mode=loss", "algo.kl_estimator=k3"],
-    "grpo-token-mean": ["algo.advantage_estimator=grpo", "algo.loss_agg_mode=token-mean", "algo.kl_coef=0.1",
-                        "algo.kl_mode=loss", "algo.kl_estimator=k2", "algo.entropy_coef=0.01"],
-    "reinforce_pp-kl-in-reward": ["algo.advantage_estimator=reinforce_pp", "algo.loss_agg_mode=token-mean",
-                                  "algo.kl_coef=0.05", "algo.kl_mode=reward", "algo.kl_estimator=k2",
-                                  "algo.gamma=0.9"],
-    "gae-ppo-critic": ["algo.advantage_estimator=gae", "algo.loss_agg_mode=seq-mean-token-sum", "algo.kl_coef=0.02",
-                       "algo.kl_mode=reward", "algo.kl_estimator=k1", "algo.gamma=0.99", "algo.lam=0.95"],
+    "grpo-seq-mean-token-mean": [
+        "algo.advantage_estimator=grpo",
+        "algo.loss_agg_mode=seq-mean-token-mean",
+        "algo.kl_coef=0.05",
+        "algo.kl_mode=loss",
+        "algo.kl_estimator=k3",
+    ],
+    "grpo-token-mean": [
+        "algo.advantage_estimator=grpo",
+        "algo.loss_agg_mode=token-mean",
+        "algo.kl_coef=0.1",
+        "algo.kl_mode=loss",
+        "algo.kl_estimator=k2",
+        "algo.entropy_coef=0.01",
+    ],
+    "reinforce_pp-kl-in-reward": [
+        "algo.advantage_estimator=reinforce_pp",
+        "algo.loss_agg_mode=token-mean",
+        "algo.kl_coef=0.05",
+        "algo.kl_mode=reward",
+        "algo.kl_estimator=k2",
+        "algo.gamma=0.9",
+    ],
+    "gae-ppo-critic": [
+        "algo.advantage_estimator=gae",
+        "algo.loss_agg_mode=seq-mean-token-sum",
+        "algo.kl_coef=0.02",
+        "algo.kl_mode=reward",
+        "algo.kl_estimator=k1",
+        "algo.gamma=0.99",
+        "algo.lam=0.95",
+    ],
 }
 
 # Two builds of the same groups (the actors start once): float64 on ZeRO 0 (strategy.precision=fp64 trains on
 # ZeRO 0 only), for the tightest comparison, then fp32 with the sharded stages (ZeRO-3 last: a ZeRO-3 engine is
 # never followed by a rebuild), padding-free and in micro-batches of at most 25 tokens (rows of 6-12 tokens, 8 a
 # rank: one rank runs 3 micro-batches, the other 4, a lockstep filler keeps ZeRO-3 in step; the test checks it).
-LAYOUTS = {"fp64-zero0": {"precision": "fp64", "policy": 0, "reference": 0, "critic": 0},
-           "fp32-zero2-zero3-packed-tok25": {
-               "precision": "fp32", "policy": 2, "reference": 3, "critic": 3,
-               "overrides": ("train.packing=true", "train.max_tokens_per_micro_batch=25")}}
+LAYOUTS = {
+    "fp64-zero0": {"precision": "fp64", "policy": 0, "reference": 0, "critic": 0},
+    "fp32-zero2-zero3-packed-tok25": {
+        "precision": "fp32",
+        "policy": 2,
+        "reference": 3,
+        "critic": 3,
+        "overrides": ("train.packing=true", "train.max_tokens_per_micro_batch=25"),
+    },
+}
 
 # Tolerances against the float64 reference (each case prints its figures).
 # fp64: both sides compute in float64 (with transformers' own float32 steps, the rotary cos/sin and RMSNorm's
@@ -79,8 +122,10 @@ LAYOUTS = {"fp64-zero0": {"precision": "fp64", "policy": 0, "reference": 0, "cri
 # gradient error of 1e-7 of the norm (fp32 rounding) becomes through Adam's g / (|g| + eps): up to 1.2e-2 lr and
 # 0.44 of that allowance seen (on RMSNorm weights, whose gradient is the smallest relative to its rounding).
 # rl_reference_math.weight_agreement explains the allowance.
-TOL = {"fp32": {"rel": 1e-5, "abs": 1e-7, "update_rtol": 1e-4, "grad_rtol": 1e-7},
-       "fp64": {"rel": 1e-10, "abs": 1e-14, "update_rtol": 1e-10, "grad_rtol": 1e-13}}
+TOL = {
+    "fp32": {"rel": 1e-5, "abs": 1e-7, "update_rtol": 1e-4, "grad_rtol": 1e-7},
+    "fp64": {"rel": 1e-10, "abs": 1e-14, "update_rtol": 1e-10, "grad_rtol": 1e-13},
+}
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -141,11 +186,15 @@ def rollout(paths):
                     logps.append(float(log_p[tok]))
                     if tok == tokenizer.eos_token_id:
                         break
-                samples.append(Sampled(prompt, tuple(ids[len(prompt):]), tuple(logps)))
+                samples.append(Sampled(prompt, tuple(ids[len(prompt) :]), tuple(logps)))
     groups = [i for i in range(N_PROMPTS) for _ in range(N_SAMPLES)]
     assert len({len(s.response_ids) for s in samples}) >= 4  # lengths differ: the aggregation modes differ
-    return {"samples": samples, "groups": groups, "scores": torch.tensor(SCORES, dtype=torch.float32),
-            "tokenizer": tokenizer}
+    return {
+        "samples": samples,
+        "groups": groups,
+        "scores": torch.tensor(SCORES, dtype=torch.float32),
+        "tokenizer": tokenizer,
+    }
 
 
 def _config(layout, *overrides):
@@ -153,18 +202,35 @@ def _config(layout, *overrides):
     from rlhf.config.rl_schema import RLRunConfig
 
     t = TRAIN
-    return load_config(RLRunConfig, "grpo_tiny", [
-        "model.path=unused-here", "data.train_path=unused-here",
-        f"rollout.prompts_per_step={N_PROMPTS}", f"rollout.n_samples_per_prompt={N_SAMPLES}",
-        f"rollout.temperature={TEMPERATURE}",
-        f"train.global_batch_size={N_PROMPTS * N_SAMPLES}", f"train.micro_batch_size={MICRO}",
-        f"train.num_workers={RANKS}", f"critic.num_workers={RANKS}",
-        f"train.lr={t['lr']}", f"train.adam_betas=[{t['adam_betas'][0]}, {t['adam_betas'][1]}]",
-        f"train.adam_eps={t['adam_eps']}", f"train.weight_decay={t['weight_decay']}",
-        f"train.max_grad_norm={t['max_grad_norm']}", "train.lr_scheduler=constant", "train.warmup_steps=0",
-        f"critic.lr={CRITIC_LR}", f"critic.value_clip={VALUE_CLIP}",
-        f"strategy.precision={LAYOUTS[layout]['precision']}", f"strategy.zero_stage={LAYOUTS[layout]['policy']}",
-        "logging.tensorboard=false", *LAYOUTS[layout].get("overrides", ()), *overrides])
+    return load_config(
+        RLRunConfig,
+        "grpo_tiny",
+        [
+            "model.path=unused-here",
+            "data.train_path=unused-here",
+            f"rollout.prompts_per_step={N_PROMPTS}",
+            f"rollout.n_samples_per_prompt={N_SAMPLES}",
+            f"rollout.temperature={TEMPERATURE}",
+            f"train.global_batch_size={N_PROMPTS * N_SAMPLES}",
+            f"train.micro_batch_size={MICRO}",
+            f"train.num_workers={RANKS}",
+            f"critic.num_workers={RANKS}",
+            f"train.lr={t['lr']}",
+            f"train.adam_betas=[{t['adam_betas'][0]}, {t['adam_betas'][1]}]",
+            f"train.adam_eps={t['adam_eps']}",
+            f"train.weight_decay={t['weight_decay']}",
+            f"train.max_grad_norm={t['max_grad_norm']}",
+            "train.lr_scheduler=constant",
+            "train.warmup_steps=0",
+            f"critic.lr={CRITIC_LR}",
+            f"critic.value_clip={VALUE_CLIP}",
+            f"strategy.precision={LAYOUTS[layout]['precision']}",
+            f"strategy.zero_stage={LAYOUTS[layout]['policy']}",
+            "logging.tensorboard=false",
+            *LAYOUTS[layout].get("overrides", ()),
+            *overrides,
+        ],
+    )
 
 
 class Groups:
@@ -195,13 +261,19 @@ class Groups:
             return dataclasses.replace(ctx.model_spec(self.paths[role], kind), precision=spec["precision"])
 
         def engine(role, trainable=True):  # as the runner builds them (RANKS ranks for every role)
-            return dataclasses.replace(ctx.engine_spec(RANKS, trainable), precision=spec["precision"],
-                                       zero_stage=spec[role])
+            return dataclasses.replace(
+                ctx.engine_spec(RANKS, trainable), precision=spec["precision"], zero_stage=spec[role]
+            )
 
-        builds = {"policy": (model("policy", CAUSAL_LM), engine("policy"), optim_spec(t, 1)),
-                  "reference": (model("reference", CAUSAL_LM), engine("reference", trainable=False), None),
-                  "critic": (model("critic", SCALAR_HEAD), engine("critic"),
-                             dataclasses.replace(optim_spec(t, 1), lr=cfg.critic.lr))}
+        builds = {
+            "policy": (model("policy", CAUSAL_LM), engine("policy"), optim_spec(t, 1)),
+            "reference": (model("reference", CAUSAL_LM), engine("reference", trainable=False), None),
+            "critic": (
+                model("critic", SCALAR_HEAD),
+                engine("critic"),
+                dataclasses.replace(optim_spec(t, 1), lr=cfg.critic.lr),
+            ),
+        }
         with ThreadPoolExecutor(len(builds)) as pool:
             for done in [pool.submit(self.roles[role].build, *args) for role, args in builds.items()]:
                 done.result()
@@ -232,8 +304,11 @@ def actors(ray_session, paths, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def initial_models(paths):
-    return {"policy": _load(paths["policy"]), "reference": _load(paths["reference"]),
-            "critic": _load(paths["critic"], kind="scalar")}
+    return {
+        "policy": _load(paths["policy"]),
+        "reference": _load(paths["reference"]),
+        "critic": _load(paths["critic"], kind="scalar"),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -241,17 +316,20 @@ def _run_step(cfg, actors, rollout, tmp_path):
     """The driver's stages on the real groups, from the initial checkpoint; returns (logged stats, weights)."""
     from safetensors.torch import load_file
 
-    from rlhf.trainers.rl_steps import RLActors, RLTrainer
     from rlhf.rl import rollout_batch
     from rlhf.trainers.rl_runner import _objectives
+    from rlhf.trainers.rl_steps import RLActors, RLTrainer
 
     a = cfg.algo
     actors["policy"].load_checkpoint(actors.initial("policy"))
     if a.needs_critic:
         actors["critic"].load_checkpoint(actors.initial("critic"))
-    roles = RLActors(policy=actors["policy"], engines=None,
-                     reference=actors["reference"] if a.kl_coef > 0 else None,
-                     critic=actors["critic"] if a.needs_critic else None)
+    roles = RLActors(
+        policy=actors["policy"],
+        engines=None,
+        reference=actors["reference"] if a.kl_coef > 0 else None,
+        critic=actors["critic"] if a.needs_critic else None,
+    )
     policy_objective, value_objective = _objectives(cfg)
     trainer = RLTrainer(cfg, rollout["tokenizer"], None, None, roles, None, policy_objective, value_objective)
     tokenizer = rollout["tokenizer"]
@@ -280,8 +358,11 @@ def _reference_step(cfg, models, rollout):
         ref_logps = ref.logps_and_entropy(models["reference"], samples, TEMPERATURE)[0] if a.kl_coef > 0 else None
         old_values = ref.values(models["critic"], samples) if a.needs_critic else None
     in_reward = a.kl_mode == "reward" and a.kl_coef > 0
-    penalty = [ref.kl(a.kl_estimator, o, r) for o, r in zip(old, ref_logps)] if in_reward else \
-        [torch.zeros(n, dtype=torch.float64) for n in lengths]
+    penalty = (
+        [ref.kl(a.kl_estimator, o, r) for o, r in zip(old, ref_logps)]
+        if in_reward
+        else [torch.zeros(n, dtype=torch.float64) for n in lengths]
+    )
     if in_reward:
         out["reward_kl_penalty"] = float(a.kl_coef * torch.cat(penalty).sum() / sum(lengths))
     rewards = ref.token_rewards(scores, penalty, a.kl_coef if in_reward else 0.0)
@@ -309,8 +390,11 @@ def _reference_step(cfg, models, rollout):
     mode = a.loss_agg_mode
     loss = ref.aggregate(mode, total)
     loss.backward()
-    out.update(loss=loss.item(), policy_loss=ref.aggregate(mode, pg).item(),
-               entropy=ref.aggregate(mode, [h.detach() for h in entropy]).item())
+    out.update(
+        loss=loss.item(),
+        policy_loss=ref.aggregate(mode, pg).item(),
+        entropy=ref.aggregate(mode, [h.detach() for h in entropy]).item(),
+    )
     if kls:
         out["kl"] = ref.aggregate(mode, [k.detach() for k in kls]).item()
     adam = dict(betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
@@ -319,8 +403,10 @@ def _reference_step(cfg, models, rollout):
     if a.needs_critic:
         critic = copy.deepcopy(models["critic"]).train()
         v = ref.values(critic, samples)
-        value_loss = ref.aggregate(mode, [ref.value_token_loss(vi, oi, ri, cfg.critic.value_clip)
-                                          for vi, oi, ri in zip(v, old_values, returns)])
+        value_loss = ref.aggregate(
+            mode,
+            [ref.value_token_loss(vi, oi, ri, cfg.critic.value_clip) for vi, oi, ri in zip(v, old_values, returns)],
+        )
         value_loss.backward()
         out["value_loss"] = value_loss.item()
         out["critic_grad_norm"] = ref.clipped_adamw_first_step(critic, lr=cfg.critic.lr, **adam)
@@ -359,8 +445,9 @@ def test_one_rl_step_equals_plain_pytorch(layout, case, actors, initial_models, 
     report = []
     for key, value in want.items():
         diff = abs(stats[key] - value)
-        report.append(f"{key} {stats[key]:.9g} vs {value:.9g} (rel {diff / max(abs(value), 1e-300):.1e}, "
-                      f"abs {diff:.1e})")
+        report.append(
+            f"{key} {stats[key]:.9g} vs {value:.9g} (rel {diff / max(abs(value), 1e-300):.1e}, abs {diff:.1e})"
+        )
         assert stats[key] == pytest.approx(value, rel=tol["rel"], abs=tol["abs"]), (case, key, stats[key], value)
     assert want["grad_norm"] > cfg.train.max_grad_norm  # the clipping binds: it is part of what is checked
     if cfg.train.max_tokens_per_micro_batch:  # the ranks ran different numbers of micro-batches (the hard case)
@@ -370,15 +457,26 @@ def test_one_rl_step_equals_plain_pytorch(layout, case, actors, initial_models, 
         initial = dict(initial_models[role].named_parameters())
         moved = max(float((p.detach() - initial[name].detach()).abs().max()) for name, p in model.named_parameters())
         worst_lr, ratio, where = ref.weight_agreement(
-            run_weights[role], model, lr=lr, eps=cfg.train.adam_eps, norm=norm, max_grad_norm=cfg.train.max_grad_norm,
-            update_rtol=tol["update_rtol"], grad_rtol=tol["grad_rtol"])
-        report.append(f"{role} weights: max |run - ref| = {worst_lr:.1e} lr, {ratio:.2g} of the allowance ({where}; "
-                      f"the step moved them up to {moved / lr:.2f} lr)")
+            run_weights[role],
+            model,
+            lr=lr,
+            eps=cfg.train.adam_eps,
+            norm=norm,
+            max_grad_norm=cfg.train.max_grad_norm,
+            update_rtol=tol["update_rtol"],
+            grad_rtol=tol["grad_rtol"],
+        )
+        report.append(
+            f"{role} weights: max |run - ref| = {worst_lr:.1e} lr, {ratio:.2g} of the allowance ({where}; "
+            f"the step moved them up to {moved / lr:.2f} lr)"
+        )
         assert moved > 0.5 * lr, (role, moved)
         name, decay_error = _decay_alone(run_weights[role], model, initial, lr, cfg.train.weight_decay)
-        assert decay_error < 1e-3, (f"{layout} {case}: {role}'s {name} (ZeRO-{LAYOUTS[layout][role]}): the weights "
-                                    f"whose gradient is 0 did not move by AdamW's decay -lr wd w alone (off by "
-                                    f"{decay_error:.2g} of it)")
+        assert decay_error < 1e-3, (
+            f"{layout} {case}: {role}'s {name} (ZeRO-{LAYOUTS[layout][role]}): the weights "
+            f"whose gradient is 0 did not move by AdamW's decay -lr wd w alone (off by "
+            f"{decay_error:.2g} of it)"
+        )
         assert ratio <= 1.0, (layout, case, role, where, ratio, worst_lr)
     print(f"[rl-reference {layout} {case}] run {run_s:.1f} s; " + "; ".join(report))
 
@@ -389,7 +487,7 @@ def _on_columns(per_token, samples, width: int) -> torch.Tensor:
     ``len(prompt_i) + j`` (rlhf.batch's convention: column t belongs to token t), 0 elsewhere."""
     out = torch.zeros(len(samples), width, dtype=torch.float64)
     for i, ((prompt, response), values) in enumerate(zip(samples, per_token)):
-        out[i, len(prompt):len(prompt) + len(response)] = values
+        out[i, len(prompt) : len(prompt) + len(response)] = values
     return out
 
 
@@ -422,13 +520,20 @@ def test_dual_clip_and_tis_change_the_update_as_written(rollout, initial_models)
     advantages = [noise(len(lp)) for lp in now]
     batch = rollout_batch(rollout["samples"], rollout["tokenizer"].pad_token_id)
     width = batch.input_ids.shape[1]
-    batch = batch.replace(old_logps=_on_columns(old, samples, width), rollout_logps=_on_columns(engine, samples, width),
-                          advantages=_on_columns(advantages, samples, width))
+    batch = batch.replace(
+        old_logps=_on_columns(old, samples, width),
+        rollout_logps=_on_columns(engine, samples, width),
+        advantages=_on_columns(advantages, samples, width),
+    )
     mode = "token-mean"
 
     def project(dual, cap):
-        objective = PolicyObjective(clip=PolicyLossConfig(dual_clip=dual, tis_cap=cap), agg_mode=mode,
-                                    temperature=TEMPERATURE, use_tis=cap is not None)
+        objective = PolicyObjective(
+            clip=PolicyLossConfig(dual_clip=dual, tis_cap=cap),
+            agg_mode=mode,
+            temperature=TEMPERATURE,
+            use_tis=cap is not None,
+        )
         model.zero_grad()
         total, sums = objective.loss(model, batch)
         count = objective.count(batch)

@@ -1,18 +1,27 @@
 """Reward-model training end to end on real Ray actors + real DeepSpeed engines: factorisations agree, step 1
 equals plain PyTorch, and the saved model loads back as a sequence classifier. (SFT: test_offline_training.py.)
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 import torch
+from offline_helpers import (
+    LOSS_RTOL,
+    _assert_ranks_ran_different_counts,
+    _assert_same_runs,
+    _assert_same_weights,
+    _grad_norm,
+    _overrides,
+    _plain_model,
+    _read_jsonl,
+    _rows,
+    _tokenize_whole,
+)
 
 from rlhf.config.loader import load_config
 from rlhf.config.schema import RewardModelRunConfig
 from rlhf.data.plan import EpochPlan
-
-from offline_helpers import (LOSS_RTOL, _assert_ranks_ran_different_counts, _assert_same_runs, _assert_same_weights,
-                             _grad_norm, _overrides, _plain_model, _read_jsonl, _rows, _tokenize_whole)
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -25,12 +34,27 @@ def rm_runs(tiny_model, pair_data, tmp_path_factory):
     runs = {}
     # pairs padding-free in micro-batches of <= 80 tokens: in 4 of the 12 steps one rank needs a micro-batch fewer
     packed = ("train.packing=true", "train.max_tokens_per_micro_batch=80")
-    for name, (mbs, nw, zero, *more) in {"4x1x1-z2": (4, 1, 2), "1x2x2-z3": (1, 2, 3),
-                                         "tok80-packed-x2-z3": (1, 2, 3, packed)}.items():
+    for name, (mbs, nw, zero, *more) in {
+        "4x1x1-z2": (4, 1, 2),
+        "1x2x2-z3": (1, 2, 3),
+        "tok80-packed-x2-z3": (1, 2, 3, packed),
+    }.items():
         out = str(base / name)
-        cfg = load_config(RewardModelRunConfig, overrides=_overrides(
-            tiny_model, pair_data, out, 4, mbs, nw, zero, epochs=3, lr=2e-3,
-            extra=("rm.use_margin=true", *(more[0] if more else ()))))
+        cfg = load_config(
+            RewardModelRunConfig,
+            overrides=_overrides(
+                tiny_model,
+                pair_data,
+                out,
+                4,
+                mbs,
+                nw,
+                zero,
+                epochs=3,
+                lr=2e-3,
+                extra=("rm.use_margin=true", *(more[0] if more else ())),
+            ),
+        )
         result = train_reward_model(cfg)
         runs[name] = (_rows(out), result.final_dir, cfg)
     return runs
@@ -70,6 +94,7 @@ def test_rm_step1_equals_plain_pytorch_and_model_loads_back(rm_runs, tiny_model,
     # The saved reward model loads as a standard HF model and separates the training pairs it learned.
     trained = AutoModelForSequenceClassification.from_pretrained(final_dir).eval()
     with torch.no_grad():
-        wins = sum(int(score(trained, r["prompt"], r["chosen"]) > score(trained, r["prompt"], r["rejected"]))
-                   for r in data)
+        wins = sum(
+            int(score(trained, r["prompt"], r["chosen"]) > score(trained, r["prompt"], r["rejected"])) for r in data
+        )
     assert wins / len(data) > 0.5 + 1e-9 and rows[-1]["loss"] < rows[0]["loss"]

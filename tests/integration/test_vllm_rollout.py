@@ -5,19 +5,19 @@ own forward pass (plain transformers in this process); sampled with top-k / top-
 replayed kept set must equal the engine's. The broadcast transport runs the GPU path's code with a
 gloo group where NCCL would be.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 import torch
+from rl_helpers import greedy_reference
+from shared_helpers import wait_until_dead
 
 from rlhf.distributed.errors import WorkerError
 from rlhf.rollout.vllm_engine import SamplingSpec, VLLMSpec
 from rlhf.rollout.weight_sync import ALIGN, bucket_groups, pack_bucket, unpack_bucket
-
-from shared_helpers import wait_until_dead
-from rl_helpers import greedy_reference
 
 pytestmark = pytest.mark.usefixtures("ray_session", "one_torch_thread")
 
@@ -26,8 +26,9 @@ NEW_TOKENS = 6
 
 
 def _greedy(engines, prompt_ids, max_new_tokens, stop_token_ids=()):
-    return engines.generate(prompt_ids, SamplingSpec(max_new_tokens=max_new_tokens, temperature=0.0,
-                                                     stop_token_ids=stop_token_ids))
+    return engines.generate(
+        prompt_ids, SamplingSpec(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids)
+    )
 
 
 def _assert_engine_matches(engines, model, tokenizer):
@@ -56,23 +57,27 @@ def engine(tiny_model):
     from rlhf.distributed.cluster import actor_env
     from rlhf.rollout.engines import RolloutEngines
 
-    engines = RolloutEngines(VLLMSpec(model_path=tiny_model, max_model_len=128), num_engines=2,
-                             cpus_per_engine=0.5, env_vars=actor_env(0))
+    engines = RolloutEngines(
+        VLLMSpec(model_path=tiny_model, max_model_len=128), num_engines=2, cpus_per_engine=0.5, env_vars=actor_env(0)
+    )
     yield engines
     engines.shutdown()
 
 
 def _policy(model_path, num_workers=2, zero_stage=3):
     from rlhf.distributed.cluster import actor_env
-    from rlhf.distributed.engine import EngineSpec
-    from rlhf.distributed.engine import OptimSpec
+    from rlhf.distributed.engine import EngineSpec, OptimSpec
     from rlhf.distributed.group import GroupResources, WorkerGroup
     from rlhf.models.loading import ModelSpec
 
-    policy = WorkerGroup("policy", GroupResources(num_workers=num_workers, cpus_per_worker=0.5,
-                                                  env_vars=actor_env(0)), "gloo")
-    policy.build(ModelSpec(path=model_path), EngineSpec(zero_stage=zero_stage, precision="fp32", micro_batch_size=1,
-                                                          grad_accum_steps=1), OptimSpec(lr=1e-3, total_steps=1))
+    policy = WorkerGroup(
+        "policy", GroupResources(num_workers=num_workers, cpus_per_worker=0.5, env_vars=actor_env(0)), "gloo"
+    )
+    policy.build(
+        ModelSpec(path=model_path),
+        EngineSpec(zero_stage=zero_stage, precision="fp32", micro_batch_size=1, grad_accum_steps=1),
+        OptimSpec(lr=1e-3, total_steps=1),
+    )
     return policy
 
 
@@ -84,9 +89,14 @@ def _load(path):
 
 
 def test_bucket_round_trip_is_bit_exact_and_aligned():
-    tensors = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.arange(4)),
-               ("empty", torch.zeros(0, 2)), ("scalar", torch.tensor(2.5, dtype=torch.float64)),
-               ("mask", torch.tensor([True, False, True]))]
+    tensors = [
+        ("a", torch.randn(3, 5)),
+        ("b", torch.randn(7).to(torch.bfloat16)),
+        ("c", torch.arange(4)),
+        ("empty", torch.zeros(0, 2)),
+        ("scalar", torch.tensor(2.5, dtype=torch.float64)),
+        ("mask", torch.tensor([True, False, True])),
+    ]
     bucket = pack_bucket(tensors)
     assert all(m.offset % ALIGN == 0 for m in bucket.metas) and bucket.nbytes % ALIGN == 0
     back = unpack_bucket(bucket.metas, bucket.data)
@@ -117,15 +127,16 @@ def test_trainer_logprobs_replay_the_samplers_top_k_and_top_p(engine, tiny_model
     temperature = 0.9
     measured = {}
     for top_k, top_p in ((-1, 0.8), (5, 1.0), (5, 0.8), (-1, 1.0)):
-        sampling = SamplingSpec(max_new_tokens=NEW_TOKENS, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=123)
+        sampling = SamplingSpec(max_new_tokens=NEW_TOKENS, temperature=temperature, top_p=top_p, top_k=top_k, seed=123)
         batch = rollout_batch(engine.generate(prompt_ids, sampling), tokenizer.pad_token_id)
         assert int(batch.loss_mask.sum()) > 40
         with torch.no_grad():  # as the workers score
             replayed = TokenLogps(temperature, SamplingFilter(top_k=top_k, top_p=top_p))(model, batch)
             full = TokenLogps(temperature)(model, batch)
-        measured[top_k, top_p] = (logp_mismatch(batch.replace(old_logps=replayed)),
-                                  logp_mismatch(batch.replace(old_logps=full)))
+        measured[top_k, top_p] = (
+            logp_mismatch(batch.replace(old_logps=replayed)),
+            logp_mismatch(batch.replace(old_logps=full)),
+        )
     print("mean |trainer - vLLM| log-prob per (top_k, top_p), replayed and full vocabulary:", measured)
     # Seen on 2 CPU cores: replayed 1.8e-7 (top_p 0.8), 1.2e-7 (top_k 5), 9.3e-8 (both), 2.3e-7 without a filter;
     # full vocabulary 0.22, 3.97, 4.18.
@@ -146,8 +157,9 @@ def test_more_prompt_tokens_than_one_prefill_step_holds_sample_as_split_calls_do
     prompts = [[5 + (i * 7 + k) % 300 for k in range(110)] for i in range(80)]
     sampling = SamplingSpec(max_new_tokens=3, seed=17)
     whole = engine.generate(prompts, sampling)
-    parts = engine.generate(prompts[:8], sampling) + engine.generate(prompts[8:], dataclasses.replace(sampling,
-                                                                                                        seed=17 + 8))
+    parts = engine.generate(prompts[:8], sampling) + engine.generate(
+        prompts[8:], dataclasses.replace(sampling, seed=17 + 8)
+    )
     assert len(whole) == 80 and [g.response_ids for g in whole] == [g.response_ids for g in parts]
     assert all(g.prompt_ids == tuple(p) for g, p in zip(whole, prompts))
 
@@ -158,15 +170,15 @@ def _train_one_step(policy):
     from rlhf.objectives.sft import SFTObjective
 
     ids = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 2, 0]])
-    batch = Batch(input_ids=ids, attention_mask=(ids > 0).long(), loss_mask=torch.tensor([[0, 0, 1, 1, 1],
-                                                                                          [0, 0, 1, 1, 0]]))
+    batch = Batch(
+        input_ids=ids, attention_mask=(ids > 0).long(), loss_mask=torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 1, 0]])
+    )
     objective = SFTObjective()
     shards = [[batch.slice(r, r + 1)] for r in range(policy.size)]
     return policy.train_step(shards, objective, objective.count(batch))[0].grad_norm
 
 
-def test_policy_weight_sync_from_zero3_ranks_by_object_store_then_broadcast(engine, tiny_model, other_model,
-                                                                           tmp_path):
+def test_policy_weight_sync_from_zero3_ranks_by_object_store_then_broadcast(engine, tiny_model, other_model, tmp_path):
     """A 2-rank ZeRO-3 policy holding different weights pushes them (gathered, bucketed) into both engines through
     the object store; it then trains a step and pushes the new weights through the weight-sync process group
     (gloo here, NCCL on GPUs). Each time the engines generate exactly what the policy's weights generate."""
@@ -205,8 +217,11 @@ def test_a_dead_engine_is_named_in_generation_and_weight_sync(engine, other_mode
         wait_until_dead(engine.handles[0])
         with pytest.raises(WorkerError, match=r"^rollout engine 0 died during generate"):
             _greedy(engine, [[1, 2, 3]], 2)
-        with pytest.raises(WorkerError, match=r"^policy rank 0 failed in push_weights: WorkerError: rollout engine 0 "
-                                              r"died during begin_weight_update"):
+        with pytest.raises(
+            WorkerError,
+            match=r"^policy rank 0 failed in push_weights: WorkerError: rollout engine 0 "
+            r"died during begin_weight_update",
+        ):
             policy.push_weights()
         # a process group cannot be formed with a dead member: named, not a hang
         with pytest.raises(WorkerError, match=r"rollout engine 0 died during connect_weight_sync"):

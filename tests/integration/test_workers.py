@@ -1,17 +1,17 @@
 """Worker groups on real Ray actors: placement, the process group, and failures named by role and rank."""
+
 from __future__ import annotations
 
 import sys
 import time
 
 import pytest
+from shared_helpers import wait_until_dead
 
 from rlhf.distributed.cluster import actor_env
 from rlhf.distributed.errors import WorkerTimeout, gather
 from rlhf.distributed.group import GroupResources, WorkerError, WorkerGroup
 from rlhf.distributed.worker import TrainerWorker
-
-from shared_helpers import wait_until_dead
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -100,10 +100,17 @@ def test_a_rank_that_never_arrives_is_named_and_nothing_stays_blocked():
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stand-in class travels by value
     before = _placement_groups()
-    with pytest.raises(WorkerError, match=r"^policy rank 0 failed in init_process_group: RendezvousTimeout: the "
-                                          r"policy's process group: policy rank 1 did not arrive within 3 s"):
-        _NeverArrivingGroup("policy", GroupResources(num_workers=2, cpus_per_worker=0.5, env_vars=actor_env(0)),
-                            "gloo", init_timeout_s=3.0)
+    with pytest.raises(
+        WorkerError,
+        match=r"^policy rank 0 failed in init_process_group: RendezvousTimeout: the "
+        r"policy's process group: policy rank 1 did not arrive within 3 s",
+    ):
+        _NeverArrivingGroup(
+            "policy",
+            GroupResources(num_workers=2, cpus_per_worker=0.5, env_vars=actor_env(0)),
+            "gloo",
+            init_timeout_s=3.0,
+        )
     assert _placement_groups() == before  # the group's own placement group is gone
     _wait_until(lambda: {a["State"] for a in _actors("_RankOneNeverArrives")} == {"DEAD"})  # rank 1's call too
 
@@ -176,15 +183,26 @@ def test_partial_accumulation_window_is_refused(tiny_model):
     from rlhf.objectives.sft import SFTObjective
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    examples = tokenize_sft([{"prompt": "1+2=", "response": "3"}] * 2, tokenizer, max_length=32,
-                            prompt_key="prompt", response_key="response").examples
+    examples = tokenize_sft(
+        [{"prompt": "1+2=", "response": "3"}] * 2,
+        tokenizer,
+        max_length=32,
+        prompt_key="prompt",
+        response_key="response",
+    ).examples
     micro = collate_sft(examples, tokenizer.pad_token_id)
     group = _group("policy", 1)
     try:
-        group.build(ModelSpec(path=tiny_model), EngineSpec(zero_stage=0, precision="fp32", micro_batch_size=2,
-                                                           grad_accum_steps=2), OptimSpec(lr=1e-3, total_steps=1))
-        with pytest.raises(WorkerError, match=r"policy rank 0 failed in train_step: .*got 1 micro-batches, "
-                                              r"expected grad_accum_steps=2"):
+        group.build(
+            ModelSpec(path=tiny_model),
+            EngineSpec(zero_stage=0, precision="fp32", micro_batch_size=2, grad_accum_steps=2),
+            OptimSpec(lr=1e-3, total_steps=1),
+        )
+        with pytest.raises(
+            WorkerError,
+            match=r"policy rank 0 failed in train_step: .*got 1 micro-batches, "
+            r"expected grad_accum_steps=2",
+        ):
             group.train_step([[micro]], SFTObjective(), normalizer=SFTObjective().count(micro))
         (result,) = group.train_step([[micro, micro]], SFTObjective(), normalizer=2 * SFTObjective().count(micro))
         assert result.grad_norm is not None and result.grad_norm > 0

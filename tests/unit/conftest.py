@@ -3,6 +3,7 @@
 test is marked ``slow``). Subprocesses are not watched: a test that launches a CLI which starts a cluster belongs
 there too. Helpers come from ``tests/shared_helpers.py`` (not ``from conftest import``: this file is a second module
 named ``conftest``)."""
+
 from __future__ import annotations
 
 import sys
@@ -30,6 +31,7 @@ def _no_ray_in_unit_tests(request, monkeypatch):
     up_before = _ray_is_up()
     ray = sys.modules.get("ray")
     if ray is not None:  # already imported: refuse ray.init at the call
+
         def refused(*args, **kwargs):
             raise AssertionError(f"ray.init called by a unit test: {_MOVE}")
 

@@ -11,6 +11,7 @@ Read from the source with ``ast`` (nothing is imported), so a violation is named
   imports), saying why it is not at module level (``# lazy: pulls in torch``, a cycle it breaks). The rule:
   in-function only to keep ``import rlhf`` or a light command-line path light, or to break a real cycle.
 """
+
 from __future__ import annotations
 
 import ast
@@ -86,12 +87,14 @@ def _known(name: str, modules: Iterable[str]) -> Optional[str]:
 
 
 def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
-def imports_of(source: str, module: str, modules: Iterable[str], path: str = "", is_package: bool = False
-               ) -> List[Import]:
+def imports_of(
+    source: str, module: str, modules: Iterable[str], path: str = "", is_package: bool = False
+) -> List[Import]:
     """The imports of package modules in ``source`` (the text of ``module``), each with where it sits."""
     modules = set(modules)
     found: List[Import] = []
@@ -104,7 +107,7 @@ def imports_of(source: str, module: str, modules: Iterable[str], path: str = "",
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")
-                anchor = anchor[:len(anchor) - (node.level - 1)]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
         out = []
@@ -118,8 +121,10 @@ def imports_of(source: str, module: str, modules: Iterable[str], path: str = "",
     def visit(node: ast.AST, where: str) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.Import, ast.ImportFrom)):
-                found.extend(Import(module, t, where, path, child.lineno, child.end_lineno or child.lineno)
-                             for t in targets(child))
+                found.extend(
+                    Import(module, t, where, path, child.lineno, child.end_lineno or child.lineno)
+                    for t in targets(child)
+                )
             elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 visit(child, FUNCTION)
             elif isinstance(child, ast.If) and _is_type_checking(child.test) and where == MODULE:
@@ -138,8 +143,13 @@ def all_imports(root: Path = ROOT) -> List[Import]:
     modules = package_modules(root)
     out = []
     for name, path in modules.items():
-        out += imports_of(path.read_text(encoding="utf-8"), name, modules, str(path.relative_to(root)),
-                          is_package=path.name == "__init__.py")
+        out += imports_of(
+            path.read_text(encoding="utf-8"),
+            name,
+            modules,
+            str(path.relative_to(root)),
+            is_package=path.name == "__init__.py",
+        )
     return out
 
 
@@ -203,7 +213,7 @@ def find_cycles(graph: Dict[str, Iterable[str]]) -> List[List[str]]:
         while True:  # every member has an edge into the component; follow them until one closes the loop
             step = next(w for w in sorted(graph.get(path[-1], ())) if w in members)
             if step in seen:
-                cycles.append(path[path.index(step):] + [step])
+                cycles.append(path[path.index(step) :] + [step])
                 break
             path.append(step)
             seen.add(step)
@@ -224,8 +234,9 @@ def upward_imports(imports: Sequence[Import]) -> List[str]:
         low, high = layer_of(imp.importer), layer_of(imp.target)
         if low is None or high is None or high <= low or (imp.importer, imp.target) in ALLOWED_UPWARD:
             continue
-        out.append(f"{imp}: layer {low} {LAYERS[low]} imports layer {high} "
-                   f"{LAYERS[high] if high < len(LAYERS) else PACKAGE}")
+        out.append(
+            f"{imp}: layer {low} {LAYERS[low]} imports layer {high} {LAYERS[high] if high < len(LAYERS) else PACKAGE}"
+        )
     return out
 
 
@@ -253,8 +264,12 @@ def uncommented_function_imports(imports: Sequence[Import], sources: Dict[str, s
         if imp.path not in comments:
             comments[imp.path] = comment_lines(sources[imp.path])
         anywhere, alone = comments[imp.path]
-        if imp.line - 1 in alone or (imp.path, imp.line - 1) in said or (imp.path, imp.end_line) in said or \
-                any(line in anywhere for line in range(imp.line, imp.end_line + 1)):
+        if (
+            imp.line - 1 in alone
+            or (imp.path, imp.line - 1) in said
+            or (imp.path, imp.end_line) in said
+            or any(line in anywhere for line in range(imp.line, imp.end_line + 1))
+        ):
             said.add((imp.path, imp.end_line))
         else:
             out.append(str(imp))
@@ -281,8 +296,10 @@ def test_module_level_imports_form_no_cycle():
     _, _, imports = _package()
     graph = module_graph(imports)
     cycles = find_cycles(graph)
-    described = ["  " + " -> ".join(cycle) + "\n" + "\n".join(f"      {graph[a][b]}" for a, b in zip(cycle, cycle[1:]))
-                 for cycle in cycles]
+    described = [
+        "  " + " -> ".join(cycle) + "\n" + "\n".join(f"      {graph[a][b]}" for a, b in zip(cycle, cycle[1:]))
+        for cycle in cycles
+    ]
     assert not cycles, "import cycles at module level:\n" + "\n".join(described)
 
 
@@ -307,8 +324,10 @@ def test_no_import_runs_back_up_the_layers():
 def test_every_in_function_import_of_the_package_says_why():
     _, sources, imports = _package()
     bare = uncommented_function_imports(imports, sources)
-    assert not bare, ("in-function imports of rlhf without a comment saying why they are not at module level "
-                      "(move them up, or say e.g. `# lazy: pulls in torch`):\n" + "\n".join(bare))
+    assert not bare, (
+        "in-function imports of rlhf without a comment saying why they are not at module level "
+        "(move them up, or say e.g. `# lazy: pulls in torch`):\n" + "\n".join(bare)
+    )
 
 
 # ------------------------------------------------------------------------------ the checks can fail (planted faults)
@@ -324,27 +343,39 @@ def test_the_cycle_finder_finds_a_planted_cycle():
 
 def test_the_reader_and_the_rules_catch_planted_faults():
     modules = {"rlhf", "rlhf.utils", "rlhf.utils.metrics", "rlhf.utils.sink", "rlhf.cli", "rlhf.cli.main"}
-    metrics = ("from rlhf.utils import sink\n"
-               "def log():\n"
-               "    from rlhf.cli.main import run\n"  # up a layer, and no comment
-               "    # lazy: a planted reason\n"
-               "    from rlhf.utils.sink import write\n"
-               "    from rlhf.utils import sink as s\n"  # the comment above its block speaks for it
-               "    run()\n"
-               "    import rlhf.utils.sink  # noqa: F401\n")  # a pragma is no reason
-    sink = ("from typing import TYPE_CHECKING\n"
-            "from . import metrics\n"  # relative: the other half of a cycle
-            "if TYPE_CHECKING:\n"
-            "    from rlhf.cli import main\n")
-    imports = (imports_of(metrics, "rlhf.utils.metrics", modules, "metrics.py")
-               + imports_of(sink, "rlhf.utils.sink", modules, "sink.py"))
+    metrics = (
+        "from rlhf.utils import sink\n"
+        "def log():\n"
+        "    from rlhf.cli.main import run\n"  # up a layer, and no comment
+        "    # lazy: a planted reason\n"
+        "    from rlhf.utils.sink import write\n"
+        "    from rlhf.utils import sink as s\n"  # the comment above its block speaks for it
+        "    run()\n"
+        "    import rlhf.utils.sink  # noqa: F401\n"
+    )  # a pragma is no reason
+    sink = (
+        "from typing import TYPE_CHECKING\n"
+        "from . import metrics\n"  # relative: the other half of a cycle
+        "if TYPE_CHECKING:\n"
+        "    from rlhf.cli import main\n"
+    )
+    imports = imports_of(metrics, "rlhf.utils.metrics", modules, "metrics.py") + imports_of(
+        sink, "rlhf.utils.sink", modules, "sink.py"
+    )
     assert [(i.target, i.where, i.line) for i in imports] == [
-        ("rlhf.utils.sink", MODULE, 1), ("rlhf.cli.main", FUNCTION, 3), ("rlhf.utils.sink", FUNCTION, 5),
-        ("rlhf.utils.sink", FUNCTION, 6), ("rlhf.utils.sink", FUNCTION, 8), ("rlhf.utils.metrics", MODULE, 2),
-        ("rlhf.cli.main", TYPE_CHECKING, 4)]
+        ("rlhf.utils.sink", MODULE, 1),
+        ("rlhf.cli.main", FUNCTION, 3),
+        ("rlhf.utils.sink", FUNCTION, 5),
+        ("rlhf.utils.sink", FUNCTION, 6),
+        ("rlhf.utils.sink", FUNCTION, 8),
+        ("rlhf.utils.metrics", MODULE, 2),
+        ("rlhf.cli.main", TYPE_CHECKING, 4),
+    ]
     assert find_cycles({k: set(v) for k, v in module_graph(imports).items()}) == [
-        ["rlhf.utils.metrics", "rlhf.utils.sink", "rlhf.utils.metrics"]]
+        ["rlhf.utils.metrics", "rlhf.utils.sink", "rlhf.utils.metrics"]
+    ]
     assert [u.split(":")[0:2] for u in upward_imports(imports)] == [["metrics.py", "3"], ["sink.py", "4"]]
     assert uncommented_function_imports(imports, {"metrics.py": metrics, "sink.py": sink}) == [
         "metrics.py:3: rlhf.utils.metrics -> rlhf.cli.main (in a function)",
-        "metrics.py:8: rlhf.utils.metrics -> rlhf.utils.sink (in a function)"]
+        "metrics.py:8: rlhf.utils.metrics -> rlhf.utils.sink (in a function)",
+    ]

@@ -1,4 +1,5 @@
 """rlhf.atomic.write_text_atomic: the old content or the new, never a part; nothing left behind on an error."""
+
 from __future__ import annotations
 
 import os

@@ -1,6 +1,7 @@
 """``python -m rlhf.cli.audit``: factorisations, the lint of deliberately broken configs (each hazard -> exit 1
 naming its key) and the verdict on synthetic tables. No actors: the two real audits on the tiny model are in
 ``tests/integration/test_audit_run.py``."""
+
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from shared_helpers import run_main
 
 from rlhf.audit import compare
 from rlhf.audit.compare import Tolerances, WeightsDiff
@@ -19,23 +21,24 @@ from rlhf.config.loader import load_config, save_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError, SFTRunConfig
 
-from shared_helpers import run_main
-
 AUDIT = "rlhf.cli.audit"
 
 
 # --------------------------------------------------------------------------------------------- factorisations
 
 
-@pytest.mark.parametrize("batch, micro, ranks, expected", [
-    (8, 2, 2, ["2x2x2", "1x4x2", "2x4x1"]),  # configured, micro 1 on its ranks, its micro on one rank
-    (8, 8, 1, ["8x1x1", "1x8x1", "2x4x1"]),  # one rank already: the next split is micro 2
-    (8, 1, 1, ["1x8x1", "2x4x1", "4x2x1"]),  # micro 1 and one rank already: micro 2, then 4
-    (8, 1, 2, ["1x4x2", "1x8x1", "2x2x2"]),
-    (12, 3, 2, ["3x2x2", "1x6x2", "3x4x1"]),
-    (3, 1, 1, ["1x3x1", "3x1x1"]),  # a prime global batch on one rank has only two
-    (1, 1, 1, ["1x1x1"]),
-])
+@pytest.mark.parametrize(
+    "batch, micro, ranks, expected",
+    [
+        (8, 2, 2, ["2x2x2", "1x4x2", "2x4x1"]),  # configured, micro 1 on its ranks, its micro on one rank
+        (8, 8, 1, ["8x1x1", "1x8x1", "2x4x1"]),  # one rank already: the next split is micro 2
+        (8, 1, 1, ["1x8x1", "2x4x1", "4x2x1"]),  # micro 1 and one rank already: micro 2, then 4
+        (8, 1, 2, ["1x4x2", "1x8x1", "2x2x2"]),
+        (12, 3, 2, ["3x2x2", "1x6x2", "3x4x1"]),
+        (3, 1, 1, ["1x3x1", "3x1x1"]),  # a prime global batch on one rank has only two
+        (1, 1, 1, ["1x1x1"]),
+    ],
+)
 def test_factorisations_of_a_global_batch(batch, micro, ranks, expected):
     found = factorizations(batch, micro, ranks)
     assert [f.label for f in found] == expected
@@ -62,8 +65,16 @@ def test_factorisations_given_by_hand():
 
 
 def _base(model, data):
-    return ["--trainer", "sft", f"model.path={model}", f"data.train_path={data}", "train.global_batch_size=8",
-            "train.micro_batch_size=2", "train.num_workers=2", "strategy.zero_stage=2"]
+    return [
+        "--trainer",
+        "sft",
+        f"model.path={model}",
+        f"data.train_path={data}",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "train.num_workers=2",
+        "strategy.zero_stage=2",
+    ]
 
 
 def _ds_json(tmp_path, content) -> str:
@@ -78,27 +89,59 @@ def _audit(argv, tmp_path, capsys, monkeypatch):
     return rc, out, err
 
 
-@pytest.mark.parametrize("extra, json_content, key, text", [
-    (["strategy.precision=bf16"], {"communication_data_type": "fp32"},
-     "strategy.deepspeed_config", "communication_data_type: 'fp32' with bf16 training"),
-    ([], {"communication_data_type": "fp32"},  # auto: the GPU run it prepares trains in bf16
-     "strategy.deepspeed_config", "[with strategy.precision=auto on GPU workers (bf16)]"),
-    (["strategy.precision=fp16"], None, "strategy.precision=fp16", "not supported: DeepSpeed's fp16 path"),
-    (["strategy.precision=fp32"], {"fp16": {"enabled": True, "loss_scale": 1}},
-     "strategy.deepspeed_config", "fp16.loss_scale=1: fp16 without loss scaling"),
-    (["strategy.precision=fp32"], {"fp16": {"enabled": True, "loss_scale": 128}},
-     "strategy.deepspeed_config", "fp16.loss_scale=128: a static loss scale, no dynamic scaling"),
-    (["strategy.precision=fp32"], {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
-     "strategy.deepspeed_config", "torch_autocast.enabled: true with dtype 'bfloat16' but the run trains in fp32"),
-    ([], {"gradient_accumulation_steps": 4}, "strategy.deepspeed_config",
-     "gradient_accumulation_steps: 4 but the run uses 2"),
-    (["train.global_batch_size=6"], None, "train.global_batch_size", "must be divisible by train.micro_batch_size"),
-    (["train.global_batch_size=32"], None, "train.global_batch_size=32", "has only 21 rows: not one step fits"),
-    (["train.max_steps=10", "train.max_epochs=2"], None, "train.max_steps=10",
-     "the data gives only 2 epoch(s) x 2 steps = 4 steps"),
-])
-def test_each_hazard_exits_1_naming_its_key_before_any_run(extra, json_content, key, text, tiny_model, sft_data,
-                                                           tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "extra, json_content, key, text",
+    [
+        (
+            ["strategy.precision=bf16"],
+            {"communication_data_type": "fp32"},
+            "strategy.deepspeed_config",
+            "communication_data_type: 'fp32' with bf16 training",
+        ),
+        (
+            [],
+            {"communication_data_type": "fp32"},  # auto: the GPU run it prepares trains in bf16
+            "strategy.deepspeed_config",
+            "[with strategy.precision=auto on GPU workers (bf16)]",
+        ),
+        (["strategy.precision=fp16"], None, "strategy.precision=fp16", "not supported: DeepSpeed's fp16 path"),
+        (
+            ["strategy.precision=fp32"],
+            {"fp16": {"enabled": True, "loss_scale": 1}},
+            "strategy.deepspeed_config",
+            "fp16.loss_scale=1: fp16 without loss scaling",
+        ),
+        (
+            ["strategy.precision=fp32"],
+            {"fp16": {"enabled": True, "loss_scale": 128}},
+            "strategy.deepspeed_config",
+            "fp16.loss_scale=128: a static loss scale, no dynamic scaling",
+        ),
+        (
+            ["strategy.precision=fp32"],
+            {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+            "strategy.deepspeed_config",
+            "torch_autocast.enabled: true with dtype 'bfloat16' but the run trains in fp32",
+        ),
+        (
+            [],
+            {"gradient_accumulation_steps": 4},
+            "strategy.deepspeed_config",
+            "gradient_accumulation_steps: 4 but the run uses 2",
+        ),
+        (["train.global_batch_size=6"], None, "train.global_batch_size", "must be divisible by train.micro_batch_size"),
+        (["train.global_batch_size=32"], None, "train.global_batch_size=32", "has only 21 rows: not one step fits"),
+        (
+            ["train.max_steps=10", "train.max_epochs=2"],
+            None,
+            "train.max_steps=10",
+            "the data gives only 2 epoch(s) x 2 steps = 4 steps",
+        ),
+    ],
+)
+def test_each_hazard_exits_1_naming_its_key_before_any_run(
+    extra, json_content, key, text, tiny_model, sft_data, tmp_path, capsys, monkeypatch
+):
     argv = _base(tiny_model, sft_data) + extra
     if json_content is not None:
         argv.append(f"strategy.deepspeed_config={_ds_json(tmp_path, json_content)}")
@@ -109,8 +152,12 @@ def test_each_hazard_exits_1_naming_its_key_before_any_run(extra, json_content, 
 
 
 def test_warnings_alone_pass_the_lint(tiny_model, sft_data, tmp_path, capsys, monkeypatch):
-    argv = _base(tiny_model, sft_data) + ["model.disable_dropout=false", "strategy.zero_stage=0",
-                                          "strategy.precision=bf16", "--lint-only"]
+    argv = _base(tiny_model, sft_data) + [
+        "model.disable_dropout=false",
+        "strategy.zero_stage=0",
+        "strategy.precision=bf16",
+        "--lint-only",
+    ]
     rc, out, _ = _audit(argv, tmp_path, capsys, monkeypatch)
     assert rc == 0, out
     assert "lint: 0 error(s), 3 warning(s)" in out
@@ -120,34 +167,57 @@ def test_warnings_alone_pass_the_lint(tiny_model, sft_data, tmp_path, capsys, mo
     assert "VERDICT: lint ok" in out
 
 
-def test_with_precision_auto_a_contradiction_of_the_cpu_run_only_is_a_warning(tiny_model, sft_data, tmp_path,
-                                                                              capsys, monkeypatch):
+def test_with_precision_auto_a_contradiction_of_the_cpu_run_only_is_a_warning(
+    tiny_model, sft_data, tmp_path, capsys, monkeypatch
+):
     ds = _ds_json(tmp_path, {"bf16": {"enabled": True}})
     argv = _base(tiny_model, sft_data) + [f"strategy.deepspeed_config={ds}", "--lint-only"]
     rc, out, _ = _audit(argv, tmp_path, capsys, monkeypatch)
     assert rc == 0, out
-    assert "warning  strategy.deepspeed_config: bf16.enabled: true but the run trains in fp32 (strategy.precision) " \
-           "[with strategy.precision=auto on CPU workers (fp32)]" in out
+    assert (
+        "warning  strategy.deepspeed_config: bf16.enabled: true but the run trains in fp32 (strategy.precision) "
+        "[with strategy.precision=auto on CPU workers (fp32)]" in out
+    )
 
 
 def test_rl_hazards(tiny_model, rl_prompts, tmp_path, capsys, monkeypatch):
-    argv = ["--config", "grpo_tiny", f"model.path={tiny_model}", f"data.train_path={rl_prompts}",
-            "algo.advantage_estimator=gae", "critic.num_workers=3", "rollout.prompts_per_step=6",
-            "rollout.n_samples_per_prompt=2", "train.global_batch_size=8", "train.micro_batch_size=1"]
+    argv = [
+        "--config",
+        "grpo_tiny",
+        f"model.path={tiny_model}",
+        f"data.train_path={rl_prompts}",
+        "algo.advantage_estimator=gae",
+        "critic.num_workers=3",
+        "rollout.prompts_per_step=6",
+        "rollout.n_samples_per_prompt=2",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+    ]
     rc, out, _ = _audit(argv, tmp_path, capsys, monkeypatch)
     assert rc == 1 and out.startswith("audit: ppo config grpo_tiny"), out
     assert "error    critic.num_workers=3: train.global_batch_size (8) must be divisible by" in out
-    assert "warning  rollout.prompts_per_step=6: data.train_path's 64 prompts give 10 steps per epoch and leave " \
-           "4 prompts unused" in out
+    assert (
+        "warning  rollout.prompts_per_step=6: data.train_path's 64 prompts give 10 steps per epoch and leave "
+        "4 prompts unused" in out
+    )
     assert "warning  train.global_batch_size=8: each rollout batch of 12 samples" in out and "leaves 4 samples" in out
 
 
-def test_rl_algorithm_settings_that_train_something_else_are_warned(tiny_model, rl_prompts, tmp_path, capsys,
-                                                                     monkeypatch):
+def test_rl_algorithm_settings_that_train_something_else_are_warned(
+    tiny_model, rl_prompts, tmp_path, capsys, monkeypatch
+):
     """Read from the registry entries: a token sum under gradient clipping, and GSPO with PPO's clip range."""
-    argv = ["--lint-only", "--config", "grpo_tiny", f"model.path={tiny_model}", f"data.train_path={rl_prompts}",
-            "algo.policy_loss=gspo", "algo.clip_low=0.2", "algo.clip_high=0.2",
-            "algo.loss_agg_mode=seq-mean-token-sum"]
+    argv = [
+        "--lint-only",
+        "--config",
+        "grpo_tiny",
+        f"model.path={tiny_model}",
+        f"data.train_path={rl_prompts}",
+        "algo.policy_loss=gspo",
+        "algo.clip_low=0.2",
+        "algo.clip_high=0.2",
+        "algo.loss_agg_mode=seq-mean-token-sum",
+    ]
     rc, out, _ = _audit(argv, tmp_path, capsys, monkeypatch)
     assert rc == 0  # warnings alone
     assert "warning  algo.loss_agg_mode=seq-mean-token-sum: sums each response's ~" in out, out
@@ -158,14 +228,21 @@ def test_rl_algorithm_settings_that_train_something_else_are_warned(tiny_model, 
     assert rc == 0 and "algo.clip" not in out and "seq-mean-token-sum" not in out
 
 
-@pytest.mark.parametrize("argv, text", [
-    (["--trainer", "sft", "data.train_path=x.jsonl"], "model.path is required"),
-    (["--trainer", "sft", "model.path=m", "data.train_path=x.jsonl", "train.micro_bach_size=2"],
-     "unknown config key 'train.micro_bach_size'"),
-    (["model.path=m", "data.train_path=x.jsonl"], "cannot tell which trainer this config is for"),
-    (["--trainer", "sft", "model.path=m", "data.train_path=x.jsonl", "strategy.deepspeed_config=missing.json"],
-     "strategy.deepspeed_config: cannot read"),
-])
+@pytest.mark.parametrize(
+    "argv, text",
+    [
+        (["--trainer", "sft", "data.train_path=x.jsonl"], "model.path is required"),
+        (
+            ["--trainer", "sft", "model.path=m", "data.train_path=x.jsonl", "train.micro_bach_size=2"],
+            "unknown config key 'train.micro_bach_size'",
+        ),
+        (["model.path=m", "data.train_path=x.jsonl"], "cannot tell which trainer this config is for"),
+        (
+            ["--trainer", "sft", "model.path=m", "data.train_path=x.jsonl", "strategy.deepspeed_config=missing.json"],
+            "strategy.deepspeed_config: cannot read",
+        ),
+    ],
+)
 def test_usage_and_config_errors_exit_2(argv, text, tmp_path, capsys, monkeypatch):
     rc, out, err = _audit(argv, tmp_path, capsys, monkeypatch)
     assert rc == 2 and "error: " in err and text in err, (out, err)
@@ -179,10 +256,17 @@ def test_the_runs_preflight_refuses_before_the_audits_cluster_starts(sft_data, t
     assert "lint: 0 error(s)" in out and "runs:" not in out + err, (out, err)
 
 
-def test_a_global_batch_without_another_split_or_a_bad_chosen_split_exits_2(tiny_model, sft_data, tmp_path, capsys,
-                                                                             monkeypatch):
-    single = [f"model.path={tiny_model}", f"data.train_path={sft_data}", "--trainer", "sft",
-              "train.global_batch_size=1", "train.micro_batch_size=1"]
+def test_a_global_batch_without_another_split_or_a_bad_chosen_split_exits_2(
+    tiny_model, sft_data, tmp_path, capsys, monkeypatch
+):
+    single = [
+        f"model.path={tiny_model}",
+        f"data.train_path={sft_data}",
+        "--trainer",
+        "sft",
+        "train.global_batch_size=1",
+        "train.micro_batch_size=1",
+    ]
     rc, _, err = _audit(single, tmp_path, capsys, monkeypatch)
     assert rc == 2 and "train.global_batch_size=1 has no other factorisation than 1x1x1" in err
     rc, _, err = _audit(_base(tiny_model, sft_data) + ["--factorizations", "3x1x1"], tmp_path, capsys, monkeypatch)
@@ -190,8 +274,9 @@ def test_a_global_batch_without_another_split_or_a_bad_chosen_split_exits_2(tiny
 
 
 def test_config_errors_that_refuse_a_hazard_become_findings():
-    assert from_config_error("strategy.precision is fp16, which is not supported: ...") == \
-        Finding("error", "strategy.precision=fp16", "not supported: ...")
+    assert from_config_error("strategy.precision is fp16, which is not supported: ...") == Finding(
+        "error", "strategy.precision=fp16", "not supported: ..."
+    )
     assert from_config_error("train.global_batch_size (6) must be divisible by ...").key == "train.global_batch_size"
     assert from_config_error("model.path is required (an HF model directory or a hub id, org/name)") is None
     assert from_config_error("strategy.precision is fp64, which runs on ZeRO 0 only (... fp16 ...)") is None
@@ -228,13 +313,24 @@ def test_the_trainer_is_told_by_sections_presets_and_saved_configs(tmp_path):
 
 
 def test_every_runs_config_loads_and_differs_only_where_it_should(tmp_path):
-    ov = ["model.path=m", "data.train_path=d.jsonl", "train.global_batch_size=8", "train.micro_batch_size=2",
-          "train.num_workers=2", "train.save_every=5", "health.action=skip", "train.skip_steps=[3]",
-          "data.eval_path=e.jsonl", "train.eval_every=2", "train.max_steps=100"]
+    ov = [
+        "model.path=m",
+        "data.train_path=d.jsonl",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "train.num_workers=2",
+        "train.save_every=5",
+        "health.action=skip",
+        "train.skip_steps=[3]",
+        "data.eval_path=e.jsonl",
+        "train.eval_every=2",
+        "train.max_steps=100",
+    ]
     cfg = load_config(SFTRunConfig, "sft_tiny", ov)
     for f in factorizations(8, 2, 2):
-        run = load_config(SFTRunConfig, "sft_tiny", ov + audit_overrides(cfg, 3, str(tmp_path / f.label))
-                          + split_overrides(cfg, f))
+        run = load_config(
+            SFTRunConfig, "sft_tiny", ov + audit_overrides(cfg, 3, str(tmp_path / f.label)) + split_overrides(cfg, f)
+        )
         t = run.train
         assert (t.micro_batch_size, t.num_workers, t.grad_accum_steps) == (f.micro, f.ranks, f.accum)
         assert (t.max_steps, t.save_every, t.skip_steps, t.eval_every, run.data.eval_path) == (3, 0, (), 0, "")
@@ -245,27 +341,47 @@ def test_every_runs_config_loads_and_differs_only_where_it_should(tmp_path):
 
 
 def test_under_a_token_budget_the_configured_run_keeps_it_and_the_others_cut_by_rows(tmp_path):
-    ov = ["model.path=m", "data.train_path=d.jsonl", "train.global_batch_size=8", "train.num_workers=2",
-          "train.micro_batch_size=3", "train.max_tokens_per_micro_batch=256", "train.packing=true"]
+    ov = [
+        "model.path=m",
+        "data.train_path=d.jsonl",
+        "train.global_batch_size=8",
+        "train.num_workers=2",
+        "train.micro_batch_size=3",
+        "train.max_tokens_per_micro_batch=256",
+        "train.packing=true",
+    ]
     cfg = load_config(SFTRunConfig, "sft_tiny", ov)
     splits = factorizations(8, cfg.train.engine_micro_batch_size, cfg.train.num_workers)
     assert splits[0].why == "configured" and len(splits) == 3
-    runs = [load_config(SFTRunConfig, "sft_tiny", ov + audit_overrides(cfg, 3, str(tmp_path / f.label))
-                        + split_overrides(cfg, f)).train for f in splits]
+    runs = [
+        load_config(
+            SFTRunConfig, "sft_tiny", ov + audit_overrides(cfg, 3, str(tmp_path / f.label)) + split_overrides(cfg, f)
+        ).train
+        for f in splits
+    ]
     assert (runs[0].max_tokens_per_micro_batch, runs[0].num_workers) == (256, 2)
     assert all(t.max_tokens_per_micro_batch == 0 and t.packing for t in runs[1:])
     assert [(t.micro_batch_size, t.num_workers) for t in runs[1:]] == [(f.micro, f.ranks) for f in splits[1:]]
 
 
 def test_rl_runs_move_the_groups_tied_to_the_policy_ranks(tmp_path):
-    ov = ["model.path=m", "data.train_path=d.jsonl", "algo.advantage_estimator=gae", "train.num_workers=2",
-          "critic.num_workers=2", "train.global_batch_size=8", "train.micro_batch_size=2", "rollout.num_engines=2",
-          "colocate.hybrid_engine=true"]
+    ov = [
+        "model.path=m",
+        "data.train_path=d.jsonl",
+        "algo.advantage_estimator=gae",
+        "train.num_workers=2",
+        "critic.num_workers=2",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "rollout.num_engines=2",
+        "colocate.hybrid_engine=true",
+    ]
     cfg = load_config(RLRunConfig, "grpo_tiny", ov)
     splits = factorizations(8, 2, 2, fits=split_fits(cfg))
     assert [f.label for f in splits] == ["2x2x2", "1x4x2", "2x4x1"]
-    run = load_config(RLRunConfig, "grpo_tiny", ov + audit_overrides(cfg, 2, str(tmp_path / "o"))
-                      + split_overrides(cfg, splits[2]))
+    run = load_config(
+        RLRunConfig, "grpo_tiny", ov + audit_overrides(cfg, 2, str(tmp_path / "o")) + split_overrides(cfg, splits[2])
+    )
     assert (run.train.num_workers, run.critic.num_workers, run.rollout.num_engines) == (1, 1, 1)
     assert run.train.max_steps == 2  # RL steps
     fixed = load_config(RLRunConfig, "grpo_tiny", ov + ["critic.num_workers=4"])
@@ -273,13 +389,19 @@ def test_rl_runs_move_the_groups_tied_to_the_policy_ranks(tmp_path):
 
 
 def test_the_runs_deepspeed_json_drops_what_each_split_sets(tmp_path):
-    user = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-            "zero_optimization": {"stage": 2, "overlap_comm": True}, "communication_data_type": "fp32",
-            "data_types": {"grad_accum_dtype": "fp32"}}
+    user = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 2, "overlap_comm": True},
+        "communication_data_type": "fp32",
+        "data_types": {"grad_accum_dtype": "fp32"},
+    }
     path = runs_deepspeed_config(user, str(tmp_path))
-    assert json.loads(open(path).read()) == {"zero_optimization": {"stage": 2, "overlap_comm": True},
-                                             "communication_data_type": "fp32",
-                                             "data_types": {"grad_accum_dtype": "fp32"}}
+    assert json.loads(open(path).read()) == {
+        "zero_optimization": {"stage": 2, "overlap_comm": True},
+        "communication_data_type": "fp32",
+        "data_types": {"grad_accum_dtype": "fp32"},
+    }
     path = runs_deepspeed_config(user, str(tmp_path), fp64=True)
     assert json.loads(open(path).read()) == {"zero_optimization": {"overlap_comm": True}, "data_types": {}}
     assert runs_deepspeed_config({"zero_optimization": {"overlap_comm": True}}, str(tmp_path)) == ""
@@ -293,9 +415,20 @@ LABELS = {"2x2x2": "2x2x2 (configured)", "1x4x2": "1x4x2 (micro 1)", "2x4x1": "2
 
 
 def _rows(losses, grad_norms, **extra):
-    return [{"step": i + 1, "epoch": 1, "loss": loss, "grad_norm": gn, "lr": 1e-3, "num_samples": 8,
-             "num_tokens": 100, "step_time_s": 0.1 * (i + 1), **{k: v[i] for k, v in extra.items()}}
-            for i, (loss, gn) in enumerate(zip(losses, grad_norms))]
+    return [
+        {
+            "step": i + 1,
+            "epoch": 1,
+            "loss": loss,
+            "grad_norm": gn,
+            "lr": 1e-3,
+            "num_samples": 8,
+            "num_tokens": 100,
+            "step_time_s": 0.1 * (i + 1),
+            **{k: v[i] for k, v in extra.items()},
+        }
+        for i, (loss, gn) in enumerate(zip(losses, grad_norms))
+    ]
 
 
 def _verdict(runs, weights=(), rl=False):
@@ -304,9 +437,11 @@ def _verdict(runs, weights=(), rl=False):
 
 
 def test_a_table_that_agrees_keeps_the_contract():
-    runs = {"2x2x2": _rows([6.0, 5.0, 4.0], [9.0, 6.0, 3.0]),
-            "1x4x2": _rows([6.0 * (1 + 1e-7), 5.0 * (1 + 5e-4), 4.0], [9.0, 6.0 * (1 - 2e-4), 3.0]),
-            "2x4x1": _rows([6.0, 5.0, 4.0], [9.0, 6.0, 3.0])}
+    runs = {
+        "2x2x2": _rows([6.0, 5.0, 4.0], [9.0, 6.0, 3.0]),
+        "1x4x2": _rows([6.0 * (1 + 1e-7), 5.0 * (1 + 5e-4), 4.0], [9.0, 6.0 * (1 - 2e-4), 3.0]),
+        "2x4x1": _rows([6.0, 5.0, 4.0], [9.0, 6.0, 3.0]),
+    }
     steps, v = _verdict(runs, [WeightsDiff("1x4x2", 2e-5, "w"), WeightsDiff("2x4x1", 0.0, "w")])
     assert v.code == 0 and v.line.startswith("VERDICT: contract kept: 3 factorisations agree on 3 step(s)")
     assert [s.status for s in steps] == ["ok"] * 3
@@ -316,13 +451,17 @@ def test_a_table_that_agrees_keeps_the_contract():
 
 
 def test_a_table_that_breaks_at_step_2_fails_naming_step_2_and_the_metric():
-    runs = {"2x2x2": _rows([6.0, 5.0, 4.0], [9.0, 6.0, 3.0]),
-            "1x4x2": _rows([6.0, 5.0, 4.0], [9.0, 6.0 * 1.02, 3.0]),  # grad norm 2% off at step 2
-            "2x4x1": _rows([6.0, 5.0, 4.0], [9.0, 6.0, 3.0])}
+    runs = {
+        "2x2x2": _rows([6.0, 5.0, 4.0], [9.0, 6.0, 3.0]),
+        "1x4x2": _rows([6.0, 5.0, 4.0], [9.0, 6.0 * 1.02, 3.0]),  # grad norm 2% off at step 2
+        "2x4x1": _rows([6.0, 5.0, 4.0], [9.0, 6.0, 3.0]),
+    }
     steps, v = _verdict(runs)
     assert v.code == 1
-    assert v.line.startswith("VERDICT: FAIL at step 2: grad_norm of 1x4x2 (micro 1) is 6.12 vs 6 in 2x2x2 "
-                             "(configured): relative difference 2.0e-02 > tolerance 1e-03"), v.line
+    assert v.line.startswith(
+        "VERDICT: FAIL at step 2: grad_norm of 1x4x2 (micro 1) is 6.12 vs 6 in 2x2x2 "
+        "(configured): relative difference 2.0e-02 > tolerance 1e-03"
+    ), v.line
     assert [s.status for s in steps] == ["ok", "FAIL", "ok"]
     assert "FAIL grad_norm" in compare.table(steps, "loss", list(runs))[2]
 
@@ -337,8 +476,10 @@ def test_step_1_has_the_tight_tolerance_and_counts_must_be_equal():
 
 
 def test_numbers_near_zero_are_compared_absolutely():
-    runs = {"2x2x2": _rows([6.0], [9.0], **{"rewards/margin": [0.0]}),
-            "1x4x2": _rows([6.0], [9.0], **{"rewards/margin": [3e-7]})}
+    runs = {
+        "2x2x2": _rows([6.0], [9.0], **{"rewards/margin": [0.0]}),
+        "1x4x2": _rows([6.0], [9.0], **{"rewards/margin": [3e-7]}),
+    }
     assert _verdict(runs)[1].code == 0
     runs["1x4x2"][0]["rewards/margin"] = 3e-4
     assert "FAIL at step 1: rewards/margin" in _verdict(runs)[1].line
@@ -349,8 +490,10 @@ def test_missing_steps_metrics_and_non_finite_values_fail():
     full = _rows([6.0, 5.0], [9.0, 6.0])
     assert "1x4x2 (micro 1) logged no step 2" in _verdict({"2x2x2": full, "1x4x2": short})[1].line
     longer = _rows([6.0, 5.0], [9.0, 6.0])
-    assert "logged step 2, which 2x2x2 (configured) did not" in \
-        _verdict({"2x2x2": _rows([6.0], [9.0]), "1x4x2": longer})[1].line
+    assert (
+        "logged step 2, which 2x2x2 (configured) did not"
+        in _verdict({"2x2x2": _rows([6.0], [9.0]), "1x4x2": longer})[1].line
+    )
     nan = _rows([float("nan")], [9.0])
     assert _verdict({"2x2x2": _rows([6.0], [9.0]), "1x4x2": nan})[1].code == 1
     no_loss = _rows([6.0], [9.0])
@@ -361,16 +504,23 @@ def test_missing_steps_metrics_and_non_finite_values_fail():
 def test_final_weights_past_tolerance_fail_naming_the_tensor():
     runs = {"2x2x2": _rows([6.0], [9.0]), "2x4x1": _rows([6.0], [9.0])}
     line = _verdict(runs, [WeightsDiff("2x4x1", 5e-2, "model.norm.weight")])[1].line
-    assert line == ("VERDICT: FAIL in the final weights: 2x4x1 (one rank) vs 2x2x2 (configured): model.norm.weight "
-                    "differs by 5.0e-02 (relative L2) > tolerance 1e-03")
+    assert line == (
+        "VERDICT: FAIL in the final weights: 2x4x1 (one rank) vs 2x2x2 (configured): model.norm.weight "
+        "differs by 5.0e-02 (relative L2) > tolerance 1e-03"
+    )
     unreadable = WeightsDiff("2x4x1", float("inf"), "", "the saved tensors differ")
     assert "tensors differ" in _verdict(runs, [unreadable])[1].line
 
 
 def test_rl_rollouts_that_differ_after_step_1_end_the_comparison():
     def rl_rows(rewards):
-        return _rows([0.01] * len(rewards), [1.0] * len(rewards), policy_loss=[0.01] * len(rewards),
-                     reward_mean=rewards, response_length=[4.0] * len(rewards))
+        return _rows(
+            [0.01] * len(rewards),
+            [1.0] * len(rewards),
+            policy_loss=[0.01] * len(rewards),
+            reward_mean=rewards,
+            response_length=[4.0] * len(rewards),
+        )
 
     runs = {"8x1x1": rl_rows([0.5, 0.6, 0.7]), "1x8x1": rl_rows([0.5, 0.65, 0.7])}
     steps, v = _verdict(runs, rl=True)
@@ -388,9 +538,10 @@ def test_default_tolerances_follow_the_precision():
 
 
 def test_the_audit_modules_import_nothing_heavy():
-    code = ("import sys, rlhf.cli.audit, rlhf.audit.lint, rlhf.audit.compare, rlhf.audit.factorizations, "
-            "rlhf.audit.trainers, rlhf.audit.runner; "
-            "print([m for m in ('ray', 'vllm', 'deepspeed') if m in sys.modules])")
+    code = (
+        "import sys, rlhf.cli.audit, rlhf.audit.lint, rlhf.audit.compare, rlhf.audit.factorizations, "
+        "rlhf.audit.trainers, rlhf.audit.runner; "
+        "print([m for m in ('ray', 'vllm', 'deepspeed') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
-

@@ -1,4 +1,5 @@
 """The typed batch and the tokenization that feeds it (pure, fast; real tokenizer)."""
+
 from __future__ import annotations
 
 import pytest
@@ -48,8 +49,9 @@ def test_collate_pads_right_to_the_longest_row(tokenizer):
 
 def test_pairs_stay_together_when_a_batch_is_cut(tokenizer):
     rows = [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": f"{i + 2} 7 7 7"} for i in range(4)]
-    exs = tokenize_pairs(rows, tokenizer, max_length=64, prompt_key="prompt", chosen_key="chosen",
-                         rejected_key="rejected").examples
+    exs = tokenize_pairs(
+        rows, tokenizer, max_length=64, prompt_key="prompt", chosen_key="chosen", rejected_key="rejected"
+    ).examples
     b = collate_pairs(exs, tokenizer.pad_token_id, list(range(4)), ref_logps=torch.arange(8.0).view(4, 2))
     assert b.is_pairwise and b.input_ids.shape[:2] == (4, 2)
     halves = b.split(2)
@@ -71,10 +73,14 @@ def test_batch_rejects_inconsistent_fields_and_bad_splits():
 
 
 def test_concat_pads_to_widest_and_trim_drops_all_padding_columns():
-    a = Batch(input_ids=pad_sequences([[1, 2]], 0), attention_mask=torch.tensor([[1, 1]]),
-              loss_mask=torch.tensor([[0, 1]]))
-    b = Batch(input_ids=pad_sequences([[3, 4, 5, 6]], 0), attention_mask=torch.tensor([[1, 1, 1, 0]]),
-              loss_mask=torch.tensor([[0, 1, 1, 0]]))
+    a = Batch(
+        input_ids=pad_sequences([[1, 2]], 0), attention_mask=torch.tensor([[1, 1]]), loss_mask=torch.tensor([[0, 1]])
+    )
+    b = Batch(
+        input_ids=pad_sequences([[3, 4, 5, 6]], 0),
+        attention_mask=torch.tensor([[1, 1, 1, 0]]),
+        loss_mask=torch.tensor([[0, 1, 1, 0]]),
+    )
     c = Batch.concat([a, b], pad_id=0)
     assert c.input_ids.tolist() == [[1, 2, 0, 0], [3, 4, 5, 6]]
     assert c.attention_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0]]

@@ -1,5 +1,6 @@
 """Conversational rows and chat templates: exact loss masks from token offsets, row checks with file:line, the RL
 prompt rendering, and the tokenizer / reward-model checks that run before any actor starts. No Ray here."""
+
 from __future__ import annotations
 
 import json
@@ -42,7 +43,7 @@ def _assistant_spans_by_token(tokenizer, ids):
     while i < len(ids):
         if ids[i] == start:
             j = ids.index(newline[0], i)  # end of the role line
-            role = tokenizer.decode(ids[i + 1:j])
+            role = tokenizer.decode(ids[i + 1 : j])
             close = ids.index(end, j)
             if role == "assistant":
                 for t in range(j + 1, close + 1):
@@ -77,10 +78,12 @@ def test_last_turn_only_and_prompt_ids_prefix(tokenizer):
 
 def test_template_that_rewrites_earlier_turns_is_refused_for_all_turns(tokenizer):
     # Like reasoning templates that drop earlier assistant turns' content once a later turn follows.
-    rewriting = ("{%- for m in messages -%}{%- if m['role'] == 'assistant' and not loop.last -%}"
-                 "{{- '<|im_start|>assistant\\n...<|im_end|>\\n' -}}{%- else -%}"
-                 "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
-                 "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    rewriting = (
+        "{%- for m in messages -%}{%- if m['role'] == 'assistant' and not loop.last -%}"
+        "{{- '<|im_start|>assistant\\n...<|im_end|>\\n' -}}{%- else -%}"
+        "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
+        "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
     chat = ChatFormatter(tokenizer, rewriting, "x.jinja")
     with pytest.raises(ValueError, match="data.assistant_turns=last"):
         chat.encode(TWO_TURNS, [2, 4])
@@ -101,8 +104,10 @@ def test_template_settings(tokenizer, tmp_path):
     with pytest.raises(ChatTemplateError, match="data.chat_template to a .jinja"):
         ChatFormatter(no_template)
     path = tmp_path / "plain.jinja"
-    path.write_text("{%- for m in messages -%}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{%- endfor -%}"
-                    "{%- if add_generation_prompt -%}[assistant]{%- endif -%}")
+    path.write_text(
+        "{%- for m in messages -%}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}[assistant]{%- endif -%}"
+    )
     chat = ChatFormatter(no_template, load_template(str(path)), str(path))
     enc = chat.encode(_conv(("u", "1+2="), ("a", "3")), [1])
     assert no_template.decode([t for t, m in zip(enc.input_ids, enc.loss_mask) if m]) == "3</s>"
@@ -116,19 +121,26 @@ def _write(path, rows):
 
 
 def test_sft_rows_plain_and_conversational(tokenizer, tmp_path):
-    rows = [{"prompt": "1+2=", "response": "3"}, {"messages": TWO_TURNS},
-            {"prompt": _conv(("u", "5+5=")), "response": _conv(("a", "10"))}]
+    rows = [
+        {"prompt": "1+2=", "response": "3"},
+        {"messages": TWO_TURNS},
+        {"prompt": _conv(("u", "5+5=")), "response": _conv(("a", "10"))},
+    ]
     path = _write(tmp_path / "sft.jsonl", rows)
     read = read_rows(path, **sft_fields("prompt", "response", "messages"))
     chat = chat_formatter(tokenizer, "auto", read, keys=("messages", "prompt"))
-    out = tokenize_sft(read, tokenizer, max_length=128, prompt_key="prompt", response_key="response", chat=chat,
-                       assistant_turns="all")
+    out = tokenize_sft(
+        read, tokenizer, max_length=128, prompt_key="prompt", response_key="response", chat=chat, assistant_turns="all"
+    )
     trained = [tokenizer.decode([t for t, m in zip(e.input_ids, e.loss_mask) if m]) for e in out.examples]
     assert trained == ["3</s>", "19<|im_end|>7<|im_end|>", "10<|im_end|>"]
-    last = tokenize_sft(read, tokenizer, max_length=128, prompt_key="prompt", response_key="response", chat=chat,
-                        assistant_turns="last")
-    assert tokenizer.decode([t for t, m in zip(last.examples[1].input_ids, last.examples[1].loss_mask) if m]) \
+    last = tokenize_sft(
+        read, tokenizer, max_length=128, prompt_key="prompt", response_key="response", chat=chat, assistant_turns="last"
+    )
+    assert (
+        tokenizer.decode([t for t, m in zip(last.examples[1].input_ids, last.examples[1].loss_mask) if m])
         == "7<|im_end|>"
+    )
     # Plain rows alone need no template at all.
     assert chat_formatter(tokenizer, "none", read[:1], keys=("messages", "prompt")) is None
 
@@ -138,23 +150,30 @@ def test_truncation_keeps_rows_with_a_target_and_skips_the_rest(tokenizer):
     chat = ChatFormatter(tokenizer)
     full = chat.encode(TWO_TURNS, [2, 4])
     first_target = full.loss_mask.index(1)
-    kept = tokenize_sft(rows, tokenizer, max_length=first_target + 1, prompt_key="prompt", response_key="response",
-                        chat=chat)
+    kept = tokenize_sft(
+        rows, tokenizer, max_length=first_target + 1, prompt_key="prompt", response_key="response", chat=chat
+    )
     assert len(kept.examples) == 1 and sum(kept.examples[0].loss_mask) == 1
-    gone = tokenize_sft(rows, tokenizer, max_length=first_target, prompt_key="prompt", response_key="response",
-                        chat=chat)
+    gone = tokenize_sft(
+        rows, tokenizer, max_length=first_target, prompt_key="prompt", response_key="response", chat=chat
+    )
     assert gone.examples == [] and gone.skipped_rows == [0]
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "message 0 has role 'robot'; valid roles"),
-    ({"messages": [{"role": "user"}]}, "message 0 \\(user\\) needs a text 'content'"),
-    ({"prompt": "1+2=", "response": [{"role": "assistant", "content": "3"}]}, "is text but 'response' is messages"),
-    ({"prompt": "1+2="}, "missing field 'response'"),
-    ({"prompt": [{"role": "user", "content": "1+2="}], "response": [{"role": "user", "content": "3"}]},
-     "'response': message 0 has role 'user'; completions hold assistant messages"),
-    ({"text": "x"}, "expected 'messages' \\(a conversation\\) or 'prompt' and 'response'"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "message 0 has role 'robot'; valid roles"),
+        ({"messages": [{"role": "user"}]}, "message 0 \\(user\\) needs a text 'content'"),
+        ({"prompt": "1+2=", "response": [{"role": "assistant", "content": "3"}]}, "is text but 'response' is messages"),
+        ({"prompt": "1+2="}, "missing field 'response'"),
+        (
+            {"prompt": [{"role": "user", "content": "1+2="}], "response": [{"role": "user", "content": "3"}]},
+            "'response': message 0 has role 'user'; completions hold assistant messages",
+        ),
+        ({"text": "x"}, "expected 'messages' \\(a conversation\\) or 'prompt' and 'response'"),
+    ],
+)
 def test_bad_sft_rows_name_file_and_line(tmp_path, row, message):
     path = _write(tmp_path / "bad.jsonl", [{"prompt": "1+2=", "response": "3"}, row])
     with pytest.raises(DataError, match=rf"bad.jsonl:2: .*{message}"):
@@ -168,24 +187,28 @@ def test_preference_rows_explicit_and_implicit_prompt(tokenizer, tmp_path):
     path = _write(tmp_path / "pref.jsonl", [explicit, implicit, {"prompt": "1+1=", "chosen": "2", "rejected": "3"}])
     rows = read_rows(path, **pair_fields("prompt", "chosen", "rejected"))
     chat = chat_formatter(tokenizer, "auto", rows, keys=("chosen",))
-    out = tokenize_pairs(rows, tokenizer, max_length=128, prompt_key="prompt", chosen_key="chosen",
-                         rejected_key="rejected", chat=chat)
+    out = tokenize_pairs(
+        rows, tokenizer, max_length=128, prompt_key="prompt", chosen_key="chosen", rejected_key="rejected", chat=chat
+    )
     assert out.examples[0] == out.examples[1]  # the two forms are the same pair
     pick = lambda e: tokenizer.decode([t for t, m in zip(e.input_ids, e.loss_mask) if m])  # noqa: E731
     assert (pick(out.examples[0].chosen), pick(out.examples[0].rejected)) == ("4<|im_end|>", "5<|im_end|>")
     assert (pick(out.examples[2].chosen), pick(out.examples[2].rejected)) == ("2</s>", "3</s>")
     with pytest.raises(ValueError, match="share no leading prompt"):
         split_implicit_prompt(_conv(("u", "a"), ("a", "b")), _conv(("u", "c"), ("a", "d")))
-    bad = _write(tmp_path / "bad.jsonl", [{"prompt": prompt, "chosen": _conv(("u", "4")),
-                                              "rejected": _conv(("a", "5"))}])
+    bad = _write(
+        tmp_path / "bad.jsonl", [{"prompt": prompt, "chosen": _conv(("u", "4")), "rejected": _conv(("a", "5"))}]
+    )
     with pytest.raises(DataError, match=r"bad.jsonl:1: .*'chosen': message 0 has role 'user'"):
         read_rows(bad, **pair_fields("prompt", "chosen", "rejected"))
 
 
 def test_a_row_the_template_cannot_render_is_named(tokenizer):
-    strict = ("{%- for m in messages -%}{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-              "{{ raise_exception('roles must alternate user/assistant') }}{%- endif -%}"
-              "{{ m['content'] }}{%- endfor -%}")
+    strict = (
+        "{%- for m in messages -%}{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+        "{{ raise_exception('roles must alternate user/assistant') }}{%- endif -%}"
+        "{{ m['content'] }}{%- endfor -%}"
+    )
     chat = ChatFormatter(tokenizer, strict, "strict.jinja")
     rows = [{"messages": _conv(("u", "1"), ("a", "2"))}, {"messages": _conv(("a", "1"), ("u", "2"), ("a", "3"))}]
     with pytest.raises(RowError, match="row 1 \\(0-based\\): the chat template cannot render.*roles must alternate"):
@@ -197,8 +220,9 @@ def test_rl_prompts_rendered_with_the_generation_prompt(tokenizer, tmp_path):
     path = _write(tmp_path / "prompts.jsonl", rows)
     read = read_rows(path, **prompt_fields("prompt", ("answer",)))
     chat = chat_formatter(tokenizer, "auto", read, keys=("prompt",))
-    prompts = prepare_prompts(read, tokenizer, prompt_key="prompt", columns=("answer",), max_prompt_length=64,
-                              overflow="skip", chat=chat)
+    prompts = prepare_prompts(
+        read, tokenizer, prompt_key="prompt", columns=("answer",), max_prompt_length=64, overflow="skip", chat=chat
+    )
     assert prompts.texts[0].endswith("<|im_start|>assistant\n") and prompts.texts[1] == "3+3="
     assert prompts.prompt_ids[0] == tokenizer(prompts.texts[0], add_special_tokens=False)["input_ids"]
     assert prompts.prompt_ids[1] == tokenizer("3+3=")["input_ids"]
@@ -216,11 +240,15 @@ def test_tokenizer_checks(tokenizer, tiny_model, tmp_path, capsys):
     for name in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(tiny_model, name), bare / name)
     cfg = load_config(SFTRunConfig, None, [f"model.path={bare}", "data.train_path=rows.jsonl"])
-    with pytest.raises(ConfigError, match="model.path: the tokenizer loaded from .* has 1 token\\(s\\): the "
-                                          "directory has no usable tokenizer files"):
+    with pytest.raises(
+        ConfigError,
+        match="model.path: the tokenizer loaded from .* has 1 token\\(s\\): the "
+        "directory has no usable tokenizer files",
+    ):
         load_tokenizer(cfg)
-    with_tokenizer = load_config(SFTRunConfig, None, [f"model.path={bare}", f"model.tokenizer_path={tiny_model}",
-                                                      "data.train_path=rows.jsonl"])
+    with_tokenizer = load_config(
+        SFTRunConfig, None, [f"model.path={bare}", f"model.tokenizer_path={tiny_model}", "data.train_path=rows.jsonl"]
+    )
     assert len(load_tokenizer(with_tokenizer)) == 512
     with pytest.raises(ConfigError, match="512 tokens but the model has 100 embedding rows"):
         check_tokenizer(tokenizer, "model.tokenizer_path", "/t", model_vocab_size=100)
@@ -236,11 +264,13 @@ def test_reward_model_needs_a_scalar_head(tiny_model, tmp_path):
     config = json.loads(open(f"{tiny_model}/config.json").read())
     rm = tmp_path / "rm"
     rm.mkdir()
-    (rm / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2ForSequenceClassification"],
-                                                "id2label": {"0": "LABEL_0"}}))
+    (rm / "config.json").write_text(
+        json.dumps({**config, "architectures": ["Qwen2ForSequenceClassification"], "id2label": {"0": "LABEL_0"}})
+    )
     check_scalar_head(str(rm), "reward.model_path", str(rm))
-    (rm / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2ForSequenceClassification"],
-                                                "id2label": {"0": "a", "1": "b"}}))
+    (rm / "config.json").write_text(
+        json.dumps({**config, "architectures": ["Qwen2ForSequenceClassification"], "id2label": {"0": "a", "1": "b"}})
+    )
     with pytest.raises(ConfigError, match="2-label classification head"):
         check_scalar_head(str(rm), "reward.model_path", str(rm))
 
@@ -268,12 +298,30 @@ def test_an_rl_prompt_the_template_refuses_names_its_source(tokenizer, tmp_path)
     from rlhf.trainers.rl_runner import _read_prompts
 
     strict = tmp_path / "strict.jinja"
-    strict.write_text("{%- if messages[0]['role'] != 'user' -%}{{ raise_exception('the first message must be the "
-                      "user') }}{%- endif -%}{%- for m in messages -%}{{ m['content'] }}{%- endfor -%}")
-    path = _write(tmp_path / "prompts.jsonl", [{"prompt": _conv(("u", "1+1=")), "answer": "2"},
-                                               {"prompt": _conv(("s", "Add."), ("u", "2+2=")), "answer": "4"}])
-    cfg = load_config(RLRunConfig, None, ["model.path=m", f"data.train_path={path}", f"data.chat_template={strict}",
-                                          "reward.functions=[rlhf.synthetic.arithmetic:reward]"])
-    with pytest.raises(DataError, match=r"data.train_path=.*prompts.jsonl: row 1 \(0-based\): the chat template "
-                                        r"cannot render.*the first message must be the user"):
+    strict.write_text(
+        "{%- if messages[0]['role'] != 'user' -%}{{ raise_exception('the first message must be the "
+        "user') }}{%- endif -%}{%- for m in messages -%}{{ m['content'] }}{%- endfor -%}"
+    )
+    path = _write(
+        tmp_path / "prompts.jsonl",
+        [
+            {"prompt": _conv(("u", "1+1=")), "answer": "2"},
+            {"prompt": _conv(("s", "Add."), ("u", "2+2=")), "answer": "4"},
+        ],
+    )
+    cfg = load_config(
+        RLRunConfig,
+        None,
+        [
+            "model.path=m",
+            f"data.train_path={path}",
+            f"data.chat_template={strict}",
+            "reward.functions=[rlhf.synthetic.arithmetic:reward]",
+        ],
+    )
+    with pytest.raises(
+        DataError,
+        match=r"data.train_path=.*prompts.jsonl: row 1 \(0-based\): the chat template "
+        r"cannot render.*the first message must be the user",
+    ):
         _read_prompts(cfg, tokenizer, "data.train_path", path, "train")

@@ -6,6 +6,7 @@ starts Ray with the container's limits unless ``rayStartParams`` says otherwise)
 ``cluster.yaml`` (the local provider cannot declare node types; Ray detects each machine's hardware) -- and every
 launcher's ``--dry-run`` is packed onto that node shape, with as many GPU nodes as the launcher names.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,8 +62,9 @@ def read_slurm(path: Path) -> Declared:
 
     cpus = resolve(found["cpus"], "SLURM_CPUS_PER_TASK", "cpus-per-task")
     gpus = resolve(found["gpus"], "SLURM_GPUS_PER_NODE", "gpus-per-node")
-    return Declared(gpu_nodes=int(_sbatch_value(text, "nodes")), gpus=int(gpus), cpus=float(cpus),
-                    memory=_sbatch_value(text, "mem"))
+    return Declared(
+        gpu_nodes=int(_sbatch_value(text, "nodes")), gpus=int(gpus), cpus=float(cpus), memory=_sbatch_value(text, "mem")
+    )
 
 
 def _pod(group: dict) -> dict:
@@ -70,9 +72,11 @@ def _pod(group: dict) -> dict:
     container = group["template"]["spec"]["containers"][0]
     limits = container["resources"]["limits"]
     params = group.get("rayStartParams") or {}
-    return {"cpus": float(params.get("num-cpus", limits["cpu"])),
-            "gpus": int(params.get("num-gpus", limits.get("nvidia.com/gpu", 0))),
-            "memory": limits.get("memory")}
+    return {
+        "cpus": float(params.get("num-cpus", limits["cpu"])),
+        "gpus": int(params.get("num-gpus", limits.get("nvidia.com/gpu", 0))),
+        "memory": limits.get("memory"),
+    }
 
 
 def read_kuberay(path: Path) -> Declared:
@@ -83,8 +87,13 @@ def read_kuberay(path: Path) -> Declared:
     worker = _pod(workers)
     assert head["gpus"] == 0, f"{path.name}: the head is for the driver; no training actor should land there"
     assert workers["minReplicas"] == workers["replicas"] == workers["maxReplicas"]
-    return Declared(gpu_nodes=int(workers["replicas"]), gpus=worker["gpus"], cpus=worker["cpus"],
-                    memory=worker["memory"], head_cpus=head["cpus"])
+    return Declared(
+        gpu_nodes=int(workers["replicas"]),
+        gpus=worker["gpus"],
+        cpus=worker["cpus"],
+        memory=worker["memory"],
+        head_cpus=head["cpus"],
+    )
 
 
 def read_ray_up(path: Path) -> Declared:
@@ -100,14 +109,19 @@ def read_ray_up(path: Path) -> Declared:
     return Declared(gpu_nodes=machines, gpus=int(m.group(2)), cpus=float(m.group(3)), memory=None)
 
 
-CLUSTER_FILES = {"slurm.sbatch": read_slurm, "kuberay-raycluster.yaml": read_kuberay,
-                 "kuberay-rayjob.yaml": read_kuberay, "cluster.yaml": read_ray_up}
+CLUSTER_FILES = {
+    "slurm.sbatch": read_slurm,
+    "kuberay-raycluster.yaml": read_kuberay,
+    "kuberay-rayjob.yaml": read_kuberay,
+    "cluster.yaml": read_ray_up,
+}
 
 
 def _launcher(path: Path):
     text = path.read_text()
-    cluster, module, config = (re.search(p, text, re.M).group(1)
-                               for p in (r"^# cluster: *(\S+)", r"^MODULE=(\S+)", r"^CONFIG=(\S+)"))
+    cluster, module, config = (
+        re.search(p, text, re.M).group(1) for p in (r"^# cluster: *(\S+)", r"^MODULE=(\S+)", r"^CONFIG=(\S+)")
+    )
     return cluster, module, config
 
 

@@ -1,4 +1,5 @@
 """Tests for rlhf.config: YAML/preset/override loading, type coercion, error messages, CLI, round trip."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -154,9 +155,7 @@ def test_missing_config_file_lists_presets():
 
 def test_defaults_inheritance_relative_path(tmp_path, monkeypatch):
     _write(tmp_path / "conf" / "base" / "common.yaml", "train:\n  lr: 0.02\n  seed: 5\ndata:\n  max_length: 99\n")
-    child = _write(
-        tmp_path / "conf" / "child.yaml", "defaults: [base/common.yaml]\ntrain:\n  seed: 6\n"
-    )
+    child = _write(tmp_path / "conf" / "child.yaml", "defaults: [base/common.yaml]\ntrain:\n  seed: 6\n")
     monkeypatch.chdir(tmp_path)  # defaults resolve relative to the including file, not the CWD
     cfg = load_config(SFTRunConfig, child, REQUIRED)
     assert cfg.train.lr == 0.02  # inherited
@@ -242,8 +241,16 @@ def test_float_rejects(value):
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("true", True), ("false", False), ("1", True), ("0", False), ("yes", True), ("no", False),
-     ("True", True), ("off", False)],
+    [
+        ("true", True),
+        ("false", False),
+        ("1", True),
+        ("0", False),
+        ("yes", True),
+        ("no", False),
+        ("True", True),
+        ("off", False),
+    ],
 )
 def test_bool_values(text, expected):
     cfg = load_config(SFTRunConfig, None, [*REQUIRED, f"logging.tensorboard={text}"])
@@ -259,7 +266,8 @@ def test_bool_rejects(value):
 
 def test_str_keeps_raw_override_text():
     cfg = load_config(
-        SFTRunConfig, None,
+        SFTRunConfig,
+        None,
         ["model.path=123", "data.train_path=/d", "model.tokenizer_path=1.10", "data.split='quoted'"],
     )
     assert cfg.model.path == "123"
@@ -350,7 +358,8 @@ def test_unknown_key_without_match_lists_section_keys():
 
 def test_unknown_key_past_a_leaf():
     assert _error(SFTRunConfig, None, ["train.lr.x=1"]).startswith(
-        "unknown config key 'train.lr.x'; did you mean 'train.lr'")
+        "unknown config key 'train.lr.x'; did you mean 'train.lr'"
+    )
 
 
 def test_unknown_yaml_keys(tmp_path):
@@ -363,14 +372,16 @@ def test_unknown_yaml_keys(tmp_path):
 
 
 def test_dotted_keys_in_yaml_are_read_as_the_nested_form(tmp_path):
-    path = _write(tmp_path / "run.yaml", "model.path: /m\ndata:\n  train_path: /d\ntrain.lr: 0.5\ntrain:\n  seed: 3\n"
-                                         "strategy: {zero_stage: 1}\nlogging:\n  wandb_project: p\n")
+    path = _write(
+        tmp_path / "run.yaml",
+        "model.path: /m\ndata:\n  train_path: /d\ntrain.lr: 0.5\ntrain:\n  seed: 3\n"
+        "strategy: {zero_stage: 1}\nlogging:\n  wandb_project: p\n",
+    )
     cfg = load_config(SFTRunConfig, path)
     assert (cfg.model.path, cfg.data.train_path, cfg.train.lr, cfg.train.seed) == ("/m", "/d", 0.5, 3)
     assert cfg.strategy.zero_stage == 1 and cfg.logging.wandb_project == "p"
     nested = _write(tmp_path / "nested.yaml", "strategy:\n  zero.stage: 1\n")  # a dotted key inside a section
-    assert _error(SFTRunConfig, nested) == (
-        "unknown config key 'strategy.zero'; did you mean 'strategy.zero_stage'?")
+    assert _error(SFTRunConfig, nested) == ("unknown config key 'strategy.zero'; did you mean 'strategy.zero_stage'?")
 
 
 def test_dotted_keys_in_yaml_below_the_top_level_expand_too(tmp_path):
@@ -384,7 +395,8 @@ def test_dotted_keys_in_yaml_below_the_top_level_expand_too(tmp_path):
 def test_a_key_set_both_dotted_and_nested_in_one_file_is_named(tmp_path):
     path = _write(tmp_path / "run.yaml", "train.lr: 0.5\ntrain:\n  lr: 0.1\n")
     assert _error(SFTRunConfig, path) == (
-        f"{path}: 'train.lr' is set twice (as a dotted key and inside its section); keep one")
+        f"{path}: 'train.lr' is set twice (as a dotted key and inside its section); keep one"
+    )
     scalar = _write(tmp_path / "scalar.yaml", "train: 3\ntrain.lr: 0.5\n")
     assert "'train' is set twice" in _error(SFTRunConfig, scalar)
 
@@ -396,29 +408,32 @@ def test_dotted_keys_override_a_defaults_file_like_nested_ones(tmp_path):
     assert (cfg.train.lr, cfg.train.seed) == (0.2, 4)  # across files the later one wins: no "set twice"
 
 
-@pytest.mark.parametrize("cls,key,expected", [
-    (SFTRunConfig, "learning_rate", "'train.lr'"),
-    (SFTRunConfig, "train.learning_rate", "'train.lr'"),
-    (SFTRunConfig, "per_device_train_batch_size", "'train.micro_batch_size'"),
-    (SFTRunConfig, "train.per_device_train_batch_size", "'train.micro_batch_size'"),
-    (SFTRunConfig, "micro_train_batch_size", "'train.micro_batch_size'"),
-    (SFTRunConfig, "num_train_epochs", "'train.max_epochs'"),
-    (SFTRunConfig, "pretrain", "'model.path'"),
-    (SFTRunConfig, "model_name_or_path", "'model.path'"),
-    (SFTRunConfig, "max_len", "'data.max_length'"),
-    (SFTRunConfig, "save_path", "'train.output_dir'"),
-    (SFTRunConfig, "train_batch_size", "'train.global_batch_size'"),
-    (SFTRunConfig, "logging_steps", "'logging.print_every'"),
-    (SFTRunConfig, "save_steps", "'train.save_every'"),
-    (SFTRunConfig, "apply_chat_template", "'data.chat_template'"),
-    (SFTRunConfig, "assistant_only_loss", "'data.assistant_turns'"),
-    (SFTRunConfig, "dataset_config", "'data.config_name'"),
-    (DPORunConfig, "beta", "'dpo.beta'"),
-    ("rl", "beta", "'algo.kl_coef'"),
-    ("rl", "num_generations", "'rollout.n_samples_per_prompt'"),
-    ("rl", "max_completion_length", "'rollout.max_new_tokens'"),
-    ("rl", "rollout_batch_size", "'rollout.prompts_per_step'"),
-])
+@pytest.mark.parametrize(
+    "cls,key,expected",
+    [
+        (SFTRunConfig, "learning_rate", "'train.lr'"),
+        (SFTRunConfig, "train.learning_rate", "'train.lr'"),
+        (SFTRunConfig, "per_device_train_batch_size", "'train.micro_batch_size'"),
+        (SFTRunConfig, "train.per_device_train_batch_size", "'train.micro_batch_size'"),
+        (SFTRunConfig, "micro_train_batch_size", "'train.micro_batch_size'"),
+        (SFTRunConfig, "num_train_epochs", "'train.max_epochs'"),
+        (SFTRunConfig, "pretrain", "'model.path'"),
+        (SFTRunConfig, "model_name_or_path", "'model.path'"),
+        (SFTRunConfig, "max_len", "'data.max_length'"),
+        (SFTRunConfig, "save_path", "'train.output_dir'"),
+        (SFTRunConfig, "train_batch_size", "'train.global_batch_size'"),
+        (SFTRunConfig, "logging_steps", "'logging.print_every'"),
+        (SFTRunConfig, "save_steps", "'train.save_every'"),
+        (SFTRunConfig, "apply_chat_template", "'data.chat_template'"),
+        (SFTRunConfig, "assistant_only_loss", "'data.assistant_turns'"),
+        (SFTRunConfig, "dataset_config", "'data.config_name'"),
+        (DPORunConfig, "beta", "'dpo.beta'"),
+        ("rl", "beta", "'algo.kl_coef'"),
+        ("rl", "num_generations", "'rollout.n_samples_per_prompt'"),
+        ("rl", "max_completion_length", "'rollout.max_new_tokens'"),
+        ("rl", "rollout_batch_size", "'rollout.prompts_per_step'"),
+    ],
+)
 def test_names_from_other_toolkits_suggest_this_projects_key(cls, key, expected):
     from rlhf.config.rl_schema import RLRunConfig
 
@@ -483,7 +498,8 @@ def test_yaml_section_set_to_scalar(tmp_path):
 def test_bad_yaml_files(tmp_path):
     bad = _write(tmp_path / "bad.yaml", "model:\n  path: /m\ntrain:\n  lr: [1\n  seed: 3\n")
     assert _error(SFTRunConfig, bad) == (  # one line: file, line and column, PyYAML's problem and its context
-        f"{bad}:5:7: invalid YAML: expected ',' or ']', but got ':' (while parsing a flow sequence, line 4)")
+        f"{bad}:5:7: invalid YAML: expected ',' or ']', but got ':' (while parsing a flow sequence, line 4)"
+    )
     assert "top level must be a mapping" in _error(SFTRunConfig, _write(tmp_path / "list.yaml", "- 1\n"))
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"\xff\xfe")  # was a UnicodeDecodeError traceback
@@ -514,43 +530,68 @@ def test_global_batch_not_divisible():
 
 
 def test_global_batch_divisible_over_workers():
-    cfg = load_config(SFTRunConfig, None, [*REQUIRED, "train.global_batch_size=16", "train.micro_batch_size=2",
-                                           "train.num_workers=4"])
+    cfg = load_config(
+        SFTRunConfig, None, [*REQUIRED, "train.global_batch_size=16", "train.micro_batch_size=2", "train.num_workers=4"]
+    )
     assert cfg.train.grad_accum_steps == 2
-    message = _error(SFTRunConfig, None, ["train.global_batch_size=16", "train.micro_batch_size=4",
-                                          "train.num_workers=3"])
+    message = _error(
+        SFTRunConfig, None, ["train.global_batch_size=16", "train.micro_batch_size=4", "train.num_workers=3"]
+    )
     assert message.startswith("train.global_batch_size (16)")
 
 
 def test_token_budget_replaces_the_micro_batch_size_and_needs_rows_that_divide_over_ranks():
-    cfg = load_config(SFTRunConfig, None, [*REQUIRED, "train.global_batch_size=12", "train.micro_batch_size=8",
-                                           "train.num_workers=3", "train.max_tokens_per_micro_batch=4096",
-                                           "train.packing=true"])
+    cfg = load_config(
+        SFTRunConfig,
+        None,
+        [
+            *REQUIRED,
+            "train.global_batch_size=12",
+            "train.micro_batch_size=8",
+            "train.num_workers=3",
+            "train.max_tokens_per_micro_batch=4096",
+            "train.packing=true",
+        ],
+    )
     assert (cfg.train.engine_micro_batch_size, cfg.train.grad_accum_steps) == (1, 4)  # at most a rank's 4 rows
     assert cfg.train.describe_batching() == "4 rows x ranks 3 in micro-batches of <= 4096 tokens, packed"
-    message = _error(SFTRunConfig, None, ["train.global_batch_size=10", "train.num_workers=3",
-                                          "train.max_tokens_per_micro_batch=512"])
-    assert message.startswith("train.global_batch_size (10) must be divisible by train.num_workers (3): under "
-                              "train.max_tokens_per_micro_batch")
+    message = _error(
+        SFTRunConfig,
+        None,
+        ["train.global_batch_size=10", "train.num_workers=3", "train.max_tokens_per_micro_batch=512"],
+    )
+    assert message.startswith(
+        "train.global_batch_size (10) must be divisible by train.num_workers (3): under "
+        "train.max_tokens_per_micro_batch"
+    )
     assert _error(SFTRunConfig, None, ["train.max_tokens_per_micro_batch=-1"]).startswith(
-        "train.max_tokens_per_micro_batch must be >= 0")
+        "train.max_tokens_per_micro_batch must be >= 0"
+    )
 
 
 def test_packing_refuses_eager_attention():
     message = _error(DPORunConfig, None, ["train.packing=true", "model.attn_implementation=eager"])
-    assert message.startswith("train.packing needs a variable-length attention, which "
-                              "model.attn_implementation=eager does not have")
+    assert message.startswith(
+        "train.packing needs a variable-length attention, which model.attn_implementation=eager does not have"
+    )
     load_config(DPORunConfig, None, [*REQUIRED, "train.packing=true", "model.attn_implementation=sdpa"])
 
 
 def test_rl_token_budget_must_hold_the_longest_row():
     from rlhf.config.rl_schema import RLRunConfig
 
-    rl = [*REQUIRED, "reward.functions=[rlhf.synthetic.arithmetic:reward]", "rollout.max_prompt_length=16",
-          "rollout.max_new_tokens=6"]
-    with pytest.raises(ConfigError, match=r"^train.max_tokens_per_micro_batch \(21\) must hold the longest row a "
-                                          r"step can train on: 22 tokens \(rollout.max_prompt_length \+ "
-                                          r"rollout.max_new_tokens\)"):
+    rl = [
+        *REQUIRED,
+        "reward.functions=[rlhf.synthetic.arithmetic:reward]",
+        "rollout.max_prompt_length=16",
+        "rollout.max_new_tokens=6",
+    ]
+    with pytest.raises(
+        ConfigError,
+        match=r"^train.max_tokens_per_micro_batch \(21\) must hold the longest row a "
+        r"step can train on: 22 tokens \(rollout.max_prompt_length \+ "
+        r"rollout.max_new_tokens\)",
+    ):
         load_config(RLRunConfig, "grpo_tiny", [*rl, "train.max_tokens_per_micro_batch=21"])
     assert load_config(RLRunConfig, "grpo_tiny", [*rl, "train.max_tokens_per_micro_batch=22"]).train.packing is False
 
@@ -597,15 +638,18 @@ def test_parse_cli_config_error_exits_2(capsys):
     assert "did you mean 'train.micro_batch_size'" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("args,corrected", [
-    (["--train.lr", "1e-4"], "train.lr=1e-4"),
-    (["--train.lr=1e-4"], "train.lr=1e-4"),
-    (["--lr", "1e-4"], "train.lr=1e-4"),
-    (["--lr"], "train.lr=VALUE"),
-    (["--learning-rate", "3e-5", "--seed", "3"], "train.lr=3e-5 train.seed=3"),
-    (["--train.resume"], "train.resume=true"),
-    (["--train.max_steps", "-1"], "train.max_steps=-1"),
-])
+@pytest.mark.parametrize(
+    "args,corrected",
+    [
+        (["--train.lr", "1e-4"], "train.lr=1e-4"),
+        (["--train.lr=1e-4"], "train.lr=1e-4"),
+        (["--lr", "1e-4"], "train.lr=1e-4"),
+        (["--lr"], "train.lr=VALUE"),
+        (["--learning-rate", "3e-5", "--seed", "3"], "train.lr=3e-5 train.seed=3"),
+        (["--train.resume"], "train.resume=true"),
+        (["--train.max_steps", "-1"], "train.max_steps=-1"),
+    ],
+)
 def test_parse_cli_overrides_written_as_options_get_their_key_value_form(args, corrected, capsys):
     with pytest.raises(SystemExit) as info:
         parse_cli(SFTRunConfig, [*REQUIRED, *args, "train.seed=1"], prog="train_sft")
@@ -616,8 +660,10 @@ def test_parse_cli_overrides_written_as_options_get_their_key_value_form(args, c
 
 
 def test_parse_cli_own_options_are_not_taken_for_overrides():
-    cfg = parse_cli(SFTRunConfig, ["--config", "sft_tiny", *REQUIRED, "--dry-run", "-c", "sft_tiny",
-                                   "--config=sft_tiny", "train.seed=-3"])
+    cfg = parse_cli(
+        SFTRunConfig,
+        ["--config", "sft_tiny", *REQUIRED, "--dry-run", "-c", "sft_tiny", "--config=sft_tiny", "train.seed=-3"],
+    )
     assert cfg.train.seed == -3 and cfg.train.micro_batch_size == 4
 
 
@@ -625,8 +671,9 @@ def test_parse_cli_missing_required_exits_2(capsys):
     with pytest.raises(SystemExit) as info:
         parse_cli(SFTRunConfig, ["--config", "sft_tiny"])
     assert info.value.code == 2
-    assert capsys.readouterr().err.strip() == \
-        "error: model.path is required (an HF model directory or a hub id, org/name)"
+    assert (
+        capsys.readouterr().err.strip() == "error: model.path is required (an HF model directory or a hub id, org/name)"
+    )
 
 
 def test_parse_cli_help_lists_keys(capsys):
@@ -648,8 +695,11 @@ def test_describe_keys():
     rows = describe_keys(SFTRunConfig)
     by_key = {key: (type_name, default, text) for key, type_name, default, text in rows}
     assert len(by_key) == len(rows)  # no duplicates
-    assert by_key["train.micro_batch_size"] == ("int", 1, "samples per forward, per rank (not used under "
-                                                          "max_tokens_per_micro_batch)")
+    assert by_key["train.micro_batch_size"] == (
+        "int",
+        1,
+        "samples per forward, per rank (not used under max_tokens_per_micro_batch)",
+    )
     assert by_key["model.path"] == ("str", "", "required: an HF model directory or a hub id (org/name[@revision])")
     assert by_key["train.adam_betas"][:2] == ("tuple[float, float]", (0.9, 0.95))
     assert by_key["logging.tensorboard"] == ("bool", True, "")
@@ -677,11 +727,15 @@ def test_config_to_dict_plain():
     assert yaml.safe_load(yaml.safe_dump(data)) == data  # plain types only
 
 
-@pytest.mark.parametrize("cls,preset", [(SFTRunConfig, "sft_tiny"), (RewardModelRunConfig, "rm_tiny"),
-                                        (DPORunConfig, "dpo_tiny")])
+@pytest.mark.parametrize(
+    "cls,preset", [(SFTRunConfig, "sft_tiny"), (RewardModelRunConfig, "rm_tiny"), (DPORunConfig, "dpo_tiny")]
+)
 def test_round_trip(tmp_path, cls, preset):
-    cfg = load_config(cls, preset, [*REQUIRED, "train.adam_betas=[0.8, 0.9]", "model.tokenizer_path=123",
-                                    "strategy.deepspeed_config="])
+    cfg = load_config(
+        cls,
+        preset,
+        [*REQUIRED, "train.adam_betas=[0.8, 0.9]", "model.tokenizer_path=123", "strategy.deepspeed_config="],
+    )
     path = save_config(cfg, tmp_path / "out" / "config.yaml")
     assert path == tmp_path / "out" / "config.yaml"
     assert yaml.safe_load(path.read_text()) == config_to_dict(cfg)

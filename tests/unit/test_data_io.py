@@ -1,4 +1,5 @@
 """read_rows on real JSON-lines, Parquet and save_to_disk data, and its error messages."""
+
 from __future__ import annotations
 
 import json
@@ -49,12 +50,18 @@ def test_json_extension_and_optional_null_is_absent(tmp_path: Path) -> None:
 def test_jsonl_rows_are_the_json_as_written(tmp_path: Path) -> None:
     # An Arrow round trip would unify each column's type across rows: the text "3" beside a row whose field holds
     # messages came back as the int 3, and every message dict got every key seen in any message.
-    rows = [{"prompt": "1+2=", "response": "007"},
-            {"prompt": [{"role": "user", "content": "a", "name": "x"}], "response": [{"role": "assistant",
-                                                                                    "content": "b"}]}]
+    rows = [
+        {"prompt": "1+2=", "response": "007"},
+        {
+            "prompt": [{"role": "user", "content": "a", "name": "x"}],
+            "response": [{"role": "assistant", "content": "b"}],
+        },
+    ]
     path = _write_lines(tmp_path / "mixed.jsonl", [json.dumps(r) for r in rows])
-    assert read_rows(path, (), optional=["prompt", "response"],
-                     types={"prompt": (str, list), "response": (str, list)}) == rows
+    assert (
+        read_rows(path, (), optional=["prompt", "response"], types={"prompt": (str, list), "response": (str, list)})
+        == rows
+    )
 
 
 def test_parquet(tmp_path: Path) -> None:
@@ -109,9 +116,7 @@ def test_invalid_json_names_the_line(tmp_path: Path) -> None:
 
 
 def test_missing_field_names_field_line_and_present_fields(tmp_path: Path) -> None:
-    path = _write_lines(
-        tmp_path / "pref.jsonl", [json.dumps(_pair(0)), json.dumps({"prompt": "p", "rejected": "r"})]
-    )
+    path = _write_lines(tmp_path / "pref.jsonl", [json.dumps(_pair(0)), json.dumps({"prompt": "p", "rejected": "r"})])
     with pytest.raises(DataError) as err:
         read_rows(path, PREF)
     assert str(err.value) == f"{path}:2: missing field 'chosen' (row has: prompt, rejected)"
@@ -274,8 +279,9 @@ def test_json_array_errors_name_the_row(tmp_path: Path) -> None:
 
 def test_json_array_with_a_syntax_error_names_the_line(tmp_path: Path) -> None:
     path = tmp_path / "pairs.json"
-    path.write_text('[\n  {"prompt": "1+1=", "chosen": "2", "rejected": "3"},\n  {"prompt": "2+2=",\n]\n',
-                    encoding="utf-8")
+    path.write_text(
+        '[\n  {"prompt": "1+1=", "chosen": "2", "rejected": "3"},\n  {"prompt": "2+2=",\n]\n', encoding="utf-8"
+    )
     with pytest.raises(DataError) as err:
         read_rows(str(path), PREF)
     assert str(err.value).startswith(f"{path}:4: invalid JSON: ")

@@ -1,4 +1,5 @@
 """The generated configuration reference (docs/configuration.md) is current and complete."""
+
 from __future__ import annotations
 
 import subprocess
@@ -25,9 +26,18 @@ def test_configuration_reference_lists_every_dpo_key():
 
 def test_docs_site_builds_with_no_warnings(tmp_path):
     """``mkdocs build --strict``: every page in the nav exists, every internal link resolves."""
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
-                            cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    for page in ("index.html", "quickstart/index.html", "algorithms/rl/index.html", "configuration/index.html",
-                 "multinode/index.html"):
+    for page in (
+        "index.html",
+        "quickstart/index.html",
+        "algorithms/rl/index.html",
+        "configuration/index.html",
+        "multinode/index.html",
+    ):
         assert (tmp_path / "site" / page).is_file(), page

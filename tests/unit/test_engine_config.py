@@ -1,12 +1,18 @@
 """The DeepSpeed config the engine builds (pure dict logic)."""
+
 from __future__ import annotations
 
 from rlhf.distributed.engine import EngineSpec, build_ds_config, float64_sum_of_squares, parameter_groups
 
 
 def test_run_batch_sizes_and_precision_override_a_user_file():
-    user = {"train_batch_size": 999, "gradient_accumulation_steps": 7, "bf16": {"enabled": True},
-            "zero_optimization": {"stage": 1, "overlap_comm": True}, "steps_per_print": 5}
+    user = {
+        "train_batch_size": 999,
+        "gradient_accumulation_steps": 7,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1, "overlap_comm": True},
+        "steps_per_print": 5,
+    }
     spec = EngineSpec(zero_stage=3, precision="fp32", micro_batch_size=2, grad_accum_steps=4, user_config=user)
     cfg = build_ds_config(spec, world_size=2, max_grad_norm=1.0)
     assert cfg["train_batch_size"] == 16 and cfg["gradient_accumulation_steps"] == 4
@@ -58,8 +64,10 @@ def test_the_gradient_norm_scratch_gives_the_bits_of_fresh_float64_copies():
     import torch
 
     gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(shape, generator=gen) * scale for shape, scale in
-             [((512, 64), 1e-3), ((64,), 3.0), ((7, 5, 3), 1e4), ((1,), 1e-20)]]
+    grads = [
+        torch.randn(shape, generator=gen) * scale
+        for shape, scale in [((512, 64), 1e-3), ((64,), 3.0), ((7, 5, 3), 1e4), ((1,), 1e-20)]
+    ]
     expected = float(sum(g.double().pow(2).sum() for g in grads))
     first, scratch = float64_sum_of_squares(grads)
     assert first == expected and scratch.dtype == torch.float64 and scratch.numel() == 512 * 64

@@ -1,4 +1,5 @@
 """Environments without Ray: loading by spec (and its errors), one episode in-process, StepOutcome validation."""
+
 from __future__ import annotations
 
 import math
@@ -100,9 +101,15 @@ def test_an_episode_in_process(envs: Path):
     assert episode.reset({"prompt": "count", "turns": 3}) == "count 0"
     outcomes = [episode.step(r, (1, 2)) for r in ["0", "x", "2"]]
     assert [(o.observation, o.reward, o.done, o.info) for o in outcomes] == [
-        ("1", 1.0, False, {"ids": 2}), ("2", 0.0, False, {"ids": 2}), (None, 1.0, True, {"ids": 2})]
-    with pytest.raises(EnvError, match=r"was stepped after its episode ended at turn 3 in step \(turn 4 of episode "
-                                       r"4\)"):
+        ("1", 1.0, False, {"ids": 2}),
+        ("2", 0.0, False, {"ids": 2}),
+        (None, 1.0, True, {"ids": 2}),
+    ]
+    with pytest.raises(
+        EnvError,
+        match=r"was stepped after its episode ended at turn 3 in step \(turn 4 of episode "
+        r"4\)",
+    ):
         episode.step("3", ())
 
 
@@ -126,19 +133,25 @@ def test_errors_name_spec_episode_turn_and_cause(envs: Path):
 
     bad = LocalEpisode(load_environment(f"{envs}:BadOutcome")(), "bad", 2)
     bad.reset({})
-    with pytest.raises(EnvError, match=r"returned a bad outcome: step must return a StepOutcome or a tuple .* got "
-                                       r"dict .* in step \(turn 1 of episode 2\)"):
+    with pytest.raises(
+        EnvError,
+        match=r"returned a bad outcome: step must return a StepOutcome or a tuple .* got "
+        r"dict .* in step \(turn 1 of episode 2\)",
+    ):
         bad.step("x", ())
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"reward": True}, "reward must be a finite real number"),
-    ({"reward": math.nan}, "reward must be a finite real number"),
-    ({"reward": "1"}, "reward must be a finite real number"),
-    ({"done": 1}, "done must be a bool"),
-    ({"observation": 3}, "observation must be a str or None"),
-    ({"info": [1]}, "info must be a dict"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"reward": True}, "reward must be a finite real number"),
+        ({"reward": math.nan}, "reward must be a finite real number"),
+        ({"reward": "1"}, "reward must be a finite real number"),
+        ({"done": 1}, "done must be a bool"),
+        ({"observation": 3}, "observation must be a str or None"),
+        ({"info": [1]}, "info must be a dict"),
+    ],
+)
 def test_step_outcome_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         StepOutcome(**kwargs)
@@ -154,11 +167,16 @@ def test_step_outcome_normalizes():
 
 def test_reset_must_return_text(tmp_path: Path):
     path = tmp_path / "e.py"
-    path.write_text("class E:\n    def reset(self, row):\n        return 3\n    def step(self, r, ids):\n"
-                    "        return None, 0.0, True, {}\n")
+    path.write_text(
+        "class E:\n    def reset(self, row):\n        return 3\n    def step(self, r, ids):\n"
+        "        return None, 0.0, True, {}\n"
+    )
     episode = LocalEpisode(load_environment(f"{path}:E")(), "e.py:E", 1)
-    with pytest.raises(EnvError, match=r"returned int 3 \(reset must return the first observation as a str\) in "
-                                       r"reset \(turn 0 of episode 1\)"):
+    with pytest.raises(
+        EnvError,
+        match=r"returned int 3 \(reset must return the first observation as a str\) in "
+        r"reset \(turn 0 of episode 1\)",
+    ):
         episode.reset({})
 
 

@@ -1,14 +1,15 @@
 """Multi-turn episodes kept token-in / token-out (rlhf/rollout/episodes.py): the batch layout, the prefix check
 against a re-encoding environment, exactly zero gradient on environment tokens, and split-vs-whole invariance of
 every loss aggregation for episodes with different numbers of turns (one episode = one sample)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from group_helpers import LocalGroup
 from shared_helpers import float64_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from rlhf.distributed.engine import EngineSpec
 from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps
 from rlhf.ops.aggregation import aggregate_sum
@@ -62,8 +63,11 @@ def test_the_batch_marks_policy_tokens_only_and_places_their_sampling_logps():
 
 
 def test_a_single_turn_rollout_is_the_one_segment_episode():
-    gens = [Generation((1, 2, 3), (4, 5), (-0.5, -0.25), "stop"), Generation((1,), (6,), (-1.0,), "length"),
-            Generation((2, 2), (), (), "stop")]
+    gens = [
+        Generation((1, 2, 3), (4, 5), (-0.5, -0.25), "stop"),
+        Generation((1,), (6,), (-1.0,), "length"),
+        Generation((2, 2), (), (), "stop"),
+    ]
     batch = rollout_batch(gens, pad_id=0)
     assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5], [1, 6, 0, 0, 0], [2, 2, 0, 0, 0]]
     assert batch.loss_mask.tolist() == [[0, 0, 0, 1, 1], [0, 1, 0, 0, 0], [0, 0, 0, 0, 0]]
@@ -83,8 +87,9 @@ def test_the_prefix_check_catches_an_environment_that_re_encodes_the_text(tiny_m
     tok = AutoTokenizer.from_pretrained(tiny_model)
     special = set(tok.all_special_ids)
     plain = [i for i in range(len(tok)) if i not in special and tok.decode([i]).isascii() and tok.decode([i])]
-    pair = next((a, b) for a in plain for b in plain
-                if tok(tok.decode([a, b]), add_special_tokens=False)["input_ids"] != [a, b])
+    pair = next(
+        (a, b) for a in plain for b in plain if tok(tok.decode([a, b]), add_special_tokens=False)["input_ids"] != [a, b]
+    )
     prompt = tuple(tok("1+2=", add_special_tokens=False)["input_ids"])
     episode = Episode(prompt, index=3)
     episode.add_response(pair, [-0.1, -0.2])
@@ -92,8 +97,11 @@ def test_the_prefix_check_catches_an_environment_that_re_encodes_the_text(tiny_m
     def re_encoding_env(ids):  # the bug: text round-trip of the whole conversation, then the observation
         return tok(tok.decode(list(ids)) + " ok", add_special_tokens=False)["input_ids"]
 
-    with pytest.raises(EpisodeError, match=rf"episode 3, turn 1: the new prompt does not extend the episode's "
-                                           rf"tokens: they differ at position {len(prompt)} of {len(prompt) + 2}"):
+    with pytest.raises(
+        EpisodeError,
+        match=rf"episode 3, turn 1: the new prompt does not extend the episode's "
+        rf"tokens: they differ at position {len(prompt)} of {len(prompt) + 2}",
+    ):
         episode.extend_to(re_encoding_env(episode.token_ids))
     assert episode.extend_to(re_encoding_env(episode.token_ids), on_mismatch="truncate") is False
     assert episode.truncated and episode.token_ids == prompt + pair  # kept as sampled, nothing appended
@@ -113,8 +121,10 @@ def test_environment_tokens_get_exactly_zero_gradient(model, mode):
         logps = TokenLogps()(model, batch)
     gen = torch.Generator().manual_seed(1)
     mask = batch.loss_mask.bool()
-    batch = batch.replace(old_logps=logps + 0.2 * torch.randn(logps.shape, generator=gen),
-                          advantages=torch.randn(logps.shape, generator=gen) * mask)
+    batch = batch.replace(
+        old_logps=logps + 0.2 * torch.randn(logps.shape, generator=gen),
+        advantages=torch.randn(logps.shape, generator=gen) * mask,
+    )
     env = batch.attention_mask.bool() & ~mask
     env[:, 0] = False  # position 0 is never predicted
     assert env.sum() > 10
@@ -132,8 +142,11 @@ def test_environment_tokens_get_exactly_zero_gradient(model, mode):
 
     junk = lambda x, value: torch.where(env, torch.full_like(x, value), x)  # noqa: E731
     clean_loss, clean = model_grads(batch)
-    poisoned = batch.replace(old_logps=junk(batch.old_logps, float("nan")), advantages=junk(batch.advantages, 1e6),
-                             rollout_logps=junk(batch.rollout_logps, float("nan")))
+    poisoned = batch.replace(
+        old_logps=junk(batch.old_logps, float("nan")),
+        advantages=junk(batch.advantages, 1e6),
+        rollout_logps=junk(batch.rollout_logps, float("nan")),
+    )
     dirty_loss, dirty = model_grads(poisoned)
     assert torch.equal(clean_loss, dirty_loss)
     assert all(torch.equal(a, b) for a, b in zip(clean, dirty))
@@ -156,8 +169,9 @@ def test_multi_turn_metrics_are_the_same_for_every_split(model_fp64, mode):
     assert logps.dtype == torch.float64
     gen = torch.Generator().manual_seed(3)
     noise = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
-    batch = batch.replace(old_logps=logps + 0.3 * noise(logps.shape),
-                          advantages=noise(len(batch), 1).expand_as(logps) * batch.loss_mask)
+    batch = batch.replace(
+        old_logps=logps + 0.3 * noise(logps.shape), advantages=noise(len(batch), 1).expand_as(logps) * batch.loss_mask
+    )
     objective = PolicyObjective(agg_mode=mode)
     with torch.no_grad():
         whole = objective.finalize(objective.loss(model, batch)[1], objective.count(batch))

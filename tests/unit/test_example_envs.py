@@ -2,6 +2,7 @@
 Ray: the rules, rewards and done flags of each, the tool's parser on malformed and oversized calls, and the SFT
 warm-up rows, which must tokenize to exactly the token ids a rollout builds (prompt, sampled response with its EOS,
 observation tokenized alone), or the warm-up teaches a context the policy never sees."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -73,35 +74,45 @@ def test_calculator_call_then_answer():
         episode.step("1776", ())
 
 
-@pytest.mark.parametrize("call, value", [
-    ("<calc>37*48</calc>", 1776), ("<calc> 37 * 48 </calc>", 1776), ("<calc>99+1</calc>", 100),
-    ("<calc>10-37</calc>", -27), ("<calc>-6*7</calc>", -42), ("<calc>84/12</calc>", 7),
-    ("<calc>999999*999999</calc>", 999998000001),
-    ("I will use it: <calc>2*3</calc> and more text", 6),  # the call is found inside the response
-    ("<calc>2*3</calc><calc>4*5</calc>", 6),  # the first call only
-])
+@pytest.mark.parametrize(
+    "call, value",
+    [
+        ("<calc>37*48</calc>", 1776),
+        ("<calc> 37 * 48 </calc>", 1776),
+        ("<calc>99+1</calc>", 100),
+        ("<calc>10-37</calc>", -27),
+        ("<calc>-6*7</calc>", -42),
+        ("<calc>84/12</calc>", 7),
+        ("<calc>999999*999999</calc>", 999998000001),
+        ("I will use it: <calc>2*3</calc> and more text", 6),  # the call is found inside the response
+        ("<calc>2*3</calc><calc>4*5</calc>", 6),  # the first call only
+    ],
+)
 def test_tool_evaluates_int_op_int(call, value):
     calculator = load_environment(CALCULATOR)
     assert calculator.evaluate(call) == value
     assert _episode(CALCULATOR, ROW).step(call, ()).observation == f"<result>{value}</result>"
 
 
-@pytest.mark.parametrize("call, reason", [
-    ("<calc>37*48", "unclosed"),
-    ("<calc>37*48</calc", "unclosed"),
-    ("<calc></calc>", "syntax"),
-    ("<calc>37x48</calc>", "syntax"),
-    ("<calc>37**48</calc>", "syntax"),
-    ("<calc>1+2+3</calc>", "syntax"),
-    ("<calc>(1+2)</calc>", "syntax"),
-    ("<calc>3.5*2</calc>", "syntax"),
-    ("<calc>1234567*2</calc>", "syntax"),  # operands of at most 6 digits
-    ("<calc>\u0663*2</calc>", "syntax"),  # an Arabic-Indic 3: ASCII digits only
-    ("<calc>__import__('os').system('true')</calc>", "too long"),  # never eval-ed; refused before parsing
-    ("<calc>" + "9" * 100_000 + "*2</calc>", "too long"),
-    ("<calc>1/0</calc>", "division by zero"),
-    ("<calc>7/2</calc>", "inexact"),
-])
+@pytest.mark.parametrize(
+    "call, reason",
+    [
+        ("<calc>37*48", "unclosed"),
+        ("<calc>37*48</calc", "unclosed"),
+        ("<calc></calc>", "syntax"),
+        ("<calc>37x48</calc>", "syntax"),
+        ("<calc>37**48</calc>", "syntax"),
+        ("<calc>1+2+3</calc>", "syntax"),
+        ("<calc>(1+2)</calc>", "syntax"),
+        ("<calc>3.5*2</calc>", "syntax"),
+        ("<calc>1234567*2</calc>", "syntax"),  # operands of at most 6 digits
+        ("<calc>\u0663*2</calc>", "syntax"),  # an Arabic-Indic 3: ASCII digits only
+        ("<calc>__import__('os').system('true')</calc>", "too long"),  # never eval-ed; refused before parsing
+        ("<calc>" + "9" * 100_000 + "*2</calc>", "too long"),
+        ("<calc>1/0</calc>", "division by zero"),
+        ("<calc>7/2</calc>", "inexact"),
+    ],
+)
 def test_malformed_calls_observe_an_error_and_count(call, reason):
     calculator = load_environment(CALCULATOR)
     with pytest.raises(ValueError) as caught:
@@ -134,8 +145,18 @@ def test_retry_right_first_time():
     assert outcome.info == {"tries": 1, "correct": True}
 
 
-@pytest.mark.parametrize("first, hint", [("18", "higher"), ("7", "higher"), ("20", "lower"), ("91", "lower"),
-                                         ("-19", "higher"), ("", "a number"), ("nineteen", "a number")])
+@pytest.mark.parametrize(
+    "first, hint",
+    [
+        ("18", "higher"),
+        ("7", "higher"),
+        ("20", "lower"),
+        ("91", "lower"),
+        ("-19", "higher"),
+        ("", "a number"),
+        ("nineteen", "a number"),
+    ],
+)
 def test_retry_feedback_says_where_the_answer_lies_and_asks_again(first, hint):
     episode = _episode(RETRY, ADD)
     wrong = episode.step(first, ())
@@ -172,8 +193,7 @@ def test_calculator_sft_rows_teach_the_call_on_some_rows(data):
         a, b = (int(x) for x in call["prompt"].rstrip("=").split("*"))
         assert 10 <= a <= 99 and 10 <= b <= 99
         assert call["response"] == f"<calc>{a}*{b}</calc>"
-        assert copy == {"prompt": f"{a}*{b}=<calc>{a}*{b}</calc></s><result>{a * b}</result>",
-                        "response": str(a * b)}
+        assert copy == {"prompt": f"{a}*{b}=<calc>{a}*{b}</calc></s><result>{a * b}</result>", "response": str(a * b)}
     assert all(r["response"] == str(eval(r["prompt"].rstrip("="))) for r in direct)  # noqa: S307 (test data)
     assert data.calculator_sft_rows(50, seed=3) == data.calculator_sft_rows(50, seed=3)
     assert data.calculator_sft_rows(50, seed=3) != data.calculator_sft_rows(50, seed=4)
@@ -224,9 +244,13 @@ def test_sft_rows_tokenize_to_the_rollouts_own_ids(data, tokenizer, env):
     assert second_turns
     for row in second_turns:
         first_prompt = row["prompt"].split("=", 1)[0] + "="
-        first_response = row["prompt"][len(first_prompt):].split(tokenizer.eos_token)[0]
-        episode, outcomes = _rollout_of(tokenizer, data.SPECS[env], {"prompt": first_prompt, "answer": row["response"]},
-                                        [first_response, row["response"]])
+        first_response = row["prompt"][len(first_prompt) :].split(tokenizer.eos_token)[0]
+        episode, outcomes = _rollout_of(
+            tokenizer,
+            data.SPECS[env],
+            {"prompt": first_prompt, "answer": row["response"]},
+            [first_response, row["response"]],
+        )
         example = _sft_example(tokenizer, row)
         assert example.input_ids == episode.token_ids, row
         last = episode.segments[-1]
@@ -237,18 +261,27 @@ def test_sft_rows_tokenize_to_the_rollouts_own_ids(data, tokenizer, env):
 def test_first_turn_sft_rows_tokenize_to_the_rollouts_first_turn(data, tokenizer):
     rows = data.example_rows("calculator", seed=0, num_sft=100, num_prompts=1, num_eval=1)["sft"]
     for row in (r for r in rows if tokenizer.eos_token not in r["prompt"]):
-        episode, outcomes = _rollout_of(tokenizer, data.SPECS["calculator"],
-                                        {"prompt": row["prompt"], "answer": "0"}, [row["response"]])
-        assert _sft_example(tokenizer, row).input_ids == episode.token_ids[:len(episode.prompt_ids) +
-                                                                            len(episode.segments[0].ids)]
+        episode, outcomes = _rollout_of(
+            tokenizer, data.SPECS["calculator"], {"prompt": row["prompt"], "answer": "0"}, [row["response"]]
+        )
+        assert (
+            _sft_example(tokenizer, row).input_ids
+            == episode.token_ids[: len(episode.prompt_ids) + len(episode.segments[0].ids)]
+        )
         assert outcomes[0].done == (not row["response"].startswith("<calc>"))
 
 
 def test_data_cli_writes_the_three_files(data, tmp_path, capsys):
-    assert data.main(["--env", "retry", "--out", str(tmp_path), "--num-sft", "20", "--num-prompts", "8",
-                      "--num-eval", "4"]) == 0
-    read = {name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
-            for name in ("sft", "prompts", "eval_prompts")}
+    assert (
+        data.main(
+            ["--env", "retry", "--out", str(tmp_path), "--num-sft", "20", "--num-prompts", "8", "--num-eval", "4"]
+        )
+        == 0
+    )
+    read = {
+        name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        for name in ("sft", "prompts", "eval_prompts")
+    }
     assert len(read["prompts"]) == 8 and len(read["eval_prompts"]) == 4 and len(read["sft"]) >= 20
     assert all(set(r) == {"prompt", "answer"} and r["prompt"].endswith("=") for r in read["prompts"])
     assert read["prompts"] != read["eval_prompts"][:4]  # another seed
@@ -275,16 +308,45 @@ def _record(tokenizer, turns, reward):
 def test_the_loops_episode_stats(tokenizer):
     loop = _load("train_loop")
     decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
-    calculator = [_record(tokenizer, ["<calc>37*48</calc>", ("env", "<result>1776</result>"), "1776"], 1.0),
-                  _record(tokenizer, ["<calc>3*</calc>", ("env", "<error>syntax</error>"), "<calc>3*4</calc>",
-                                      ("env", "<result>12</result>"), "13"], 0.0),
-                  _record(tokenizer, ["1800"], 0.0), _record(tokenizer, ["1776"], 1.0)]
+    calculator = [
+        _record(tokenizer, ["<calc>37*48</calc>", ("env", "<result>1776</result>"), "1776"], 1.0),
+        _record(
+            tokenizer,
+            [
+                "<calc>3*</calc>",
+                ("env", "<error>syntax</error>"),
+                "<calc>3*4</calc>",
+                ("env", "<result>12</result>"),
+                "13",
+            ],
+            0.0,
+        ),
+        _record(tokenizer, ["1800"], 0.0),
+        _record(tokenizer, ["1776"], 1.0),
+    ]
     assert loop.episode_stats("calculator", calculator, decode) == {
-        "reward": 0.5, "accuracy": 0.5, "turns": 1.75, "tool_rate": 0.5, "tool_calls": 0.75, "acc_tool": 0.5,
-        "acc_direct": 0.5}
-    retry = [_record(tokenizer, ["19"], 1.0), _record(tokenizer, ["18", ("env", "higher\n12+7="), "19"], 0.5),
-             _record(tokenizer, ["18", ("env", "higher\n12+7="), "17"], 0.0)]
+        "reward": 0.5,
+        "accuracy": 0.5,
+        "turns": 1.75,
+        "tool_rate": 0.5,
+        "tool_calls": 0.75,
+        "acc_tool": 0.5,
+        "acc_direct": 0.5,
+    }
+    retry = [
+        _record(tokenizer, ["19"], 1.0),
+        _record(tokenizer, ["18", ("env", "higher\n12+7="), "19"], 0.5),
+        _record(tokenizer, ["18", ("env", "higher\n12+7="), "17"], 0.0),
+    ]
     stats = loop.episode_stats("retry", retry, decode)
-    assert stats == pytest.approx({"reward": 0.5, "accuracy": 2 / 3, "turns": 5 / 3, "retry_rate": 2 / 3,
-                                   "first_try": 1 / 3, "retry_success": 0.5})
+    assert stats == pytest.approx(
+        {
+            "reward": 0.5,
+            "accuracy": 2 / 3,
+            "turns": 5 / 3,
+            "retry_rate": 2 / 3,
+            "first_try": 1 / 3,
+            "retry_success": 0.5,
+        }
+    )
     assert "retry ok 0.50" in loop._line("retry", stats)

@@ -1,6 +1,7 @@
 """``bench/gpu_check.py --device cpu``: the one-GPU check's CPU twin passes, prints its table, and fails (exit 1) on a
 mis-normalised gradient. It runs with ``ray`` and ``vllm`` made unimportable (a package of each name that raises on
 import, first on ``PYTHONPATH``, so also in its receiver process): the check is for a machine without them."""
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ROWS = ("engine: ZeRO 0 fp32", "sft: micro 8xGA1 vs 2xGA4", "dpo: micro 8xGA1 vs 2xGA4", "packing: sdpa twin",
-        "ipc: shared memory", "sync group: gloo, arrival bound")
+ROWS = (
+    "engine: ZeRO 0 fp32",
+    "sft: micro 8xGA1 vs 2xGA4",
+    "dpo: micro 8xGA1 vs 2xGA4",
+    "packing: sdpa twin",
+    "ipc: shared memory",
+    "sync group: gloo, arrival bound",
+)
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +29,24 @@ def blocked(tmp_path_factory) -> dict:
     for name in ("ray", "vllm"):
         (shadow / name).mkdir()
         (shadow / name / "__init__.py").write_text(f"raise ImportError('gpu_check must not import {name}')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow), str(ROOT)]), DS_ACCELERATOR="cpu",
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(shadow), str(ROOT)]),
+        DS_ACCELERATOR="cpu",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     return env
 
 
 def _run(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", *args],
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _table(stdout: str) -> dict:

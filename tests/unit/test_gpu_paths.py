@@ -1,6 +1,7 @@
 """Device-dependent choices on the GPU path, shown through their CPU twins and stand-ins (issue #23): the optimizer a
 CUDA worker builds, vLLM's eager mode and sleep level, the hybrid engine's wake-up order around the weight sync,
 hybrid + broadcast refused on GPUs, a broken flash-attn falling back to sdpa, and one IPC handle per buffer."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -49,8 +50,9 @@ def test_eager_on_cpu_only():
     spec = VLLMSpec(model_path="m")
     gpu, cpu = llm_options(spec, cuda=True), llm_options(spec, cuda=False)
     assert gpu["enforce_eager"] is False and cpu["enforce_eager"] is True
-    assert {k: v for k, v in gpu.items() if k != "enforce_eager"} == {k: v for k, v in cpu.items()
-                                                                      if k != "enforce_eager"}
+    assert {k: v for k, v in gpu.items() if k != "enforce_eager"} == {
+        k: v for k, v in cpu.items() if k != "enforce_eager"
+    }
 
 
 class _FakeLLM:
@@ -94,6 +96,7 @@ class _Recorder:
         def method(*args):
             self.log.append(f"{self.name}.{call}")
             return {"bytes": 1.0} if call == "push_weights" else None
+
         return method
 
 
@@ -103,8 +106,11 @@ def test_push_weights_empties_the_trainers_caches_wakes_weights_syncs_then_wakes
 
     log: list = []
     trainer = object.__new__(RLTrainer)
-    trainer.actors = RLActors(policy=_Recorder("policy", log), engines=_Recorder("engines", log, sleeps=sleeps),
-                              reference=_Recorder("reference", log))
+    trainer.actors = RLActors(
+        policy=_Recorder("policy", log),
+        engines=_Recorder("engines", log, sleeps=sleeps),
+        reference=_Recorder("reference", log),
+    )
     assert trainer.push_weights() == {"bytes": 1.0}
     released = ["policy.release_cached_memory", "reference.release_cached_memory"] if sleeps else []
     assert log == released + ["engines.wake_weights", "policy.push_weights", "engines.wake_kv_cache"]
@@ -129,14 +135,25 @@ def _rl_cfg(tiny_model, rl_prompts, *extra):
     from rlhf.config.loader import load_config
     from rlhf.config.rl_schema import RLRunConfig
 
-    return load_config(RLRunConfig, "grpo_tiny", [f"model.path={tiny_model}", f"data.train_path={rl_prompts}",
-                                                  "reward.functions=[rlhf.synthetic.arithmetic:reward]",
-                                                  "colocate.hybrid_engine=true", "rollout.num_engines=1",
-                                                  "rollout.weight_sync=broadcast", *extra])
+    return load_config(
+        RLRunConfig,
+        "grpo_tiny",
+        [
+            f"model.path={tiny_model}",
+            f"data.train_path={rl_prompts}",
+            "reward.functions=[rlhf.synthetic.arithmetic:reward]",
+            "colocate.hybrid_engine=true",
+            "rollout.num_engines=1",
+            "rollout.weight_sync=broadcast",
+            *extra,
+        ],
+    )
 
 
-HYBRID_BROADCAST = (r"rollout.weight_sync is broadcast, which colocate.hybrid_engine=true cannot use on GPUs: .*"
-                    r"use rollout.weight_sync=ipc or auto")
+HYBRID_BROADCAST = (
+    r"rollout.weight_sync is broadcast, which colocate.hybrid_engine=true cannot use on GPUs: .*"
+    r"use rollout.weight_sync=ipc or auto"
+)
 
 
 def test_hybrid_engine_with_broadcast_is_refused_when_the_config_says_gpus(tiny_model, rl_prompts):
@@ -157,8 +174,9 @@ def test_the_runner_refuses_hybrid_broadcast_once_the_cluster_gives_gpus(tiny_mo
 
     cfg = _rl_cfg(tiny_model, rl_prompts)
     with pytest.raises(ConfigError, match=HYBRID_BROADCAST):
-        _connect_weight_sync(cfg, SimpleNamespace(gpus_per_worker=1.0), SimpleNamespace(engines=Engines(),
-                                                                                        policy=object()))
+        _connect_weight_sync(
+            cfg, SimpleNamespace(gpus_per_worker=1.0), SimpleNamespace(engines=Engines(), policy=object())
+        )
 
 
 # ------------------------------------------------------------------ flash-attn detection
@@ -207,10 +225,16 @@ def test_an_fp32_model_on_cuda_runs_sdpa_even_with_a_working_flash_attn(fake_cud
     then refused at load. Asked for by name with fp32, it is refused naming the key and why."""
     _fake_flash_attn(tmp_path, "")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert [fake_cuda.resolve_attn_implementation("auto", p) for p in ("fp32", "fp64", "fp16")] == \
-        ["sdpa", "sdpa", "flash_attention_2"]
-    with pytest.raises(RuntimeError, match=r"^model.attn_implementation=flash_attention_2 needs .*: it runs bf16 or "
-                                           r"fp16 only, and this model is fp32$"):
+    assert [fake_cuda.resolve_attn_implementation("auto", p) for p in ("fp32", "fp64", "fp16")] == [
+        "sdpa",
+        "sdpa",
+        "flash_attention_2",
+    ]
+    with pytest.raises(
+        RuntimeError,
+        match=r"^model.attn_implementation=flash_attention_2 needs .*: it runs bf16 or "
+        r"fp16 only, and this model is fp32$",
+    ):
         fake_cuda.resolve_attn_implementation("flash_attention_2", "fp32")
 
 
@@ -287,4 +311,4 @@ def test_a_cuda_handle_is_opened_on_the_receivers_current_device(monkeypatch):
     opened = open_shared(pickle.dumps(("cuda", _rebuild_stand_in, sent)))
     assert opened[_STORAGE_DEVICE_ARG] == 3
     assert opened[:_STORAGE_DEVICE_ARG] == sent[:_STORAGE_DEVICE_ARG]
-    assert opened[_STORAGE_DEVICE_ARG + 1:] == sent[_STORAGE_DEVICE_ARG + 1:]
+    assert opened[_STORAGE_DEVICE_ARG + 1 :] == sent[_STORAGE_DEVICE_ARG + 1 :]

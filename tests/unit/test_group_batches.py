@@ -6,19 +6,20 @@ The group's actors are replaced by an in-process stand-in for its two primitives
 counting and merging code under test is the real one. That Ray workers train the same way is the integration tests'
 business (test_workers, test_precision, test_fp64_run, test_examples).
 """
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from group_helpers import LocalGroup
 from transformers import AutoModelForCausalLM
 
-from group_helpers import LocalGroup
 from rlhf.batch import Batch
 from rlhf.distributed.engine import EngineSpec
-from rlhf.objectives.base import Totals
 from rlhf.objectives.actor_critic import TokenLogps
+from rlhf.objectives.base import Totals
 from rlhf.objectives.sft import SFTObjective
 
 
@@ -37,8 +38,12 @@ def _batch(model, rows: int = 8, seed: int = 0) -> Batch:
         masks.append([0] * prompt + [1] * response)
     width = max(map(len, seqs))
     pad = lambda xs: [x + [0] * (width - len(x)) for x in xs]  # noqa: E731
-    return Batch(input_ids=torch.tensor(pad(seqs)), attention_mask=torch.tensor(pad([[1] * len(s) for s in seqs])),
-                 loss_mask=torch.tensor(pad(masks)), sample_index=torch.arange(rows))
+    return Batch(
+        input_ids=torch.tensor(pad(seqs)),
+        attention_mask=torch.tensor(pad([[1] * len(s) for s in seqs])),
+        loss_mask=torch.tensor(pad(masks)),
+        sample_index=torch.arange(rows),
+    )
 
 
 def test_train_batch_cuts_contiguous_rank_shards_and_counts_the_whole_batch(model):
@@ -78,8 +83,11 @@ def test_every_split_of_one_batch_logs_the_same_metrics(model):
 
 def test_train_batch_refuses_a_batch_of_the_wrong_size_naming_the_shape(model):
     group = LocalGroup(model, EngineSpec.for_global_batch(8, 2, 2), ranks=2)
-    with pytest.raises(ValueError, match=r"policy: train_batch got 6 rows; one optimizer step takes micro_batch_size "
-                                         r"2 x grad_accum_steps 2 x 2 ranks = 8"):
+    with pytest.raises(
+        ValueError,
+        match=r"policy: train_batch got 6 rows; one optimizer step takes micro_batch_size "
+        r"2 x grad_accum_steps 2 x 2 ranks = 8",
+    ):
         group.train_batch(_batch(model, rows=6), SFTObjective())
     group.trainable = False
     with pytest.raises(ValueError, match="needs a trainable group"):
@@ -115,7 +123,7 @@ def test_score_batch_pads_per_token_results_back_to_the_batch_and_concatenates_p
     for start in range(0, 7, 3):  # chunks of the build's micro-batch size (3); columns past a chunk's width are 0
         rows = slice(start, start + 3)
         widths.append(int(batch.attention_mask[rows].sum(-1).max()))
-        assert (logps[rows, widths[-1]:] == 0).all()
+        assert (logps[rows, widths[-1] :] == 0).all()
     assert min(widths) < batch.input_ids.shape[1]  # some chunk really was narrower than the batch
     sums = group.score_batch(batch, lambda m, b: b.loss_mask.sum(-1).double(), rows_per_forward=2)
     assert sums.dtype == torch.float64 and sums.tolist() == batch.loss_mask.sum(-1).tolist()

@@ -1,4 +1,5 @@
 """`import rlhf` stays light, and every module imports (nothing rots unimported)."""
+
 from __future__ import annotations
 
 import importlib
@@ -12,8 +13,7 @@ HEAVY = ("ray", "vllm", "deepspeed")
 
 
 def test_import_rlhf_pulls_no_heavy_framework():
-    code = ("import sys, rlhf, rlhf.config, rlhf.registry; "
-            f"print([m for m in {HEAVY!r} if m in sys.modules])")
+    code = f"import sys, rlhf, rlhf.config, rlhf.registry; print([m for m in {HEAVY!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", f"heavy modules imported by `import rlhf`: {out}"
 

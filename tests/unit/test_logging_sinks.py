@@ -1,4 +1,5 @@
 """Metrics sinks: metrics.jsonl + TensorBoard + Weights & Biases in offline mode (no network, no account)."""
+
 from __future__ import annotations
 
 import glob
@@ -11,8 +12,18 @@ from rlhf.utils.metrics import ConsoleTable, RunWriters
 
 
 def _cfg(out, *extra):
-    return load_config(SFTRunConfig, None, ["model.path=m", "data.train_path=d.jsonl", f"train.output_dir={out}",
-                                            "logging.wandb=true", "logging.tensorboard=false", *extra])
+    return load_config(
+        SFTRunConfig,
+        None,
+        [
+            "model.path=m",
+            "data.train_path=d.jsonl",
+            f"train.output_dir={out}",
+            "logging.wandb=true",
+            "logging.tensorboard=false",
+            *extra,
+        ],
+    )
 
 
 def test_wandb_offline_run_is_written_and_continued_on_resume(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """The long-tailed synthetic data (rlhf.synthetic.long_tail): deterministic, within bounds, really long-tailed, and
 its token arithmetic agrees with the tiny tokenizer as the SFT / DPO pipeline tokenizes."""
+
 from __future__ import annotations
 
 import json
@@ -90,8 +91,9 @@ def test_token_counts_match_the_tiny_tokenizer_through_the_pipeline():
     examples = tokenize_sft(rows, tok, max_length=4096, prompt_key="prompt", response_key="response").examples
     assert [len(e.input_ids) for e in examples] == [row_tokens(r) for r in rows]
     pairs = make_preference_rows(150, 11)
-    pair_examples = tokenize_pairs(pairs, tok, max_length=4096, prompt_key="prompt", chosen_key="chosen",
-                                   rejected_key="rejected").examples
+    pair_examples = tokenize_pairs(
+        pairs, tok, max_length=4096, prompt_key="prompt", chosen_key="chosen", rejected_key="rejected"
+    ).examples
     assert len(pair_examples) == len(pairs)
     got = [len(side.input_ids) for e in pair_examples for side in (e.chosen, e.rejected)]
     assert got == pair_lengths(pairs)
@@ -103,15 +105,21 @@ def test_written_files_and_the_command_line(tmp_path):
         assert [json.loads(line) for line in f] == make_sft_rows(64, 2)
     with open(paths["pairs"]) as f:
         assert [json.loads(line) for line in f] == make_preference_rows(64, 2)
-    out = subprocess.run([sys.executable, "-m", "rlhf.synthetic.long_tail", str(tmp_path / "b"), "--rows", "64",
-                          "--seed", "2"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "rlhf.synthetic.long_tail", str(tmp_path / "b"), "--rows", "64", "--seed", "2"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "p99/p50" in out
     with open(tmp_path / "b" / "sft.jsonl") as f:
         assert [json.loads(line) for line in f] == make_sft_rows(64, 2)
 
 
 def test_the_module_imports_no_heavy_framework():
-    code = (f"import sys, {long_tail.__name__}; "
-            "print([m for m in ('torch', 'ray', 'transformers', 'deepspeed') if m in sys.modules])")
+    code = (
+        f"import sys, {long_tail.__name__}; "
+        "print([m for m in ('torch', 'ray', 'transformers', 'deepspeed') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"

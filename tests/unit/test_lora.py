@@ -1,5 +1,6 @@
 """LoRA (rlhf.models.lora): the targets PEFT would wrap, the wrapped model starting at its base, the base as the
 reference with adapters off, and the merge / adapter export over named tensors."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,11 @@ def _ids(seed: int = 0) -> torch.Tensor:
 
 def _wrapped_modules(peft_model) -> list:
     """Module paths (relative to the HF model) that PEFT gave a LoRA adapter."""
-    return [L._strip_prefix(n)[: -len(".lora_A.default.weight")] for n in peft_model.state_dict()
-            if n.endswith(".lora_A.default.weight")]
+    return [
+        L._strip_prefix(n)[: -len(".lora_A.default.weight")]
+        for n in peft_model.state_dict()
+        if n.endswith(".lora_A.default.weight")
+    ]
 
 
 def _perturb(peft_model, seed: int = 1) -> None:
@@ -51,15 +55,22 @@ def models(tiny_model):
 
 
 # ---------------------------------------------------------------------------------------------------- spec
-@pytest.mark.parametrize("kwargs, key", [
-    (dict(r=-1), "model.lora.r"), (dict(r=2.0), "model.lora.r"), (dict(r=True), "model.lora.r"),
-    (dict(r=4, alpha=0), "model.lora.alpha"), (dict(r=4, alpha=float("nan")), "model.lora.alpha"),
-    (dict(r=4, dropout=1.0), "model.lora.dropout"), (dict(r=4, dropout=-0.1), "model.lora.dropout"),
-    (dict(r=4, target_modules=()), "model.lora.target_modules"),
-    (dict(r=4, target_modules=("q_proj", "")), "model.lora.target_modules"),
-    (dict(r=4, target_modules="q_proj(["), "model.lora.target_modules"),
-    (dict(r=4, target_modules=("all-linear", "q_proj")), "model.lora.target_modules"),
-])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        (dict(r=-1), "model.lora.r"),
+        (dict(r=2.0), "model.lora.r"),
+        (dict(r=True), "model.lora.r"),
+        (dict(r=4, alpha=0), "model.lora.alpha"),
+        (dict(r=4, alpha=float("nan")), "model.lora.alpha"),
+        (dict(r=4, dropout=1.0), "model.lora.dropout"),
+        (dict(r=4, dropout=-0.1), "model.lora.dropout"),
+        (dict(r=4, target_modules=()), "model.lora.target_modules"),
+        (dict(r=4, target_modules=("q_proj", "")), "model.lora.target_modules"),
+        (dict(r=4, target_modules="q_proj(["), "model.lora.target_modules"),
+        (dict(r=4, target_modules=("all-linear", "q_proj")), "model.lora.target_modules"),
+    ],
+)
 def test_spec_errors_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         L.LoraSpec(**kwargs)
@@ -80,8 +91,10 @@ def test_meta_check_predicts_exactly_what_peft_wraps(tiny_model, models, kind, t
 
     predicted = L.check_targets(tiny_model, kind, targets)  # meta device: no weights read
     task = "CAUSAL_LM" if kind == CAUSAL_LM else "SEQ_CLS"
-    by_peft = get_peft_model(models(kind), LoraConfig(r=2, target_modules=targets if isinstance(targets, str)
-                                                      else list(targets), task_type=task))
+    by_peft = get_peft_model(
+        models(kind),
+        LoraConfig(r=2, target_modules=targets if isinstance(targets, str) else list(targets), task_type=task),
+    )
     assert predicted == _wrapped_modules(by_peft)  # PEFT's own rule, "all-linear" included
     assert not any(n.endswith(("lm_head", "score")) for n in predicted)
     assert predicted == _wrapped_modules(L.apply_lora(models(kind), L.LoraSpec(r=2, target_modules=targets), kind))
@@ -94,16 +107,23 @@ def test_matching_from_names_alone():
     assert L.matching_modules(names, "q_proj") == []  # a string is a full-path regex, as in PEFT
 
 
-@pytest.mark.parametrize("kind, targets, says", [
-    (CAUSAL_LM, ("qproj",), r"matches no Linear layer .* end in: down_proj, gate_proj, k_proj, o_proj, q_proj, "
-                            r"up_proj, v_proj$"),
-    (CAUSAL_LM, ("q_proj", "vproj"), r"\['vproj'\] match no Linear layer"),
-    (CAUSAL_LM, ("q_proj", "lm_head"), r"would wrap the output head 'lm_head'.*output layer"),
-    (CAUSAL_LM, r"lm_.*", r"would wrap the output head 'lm_head'"),
-    (SCALAR_HEAD, ("score",), r"would wrap the output head 'score'.*trained fully"),
-    (CAUSAL_LM, ("mlp",), r"not Linear layers: model\.layers\.0\.mlp \(Qwen2MLP\)"),
-    (CAUSAL_LM, ("embed_tokens",), r"not Linear layers: model\.embed_tokens \(Embedding\)"),
-])
+@pytest.mark.parametrize(
+    "kind, targets, says",
+    [
+        (
+            CAUSAL_LM,
+            ("qproj",),
+            r"matches no Linear layer .* end in: down_proj, gate_proj, k_proj, o_proj, q_proj, "
+            r"up_proj, v_proj$",
+        ),
+        (CAUSAL_LM, ("q_proj", "vproj"), r"\['vproj'\] match no Linear layer"),
+        (CAUSAL_LM, ("q_proj", "lm_head"), r"would wrap the output head 'lm_head'.*output layer"),
+        (CAUSAL_LM, r"lm_.*", r"would wrap the output head 'lm_head'"),
+        (SCALAR_HEAD, ("score",), r"would wrap the output head 'score'.*trained fully"),
+        (CAUSAL_LM, ("mlp",), r"not Linear layers: model\.layers\.0\.mlp \(Qwen2MLP\)"),
+        (CAUSAL_LM, ("embed_tokens",), r"not Linear layers: model\.embed_tokens \(Embedding\)"),
+    ],
+)
 def test_target_errors(tiny_model, kind, targets, says):
     with pytest.raises(ValueError, match=r"model\.lora\.target_modules=") as err:
         L.check_targets(tiny_model, kind, targets)
@@ -143,8 +163,9 @@ def test_gradients_are_the_same_with_gradient_checkpointing(tiny_model):
     spec, ids = L.LoraSpec(r=4, alpha=8, target_modules=("q_proj", "down_proj")), _ids(2)
     grads = []
     for checkpointing in (False, True):
-        model = L.apply_lora(load_model(ModelSpec(tiny_model, gradient_checkpointing=checkpointing)), spec,
-                             CAUSAL_LM, seed=0)
+        model = L.apply_lora(
+            load_model(ModelSpec(tiny_model, gradient_checkpointing=checkpointing)), spec, CAUSAL_LM, seed=0
+        )
         _perturb(model)
         model.train()
         model(input_ids=ids).logits.logsumexp(-1).mean().backward()
@@ -233,16 +254,21 @@ def test_merge_streams_one_module_at_a_time(models):
     for name, _ in L.merged_named_tensors(source(), spec):
         if name == "model.layers.0.self_attn.q_proj.weight":
             # the module's pieces are adjacent and it is released as soon as the next name shows up
-            assert consumed[-5:-1] == [f"{q}.base_layer.weight", f"{q}.base_layer.bias", f"{q}.lora_A.default.weight",
-                                       f"{q}.lora_B.default.weight"]
+            assert consumed[-5:-1] == [
+                f"{q}.base_layer.weight",
+                f"{q}.base_layer.bias",
+                f"{q}.lora_A.default.weight",
+                f"{q}.lora_B.default.weight",
+            ]
             assert len(consumed) == names.index(f"{q}.lora_B.default.weight") + 2
             break
     else:
         pytest.fail("the merged q_proj weight never came")
 
     scrambled = sorted(model.state_dict().items())  # q_proj.base_layer.* and q_proj.lora_* far apart
-    moved = [(n, t) for n, t in scrambled if "layers.0.self_attn.q_proj.lora_B" not in n] + \
-        [(n, t) for n, t in scrambled if "layers.0.self_attn.q_proj.lora_B" in n]
+    moved = [(n, t) for n, t in scrambled if "layers.0.self_attn.q_proj.lora_B" not in n] + [
+        (n, t) for n, t in scrambled if "layers.0.self_attn.q_proj.lora_B" in n
+    ]
     with pytest.raises(ValueError, match="incomplete|arrived after"):
         list(L.merged_named_tensors(moved, spec))
 
@@ -256,8 +282,10 @@ def test_merge_weight_is_computed_wide_and_rounded_once(dtype):
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     exact = w.to(dtype).to(acc) + 0.75 * (b.to(dtype).to(acc) @ a.to(dtype).to(acc))
     assert torch.equal(out, exact.to(dtype))
-    assert torch.equal(L.merge_weight(torch.zeros(2, 2), torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0], [4.0]]),
-                                      scaling=2.0), torch.tensor([[6.0, 12.0], [8.0, 16.0]]))
+    assert torch.equal(
+        L.merge_weight(torch.zeros(2, 2), torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0], [4.0]]), scaling=2.0),
+        torch.tensor([[6.0, 12.0], [8.0, 16.0]]),
+    )
 
 
 def test_merge_rejects_a_spec_of_another_rank(models):
@@ -273,16 +301,24 @@ def test_saved_adapter_is_peft_s_and_loads_on_the_base(models, tiny_model, tmp_p
     from safetensors.torch import load_file
 
     model, spec = _tuned(models, kind)
-    ours = L.save_adapter(model.state_dict().items(), spec, str(tmp_path / "ours"), kind,
-                          base_model_name_or_path=tiny_model)
+    ours = L.save_adapter(
+        model.state_dict().items(), spec, str(tmp_path / "ours"), kind, base_model_name_or_path=tiny_model
+    )
     model.save_pretrained(str(tmp_path / "peft"))
     theirs = load_file(str(tmp_path / "peft" / L.ADAPTER_WEIGHTS))
     written = load_file(os.path.join(ours, L.ADAPTER_WEIGHTS))
     assert sorted(written) == sorted(theirs) and all(torch.equal(written[n], theirs[n]) for n in theirs)
     config = L.read_adapter_config(ours)
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8, tiny_model)
-    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
-                                                "v_proj"]
+    assert sorted(config["target_modules"]) == [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
 
     loaded = PeftModel.from_pretrained(models(kind), ours)  # a fresh base: the scalar head comes from the adapter
     ids = _ids(5)

@@ -1,20 +1,21 @@
 """Cutting a global batch by rows or by a token budget (rlhf/distributed/micro_batches.py) and the group using it:
 every row in exactly one counted micro-batch, budgets kept, ranks in lockstep, metrics equal to the whole batch."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
+from group_helpers import LocalGroup
 from transformers import AutoModelForCausalLM
 
-from group_helpers import LocalGroup
 from rlhf.batch import Batch
 from rlhf.distributed.engine import EngineSpec
 from rlhf.distributed.group import row_lengths
 from rlhf.distributed.micro_batches import consecutive_by_tokens, cut_by_rows, cut_by_tokens, micro_batch_tokens
-from rlhf.objectives.base import Totals
 from rlhf.objectives.actor_critic import TokenLogps
+from rlhf.objectives.base import Totals
 from rlhf.objectives.sft import SFTObjective
 
 
@@ -42,18 +43,20 @@ def test_cut_by_rows_is_the_contiguous_cut():
 @pytest.mark.parametrize("packing", [True, False])
 @pytest.mark.parametrize("pairs", [False, True])
 @pytest.mark.parametrize("ranks,budget", [(1, 400), (2, 400), (2, 1000), (4, 450)])
-def test_cut_by_tokens_keeps_every_row_once_within_the_budget_and_the_ranks_in_lockstep(packing, pairs, ranks,
-                                                                                        budget):
+def test_cut_by_tokens_keeps_every_row_once_within_the_budget_and_the_ranks_in_lockstep(packing, pairs, ranks, budget):
     for seed in range(5):
         lengths = _long_tailed(24, seed, pairs)
         cut = cut_by_tokens(lengths, ranks, budget, packing)
-        counted = [rows for shard, flags in zip(cut.micro_batches, cut.counted)
-                   for rows, keep in zip(shard, flags) if keep]
+        counted = [
+            rows for shard, flags in zip(cut.micro_batches, cut.counted) for rows, keep in zip(shard, flags) if keep
+        ]
         assert sorted(r for rows in counted for r in rows) == list(range(len(lengths)))
         assert all(micro_batch_tokens([lengths[r] for r in rows], packing) <= budget for rows in counted)
         assert len({len(shard) for shard in cut.micro_batches}) == 1  # every rank runs as many micro-batches
-        per_rank_rows = [sum(len(rows) for rows, keep in zip(shard, flags) if keep)
-                         for shard, flags in zip(cut.micro_batches, cut.counted)]
+        per_rank_rows = [
+            sum(len(rows) for rows, keep in zip(shard, flags) if keep)
+            for shard, flags in zip(cut.micro_batches, cut.counted)
+        ]
         assert per_rank_rows == [len(lengths) // ranks] * ranks
         for shard, flags in zip(cut.micro_batches, cut.counted):
             own = [r for rows, keep in zip(shard, flags) if keep for r in rows]
@@ -67,8 +70,10 @@ def test_cut_by_tokens_keeps_every_row_once_within_the_budget_and_the_ranks_in_l
 def test_ranks_get_balanced_tokens():
     lengths = [(n,) for n in (100, 90, 80, 10, 10, 10, 5, 5)]
     cut = cut_by_tokens(lengths, ranks=2, max_tokens=200, packing=True)
-    totals = [sum(lengths[r][0] for rows, keep in zip(shard, flags) if keep for r in rows)
-              for shard, flags in zip(cut.micro_batches, cut.counted)]
+    totals = [
+        sum(lengths[r][0] for rows, keep in zip(shard, flags) if keep for r in rows)
+        for shard, flags in zip(cut.micro_batches, cut.counted)
+    ]
     # longest first to the lighter rank, four rows each: 100+10+10+10 and 90+80+5+5 (the best split: whichever
     # rank holds two of 100, 90, 80 has at least 170)
     assert totals == [130, 180]
@@ -138,11 +143,14 @@ def test_train_batch_under_a_budget_gives_the_whole_batch_metrics_and_counts_no_
 def test_score_batch_under_a_budget_chunks_by_tokens_in_order(model):
     batch = _batch(model, LENGTHS, seed=1)
     by_rows = LocalGroup(model, EngineSpec.for_global_batch(8, micro_batch_size=1, num_workers=1), ranks=1)
-    by_tokens = LocalGroup(model, EngineSpec.for_token_budget(8, max_tokens=64, num_workers=1, packing=True),
-                           ranks=1)
+    by_tokens = LocalGroup(model, EngineSpec.for_token_budget(8, max_tokens=64, num_workers=1, packing=True), ranks=1)
     real = batch.attention_mask.bool()  # padding columns hold meaningless values, as documented
-    torch.testing.assert_close(by_tokens.score_batch(batch, TokenLogps())[real],
-                               by_rows.score_batch(batch, TokenLogps())[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        by_tokens.score_batch(batch, TokenLogps())[real],
+        by_rows.score_batch(batch, TokenLogps())[real],
+        rtol=1e-5,
+        atol=1e-5,
+    )
     assert [len(c) for c in by_tokens._chunks(batch, None, "score")] == [3, 3, 2]  # 40+3+7 | 25+2+9 | 31+4
 
 
@@ -160,13 +168,17 @@ def test_evaluate_batch_under_a_budget_counts_every_row_once(model):
 def test_row_lengths_reads_the_mask_of_single_rows_and_pairs(model):
     single = _batch(model, [3, 5])
     assert row_lengths(single) == [(3,), (5,)]
-    pairs = Batch(input_ids=torch.stack([single.input_ids, single.input_ids.flip(0)], 1),
-                  attention_mask=torch.stack([single.attention_mask, single.attention_mask.flip(0)], 1))
+    pairs = Batch(
+        input_ids=torch.stack([single.input_ids, single.input_ids.flip(0)], 1),
+        attention_mask=torch.stack([single.attention_mask, single.attention_mask.flip(0)], 1),
+    )
     assert row_lengths(pairs) == [(3, 5), (5, 3)]
 
 
 # ------------------------------------------------------------------------------------------------ before any actor
 def test_a_data_row_no_micro_batch_can_hold_is_refused_with_its_position(tmp_path):
+    from shared_helpers import write_jsonl
+
     from rlhf.config.loader import load_config
     from rlhf.config.schema import DPORunConfig
     from rlhf.data.io import DataError
@@ -174,11 +186,11 @@ def test_a_data_row_no_micro_batch_can_hold_is_refused_with_its_position(tmp_pat
     from rlhf.trainers.dpo import _read
     from rlhf.trainers.offline import read_train_and_eval
 
-    from shared_helpers import write_jsonl
-
-    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"},
-            {"prompt": "2+2=", "chosen": "4 " + "9 " * 20, "rejected": "5"},  # the long one: row 2
-            {"prompt": "3+3=", "chosen": "6", "rejected": "7"}]
+    rows = [
+        {"prompt": "1+1=", "chosen": "2", "rejected": "3"},
+        {"prompt": "2+2=", "chosen": "4 " + "9 " * 20, "rejected": "5"},  # the long one: row 2
+        {"prompt": "3+3=", "chosen": "6", "rejected": "7"},
+    ]
     path = write_jsonl(tmp_path / "pairs.jsonl", rows)
     tokenizer = build_tokenizer()
 
@@ -189,11 +201,17 @@ def test_a_data_row_no_micro_batch_can_hold_is_refused_with_its_position(tmp_pat
     train, _ = read("train.max_tokens_per_micro_batch=100", "train.packing=true")
     packed = sum(len(e.chosen.input_ids) + len(e.rejected.input_ids) for e in train.examples[1:2])
     padded = 2 * max(len(e.chosen.input_ids) for e in train.examples[1:2])
-    with pytest.raises(DataError, match=rf"data.train_path={path}: row 2 \(counting from 1\) holds {packed} tokens "
-                                        rf"\(the sum of its sequences' lengths, packed\), more than "
-                                        rf"train.max_tokens_per_micro_batch={packed - 1}"):
+    with pytest.raises(
+        DataError,
+        match=rf"data.train_path={path}: row 2 \(counting from 1\) holds {packed} tokens "
+        rf"\(the sum of its sequences' lengths, packed\), more than "
+        rf"train.max_tokens_per_micro_batch={packed - 1}",
+    ):
         read(f"train.max_tokens_per_micro_batch={packed - 1}", "train.packing=true")
-    with pytest.raises(DataError, match=rf"row 2 \(counting from 1\) holds {padded} tokens \(its sequences x the "
-                                        rf"longest, padded\)"):
+    with pytest.raises(
+        DataError,
+        match=rf"row 2 \(counting from 1\) holds {padded} tokens \(its sequences x the "
+        rf"longest, padded\)",
+    ):
         read(f"train.max_tokens_per_micro_batch={padded - 1}")
     read(f"train.max_tokens_per_micro_batch={padded}")  # exactly the longest row fits

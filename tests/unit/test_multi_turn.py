@@ -2,6 +2,7 @@
 which episodes go to the engines each turn, with which tokens and seeds, how observations are appended, and how
 episodes end (done, max_turns, the token budget). The real engines and environment actors are the integration
 tests' business."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,9 +25,15 @@ class Engine:
     def generate(self, prompt_ids, sampling: SamplingSpec) -> List[Generation]:
         reason = self.finish[min(len(self.calls), len(self.finish) - 1)]
         self.calls.append(([tuple(p) for p in prompt_ids], sampling.seed))
-        return [Generation(tuple(p), tuple(100 + (sampling.seed + j) % 50 for _ in range(self.length)),
-                           tuple(-0.1 * (k + 1) for k in range(self.length)), reason)
-                for j, p in enumerate(prompt_ids)]
+        return [
+            Generation(
+                tuple(p),
+                tuple(100 + (sampling.seed + j) % 50 for _ in range(self.length)),
+                tuple(-0.1 * (k + 1) for k in range(self.length)),
+                reason,
+            )
+            for j, p in enumerate(prompt_ids)
+        ]
 
 
 @dataclasses.dataclass
@@ -98,8 +105,16 @@ def test_live_episodes_go_to_the_engines_together_with_their_tokens_so_far():
 
 def test_max_turns_and_the_token_budget_end_episodes():
     rows = [{"turns": 9}, {"turns": 9}]
-    records = run_episodes(Engine(), Counting(), [(1,), (1, 2, 3, 4)], rows, SAMPLING, encode, decode,
-                           TurnLimits(max_turns=2, max_episode_tokens=9))
+    records = run_episodes(
+        Engine(),
+        Counting(),
+        [(1,), (1, 2, 3, 4)],
+        rows,
+        SAMPLING,
+        encode,
+        decode,
+        TurnLimits(max_turns=2, max_episode_tokens=9),
+    )
     first, second = records
     assert first.ended_by == "max_turns" and first.episode.turns == 2
     assert len(first.episode.token_ids) == 1 + 3 + 2 + 3  # prompt, response, "o1", response
@@ -111,15 +126,17 @@ def test_max_turns_and_the_token_budget_end_episodes():
 
 def test_a_prompt_already_over_budget_never_reaches_the_engines():
     engine = Engine()
-    records = run_episodes(engine, Counting(), [(1,) * 8, (2,)], [{"turns": 1}, {"turns": 1}], SAMPLING, encode,
-                           decode, TurnLimits(2, 8))
+    records = run_episodes(
+        engine, Counting(), [(1,) * 8, (2,)], [{"turns": 1}, {"turns": 1}], SAMPLING, encode, decode, TurnLimits(2, 8)
+    )
     assert records[0].ended_by == "token_budget" and records[0].episode.turns == 0
     assert [len(c[0]) for c in engine.calls] == [1]
 
 
 def test_episode_metrics():
-    records = run_episodes(Engine(), Counting(), [(1,), (2,)], [{"turns": 1}, {"turns": 2}], SAMPLING, encode,
-                           decode, TurnLimits(3, 64))
+    records = run_episodes(
+        Engine(), Counting(), [(1,), (2,)], [{"turns": 1}, {"turns": 2}], SAMPLING, encode, decode, TurnLimits(3, 64)
+    )
     m = episode_metrics(records, RolloutStats(env_seconds=0.5))
     assert m["episode/turns"] == 1.5 and m["episode/policy_tokens"] == 4.5 and m["episode/env_tokens"] == 1.0
     assert m["episode/ended_done"] == 1.0 and m["episode/env_reward"] == 1.5 and m["time/env"] == 0.5
@@ -130,19 +147,22 @@ def test_a_response_cut_at_the_end_of_an_episode_is_not_a_clean_finish():
     token budget: the episode ends at that limit, so rollout.episode_limit applies to it. A cut response mid-episode
     is the environment's to judge (the episode goes on); a whole one followed by done is a clean finish."""
     rows = [{"turns": 1}, {"turns": 2}]
-    cut = run_episodes(Engine(finish=("length",)), Counting(), [(1,), (2,)], rows, SAMPLING, encode, decode,
-                       TurnLimits(3, 64))
+    cut = run_episodes(
+        Engine(finish=("length",)), Counting(), [(1,), (2,)], rows, SAMPLING, encode, decode, TurnLimits(3, 64)
+    )
     assert [r.ended_by for r in cut] == ["max_new_tokens"] * 2 and all(r.at_limit for r in cut)
     assert [r.episode.turns for r in cut] == [1, 2]  # the cut first response of episode 1 did not end it
-    whole_last = run_episodes(Engine(finish=("length", "stop")), Counting(), [(1,), (2,)], rows, SAMPLING, encode,
-                              decode, TurnLimits(3, 64))
+    whole_last = run_episodes(
+        Engine(finish=("length", "stop")), Counting(), [(1,), (2,)], rows, SAMPLING, encode, decode, TurnLimits(3, 64)
+    )
     assert [r.ended_by for r in whole_last] == ["max_new_tokens", "done"] and not whole_last[1].at_limit
     # 4 prompt tokens + 3 sampled in a budget of 6: the response is cut to 2 tokens, then the environment's done
     budget = run_episodes(Engine(), Counting(), [(1,) * 4], [{"turns": 1}], SAMPLING, encode, decode, TurnLimits(3, 6))
     assert budget[0].ended_by == "token_budget" and budget[0].at_limit and budget[0].episode.num_tokens == 6
     # the last allowed turn without done stays max_turns, cut or not
-    last = run_episodes(Engine(finish=("length",)), Counting(), [(1,)], [{"turns": 9}], SAMPLING, encode, decode,
-                        TurnLimits(1, 64))
+    last = run_episodes(
+        Engine(finish=("length",)), Counting(), [(1,)], [{"turns": 9}], SAMPLING, encode, decode, TurnLimits(1, 64)
+    )
     assert last[0].ended_by == "max_turns"
     m = episode_metrics(cut + whole_last, RolloutStats())
     assert m["episode/ended_max_new_tokens"] == 0.75 and m["episode/ended_done"] == 0.25

@@ -3,32 +3,33 @@ the conversation), environments that return the next prompt as ids (the prefix c
 the ``env.*`` / ``rollout.*`` episode keys, the episode limits (``penalize``, ``mask``) in scoring and in the
 update, and the resource plan's environment actors. The real engines and pool run in
 tests/integration/test_multi_turn_training.py."""
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from group_helpers import LocalGroup
 from test_multi_turn import SAMPLING, Engine, decode, encode
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from rlhf.batch import Batch
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
 from rlhf.data.chat import ChatFormatter
 from rlhf.distributed.engine import EngineSpec
-from rlhf.trainers.kinds import kind_of
 from rlhf.envs import EnvError, StepOutcome
 from rlhf.objectives.actor_critic import PolicyObjective
 from rlhf.rollout.episodes import EpisodeError
 from rlhf.rollout.multi_turn import RolloutStats, TurnLimits, episode_metrics, run_episodes
 from rlhf.rollout.observations import ChatObservations, TextObservations
-from rlhf.trainers.rl_steps import RLActors, RLTrainer
 from rlhf.rollout.vllm_engine import Generation
+from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.rl_experience import PromptSet, prepare_prompts
 from rlhf.trainers.rl_rollout import EpisodeRollout, Rollout, observation_format
+from rlhf.trainers.rl_steps import RLActors, RLTrainer
 
 SYSTEM = {"role": "system", "content": "Answer with the sum."}
 
@@ -47,8 +48,9 @@ def test_a_chat_observation_is_exactly_the_templates_next_turn(tokenizer):
     response = tokenizer("19", add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     encoder = ChatObservations(chat, "user")
     observed = encoder("lower, try again", response)
-    whole = chat.prompt_ids(messages + [{"role": "assistant", "content": "19"},
-                                        {"role": "user", "content": "lower, try again"}])
+    whole = chat.prompt_ids(
+        messages + [{"role": "assistant", "content": "19"}, {"role": "user", "content": "lower, try again"}]
+    )
     assert chat.prompt_ids(messages) + response + observed == whole
     assert tokenizer.decode(observed).startswith("\n<|im_start|>user\nlower")  # the turn's closing newline first
 
@@ -80,8 +82,15 @@ def test_a_truncated_prompt_stays_truncated_with_its_reset_observation(tokenizer
     chat = ChatFormatter(tokenizer)
     messages = [SYSTEM, {"role": "user", "content": "12+7=" * 6}]
     whole = chat.prompt_ids(messages)
-    prompts = prepare_prompts([{"prompt": messages}], tokenizer, prompt_key="prompt", columns=(),
-                              max_prompt_length=len(whole) - 5, overflow="truncate", chat=chat)
+    prompts = prepare_prompts(
+        [{"prompt": messages}],
+        tokenizer,
+        prompt_key="prompt",
+        columns=(),
+        max_prompt_length=len(whole) - 5,
+        overflow="truncate",
+        chat=chat,
+    )
     assert prompts.truncated == 1 and prompts.prompt_ids[0] == whole[5:]
     first = ChatObservations(chat, "user").first(prompts.prompt_ids[0], "use the tool", prompts.messages[0])
     assert first == chat.prompt_ids(messages + [{"role": "user", "content": "use the tool"}])[5:]
@@ -113,20 +122,32 @@ def test_each_episodes_reset_observation_is_rendered_onto_its_own_prompt(tokeniz
     """Episode j of a rollout answers prompt ``prompt_index[j]``: its first tokens are that prompt's messages +
     the observation its own environment row gave, rendered once; its row and its group are that prompt's too. (The
     rollout position is not a prompt index: with fewer prompts than episodes it is not even a valid one.)"""
-    rows = [{"id": 10 + k, "prompt": [SYSTEM, {"role": "user", "content": f"{k}+{k}="}], "answer": str(2 * k)}
-            for k in range(num_prompts)]
-    prompts = prepare_prompts(rows, tokenizer, prompt_key="prompt", columns=("answer",), max_prompt_length=64,
-                              overflow="skip", chat=ChatFormatter(tokenizer))
+    rows = [
+        {"id": 10 + k, "prompt": [SYSTEM, {"role": "user", "content": f"{k}+{k}="}], "answer": str(2 * k)}
+        for k in range(num_prompts)
+    ]
+    prompts = prepare_prompts(
+        rows,
+        tokenizer,
+        prompt_key="prompt",
+        columns=("answer",),
+        max_prompt_length=64,
+        overflow="skip",
+        chat=ChatFormatter(tokenizer),
+    )
     env, engine = Named(), Engine()
     rollout = EpisodeRollout(env, tokenizer, "chat", "user", TurnLimits(1, 128), "error")(
-        engine, prompts, prompt_index, SAMPLING, step=1)
-    expected = [prompts.chat.prompt_ids(rows[i]["prompt"] + [{"role": "user", "content": f"row {10 + i}"}])
-                for i in prompt_index]
+        engine, prompts, prompt_index, SAMPLING, step=1
+    )
+    expected = [
+        prompts.chat.prompt_ids(rows[i]["prompt"] + [{"role": "user", "content": f"row {10 + i}"}])
+        for i in prompt_index
+    ]
     assert [list(p) for p in engine.calls[0][0]] == expected
     assert env.rows == [10 + i for i in prompt_index] and rollout.prompt_index == prompt_index
     for j, ids in enumerate(expected):
-        assert rollout.batch.input_ids[j, :len(ids)].tolist() == ids
-        assert rollout.batch.loss_mask[j, :len(ids)].sum() == 0  # the first prompt is context
+        assert rollout.batch.input_ids[j, : len(ids)].tolist() == ids
+        assert rollout.batch.loss_mask[j, : len(ids)].sum() == 0  # the first prompt is context
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer):
@@ -179,8 +200,9 @@ class ReEncoding:
 
 def test_prompt_ids_that_extend_the_episode_are_appended_as_the_observation():
     prompts = [(1, 2), (3,)]
-    records = run_episodes(Engine(), ReEncoding(False, prompts), prompts, [{}, {}], SAMPLING, encode,
-                           decode, TurnLimits(2, 64))
+    records = run_episodes(
+        Engine(), ReEncoding(False, prompts), prompts, [{}, {}], SAMPLING, encode, decode, TurnLimits(2, 64)
+    )
     assert all(r.episode.turns == 2 and r.ended_by == "max_turns" for r in records)
     assert [s.source for s in records[0].episode.segments] == ["policy", "env", "policy"]
     assert records[0].episode.segments[1].ids == (7, 7)
@@ -188,12 +210,25 @@ def test_prompt_ids_that_extend_the_episode_are_appended_as_the_observation():
 
 def test_a_re_encoding_environment_is_caught_naming_the_episode_turn_and_position():
     prompts = [(1, 2), (3,)]
-    with pytest.raises(EpisodeError, match=r"episode 1, turn 1: the new prompt does not extend the episode's tokens: "
-                                           r"they differ at position 2 of 4"):
-        run_episodes(Engine(), ReEncoding(True, prompts), prompts, [{}, {}], SAMPLING, encode, decode,
-                     TurnLimits(2, 64))
-    records = run_episodes(Engine(), ReEncoding(True, prompts), prompts, [{}, {}], SAMPLING, encode,
-                           decode, TurnLimits(2, 64), on_prefix_mismatch="truncate")
+    with pytest.raises(
+        EpisodeError,
+        match=r"episode 1, turn 1: the new prompt does not extend the episode's tokens: "
+        r"they differ at position 2 of 4",
+    ):
+        run_episodes(
+            Engine(), ReEncoding(True, prompts), prompts, [{}, {}], SAMPLING, encode, decode, TurnLimits(2, 64)
+        )
+    records = run_episodes(
+        Engine(),
+        ReEncoding(True, prompts),
+        prompts,
+        [{}, {}],
+        SAMPLING,
+        encode,
+        decode,
+        TurnLimits(2, 64),
+        on_prefix_mismatch="truncate",
+    )
     assert [r.ended_by for r in records] == ["max_turns", "prefix_mismatch"]
     assert records[1].episode.turns == 1 and records[1].at_limit  # kept up to the mismatch, then ended
 
@@ -210,8 +245,7 @@ class Failing:
 
     def step(self, ids, responses, response_ids, errors="raise"):
         self.turn = getattr(self, "turn", 0) + 1
-        return [EnvError("step broke", "x", i, 2) if i == 2 and self.turn == 2 else StepOutcome("o", 1.0)
-                for i in ids]
+        return [EnvError("step broke", "x", i, 2) if i == 2 and self.turn == 2 else StepOutcome("o", 1.0) for i in ids]
 
     def close(self, ids):
         pass
@@ -220,8 +254,9 @@ class Failing:
 def test_an_environment_error_ends_only_its_episode_when_asked():
     env = Failing()
     stats = RolloutStats()
-    records = run_episodes(Engine(), env, [(1,)] * 4, [{}] * 4, SAMPLING, encode, decode, TurnLimits(3, 64), stats,
-                           on_env_error="end")
+    records = run_episodes(
+        Engine(), env, [(1,)] * 4, [{}] * 4, SAMPLING, encode, decode, TurnLimits(3, 64), stats, on_env_error="end"
+    )
     assert env.asked == "return"
     assert [r.ended_by for r in records] == ["max_turns", "env_error", "env_error", "max_turns"]
     assert [r.episode.turns for r in records] == [3, 0, 2, 3] and records[1].error == "reset broke"
@@ -246,21 +281,34 @@ def test_step_outcome_prompt_ids_are_checked():
 
 # ---------------------------------------------------------------------------------------- config
 def _cfg(*extra) -> RLRunConfig:
-    return load_config(RLRunConfig, "grpo_tiny", ["model.path=unused", "data.train_path=unused",
-                                                  "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-                                                  "train.global_batch_size=2", "train.micro_batch_size=2", *extra])
+    return load_config(
+        RLRunConfig,
+        "grpo_tiny",
+        [
+            "model.path=unused",
+            "data.train_path=unused",
+            "rollout.prompts_per_step=2",
+            "rollout.n_samples_per_prompt=2",
+            "train.global_batch_size=2",
+            "train.micro_batch_size=2",
+            *extra,
+        ],
+    )
 
 
 MULTI = ("env.spec=envs.py:Retry", "rollout.max_turns=2", "rollout.max_episode_tokens=32")
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (("rollout.max_turns=2",), "rollout.max_turns is 2, which needs an environment"),
-    (("env.spec=envs.py:Retry",), "rollout.max_episode_tokens must be set above rollout.max_prompt_length"),
-    (MULTI + ("rollout.episode_limit=drop",), "rollout.episode_limit"),
-    (MULTI + ("rollout.observation_role=bot",), "rollout.observation_role"),
-    (MULTI + ("env.step_timeout_s=0",), "env.step_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("rollout.max_turns=2",), "rollout.max_turns is 2, which needs an environment"),
+        (("env.spec=envs.py:Retry",), "rollout.max_episode_tokens must be set above rollout.max_prompt_length"),
+        (MULTI + ("rollout.episode_limit=drop",), "rollout.episode_limit"),
+        (MULTI + ("rollout.observation_role=bot",), "rollout.observation_role"),
+        (MULTI + ("env.step_timeout_s=0",), "env.step_timeout_s"),
+    ],
+)
 def test_episode_keys_are_validated(overrides, message):
     with pytest.raises(ConfigError, match=message):
         _cfg(*overrides)
@@ -276,10 +324,18 @@ def test_episodes_set_the_sequence_length_and_the_plan_counts_the_environment_ac
 # ---------------------------------------------------------------------------------- episode limits
 def _rollout(at_limit) -> Rollout:
     n = len(at_limit)
-    batch = Batch(input_ids=torch.ones(n, 4, dtype=torch.long), attention_mask=torch.ones(n, 4, dtype=torch.long),
-                  loss_mask=torch.tensor([[0, 1, 1, 1]] * n))
-    return Rollout(batch, list(range(n)), ["1"] * n, env_rewards=torch.tensor([1.0, 0.5, 0.0, 1.0][:n]),
-                   at_limit=torch.tensor(at_limit))
+    batch = Batch(
+        input_ids=torch.ones(n, 4, dtype=torch.long),
+        attention_mask=torch.ones(n, 4, dtype=torch.long),
+        loss_mask=torch.tensor([[0, 1, 1, 1]] * n),
+    )
+    return Rollout(
+        batch,
+        list(range(n)),
+        ["1"] * n,
+        env_rewards=torch.tensor([1.0, 0.5, 0.0, 1.0][:n]),
+        at_limit=torch.tensor(at_limit),
+    )
 
 
 def _trainer(cfg, group=None) -> RLTrainer:
@@ -292,8 +348,9 @@ class Prompts:
 
 def test_penalize_replaces_the_reward_of_episodes_a_limit_ended():
     rollout = _rollout([False, True, False, True])
-    scores, per_source = _trainer(_cfg(*MULTI, "rollout.episode_limit=penalize",
-                                       "rollout.limit_reward=-1")).score(rollout, Prompts)
+    scores, per_source = _trainer(_cfg(*MULTI, "rollout.episode_limit=penalize", "rollout.limit_reward=-1")).score(
+        rollout, Prompts
+    )
     assert scores.tolist() == [1.0, -1.0, 0.0, -1.0]
     assert per_source["env"].tolist() == [1.0, 0.5, 0.0, 1.0]  # what the environment said, still logged
     kept, _ = _trainer(_cfg(*MULTI)).score(rollout, Prompts)  # truncate: the episode's own reward
@@ -325,16 +382,26 @@ class Cutting:
     """Single-turn engines: every request answers 4 tokens; the odd ones were cut at max_new_tokens."""
 
     def generate(self, prompt_ids, sampling):
-        return [Generation(tuple(p), (5, 6, 7, 8), (-0.5,) * 4, "length" if j % 2 else "stop")
-                for j, p in enumerate(prompt_ids)]
+        return [
+            Generation(tuple(p), (5, 6, 7, 8), (-0.5,) * 4, "length" if j % 2 else "stop")
+            for j, p in enumerate(prompt_ids)
+        ]
 
 
 def _single_turn(tokenizer, *overrides):
     """A single-turn trainer whose reward function gives every response 1.0, and its rollout of 2 prompts x 2."""
     prompts = PromptSet([[1, 2], [3]], ["p", "q"], {}, 0, 0)
     scorer = lambda prompts, responses, columns: (torch.ones(len(responses)), {"f": torch.ones(len(responses))})  # noqa
-    trainer = RLTrainer(_cfg(*overrides), tokenizer, prompts, None, RLActors(policy=None, engines=Cutting()), scorer,
-                        PolicyObjective(), None)
+    trainer = RLTrainer(
+        _cfg(*overrides),
+        tokenizer,
+        prompts,
+        None,
+        RLActors(policy=None, engines=Cutting()),
+        scorer,
+        PolicyObjective(),
+        None,
+    )
     return trainer, trainer._sample(prompts, [0, 0, 1, 1], seed_base=0, step=1)
 
 
@@ -358,8 +425,10 @@ def test_a_multi_turn_run_checks_its_environment_and_chat_template_before_any_ac
     from rlhf.trainers.rl_runner import _check_episodes
 
     envs = tmp_path / "envs.py"
-    envs.write_text("class Retry:\n    def reset(self, row):\n        return ''\n"
-                    "    def step(self, response, response_ids):\n        return None, 0.0, True, {}\n")
+    envs.write_text(
+        "class Retry:\n    def reset(self, row):\n        return ''\n"
+        "    def step(self, response, response_ids):\n        return None, 0.0, True, {}\n"
+    )
     keys = ("rollout.max_turns=2", "rollout.max_episode_tokens=32")
     rewriting = ChatFormatter(tokenizer, template="{{ messages[-1]['content'] }}")
     prompts = PromptSet([[1]], ["p"], {}, 0, 0, chat=rewriting)

@@ -3,6 +3,7 @@
 Expected numbers are written from first principles with ``math`` on tiny inputs (mostly a 2-token vocabulary,
 where ``softmax([log 3, 0]) = [3/4, 1/4]``), never by calling the function under test a second way.
 """
+
 from __future__ import annotations
 
 import math
@@ -368,9 +369,7 @@ def test_dpo_pair_losses_shape_check():
 # ------------------------------------------------------------------------------------------- Bradley-Terry, acc
 def test_bradley_terry_without_and_with_margin():
     chosen, rejected = t([2.0, 0.0]), t([1.0, 0.0])
-    assert bradley_terry_losses(chosen, rejected).tolist() == pytest.approx(
-        [softplus(-1.0), math.log(2)], abs=1e-6
-    )
+    assert bradley_terry_losses(chosen, rejected).tolist() == pytest.approx([softplus(-1.0), math.log(2)], abs=1e-6)
     # margin 1 on the first pair: -logsigmoid(0) = log 2; margin 2 on the second: log(1 + e^2)
     out = bradley_terry_losses(chosen, rejected, margin=t([1.0, 2.0]))
     assert out.tolist() == pytest.approx([math.log(2), softplus(2.0)], abs=1e-6)

@@ -2,6 +2,7 @@
 run (finished or not) is refused unless ``train.resume`` or ``train.overwrite``; overwrite deletes every artifact
 of the old run, TensorBoard events included, and nothing else. Run directories are made by the toolkit's own
 writers (no training); the refusals happen before Ray starts, which the CLI tests check."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,9 @@ USER_FILES = {"notes.txt": "my notes", "data/rows.jsonl": "{}\n"}
 
 
 def _cfg(out, *extra):
-    return load_config(SFTRunConfig, None, ["model.path=m", "data.train_path=d.jsonl", f"train.output_dir={out}",
-                                            *extra])
+    return load_config(
+        SFTRunConfig, None, ["model.path=m", "data.train_path=d.jsonl", f"train.output_dir={out}", *extra]
+    )
 
 
 class _Saver:
@@ -121,8 +123,10 @@ def test_the_trainer_names_of_the_run_configs():
     from rlhf.config.rl_schema import RLRunConfig
     from rlhf.config.schema import DPORunConfig, RewardModelRunConfig
 
-    names = {cls.__name__: od.trainer_name(object.__new__(cls)) for cls in
-             (SFTRunConfig, DPORunConfig, RewardModelRunConfig, RLRunConfig)}
+    names = {
+        cls.__name__: od.trainer_name(object.__new__(cls))
+        for cls in (SFTRunConfig, DPORunConfig, RewardModelRunConfig, RLRunConfig)
+    }
     assert names == {"SFTRunConfig": "sft", "DPORunConfig": "dpo", "RewardModelRunConfig": "rm", "RLRunConfig": "rl"}
 
 
@@ -145,8 +149,18 @@ def test_every_file_the_writers_leave_marks_the_run_and_overwrite_deletes_them_a
         f.write(b"\x89PNG")
     _add_user_files(out)
     written = set(os.listdir(out)) - {"notes.txt", "data"}
-    assert {"config.yaml", "metrics.jsonl", "eval.jsonl", "tensorboard", "checkpoints", "final", "placement.json",
-            "wandb", "wandb_run_id", "report.png"} <= written
+    assert {
+        "config.yaml",
+        "metrics.jsonl",
+        "eval.jsonl",
+        "tensorboard",
+        "checkpoints",
+        "final",
+        "placement.json",
+        "wandb",
+        "wandb_run_id",
+        "report.png",
+    } <= written
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(os.path.join(out, "tensorboard")))
     assert set(od.run_artifacts(out, derived=True)) == written  # nothing the toolkit wrote goes unnoticed
 
@@ -203,15 +217,19 @@ def test_resume_continues_a_run_with_a_checkpoint_and_deletes_nothing(tmp_path, 
     assert checkpoints.resuming
     after = _snapshot(out)
     assert {k: v for k, v in after.items() if k != "config.yaml"} == {
-        k: v for k, v in before.items() if k != "config.yaml"}  # only the resolved config is written again
+        k: v for k, v in before.items() if k != "config.yaml"
+    }  # only the resolved config is written again
 
 
 def test_resume_refuses_a_finished_run_it_could_only_train_again(tmp_path):
     out = str(tmp_path / "run")
     _write_run(out, finished=True, checkpoint=False)
     before = _snapshot(out)
-    with pytest.raises(ConfigError, match=r"^train\.resume: .* finished and without a checkpoint for train\.resume="
-                                          r"true to continue from; set train\.overwrite=true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^train\.resume: .* finished and without a checkpoint for train\.resume="
+        r"true to continue from; set train\.overwrite=true",
+    ):
         od.claim_output_dir(_cfg(out, "train.resume=true"))
     assert _snapshot(out) == before
     _prepared(od.claim_output_dir(_cfg(out, "train.resume=true", "train.overwrite=true")))  # both: start again
@@ -278,8 +296,9 @@ def test_the_sft_cli_refuses_before_ray_starts_and_leaves_the_run_untouched(tmp_
     out = str(tmp_path / "run")
     _write_run(out)
     before = _snapshot(out)
-    rc = run_cli(SFTRunConfig, train_sft, "train_sft", ["model.path=m", "data.train_path=d.jsonl",
-                                                         f"train.output_dir={out}"])
+    rc = run_cli(
+        SFTRunConfig, train_sft, "train_sft", ["model.path=m", "data.train_path=d.jsonl", f"train.output_dir={out}"]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith(f"error: train.output_dir: {out} holds a run")
     assert "train.resume=true" in err and "train.overwrite=true" in err
@@ -293,8 +312,11 @@ def test_the_rl_runner_refuses_before_reading_anything(tmp_path):
     out = str(tmp_path / "run")
     _write_run(out)
     before = _snapshot(out)
-    cfg = load_config(RLRunConfig, "grpo_tiny", ["model.path=/no/model", "data.train_path=/no/prompts.jsonl",
-                                                 f"train.output_dir={out}"])
+    cfg = load_config(
+        RLRunConfig,
+        "grpo_tiny",
+        ["model.path=/no/model", "data.train_path=/no/prompts.jsonl", f"train.output_dir={out}"],
+    )
     with pytest.raises(ConfigError, match=r"holds a run .*train\.resume=true.*train\.overwrite=true"):
         train_ppo(cfg)  # model.path does not exist: the claim comes first
     assert _snapshot(out) == before
@@ -305,9 +327,22 @@ def test_python_m_train_sft_into_a_finished_run_exits_2(tiny_model, sft_data, tm
     _write_run(out)
     before = _snapshot(out)
     env = dict(os.environ, DS_ACCELERATOR="cpu", RAY_ADDRESS="")
-    proc = subprocess.run([sys.executable, "-m", "rlhf.cli.train_sft", "--config", "sft_tiny",
-                           f"model.path={tiny_model}", f"data.train_path={sft_data}", f"train.output_dir={out}"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlhf.cli.train_sft",
+            "--config",
+            "sft_tiny",
+            f"model.path={tiny_model}",
+            f"data.train_path={sft_data}",
+            f"train.output_dir={out}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     assert f"error: train.output_dir: {out} holds a run" in proc.stderr and "Traceback" not in proc.stderr
     assert "train.overwrite=true" in proc.stderr
@@ -322,6 +357,7 @@ def test_the_cli_prints_the_new_directory_before_it_reads_anything(tmp_path, mon
     rc = run_cli(SFTRunConfig, train_sft, "train_sft", ["model.path=/no/model", "data.train_path=d.jsonl"])
     captured = capsys.readouterr()
     assert rc == 2 and "model.path" in captured.err  # the missing model stops the run ...
-    assert re.search(r"^\[sft\] output directory: outputs/sft-\d{8}-\d{6} \(new: train\.output_dir is not set\)$",
-                     captured.out, re.M)  # ... after the user was told where it would write
+    assert re.search(
+        r"^\[sft\] output directory: outputs/sft-\d{8}-\d{6} \(new: train\.output_dir is not set\)$", captured.out, re.M
+    )  # ... after the user was told where it would write
     assert not (tmp_path / "outputs").exists()

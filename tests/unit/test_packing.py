@@ -4,6 +4,7 @@ score functions; the layout maths and the errors.
 
 The models here run in-process; that Ray workers pack the same way is test_packing_training's business.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,9 +13,9 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rlhf.batch import Batch
 from rlhf.models.packing import VARLEN_SDPA, PackedRows, packed_attention, packed_forward
+from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
 from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
 from rlhf.objectives.reward import RewardObjective
-from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
 from rlhf.objectives.sft import SFTObjective
 
 LENGTHS = (7, 1, 13, 4, 10, 2)  # uneven, with a one-token row
@@ -35,8 +36,9 @@ def causal(tiny_model):
 @pytest.fixture(scope="module")
 def scalar(tiny_reward_model):
     packed_attention("sdpa")
-    model = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model, num_labels=1,
-                                                               attn_implementation=VARLEN_SDPA)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        tiny_reward_model, num_labels=1, attn_implementation=VARLEN_SDPA
+    )
     model.config.use_cache = False
     return model
 
@@ -58,9 +60,17 @@ def _rl_batch(vocab, seed=0):
     ids, mask, loss_mask = _rows(LENGTHS, vocab, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     noise = lambda: torch.randn(ids.shape, generator=gen) * loss_mask  # noqa: E731
-    return Batch(input_ids=ids, attention_mask=mask, loss_mask=loss_mask, old_logps=noise() - 3.0,
-                 rollout_logps=noise() - 3.0, ref_logps=noise() - 3.0, advantages=noise(), values=noise(),
-                 returns=noise())
+    return Batch(
+        input_ids=ids,
+        attention_mask=mask,
+        loss_mask=loss_mask,
+        old_logps=noise() - 3.0,
+        rollout_logps=noise() - 3.0,
+        ref_logps=noise() - 3.0,
+        advantages=noise(),
+        values=noise(),
+        returns=noise(),
+    )
 
 
 def _pair_batch(vocab, seed=0):
@@ -69,8 +79,13 @@ def _pair_batch(vocab, seed=0):
     ids_b, mask_b, lm_b = _rows(lengths[::-1], vocab, seed + 7)
     stack = lambda a, b: torch.stack([a, b], dim=1)  # noqa: E731
     gen = torch.Generator().manual_seed(seed)
-    return Batch(input_ids=stack(ids_a, ids_b), attention_mask=stack(mask_a, mask_b), loss_mask=stack(lm_a, lm_b),
-                 ref_logps=torch.randn(len(lengths), 2, generator=gen) - 20.0, margin=torch.rand(len(lengths)))
+    return Batch(
+        input_ids=stack(ids_a, ids_b),
+        attention_mask=stack(mask_a, mask_b),
+        loss_mask=stack(lm_a, lm_b),
+        ref_logps=torch.randn(len(lengths), 2, generator=gen) - 20.0,
+        margin=torch.rand(len(lengths)),
+    )
 
 
 def _loss_and_grad(model, objective, batch):
@@ -149,11 +164,19 @@ def test_sft_packed_equals_padded(causal):
 def test_dpo_packed_equals_padded_and_so_do_its_reference_logps(causal, loss_type):
     model = causal[0]
     batch = _pair_batch(model.config.vocab_size)
-    _assert_same(model, DPOObjective(loss_type=loss_type, nll_coef=0.5, packing=False),
-                 DPOObjective(loss_type=loss_type, nll_coef=0.5, packing=True), batch)
+    _assert_same(
+        model,
+        DPOObjective(loss_type=loss_type, nll_coef=0.5, packing=False),
+        DPOObjective(loss_type=loss_type, nll_coef=0.5, packing=True),
+        batch,
+    )
     with torch.no_grad():
-        torch.testing.assert_close(ReferenceLogps(packing=True)(model, batch),
-                                   ReferenceLogps(packing=False)(model, batch), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            ReferenceLogps(packing=True)(model, batch),
+            ReferenceLogps(packing=False)(model, batch),
+            rtol=1e-5,
+            atol=1e-5,
+        )
 
 
 def test_reward_model_packed_equals_padded(scalar):
@@ -161,21 +184,31 @@ def test_reward_model_packed_equals_padded(scalar):
     _assert_same(scalar, RewardObjective(use_margin=True, packing=False), RewardObjective(use_margin=True), batch)
     single = Batch(input_ids=batch.input_ids[:, 0], attention_mask=batch.attention_mask[:, 0])
     with torch.no_grad():
-        torch.testing.assert_close(SequenceScores(packing=True)(scalar, single),
-                                   SequenceScores(packing=False)(scalar, single), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            SequenceScores(packing=True)(scalar, single),
+            SequenceScores(packing=False)(scalar, single),
+            rtol=1e-5,
+            atol=1e-6,
+        )
 
 
 @pytest.mark.parametrize("temperature,entropy_coef", [(1.0, 0.0), (0.7, 0.01)])
 def test_rl_actor_packed_equals_padded(causal, temperature, entropy_coef):
     model = causal[0]
     batch = _rl_batch(model.config.vocab_size)
-    make = lambda packing: PolicyObjective(temperature=temperature, entropy_coef=entropy_coef,  # noqa: E731
-                                           kl_loss_coef=0.1, packing=packing)
+
+    def make(packing):
+        return PolicyObjective(temperature=temperature, entropy_coef=entropy_coef, kl_loss_coef=0.1, packing=packing)
+
     _assert_same(model, make(False), make(True), batch)
     with torch.no_grad():
         real = batch.attention_mask.bool()
-        torch.testing.assert_close(TokenLogps(temperature, packing=True)(model, batch)[real],
-                                   TokenLogps(temperature, packing=False)(model, batch)[real], rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(
+            TokenLogps(temperature, packing=True)(model, batch)[real],
+            TokenLogps(temperature, packing=False)(model, batch)[real],
+            rtol=1e-5,
+            atol=2e-5,
+        )
 
 
 def test_critic_packed_equals_padded(scalar):
@@ -183,5 +216,9 @@ def test_critic_packed_equals_padded(scalar):
     _assert_same(scalar, ValueObjective(packing=False), ValueObjective(packing=True), batch)
     with torch.no_grad():
         real = batch.attention_mask.bool()
-        torch.testing.assert_close(TokenValues(packing=True)(scalar, batch)[real],
-                                   TokenValues(packing=False)(scalar, batch)[real], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            TokenValues(packing=True)(scalar, batch)[real],
+            TokenValues(packing=False)(scalar, batch)[real],
+            rtol=1e-5,
+            atol=1e-6,
+        )

@@ -1,4 +1,5 @@
 """The global-batch plan and the LR schedule: pure arithmetic, checked exhaustively on small sizes."""
+
 from __future__ import annotations
 
 import itertools
@@ -86,11 +87,13 @@ def _transformers_multipliers(kind: str, total: int, warmup: int, min_ratio: flo
 
 @pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
 @pytest.mark.parametrize("min_ratio", [0.0, 0.1])
-@pytest.mark.parametrize("total,warmup", [(1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (2, 5), (6, 0), (6, 2), (6, 6),
-                                          (10, 3), (37, 0), (37, 36)])
+@pytest.mark.parametrize(
+    "total,warmup", [(1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (2, 5), (6, 0), (6, 2), (6, 6), (10, 3), (37, 0), (37, 36)]
+)
 def test_the_schedule_is_transformers_on_every_executed_step(kind, min_ratio, total, warmup):
-    ours = [lr_multiplier(s, total_steps=total, warmup_steps=warmup, kind=kind, min_ratio=min_ratio)
-            for s in range(total)]
+    ours = [
+        lr_multiplier(s, total_steps=total, warmup_steps=warmup, kind=kind, min_ratio=min_ratio) for s in range(total)
+    ]
     assert ours == _transformers_multipliers(kind, total, warmup, min_ratio)  # the same arithmetic: equal bits
 
 
@@ -107,16 +110,18 @@ def test_no_executed_step_trains_at_lr_0_without_warmup(kind, total):
 def test_the_documented_examples():
     """docs/concepts.md's examples: 6 steps with 2 of warm-up, and a one-RL-step run of 2 optimizer steps."""
     cosine = [lr_multiplier(s, total_steps=6, warmup_steps=2, kind="cosine", min_ratio=0.0) for s in range(6)]
-    assert cosine == pytest.approx([0.0, 0.5, 1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5,
-                                    0.5 + 0.5 * math.cos(3 * math.pi / 4)], abs=1e-15)
+    assert cosine == pytest.approx(
+        [0.0, 0.5, 1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5, 0.5 + 0.5 * math.cos(3 * math.pi / 4)], abs=1e-15
+    )
     two = [lr_multiplier(s, total_steps=2, warmup_steps=0, kind="cosine", min_ratio=0.0) for s in range(2)]
     assert two == pytest.approx([1.0, 0.5], abs=1e-15)
 
 
 def test_past_the_horizon_the_schedule_stays_at_its_end_and_unknown_kinds_are_named():
     for kind, end in (("cosine", 0.1), ("linear", 0.1), ("constant", 1.0)):
-        assert [lr_multiplier(s, total_steps=10, warmup_steps=2, kind=kind, min_ratio=0.1)
-                for s in (10, 11, 25)] == [end] * 3
+        assert [lr_multiplier(s, total_steps=10, warmup_steps=2, kind=kind, min_ratio=0.1) for s in (10, 11, 25)] == [
+            end
+        ] * 3
     with pytest.raises(ValueError, match="valid: constant, linear, cosine"):
         lr_multiplier(0, total_steps=5, warmup_steps=0, kind="poly", min_ratio=0.0)
     with pytest.raises(ValueError, match="total_steps must be >= 1"):

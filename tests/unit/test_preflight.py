@@ -1,5 +1,6 @@
 """The one preflight (``rlhf.trainers.preflight``): what a run refuses before its first actor, ``--dry-run`` refuses
 too with the same words, except a path that is missing here, which a dry run leaves to the cluster."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,20 +25,26 @@ def test_a_path_missing_here_is_refused_by_a_run_and_left_to_the_cluster_by_a_dr
     with pytest.raises(ConfigError, match=f"^data.eval_path: '{missing}' does not exist$"):
         preflight(cfg)
     rows = {key: status for key, _, status in preflight(cfg, here=False, precision="fp32")}
-    assert rows == {"model.path": "found", "data.train_path": "found", "data.eval_path": NOT_HERE,
-                    "train.output_dir": rows["train.output_dir"]}
+    assert rows == {
+        "model.path": "found",
+        "data.train_path": "found",
+        "data.eval_path": NOT_HERE,
+        "train.output_dir": rows["train.output_dir"],
+    }
     with pytest.raises(ConfigError, match="^model.path: '/models/m' is not a directory$"):
         preflight(_sft("/models/m", sft_data))
     assert preflight(_sft("/models/m", sft_data), here=False)[0] == ("model.path", "/models/m", NOT_HERE)
 
 
 @pytest.mark.parametrize("here", [True, False], ids=["run", "dry_run"])
-def test_what_is_here_gets_the_same_refusal_from_a_run_and_a_dry_run(here, tiny_model, sft_data, rl_prompts,
-                                                                     tmp_path):
+def test_what_is_here_gets_the_same_refusal_from_a_run_and_a_dry_run(here, tiny_model, sft_data, rl_prompts, tmp_path):
     weights_only = tmp_path / "weights"
     weights_only.mkdir()
-    with pytest.raises(ConfigError, match=f"^model.path: '{weights_only}' is not an HF model directory "
-                                          r"\(no config.json\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=f"^model.path: '{weights_only}' is not an HF model directory "
+        r"\(no config.json\)$",
+    ):
         preflight(_sft(weights_only, sft_data), here=here)
     with pytest.raises(ConfigError, match=f"^model.tokenizer_path: '{sft_data}' is not a directory$"):
         preflight(_sft(tiny_model, sft_data, f"model.tokenizer_path={sft_data}"), here=here)
@@ -45,8 +52,17 @@ def test_what_is_here_gets_the_same_refusal_from_a_run_and_a_dry_run(here, tiny_
     with pytest.raises(ConfigError, match="^reward.model_path: .* is not a reward model"):
         preflight(_rl(tiny_model, rl_prompts, f"reward.model_path={tiny_model}"), here=here)
     with pytest.raises(ConfigError, match="^critic.path: .* is not an HF model directory"):
-        preflight(_rl(tiny_model, rl_prompts, "algo.advantage_estimator=gae", "reward.functions=[]",
-                      f"reward.model_path={tiny_model}", f"critic.path={weights_only}"), here=here)
+        preflight(
+            _rl(
+                tiny_model,
+                rl_prompts,
+                "algo.advantage_estimator=gae",
+                "reward.functions=[]",
+                f"reward.model_path={tiny_model}",
+                f"critic.path={weights_only}",
+            ),
+            here=here,
+        )
 
 
 def test_a_reward_model_with_a_scalar_head_passes(tiny_model, tiny_reward_model, rl_prompts):

@@ -5,6 +5,7 @@ Real ``TCPStore`` s and gloo groups across real processes (the CPU twin: the sam
 rendezvous on GPUs, which cannot time out on its own). Bounds are a few seconds; every subprocess is waited for
 with a timeout, so a wait that is not bounded fails the test instead of hanging it.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -37,8 +38,12 @@ _JOINER = textwrap.dedent("""
 
 
 def _joiner(port: int, rank: int, bound: float = BOUND_S) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", _JOINER, str(port), str(rank), ",".join(MEMBERS), str(bound)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", _JOINER, str(port), str(rank), ",".join(MEMBERS), str(bound)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
 
 
 def test_a_weight_sync_member_that_never_arrives_is_named_by_every_member_that_waited():
@@ -53,8 +58,10 @@ def test_a_weight_sync_member_that_never_arrives_is_named_by_every_member_that_w
         SyncGroup(address, rank=0, store=store)
     waited = time.monotonic() - started
     out, _ = joiner.communicate(timeout=60)
-    assert str(caught.value).startswith(f"the weight-sync group: rollout engine 1 worker 0 did not arrive within "
-                                        f"{BOUND_S:g} s (policy rank 0 waited for it)")
+    assert str(caught.value).startswith(
+        f"the weight-sync group: rollout engine 1 worker 0 did not arrive within "
+        f"{BOUND_S:g} s (policy rank 0 waited for it)"
+    )
     assert joiner.returncode == 3 and "rollout engine 1 worker 0 did not arrive" in out
     assert "(rollout engine 0 worker 0 waited for it)" in out
     assert BOUND_S <= waited < BOUND_S + 30  # the bound, not torch's 30-minute default
@@ -74,8 +81,11 @@ def test_with_every_member_present_the_group_forms():
 def test_a_member_that_cannot_reach_the_store_names_the_address_and_its_host():
     with _closed_port() as port:
         started = time.monotonic()
-        with pytest.raises(RendezvousTimeout, match=rf"^rollout engine 0 worker 0 could not reach the store of "
-                                                    rf"policy rank 0 at 127\.0\.0\.1:{port} within 2 s"):
+        with pytest.raises(
+            RendezvousTimeout,
+            match=rf"^rollout engine 0 worker 0 could not reach the store of "
+            rf"policy rank 0 at 127\.0\.0\.1:{port} within 2 s",
+        ):
             connect_store("127.0.0.1", port, 2, 2.0, "rollout engine 0 worker 0", "policy rank 0")
         assert time.monotonic() - started < 30
 
@@ -86,8 +96,11 @@ def test_a_trainer_rank_that_never_arrives_is_named_and_no_group_is_left_half_ma
     from rlhf.distributed.worker import TrainerWorker
 
     with _closed_port() as port:
-        with pytest.raises(RendezvousTimeout, match=r"^the reward's process group: reward rank 1 did not arrive "
-                                                    r"within 2 s \(reward rank 0 waited for it\)"):
+        with pytest.raises(
+            RendezvousTimeout,
+            match=r"^the reward's process group: reward rank 1 did not arrive "
+            r"within 2 s \(reward rank 0 waited for it\)",
+        ):
             TrainerWorker("reward", 0, 2).init_process_group("127.0.0.1", port, "gloo", timeout_s=2.0)
     assert not torch.distributed.is_initialized()
 
@@ -97,8 +110,11 @@ def test_arrive_lists_every_missing_member():
     names = ["policy rank 0", "policy rank 1", "policy rank 2", "policy rank 3"]
     other = connect_store("127.0.0.1", store.port, 4, 10.0, names[2], names[0])
     other.set("rlhf-arrived/2", "1")  # rank 2 arrived (as arrive() marks it); ranks 1 and 3 never do
-    with pytest.raises(RendezvousTimeout, match=r"^g: policy rank 1 and policy rank 3 did not arrive within 1 s "
-                                                r"\(policy rank 0 waited for them\)"):
+    with pytest.raises(
+        RendezvousTimeout,
+        match=r"^g: policy rank 1 and policy rank 3 did not arrive within 1 s "
+        r"\(policy rank 0 waited for them\)",
+    ):
         arrive(store, 0, names, 1.0, "g")
 
 

@@ -1,4 +1,5 @@
 """``python -m rlhf.cli.report``: PNG plots from metrics.jsonl, several runs in one figure, clear errors."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,13 @@ def _write(path, rows):
 def two_runs(tmp_path):
     sft, rl = tmp_path / "a" / "sft", tmp_path / "b" / "grpo"
     _write(sft / "metrics.jsonl", [{"step": s, "loss": 2.0 / s, "grad_norm": 1.0, "lr": 1e-3} for s in range(1, 6)])
-    _write(rl / "metrics.jsonl", [{"step": s, "reward_mean": 0.1 * s, "kl": 0.01, "grad_norm": 2.0,
-                                   "time/generate": 0.2, "time/train": 0.5} for s in range(1, 6)])
+    _write(
+        rl / "metrics.jsonl",
+        [
+            {"step": s, "reward_mean": 0.1 * s, "kl": 0.01, "grad_norm": 2.0, "time/generate": 0.2, "time/train": 0.5}
+            for s in range(1, 6)
+        ],
+    )
     _write(rl / "eval.jsonl", [{"step": s, "reward_mean": 0.05 * s} for s in (0, 5)])
     return sft, rl
 
@@ -59,8 +65,9 @@ def test_runs_with_the_same_base_name_get_parent_names():
 
 
 def test_missing_run_and_bad_line_are_named(tmp_path, two_runs, capsys):
-    result = subprocess.run([sys.executable, "-m", "rlhf.cli.report", str(tmp_path / "nope")], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "rlhf.cli.report", str(tmp_path / "nope")], capture_output=True, text=True
+    )
     assert result.returncode == 2 and "nope: no metrics.jsonl" in result.stderr and "Traceback" not in result.stderr
     bad = tmp_path / "bad"
     _write(bad / "metrics.jsonl", [{"step": 1, "loss": 1.0}])
@@ -85,8 +92,25 @@ def test_without_matplotlib_the_report_says_what_to_install(two_runs, monkeypatc
 
 
 def test_episode_metrics_get_their_panels_turns_in_order():
-    row = {"step": 1, "reward_mean": 1.0, "reward/env": 0.5, "episode/turns": 2.0, "episode/env_tokens": 7.0,
-           "episode/reward_turn_10": 0.1, "episode/reward_turn_2": 0.2, "episode/reward_turn_1": 0.3, "time/env": 0.1}
+    row = {
+        "step": 1,
+        "reward_mean": 1.0,
+        "reward/env": 0.5,
+        "episode/turns": 2.0,
+        "episode/env_tokens": 7.0,
+        "episode/reward_turn_10": 0.1,
+        "episode/reward_turn_2": 0.2,
+        "episode/reward_turn_1": 0.3,
+        "time/env": 0.1,
+    }
     keys = [k for k, _ in panels_for({"run": [row]})]
-    assert keys == ["reward_mean", "reward/env", "episode/turns", "episode/env_tokens", "episode/reward_turn_1",
-                    "episode/reward_turn_2", "episode/reward_turn_10", "time/env"]
+    assert keys == [
+        "reward_mean",
+        "reward/env",
+        "episode/turns",
+        "episode/env_tokens",
+        "episode/reward_turn_1",
+        "episode/reward_turn_2",
+        "episode/reward_turn_10",
+        "time/env",
+    ]

@@ -1,4 +1,5 @@
 """Tests for rlhf.rewards: loading reward functions from specs, column binding, validation and error messages."""
+
 from __future__ import annotations
 
 import math

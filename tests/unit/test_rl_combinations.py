@@ -21,12 +21,14 @@ with response tokens ``t`` (columns of ``input_ids``; log-probs at column ``t`` 
 * Per token: policy loss ``+ beta k(pi, ref)`` (KL as a loss) ``- c H``; aggregated over the batch as each mode's
   definition (``-norm``: token sums over the generation budget ``L``).
 """
+
 from __future__ import annotations
 
 import itertools
 from types import SimpleNamespace
 
 import pytest
+import rl_reference_math as ref
 import torch
 
 from rlhf.batch import Batch
@@ -36,10 +38,8 @@ from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS
 from rlhf.ops.aggregation import LOSS_AGGREGATIONS
 from rlhf.ops.kl import KL_ESTIMATORS
 from rlhf.ops.policy_loss import POLICY_LOSSES
-from rlhf.trainers.rl_steps import RLTrainer
 from rlhf.trainers.rl_runner import _objectives
-
-import rl_reference_math as ref
+from rlhf.trainers.rl_steps import RLTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -54,20 +54,36 @@ KL_MODES = ("loss", "reward")
 
 
 def _combinations():
-    return list(itertools.product(ADVANTAGE_ESTIMATORS.names(), POLICY_LOSSES.names(), KL_MODES,
-                                  KL_ESTIMATORS.names(), LOSS_AGGREGATIONS.names()))
+    return list(
+        itertools.product(
+            ADVANTAGE_ESTIMATORS.names(),
+            POLICY_LOSSES.names(),
+            KL_MODES,
+            KL_ESTIMATORS.names(),
+            LOSS_AGGREGATIONS.names(),
+        )
+    )
 
 
 def _config(estimator, loss, kl_mode, kl_estimator, agg) -> RLRunConfig:
     return RLRunConfig(
-        model=ModelConfig(path="model"), data=DataConfig(train_path="prompts.jsonl"),
+        model=ModelConfig(path="model"),
+        data=DataConfig(train_path="prompts.jsonl"),
         train=TrainConfig(global_batch_size=len(LENGTHS), micro_batch_size=len(LENGTHS)),
-        rollout=RolloutConfig(prompts_per_step=2, n_samples_per_prompt=3, max_new_tokens=BUDGET,
-                              temperature=TEMPERATURE),
+        rollout=RolloutConfig(
+            prompts_per_step=2, n_samples_per_prompt=3, max_new_tokens=BUDGET, temperature=TEMPERATURE
+        ),
         reward=RewardConfig(functions=("r.py:f",)),
-        algo=AlgorithmConfig(advantage_estimator=estimator, policy_loss=loss, kl_mode=kl_mode,
-                             kl_estimator=kl_estimator, kl_coef=KL_COEF, entropy_coef=ENTROPY_COEF,
-                             loss_agg_mode=agg))
+        algo=AlgorithmConfig(
+            advantage_estimator=estimator,
+            policy_loss=loss,
+            kl_mode=kl_mode,
+            kl_estimator=kl_estimator,
+            kl_coef=KL_COEF,
+            entropy_coef=ENTROPY_COEF,
+            loss_agg_mode=agg,
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------------------ the tiny problem
@@ -76,9 +92,16 @@ def policy():
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, pad_token_id=0,
-                                   attn_implementation="eager")
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
     return transformers.Qwen2ForCausalLM(cfg).double()
 
 
@@ -94,9 +117,9 @@ def problem(policy):
     ids = torch.zeros(len(LENGTHS), width, dtype=torch.long)
     attn, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
     for i, (p, r) in enumerate(LENGTHS):
-        ids[i, :p + r] = torch.randint(1, VOCAB, (p + r,), generator=gen)
-        attn[i, :p + r] = 1
-        loss_mask[i, p:p + r] = 1
+        ids[i, : p + r] = torch.randint(1, VOCAB, (p + r,), generator=gen)
+        attn[i, : p + r] = 1
+        loss_mask[i, p : p + r] = 1
     now = torch.zeros(ids.shape, dtype=torch.float64)
     with torch.no_grad():
         for i, (lp, s) in enumerate(zip(ref.logps_and_entropy(policy, _samples(ids), TEMPERATURE)[0], _spans())):
@@ -108,15 +131,22 @@ def problem(policy):
     for row, pos, shift in FAR_TOKENS:
         ref_logps[row, LENGTHS[row][0] + pos] = old[row, LENGTHS[row][0] + pos] + shift
     values = torch.randn(ids.shape, generator=gen, dtype=torch.float64) * loss_mask
-    batch = Batch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, sample_index=torch.arange(len(LENGTHS)),
-                  old_logps=old, ref_logps=ref_logps, values=values)
+    batch = Batch(
+        input_ids=ids,
+        attention_mask=attn,
+        loss_mask=loss_mask,
+        sample_index=torch.arange(len(LENGTHS)),
+        old_logps=old,
+        ref_logps=ref_logps,
+        values=values,
+    )
     return SimpleNamespace(batch=batch, old=old, ref=ref_logps, values=values)
 
 
 # ------------------------------------------------------------------------------------------ the reference
 def _samples(ids):
     """``(prompt ids, response ids)`` per row: what the reference scores, one unpadded sequence at a time."""
-    return [(ids[i, :p].tolist(), ids[i, p:p + r].tolist()) for i, (p, r) in enumerate(LENGTHS)]
+    return [(ids[i, :p].tolist(), ids[i, p : p + r].tolist()) for i, (p, r) in enumerate(LENGTHS)]
 
 
 def _ragged(x, spans):
@@ -135,8 +165,10 @@ def _reference_advantages(name, kl_mode, kl_estimator, p):
         return adv, adv, mean_penalty
     scores = list(SCORES)
     if name == "reinforce_pp_baseline":  # the group's mean score as a baseline, at the last token
-        scores = [s - sum(SCORES[j] for j in range(len(SCORES)) if GROUPS[j] == g) / GROUPS.count(g)
-                  for s, g in zip(SCORES, GROUPS)]
+        scores = [
+            s - sum(SCORES[j] for j in range(len(SCORES)) if GROUPS[j] == g) / GROUPS.count(g)
+            for s, g in zip(SCORES, GROUPS)
+        ]
     rewards = ref.token_rewards(scores, kl_old, coef)
     if name in ("reinforce_pp", "reinforce_pp_baseline"):
         returns = ref.discounted_returns(rewards, 1.0)

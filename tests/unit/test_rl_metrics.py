@@ -7,13 +7,14 @@ The driver's bookkeeping is unit-tested here with an in-process stand-in for the
 optimizer step sees the same weights and the global value is known: the objective over the whole rollout batch at once).
 That Ray workers keep the same contract per optimizer step is test_rl_e2e.py's and test_rl_reference.py's business.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from group_helpers import LocalGroup
 from shared_helpers import float64_model
+
 from rlhf.batch import Batch
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
@@ -46,8 +47,11 @@ def rollout(model):
         masks.append([0] * prompt + [1] * response)
     width = max(map(len, rows))
     ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-    batch = Batch(input_ids=ids, attention_mask=torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
-                  loss_mask=torch.tensor([m + [0] * (width - len(m)) for m in masks]))
+    batch = Batch(
+        input_ids=ids,
+        attention_mask=torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
+        loss_mask=torch.tensor([m + [0] * (width - len(m)) for m in masks]),
+    )
     logps = TokenLogps()(model, batch)
     assert logps.dtype == torch.float64
     old = logps + 0.3 * torch.randn(logps.shape, generator=gen, dtype=torch.float64)
@@ -56,16 +60,31 @@ def rollout(model):
 
 
 def _config(micro: int, ranks: int, ppo_epochs: int = 1) -> RLRunConfig:
-    return load_config(RLRunConfig, "grpo_tiny", [
-        "model.path=unused", "data.train_path=unused", "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
-        "train.global_batch_size=4", f"train.micro_batch_size={micro}", f"train.num_workers={ranks}",
-        f"algo.ppo_epochs={ppo_epochs}", "logging.console=line"])
+    return load_config(
+        RLRunConfig,
+        "grpo_tiny",
+        [
+            "model.path=unused",
+            "data.train_path=unused",
+            "rollout.prompts_per_step=4",
+            "rollout.n_samples_per_prompt=4",
+            "train.global_batch_size=4",
+            f"train.micro_batch_size={micro}",
+            f"train.num_workers={ranks}",
+            f"algo.ppo_epochs={ppo_epochs}",
+            "logging.console=line",
+        ],
+    )
 
 
 def _update(cfg, objective, model, batch, rl_step):
     # each rank reports the LR position it was asked for: grad norm 1 + k, lr 0.01 (k + 1)
-    group = LocalGroup(model, EngineSpec.for_global_batch(4, cfg.train.micro_batch_size, cfg.train.num_workers),
-                       cfg.train.num_workers, report=lambda rank, k: (1.0 + k, 0.01 * (k + 1)))
+    group = LocalGroup(
+        model,
+        EngineSpec.for_global_batch(4, cfg.train.micro_batch_size, cfg.train.num_workers),
+        cfg.train.num_workers,
+        report=lambda rank, k: (1.0 + k, 0.01 * (k + 1)),
+    )
     trainer = RLTrainer(cfg, None, None, None, RLActors(policy=group, engines=None), None, objective, None)
     return trainer.update(batch, rl_step), group.schedule_steps
 
@@ -95,7 +114,7 @@ def test_rl_metrics_are_the_whole_rollouts_whatever_the_shuffle_and_split(model,
 
 def _shuffled_steps():
     order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(11)).tolist()
-    return [order[i:i + 4] for i in range(0, ROWS, 4)]
+    return [order[i : i + 4] for i in range(0, ROWS, 4)]
 
 
 def _step_sums(objective, model, batch, rows):
@@ -119,17 +138,27 @@ def test_the_largest_grad_norm_keeps_a_non_finite_one():
     assert _largest([None, None]) is None
 
 
-@pytest.mark.parametrize("estimator, policy_loss, expected", [
-    ("grpo", "ppo", "seq-mean-token-mean"), ("grpo", "gspo", "seq-mean-token-mean"),
-    ("gae", "gspo", "seq-mean-token-mean"), ("dr_grpo", "ppo", "seq-mean-token-sum-norm"),
-    ("rloo", "ppo", "seq-mean-token-sum-norm"), ("gae", "ppo", "token-mean"), ("reinforce_pp", "ppo", "token-mean")])
+@pytest.mark.parametrize(
+    "estimator, policy_loss, expected",
+    [
+        ("grpo", "ppo", "seq-mean-token-mean"),
+        ("grpo", "gspo", "seq-mean-token-mean"),
+        ("gae", "gspo", "seq-mean-token-mean"),
+        ("dr_grpo", "ppo", "seq-mean-token-sum-norm"),
+        ("rloo", "ppo", "seq-mean-token-sum-norm"),
+        ("gae", "ppo", "token-mean"),
+        ("reinforce_pp", "ppo", "token-mean"),
+    ],
+)
 def test_auto_aggregation_is_the_papers(estimator, policy_loss, expected):
     from rlhf.config.rl_schema import AlgorithmConfig
 
     algo = AlgorithmConfig(advantage_estimator=estimator, policy_loss=policy_loss)
     assert algo.loss_agg_mode == "auto" and algo.aggregation == expected
-    assert AlgorithmConfig(advantage_estimator=estimator, policy_loss=policy_loss,
-                           loss_agg_mode="token-mean").aggregation == "token-mean"  # a chosen mode wins
+    assert (
+        AlgorithmConfig(advantage_estimator=estimator, policy_loss=policy_loss, loss_agg_mode="token-mean").aggregation
+        == "token-mean"
+    )  # a chosen mode wins
 
 
 def test_an_unknown_aggregation_lists_auto_too():
@@ -144,6 +173,8 @@ def test_the_run_says_when_the_aggregation_is_not_the_papers():
     from rlhf.config.rl_schema import AlgorithmConfig
 
     assert AlgorithmConfig().describe_aggregation() == "seq-mean-token-mean (the paper's; algo.loss_agg_mode=auto)"
-    assert AlgorithmConfig(loss_agg_mode="token-mean").describe_aggregation() == \
-        "token-mean (the paper's is seq-mean-token-mean)"
+    assert (
+        AlgorithmConfig(loss_agg_mode="token-mean").describe_aggregation()
+        == "token-mean (the paper's is seq-mean-token-mean)"
+    )
     assert AlgorithmConfig(advantage_estimator="gae", loss_agg_mode="token-mean").describe_aggregation() == "token-mean"

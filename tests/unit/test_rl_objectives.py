@@ -1,13 +1,13 @@
 """RL objectives on a tiny in-process Qwen2 (float64, so exactness checks are not blurred by rounding):
 hand-computed losses at ratio 1, micro-batch split invariance of losses, metrics and gradients, the value
 alignment, and the score functions against direct computations."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from rlhf.batch import Batch
-from rlhf.objectives.base import add_sums
 from rlhf.objectives.actor_critic import (
     PolicyObjective,
     SequenceScores,
@@ -17,6 +17,7 @@ from rlhf.objectives.actor_critic import (
     response_mask,
     token_values,
 )
+from rlhf.objectives.base import add_sums
 from rlhf.ops.aggregation import LOSS_AGGREGATIONS
 from rlhf.ops.logprobs import token_logprobs
 from rlhf.ops.policy_loss import PolicyLossConfig
@@ -33,9 +34,16 @@ AGG_MODES = LOSS_AGGREGATIONS.names()
 def _config():
     import transformers
 
-    return transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                    num_attention_heads=2, num_key_value_heads=1, pad_token_id=0,
-                                    attn_implementation="eager")
+    return transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +77,7 @@ def make_batch(seed: int = 0, lengths=LENGTHS) -> Batch:
     for i, (p, r) in enumerate(lengths):
         ids[i, : p + r] = torch.randint(1, VOCAB, (p + r,), generator=gen)
         attn[i, : p + r] = 1
-        loss_mask[i, p: p + r] = 1
+        loss_mask[i, p : p + r] = 1
     return Batch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, sample_index=torch.arange(len(lengths)))
 
 
@@ -106,8 +114,14 @@ def run_whole_and_split(model, objective, batch):
         split_sums = add_sums(split_sums, part_sums)
     split_grad = grads(model)
     model.zero_grad(set_to_none=True)
-    return (objective.finalize(sums, count), objective.finalize(split_sums, total_count), whole_grad, split_grad,
-            loss.item() / count, split_loss / total_count)
+    return (
+        objective.finalize(sums, count),
+        objective.finalize(split_sums, total_count),
+        whole_grad,
+        split_grad,
+        loss.item() / count,
+        split_loss / total_count,
+    )
 
 
 def assert_same_split(whole_m, split_m, whole_g, split_g, whole_l, split_l):
@@ -185,8 +199,9 @@ def test_policy_entropy_and_kl_terms_add_exactly(policy, temperature):
     policy.zero_grad(set_to_none=True)
     expected_loss.backward()
     expected_grad = grads(policy)
-    assert expected_loss.item() == pytest.approx(-mean(adv.double()) - 0.05 * mean(entropy)
-                                                 + 0.2 * mean(torch.expm1(delta) - delta), rel=1e-6)
+    assert expected_loss.item() == pytest.approx(
+        -mean(adv.double()) - 0.05 * mean(entropy) + 0.2 * mean(torch.expm1(delta) - delta), rel=1e-6
+    )
 
     obj = PolicyObjective(temperature=temperature, entropy_coef=0.05, kl_loss_coef=0.2)
     policy.zero_grad(set_to_none=True)
@@ -230,9 +245,15 @@ def test_policy_split_matches_whole_batch(policy, agg_mode):
     ref = torch.where(mask, old.double() + randn(mask.shape, 30, 0.3), 0.0).float()
     rollout = torch.where(mask, old.double() + randn(mask.shape, 31, 0.3), 0.0).float()
     batch = batch.replace(old_logps=old, advantages=adv, ref_logps=ref, rollout_logps=rollout)
-    obj = PolicyObjective(clip=PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=1.5, tis_cap=1.2),
-                          agg_mode=agg_mode, agg_length=batch.input_ids.shape[1], temperature=temperature,
-                          entropy_coef=0.01, kl_loss_coef=0.1, use_tis=True)
+    obj = PolicyObjective(
+        clip=PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=1.5, tis_cap=1.2),
+        agg_mode=agg_mode,
+        agg_length=batch.input_ids.shape[1],
+        temperature=temperature,
+        entropy_coef=0.01,
+        kl_loss_coef=0.1,
+        use_tis=True,
+    )
     result = run_whole_and_split(policy, obj, batch)
     whole_metrics = result[0]
     # The clipped branch, the dual clip and the TIS cap are really exercised (and not everywhere: under the
@@ -264,8 +285,9 @@ def test_policy_gspo_split_matches_whole_batch(policy):
     batch = make_batch(3)
     mask, old, adv = _rl_fields(policy, batch, seed=40, old_noise=0.05)
     batch = batch.replace(old_logps=old, advantages=adv)
-    obj = PolicyObjective(loss_type="gspo", clip=PolicyLossConfig(clip_low=0.01, clip_high=0.01),
-                          agg_mode="seq-mean-token-mean")
+    obj = PolicyObjective(
+        loss_type="gspo", clip=PolicyLossConfig(clip_low=0.01, clip_high=0.01), agg_mode="seq-mean-token-mean"
+    )
     assert_same_split(*run_whole_and_split(policy, obj, batch))
 
 
@@ -305,7 +327,8 @@ def test_policy_missing_fields_are_named(policy):
         PolicyObjective(kl_loss_coef=0.1).loss(policy, batch.replace(old_logps=old, advantages=adv))
     with pytest.raises(ValueError, match="rollout_logps"):
         PolicyObjective(clip=PolicyLossConfig(tis_cap=2.0), use_tis=True).loss(
-            policy, batch.replace(old_logps=old, advantages=adv))
+            policy, batch.replace(old_logps=old, advantages=adv)
+        )
 
 
 # ============================================================================================== critic
@@ -412,8 +435,9 @@ def test_advantage_whitening_options_use_the_whole_rollout_batch(mode):
     from rlhf.rl import advantages_for
 
     mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0], [0, 1, 0, 0], [0, 1, 1, 1]])
-    batch = Batch(input_ids=torch.ones(4, 4, dtype=torch.long), attention_mask=torch.ones(4, 4, dtype=torch.long),
-                  loss_mask=mask)
+    batch = Batch(
+        input_ids=torch.ones(4, 4, dtype=torch.long), attention_mask=torch.ones(4, 4, dtype=torch.long), loss_mask=mask
+    )
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
     kwargs = dict(estimator="rloo", gamma=1.0, lam=1.0, kl_coef=0.0, kl_estimator="k3", kl_in_reward=False)
     raw, _ = advantages_for(batch, scores, torch.tensor([0, 0, 1, 1]), **kwargs)

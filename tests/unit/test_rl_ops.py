@@ -4,6 +4,7 @@ Expected numbers are written from first principles (plain Python arithmetic, ``m
 inputs, or come from straightforward per-sequence loops written here; never from calling the function under test
 a second way.
 """
+
 from __future__ import annotations
 
 import math
@@ -237,8 +238,9 @@ def test_groups_of_equal_scores_and_singletons_get_exactly_zero_even_with_eps_0(
     # without an exact check GRPO with eps = 0 would turn their ratio into an advantage of about -0.8.
     assert (0.1 + 0.1 + 0.1) / 3 != 0.1
     scores = t([0.1, 0.1, 0.1, 2.0, 1.0, 3.0])
-    inputs = AdvantageInputs(torch.zeros(6, 2), scores, torch.ones(6, 2), group_ids=torch.tensor([0, 0, 0, 1, 2, 2]),
-                             eps=0.0)
+    inputs = AdvantageInputs(
+        torch.zeros(6, 2), scores, torch.ones(6, 2), group_ids=torch.tensor([0, 0, 0, 1, 2, 2]), eps=0.0
+    )
     adv, _ = compute_advantages(name, inputs)
     assert adv[:4].tolist() == [[0.0, 0.0]] * 4
     assert (adv[4:] != 0).all() and torch.isfinite(adv).all()
@@ -587,8 +589,9 @@ def test_padding_never_affects_advantages(name):
     values = torch.randn(6, 8, generator=gen, dtype=torch.float64)
     scores = torch.randn(6, generator=gen, dtype=torch.float64)
     ids = torch.tensor([0, 0, 1, 1, 1, 2])
-    clean = AdvantageInputs(torch.where(mask, rewards, 0.0), scores, mask, torch.where(mask, values, 0.0), ids,
-                            gamma=0.9, lam=0.8)
+    clean = AdvantageInputs(
+        torch.where(mask, rewards, 0.0), scores, mask, torch.where(mask, values, 0.0), ids, gamma=0.9, lam=0.8
+    )
     adv, ret = compute_advantages(name, clean)
     assert adv.abs().sum() > 0
     for garbage in (NAN, INF, 1e6):
@@ -607,8 +610,9 @@ def test_padding_never_affects_policy_losses_or_gradients(name):
     old = -torch.rand(5, 7, generator=gen, dtype=torch.float64)
     logps = old + 0.3 * torch.randn(5, 7, generator=gen, dtype=torch.float64)
     adv = torch.randn(5, 7, generator=gen, dtype=torch.float64)
-    cfg = PolicyLossConfig(clip_low=0.1, clip_high=0.15, dual_clip=2.0 if name == "ppo" else None,
-                           tis_cap=1.5 if name == "ppo" else None)
+    cfg = PolicyLossConfig(
+        clip_low=0.1, clip_high=0.15, dual_clip=2.0 if name == "ppo" else None, tis_cap=1.5 if name == "ppo" else None
+    )
     rollout = old + 0.2 * torch.randn(5, 7, generator=gen, dtype=torch.float64) if name == "ppo" else None
 
     def run(lp, o, a, mk, ro):

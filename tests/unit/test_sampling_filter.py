@@ -6,6 +6,7 @@ cumulative softmax and drops every token whose cumulative sum is ``<= 1 - p``, n
 project's functions. The trainer's log-probs must be those of the renormalised kept set, always holding the
 sampled token, with no gradient into the dropped logits; without a filter nothing may change by a single bit.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -48,8 +49,7 @@ def logits_with_scales(seed: int, rows: int = 300, vocab: int = 37, dtype=torch.
     return (torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * scale).to(dtype)
 
 
-FILTERS = [(5, 1.0), (1, 1.0), (-1, 0.8), (0, 0.5), (5, 0.8), (3, 0.95), (-1, 1e-6), (37, 0.9), (99, 1.0),
-           (36, 0.99)]
+FILTERS = [(5, 1.0), (1, 1.0), (-1, 0.8), (0, 0.5), (5, 0.8), (3, 0.95), (-1, 1e-6), (37, 0.9), (99, 1.0), (36, 0.99)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -135,8 +135,9 @@ def test_logprobs_are_of_the_renormalised_kept_set(top_k, top_p, temperature):
     got = token_logprobs(logits, ids, temperature, f)
     torch.testing.assert_close(got, _direct_logps(z, ids, keep), rtol=0, atol=1e-12)
     assert torch.isfinite(got).all()  # the sampled token is always kept, even where it lies outside the set
-    outside = ~vllm_keep(z.reshape(-1, 12), top_k, top_p).view(3, 9, 12)[:, :-1].gather(
-        -1, ids[:, 1:, None]).squeeze(-1)
+    outside = ~vllm_keep(z.reshape(-1, 12), top_k, top_p).view(3, 9, 12)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(
+        -1
+    )
     assert outside.any()  # ... which random ids do here
     # Every token of a position's kept set, scored as that position's token: the probabilities sum to 1.
     vllm_sets = vllm_keep(z.reshape(-1, 12), top_k, top_p).view(3, 9, 12)
@@ -224,9 +225,16 @@ def policy():
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, pad_token_id=0,
-                                   attn_implementation="eager")
+    cfg = transformers.Qwen2Config(
+        vocab_size=48,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
     model = transformers.Qwen2ForCausalLM(cfg).double()
     with torch.no_grad():  # peaked next-token distributions, so top-p keeps a few tokens, not most of them
         model.lm_head.weight.mul_(10.0)
@@ -297,9 +305,19 @@ def test_policy_objective_scores_the_kept_set_and_matches_old_logps(policy):
 
 # ------------------------------------------------------------------------------------------------ plumbing
 def _cfg(*extra) -> RLRunConfig:
-    return load_config(RLRunConfig, "grpo_tiny", ["model.path=unused", "data.train_path=unused",
-                                                  "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-                                                  "train.global_batch_size=2", "train.micro_batch_size=2", *extra])
+    return load_config(
+        RLRunConfig,
+        "grpo_tiny",
+        [
+            "model.path=unused",
+            "data.train_path=unused",
+            "rollout.prompts_per_step=2",
+            "rollout.n_samples_per_prompt=2",
+            "train.global_batch_size=2",
+            "train.micro_batch_size=2",
+            *extra,
+        ],
+    )
 
 
 def test_rollout_top_k_is_validated_naming_the_key():
@@ -312,9 +330,9 @@ def test_rollout_top_k_is_validated_naming_the_key():
 def test_the_trainer_samples_and_scores_with_the_configs_top_k_and_top_p():
     """The engines get rollout.top_k / top_p, and pi_old, the reference and the loss score the same kept set."""
     from rlhf.rollout.vllm_engine import Generation
-    from rlhf.trainers.rl_steps import RLActors, RLTrainer
     from rlhf.trainers.rl_experience import PromptSet
     from rlhf.trainers.rl_runner import _objectives
+    from rlhf.trainers.rl_steps import RLActors, RLTrainer
 
     class Recorder:
         def __init__(self):
@@ -329,13 +347,21 @@ def test_the_trainer_samples_and_scores_with_the_configs_top_k_and_top_p():
             return torch.zeros(batch.input_ids.shape)
 
     cfg = _cfg("rollout.top_k=5", "rollout.top_p=0.8", "rollout.temperature=0.7", "algo.kl_coef=0.1")
-    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=2,
-                                batch_decode=lambda ids, skip_special_tokens: ["x"] * len(ids))
+    tokenizer = SimpleNamespace(
+        pad_token_id=0, eos_token_id=2, batch_decode=lambda ids, skip_special_tokens: ["x"] * len(ids)
+    )
     engines, policy, reference = Recorder(), Recorder(), Recorder()
     policy_objective = _objectives(cfg)[0]
-    trainer = RLTrainer(cfg, tokenizer, PromptSet([[1, 2], [3]], ["p", "q"], {}, 0, 0),
-                        None, RLActors(policy=policy, engines=engines, reference=reference), None,
-                        policy_objective, None)
+    trainer = RLTrainer(
+        cfg,
+        tokenizer,
+        PromptSet([[1, 2], [3]], ["p", "q"], {}, 0, 0),
+        None,
+        RLActors(policy=policy, engines=engines, reference=reference),
+        None,
+        policy_objective,
+        None,
+    )
     rollout = trainer._sample(trainer.prompts, [0, 0, 1, 1], seed_base=0, step=1)
     trainer.annotate(rollout.batch)
     (sampling,) = engines.calls

@@ -1,5 +1,6 @@
 """Scripts no test runs end to end (bench/, the examples' launchers) still import only names the package has: a
 rename in rlhf (EngineSpec -> VLLMSpec once broke bench/bench_rl.py silently) fails here, without running them."""
+
 from __future__ import annotations
 
 import ast

@@ -9,6 +9,7 @@
 * The local commands of the README, the quickstart and ``examples/sft_then_dpo.sh`` run at tiny sizes:
   ``make_assets`` for real, the trainers with ``--dry-run`` (no Ray, no actors) on the assets it wrote.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -28,13 +29,27 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER_DIR = ROOT / "examples" / "launchers"
 LAUNCHERS = sorted(p for p in LAUNCHER_DIR.glob("*.sh") if p.name != "submit.sh")
 # Every file that may show a submit command (submit.sh is run below instead: its command is built from variables).
-SOURCES = sorted({ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "examples").rglob("*.md"),
-                  *(ROOT / "examples").rglob("*.sh"), *(p for p in (ROOT / "ray_cluster").iterdir() if p.is_file())}
-                 - {LAUNCHER_DIR / "submit.sh"})
+SOURCES = sorted(
+    {
+        ROOT / "README.md",
+        *(ROOT / "docs").rglob("*.md"),
+        *(ROOT / "examples").rglob("*.md"),
+        *(ROOT / "examples").rglob("*.sh"),
+        *(p for p in (ROOT / "ray_cluster").iterdir() if p.is_file()),
+    }
+    - {LAUNCHER_DIR / "submit.sh"}
+)
 # Where a reader looks for it: each must show the whole command at least once.
-MUST_SHOW = ("README.md", "docs/quickstart.md", "docs/multinode.md", "examples/sft_then_dpo.sh",
-             "examples/launchers/README.md", "ray_cluster/README.md", "ray_cluster/cluster.yaml",
-             "ray_cluster/kuberay-raycluster.yaml")
+MUST_SHOW = (
+    "README.md",
+    "docs/quickstart.md",
+    "docs/multinode.md",
+    "examples/sft_then_dpo.sh",
+    "examples/launchers/README.md",
+    "ray_cluster/README.md",
+    "ray_cluster/cluster.yaml",
+    "ray_cluster/kuberay-raycluster.yaml",
+)
 
 # The one command, up to its entry point: the token-auth client mode, the head's dashboard, the checkout uploaded.
 AUTH = "RAY_AUTH_MODE=token"
@@ -68,9 +83,9 @@ def _split(command: str) -> Tuple[List[str], List[str], List[str]]:
     words = shlex.split(command)
     assert "--" in words, f"no `--` before the entry point: {command}"
     cut = words.index("--")
-    head, entry = words[:cut], words[cut + 1:]
+    head, entry = words[:cut], words[cut + 1 :]
     start = head.index("ray")
-    return head[:start + 3], head[start + 3:], entry
+    return head[: start + 3], head[start + 3 :], entry
 
 
 def _normalised_options(options: List[str]) -> List[str]:
@@ -78,7 +93,7 @@ def _normalised_options(options: List[str]) -> List[str]:
     if "--runtime-env-json" in options:  # the launchers' NCCL settings: the only option allowed in addition
         at = options.index("--runtime-env-json")
         assert set(json.loads(options[at + 1])) == {"env_vars"}, options[at + 1]
-        del options[at:at + 2]
+        del options[at : at + 2]
     if "--address" in options:
         at = options.index("--address") + 1
         assert options[at] in ADDRESSES, f"--address {options[at]}: use one of {ADDRESSES}"
@@ -129,8 +144,9 @@ def test_a_submitted_training_command_passes_its_dry_run(entry, capsys, monkeypa
     module, *argv = entry
     config = argv[argv.index("--config") + 1]
     cluster = _cluster_of(config)
-    rc, out, err = _main(module, argv + ["--dry-run"] + (["--cluster", cluster] if cluster else []), ROOT,
-                         capsys, monkeypatch)
+    rc, out, err = _main(
+        module, argv + ["--dry-run"] + (["--cluster", cluster] if cluster else []), ROOT, capsys, monkeypatch
+    )
     assert rc == 0, err
     assert "result: fits on" in out
 
@@ -151,12 +167,16 @@ def _submitted(launcher: Path, tmp_path: Path, **env_vars) -> dict:
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "ray").write_text(FAKE_RAY.replace("PYTHON", sys.executable, 1))
     (bin_dir / "ray").chmod(0o755)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("NCCL_", "RAY_", "RLHF_")) and k != "DRY_RUN"}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", RAY_ADDRESS=ADDRESSES[0],
-               FAKE_RAY_OUT=str(tmp_path / "submitted.json"), **env_vars)
-    done = subprocess.run([str(launcher), "train.seed=7"], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=60)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "RAY_", "RLHF_")) and k != "DRY_RUN"}
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
+        RAY_ADDRESS=ADDRESSES[0],
+        FAKE_RAY_OUT=str(tmp_path / "submitted.json"),
+        **env_vars,
+    )
+    done = subprocess.run(
+        [str(launcher), "train.seed=7"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     return json.loads((tmp_path / "submitted.json").read_text())
 
@@ -167,9 +187,23 @@ def test_a_launcher_submits_the_one_command(launcher, tmp_path):
     module, config = (re.search(rf"^{key}=(\S+)", text, re.M).group(1) for key in ("MODULE", "CONFIG"))
     got = _submitted(launcher, tmp_path)
     assert got["auth"] == "token" and Path(got["cwd"]) == ROOT  # --working-dir . is the repository root
-    assert got["argv"] == ["job", "submit", "--address", ADDRESSES[0], "--working-dir", ".",
-                           "--runtime-env-json", NCCL_ENV, "--", "python", "-m", module, "--config", config,
-                           "train.seed=7"]
+    assert got["argv"] == [
+        "job",
+        "submit",
+        "--address",
+        ADDRESSES[0],
+        "--working-dir",
+        ".",
+        "--runtime-env-json",
+        NCCL_ENV,
+        "--",
+        "python",
+        "-m",
+        module,
+        "--config",
+        config,
+        "train.seed=7",
+    ]
 
 
 def test_the_launchers_readme_shows_what_a_launcher_submits(tmp_path):
@@ -180,11 +214,9 @@ def test_the_launchers_readme_shows_what_a_launcher_submits(tmp_path):
 
 
 def test_nccl_settings_from_the_shell_reach_the_runtime_env(tmp_path):
-    got = _submitted(LAUNCHERS[0], tmp_path, NCCL_SOCKET_IFNAME="eth0", NCCL_DEBUG="INFO",
-                     DEEPSPEED_TIMEOUT="30")
+    got = _submitted(LAUNCHERS[0], tmp_path, NCCL_SOCKET_IFNAME="eth0", NCCL_DEBUG="INFO", DEEPSPEED_TIMEOUT="30")
     runtime_env = json.loads(got["argv"][got["argv"].index("--runtime-env-json") + 1])
-    assert runtime_env == {"env_vars": {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0",
-                                        "DEEPSPEED_TIMEOUT": "30"}}
+    assert runtime_env == {"env_vars": {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0", "DEEPSPEED_TIMEOUT": "30"}}
 
 
 # ----------------------------------------------------------------------------------------- the local commands
@@ -202,7 +234,7 @@ def _local_commands(path: Path) -> List[List[str]]:
         if line.startswith("#") or "ray job submit" in line or not re.search(r"-m rlhf\.cli\.", line):
             continue
         words = shlex.split(line)
-        commands.append(words[words.index("-m") + 1:])
+        commands.append(words[words.index("-m") + 1 :])
     return commands
 
 
@@ -217,8 +249,13 @@ def test_the_local_commands_run_at_tiny_sizes(page, tmp_path, capsys, monkeypatc
         if "--help" in argv:
             continue
         if module == "rlhf.cli.make_assets":
-            rc, _, err = _main(module, argv + ["--num-sft", "64", "--num-pref", "64", "--num-prompts", "16",
-                                               "--num-eval-prompts", "8"], tmp_path, capsys, monkeypatch)
+            rc, _, err = _main(
+                module,
+                argv + ["--num-sft", "64", "--num-pref", "64", "--num-prompts", "16", "--num-eval-prompts", "8"],
+                tmp_path,
+                capsys,
+                monkeypatch,
+            )
             assert rc == 0, err
             continue
         if not module.startswith("rlhf.cli.train_"):

@@ -1,4 +1,5 @@
 """Tiny model, tokenizer, synthetic arithmetic task and asset writer, exercised with real HF objects."""
+
 from __future__ import annotations
 
 import json
@@ -233,12 +234,12 @@ def test_is_correct_and_reward() -> None:
 def test_reward_is_one_exactly_on_sft_responses() -> None:
     rows = make_sft_rows(50, seed=1)
     prefs = make_preference_rows(50, seed=1)
-    assert reward([r["prompt"] for r in rows], [r["response"] for r in rows], [r["response"] for r in rows]) == [
-        1.0
-    ] * 50
-    assert reward([r["prompt"] for r in prefs], [r["rejected"] for r in prefs], [r["chosen"] for r in prefs]) == [
-        0.0
-    ] * 50
+    assert (
+        reward([r["prompt"] for r in rows], [r["response"] for r in rows], [r["response"] for r in rows]) == [1.0] * 50
+    )
+    assert (
+        reward([r["prompt"] for r in prefs], [r["rejected"] for r in prefs], [r["chosen"] for r in prefs]) == [0.0] * 50
+    )
 
 
 def test_write_jsonl_round_trip_and_atomicity(tmp_path) -> None:
@@ -264,8 +265,16 @@ def test_write_jsonl_round_trip_and_atomicity(tmp_path) -> None:
 def test_make_assets_writes_skips_and_forces(tmp_path, capsys) -> None:
     out = str(tmp_path / "assets")
     paths = make_assets(out, seed=0, num_sft=20, num_pref=30, num_prompts=10, num_eval_prompts=5, max_operand=9)
-    assert set(paths) == {"model", "sft", "preference", "prompts", "eval_prompts", "sft_chat", "preference_chat",
-                          "prompts_chat"}
+    assert set(paths) == {
+        "model",
+        "sft",
+        "preference",
+        "prompts",
+        "eval_prompts",
+        "sft_chat",
+        "preference_chat",
+        "prompts_chat",
+    }
     assert os.path.isfile(os.path.join(paths["model"], "model.safetensors"))
     assert len(read_rows(paths["sft"], ["prompt", "response"])) == 20
     pref = read_rows(paths["preference"], ["prompt", "chosen", "rejected"], ["margin"], types={"margin": (int, float)})
@@ -278,13 +287,18 @@ def test_make_assets_writes_skips_and_forces(tmp_path, capsys) -> None:
     chat_sft = read_rows(paths["sft_chat"], ["messages"], types={"messages": (list,)})
     plain_sft = read_rows(paths["sft"], ["prompt", "response"])
     assert [r["messages"][1:3] for r in chat_sft] == [
-        [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}] for r in plain_sft]
+        [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}] for r in plain_sft
+    ]
     assert sum(len(r["messages"]) == 5 for r in chat_sft) == 20 // 3  # every third asks a second question
     chat_prompts = read_rows(paths["prompts_chat"], ["prompt", "answer"], types={"prompt": (list,)})
-    assert [(r["prompt"][-1]["content"], r["answer"]) for r in chat_prompts] == [(r["prompt"], r["answer"])
-                                                                               for r in prompts]
-    chat_pref = read_rows(paths["preference_chat"], ["prompt", "chosen", "rejected"],
-                          types={k: (list,) for k in ("prompt", "chosen", "rejected")})
+    assert [(r["prompt"][-1]["content"], r["answer"]) for r in chat_prompts] == [
+        (r["prompt"], r["answer"]) for r in prompts
+    ]
+    chat_pref = read_rows(
+        paths["preference_chat"],
+        ["prompt", "chosen", "rejected"],
+        types={k: (list,) for k in ("prompt", "chosen", "rejected")},
+    )
     assert [r["chosen"][0]["content"] for r in chat_pref] == [r["chosen"] for r in pref]
 
     # Existing outputs are kept (even with other sizes) ...

