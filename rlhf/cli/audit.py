@@ -46,6 +46,7 @@ from rlhf.data.plan import PlanError
 from rlhf.distributed.errors import WorkerError
 from rlhf.hub import HubError
 from rlhf.trainers.health import TrainingHealthError
+from rlhf.trainers.interrupt import RunInterrupted
 from rlhf.trainers.preflight import preflight
 from rlhf.utils.log import get_logger
 
@@ -134,6 +135,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except _Failed as exc:
         return exc.code
+    except RunInterrupted as exc:  # SIGINT / SIGTERM during a run (rlhf.trainers.interrupt)
+        log.warning(str(exc))
+        return exc.exit_code
 
 
 class _Failed(Exception):

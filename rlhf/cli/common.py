@@ -14,6 +14,7 @@ from rlhf.distributed.errors import WorkerError
 from rlhf.distributed.packing import InfeasiblePlan
 from rlhf.hub import HubError
 from rlhf.trainers.health import TrainingHealthError
+from rlhf.trainers.interrupt import RunInterrupted
 from rlhf.utils.log import get_logger
 from rlhf.utils.versions import UnsupportedVersionError
 
@@ -41,7 +42,8 @@ def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]
     """Parse ``argv`` into ``config_cls`` and ``train`` it, or with ``--dry-run`` print its resource plan.
 
     Returns:
-        The exit status: 0, 2 for bad input (config, data, an infeasible plan), 1 for a failed worker.
+        The exit status: 0, 2 for bad input (config, data, an infeasible plan), 1 for a failed worker, 130 / 143 for
+        a run stopped by SIGINT / SIGTERM (checkpointed; the last line says how to resume).
     """
     # lazy: pulls in torch; the audit, doctor and demo import this module and stay light until they train
     from rlhf.rewards.functions import RewardFunctionError
@@ -64,6 +66,9 @@ def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]
     ) as exc:
         log.error(f"error: {exc}")
         return 2
+    except RunInterrupted as exc:  # SIGINT / SIGTERM: checkpointed (rlhf.trainers.interrupt); 128 + the signal
+        log.warning(str(exc))
+        return exc.exit_code
     except Exception as exc:  # noqa: BLE001 - a worker failure is reported as one line naming role and rank
         if isinstance(exc, (WorkerError, TrainingHealthError)):
             log.error(f"error: {exc}")

@@ -175,6 +175,16 @@ class RunCheckpoints:
         load_groups(path, groups)
         return int(state["step"])
 
+    def save_stopped(self, step: int, groups: Mapping[str, Checkpointable]) -> str:
+        """The checkpoint of ``step`` for a run stopped by a signal (``rlhf.trainers.interrupt``): written unless
+        :meth:`after_step` wrote it already; returns its path."""
+        found = self.store.latest()
+        if found is not None and int(found[1]["step"]) == step:
+            return found[0]
+        path = self.store.save(step, groups, {"identity": self.identity})
+        log.info(f"[{self.name}] checkpoint {path}")
+        return path
+
     def after_step(self, step: int, total_steps: int, groups: Mapping[str, Checkpointable]) -> bool:
         """Checkpoint when due; True when the run should stop here (``train.stop_after_steps``)."""
         t = self.train

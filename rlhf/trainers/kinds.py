@@ -10,6 +10,8 @@ which sections it has. Adding a trainer is one entry here, its config class and 
 from __future__ import annotations
 
 import importlib
+import os
+import shlex
 from dataclasses import dataclass
 from typing import Any, Callable, List, Tuple, Type
 
@@ -30,6 +32,7 @@ class TrainerKind:
     run_name: str  # sft | rm | dpo | rl: the prefix of the run's log lines and of a new output directory
     config_cls: Type[RunConfig]  # its run config
     train_path: str  # "module:function" (cfg -> RunResult), imported when called: the trainers import this module
+    cli_module: str  # its command line, python -m <cli_module>
     policy_role: str  # the role of the model it trains
     policy_kind: str  # CAUSAL_LM, or SCALAR_HEAD for a reward model
     primary_loss: str  # the loss column of the audit's table
@@ -45,6 +48,12 @@ class TrainerKind:
     def packages(self) -> Tuple[str, ...]:
         """The libraries a run checks on the driver and on every node (``rlhf.utils.versions``)."""
         return TRAINING_PACKAGES + (("vllm",) if self.online else ())
+
+    def resume_command(self, output_dir: str) -> str:
+        """The command that continues a run in ``output_dir`` from its newest checkpoint: its saved, resolved
+        ``config.yaml`` (hub ids pinned) with ``train.resume=true``."""
+        config = shlex.quote(os.path.join(output_dir, "config.yaml"))
+        return f"python -m {self.cli_module} --config {config} train.resume=true"
 
     def train(self, cfg: RunConfig):
         module, function = self.train_path.split(":")
@@ -83,6 +92,7 @@ _KINDS: Tuple[TrainerKind, ...] = (
         run_name="sft",
         config_cls=SFTRunConfig,
         train_path="rlhf.trainers.sft:train_sft",
+        cli_module="rlhf.cli.train_sft",
         policy_role="policy",
         policy_kind=CAUSAL_LM,
         primary_loss="loss",
@@ -94,6 +104,7 @@ _KINDS: Tuple[TrainerKind, ...] = (
         run_name="rm",
         config_cls=RewardModelRunConfig,
         train_path="rlhf.trainers.reward_model:train_reward_model",
+        cli_module="rlhf.cli.train_rm",
         policy_role="reward_model",
         policy_kind=SCALAR_HEAD,
         primary_loss="loss",
@@ -105,6 +116,7 @@ _KINDS: Tuple[TrainerKind, ...] = (
         run_name="dpo",
         config_cls=DPORunConfig,
         train_path="rlhf.trainers.dpo:train_dpo",
+        cli_module="rlhf.cli.train_dpo",
         policy_role="policy",
         policy_kind=CAUSAL_LM,
         primary_loss="loss",
@@ -118,6 +130,7 @@ _KINDS: Tuple[TrainerKind, ...] = (
         run_name="rl",
         config_cls=RLRunConfig,
         train_path="rlhf.trainers.rl_runner:train_ppo",
+        cli_module="rlhf.cli.train_ppo",
         policy_role="policy",
         policy_kind=CAUSAL_LM,
         primary_loss="policy_loss",

@@ -23,7 +23,7 @@ import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional, Protocol, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, FrozenSet, Iterator, NoReturn, Optional, Protocol, Sequence, Tuple, cast
 
 from rlhf.config.deepspeed_check import check_user_config
 from rlhf.config.schema import ConfigError, RunConfig, RunConfigT
@@ -39,6 +39,7 @@ from rlhf.models.loading import ModelSpec
 from rlhf.models.lora import LoraSpec, check_targets
 from rlhf.trainers.checkpoint import RunCheckpoints
 from rlhf.trainers.health import TrainingHealthError, check_health, guard_from_config
+from rlhf.trainers.interrupt import RunInterrupted, StopSignals, signal_name
 from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.output_dir import prepare_output_dir
 from rlhf.utils.log import get_logger
@@ -116,17 +117,19 @@ class Run:
         prepare_output_dir(cfg, self.checkpoints)  # an old run there is refused, or deleted; config.yaml written
         self.writers: Optional[RunWriters] = None
         self.trained: Dict[str, WorkerGroup] = {}  # the trainable groups by role: what checkpoints hold
+        self.stop = StopSignals(name)  # SIGINT / SIGTERM while the cluster is up: a checkpoint, then a clean exit
 
     @contextlib.contextmanager
     def cluster(self, needed_cpus: float) -> Iterator["RunContext"]:
         """Join or start Ray for ``needed_cpus``; on exit the metric files are closed and every group shut down."""
-        ctx = start_cluster(self.cfg, needed_cpus)
-        try:
-            yield ctx
-        finally:
-            if self.writers is not None:
-                self.writers.close()
-            ctx.shutdown()
+        with self.stop:
+            ctx = start_cluster(self.cfg, needed_cpus)
+            try:
+                yield ctx
+            finally:
+                if self.writers is not None:
+                    self.writers.close()
+                ctx.shutdown()
 
     def train(self, steps: Steps, trained: Dict[str, WorkerGroup]) -> dict:
         """Restore the ``trained`` groups (by role) from the newest checkpoint, then train the rest of the plan;
@@ -204,6 +207,8 @@ class Run:
                 steps.resume()
             last: dict = {}
             for step in self.plan.steps(start=start_after + 1):
+                if self.stop.requested:
+                    self._stop(step.step - 1, trained_here=step.step - 1 > start_after)
                 if step.step in skip_steps:
                     last = skipped_row(step.step, step.epoch)
                     self._log(
@@ -221,8 +226,39 @@ class Run:
                 if self.checkpoints.after_step(step.step, total, self.trained):
                     break
             return last
+        except RunInterrupted as exc:
+            if not exc.at_once:
+                raise
+            raise self._stopped_at_once(exc.signum) from None
         finally:
             progress.close()
+
+    def _stop(self, done: int, trained_here: bool) -> NoReturn:
+        """A signal asked the run to stop (:mod:`rlhf.trainers.interrupt`): checkpoint step ``done`` (when this
+        invocation trained it) and raise :class:`RunInterrupted` naming the checkpoint and the resume command."""
+        assert self.stop.signum is not None, "called once a stop was requested"
+        signame = signal_name(self.stop.signum)
+        resume = kind_of(self.cfg).resume_command(self.cfg.train.output_dir)
+        if trained_here:
+            path = self.checkpoints.save_stopped(done, self.trained)
+            message = f"[{self.name}] stopped by {signame} after step {done}: checkpoint {path}; resume with: {resume}"
+        else:
+            message = f"[{self.name}] stopped by {signame} before training a step; run it again with: {resume}"
+        raise RunInterrupted(message, self.stop.signum)
+
+    def _stopped_at_once(self, signum: int) -> RunInterrupted:
+        """A second signal abandoned the step in progress: the message names the newest checkpoint."""
+        found = self.checkpoints.store.latest()
+        resume = kind_of(self.cfg).resume_command(self.cfg.train.output_dir)
+        saved = (
+            f"the newest checkpoint is step {found[1]['step']} ({found[0]})" if found else "no checkpoint was written"
+        )
+        return RunInterrupted(
+            f"[{self.name}] stopped at once by a second {signal_name(signum)}, the step in progress lost; {saved}; "
+            f"resume with: {resume}",
+            signum,
+            at_once=True,
+        )
 
     def _log(self, row: dict, progress: Progress, line: str, quiet: bool = False) -> None:
         assert self.writers is not None, "train() opens the writers before any step is logged"

@@ -1,7 +1,8 @@
 """Exact resume: a run stopped at step k and resumed ends with the same weights and the same metrics.jsonl as
 an uninterrupted run (fp32 on CPU: bit-identical), here with the stop mid-epoch and an epoch size (21 rows)
 that is not a multiple of the global batch (4). Also: checkpoints are atomic and pruned, and a checkpoint of
-another run is refused; a killed worker restarts (or exits) cleanly. (DPO: test_resume_dpo.py.)
+another run is refused; a killed worker restarts (or exits) cleanly; a SIGTERM checkpoints the step in progress and
+the command it prints resumes the run exactly. (DPO: test_resume_dpo.py.)
 
 Actor start-up is most of a run's seconds here, so runs are shared: the stopped-and-resumed run also has a worker
 killed after its resume (it restarts from its newest checkpoint and still ends as the uninterrupted run),
@@ -13,10 +14,14 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import signal
+import threading
+import time
 
 import pytest
 from resume_helpers import _assert_identical, _overrides, _stop_and_resume
-from shared_helpers import kill_an_actor_once, tee_stdout
+from shared_helpers import kill_an_actor_once, run_main, tee_stdout
 
 from rlhf.config.loader import load_config
 from rlhf.config.schema import ConfigError, SFTRunConfig
@@ -68,6 +73,60 @@ def test_a_killed_worker_restarts_from_the_checkpoint_and_ends_identical(sft_who
     assert killed, "the test never killed a worker"
     assert "[restart 1/3] policy rank" in printed and "died during" in printed
     assert result.final_dir
+    _assert_identical(sft_whole, out)
+
+
+def _signal_after(metrics_path: str, rows: int, signum: int) -> threading.Thread:
+    """Send ``signum`` to this process once ``metrics_path`` holds ``rows`` rows (a step in progress after them)."""
+
+    def wait_then_signal():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if os.path.exists(metrics_path):
+                with open(metrics_path) as f:
+                    if sum(1 for _ in f) >= rows:
+                        break
+            time.sleep(0.05)
+        os.kill(os.getpid(), signum)
+
+    thread = threading.Thread(target=wait_then_signal, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_sigterm_checkpoints_the_step_and_the_printed_command_resumes_it_identically(
+    sft_whole, tiny_model, sft_data, tmp_path, capsys, monkeypatch
+):
+    """SIGTERM (what SLURM and Kubernetes send before a kill) mid-run, through the command line: the step in progress
+    ends, its checkpoint is written, the last line is the resume command and the exit status 143, no traceback.
+    The printed command, run as it stands, ends with the uninterrupted run's rows and bit-identical weights."""
+
+    def unhandled(signum, frame):  # the run must handle it; reaching this fails the test instead of ending pytest
+        raise AssertionError("SIGTERM reached the test's own handler")
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    out = str(tmp_path / "signalled")
+    try:
+        thread = _signal_after(os.path.join(out, "metrics.jsonl"), 3, signal.SIGTERM)
+        rc, printed, err = run_main(
+            "rlhf.cli.train_sft", _overrides(tiny_model, sft_data, out), tmp_path, capsys, monkeypatch
+        )
+        thread.join(timeout=10)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert rc == 143 and "Traceback" not in printed + err, err
+    stopped = re.search(
+        r"\[sft\] stopped by SIGTERM after step (\d+): checkpoint (\S+); resume with: (.+)$", err.strip()
+    )
+    assert stopped, err
+    step, checkpoint, command = int(stopped.group(1)), stopped.group(2), stopped.group(3)
+    assert 3 <= step < 10 and checkpoint.endswith(f"step_{step:06d}") and os.path.isdir(checkpoint)
+    assert not os.path.exists(os.path.join(out, "final"))
+    python, dash_m, module, *argv = shlex.split(command)
+    assert (python, dash_m, module) == ("python", "-m", "rlhf.cli.train_sft")
+    rc, printed, err = run_main(module, argv, tmp_path, capsys, monkeypatch)
+    assert rc == 0, err
+    assert f"resumed from {checkpoint} (step {step})" in printed
     _assert_identical(sft_whole, out)
 
 
