@@ -207,15 +207,23 @@ def _check_snapshot(key: str, ref: str, snapshot: str) -> None:
         check_model_folder(key, ref, snapshot)
 
 
+# What transformers loads a model's weights from (single file, sharded with an index, safetensors or pickled).
+WEIGHT_FILE_ENDINGS = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
+
+
 def check_model_folder(key: str, ref: str, folder: str) -> None:
-    """Refuse a model directory without ``config.json``, naming ``key``: ``folder`` is ``ref`` itself (a local path)
-    or the snapshot the hub reference ``ref`` resolved to. The one "is this a model" check of the hub's pinning,
-    the runs' preflight and ``--dry-run``."""
-    if os.path.isfile(os.path.join(folder, "config.json")):
-        return
-    if folder == ref:
-        raise ConfigError(f"{key}: {ref!r} is not an HF model directory (no config.json)")
-    raise ConfigError(f"{key}: hub repository {ref!r} (snapshot {folder}) is not an HF model (no config.json)")
+    """Refuse a model directory without ``config.json`` or without weights, naming ``key``: ``folder`` is ``ref``
+    itself (a local path) or the snapshot the hub reference ``ref`` resolved to. The one "is this a model" check of
+    the hub's pinning, the runs' preflight and ``--dry-run``."""
+    where = repr(ref) if folder == ref else f"hub repository {ref!r} (snapshot {folder})"
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        what = "an HF model directory" if folder == ref else "an HF model"
+        raise ConfigError(f"{key}: {where} is not {what} (no config.json)")
+    if not any(name.endswith(WEIGHT_FILE_ENDINGS) for name in os.listdir(folder)):
+        raise ConfigError(
+            f"{key}: {where} has a config.json but no weights (*.safetensors, pytorch_model*.bin or their sharded "
+            f"index): an unfinished download or copy?"
+        )
 
 
 def _pins_of_resumed_run(cfg: RunConfig, model_keys: Sequence[str]) -> Dict[str, str]:

@@ -104,6 +104,7 @@ class DataConfig:
     prompt_key: str = "prompt"  # text, or a list of {role, content} messages (conversational)
     response_key: str = "response"  # SFT completion: text, or a list of assistant messages
     messages_key: str = "messages"  # conversational SFT rows: one list of system/user/assistant messages
+    text_key: str = "text"  # SFT rows of plain text trained on whole (with EOS under data.add_eos); "" = refused
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     margin_key: str = "margin"  # optional per-pair margin for the reward model
@@ -111,6 +112,9 @@ class DataConfig:
     # Conversational rows are rendered with a chat template (docs/your_model_and_data.md); plain text never is.
     chat_template: str = "auto"  # auto (the tokenizer's own) | none (conversational rows refused) | a .jinja file
     assistant_turns: str = "all"  # conversational SFT: loss on all assistant turns | last (only the final one)
+    # RL: a text prompt is rendered as one user turn with the chat template (data.chat_template), as conversational
+    # prompts are (an Instruct model's turns); false = the text as written (a base model, a prompt already formatted)
+    template_text_prompts: bool = False
 
     def __post_init__(self) -> None:
         _check(

@@ -36,7 +36,10 @@ FOREIGN_KEYS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "val_files": (("data.eval_path",), ""),
     "dataset_config": (("data.config_name",), ""),  # TRL
     "dataset_config_name": (("data.config_name",), ""),
-    "apply_chat_template": (("data.chat_template",), "conversational rows use the tokenizer's template (auto)"),
+    "apply_chat_template": (
+        ("data.chat_template", "data.template_text_prompts"),
+        "conversational rows use the tokenizer's template (auto); RL text prompts: data.template_text_prompts=true",
+    ),
     "chat_template_path": (("data.chat_template",), ""),
     "assistant_only_loss": (("data.assistant_turns",), "conversational rows train on assistant tokens only"),
     "input_key": (("data.prompt_key",), ""),

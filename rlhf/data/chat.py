@@ -9,6 +9,8 @@ A conversational field is a list of ``{"role", "content"}`` messages (TRL's conv
   prompt (the "implicit prompt" form);
 * RL prompts: ``{"prompt": [messages]}``, rendered with the generation prompt the model answers after.
 
+(Every layout a trainer reads, text ones and those mixing a text prompt with conversations: :mod:`rlhf.data.layouts`.)
+
 Each sequence is rendered once with the template and tokenized once, with character offsets. The loss mask comes
 from those offsets: an assistant turn's characters run from the end of the conversation rendered up to that turn
 with the generation prompt, to the end of the conversation rendered through that turn (its end-of-turn token
@@ -46,6 +48,8 @@ def check_messages(value: Any, field: str, *, assistant_only: bool = False) -> M
             raise ValueError(f"field {field!r}: message {i} has role {role!r}; valid roles: {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise ValueError(f"field {field!r}: message {i} ({role}) needs a text 'content', got {_kind(content)}")
+        if role == "assistant" and not content.strip():  # else it trains on the end-of-turn token alone
+            raise ValueError(f"field {field!r}: message {i} (assistant) is empty: there is no answer to train on")
         if assistant_only and role != "assistant":
             raise ValueError(f"field {field!r}: message {i} has role {role!r}; completions hold assistant messages")
     return value

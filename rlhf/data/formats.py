@@ -1,9 +1,10 @@
 """The row formats each trainer reads, plain or conversational, checked row by row as they are read.
 
 Each ``*_fields`` function returns the :func:`rlhf.data.io.read_rows` arguments for one trainer: the fields to keep,
-their allowed types and a per-row ``check`` that tells a plain row from a conversational one and refuses a row that
-mixes them, so a bad row is reported with its file and line. :func:`chat_formatter` then builds the chat template
-renderer when (and only when) the rows read are conversational; :func:`read_formatted` does both.
+their allowed types and a per-row ``check`` that recognises the row's layout (:mod:`rlhf.data.layouts`) and refuses a
+row in none, so a bad row is reported with its file and line, every field it has and the key to set.
+:func:`chat_formatter` then builds the chat template renderer when (and only when) the rows read are
+conversational; :func:`read_formatted` does both.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from rlhf.data.chat import ChatFormatter, check_messages, load_template
-from rlhf.data.io import DataError, read_rows
+from rlhf.data.chat import ChatFormatter, ChatTemplateError, check_messages, load_template
+from rlhf.data.io import DataError, FieldsError, read_rows
+from rlhf.data.layouts import COMPLETION, pair_parts, sft_parts
 from rlhf.data.tokenize import RowError
 
 _TEXT_OR_MESSAGES = (str, list)
@@ -28,79 +30,59 @@ def _fields(
     return dict(required=(), optional=tuple(keys) + tuple(optional), types=types, check=check)
 
 
-def _need(row: dict, keys: Sequence[str], form: str) -> None:
-    missing = [k for k in keys if k not in row]
-    if missing:
-        has = ", ".join(sorted(row)) or "none of them"
-        raise ValueError(f"missing field {missing[0]!r} for {form} (fields found: {has})")
-
-
-def sft_fields(prompt_key: str, response_key: str, messages_key: str) -> Dict[str, Any]:
-    """SFT: ``{messages_key: [...]}``, or ``prompt_key`` + ``response_key`` both text or both messages."""
+def sft_fields(prompt_key: str, response_key: str, messages_key: str, text_key: str = "text") -> Dict[str, Any]:
+    """SFT: ``{messages_key: [...]}``; ``prompt_key`` + ``response_key`` (or ``completion``) both text or both
+    messages; or ``{text_key: "..."}`` (:func:`rlhf.data.layouts.sft_parts`)."""
 
     def check(row: dict) -> None:
-        if messages_key in row:
-            check_messages(row[messages_key], messages_key)
-            return
-        if prompt_key not in row and response_key not in row:
-            raise ValueError(
-                f"expected {messages_key!r} (a conversation) or {prompt_key!r} and {response_key!r}; "
-                f"the row has none of them"
-            )
-        _need(row, (prompt_key, response_key), f"a {prompt_key!r}/{response_key!r} row")
-        if not _same_form(row, (prompt_key, response_key)):
-            check_messages(row[prompt_key], prompt_key)
-            check_messages(row[response_key], response_key, assistant_only=True)
+        sft_parts(row, prompt_key, response_key, messages_key, text_key)
 
-    return _fields((messages_key, prompt_key, response_key), check)
+    keys = (messages_key, prompt_key, response_key) + ((COMPLETION,) if COMPLETION != response_key else ())
+    return _fields(keys + ((text_key,) if text_key else ()), check)
 
 
 def pair_fields(
     prompt_key: str, chosen_key: str, rejected_key: str, margin_key: str = "", margin_required: bool = False
 ) -> Dict[str, Any]:
-    """Preference pairs: text ``prompt``/``chosen``/``rejected``, or messages (``prompt`` optional: whole
-    conversations that share their first turns)."""
+    """Preference pairs in any layout of :func:`rlhf.data.layouts.pair_parts`: text or messages, the prompt
+    explicit, implicit (shared by the answers), or carried by whole conversations."""
 
     def check(row: dict) -> None:
-        _need(row, (chosen_key, rejected_key), "a preference pair")
-        if margin_required:
-            _need(row, (margin_key,), "a pair with a margin (rm.use_margin=true)")
-        if isinstance(row[chosen_key], str):
-            _need(row, (prompt_key,), "a text pair")
-        explicit = prompt_key in row
-        if _same_form(row, (chosen_key, rejected_key) + ((prompt_key,) if explicit else ())):
-            return
-        if explicit:
-            check_messages(row[prompt_key], prompt_key)
-        for key in (chosen_key, rejected_key):  # after an explicit prompt: the answers; else whole conversations
-            check_messages(row[key], key, assistant_only=explicit)
+        pair_parts(row, prompt_key, chosen_key, rejected_key)
+        if margin_required and margin_key not in row:
+            raise FieldsError(
+                f"missing field {margin_key!r} for a pair with a margin (rm.use_margin=true)",
+                missing=margin_key,
+                advice="Set data.margin_key to the field that holds the margin, or rm.use_margin=false.",
+            )
 
-    keys = (prompt_key, chosen_key, rejected_key) + ((margin_key,) if margin_key else ())
+    keys = tuple(k for k in (prompt_key, chosen_key, rejected_key) if k) + ((margin_key,) if margin_key else ())
     return _fields(keys, check, {margin_key: (int, float)} if margin_key else None)
 
 
-def prompt_fields(prompt_key: str, columns: Sequence[str] = ()) -> Dict[str, Any]:
-    """RL prompts: ``prompt_key`` as text or messages, plus reward-function columns when present."""
+def prompt_fields(prompt_key: str, columns: Sequence[str] = (), required_columns: Sequence[str] = ()) -> Dict[str, Any]:
+    """RL prompts: ``prompt_key`` as text or messages, plus reward-function columns when present;
+    ``required_columns`` (those a user named in ``reward.columns``) must be in every row."""
 
     def check(row: dict) -> None:
-        _need(row, (prompt_key,), "a prompt row")
+        if prompt_key not in row:
+            raise FieldsError(
+                f"missing field {prompt_key!r} for a prompt row",
+                missing=prompt_key,
+                advice="Set data.prompt_key to the field that holds the prompt.",
+            )
         if not isinstance(row[prompt_key], str):
             check_messages(row[prompt_key], prompt_key)
+        for column in required_columns:
+            if column not in row:
+                raise FieldsError(
+                    f"reward.columns names {column!r} but the row has no such field",
+                    missing=column,
+                    advice="Set reward.columns to fields the prompt rows have.",
+                )
 
-    return _fields((prompt_key,), check, optional=tuple(c for c in columns if c != prompt_key))
-
-
-def _same_form(row: dict, keys: Sequence[str]) -> bool:
-    """Whether the named fields are all text (True) or all lists of messages (False); a mix is refused."""
-    text = isinstance(row[keys[0]], str)
-    for key in keys[1:]:
-        if isinstance(row[key], str) != text:
-            kind = lambda k: "text" if isinstance(row[k], str) else "messages"  # noqa: E731
-            raise ValueError(
-                f"field {keys[0]!r} is {kind(keys[0])} but {key!r} is {kind(key)}: a row is either "
-                f"plain text or conversational throughout"
-            )
-    return text
+    optional = tuple(dict.fromkeys(c for c in tuple(columns) + tuple(required_columns) if c != prompt_key))
+    return _fields((prompt_key,), check, optional=optional)
 
 
 def is_conversational(rows: Sequence[dict], keys: Sequence[str]) -> bool:
@@ -117,12 +99,45 @@ def chat_formatter(tokenizer, setting: str, rows: Sequence[dict], keys: Sequence
 
 
 def read_formatted(
-    data, path: str, split: str, tokenizer, fields: Dict[str, Any], chat_keys: Sequence[str]
+    data,
+    path: str,
+    split: str,
+    tokenizer,
+    fields: Dict[str, Any],
+    chat_keys: Sequence[str],
+    user_turn_key: str = "",
 ) -> Tuple[list, Optional[ChatFormatter]]:
     """A trainer's rows of ``path`` (``split``, ``data.config_name``), checked with ``fields`` (a ``*_fields``
-    result), and the chat renderer they need (``data.chat_template``), None for plain text."""
+    result), and the chat renderer they need (``data.chat_template``), None for plain text. ``user_turn_key``: a
+    field whose text is read as one user message (:func:`as_user_turn`)."""
     rows = read_rows(path, split=split, config_name=data.config_name, **fields)
-    return rows, chat_formatter(tokenizer, data.chat_template, rows, keys=chat_keys)
+    if not user_turn_key:
+        return rows, chat_formatter(tokenizer, data.chat_template, rows, keys=chat_keys)
+    rows = [as_user_turn(row, user_turn_key) for row in rows]  # rendered with the template like any conversation
+    try:
+        return rows, chat_formatter(tokenizer, data.chat_template, rows, keys=chat_keys)
+    except ChatTemplateError as e:
+        raise ChatTemplateError(
+            f"{e} (data.template_text_prompts=true makes every text prompt a conversation)"
+        ) from None
+
+
+def text_prompts_note(rows: Sequence[dict], key: str, tokenizer) -> str:
+    """A line for RL text prompts given as written to a model whose tokenizer has a chat template (an Instruct
+    model then sees text without its turns), naming ``data.template_text_prompts``; "" otherwise."""
+    text = sum(isinstance(row.get(key), str) for row in rows)
+    if not text or not getattr(tokenizer, "chat_template", None):
+        return ""
+    return (
+        f"{text} text prompts (data.prompt_key={key}) are given to the model as written, without the tokenizer's "
+        f"chat template; data.template_text_prompts=true renders each as one user turn"
+    )
+
+
+def as_user_turn(row: dict, key: str) -> dict:
+    """``row`` with the text of ``key`` as one user message (``data.template_text_prompts``); messages as they are."""
+    text = row[key]
+    return {**row, key: [{"role": "user", "content": text}]} if isinstance(text, str) else row
 
 
 @contextlib.contextmanager

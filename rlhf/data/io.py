@@ -14,6 +14,7 @@ field counts as absent, so downstream code only has to test ``"margin" in row``.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import os
 import tempfile
@@ -33,6 +34,26 @@ _SUPPORTED = (
 
 class DataError(ValueError):
     """A dataset file is missing, unreadable, or has a row that does not fit the expected fields."""
+
+
+class FieldsError(ValueError):
+    """Raised by a row ``check``: the row lacks the fields its layout needs. The reader adds every field the row
+    has (not only the requested ones, which are all a check sees) and, for ``missing``, the close matches among
+    them; ``advice`` (the config key to set) closes the message."""
+
+    def __init__(self, message: str, missing: str | Sequence[str] = (), advice: str = "") -> None:
+        super().__init__(message)
+        self.missing = (missing,) if isinstance(missing, str) else tuple(missing)
+        self.advice = advice
+
+    def located(self, where: str, row: dict) -> DataError:
+        """The :class:`DataError` for this row at ``where``."""
+        keys = sorted(str(k) for k in row)
+        close = [k for name in self.missing if name for k in difflib.get_close_matches(name, keys, n=3)]
+        close = [k for k in dict.fromkeys(close) if k not in self.missing]
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        advice = f" {self.advice}" if self.advice else ""
+        return DataError(f"{where}: {self} (the row's fields: {', '.join(keys) or 'none'}).{hint}{advice}")
 
 
 def _type_name(value: Any) -> str:
@@ -107,6 +128,8 @@ def _validate_row(
     if check is not None:
         try:
             check(out)
+        except FieldsError as e:
+            raise e.located(where, row) from None
         except ValueError as e:
             raise DataError(f"{where}: {e}") from None
     return out

@@ -3,7 +3,10 @@
 Plain rows: prompt and completion are tokenized separately (the prompt with the tokenizer's own special tokens,
 e.g. a BOS, the completion without, plus EOS) so the boundary between them is exact: ``loss_mask`` is 1 on
 completion tokens only. A completion that does not fit ``max_length`` is truncated (and then has no EOS); a row
-whose prompt alone leaves no room for one completion token is skipped and counted.
+whose prompt alone leaves no room for one completion token is skipped and counted. A plain ``text`` SFT row is
+one completion with an empty prompt: tokenized with the tokenizer's special tokens (a BOS, when it adds one), plus
+EOS under ``data.add_eos`` (so the model learns where a document ends), and trained on every token but the first,
+which nothing predicts; cut at ``max_length`` (then without EOS).
 
 Conversational rows are rendered with a chat template and tokenized once; their masks come from token offsets
 (:mod:`rlhf.data.chat`). They are cut at ``max_length`` tokens, and skipped when no trained token is left.
@@ -18,7 +21,8 @@ from typing import List, Optional, Sequence, Tuple, cast
 import torch
 
 from rlhf.batch import Batch, pad_sequences
-from rlhf.data.chat import sft_turns, split_implicit_prompt
+from rlhf.data.chat import sft_turns
+from rlhf.data.layouts import pair_parts, sft_parts
 
 
 @dataclass(frozen=True)
@@ -107,14 +111,10 @@ def _truncated(encoded, max_length: int) -> Optional[Example]:
     return Example(tuple(ids), mask) if any(mask) else None
 
 
-def _conversational_sft(
-    row: dict, chat, *, prompt_key: str, response_key: str, messages_key: str, assistant_turns: str
-):
-    if messages_key in row:
-        messages = row[messages_key]
-        return chat.encode(messages, sft_turns(messages, assistant_turns))
-    prompt, completion = row[prompt_key], row[response_key]
-    return chat.encode(prompt + completion, range(len(prompt), len(prompt) + len(completion)))
+def _text_example(ids: Sequence[int], max_length: int) -> Optional[Example]:
+    """A ``text`` row: every token a target but the first, which nothing predicts; None when under two tokens."""
+    ids = tuple(ids)[:max_length]
+    return Example(ids, (0,) + (1,) * (len(ids) - 1)) if len(ids) > 1 else None
 
 
 def tokenize_sft(
@@ -128,35 +128,42 @@ def tokenize_sft(
     messages_key: str = "messages",
     chat=None,
     assistant_turns: str = "all",
+    text_key: str = "text",
 ) -> Tokenized:
-    """Plain rows (``prompt`` + ``response`` text) and conversational rows (see :mod:`rlhf.data.chat`, rendered
-    with ``chat``, a :class:`~rlhf.data.chat.ChatFormatter`) -> examples; rows left without a target are skipped."""
-    plain = [i for i, r in enumerate(rows) if isinstance(r.get(prompt_key), str) and messages_key not in r]
-    prompts = _encode(tokenizer, [rows[i][prompt_key] for i in plain], special=True)
-    responses = _completions(tokenizer, [rows[i][response_key] for i in plain], add_eos)
-    by_row = {i: _join(p, c, max_length) for i, p, c in zip(plain, prompts, responses)}
+    """SFT rows in any layout of :func:`rlhf.data.layouts.sft_parts` -> examples; rows left without a target are
+    skipped. Plain prompt + response text: the prompt with the tokenizer's special tokens, the response without, plus
+    EOS (``add_eos``). A ``text`` row: tokenized whole with the tokenizer's special tokens, plus EOS (``add_eos``),
+    every token trained. Conversations: rendered with ``chat`` (a :class:`~rlhf.data.chat.ChatFormatter`)."""
+    parts = {}
     for i, row in enumerate(rows):
-        if i not in by_row:
-            with row_errors(i):
-                encoded = _conversational_sft(
-                    row,
-                    chat,
-                    prompt_key=prompt_key,
-                    response_key=response_key,
-                    messages_key=messages_key,
-                    assistant_turns=assistant_turns,
-                )
-            by_row[i] = _truncated(encoded, max_length)
+        with row_errors(i):
+            parts[i] = sft_parts(row, prompt_key, response_key, messages_key, text_key)
+    plain = [i for i, p in parts.items() if p[0] == "pair" and isinstance(p[1], str)]
+    prompts = _encode(tokenizer, [parts[i][1] for i in plain], special=True)
+    responses = _completions(tokenizer, [parts[i][2] for i in plain], add_eos)
+    by_row = {i: _join(p, c, max_length) for i, p, c in zip(plain, prompts, responses)}
+    texts = [i for i, p in parts.items() if p[0] == "text"]
+    whole = _encode(tokenizer, [parts[i][1] for i in texts], special=True)
+    eos = [tokenizer.eos_token_id] if add_eos and texts else []
+    if eos == [None]:
+        raise ValueError("data.add_eos=true but the tokenizer has no eos_token")
+    by_row.update({i: _text_example(list(ids) + eos, max_length) for i, ids in zip(texts, whole)})
+    for i in range(len(rows)):
+        if i in by_row:
+            continue
+        with row_errors(i):
+            if parts[i][0] == "messages":
+                messages = parts[i][1]
+                encoded = chat.encode(messages, sft_turns(messages, assistant_turns))
+            else:
+                prompt, completion = parts[i][1:]
+                encoded = chat.encode(prompt + completion, range(len(prompt), len(prompt) + len(completion)))
+        by_row[i] = _truncated(encoded, max_length)
     examples = [by_row[i] for i in range(len(rows)) if by_row[i] is not None]
     return Tokenized(examples, [i for i in range(len(rows)) if by_row[i] is None])
 
 
-def _conversational_pair(row: dict, chat, *, prompt_key: str, chosen_key: str, rejected_key: str):
-    chosen, rejected = row[chosen_key], row[rejected_key]
-    if prompt_key in row:
-        prompt = row[prompt_key]
-    else:
-        prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
+def _conversational_pair(prompt: list, chosen: list, rejected: list, chat):
     start = len(prompt)
     return (
         chat.encode(prompt + chosen, range(start, start + len(chosen))),
@@ -176,21 +183,25 @@ def tokenize_pairs(
     add_eos: bool = True,
     chat=None,
 ) -> Tokenized:
-    """Plain pairs (prompt, chosen and rejected text) and conversational pairs (rendered with ``chat``) ->
-    :class:`PairExample`; a pair is skipped when either side is left without a target."""
-    plain = [i for i, r in enumerate(rows) if isinstance(r[chosen_key], str)]
-    prompts = _encode(tokenizer, [rows[i][prompt_key] for i in plain], special=True)
-    chosen = _completions(tokenizer, [rows[i][chosen_key] for i in plain], add_eos)
-    rejected = _completions(tokenizer, [rows[i][rejected_key] for i in plain], add_eos)
+    """Preference rows in any layout of :func:`rlhf.data.layouts.pair_parts` -> :class:`PairExample`: plain pairs
+    (prompt, chosen and rejected text, the prompt found in the answers when there is no prompt field) tokenized as
+    plain SFT rows, conversational ones rendered with ``chat``; a pair is skipped when either side is left without
+    a target."""
+    parts = {}
+    for i, row in enumerate(rows):
+        with row_errors(i):
+            parts[i] = pair_parts(row, prompt_key, chosen_key, rejected_key)
+    plain = [i for i, p in parts.items() if isinstance(p[1], str)]
+    prompts = _encode(tokenizer, [parts[i][0] for i in plain], special=True)
+    chosen = _completions(tokenizer, [parts[i][1] for i in plain], add_eos)
+    rejected = _completions(tokenizer, [parts[i][2] for i in plain], add_eos)
     sides = {
         i: (_join(p, c, max_length), _join(p, r, max_length)) for i, p, c, r in zip(plain, prompts, chosen, rejected)
     }
-    for i, row in enumerate(rows):
+    for i in range(len(rows)):
         if i not in sides:
             with row_errors(i):
-                encoded = _conversational_pair(
-                    row, chat, prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key
-                )
+                encoded = _conversational_pair(*parts[i], chat)
             # cast: encoded is _conversational_pair's (chosen, rejected), so the tuple has two items.
             sides[i] = cast(
                 Tuple[Optional[Example], Optional[Example]], tuple(_truncated(e, max_length) for e in encoded)

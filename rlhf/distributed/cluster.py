@@ -5,11 +5,14 @@ the first actor needs it."""
 from __future__ import annotations
 
 import os
+import shlex
+import socket
 import subprocess
 import sys
 import time
 from typing import Any, Dict, Optional
 
+from rlhf.distributed.op_lock import build_guard
 from rlhf.hub import hub_env
 from rlhf.utils.log import get_logger
 
@@ -25,6 +28,7 @@ TORCH_EXTENSIONS_DIR = os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.joi
 # (rlhf.hub.hub_env: cache directory, HF_HUB_OFFLINE) so that workers resolve the run's pinned snapshots as it did.
 ACTOR_ENV = {
     "TORCH_EXTENSIONS_DIR": TORCH_EXTENSIONS_DIR,
+    "TORCH_NO_COMPILER_WRAPPER": "1",  # the op's build key as the driver built it, whatever PATH (_BUILD_ENV)
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     # DeepSpeed calls torch.distributed APIs that torch 2.13 marks deprecated, once per collective.
@@ -95,7 +99,15 @@ def actor_placement() -> Dict[str, object]:
 # ---------------------------------------------------------------------------- DeepSpeed's CPU communication op
 
 SHM_COMM_OP = "deepspeed_shm_comm"  # ShareMemCommBuilder.NAME: the op's directory and library name
+OP_NAME = "DeepSpeed's CPU communication op"
 BUILD_MESSAGE = "compiling DeepSpeed's CPU communication op, first run only, ~1 min"
+# The bound on a build and on waiting for another process's build or load of the op: a build takes ~1 min on
+# 2 busy cores (one at a time); fifteen times that is a hung compiler or a wedged machine, not a slow build.
+BUILD_WAIT_S = 900.0
+# torch's build file names the compiler as ``ccache c++`` when ccache or sccache is on PATH, and ninja recompiles
+# when that line changes. PATH is the shell's: a job's driver and actors get the Ray head's, a local run the user's,
+# and where only one has ccache the op is rebuilt on every switch. Every build here goes without the wrapper.
+_BUILD_ENV = {"TORCH_NO_COMPILER_WRAPPER": "1"}
 # What every CPU trainer rank does on its first DeepSpeed engine (deepspeed/comm/torch.py build_shm_op); run in a
 # child process so that the driver imports no DeepSpeed and the build sees the CPU accelerator.
 _BUILD_CODE = "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=False)"
@@ -116,6 +128,8 @@ def _comm_op_inputs() -> Optional[Dict[str, Any]]:
     return {
         "sources": [os.path.join(comm, name) for name in ("shm_interface.cpp", "shm.cpp")],
         "torch_include": os.path.join(os.path.abspath(torch_spec.submodule_search_locations[0]), "include"),
+        # torch's compiler line (cpp_extension.get_cxx_compiler; no ccache wrapper under _BUILD_ENV)
+        "cxx": shlex.join([os.environ.get("CXX", "c++")]),
     }
 
 
@@ -124,10 +138,11 @@ def cpu_comm_op_built(extensions_dir: str = "") -> bool:
     for this environment, by file checks only.
 
     torch (``cpp_extension.load``) builds into ``<dir>/deepspeed_shm_comm/`` with ninja, which recompiles when the
-    build file changes (other source paths or torch headers, i.e. another DeepSpeed or torch install; the
-    ``-O2 -fopenmp`` flags are fixed) or a source is newer than the library. The same tests here: the library
-    exists, is newer than its build file and sources, and the build file names this environment's sources and
-    torch headers.
+    build file changes (other source paths or torch headers, i.e. another DeepSpeed or torch install; another
+    ``CXX``; the ``-O2 -fopenmp`` flags are fixed) or a source is newer than the library. The same tests here:
+    the library exists, is newer than its build file and sources, and the build file names this environment's
+    sources, torch headers and compiler. Nothing in it depends on the working directory (every path is DeepSpeed's
+    or torch's, absolute), so a job running from Ray's copy of the checkout finds the local run's build.
     """
     inputs = _comm_op_inputs()
     if inputs is None:
@@ -144,43 +159,86 @@ def cpu_comm_op_built(extensions_dir: str = "") -> bool:
     names_this_env = (
         all(f": compile {src}\n" in rules for src in inputs["sources"])
         and f"-isystem {inputs['torch_include']} " in rules
+        and f"\ncxx = {inputs['cxx']}\n" in rules
     )
     return names_this_env and built >= newest_input
 
 
-def ensure_cpu_comm_op(extensions_dir: str = "") -> bool:
+def ensure_cpu_comm_op(extensions_dir: str = "", wait_s: float = BUILD_WAIT_S) -> bool:
     """Compile DeepSpeed's CPU communication op into ``extensions_dir`` (default ``TORCH_EXTENSIONS_DIR``, the
     directory every actor is given) unless it is there, saying so; returns whether this call compiled it.
 
     Every process that loads the op afterwards (actors, test processes) finds it built. Processes that start a
-    build at once do not build twice: torch holds a lock file (``<dir>/deepspeed_shm_comm/lock``) while it builds
-    and the others wait for it, then load the library. Nodes other than the driver's build their own copy in
-    their first actor.
+    build at once do not build twice: they take turns on the op's guard (:mod:`rlhf.distributed.op_lock`), the
+    second finds the op built. A lock that a killed build left (``<dir>/deepspeed_shm_comm/lock``: torch's, on
+    which every later load would spin for ever, built or not) is removed, saying so; a wait on a live build says
+    whom it waits for and gives up after ``wait_s``. Nodes other than the driver's build their own copy in their
+    first actor (``load_cpu_comm_op``), saying so too.
 
     Raises:
         RuntimeError: the build failed (no C++ compiler, no ninja); the message ends with the compiler's output.
+        op_lock.OpLockTimeout: another process's build or lock outlasted ``wait_s``; the message names the lock.
     """
     extensions_dir = extensions_dir or TORCH_EXTENSIONS_DIR
-    if cpu_comm_op_built(extensions_dir):
+    build_dir = os.path.join(extensions_dir, SHM_COMM_OP)
+    if cpu_comm_op_built(extensions_dir) and not os.path.exists(os.path.join(build_dir, "lock")):
+        return False  # the usual case: no import, no output
+    if _comm_op_inputs() is None:
         return False
-    lock = os.path.join(extensions_dir, SHM_COMM_OP, "lock")
-    if os.path.exists(lock):
-        _say(
-            f"waiting for another process compiling DeepSpeed's CPU communication op into {extensions_dir} "
-            f"(if none is running, a killed build left {lock}: delete it)"
-        )
-    else:
+    with build_guard(build_dir, wait_s, OP_NAME, _say):
+        if cpu_comm_op_built(extensions_dir):
+            return False
         _say(f"{BUILD_MESSAGE} (into {extensions_dir})")
-    start = time.time()
-    env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=extensions_dir)
-    done = subprocess.run([sys.executable, "-c", _BUILD_CODE], env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"compiling DeepSpeed's CPU communication op into {extensions_dir} failed "
-            f"(exit {done.returncode}):\n{_tail(done.stdout + done.stderr)}"
-        )
+        start = time.time()
+        env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=extensions_dir, **_BUILD_ENV)
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", _BUILD_CODE], env=env, capture_output=True, text=True, timeout=wait_s
+            )
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(
+                f"compiling {OP_NAME} into {extensions_dir} took over {wait_s:.0f} s; stopped. If "
+                f"{build_dir}/lock is left, the next run removes it"
+            ) from e
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"compiling {OP_NAME} into {extensions_dir} failed "
+                f"(exit {done.returncode}):\n{_tail(done.stdout + done.stderr)}"
+            )
     _say(f"DeepSpeed's CPU communication op is ready ({time.time() - start:.0f} s)")
     return True
+
+
+def load_cpu_comm_op(extensions_dir: str = "", wait_s: float = BUILD_WAIT_S) -> None:
+    """Load DeepSpeed's CPU communication op in this process (a CPU trainer rank, before
+    ``deepspeed.init_distributed``), under the op's guard: a lock a killed build left is removed, a wait on another
+    rank's build or load is bounded and named, and a build here (a node other than the driver's) is announced.
+
+    DeepSpeed keeps the loaded op (``OpBuilder._loaded_ops``): its own load in ``init_distributed`` then takes no
+    lock. Does nothing where DeepSpeed would not load it (no ShareMemCommBuilder for the accelerator, or not
+    compatible).
+
+    Raises:
+        op_lock.OpLockTimeout: another process's build or lock outlasted ``wait_s``; the message names the lock.
+    """
+    extensions_dir = extensions_dir or TORCH_EXTENSIONS_DIR
+    if _comm_op_inputs() is None:
+        return
+    os.environ.update(_BUILD_ENV, TORCH_EXTENSIONS_DIR=extensions_dir)  # where torch's load builds, as guarded
+    with build_guard(os.path.join(extensions_dir, SHM_COMM_OP), wait_s, OP_NAME, _say):
+        if not cpu_comm_op_built(extensions_dir):
+            _say(f"{BUILD_MESSAGE} (into {extensions_dir} on {socket.gethostname()})")
+        _deepspeed_load()
+
+
+def _deepspeed_load() -> None:
+    # What deepspeed/comm/torch.py build_shm_op does, without its print (init_distributed prints it once)
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        builder.load(verbose=False)
 
 
 def _say(line: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 import torch
 
 from rlhf.batch import Batch
-from rlhf.distributed.cluster import actor_placement
+from rlhf.distributed.cluster import actor_placement, load_cpu_comm_op
 from rlhf.distributed.engine import EngineSpec, OptimSpec, TrainEngine, build_ds_config, iter_full_state
 from rlhf.distributed.rendezvous import arrive, connect_store, host_store
 from rlhf.models.loading import ModelSpec, load_model
@@ -88,6 +88,7 @@ class TrainerWorker:
         never arrives, fails after ``timeout_s`` naming the rank (:mod:`rlhf.distributed.rendezvous`). The backend
         is built only once every rank has arrived; DeepSpeed then adopts the group."""
         import deepspeed
+        from deepspeed.accelerator import get_accelerator
         from deepspeed.constants import default_pg_timeout
 
         os.environ.update(
@@ -120,6 +121,10 @@ class TrainerWorker:
         torch.distributed.init_process_group(
             backend, store=store, rank=self.rank, world_size=self.world_size, timeout=default_pg_timeout, **options
         )
+        # DeepSpeed's CPU accelerator loads its communication op in init_distributed: loaded here first, bounded,
+        # a dead build's lock cleared (a GPU rank, even on gloo, has no such op)
+        if get_accelerator().device_name() == "cpu":
+            load_cpu_comm_op()
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
     def build(self, model: ModelSpec, engine: EngineSpec, optim: Optional[OptimSpec]) -> Dict[str, int]:

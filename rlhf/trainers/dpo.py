@@ -7,7 +7,7 @@ global batch (``online``, for datasets too large to score up front). Both give t
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -40,11 +40,15 @@ class _PairData:
         return collate_pairs([self.examples[i] for i in rows], self.pad_id, rows, ref_logps=ref)
 
 
+def row_fields(cfg: DPORunConfig) -> Dict[str, Any]:
+    """What a preference row holds (``rlhf.data.io.read_rows`` arguments; the descriptor's ``row_fields``)."""
+    d = cfg.data
+    return pair_fields(d.prompt_key, d.chosen_key, d.rejected_key)
+
+
 def _read(cfg: DPORunConfig, tokenizer, path: str, split: str) -> Tokenized:
     d = cfg.data
-    rows, chat = read_formatted(
-        d, path, split, tokenizer, pair_fields(d.prompt_key, d.chosen_key, d.rejected_key), chat_keys=(d.chosen_key,)
-    )
+    rows, chat = read_formatted(d, path, split, tokenizer, row_fields(cfg), chat_keys=(d.chosen_key,))
     return tokenize_pairs(
         rows,
         tokenizer,

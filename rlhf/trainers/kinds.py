@@ -13,7 +13,7 @@ import importlib
 import os
 import shlex
 from dataclasses import dataclass
-from typing import Any, Callable, List, Tuple, Type
+from typing import Any, Callable, Dict, List, Tuple, Type
 
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import DPORunConfig, RewardModelRunConfig, RunConfig, SFTRunConfig
@@ -33,6 +33,7 @@ class TrainerKind:
     config_cls: Type[RunConfig]  # its run config
     train_path: str  # "module:function" (cfg -> RunResult), imported when called: the trainers import this module
     cli_module: str  # its command line, python -m <cli_module>
+    row_fields_path: str  # "module:function" (cfg -> rlhf.data.io.read_rows arguments): what a data row holds
     policy_role: str  # the role of the model it trains
     policy_kind: str  # CAUSAL_LM, or SCALAR_HEAD for a reward model
     primary_loss: str  # the loss column of the audit's table
@@ -54,6 +55,12 @@ class TrainerKind:
         ``config.yaml`` (hub ids pinned) with ``train.resume=true``."""
         config = shlex.quote(os.path.join(output_dir, "config.yaml"))
         return f"python -m {self.cli_module} --config {config} train.resume=true"
+
+    def row_fields(self, cfg: RunConfig) -> Dict[str, Any]:
+        """The :func:`rlhf.data.io.read_rows` arguments of this trainer's data rows under ``cfg`` (the fields kept,
+        their types, the per-row layout check): what the run reads, and ``--dry-run`` checks without a tokenizer."""
+        module, function = self.row_fields_path.split(":")
+        return getattr(importlib.import_module(module), function)(cfg)
 
     def train(self, cfg: RunConfig):
         module, function = self.train_path.split(":")
@@ -93,6 +100,7 @@ _KINDS: Tuple[TrainerKind, ...] = (
         config_cls=SFTRunConfig,
         train_path="rlhf.trainers.sft:train_sft",
         cli_module="rlhf.cli.train_sft",
+        row_fields_path="rlhf.trainers.sft:row_fields",
         policy_role="policy",
         policy_kind=CAUSAL_LM,
         primary_loss="loss",
@@ -105,6 +113,7 @@ _KINDS: Tuple[TrainerKind, ...] = (
         config_cls=RewardModelRunConfig,
         train_path="rlhf.trainers.reward_model:train_reward_model",
         cli_module="rlhf.cli.train_rm",
+        row_fields_path="rlhf.trainers.reward_model:row_fields",
         policy_role="reward_model",
         policy_kind=SCALAR_HEAD,
         primary_loss="loss",
@@ -117,6 +126,7 @@ _KINDS: Tuple[TrainerKind, ...] = (
         config_cls=DPORunConfig,
         train_path="rlhf.trainers.dpo:train_dpo",
         cli_module="rlhf.cli.train_dpo",
+        row_fields_path="rlhf.trainers.dpo:row_fields",
         policy_role="policy",
         policy_kind=CAUSAL_LM,
         primary_loss="loss",
@@ -131,6 +141,7 @@ _KINDS: Tuple[TrainerKind, ...] = (
         config_cls=RLRunConfig,
         train_path="rlhf.trainers.rl_runner:train_ppo",
         cli_module="rlhf.cli.train_ppo",
+        row_fields_path="rlhf.trainers.rl_runner:row_fields",
         policy_role="policy",
         policy_kind=CAUSAL_LM,
         primary_loss="policy_loss",

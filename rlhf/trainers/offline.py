@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from rlhf.batch import Batch
 from rlhf.config.schema import RunConfig, TrainConfig
+from rlhf.data.chat import load_template
 from rlhf.data.formats import located
 from rlhf.data.io import DataError
 from rlhf.data.plan import EpochPlan, StepPlan
@@ -105,12 +106,18 @@ def _how_counted(packing: bool) -> str:
 
 
 def load_tokenizer(cfg: RunConfig):
-    """The run's tokenizer (``model.tokenizer_path``, else ``model.path``), checked before anything starts."""
+    """The run's tokenizer (``model.tokenizer_path``, else ``model.path``), checked before anything starts.
+
+    A ``data.chat_template`` file becomes the tokenizer's own template, so ``final/`` carries it: the next stage
+    (DPO or RL from this run's model, vLLM) renders the same turns without being told the file again."""
     from transformers import AutoTokenizer
 
     key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
     ref = cfg.model.tokenizer_path or cfg.model.path
     tokenizer = AutoTokenizer.from_pretrained(model_dir(ref))
+    template = load_template(cfg.data.chat_template)  # None for auto (the tokenizer's own) and none
+    if template is not None:
+        tokenizer.chat_template = template
     return check_tokenizer(tokenizer, key, ref, config_vocab_size(model_dir(cfg.model.path)))
 
 

@@ -13,8 +13,10 @@ it can read here. Hub references (``org/name@sha``) were resolved and checked by
 :func:`rlhf.hub.pin_run_sources` in a run; ``--dry-run`` looks them up without downloading. A refusal is a
 :class:`~rlhf.config.schema.ConfigError` naming the key, which the command lines exit with status 2 on.
 
-The run then reads what it needs (its tokenizer, its data rows, its reward functions), each refusing bad input with
-its file and row (:mod:`rlhf.trainers.offline`, :mod:`rlhf.trainers.rl_runner`).
+``--dry-run`` also reads the data rows this machine has, each checked against the trainer's layouts (its
+descriptor's ``row_fields``); the run reads them itself right after, with its tokenizer, as it reads its reward
+functions, each refusing bad input with its file and row (:mod:`rlhf.trainers.offline`,
+:mod:`rlhf.trainers.rl_runner`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import List, Optional, Sequence, Tuple
 from rlhf.config.deepspeed_check import check_user_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError, RunConfig
+from rlhf.data.formats import located
+from rlhf.data.io import read_rows
 from rlhf.envs import EnvError, load_environment
 from rlhf.hub import DATASET, MODEL, HubError, cache_dir, check_model_folder, is_hub_ref, locate, model_dir, offline
 from rlhf.models.checks import check_scalar_head
@@ -60,6 +64,8 @@ def preflight(cfg: RunConfig, here: bool = True, precision: Optional[str] = None
         )
         if path
     ]
+    if not here:  # a run reads its rows right after, with its tokenizer (rlhf.trainers.offline, rl_runner)
+        rows = [_with_rows_read(cfg, row) for row in rows]
     rows += _deepspeed_rows(cfg, here, precision)
     if kind.online and isinstance(cfg, RLRunConfig):  # online: always an RLRunConfig (narrows the type)
         rows += [
@@ -111,6 +117,19 @@ def _path_status(key: str, path: str, repo_type: str, here: bool) -> str:
     if repo_type == MODEL and not os.path.isdir(path):
         raise ConfigError(f"{key}: {path!r} is not a directory")
     return "found"
+
+
+def _with_rows_read(cfg: RunConfig, row: Row) -> Row:
+    """``--dry-run``: a data file this machine has is read as the run reads it, every row checked against the
+    trainer's layouts (its fields, ``reward.columns``); a bad row is refused with its file and line."""
+    key, path, status = row
+    if key not in ("data.train_path", "data.eval_path") or not (status == "found" or "cached here" in status):
+        return row
+    d = cfg.data
+    split = d.split if key == "data.train_path" else (d.eval_split or d.split)
+    with located(key, path):
+        count = len(read_rows(path, split=split, config_name=d.config_name, **kind_of(cfg).row_fields(cfg)))
+    return key, path, f"{status}; {count} rows read, each in a layout the trainer reads"
 
 
 def hub_status(key: str, ref: str, repo_type: str) -> str:

@@ -6,6 +6,8 @@ The model is saved as an ``AutoModelForSequenceClassification`` (one label) and 
 
 from __future__ import annotations
 
+from typing import Any, Dict
+
 from rlhf.config.schema import RewardModelRunConfig
 from rlhf.data.formats import pair_fields, read_formatted
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
@@ -14,12 +16,18 @@ from rlhf.trainers.offline import OfflineTask, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunResult
 
 
-def _read(cfg: RewardModelRunConfig, tokenizer, path: str, split: str) -> Tokenized:
+def row_fields(cfg: RewardModelRunConfig) -> Dict[str, Any]:
+    """What a preference row holds, with its margin under ``rm.use_margin`` (``rlhf.data.io.read_rows`` arguments;
+    the descriptor's ``row_fields``)."""
     d, margin = cfg.data, cfg.rm.use_margin
-    fields = pair_fields(
+    return pair_fields(
         d.prompt_key, d.chosen_key, d.rejected_key, d.margin_key if margin else "", margin_required=margin
     )
-    rows, chat = read_formatted(d, path, split, tokenizer, fields, chat_keys=(d.chosen_key,))
+
+
+def _read(cfg: RewardModelRunConfig, tokenizer, path: str, split: str) -> Tokenized:
+    d, margin = cfg.data, cfg.rm.use_margin
+    rows, chat = read_formatted(d, path, split, tokenizer, row_fields(cfg), chat_keys=(d.chosen_key,))
     return tokenize_pairs(
         rows,
         tokenizer,

@@ -9,9 +9,9 @@ import json
 import os
 from typing import Any, Dict, Optional
 
-from rlhf.config.rl_schema import HYBRID_BROADCAST_ON_GPUS, RLRunConfig
+from rlhf.config.rl_schema import HYBRID_BROADCAST_ON_GPUS, RewardConfig, RLRunConfig
 from rlhf.config.schema import ConfigError
-from rlhf.data.formats import located, prompt_fields, read_formatted
+from rlhf.data.formats import located, prompt_fields, read_formatted, text_prompts_note
 from rlhf.data.io import DataError
 from rlhf.data.plan import EpochPlan
 from rlhf.distributed.cluster import actor_env
@@ -234,12 +234,28 @@ def _identity(cfg: RLRunConfig, plan: EpochPlan) -> dict:
     }
 
 
+def row_fields(cfg: RLRunConfig) -> Dict[str, Any]:
+    """The :func:`rlhf.data.io.read_rows` arguments of the prompt rows (the descriptor's ``row_fields``: no tokenizer
+    needed, ``--dry-run`` reads them too). ``reward.columns`` as a user set it must be in every row, so a typo fails
+    as the data is read, before any actor; the default (``answer``) is passed when present."""
+    columns = tuple(dict.fromkeys(cfg.reward.columns + cfg.env.columns))  # an environment's row holds both
+    named = cfg.reward.columns if cfg.reward.columns != RewardConfig().columns else ()
+    return prompt_fields(cfg.data.prompt_key, columns, required_columns=named)
+
+
 def _read_prompts(cfg: RLRunConfig, tokenizer, key: str, path: str, split: str):
     d, r = cfg.data, cfg.rollout
-    columns = tuple(dict.fromkeys(cfg.reward.columns + cfg.env.columns))  # an environment's row holds both
     rows, chat = read_formatted(
-        d, path, split, tokenizer, prompt_fields(d.prompt_key, columns), chat_keys=(d.prompt_key,)
+        d,
+        path,
+        split,
+        tokenizer,
+        row_fields(cfg),
+        chat_keys=(d.prompt_key,),
+        user_turn_key=d.prompt_key if d.template_text_prompts else "",
     )
+    if note := text_prompts_note(rows, d.prompt_key, tokenizer):
+        log.info(f"[rl] {key}: {note}")
     with located(key, path):
         return prepare_prompts(
             rows,

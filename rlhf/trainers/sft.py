@@ -1,7 +1,10 @@
-"""Supervised fine-tuning on ``{"prompt", "response"}`` rows or conversations (``{"messages": [...]}``); loss on
-response / assistant tokens only."""
+"""Supervised fine-tuning on ``{"prompt", "response"}`` (or ``"completion"``) rows or conversations
+(``{"messages": [...]}``), loss on response / assistant tokens only; or on ``{"text"}`` rows, loss on every token
+(layouts: :mod:`rlhf.data.layouts`)."""
 
 from __future__ import annotations
+
+from typing import Any, Dict
 
 from rlhf.config.schema import SFTRunConfig
 from rlhf.data.formats import read_formatted, sft_fields
@@ -11,6 +14,12 @@ from rlhf.trainers.offline import OfflineTask, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunResult
 
 
+def row_fields(cfg: SFTRunConfig) -> Dict[str, Any]:
+    """What an SFT row holds (``rlhf.data.io.read_rows`` arguments; the descriptor's ``row_fields``)."""
+    d = cfg.data
+    return sft_fields(d.prompt_key, d.response_key, d.messages_key, d.text_key)
+
+
 def _read(cfg: SFTRunConfig, tokenizer, path: str, split: str) -> Tokenized:
     d = cfg.data
     rows, chat = read_formatted(
@@ -18,7 +27,7 @@ def _read(cfg: SFTRunConfig, tokenizer, path: str, split: str) -> Tokenized:
         path,
         split,
         tokenizer,
-        sft_fields(d.prompt_key, d.response_key, d.messages_key),
+        row_fields(cfg),
         chat_keys=(d.messages_key, d.prompt_key),
     )
     return tokenize_sft(
@@ -31,6 +40,7 @@ def _read(cfg: SFTRunConfig, tokenizer, path: str, split: str) -> Tokenized:
         messages_key=d.messages_key,
         chat=chat,
         assistant_turns=d.assistant_turns,
+        text_key=d.text_key,
     )
 
 

@@ -3,21 +3,28 @@
 * The "is it built" check is file checks only (no DeepSpeed or torch import) and follows what makes torch's
   ninja build recompile: another environment's sources or torch headers in the build file, an older library.
 * ``init_ray``, which every runner calls before its first actor, compiles it when the cluster has no GPU.
-* ``slow``, one real build (~1 min on 2 cores): two processes asking at once into an empty directory build it
-  once (torch's lock file makes the second wait); a later call prints nothing and builds nothing; and DeepSpeed
-  loading the op the way a trainer rank does (``build_shm_op``) finds it built and does not recompile.
+* ``slow``, one real build (~1 min on 2 cores): a build killed mid-compile leaves torch's lock (what hung every
+  later run); two processes asking at once then remove it, saying so, and build once (the second waits on the
+  op's guard, saying so); a later call prints nothing and builds nothing; DeepSpeed loading the op the way a
+  trainer rank does (``build_shm_op``) finds it built; and a run from another copy of the checkout, as
+  ``ray job submit --working-dir .`` runs (its driver's check, then a rank's guarded load and DeepSpeed's), with
+  a ``ccache`` on PATH, neither rebuilds nor announces a build.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from rlhf.distributed.cluster import BUILD_MESSAGE, SHM_COMM_OP, _comm_op_inputs, cpu_comm_op_built
+from rlhf.distributed.cluster import BUILD_MESSAGE, SHM_COMM_OP, _comm_op_inputs, actor_env, cpu_comm_op_built
+from rlhf.distributed.op_lock import processes_in
 
 ROOT = Path(__file__).resolve().parents[2]
 ENSURE = "import sys; from rlhf.distributed.cluster import ensure_cpu_comm_op; print(ensure_cpu_comm_op(sys.argv[1]))"
@@ -29,7 +36,8 @@ def _fake_build(root: Path, sources, torch_include: str) -> Path:
     """A build directory as torch leaves it: build.ninja naming ``sources``, then the library, written after it."""
     build = root / SHM_COMM_OP
     build.mkdir(parents=True)
-    rules = [f"cflags = -DTORCH_EXTENSION_NAME={SHM_COMM_OP} -isystem {torch_include} -isystem {torch_include}/x"]
+    rules = ["ninja_required_version = 1.3", f"cxx = {_comm_op_inputs()['cxx']}"]
+    rules += [f"cflags = -DTORCH_EXTENSION_NAME={SHM_COMM_OP} -isystem {torch_include} -isystem {torch_include}/x"]
     rules += [f"build {Path(src).stem}.o: compile {src}" for src in sources]
     (build / "build.ninja").write_text("\n".join(rules) + "\n")
     lib = build / f"{SHM_COMM_OP}.so"
@@ -101,8 +109,27 @@ def test_init_ray_compiles_it_when_the_cluster_has_no_gpus(monkeypatch):
 
 
 @pytest.mark.slow
-def test_two_processes_build_it_once_and_deepspeed_then_loads_it_without_rebuilding(tmp_path):
+def test_a_killed_build_then_two_processes_then_a_run_from_another_copy_build_it_once(tmp_path):
+    """The whole life of the op in one real build (~1 min on 2 cores), in a fresh extensions directory."""
     ext = tmp_path / "torch_extensions"
+    lock = ext / SHM_COMM_OP / "lock"
+
+    # A build killed mid-compile (Ctrl-C'd terminal, OOM kill) leaves torch's lock: what made every later run hang.
+    killed = subprocess.Popen(
+        [sys.executable, "-c", ENSURE, str(ext)], env=_env(ext), cwd=ROOT, start_new_session=True, **_QUIET
+    )
+    deadline = time.monotonic() + 300
+    while not (lock.exists() and processes_in(str(ext / SHM_COMM_OP))):  # torch holds the lock, ninja compiles
+        assert killed.poll() is None and time.monotonic() < deadline, "the build never started compiling"
+        time.sleep(0.2)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    while processes_in(str(ext / SHM_COMM_OP)):  # the killed group's compilers exit
+        assert time.monotonic() < deadline, "the killed build's compilers are still running"
+        time.sleep(0.2)
+    assert lock.exists() and _links(ext) == 0
+
+    # Two processes at once: the dead build's lock is removed, saying so, and the op is compiled once.
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", ENSURE, str(ext)],
@@ -117,12 +144,13 @@ def test_two_processes_build_it_once_and_deepspeed_then_loads_it_without_rebuild
     results = [(p.wait(timeout=900), *p.communicate()) for p in procs]
     assert all(rc == 0 for rc, _, _ in results), [err[-3000:] for _, _, err in results]
     errs = "".join(err for _, _, err in results)
+    assert errs.count(f"removing {lock}") == 1, errs
     assert _links(ext) == 1, "the op was compiled more than once"
     # each process says what it does: the first compiles, the second compiles too or waits for the first
     assert errs.count(BUILD_MESSAGE) + errs.count("waiting for another process compiling") == 2, errs
     lib = ext / SHM_COMM_OP / f"{SHM_COMM_OP}.so"
     built_at = os.path.getmtime(lib)
-    assert cpu_comm_op_built(str(ext))
+    assert cpu_comm_op_built(str(ext)) and not lock.exists()
 
     again = subprocess.run(
         [sys.executable, "-c", ENSURE, str(ext)], env=_env(ext), cwd=ROOT, capture_output=True, text=True, timeout=120
@@ -139,3 +167,53 @@ def test_two_processes_build_it_once_and_deepspeed_then_loads_it_without_rebuild
     )
     assert rank.returncode == 0, rank.stderr[-3000:]
     assert _links(ext) == 1 and os.path.getmtime(lib) == built_at, "DeepSpeed rebuilt the op the driver built"
+
+    # A run from another copy of the checkout, as a `ray job submit --working-dir .` runs: Ray unpacks the upload
+    # under its session directory and starts the job's driver and actors there (cwd and PYTHONPATH the copy), with
+    # the head's interpreter, packages and environment; the head's PATH may hold a ccache the user's shell has not.
+    copy = _checkout_copy(tmp_path / "runtime_resources" / "working_dir_files" / "_ray_pkg_0123abcd")
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "ccache").write_text('#!/bin/sh\nexec "$@"\n')  # a compiler wrapper, as ccache is one
+    (fake_bin / "ccache").chmod(0o755)
+    job_env = {**_env(ext), **actor_env(0.0), "TORCH_EXTENSIONS_DIR": str(ext), "PYTHONPATH": str(copy)}
+    job_env["PATH"] = f"{fake_bin}{os.pathsep}{os.environ['PATH']}"
+    where = "import rlhf, sys; assert rlhf.__file__.startswith(sys.argv[2]), rlhf.__file__; "
+    driver = subprocess.run(
+        [sys.executable, "-c", where + ENSURE.replace("import sys; ", ""), str(ext), str(copy)],
+        env=job_env,
+        cwd=copy,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert driver.returncode == 0 and driver.stdout == "False\n" and driver.stderr == "", driver.stderr[-3000:]
+    job_rank = subprocess.run(
+        [sys.executable, "-c", where + _RANK_LOAD, "-", str(copy)],
+        env=job_env,
+        cwd=copy,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert job_rank.returncode == 0, job_rank.stderr[-3000:]
+    assert BUILD_MESSAGE not in job_rank.stdout + job_rank.stderr
+    assert _links(ext) == 1 and os.path.getmtime(lib) == built_at, "a run from another directory rebuilt the op"
+
+
+_QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+# What TrainerWorker.init_process_group does on a CPU rank: the guarded load, then DeepSpeed's own (init_distributed)
+_RANK_LOAD = (
+    "from rlhf.distributed.cluster import load_cpu_comm_op; load_cpu_comm_op(); "
+    "from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None"
+)
+
+
+def _checkout_copy(dest: Path) -> Path:
+    """This checkout's files but those .gitignore lists (what `--working-dir .` uploads) at ``dest``."""
+    listed = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    for name in subprocess.run(listed, cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0"):
+        if name and (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest

@@ -171,7 +171,11 @@ def test_truncation_keeps_rows_with_a_target_and_skips_the_rest(tokenizer):
             {"prompt": [{"role": "user", "content": "1+2="}], "response": [{"role": "user", "content": "3"}]},
             "'response': message 0 has role 'user'; completions hold assistant messages",
         ),
-        ({"text": "x"}, "expected 'messages' \\(a conversation\\) or 'prompt' and 'response'"),
+        (
+            {"txt": "x", "id": 3},
+            "expected 'messages' \\(a conversation\\), 'prompt' with 'response' or 'completion', or 'text' .* "
+            "\\(the row's fields: id, txt\\). Did you mean 'txt'\\?",
+        ),
     ],
 )
 def test_bad_sft_rows_name_file_and_line(tmp_path, row, message):
@@ -325,3 +329,41 @@ def test_an_rl_prompt_the_template_refuses_names_its_source(tokenizer, tmp_path)
         r"cannot render.*the first message must be the user",
     ):
         _read_prompts(cfg, tokenizer, "data.train_path", path, "train")
+
+
+def test_a_chat_template_file_is_saved_with_the_runs_tokenizer(tiny_model, sft_data, tmp_path):
+    """data.chat_template=file.jinja: final/ (written with the run's tokenizer) carries the template, so the next
+    stage renders the same turns without the file."""
+    from transformers import AutoTokenizer
+
+    from rlhf.config import SFTRunConfig, load_config
+    from rlhf.trainers.offline import load_tokenizer
+
+    template = tmp_path / "turns.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    cfg = load_config(
+        SFTRunConfig,
+        None,
+        [f"model.path={tiny_model}", f"data.train_path={sft_data}", f"data.chat_template={template}"],
+    )
+    load_tokenizer(cfg).save_pretrained(tmp_path / "final")  # what rlhf.trainers.run.save_final does
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "final")
+    assert reloaded.chat_template == template.read_text()
+    rendered = reloaded.apply_chat_template([{"role": "user", "content": "2+2="}], tokenize=False)
+    assert rendered == "<user>2+2="
+
+
+@pytest.mark.parametrize("content", ["", "  \n", None])
+def test_an_empty_or_null_assistant_turn_is_refused_with_its_line(content, tmp_path):
+    from rlhf.data.formats import sft_fields
+    from rlhf.data.io import DataError, read_rows
+
+    path = _write(
+        tmp_path / "sft.jsonl",
+        [
+            {"messages": [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]},
+            {"messages": [{"role": "user", "content": "3+3="}, {"role": "assistant", "content": content}]},
+        ],
+    )
+    with pytest.raises(DataError, match=r"sft.jsonl:2: .*message 1 \(assistant\)"):
+        read_rows(path, **sft_fields("prompt", "response", "messages"))

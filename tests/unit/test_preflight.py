@@ -27,7 +27,7 @@ def test_a_path_missing_here_is_refused_by_a_run_and_left_to_the_cluster_by_a_dr
     rows = {key: status for key, _, status in preflight(cfg, here=False, precision="fp32")}
     assert rows == {
         "model.path": "found",
-        "data.train_path": "found",
+        "data.train_path": "found; 21 rows read, each in a layout the trainer reads",
         "data.eval_path": NOT_HERE,
         "train.output_dir": rows["train.output_dir"],
     }
@@ -68,3 +68,31 @@ def test_what_is_here_gets_the_same_refusal_from_a_run_and_a_dry_run(here, tiny_
 def test_a_reward_model_with_a_scalar_head_passes(tiny_model, tiny_reward_model, rl_prompts):
     cfg = _rl(tiny_model, rl_prompts, f"reward.model_path={tiny_reward_model}")
     assert ("reward.model_path", tiny_reward_model, "found") in preflight(cfg)
+
+
+@pytest.mark.parametrize("here", [True, False], ids=["run", "dry_run"])
+def test_a_model_folder_without_weights_is_refused_before_any_actor(here, tiny_model, sft_data, tmp_path):
+    """An interrupted copy or download: config.json and the tokenizer, no weights (caught before Ray starts)."""
+    import shutil
+
+    partial = tmp_path / "partial"
+    shutil.copytree(tiny_model, partial, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    with pytest.raises(ConfigError, match=f"^model.path: '{partial}' has a config.json but no weights"):
+        preflight(_sft(partial, sft_data), here=here)
+
+
+def test_a_dry_run_reads_the_rows_this_machine_has(tiny_model, sft_data, rl_prompts, tmp_path):
+    """Every row through the trainer's layouts, without a tokenizer: a bad row, or a reward.columns typo, is refused
+    with its file and line before a run would start its actors."""
+    from rlhf.config import DPORunConfig
+    from rlhf.data.io import DataError
+
+    rows = {key: status for key, _, status in preflight(_sft(tiny_model, sft_data), here=False)}
+    assert rows["data.train_path"] == "found; 21 rows read, each in a layout the trainer reads"
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "2+2=", "chosen": "4", "rejected": "5"}\n{"question": "1+1=", "good": "2"}\n')
+    cfg = load_config(DPORunConfig, "dpo_tiny", [f"model.path={tiny_model}", f"data.train_path={pairs}"])
+    with pytest.raises(DataError, match=r"pairs.jsonl:2: missing field 'chosen' .*the row's fields: good, question"):
+        preflight(cfg, here=False)
+    with pytest.raises(DataError, match=r"prompts.jsonl:1: reward.columns names 'answr' .*Did you mean 'answer'"):
+        preflight(_rl(tiny_model, rl_prompts, "reward.columns=[answr]"), here=False)
