@@ -7,9 +7,10 @@ starts), else this machine as a local run would size it. Paths that exist only o
 ``/data``, a model directory) are listed as such, not refused; a hub id (``org/name[@revision]``) is looked up without
 downloading anything (the commit it resolves to, from the cache offline, else from the hub), and refused only when the
 hub says it does not exist. Every other check a real run makes before its first actor still applies: the run's own
-preflight (:func:`rlhf.trainers.preflight.preflight`: model folders, a contradicting ``strategy.deepspeed_config``,
-reward functions, environments, reward heads, LoRA targets, batch arithmetic), then precision / backend / sleep-mode
-rules.
+preflight (:func:`rlhf.trainers.preflight.preflight`: model folders and their weights, a contradicting
+``strategy.deepspeed_config``, reward functions, environments, reward heads, LoRA targets, batch arithmetic), the
+data this machine has read (and, with the model's tokenizer here, tokenized by the trainer's own reader), then
+precision / backend / sleep-mode rules.
 
 Exit status (through ``rlhf.cli.common.run_cli``): 0 when the plan fits, 2 with ``error: ...`` naming the placement
 group or role that does not fit, or the bad setting.

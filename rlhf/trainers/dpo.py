@@ -19,7 +19,7 @@ from rlhf.distributed.group import WorkerGroup
 from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.base import ScoreFn
 from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
-from rlhf.trainers.offline import OfflineTask, read_train_and_eval, run_offline
+from rlhf.trainers.offline import OfflineTask, data_summary, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunContext, RunResult
 from rlhf.utils.log import get_logger
 
@@ -77,6 +77,11 @@ def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
         attach=lambda task_, ctx, policy, reference: attach_reference(task_, ctx, policy, reference, [data, held_out]),
     )
     return task, train.skipped_rows
+
+
+def read_data(cfg: DPORunConfig, tokenizer) -> str:
+    """``--dry-run``: the data read and tokenized as a run reads it (the descriptor's ``read_data``)."""
+    return data_summary(cfg, tokenizer, build_dpo_task)
 
 
 def attach_reference(

@@ -34,6 +34,7 @@ class TrainerKind:
     train_path: str  # "module:function" (cfg -> RunResult), imported when called: the trainers import this module
     cli_module: str  # its command line, python -m <cli_module>
     row_fields_path: str  # "module:function" (cfg -> rlhf.data.io.read_rows arguments): what a data row holds
+    read_data_path: str  # "module:function" ((cfg, tokenizer) -> a line): the data read and tokenized as a run does
     policy_role: str  # the role of the model it trains
     policy_kind: str  # CAUSAL_LM, or SCALAR_HEAD for a reward model
     primary_loss: str  # the loss column of the audit's table
@@ -61,6 +62,12 @@ class TrainerKind:
         their types, the per-row layout check): what the run reads, and ``--dry-run`` checks without a tokenizer."""
         module, function = self.row_fields_path.split(":")
         return getattr(importlib.import_module(module), function)(cfg)
+
+    def read_data(self, cfg: RunConfig, tokenizer) -> str:
+        """Read and tokenize the run's data with every check a run makes of it before any actor starts; a line
+        saying what was read (``--dry-run``)."""
+        module, function = self.read_data_path.split(":")
+        return getattr(importlib.import_module(module), function)(cfg, tokenizer)
 
     def train(self, cfg: RunConfig):
         module, function = self.train_path.split(":")
@@ -101,6 +108,7 @@ _KINDS: Tuple[TrainerKind, ...] = (
         train_path="rlhf.trainers.sft:train_sft",
         cli_module="rlhf.cli.train_sft",
         row_fields_path="rlhf.trainers.sft:row_fields",
+        read_data_path="rlhf.trainers.sft:read_data",
         policy_role="policy",
         policy_kind=CAUSAL_LM,
         primary_loss="loss",
@@ -114,6 +122,7 @@ _KINDS: Tuple[TrainerKind, ...] = (
         train_path="rlhf.trainers.reward_model:train_reward_model",
         cli_module="rlhf.cli.train_rm",
         row_fields_path="rlhf.trainers.reward_model:row_fields",
+        read_data_path="rlhf.trainers.reward_model:read_data",
         policy_role="reward_model",
         policy_kind=SCALAR_HEAD,
         primary_loss="loss",
@@ -127,6 +136,7 @@ _KINDS: Tuple[TrainerKind, ...] = (
         train_path="rlhf.trainers.dpo:train_dpo",
         cli_module="rlhf.cli.train_dpo",
         row_fields_path="rlhf.trainers.dpo:row_fields",
+        read_data_path="rlhf.trainers.dpo:read_data",
         policy_role="policy",
         policy_kind=CAUSAL_LM,
         primary_loss="loss",
@@ -142,6 +152,7 @@ _KINDS: Tuple[TrainerKind, ...] = (
         train_path="rlhf.trainers.rl_runner:train_ppo",
         cli_module="rlhf.cli.train_ppo",
         row_fields_path="rlhf.trainers.rl_runner:row_fields",
+        read_data_path="rlhf.trainers.rl_runner:read_data",
         policy_role="policy",
         policy_kind=CAUSAL_LM,
         primary_loss="policy_loss",

@@ -201,6 +201,16 @@ def describe_plan(name: str, plan: EpochPlan, train_cfg: TrainConfig, skipped: i
 TaskBuilder = Callable[[Any, Any], tuple]
 
 
+def data_summary(cfg: RunConfig, tokenizer, build_task: TaskBuilder) -> str:
+    """``--dry-run``: the data read and tokenized as the run reads it (the descriptors' ``read_data``), in a line."""
+    task, skipped = build_task(cfg, tokenizer)
+    held_out = f"; {task.eval_num_examples} held-out" if cfg.data.eval_path else ""
+    return (
+        f"{task.num_examples} examples tokenized ({len(skipped)} skipped: no token to train on within "
+        f"data.max_length){held_out}"
+    )
+
+
 def run_offline(cfg: RunConfig, build_task: TaskBuilder) -> RunResult:
     """An offline task end to end; ``train.on_failure=restart`` restarts from checkpoints."""
     # hub ids -> org/name@<sha>: config.yaml and every actor get them

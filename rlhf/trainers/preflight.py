@@ -64,8 +64,8 @@ def preflight(cfg: RunConfig, here: bool = True, precision: Optional[str] = None
         )
         if path
     ]
-    if not here:  # a run reads its rows right after, with its tokenizer (rlhf.trainers.offline, rl_runner)
-        rows = [_with_rows_read(cfg, row) for row in rows]
+    if not here:  # a run reads its data right after, with its tokenizer (rlhf.trainers.offline, rl_runner)
+        rows = _with_data_read(cfg, rows)
     rows += _deepspeed_rows(cfg, here, precision)
     if kind.online and isinstance(cfg, RLRunConfig):  # online: always an RLRunConfig (narrows the type)
         rows += [
@@ -117,6 +117,26 @@ def _path_status(key: str, path: str, repo_type: str, here: bool) -> str:
     if repo_type == MODEL and not os.path.isdir(path):
         raise ConfigError(f"{key}: {path!r} is not a directory")
     return "found"
+
+
+def _with_data_read(cfg: RunConfig, rows: List[Row]) -> List[Row]:
+    """``--dry-run``: the data this machine has, read as the run reads it. With the model's tokenizer here too, the
+    data is tokenized by the trainer's own reader (the tokenizer's checks, the chat template, every row's layout
+    and length, ``reward.columns``: :meth:`~rlhf.trainers.kinds.TrainerKind.read_data`); else every row's layout
+    is checked without it. A bad row is refused with its file and line."""
+    rows = [_with_rows_read(cfg, row) for row in rows]
+    data = [status for key, _, status in rows if key in ("data.train_path", "data.eval_path")]
+    if not data or not all("rows read" in status for status in data) or not _tokenizer_here(cfg):
+        return rows  # the reader reads both sets: one that only the cluster has is left to the run
+    from rlhf.trainers.offline import load_tokenizer  # lazy: transformers, only when there is data to tokenize
+
+    summary = kind_of(cfg).read_data(cfg, load_tokenizer(cfg))
+    return [(key, path, f"{status}; {summary}" if key == "data.train_path" else status) for key, path, status in rows]
+
+
+def _tokenizer_here(cfg: RunConfig) -> bool:
+    m = cfg.model
+    return _readable(m.path, here=False) and (not m.tokenizer_path or _readable(m.tokenizer_path, here=False))
 
 
 def _with_rows_read(cfg: RunConfig, row: Row) -> Row:

@@ -12,7 +12,7 @@ from rlhf.config.schema import RewardModelRunConfig
 from rlhf.data.formats import pair_fields, read_formatted
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.objectives.reward import RewardObjective
-from rlhf.trainers.offline import OfflineTask, read_train_and_eval, run_offline
+from rlhf.trainers.offline import OfflineTask, data_summary, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunResult
 
 
@@ -57,6 +57,11 @@ def build_rm_task(cfg: RewardModelRunConfig, tokenizer) -> tuple:
         console_keys=("loss", "accuracy", "grad_norm", "lr"),
     )
     return task, train.skipped_rows
+
+
+def read_data(cfg: RewardModelRunConfig, tokenizer) -> str:
+    """``--dry-run``: the data read and tokenized as a run reads it (the descriptor's ``read_data``)."""
+    return data_summary(cfg, tokenizer, build_rm_task)
 
 
 def train_reward_model(cfg: RewardModelRunConfig) -> RunResult:

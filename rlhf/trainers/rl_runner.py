@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from rlhf.config.rl_schema import HYBRID_BROADCAST_ON_GPUS, RewardConfig, RLRunConfig
 from rlhf.config.schema import ConfigError
@@ -268,6 +268,35 @@ def _read_prompts(cfg: RLRunConfig, tokenizer, key: str, path: str, split: str):
         )
 
 
+def read_prompt_sets(cfg: RLRunConfig, tokenizer) -> Tuple[PromptSet, Optional[PromptSet]]:
+    """The training and held-out prompts, tokenized, with every check a run makes of them before any actor starts
+    (a training set left empty by rollout.max_prompt_length, a multi-turn run's observations)."""
+    d, r = cfg.data, cfg.rollout
+    prompts = _read_prompts(cfg, tokenizer, "data.train_path", d.train_path, d.split)
+    eval_prompts = (
+        _read_prompts(cfg, tokenizer, "data.eval_path", d.eval_path, d.eval_split or d.split) if d.eval_path else None
+    )
+    if not prompts.prompt_ids:
+        raise DataError(
+            f"data.train_path={d.train_path}: every prompt is longer than rollout.max_prompt_length="
+            f"{r.max_prompt_length} ({prompts.skipped} skipped); raise it or set "
+            f"rollout.prompt_overflow=truncate"
+        )
+    if cfg.multi_turn:
+        _check_episodes(cfg, prompts, eval_prompts)
+    return prompts, eval_prompts
+
+
+def read_data(cfg: RLRunConfig, tokenizer) -> str:
+    """``--dry-run``: the prompts read and tokenized as the run reads them (the descriptor's ``read_data``)."""
+    prompts, eval_prompts = read_prompt_sets(cfg, tokenizer)
+    held_out = f"; {len(eval_prompts.prompt_ids)} held-out" if eval_prompts is not None else ""
+    return (
+        f"{len(prompts.prompt_ids)} prompts tokenized ({prompts.skipped} skipped, {prompts.truncated} truncated)"
+        f"{held_out}"
+    )
+
+
 def train_ppo(cfg: RLRunConfig) -> RunResult:
     """Online RL of the PPO family end to end (see the module docstring); ``train.on_failure=restart`` restarts
     from checkpoints."""
@@ -279,17 +308,8 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     check_versions(kind_of(cfg).packages)
     preflight(cfg)
     tokenizer = load_tokenizer(cfg)
-    d, r, t = cfg.data, cfg.rollout, cfg.train
-    prompts = _read_prompts(cfg, tokenizer, "data.train_path", d.train_path, d.split)
-    eval_prompts = (
-        _read_prompts(cfg, tokenizer, "data.eval_path", d.eval_path, d.eval_split or d.split) if d.eval_path else None
-    )
-    if not prompts.prompt_ids:
-        raise DataError(
-            f"data.train_path={d.train_path}: every prompt is longer than rollout.max_prompt_length="
-            f"{r.max_prompt_length} ({prompts.skipped} skipped); raise it or set "
-            f"rollout.prompt_overflow=truncate"
-        )
+    r, t = cfg.rollout, cfg.train
+    prompts, eval_prompts = read_prompt_sets(cfg, tokenizer)
     plan = EpochPlan(
         num_samples=len(prompts.prompt_ids),
         global_batch_size=r.prompts_per_step,
@@ -300,8 +320,6 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     scorer = RewardFunctionScorer(tuple(cfg.reward.functions)) if cfg.reward.functions else None
     if scorer is not None:
         scorer.load()  # a bad spec fails here, before any actor starts
-    if cfg.multi_turn:
-        _check_episodes(cfg, prompts, eval_prompts)
     optimizer_steps = plan.total_steps * cfg.optimizer_steps_per_rl_step
     log.info(
         f"[rl] {len(prompts.prompt_ids)} prompts ({prompts.skipped} skipped, {prompts.truncated} truncated), "

@@ -10,7 +10,7 @@ from rlhf.config.schema import SFTRunConfig
 from rlhf.data.formats import read_formatted, sft_fields
 from rlhf.data.tokenize import Tokenized, collate_sft, tokenize_sft
 from rlhf.objectives.sft import SFTObjective
-from rlhf.trainers.offline import OfflineTask, read_train_and_eval, run_offline
+from rlhf.trainers.offline import OfflineTask, data_summary, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunResult
 
 
@@ -60,6 +60,11 @@ def build_sft_task(cfg: SFTRunConfig, tokenizer) -> tuple:
         console_keys=("loss", "grad_norm", "lr", "num_tokens"),
     )
     return task, train.skipped_rows
+
+
+def read_data(cfg: SFTRunConfig, tokenizer) -> str:
+    """``--dry-run``: the data read and tokenized as a run reads it (the descriptor's ``read_data``)."""
+    return data_summary(cfg, tokenizer, build_sft_task)
 
 
 def train_sft(cfg: SFTRunConfig) -> RunResult:

@@ -88,7 +88,12 @@ def test_a_dry_run_reads_the_rows_this_machine_has(tiny_model, sft_data, rl_prom
     from rlhf.data.io import DataError
 
     rows = {key: status for key, _, status in preflight(_sft(tiny_model, sft_data), here=False)}
-    assert rows["data.train_path"] == "found; 21 rows read, each in a layout the trainer reads"
+    assert rows["data.train_path"] == (
+        "found; 21 rows read, each in a layout the trainer reads; 21 examples tokenized (0 skipped: no token to "
+        "train on within data.max_length)"
+    )
+    rows = {key: status for key, _, status in preflight(_sft("/models/m", sft_data), here=False)}
+    assert rows["data.train_path"] == "found; 21 rows read, each in a layout the trainer reads"  # no tokenizer here
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text('{"prompt": "2+2=", "chosen": "4", "rejected": "5"}\n{"question": "1+1=", "good": "2"}\n')
     cfg = load_config(DPORunConfig, "dpo_tiny", [f"model.path={tiny_model}", f"data.train_path={pairs}"])
@@ -96,3 +101,21 @@ def test_a_dry_run_reads_the_rows_this_machine_has(tiny_model, sft_data, rl_prom
         preflight(cfg, here=False)
     with pytest.raises(DataError, match=r"prompts.jsonl:1: reward.columns names 'answr' .*Did you mean 'answer'"):
         preflight(_rl(tiny_model, rl_prompts, "reward.columns=[answr]"), here=False)
+
+
+def test_a_dry_run_tokenizes_the_data_as_the_run_does(tiny_model, rl_prompts, tmp_path):
+    """With the model's tokenizer here, the trainer's own reader runs: a conversational set without a chat template,
+    or prompts that rollout.max_prompt_length leaves empty, fail the dry run as they would fail the run."""
+    from rlhf.config.schema import ConfigError as Refused
+    from rlhf.data.io import DataError
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"messages": [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]}\n')
+    with pytest.raises(Refused, match="data.chat_template=none"):
+        preflight(_sft(tiny_model, chat, "data.chat_template=none"), here=False)
+    with pytest.raises(DataError, match="every prompt is longer than rollout.max_prompt_length=1"):
+        preflight(
+            _rl(tiny_model, rl_prompts, "rollout.max_prompt_length=1", "rollout.prompt_overflow=skip"), here=False
+        )
+    rows = {key: status for key, _, status in preflight(_rl(tiny_model, rl_prompts), here=False)}
+    assert rows["data.train_path"].endswith("; 64 prompts tokenized (0 skipped, 0 truncated)"), rows
