@@ -80,12 +80,7 @@ def pair_parts(row: dict, prompt_key: str, chosen_key: str, rejected_key: str) -
         ValueError: The fields mix text and messages in a way no layout does, or a message is malformed.
     """
     for key, name, what in ((chosen_key, "chosen", "preferred"), (rejected_key, "rejected", "dispreferred")):
-        if key not in row:
-            raise FieldsError(
-                f"missing field {key!r} for a preference pair",
-                missing=key,
-                advice=f"Set data.{name}_key to the field that holds the {what} answer.",
-            )
+        _require(row, key, "a preference pair", f"Set data.{name}_key to the field that holds the {what} answer.")
     chosen, rejected = row[chosen_key], row[rejected_key]
     if isinstance(chosen, str) != isinstance(rejected, str):
         raise _mixed(row, chosen_key, rejected_key)
@@ -108,6 +103,12 @@ def pair_parts(row: dict, prompt_key: str, chosen_key: str, rejected_key: str) -
     return [{"role": "user", "content": prompt}], chosen, rejected
 
 
+def _require(row: dict, key: str, what: str, advice: str) -> None:
+    """Refuse a row without ``key``: the error names the key and, through ``advice``, the setting to change."""
+    if key not in row:
+        raise FieldsError(f"missing field {key!r} for {what}", missing=key, advice=advice)
+
+
 def sft_parts(row: dict, prompt_key: str, response_key: str, messages_key: str, text_key: str) -> Tuple[Any, ...]:
     """The layout of an SFT row and its parts: ``("messages", messages)``, ``("pair", prompt, completion)`` (two
     texts or two lists of messages) or ``("text", text)``.
@@ -121,12 +122,9 @@ def sft_parts(row: dict, prompt_key: str, response_key: str, messages_key: str, 
     answer = response_key if response_key in row or COMPLETION not in row else COMPLETION
     if prompt_key in row or answer in row:
         for key, name in ((prompt_key, "prompt"), (answer, "response")):
-            if key not in row:
-                raise FieldsError(
-                    f"missing field {key!r} for a {prompt_key!r}/{answer!r} row",
-                    missing=key,
-                    advice=f"Set data.{name}_key to the field that holds the {name}.",
-                )
+            _require(
+                row, key, f"a {prompt_key!r}/{answer!r} row", f"Set data.{name}_key to the field that holds the {name}."
+            )
         prompt, completion = row[prompt_key], row[answer]
         if isinstance(prompt, str) != isinstance(completion, str):
             raise _mixed(row, prompt_key, answer)
