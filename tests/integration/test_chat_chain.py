@@ -1,4 +1,6 @@
-"""A user's own chat model and conversational data, from hub ids, offline: SFT -> DPO -> GRPO through the CLIs.
+"""A user's own chat model and data in the layouts people download, from hub ids, offline: SFT on conversations ->
+DPO on UltraFeedback-binarized pairs -> GRPO on GSM8K-shaped questions with the user's reward function, through the
+CLIs, with the keys the docs name.
 
 The tiny model (with its ChatML template) and the conversational arithmetic data are placed in a hub-layout cache
 the test builds (``models--org--name`` / ``datasets--org--name`` with ``refs/main`` and a snapshot). With
@@ -47,6 +49,33 @@ def _repo(cache, kind: str, repo_id: str, sha: str):
     return root / "snapshots" / sha
 
 
+def _ultrafeedback(rows):
+    """As HuggingFaceH4/ultrafeedback_binarized has them: the prompt as a string, and chosen / rejected as whole
+    conversations that repeat the prompt's turns, with their scores."""
+    return [
+        {
+            "prompt": r["prompt"][-1]["content"],
+            "chosen": r["prompt"] + r["chosen"],
+            "rejected": r["prompt"] + r["rejected"],
+            "score_chosen": 9.0,
+            "score_rejected": 2.0,
+        }
+        for r in rows
+    ]
+
+
+def _gsm8k(rows):
+    """As openai/gsm8k has them: a plain question, and the reasoning with the final answer after '#### '."""
+    return [{"question": r["prompt"], "answer": f"{r['prompt']}{r['answer']}\n#### {r['answer']}"} for r in rows]
+
+
+# The user's reward function, in a file of their own, as docs/rewards.md writes one.
+GSM8K_REWARD = """
+def gsm8k_exact(prompts, responses, answer):
+    return [float(r.strip() == a.split("####")[-1].strip()) for r, a in zip(responses, answer)]
+"""
+
+
 @pytest.fixture(scope="module")
 def hub_cache(tmp_path_factory, tiny_model):
     from rlhf.synthetic import arithmetic as a
@@ -56,9 +85,11 @@ def hub_cache(tmp_path_factory, tiny_model):
     data = _repo(cache, "dataset", DATA_ID, DATA_SHA)
     files = {
         "sft/train.jsonl": a.to_chat_sft(a.make_sft_rows(96, seed=1, max_operand=9)),
-        "preference/train.jsonl": a.to_chat_preference(a.make_preference_rows(32, seed=2, max_operand=9)),
-        "prompts/train.jsonl": a.to_chat_prompts(a.make_rl_prompts(16, seed=3, max_operand=9)),
-        "prompts/test.jsonl": a.to_chat_prompts(a.make_rl_prompts(4, seed=4, max_operand=9)),
+        "preference/train.jsonl": _ultrafeedback(
+            a.to_chat_preference(a.make_preference_rows(32, seed=2, max_operand=9))
+        ),
+        "prompts/train.jsonl": _gsm8k(a.make_rl_prompts(16, seed=3, max_operand=9)),
+        "prompts/test.jsonl": _gsm8k(a.make_rl_prompts(4, seed=4, max_operand=9)),
     }
     for name, rows in files.items():
         a.write_jsonl(data / name, rows)
@@ -111,7 +142,8 @@ def test_conversational_sft_dpo_grpo_from_hub_ids_offline(hub_cache, tmp_path, m
     assert len(rows) == 12 and rows[-1]["loss"] < rows[0]["loss"]
     assert (sft / "final" / "chat_template.jinja").is_file()  # the template travels with the model
 
-    # DPO from the SFT model (a local directory), on conversational pairs of the same hub dataset.
+    # DPO from the SFT model (a local directory), on UltraFeedback-shaped pairs of the same hub dataset, read as they
+    # are: the whole conversations carry the prompt, the prompt string and the scores are left alone.
     dpo = tmp_path / "dpo"
     _run(
         "train_dpo",
@@ -129,8 +161,11 @@ def test_conversational_sft_dpo_grpo_from_hub_ids_offline(hub_cache, tmp_path, m
     rows = _metrics(dpo)
     assert len(rows) == 4 and all(r["num_samples"] == 8 for r in rows)
 
-    # GRPO from the DPO model on conversational prompts rendered with the generation prompt; held-out prompts come
-    # from the same hub dataset's test split.
+    # GRPO from the DPO model on GSM8K-shaped prompts: plain questions rendered as a user turn with the chat template
+    # and its generation prompt (data.template_text_prompts), scored by the user's reward function against the
+    # answer after '####'; held-out prompts come from the same hub dataset's test split.
+    reward = tmp_path / "gsm8k_reward.py"
+    reward.write_text(GSM8K_REWARD)
     grpo = tmp_path / "grpo"
     _run(
         "train_ppo",
@@ -139,6 +174,9 @@ def test_conversational_sft_dpo_grpo_from_hub_ids_offline(hub_cache, tmp_path, m
         f"model.path={dpo / 'final'}",
         f"data.train_path={DATA_ID}",
         "data.config_name=prompts",
+        "data.prompt_key=question",
+        "data.template_text_prompts=true",
+        f"reward.functions=[{reward}:gsm8k_exact]",
         f"data.eval_path={DATA_ID}",
         "data.eval_split=test",
         f"train.output_dir={grpo}",
@@ -154,6 +192,7 @@ def test_conversational_sft_dpo_grpo_from_hub_ids_offline(hub_cache, tmp_path, m
     assert "16 prompts (0 skipped" in capsys.readouterr().out
     rows = _metrics(grpo)
     assert [r["step"] for r in rows] == [1, 2]
+    assert all(f"reward/{reward}:gsm8k_exact" in r for r in rows)  # the user's function scored every step
     # Responses end on the template's end-of-turn token: the SFT-ed model answers "<sum><|im_end|>", so responses
     # stay well inside max_new_tokens and the arithmetic reward sees a clean number.
     assert all(r["response_length"] < 6 for r in rows), rows
