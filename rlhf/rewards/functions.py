@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import os
 from collections.abc import Sequence as _SequenceABC
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
@@ -394,6 +395,19 @@ def _result_values(source: RewardSource, result: Any, prompts: Sequence[str], re
         what = "a non-finite value" if not math.isfinite(original) else "a value that overflows float32"
         raise _bad_value(source, i, n, what, original, prompts, responses)
     return out
+
+
+def metric_names(names: Sequence[str]) -> Dict[str, str]:
+    """The name each source's metric is logged under (``reward/<name>``): a function in a file is named by the file's
+    base name and the function (``rewards.py:correct``, not the whole path); a module's keeps its spec
+    (``rlhf.synthetic.arithmetic:reward``). Names two files would share keep their whole paths."""
+    short = {}
+    for name in names:
+        target, _, function = name.rpartition(":")
+        is_file = target.endswith(".py") or "/" in target
+        short[name] = f"{os.path.basename(target)}:{function}" if is_file else name
+    taken = list(short.values())
+    return {name: (s if taken.count(s) == 1 else name) for name, s in short.items()}
 
 
 def compute_rewards(

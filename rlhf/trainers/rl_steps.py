@@ -28,6 +28,7 @@ from rlhf.distributed.group import StepResult, WorkerGroup
 from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
 from rlhf.objectives.base import Totals
+from rlhf.rewards.functions import metric_names
 from rlhf.rl import advantages_for, logp_mismatch
 from rlhf.rollout.engines import RolloutEngines
 from rlhf.rollout.vllm_engine import SamplingSpec
@@ -183,6 +184,8 @@ class RLTrainer:
             total = self.cfg.env.reward_weight * rollout.env_rewards
         if self.scorer is not None:
             functions, by_function = self.scorer(prompts, rollout.responses, columns)
+            logged = metric_names(list(by_function))  # reward/<file.py:function>, not the file's whole path
+            by_function = {logged[name]: scores for name, scores in by_function.items()}
             total, per_source = total + functions, {**per_source, **by_function}
         if self.actors.reward_model is not None:
             rm = self.actors.reward_model.score_batch(rollout.batch, SequenceScores())

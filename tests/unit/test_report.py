@@ -114,3 +114,31 @@ def test_episode_metrics_get_their_panels_turns_in_order():
         "episode/reward_turn_10",
         "time/env",
     ]
+
+
+def test_each_reward_source_gets_its_panel():
+    row = {
+        "step": 1,
+        "reward_mean": 1.0,
+        "reward/env": 0.5,
+        "reward/rewards.py:correct": 1.0,
+        "reward/reward_model": 0.2,
+    }
+    assert panels_for({"run": [row]}) == [
+        ("reward_mean", "reward"),
+        ("reward/env", "environment reward"),
+        ("reward/reward_model", "reward of reward_model"),
+        ("reward/rewards.py:correct", "reward of rewards.py:correct"),
+    ]
+
+
+def test_reward_functions_are_logged_by_file_name_unless_two_files_share_one():
+    from rlhf.rewards.functions import metric_names
+
+    assert metric_names(["/tmp/a/rewards.py:correct", "pkg.mod:fn", "/tmp/a/other.py:correct"]) == {
+        "/tmp/a/rewards.py:correct": "rewards.py:correct",
+        "pkg.mod:fn": "pkg.mod:fn",
+        "/tmp/a/other.py:correct": "other.py:correct",
+    }
+    both = ["/x/rewards.py:f", "/y/rewards.py:f"]
+    assert metric_names(both) == {name: name for name in both}
