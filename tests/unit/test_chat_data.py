@@ -367,3 +367,31 @@ def test_an_empty_or_null_assistant_turn_is_refused_with_its_line(content, tmp_p
     )
     with pytest.raises(DataError, match=r"sft.jsonl:2: .*message 1 \(assistant\)"):
         read_rows(path, **sft_fields("prompt", "response", "messages"))
+
+
+def test_a_reward_model_scores_conversations_as_it_was_trained_on_them(tiny_reward_model):
+    """score_conversations renders as the reward-model trainer's conversational pairs are rendered: its score of a
+    conversation is the model's score of the chosen side tokenize_pairs built from the same turns."""
+    import torch
+
+    from rlhf.data.chat import ChatFormatter
+    from rlhf.data.tokenize import tokenize_pairs
+    from rlhf.models.scoring import load_reward_model, score_conversations, score_ids
+
+    model, tokenizer = load_reward_model(tiny_reward_model)
+    prompt = [{"role": "user", "content": "2+2="}]
+    good, bad = [{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]
+    (pair,) = tokenize_pairs(
+        [{"prompt": prompt, "chosen": good, "rejected": bad}],
+        tokenizer,
+        max_length=64,
+        prompt_key="prompt",
+        chosen_key="chosen",
+        rejected_key="rejected",
+        chat=ChatFormatter(tokenizer),
+    ).examples
+    trained = score_ids(model, [list(pair.chosen.input_ids), list(pair.rejected.input_ids)], tokenizer.pad_token_id)
+    scored = score_conversations(model, tokenizer, [prompt + good, prompt + bad])
+    assert torch.equal(scored, trained)
+    with pytest.raises(ValueError, match=r"conversations\[0\]"):
+        score_conversations(model, tokenizer, [[{"role": "user", "content": None}]])
