@@ -10,7 +10,7 @@ conversational; :func:`read_formatted` does both.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from rlhf.data.chat import ChatFormatter, ChatTemplateError, check_messages, load_template
 from rlhf.data.io import DataError, FieldsError, read_rows
@@ -60,9 +60,13 @@ def pair_fields(
     return _fields(keys, check, {margin_key: (int, float)} if margin_key else None)
 
 
-def prompt_fields(prompt_key: str, columns: Sequence[str] = (), required_columns: Sequence[str] = ()) -> Dict[str, Any]:
+def prompt_fields(
+    prompt_key: str, columns: Sequence[str] = (), required_columns: Optional[Mapping[str, Sequence[str]]] = None
+) -> Dict[str, Any]:
     """RL prompts: ``prompt_key`` as text or messages, plus reward-function columns when present;
-    ``required_columns`` (those a user named in ``reward.columns``) must be in every row."""
+    ``required_columns``: ``{config key: the columns a user named there}`` (``reward.columns``, ``env.columns``),
+    each of which must be in every row (a typo is refused naming the key, with the row's fields)."""
+    required = {key: tuple(named) for key, named in (required_columns or {}).items()}
 
     def check(row: dict) -> None:
         if prompt_key not in row:
@@ -73,15 +77,17 @@ def prompt_fields(prompt_key: str, columns: Sequence[str] = (), required_columns
             )
         if not isinstance(row[prompt_key], str):
             check_messages(row[prompt_key], prompt_key)
-        for column in required_columns:
-            if column not in row:
-                raise FieldsError(
-                    f"reward.columns names {column!r} but the row has no such field",
-                    missing=column,
-                    advice="Set reward.columns to fields the prompt rows have.",
-                )
+        for key, named in required.items():
+            for column in named:
+                if column not in row:
+                    raise FieldsError(
+                        f"{key} names {column!r} but the row has no such field",
+                        missing=column,
+                        advice=f"Set {key} to fields the prompt rows have.",
+                    )
 
-    optional = tuple(dict.fromkeys(c for c in tuple(columns) + tuple(required_columns) if c != prompt_key))
+    named_columns = tuple(c for named in required.values() for c in named)
+    optional = tuple(dict.fromkeys(c for c in tuple(columns) + named_columns if c != prompt_key))
     return _fields((prompt_key,), check, optional=optional)
 
 

@@ -236,11 +236,13 @@ def _identity(cfg: RLRunConfig, plan: EpochPlan) -> dict:
 
 def row_fields(cfg: RLRunConfig) -> Dict[str, Any]:
     """The :func:`rlhf.data.io.read_rows` arguments of the prompt rows (the descriptor's ``row_fields``: no tokenizer
-    needed, ``--dry-run`` reads them too). ``reward.columns`` as a user set it must be in every row, so a typo fails
-    as the data is read, before any actor; the default (``answer``) is passed when present."""
+    needed, ``--dry-run`` reads them too). ``reward.columns`` as a user set it, and a multi-turn run's
+    ``env.columns``, must be in every row, so a typo fails as the data is read, before any actor; the default
+    (``answer``) is passed when present."""
     columns = tuple(dict.fromkeys(cfg.reward.columns + cfg.env.columns))  # an environment's row holds both
     named = cfg.reward.columns if cfg.reward.columns != RewardConfig().columns else ()
-    return prompt_fields(cfg.data.prompt_key, columns, required_columns=named)
+    required = {"reward.columns": named, "env.columns": cfg.env.columns if cfg.env.spec else ()}
+    return prompt_fields(cfg.data.prompt_key, columns, required_columns=required)
 
 
 def _read_prompts(cfg: RLRunConfig, tokenizer, key: str, path: str, split: str):

@@ -119,3 +119,21 @@ def test_a_dry_run_tokenizes_the_data_as_the_run_does(tiny_model, rl_prompts, tm
         )
     rows = {key: status for key, _, status in preflight(_rl(tiny_model, rl_prompts), here=False)}
     assert rows["data.train_path"].endswith("; 64 prompts tokenized (0 skipped, 0 truncated)"), rows
+
+
+def test_an_env_columns_typo_is_refused_as_the_rows_are_read(tiny_model, rl_prompts, tmp_path):
+    from rlhf.data.io import DataError
+
+    envs = tmp_path / "envs.py"
+    envs.write_text(
+        "class Retry:\n    def reset(self, row):\n        return ''\n"
+        "    def step(self, response, response_ids):\n        return None, 0.0, True, {}\n"
+    )
+    multi_turn = (f"env.spec={envs}:Retry", "rollout.max_turns=2", "rollout.max_episode_tokens=32")
+    with pytest.raises(DataError, match=r"prompts.jsonl:1: env.columns names 'answr' .*Did you mean 'answer'"):
+        preflight(_rl(tiny_model, rl_prompts, *multi_turn, "env.columns=[answr]"), here=False)
+    rows = {
+        key: status
+        for key, _, status in preflight(_rl(tiny_model, rl_prompts, *multi_turn, "env.columns=[answer]"), here=False)
+    }
+    assert "64 prompts tokenized" in rows["data.train_path"]
