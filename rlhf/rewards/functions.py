@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from rlhf.utils.specs import SpecKind, clip_plain, load_module, resolve_attr, split_spec
+from rlhf.utils.specs import SpecKind, clip_plain, load_module, looks_like_path, resolve_attr, split_spec
 
 __all__ = [
     "RewardFunctionError",
@@ -404,8 +404,7 @@ def metric_names(names: Sequence[str]) -> Dict[str, str]:
     short = {}
     for name in names:
         target, _, function = name.rpartition(":")
-        is_file = target.endswith(".py") or "/" in target
-        short[name] = f"{os.path.basename(target)}:{function}" if is_file else name
+        short[name] = f"{os.path.basename(target)}:{function}" if looks_like_path(target) else name
     taken = list(short.values())
     return {name: (s if taken.count(s) == 1 else name) for name, s in short.items()}
 

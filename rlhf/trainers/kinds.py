@@ -60,18 +60,15 @@ class TrainerKind:
     def row_fields(self, cfg: RunConfig) -> Dict[str, Any]:
         """The :func:`rlhf.data.io.read_rows` arguments of this trainer's data rows under ``cfg`` (the fields kept,
         their types, the per-row layout check): what the run reads, and ``--dry-run`` checks without a tokenizer."""
-        module, function = self.row_fields_path.split(":")
-        return getattr(importlib.import_module(module), function)(cfg)
+        return _call(self.row_fields_path, cfg)
 
     def read_data(self, cfg: RunConfig, tokenizer) -> str:
         """Read and tokenize the run's data with every check a run makes of it before any actor starts; a line
         saying what was read (``--dry-run``)."""
-        module, function = self.read_data_path.split(":")
-        return getattr(importlib.import_module(module), function)(cfg, tokenizer)
+        return _call(self.read_data_path, cfg, tokenizer)
 
     def train(self, cfg: RunConfig):
-        module, function = self.train_path.split(":")
-        return getattr(importlib.import_module(module), function)(cfg)
+        return _call(self.train_path, cfg)
 
     def plan(self, cfg: RunConfig, gpus_per_worker: float) -> ResourcePlan:
         """What a run of ``cfg`` asks the cluster for, and the actors its runner starts, in order
@@ -97,6 +94,12 @@ class TrainerKind:
         if self.online and isinstance(cfg, RLRunConfig) and cfg.algo.needs_critic:
             models.append((cfg.critic.path or cfg.model.path, SCALAR_HEAD))
         return models
+
+
+def _call(path: str, *args: Any) -> Any:
+    """Call the function ``"module:function"`` names, importing its module now (the trainers import this one)."""
+    module, function = path.split(":")
+    return getattr(importlib.import_module(module), function)(*args)
 
 
 # In the order an audit tries a config's class against them.

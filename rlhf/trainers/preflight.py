@@ -206,25 +206,23 @@ def reward_function_status(spec: str) -> str:
     RewardFunctionScorer((spec,))  # spec form and weight, nothing imported
     head, at, tail = spec.rpartition("@")
     name = head if at and ":" not in tail else spec
-    target = name.rpartition(":")[0]
-    is_file = target.endswith(".py") or "/" in target
-    there = os.path.isfile(target) if is_file else importlib.util.find_spec(target.split(".")[0]) is not None
-    if not there:
+    if not _resolves_here(name.rpartition(":")[0]):
         return NOT_HERE
     load_reward_function(name)
     return "found, loads"
 
 
+def _resolves_here(target: str) -> bool:
+    """Whether the file or the top-level module a spec's target names exists on this machine (nothing imported)."""
+    if looks_like_path(target):
+        return os.path.isfile(target)
+    return importlib.util.find_spec(target.split(".")[0]) is not None
+
+
 def environment_status(spec: str, here: bool) -> str:
     """Load the environment class (a bad one is an error); under ``--dry-run`` one whose module is not on this
     machine is left to the run."""
-    target = spec.strip().rpartition(":")[0]
-    there = (
-        os.path.isfile(target)
-        if looks_like_path(target)
-        else importlib.util.find_spec(target.split(".")[0]) is not None
-    )
-    if not there and not here:
+    if not here and not _resolves_here(spec.strip().rpartition(":")[0]):
         return NOT_HERE
     try:
         load_environment(spec)
