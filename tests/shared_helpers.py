@@ -169,3 +169,15 @@ def float64_model(path: str):
     for norm in norms:
         norm.forward = in_own_dtype(norm)
     return model
+
+
+def comm_op_links(extensions_dir) -> int:
+    """Builds of DeepSpeed's CPU communication op recorded by ninja under ``extensions_dir``: one link of the
+    library per build (0 when it was never built there)."""
+    from rlhf.distributed.cluster import SHM_COMM_OP
+
+    log = os.path.join(str(extensions_dir), SHM_COMM_OP, ".ninja_log")
+    if not os.path.isfile(log):
+        return 0
+    with open(log, encoding="utf-8") as f:
+        return sum(1 for line in f.read().splitlines() if line.split("\t")[3:4] == [f"{SHM_COMM_OP}.so"])

@@ -118,7 +118,12 @@ def _clear_dead_lock(build_dir: str, wait_s: float, what: str, say: Callable[[st
                 f"if no build of {what} is running, delete {lock}"
             )
         if not announced:
-            say(f"waiting for {lock} (processes {workers} still build in {build_dir}, up to {wait_s:.0f} s)")
+            why = (
+                f"processes {', '.join(map(str, workers))} still build in {build_dir}"
+                if workers
+                else f"it is {age:.0f} s old: a build may be starting"
+            )
+            say(f"waiting for {lock} ({why}; up to {wait_s:.0f} s)")
             announced = True
         time.sleep(_POLL_S)
 

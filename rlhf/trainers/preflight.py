@@ -123,15 +123,25 @@ def _with_data_read(cfg: RunConfig, rows: List[Row]) -> List[Row]:
     """``--dry-run``: the data this machine has, read as the run reads it. With the model's tokenizer here too, the
     data is tokenized by the trainer's own reader (the tokenizer's checks, the chat template, every row's layout
     and length, ``reward.columns``: :meth:`~rlhf.trainers.kinds.TrainerKind.read_data`); else every row's layout
-    is checked without it. A bad row is refused with its file and line."""
-    rows = [_with_rows_read(cfg, row) for row in rows]
+    is checked without it. A bad row is refused with its file and line. Each file is read once either way."""
     data = [status for key, _, status in rows if key in ("data.train_path", "data.eval_path")]
-    if not data or not all("rows read" in status for status in data) or not _tokenizer_here(cfg):
-        return rows  # the reader reads both sets: one that only the cluster has is left to the run
+    if not data or not all(_here(status) for status in data) or not _tokenizer_here(cfg):
+        # the reader reads both sets: with one that only the cluster has, the rows here are checked without it
+        return [_with_rows_read(cfg, row) for row in rows]
     from rlhf.trainers.offline import load_tokenizer  # lazy: transformers, only when there is data to tokenize
 
     summary = kind_of(cfg).read_data(cfg, load_tokenizer(cfg))
-    return [(key, path, f"{status}; {summary}" if key == "data.train_path" else status) for key, path, status in rows]
+    return [
+        (key, path, f"{status}; " + (summary if key == "data.train_path" else "read with data.train_path"))
+        if key in ("data.train_path", "data.eval_path")
+        else (key, path, status)
+        for key, path, status in rows
+    ]
+
+
+def _here(status: str) -> bool:
+    """Whether a data path's preflight status says this machine has it."""
+    return status == "found" or "cached here" in status
 
 
 def _tokenizer_here(cfg: RunConfig) -> bool:
@@ -143,7 +153,7 @@ def _with_rows_read(cfg: RunConfig, row: Row) -> Row:
     """``--dry-run``: a data file this machine has is read as the run reads it, every row checked against the
     trainer's layouts (its fields, ``reward.columns``); a bad row is refused with its file and line."""
     key, path, status = row
-    if key not in ("data.train_path", "data.eval_path") or not (status == "found" or "cached here" in status):
+    if key not in ("data.train_path", "data.eval_path") or not _here(status):
         return row
     d = cfg.data
     split = d.split if key == "data.train_path" else (d.eval_split or d.split)

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from shared_helpers import comm_op_links
 
 from rlhf.distributed.cluster import BUILD_MESSAGE, SHM_COMM_OP, _comm_op_inputs, actor_env, cpu_comm_op_built
 from rlhf.distributed.op_lock import processes_in
@@ -45,14 +46,6 @@ def _fake_build(root: Path, sources, torch_include: str) -> Path:
     ninja_time = os.path.getmtime(build / "build.ninja")
     os.utime(lib, (ninja_time + 1, ninja_time + 1))
     return lib
-
-
-def _links(extensions_dir: Path) -> int:
-    """Builds recorded by ninja in the op's directory: one link of the library per build."""
-    log = extensions_dir / SHM_COMM_OP / ".ninja_log"
-    if not log.is_file():
-        return 0
-    return sum(1 for line in log.read_text().splitlines() if line.split("\t")[3:4] == [f"{SHM_COMM_OP}.so"])
 
 
 def _env(extensions_dir: Path) -> dict:
@@ -127,7 +120,7 @@ def test_a_killed_build_then_two_processes_then_a_run_from_another_copy_build_it
     while processes_in(str(ext / SHM_COMM_OP)):  # the killed group's compilers exit
         assert time.monotonic() < deadline, "the killed build's compilers are still running"
         time.sleep(0.2)
-    assert lock.exists() and _links(ext) == 0
+    assert lock.exists() and comm_op_links(ext) == 0
 
     # Two processes at once: the dead build's lock is removed, saying so, and the op is compiled once.
     procs = [
@@ -145,7 +138,7 @@ def test_a_killed_build_then_two_processes_then_a_run_from_another_copy_build_it
     assert all(rc == 0 for rc, _, _ in results), [err[-3000:] for _, _, err in results]
     errs = "".join(err for _, _, err in results)
     assert errs.count(f"removing {lock}") == 1, errs
-    assert _links(ext) == 1, "the op was compiled more than once"
+    assert comm_op_links(ext) == 1, "the op was compiled more than once"
     # each process says what it does: the first compiles, the second compiles too or waits for the first
     assert errs.count(BUILD_MESSAGE) + errs.count("waiting for another process compiling") == 2, errs
     lib = ext / SHM_COMM_OP / f"{SHM_COMM_OP}.so"
@@ -166,7 +159,7 @@ def test_a_killed_build_then_two_processes_then_a_run_from_another_copy_build_it
         timeout=900,
     )
     assert rank.returncode == 0, rank.stderr[-3000:]
-    assert _links(ext) == 1 and os.path.getmtime(lib) == built_at, "DeepSpeed rebuilt the op the driver built"
+    assert comm_op_links(ext) == 1 and os.path.getmtime(lib) == built_at, "DeepSpeed rebuilt the op the driver built"
 
     # A run from another copy of the checkout, as a `ray job submit --working-dir .` runs: Ray unpacks the upload
     # under its session directory and starts the job's driver and actors there (cwd and PYTHONPATH the copy), with
@@ -198,7 +191,7 @@ def test_a_killed_build_then_two_processes_then_a_run_from_another_copy_build_it
     )
     assert job_rank.returncode == 0, job_rank.stderr[-3000:]
     assert BUILD_MESSAGE not in job_rank.stdout + job_rank.stderr
-    assert _links(ext) == 1 and os.path.getmtime(lib) == built_at, "a run from another directory rebuilt the op"
+    assert comm_op_links(ext) == 1 and os.path.getmtime(lib) == built_at, "a run from another directory rebuilt the op"
 
 
 _QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}

@@ -84,6 +84,7 @@ def _overrides(tiny_model, files, out, env="Feedback", *extra):
         f"train.output_dir={out}",
         f"env.spec={base / 'envs.py'}:{env}",
         "rollout.max_turns=3",
+        "rollout.max_prompt_length=16",
         "rollout.max_episode_tokens=160",
         "rollout.max_prompt_length=96",
         "env.num_actors=2",

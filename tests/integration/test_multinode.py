@@ -194,9 +194,22 @@ def _free_port():
 
 
 def test_ray_job_submit_against_a_locally_started_head(tiny_model, sft_data, tmp_path):
-    """A real Ray job: ``ray start --head`` in its own process group, ``ray job submit`` of the SFT CLI, the job
-    joins that cluster (RAY_ADDRESS set by the job supervisor) and writes final/."""
+    """A real Ray job: ``ray start --head`` in its own process group, ``ray job submit --working-dir .`` of the SFT
+    CLI, the job joins that cluster (RAY_ADDRESS set by the job supervisor) and writes final/.
+
+    DeepSpeed's CPU communication op, built by a local run of this checkout, is neither rebuilt nor announced by the
+    job, which runs from Ray's unpacked copy of the upload (another source path), nor by a local run after it."""
     import time
+
+    from shared_helpers import comm_op_links
+
+    from rlhf.distributed.cluster import BUILD_MESSAGE, TORCH_EXTENSIONS_DIR
+
+    local_run = [sys.executable, "-c", _LOCAL_OP_USE]
+    before = subprocess.run(local_run, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert before.returncode == 0, before.stderr[-3000:]
+    builds = comm_op_links(TORCH_EXTENSIONS_DIR)
+    assert builds >= 1
 
     bin_dir = Path(sys.executable).parent
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -243,6 +256,8 @@ def test_ray_job_submit_against_a_locally_started_head(tiny_model, sft_data, tmp
             "submit",
             "--address",
             address,
+            "--working-dir",
+            ".",
             "--",
             sys.executable,
             "-m",
@@ -261,9 +276,22 @@ def test_ray_job_submit_against_a_locally_started_head(tiny_model, sft_data, tmp
         assert (out / "final" / "model.safetensors").is_file()
         with open(out / "metrics.jsonl") as f:
             assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
+        assert BUILD_MESSAGE not in job.stdout + job.stderr
+        assert comm_op_links(TORCH_EXTENSIONS_DIR) == builds, "the job rebuilt the op a local run had built"
+        after = subprocess.run(local_run, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert after.returncode == 0 and BUILD_MESSAGE not in after.stdout + after.stderr, after.stderr[-3000:]
+        assert comm_op_links(TORCH_EXTENSIONS_DIR) == builds, "a local run after the job rebuilt the op"
     finally:
         _stop_process_group(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+# What a local run does with the op: the driver's check (builds it when absent), then a CPU trainer rank's guarded load
+# and DeepSpeed's own (TrainerWorker.init_process_group).
+_LOCAL_OP_USE = (
+    "from rlhf.distributed.cluster import ensure_cpu_comm_op, load_cpu_comm_op; ensure_cpu_comm_op(); "
+    "load_cpu_comm_op(); from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None"
+)
 
 
 def _stop_process_group(head, grace_s: float = 2.0) -> None:

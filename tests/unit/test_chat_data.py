@@ -395,3 +395,50 @@ def test_a_reward_model_scores_conversations_as_it_was_trained_on_them(tiny_rewa
     assert torch.equal(scored, trained)
     with pytest.raises(ValueError, match=r"conversations\[0\]"):
         score_conversations(model, tokenizer, [[{"role": "user", "content": None}]])
+
+
+# Qwen2.5-Instruct's template behaviour that matters for lengths: a conversation without a system turn gets the
+# model's default system prompt (ChatML otherwise, as the tiny model's own template).
+DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+DEFAULT_SYSTEM_TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\n" + DEFAULT_SYSTEM + "<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def test_the_tiny_presets_keep_chat_rows_with_a_default_system_prompt(tokenizer, tiny_model):
+    """sft_tiny / grpo_tiny with a chat model whose template adds a default system prompt (~70 tokens with this
+    tokenizer, as with Qwen's): every SFT conversation and every RL prompt fits, none is skipped."""
+    from rlhf.config import SFTRunConfig, load_config
+    from rlhf.config.rl_schema import RLRunConfig
+    from rlhf.synthetic import arithmetic as a
+
+    chat = ChatFormatter(tokenizer, template=DEFAULT_SYSTEM_TEMPLATE)
+    system_alone = chat.encode([{"role": "user", "content": ""}], []).input_ids
+    assert len(system_alone) > 64  # what the presets allowed before: every such row was dropped or refused
+    required = [f"model.path={tiny_model}", "data.train_path=/data/x.jsonl"]
+    sft = load_config(SFTRunConfig, "sft_tiny", required)
+    rl = load_config(RLRunConfig, "grpo_tiny", required)
+
+    no_system = [{"messages": r["messages"][1:]} for r in a.to_chat_sft(a.make_sft_rows(30, seed=1))]
+    kept = tokenize_sft(
+        no_system, tokenizer, max_length=sft.data.max_length, prompt_key="prompt", response_key="response", chat=chat
+    )
+    assert kept.skipped_rows == [] and len(kept.examples) == 30
+    assert all(len(e.input_ids) > len(system_alone) for e in kept.examples)
+
+    questions = [{**r, "prompt": r["prompt"][1:]} for r in a.to_chat_prompts(a.make_rl_prompts(30, seed=2))]
+    prompts = prepare_prompts(
+        questions,
+        tokenizer,
+        prompt_key="prompt",
+        columns=["answer"],
+        max_prompt_length=rl.rollout.max_prompt_length,
+        overflow=rl.rollout.prompt_overflow,
+        chat=chat,
+    )
+    assert (prompts.skipped, prompts.truncated, len(prompts.prompt_ids)) == (0, 0, 30)

@@ -105,7 +105,7 @@ def test_a_live_build_is_waited_on_named_and_bounded(tmp_path, monkeypatch, caps
     assert lock.exists()  # a live holder's lock is never removed
 
 
-def test_a_lock_whose_build_still_works_in_the_directory_is_kept(tmp_path):
+def test_a_lock_whose_build_still_works_in_the_directory_is_kept(tmp_path, capsys):
     """No guard held, but a process still works in the build directory (a killed builder's ninja or compiler, or a
     build started outside this package): its lock is waited on, not removed."""
     build = _fake_built(tmp_path)
@@ -115,19 +115,25 @@ def test_a_lock_whose_build_still_works_in_the_directory_is_kept(tmp_path):
         with pytest.raises(OpLockTimeout) as err:
             ensure_cpu_comm_op(str(tmp_path), wait_s=1.0)
         assert str(worker.pid) in str(err.value) and str(lock) in str(err.value)
+        said = capsys.readouterr()
+        assert f"processes {worker.pid} still build in {build}" in said.out + said.err
     finally:
         worker.kill()
         worker.wait()
     assert lock.exists()
 
 
-def test_a_lock_seconds_old_is_waited_on_then_removed(tmp_path):
-    """torch creates its lock just before it starts ninja: a lock younger than the grace is not yet judged."""
+def test_a_lock_seconds_old_is_waited_on_then_removed(tmp_path, capsys):
+    """torch creates its lock just before it starts ninja: a lock younger than the grace is not yet judged, and the
+    wait says why (its age, not a process list)."""
     build = _fake_built(tmp_path)
     lock = _lock(build, age_s=0)
     with pytest.raises(OpLockTimeout, match=str(lock)):
         ensure_cpu_comm_op(str(tmp_path), wait_s=0.5)
     assert lock.exists()
+    said = capsys.readouterr()
+    assert f"waiting for {lock} (it is 0 s old: a build may be starting" in said.out + said.err
+    assert "processes" not in said.out + said.err
     _lock(build, age_s=LOCK_GRACE_S - 1.0)
     start = time.monotonic()
     assert ensure_cpu_comm_op(str(tmp_path), wait_s=30) is False

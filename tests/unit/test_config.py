@@ -113,13 +113,13 @@ def test_preset_by_name():
     cfg = load_config(SFTRunConfig, "sft_tiny", REQUIRED)
     assert cfg.train.micro_batch_size == 4 and cfg.train.global_batch_size == 16
     assert cfg.train.lr == pytest.approx(1e-3)
-    assert cfg.data.max_length == 64 and cfg.strategy.zero_stage == 2
+    assert cfg.data.max_length == 512 and cfg.strategy.zero_stage == 2
     assert load_config(SFTRunConfig, "sft_tiny.yaml", REQUIRED) == cfg
 
 
 def test_rm_preset():
     cfg = load_config(RewardModelRunConfig, "rm_tiny", REQUIRED)
-    assert cfg.rm.use_margin is False and cfg.train.micro_batch_size == 4 and cfg.data.max_length == 64
+    assert cfg.rm.use_margin is False and cfg.train.micro_batch_size == 4 and cfg.data.max_length == 512
 
 
 def test_dpo_preset():
@@ -723,7 +723,7 @@ def test_config_to_dict_plain():
     cfg = load_config(SFTRunConfig, "sft_tiny", REQUIRED)
     data = config_to_dict(cfg)
     assert data["train"]["adam_betas"] == [0.9, 0.95] and isinstance(data["train"]["adam_betas"], list)
-    assert data["model"]["path"] == "/models/tiny" and data["data"]["max_length"] == 64
+    assert data["model"]["path"] == "/models/tiny" and data["data"]["max_length"] == 512
     assert yaml.safe_load(yaml.safe_dump(data)) == data  # plain types only
 
 

@@ -490,6 +490,7 @@ RL_VARIANTS = {
     "multi_turn": [
         "env.spec=envs.py:Retry",
         "rollout.max_turns=2",
+        "rollout.max_prompt_length=16",
         "rollout.max_episode_tokens=32",
         "env.num_actors=3",
         "env.cpus_per_actor=0.5",

@@ -296,7 +296,12 @@ def _cfg(*extra) -> RLRunConfig:
     )
 
 
-MULTI = ("env.spec=envs.py:Retry", "rollout.max_turns=2", "rollout.max_episode_tokens=32")
+MULTI = (
+    "env.spec=envs.py:Retry",
+    "rollout.max_turns=2",
+    "rollout.max_prompt_length=16",
+    "rollout.max_episode_tokens=32",
+)
 
 
 @pytest.mark.parametrize(
@@ -316,7 +321,7 @@ def test_episode_keys_are_validated(overrides, message):
 
 def test_episodes_set_the_sequence_length_and_the_plan_counts_the_environment_actors():
     single, multi = _cfg(), _cfg(*MULTI, "env.num_actors=3", "env.cpus_per_actor=0.5")
-    assert single.max_sequence_length == 16 + 6 and multi.max_sequence_length == 32
+    assert single.max_sequence_length == 256 + 6 and multi.max_sequence_length == 32
     assert kind_of(multi).plan(multi, 0.0).needed_cpus == kind_of(single).plan(single, 0.0).needed_cpus + 1.5
     assert "environment" not in {a.role for a in kind_of(single).plan(single, 0.0).actors}
 
@@ -429,7 +434,7 @@ def test_a_multi_turn_run_checks_its_environment_and_chat_template_before_any_ac
         "class Retry:\n    def reset(self, row):\n        return ''\n"
         "    def step(self, response, response_ids):\n        return None, 0.0, True, {}\n"
     )
-    keys = ("rollout.max_turns=2", "rollout.max_episode_tokens=32")
+    keys = ("rollout.max_turns=2", "rollout.max_prompt_length=16", "rollout.max_episode_tokens=32")
     rewriting = ChatFormatter(tokenizer, template="{{ messages[-1]['content'] }}")
     prompts = PromptSet([[1]], ["p"], {}, 0, 0, chat=rewriting)
     with pytest.raises(ConfigError, match=r"env.spec: .*has no attribute 'Retri'. Did you mean 'Retry'"):

@@ -89,8 +89,7 @@ def test_a_dry_run_reads_the_rows_this_machine_has(tiny_model, sft_data, rl_prom
 
     rows = {key: status for key, _, status in preflight(_sft(tiny_model, sft_data), here=False)}
     assert rows["data.train_path"] == (
-        "found; 21 rows read, each in a layout the trainer reads; 21 examples tokenized (0 skipped: no token to "
-        "train on within data.max_length)"
+        "found; 21 examples tokenized (0 skipped: no token to train on within data.max_length)"
     )
     rows = {key: status for key, _, status in preflight(_sft("/models/m", sft_data), here=False)}
     assert rows["data.train_path"] == "found; 21 rows read, each in a layout the trainer reads"  # no tokenizer here
@@ -129,7 +128,12 @@ def test_an_env_columns_typo_is_refused_as_the_rows_are_read(tiny_model, rl_prom
         "class Retry:\n    def reset(self, row):\n        return ''\n"
         "    def step(self, response, response_ids):\n        return None, 0.0, True, {}\n"
     )
-    multi_turn = (f"env.spec={envs}:Retry", "rollout.max_turns=2", "rollout.max_episode_tokens=32")
+    multi_turn = (
+        f"env.spec={envs}:Retry",
+        "rollout.max_turns=2",
+        "rollout.max_prompt_length=16",
+        "rollout.max_episode_tokens=32",
+    )
     with pytest.raises(DataError, match=r"prompts.jsonl:1: env.columns names 'answr' .*Did you mean 'answer'"):
         preflight(_rl(tiny_model, rl_prompts, *multi_turn, "env.columns=[answr]"), here=False)
     rows = {
