@@ -53,6 +53,10 @@ class RolloutConfig:
     weight_sync_connect_timeout_s: float = 60.0
     weight_sync_timeout_s: float = 600.0  # any one call of a sync: a bucket's broadcast or load, an update's begin/end
     eval_samples_per_prompt: int = 4  # with data.eval_path: samples per held-out prompt at each evaluation
+    # Asynchronous RL (docs/algorithms/async.md): RL step t trains on samples that the weights after step
+    # max(0, t - 1 - max_staleness) generated, while the steps between trained; 0 = synchronous (generate, then
+    # train). 1 is "one step off": step t's samples are generated while step t - 1 trains
+    max_staleness: int = 0
     # Multi-turn episodes (with env.spec; docs/algorithms/multi_turn.md):
     max_turns: int = 1  # policy turns per episode at most
     max_episode_tokens: int = 0  # tokens per episode in all (prompt, responses, observations); required with env.spec
@@ -85,6 +89,7 @@ class RolloutConfig:
             "max_turns",
         ):
             _check(getattr(self, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _check(self.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0, got {self.max_staleness}")
         _check(
             self.max_episode_tokens >= 0,
             "rollout.max_episode_tokens",
@@ -162,6 +167,12 @@ class AlgorithmConfig:
     clip_high: Optional[float] = None
     dual_clip: float = 0.0  # > 1 enables dual-clip; 0 = off
     tis_cap: float = 0.0  # > 0: truncated importance sampling against the vLLM/trainer mismatch; 0 = off
+    # correction of the behaviour (vLLM) policy, each token's loss weighted by rho = pi_old / pi_rollout: none | tis
+    # (min(rho, high)) | mis (rho, 0 above high) | icepop (rho, 0 outside [low, high]) | seq_mask (drops a sequence
+    # whose geometric-mean rho leaves [low, high]); a dropped token still counts in the loss's denominator
+    off_policy_correction: str = "none"
+    off_policy_low: float = 0.0  # lower bound (icepop, seq_mask); 0 = the correction's default (0.5, 0.999)
+    off_policy_high: float = 0.0  # upper bound; 0 = the correction's default (tis 2, mis 2, icepop 5, seq_mask 1.001)
     kl_coef: float = 0.0  # KL-to-reference coefficient; > 0 starts the reference model
     # loss (GRPO-style term) | reward (a penalty in the reward: per token for gae / reinforce_pp*, summed per
     # response and subtracted from the score for grpo / dr_grpo / rloo); each token's KL is kept within +-10
@@ -206,6 +217,7 @@ class AlgorithmConfig:
             self.dual_clip == 0 or self.dual_clip > 1, "algo.dual_clip", f"must be 0 (off) or > 1, got {self.dual_clip}"
         )
         _check(self.tis_cap >= 0, "algo.tis_cap", f"must be >= 0, got {self.tis_cap}")
+        self._check_off_policy()
         _check(self.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {self.kl_coef}")
         _choice(self.kl_mode, "algo.kl_mode", ("loss", "reward"))
         _choice(self.whiten_advantages, "algo.whiten_advantages", ("none", "whiten", "scale"))
@@ -218,8 +230,45 @@ class AlgorithmConfig:
             kl_coef=self.kl_coef,
             dual_clip=self.dual_clip,
             tis_cap=self.tis_cap,
+            off_policy_correction=self.off_policy_correction,
         ):
             raise ConfigError(f"{key} {message}")
+
+    def _check_off_policy(self) -> None:
+        from rlhf.ops.off_policy import BEHAVIOUR_CORRECTIONS, bound_problems  # imports torch
+
+        name = self.off_policy_correction
+        if name != "none":
+            try:
+                BEHAVIOUR_CORRECTIONS.get(name)
+            except KeyError as exc:  # its message lists the valid names
+                raise ConfigError(f"algo.off_policy_correction: {exc}, or none") from None
+        low, high = self.off_policy_low, self.off_policy_high
+        _check(low >= 0, "algo.off_policy_low", f"must be >= 0 (0: the correction's default), got {low}")
+        _check(high >= 0, "algo.off_policy_high", f"must be >= 0 (0: the correction's default), got {high}")
+        if name == "none":
+            _check(low == high == 0, "algo.off_policy_low", "and algo.off_policy_high need algo.off_policy_correction")
+            return
+        _check(
+            self.tis_cap == 0,
+            "algo.tis_cap",
+            f"is {self.tis_cap:g} and algo.off_policy_correction is {name}: tis_cap is the shorthand for "
+            "off_policy_correction=tis with off_policy_high=tis_cap; set one",
+        )
+        for bound, message in bound_problems(name, low or None, high or None):
+            raise ConfigError(f"algo.off_policy_{bound} {message}")
+
+    @property
+    def behaviour_correction(self):
+        """The :class:`rlhf.ops.off_policy.BehaviourCorrection` of ``algo.off_policy_correction`` (unset bounds:
+        its defaults), or ``None`` for ``none`` (``algo.tis_cap`` is handled by the policy loss config)."""
+        from rlhf.ops.off_policy import BehaviourCorrection  # imports torch; keeps `import rlhf.config` light
+
+        if self.off_policy_correction == "none":
+            return None
+        return BehaviourCorrection(
+            self.off_policy_correction, low=self.off_policy_low or None, high=self.off_policy_high or None
+        )
 
     @property
     def clip(self) -> Tuple[float, float]:
@@ -444,6 +493,12 @@ class RLRunConfig(RunConfig):
                 f"({self.reward.model_num_workers})",
             )
         if c.hybrid_engine:
+            _check(
+                r.max_staleness == 0,
+                "rollout.max_staleness",
+                f"is {r.max_staleness}, which needs engines that generate while the policy trains: "
+                "colocate.hybrid_engine=true puts them on the policy's devices, asleep while it trains",
+            )
             _check(
                 r.num_engines == self.train.num_workers,
                 "colocate.hybrid_engine",

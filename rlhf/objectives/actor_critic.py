@@ -145,14 +145,15 @@ class PolicyObjective:
 
     Per response token ``t``: ``pg_t - entropy_coef * H_t + kl_loss_coef * KL_t`` with ``pg_t`` the policy loss
     ``loss_type`` of :data:`rlhf.ops.policy_loss.POLICY_LOSSES` (ratio against ``batch.old_logps``, advantage
-    ``batch.advantages``, TIS weight from ``batch.rollout_logps`` when ``use_tis``), ``H_t`` the entropy of the
+    ``batch.advantages``, each token weighted by the clip's behaviour correction (TIS, MIS, IcePop, sequence masking,
+    :mod:`rlhf.ops.off_policy`) of ``batch.rollout_logps`` when ``correct_off_policy``), ``H_t`` the entropy of the
     tempered next-token distribution and ``KL_t`` the ``kl_estimator`` estimate of KL(policy || reference) from
     ``batch.ref_logps`` (GRPO-style KL loss; each token's value kept within ``+-KL_VALUE_BOUND``, as OpenRLHF and verl
     bound it). The per-token total is reduced with ``agg_mode``.
 
     Attributes:
         loss_type: a name in ``POLICY_LOSSES`` (``ppo``, ``gspo``).
-        clip: clip ranges, dual clip and TIS cap.
+        clip: clip ranges, dual clip and the behaviour correction (``tis_cap`` or ``off_policy``).
         agg_mode: a name in :data:`rlhf.ops.aggregation.LOSS_AGGREGATIONS`.
         temperature: the sampling temperature of the rollout (log-probs and entropy are of ``logits / T``).
         sampling_filter: the rollout's top-k / top-p (:class:`rlhf.ops.logprobs.SamplingFilter`): log-probs and
@@ -161,8 +162,10 @@ class PolicyObjective:
         entropy_coef: weight of the entropy bonus (0: entropy is only reported, computed without autograd).
         kl_loss_coef: weight of the KL-to-reference loss (needs ``batch.ref_logps``).
         kl_estimator: ``k1`` / ``k2`` / ``k3`` (:mod:`rlhf.ops.kl`); also used for the reported ``kl``.
-        use_tis: apply truncated importance sampling with ``batch.rollout_logps``; requires ``clip.tis_cap``
-            (and ``clip.tis_cap`` requires it).
+        correct_off_policy: apply the clip's behaviour correction (``clip.correction``) with
+            ``batch.rollout_logps``, the behaviour policy's log-probs; requires ``clip.tis_cap`` or
+            ``clip.off_policy`` (and either requires it). A token the correction drops keeps its place in the
+            denominator: ``count`` depends on the response mask only.
         packing: run the forward padding-free (None: as the model was built, ``train.packing``); every per-token
             quantity is the same either way.
     """
@@ -176,7 +179,7 @@ class PolicyObjective:
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
     kl_estimator: str = "k3"
-    use_tis: bool = False
+    correct_off_policy: bool = False
     packing: Optional[bool] = None
 
     def __post_init__(self) -> None:
@@ -190,10 +193,17 @@ class PolicyObjective:
             raise ValueError(f"entropy_coef must be finite, got {self.entropy_coef}")
         if not (self.kl_loss_coef >= 0 and math.isfinite(self.kl_loss_coef)):
             raise ValueError(f"kl_loss_coef must be a finite number >= 0, got {self.kl_loss_coef}")
-        if self.use_tis and self.clip.tis_cap is None:
-            raise ValueError("use_tis=True needs clip.tis_cap (the truncation cap of the importance weight)")
-        if not self.use_tis and self.clip.tis_cap is not None:
-            raise ValueError(f"clip.tis_cap={self.clip.tis_cap} is set but use_tis=False; enable TIS or unset the cap")
+        correction = self.clip.correction
+        if self.correct_off_policy and correction is None:
+            raise ValueError(
+                "correct_off_policy=True needs a behaviour correction: clip.tis_cap or clip.off_policy (e.g. "
+                "rlhf.ops.off_policy.BehaviourCorrection('icepop'))"
+            )
+        if not self.correct_off_policy and correction is not None:
+            raise ValueError(
+                f"clip sets behaviour correction {correction.name!r} but correct_off_policy=False; enable it or "
+                "unset clip.tis_cap / clip.off_policy"
+            )
         # Probe the loss on one token so a combination the loss rejects (e.g. gspo with dual_clip) fails here, on
         # the driver, rather than in every worker at the first step.
         one = torch.zeros(1, 1)
@@ -204,7 +214,7 @@ class PolicyObjective:
             one,
             torch.ones(1, 1, dtype=torch.bool),
             self.clip,
-            rollout_logps=one if self.use_tis else None,
+            rollout_logps=one if self.correct_off_policy else None,
         )
 
     def count(self, batch: Batch) -> int:
@@ -212,8 +222,8 @@ class PolicyObjective:
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[Tensor, Sums]:
         _require(batch, "old_logps", "advantages", why="the experience batch must be built before the update")
-        if self.use_tis:
-            _require(batch, "rollout_logps", why="use_tis needs the rollout engine's log-probs")
+        if self.correct_off_policy:
+            _require(batch, "rollout_logps", why="correct_off_policy needs the behaviour (rollout engine) log-probs")
         if self.kl_loss_coef:
             _require(batch, "ref_logps", why="kl_loss_coef > 0 needs reference log-probs")
         if batch.ref_logps is not None and batch.ref_logps.shape != batch.input_ids.shape:
@@ -233,7 +243,7 @@ class PolicyObjective:
             cast(Tensor, batch.advantages),
             mask,
             self.clip,
-            rollout_logps=batch.rollout_logps if self.use_tis else None,
+            rollout_logps=batch.rollout_logps if self.correct_off_policy else None,
         )
         per_token = pg
 
@@ -273,6 +283,9 @@ class PolicyObjective:
         if "tis_weight" in stats:
             sums["tis_weight_sum"] = _agg(mode, stats["tis_weight"], mask, length)
             sums["tis_capped_sum"] = _agg(mode, stats["tis_capped"], mask, length)
+        if "is_weight" in stats:
+            sums["is_weight_sum"] = _agg(mode, stats["is_weight"], mask, length)
+            sums["is_masked_sum"] = _agg(mode, stats["is_masked"], mask, length)
         if batch.rollout_logps is not None:
             zero = torch.zeros((), dtype=torch.float64, device=mask.device)
             old_logps = cast(Tensor, batch.old_logps)  # _require at the top raised unless it is set
@@ -283,7 +296,8 @@ class PolicyObjective:
     def finalize(self, sums: Sums, normalizer: int) -> Dict[str, float]:
         """Metrics of the global batch. ``kl`` only when reference log-probs were present, ``logp_mismatch``
         (mean |old_logps - rollout_logps|) only when rollout log-probs were, ``dual_clip_frac`` / ``tis_weight`` /
-        ``tis_capped_frac`` only when those corrections are on."""
+        ``tis_capped_frac`` (TIS) / ``is_weight`` / ``is_masked_frac`` (a masking behaviour correction) only when
+        those corrections are on."""
         n = normalizer
         out = {
             "loss": sums["loss_sum"] / n,
@@ -299,6 +313,8 @@ class PolicyObjective:
             "dual_clipfrac_sum": "dual_clip_frac",
             "tis_weight_sum": "tis_weight",
             "tis_capped_sum": "tis_capped_frac",
+            "is_weight_sum": "is_weight",
+            "is_masked_sum": "is_masked_frac",
         }
         for key, name in optional.items():
             if key in sums:

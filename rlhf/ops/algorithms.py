@@ -54,14 +54,15 @@ def combination_problems(
     kl_coef: float,
     dual_clip: float,
     tis_cap: float,
+    off_policy_correction: str = "none",
 ) -> List[Tuple[str, str]]:
     """Why this combination does not train what its keys say: ``[(config key, message), ...]``, empty when it does.
 
     What is refused, and why (each rule reads the registry entries, never a list of names):
 
     * a KL *loss* with an estimator whose gradient is zero in expectation (``k1``): it would add noise only;
-    * dual clip or TIS with a sequence-level policy loss (GSPO): they are token-level corrections with no
-      sequence-level form in the paper.
+    * dual clip, TIS or another behaviour correction (``off_policy_correction``, :mod:`rlhf.ops.off_policy`) with a
+      sequence-level policy loss (GSPO): they are token-level corrections with no sequence-level form in the paper.
     """
     problems = []
     kl = KL_ESTIMATORS.get(kl_estimator)
@@ -85,6 +86,14 @@ def combination_problems(
                         f"({entry.paper}) has no form for: its ratio is one number per sequence",
                     )
                 )
+        if off_policy_correction != "none":
+            problems.append(
+                (
+                    "algo.off_policy_correction",
+                    f"is {off_policy_correction}, a correction of each token's loss that policy loss "
+                    f"{policy_loss!r} ({entry.paper}) has no form for: its ratio is one number per sequence",
+                )
+            )
     return problems
 
 

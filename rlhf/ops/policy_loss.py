@@ -20,6 +20,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from rlhf.ops.off_policy import BehaviourCorrection, behaviour_weights
 from rlhf.registry import Registry
 
 Tensor = torch.Tensor
@@ -36,13 +37,18 @@ class PolicyLossConfig:
         dual_clip: the dual-clip constant ``c > 1`` (Ye et al. 2020), bounding the loss of a token with a negative
             advantage by ``-c * A``; ``None`` disables it. PPO only.
         tis_cap: truncated importance sampling cap ``C`` (> 0) for the rollout-engine / trainer log-prob mismatch
-            (Yao et al. 2025); requires ``rollout_logps``; ``None`` disables it. PPO only.
+            (Yao et al. 2025); shorthand for ``off_policy=BehaviourCorrection("tis", high=tis_cap)``; requires
+            ``rollout_logps``; ``None`` disables it. PPO only.
+        off_policy: the correction of the behaviour policy (:mod:`rlhf.ops.off_policy`: ``tis``, ``mis``,
+            ``icepop``, ``seq_mask``); requires ``rollout_logps``; ``None`` disables it; not together with
+            ``tis_cap``. PPO only.
     """
 
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: Optional[float] = None
     tis_cap: Optional[float] = None
+    off_policy: Optional[BehaviourCorrection] = None
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.clip_low < 1.0):
@@ -53,6 +59,20 @@ class PolicyLossConfig:
             raise ValueError(f"dual_clip must be a finite number > 1 (or None), got {self.dual_clip}")
         if self.tis_cap is not None and not (self.tis_cap > 0.0 and math.isfinite(self.tis_cap)):
             raise ValueError(f"tis_cap must be a finite number > 0 (or None), got {self.tis_cap}")
+        if self.off_policy is not None and not isinstance(self.off_policy, BehaviourCorrection):
+            raise TypeError(f"off_policy must be a rlhf.ops.off_policy.BehaviourCorrection, got {self.off_policy!r}")
+        if self.off_policy is not None and self.tis_cap is not None:
+            raise ValueError(
+                f"tis_cap={self.tis_cap} and off_policy={self.off_policy.name!r} are both set: tis_cap is the "
+                "shorthand for off_policy=BehaviourCorrection('tis', high=tis_cap); set one"
+            )
+
+    @property
+    def correction(self) -> Optional[BehaviourCorrection]:
+        """The behaviour correction in effect: ``off_policy``, or TIS at ``tis_cap``, or ``None``."""
+        if self.tis_cap is not None:
+            return BehaviourCorrection("tis", high=self.tis_cap)
+        return self.off_policy
 
 
 PolicyLossFn = Callable[..., Tuple[Tensor, Dict[str, Tensor]]]
@@ -71,7 +91,7 @@ class PolicyLoss:
             sequences whatever the estimator, and ``aggregation`` says which mode reproduces it.
         aggregation: the aggregation of the paper's objective for a sequence-level loss (``None``: the
             estimator's paper decides).
-        token_corrections: dual clip and TIS (token-level corrections) apply to it.
+        token_corrections: dual clip and the behaviour corrections (token-level corrections) apply to it.
     """
 
     fn: PolicyLossFn
@@ -151,7 +171,7 @@ def ppo_loss(
     rollout_logps: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """PPO clipped surrogate per token (Schulman et al. 2017, eq. 7), negated to a loss, with optional asymmetric
-    clipping, dual clipping and truncated importance sampling.
+    clipping, dual clipping and a correction of the behaviour policy (truncated importance sampling and others).
 
     With ``r = exp(logps - old_logps)`` and advantage ``A``:
 
@@ -159,28 +179,34 @@ def ppo_loss(
       DAPO, Yu et al. 2025);
     * dual clip (Ye et al. 2020, "Mastering complex control in MOBA games with deep RL", eq. 5), for ``A < 0``
       only: ``loss = min(loss, -c A)``, so a token whose ratio has grown huge cannot produce an unbounded loss;
-    * TIS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"): the tokens
-      were sampled by the rollout engine (e.g. vLLM) whose log-probs ``rollout_logps`` differ from the trainer's
-      ``old_logps``; the per-token loss is multiplied by the detached weight
-      ``w = min(exp(old_logps - rollout_logps), tis_cap)``.
+    * behaviour correction (``cfg.correction``, :mod:`rlhf.ops.off_policy`): the tokens were sampled by the
+      rollout engine (e.g. vLLM) whose log-probs ``rollout_logps`` differ from the trainer's ``old_logps`` (engine
+      numerics; stale weights in asynchronous RL, where ``old_logps`` is the proximal policy of decoupled PPO); the
+      per-token loss is multiplied by a detached weight ``w`` of ``rho = exp(old_logps - rollout_logps)``: TIS
+      (Yao et al. 2025) ``w = min(rho, tis_cap)``, or the masking corrections (MIS, IcePop, sequence masking),
+      which set ``w = 0`` on the tokens they drop. A dropped token keeps its place in the aggregation's
+      denominator (its loss is 0).
 
     Args:
         logps: ``(B, T)`` log-probs under the current policy (differentiable).
-        old_logps: ``(B, T)`` log-probs under the behaviour policy of the PPO step (detached here).
+        old_logps: ``(B, T)`` log-probs under the policy the ratio is taken against (PPO's pi_old; the proximal
+            policy when the samples come from another one; detached here).
         advantages: ``(B, T)`` advantages (detached here).
         mask: ``(B, T)`` 0/1 or bool, 1 on response tokens.
-        cfg: clip settings; ``tis_cap`` must be set exactly when ``rollout_logps`` is given.
-        rollout_logps: ``(B, T)`` log-probs reported by the rollout engine, for TIS.
+        cfg: clip settings; a behaviour correction (``tis_cap`` or ``off_policy``) must be set exactly when
+            ``rollout_logps`` is given.
+        rollout_logps: ``(B, T)`` log-probs reported by the rollout engine (the behaviour policy's).
 
     Returns:
         ``(loss, stats)``: ``loss`` ``(B, T)`` per-token losses in at least float32, 0 outside the mask; ``stats``
         per-token ``(B, T)`` detached tensors, 0 outside the mask: ``clipped`` (1 where the clipped branch is the
         larger, i.e. the token gets no gradient from clipping), ``dual_clipped`` (1 where the dual clip binds),
-        ``ratio`` (``r``), ``approx_kl`` (``k3`` estimate of ``KL(pi_old || pi)``: ``(r - 1) - log r``), and with
-        TIS ``tis_weight`` (``w``) and ``tis_capped`` (1 where ``w`` hit the cap).
+        ``ratio`` (``r``), ``approx_kl`` (``k3`` estimate of ``KL(pi_old || pi)``: ``(r - 1) - log r``), with TIS
+        ``tis_weight`` (``w``) and ``tis_capped`` (1 where ``w`` hit the cap), with a masking correction
+        ``is_weight`` (``w``) and ``is_masked`` (1 where ``w`` was set to 0).
     """
     _check_shapes(mask, logps=logps, old_logps=old_logps, advantages=advantages, rollout_logps=rollout_logps)
-    _check_tis(cfg, rollout_logps)
+    correction = _check_correction(cfg, rollout_logps)
     m = mask != 0
     dtype = _dtype(logps, old_logps, advantages, rollout_logps)
     log_ratio = _on_mask(logps, m, dtype) - _on_mask(old_logps.detach(), m, dtype)
@@ -193,13 +219,20 @@ def ppo_loss(
         dual = (adv < 0) & (loss > bound)
         loss = torch.where(dual, bound, loss)
     stats: Dict[str, Tensor] = {}
-    if rollout_logps is not None:
-        assert cfg.tis_cap is not None, "_check_tis: rollout_logps without tis_cap already raised"
-        weight, capped = _tis_weight(old_logps, rollout_logps, m, dtype, cfg.tis_cap)
-        loss = loss * weight
-        stats["tis_weight"] = torch.where(m, weight, 0.0)
-        stats["tis_capped"] = capped.to(dtype)
     zero = torch.zeros((), dtype=dtype, device=loss.device)
+    if correction is not None:
+        assert rollout_logps is not None, "_check_correction: a correction without rollout_logps already raised"
+        # in the loss's dtype: float64 whenever any input is, as the ratio is
+        weight, masked, capped = behaviour_weights(
+            correction, old_logps.detach().to(dtype), rollout_logps.detach().to(dtype), m
+        )
+        loss = loss * weight
+        if correction.entry.masks:
+            stats["is_weight"] = torch.where(m, weight, zero)
+            stats["is_masked"] = masked.to(dtype)
+        else:
+            stats["tis_weight"] = torch.where(m, weight, zero)
+            stats["tis_capped"] = capped.to(dtype)
     loss = torch.where(m, loss, zero)
     stats.update(
         clipped=(clipped & m).to(dtype),
@@ -210,20 +243,16 @@ def ppo_loss(
     return loss, stats
 
 
-def _check_tis(cfg: PolicyLossConfig, rollout_logps: Optional[Tensor]) -> None:
+def _check_correction(cfg: PolicyLossConfig, rollout_logps: Optional[Tensor]) -> Optional[BehaviourCorrection]:
+    """The correction in effect; it and ``rollout_logps`` must come together."""
     # Either half without the other is a configuration mistake that would otherwise go unnoticed.
-    if cfg.tis_cap is not None and rollout_logps is None:
-        raise ValueError("tis_cap is set but rollout_logps was not given: TIS needs the rollout engine's log-probs")
-    if cfg.tis_cap is None and rollout_logps is not None:
-        raise ValueError("rollout_logps was given but tis_cap is None: set tis_cap to apply the TIS correction")
-
-
-def _tis_weight(old_logps: Tensor, rollout_logps: Tensor, m: Tensor, dtype: torch.dtype, cap: float):
-    """Detached ``min(exp(old - rollout), cap)`` (1 outside the mask) and where the cap binds."""
-    log_w = _on_mask(old_logps.detach(), m, dtype) - _on_mask(rollout_logps.detach(), m, dtype)
-    w = torch.exp(log_w)
-    capped = (w > cap) & m
-    return torch.where(capped, torch.tensor(cap, dtype=dtype, device=w.device), w), capped
+    correction = cfg.correction
+    what = "tis_cap" if cfg.tis_cap is not None else f"off_policy={correction.name!r}" if correction else ""
+    if correction is not None and rollout_logps is None:
+        raise ValueError(f"{what} is set but rollout_logps was not given: the correction needs the behaviour log-probs")
+    if correction is None and rollout_logps is not None:
+        raise ValueError("rollout_logps was given but no correction is set: set tis_cap or off_policy to apply one")
+    return correction
 
 
 @_policy_loss(
@@ -260,15 +289,19 @@ def gspo_loss(
       with them (the :class:`PolicyLossConfig` defaults, 0.2, are PPO's: a length-normalized ratio almost never
       leaves ``[0.8, 1.2]``, so GSPO would run unclipped).
 
-    Dual clip and TIS are token-level corrections with no sequence-level counterpart in the paper; they are
-    rejected rather than applied in some invented form. A row with no response token contributes nothing.
+    Dual clip and the behaviour corrections (TIS, MIS, IcePop, sequence masking) are token-level corrections with no
+    counterpart in the paper's sequence-level objective; they are rejected rather than applied in some invented
+    form. A row with no response token contributes nothing.
 
     Args and returns as :func:`ppo_loss`; ``stats`` has ``clipped`` (the row's clip indicator on its tokens),
     ``ratio`` (``s_i`` on every token of row ``i``) and ``approx_kl`` (per-token ``k3`` of ``KL(pi_old || pi)``).
     """
     _check_shapes(mask, logps=logps, old_logps=old_logps, advantages=advantages, rollout_logps=rollout_logps)
-    if cfg.dual_clip is not None or cfg.tis_cap is not None or rollout_logps is not None:
-        raise ValueError("policy loss 'gspo' supports neither dual_clip nor TIS (tis_cap / rollout_logps)")
+    if cfg.dual_clip is not None or cfg.correction is not None or rollout_logps is not None:
+        raise ValueError(
+            "policy loss 'gspo' supports neither dual_clip nor a behaviour correction (tis_cap / off_policy / "
+            "rollout_logps)"
+        )
     m = mask != 0
     dtype = _dtype(logps, old_logps, advantages)
     lp = _on_mask(logps, m, dtype)

@@ -53,6 +53,9 @@ class Rollout:
     at_limit: Optional[torch.Tensor] = None
     failed: Optional[torch.Tensor] = None  # (B,) bool: the environment failed in the episode (env.on_error=drop)
     metrics: Dict[str, float] = field(default_factory=dict)  # episode/* (single-turn: episode/ended_max_new_tokens)
+    # (B, T) int64 with rollout.max_staleness >= 1: the weight version that sampled each token, -1 on tokens the
+    # policy did not sample (prompt, observations, padding); rlhf.trainers.rl_schedule
+    token_versions: Optional[torch.Tensor] = None
 
 
 def single_turn(engines, tokenizer, prompts: PromptSet, prompt_index: List[int], sampling: SamplingSpec) -> Rollout:

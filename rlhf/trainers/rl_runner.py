@@ -30,6 +30,7 @@ from rlhf.rollout.sync_group import SyncTimeouts
 from rlhf.rollout.vllm_engine import VLLMSpec
 from rlhf.rollout.weight_sync import resolve_weight_sync
 from rlhf.trainers.actors import RoleStarter, frozen_group, start_plan, trained_group
+from rlhf.trainers.checkpoint import Checkpointable
 from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.offline import load_tokenizer
 from rlhf.trainers.output_dir import claim_output_dir
@@ -47,7 +48,13 @@ log = get_logger(__name__)
 def _objectives(cfg: RLRunConfig):
     a = cfg.algo
     low, high = a.clip
-    clip = PolicyLossConfig(clip_low=low, clip_high=high, dual_clip=a.dual_clip or None, tis_cap=a.tis_cap or None)
+    clip = PolicyLossConfig(
+        clip_low=low,
+        clip_high=high,
+        dual_clip=a.dual_clip or None,
+        tis_cap=a.tis_cap or None,
+        off_policy=a.behaviour_correction,
+    )
     length = cfg.max_response_tokens  # the constant of a per-length aggregation (Dr. GRPO's budget)
     policy = PolicyObjective(
         loss_type=a.policy_loss,
@@ -59,7 +66,7 @@ def _objectives(cfg: RLRunConfig):
         entropy_coef=a.entropy_coef,
         kl_loss_coef=a.kl_coef if a.kl_mode == "loss" else 0.0,
         kl_estimator=a.kl_estimator,
-        use_tis=a.tis_cap > 0,
+        correct_off_policy=clip.correction is not None,
     )
     value = ValueObjective(clip=cfg.critic.value_clip or None, agg_mode=a.aggregation, agg_length=length)
     return policy, value
@@ -231,6 +238,7 @@ def _identity(cfg: RLRunConfig, plan: EpochPlan) -> dict:
         "algo.ppo_epochs": cfg.algo.ppo_epochs,
         "critic.num_workers": cfg.critic.num_workers if cfg.algo.needs_critic else 0,
         **({"env.spec": cfg.env.spec, "rollout.max_turns": r.max_turns} if cfg.multi_turn else {}),
+        **({"rollout.max_staleness": r.max_staleness} if r.max_staleness else {}),
     }
 
 
@@ -364,6 +372,10 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
             eval_prompts=eval_prompts,
             episodes=episodes,
         )
-        trained = {"policy": actors.policy, **({"critic": actors.critic} if actors.critic is not None else {})}
+        trained: Dict[str, Checkpointable] = {"policy": actors.policy}
+        if actors.critic is not None:
+            trained["critic"] = actors.critic
+        if r.max_staleness:  # the samples generated ahead are part of the run's state: a resume trains on them
+            trained["rollouts"] = trainer.schedule
         last = run.train(trainer, trained)
         return run.finish(actors.policy, tokenizer, last)

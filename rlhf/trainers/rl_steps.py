@@ -6,6 +6,10 @@ One RL step reads like the algorithm::
     -> old & reference log-probs, values -> advantages over the whole rollout batch -> policy (and critic) updates
     -> weight sync -> log
 
+With ``rollout.max_staleness = k >= 1`` the generate stage takes samples generated ``k`` steps earlier, and the
+generation of step ``t + k`` runs on the engines while step ``t`` scores and trains (:mod:`rlhf.trainers.rl_schedule`);
+it ends before the weight sync. ``k = 0`` is the synchronous trainer, call for call.
+
 Each stage is one method of :class:`RLTrainer`; the maths lives in ``rlhf.ops``, ``rlhf.objectives.actor_critic`` and
 ``rlhf.rl``, the actors in ``rlhf.distributed`` and ``rlhf.rollout``. The run around the steps (checkpoints, the
 health guard, logging, rewinds) is :class:`rlhf.trainers.run.Run`'s, the same as every trainer's.
@@ -14,6 +18,7 @@ health guard, logging, rewinds) is :class:`rlhf.trainers.run.Run`'s, the same as
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -34,6 +39,7 @@ from rlhf.rollout.engines import RolloutEngines
 from rlhf.rollout.vllm_engine import SamplingSpec
 from rlhf.trainers.rl_experience import PromptSet
 from rlhf.trainers.rl_rollout import EpisodeRollout, Rollout, single_turn
+from rlhf.trainers.rl_schedule import RolloutSchedule, behaviour_version
 from rlhf.utils.metrics import ConsoleTable, Progress, format_row
 
 CONSOLE_KEYS = (
@@ -122,6 +128,11 @@ class RLTrainer:
         columns = [c for c in TABLE_COLUMNS if c[0] != "value_loss" or actors.critic is not None]
         self.table = ConsoleTable(columns) if cfg.logging.console == "table" else None
 
+    @functools.cached_property
+    def schedule(self) -> RolloutSchedule[Rollout]:
+        """Which weights generate each step's samples, and the generation running ahead (``rollout.max_staleness``)."""
+        return RolloutSchedule(self.cfg.rollout.max_staleness, self.plan.total_steps, self._generate_step)
+
     @property
     def has_eval(self) -> bool:
         return self.eval_prompts is not None
@@ -133,7 +144,7 @@ class RLTrainer:
         """One RL step (the module docstring's pipeline); returns its logged row."""
         timer = StageTimer()
         with timer("generate"):
-            rollout = self.generate(step)
+            rollout = self.schedule.take(step.step)  # k >= 1: the generation of step + k starts on the engines
             self.actors.engines.sleep()  # hybrid engine on GPUs: hand the devices to training
         with timer("score"):
             scores, per_source = self.score(rollout, self.prompts)
@@ -142,9 +153,45 @@ class RLTrainer:
         batch, kl_stats = self.advantages(batch, scores, rollout.prompt_index)
         with timer("train"):
             train_stats = self.update(self.trained_rows(batch, rollout), step.step)
+        if self.schedule.staleness:
+            with timer("wait"):  # the generation running ahead ends before the weights change
+                self.schedule.settle()
         with timer("sync"):
             sync = self.push_weights()
-        return self.row(step, scores, per_source, batch, {**rollout.metrics, **train_stats, **kl_stats}, sync, timer)
+            self.schedule.pushed(step.step)
+        stats = {**rollout.metrics, **train_stats, **kl_stats, **self._staleness(step.step, rollout)}
+        return self.row(step, scores, per_source, batch, stats, sync, timer)
+
+    def _generate_step(self, step: int) -> Rollout:
+        """Step ``step``'s samples with the engines' current weights, each sampled token recording the version
+        that generated it (the schedule's, :func:`~rlhf.trainers.rl_schedule.behaviour_version`)."""
+        rollout = self.generate(self.plan.step(step))
+        if not self.schedule.staleness:
+            return rollout
+        mask = rollout.batch.loss_mask
+        assert mask is not None, "a rollout batch carries its loss mask"
+        version = behaviour_version(step, self.schedule.staleness)
+        rollout.token_versions = torch.where(mask != 0, version, -1)
+        return rollout
+
+    def _staleness(self, step: int, rollout: Rollout) -> dict:
+        """``async/*``: how many versions the sampled tokens lag the policy that trains on them (``step - 1``), the
+        versions one sample spans, and the schedule's seconds (waited on generation, generation run ahead)."""
+        if not self.schedule.staleness or rollout.token_versions is None:
+            return {}
+        versions = rollout.token_versions
+        sampled = versions >= 0
+        lag = (step - 1 - versions)[sampled].float()
+        rows = sampled.any(-1)
+        span = versions.masked_fill(~sampled, -1).amax(-1) - versions.masked_fill(~sampled, 1 << 30).amin(-1)
+        times = self.schedule.times
+        return {
+            "async/staleness_mean": float(lag.mean()) if len(lag) else 0.0,
+            "async/staleness_max": float(lag.max()) if len(lag) else 0.0,
+            "async/version_span": float(span[rows].float().mean()) if bool(rows.any()) else 0.0,
+            "async/waited_s": round(times.waited, 4),
+            "async/generated_ahead_s": round(times.ahead, 4),
+        }
 
     # ---------------------------------------------------------------------------------------- stages
     def generate(self, step: StepPlan) -> Rollout:

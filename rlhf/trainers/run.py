@@ -23,7 +23,19 @@ import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, FrozenSet, Iterator, NoReturn, Optional, Protocol, Sequence, Tuple, cast
+from typing import (
+    Any,
+    Callable,
+    FrozenSet,
+    Iterator,
+    Mapping,
+    NoReturn,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    cast,
+)
 
 from rlhf.config.deepspeed_check import check_user_config
 from rlhf.config.schema import ConfigError, RunConfig, RunConfigT
@@ -37,7 +49,7 @@ from rlhf.distributed.placement import Placement
 from rlhf.distributed.resource_plan import ActorPlan, GroupPlan, resolve_devices
 from rlhf.models.loading import ModelSpec
 from rlhf.models.lora import LoraSpec, check_targets
-from rlhf.trainers.checkpoint import RunCheckpoints
+from rlhf.trainers.checkpoint import Checkpointable, RunCheckpoints
 from rlhf.trainers.health import TrainingHealthError, check_health, guard_from_config
 from rlhf.trainers.interrupt import RunInterrupted, StopSignals, signal_name
 from rlhf.trainers.kinds import kind_of
@@ -116,7 +128,8 @@ class Run:
         self.checkpoints.prepare()  # a checkpoint of another run fails here, before anything is written or started
         prepare_output_dir(cfg, self.checkpoints)  # an old run there is refused, or deleted; config.yaml written
         self.writers: Optional[RunWriters] = None
-        self.trained: Dict[str, WorkerGroup] = {}  # the trainable groups by role: what checkpoints hold
+        # what checkpoints hold: the trainable groups by role, and driver state (RL: samples generated ahead)
+        self.trained: Mapping[str, Checkpointable] = {}
         self.stop = StopSignals(name)  # SIGINT / SIGTERM while the cluster is up: a checkpoint, then a clean exit
 
     @contextlib.contextmanager
@@ -131,7 +144,7 @@ class Run:
                     self.writers.close()
                 ctx.shutdown()
 
-    def train(self, steps: Steps, trained: Dict[str, WorkerGroup]) -> dict:
+    def train(self, steps: Steps, trained: Mapping[str, Checkpointable]) -> dict:
         """Restore the ``trained`` groups (by role) from the newest checkpoint, then train the rest of the plan;
         returns the last step's row."""
         self.trained = trained
@@ -155,7 +168,7 @@ class Run:
         return RunResult(output_dir=t.output_dir, steps=total, final_metrics=last, final_dir=final_dir)
 
     # ------------------------------------------------------------------ the loop
-    def _train_with_rewinds(self, steps: Steps, trained: Dict[str, WorkerGroup], done: int) -> dict:
+    def _train_with_rewinds(self, steps: Steps, trained: Mapping[str, Checkpointable], done: int) -> dict:
         """The step loop from step ``done + 1`` under the health guard.
 
         With ``health.action=skip``, a guard that trips at step ``k`` does not end the run: the ``trained`` groups

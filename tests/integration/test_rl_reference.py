@@ -532,7 +532,7 @@ def test_dual_clip_and_tis_change_the_update_as_written(rollout, initial_models)
             clip=PolicyLossConfig(dual_clip=dual, tis_cap=cap),
             agg_mode=mode,
             temperature=TEMPERATURE,
-            use_tis=cap is not None,
+            correct_off_policy=cap is not None,
         )
         model.zero_grad()
         total, sums = objective.loss(model, batch)

@@ -136,7 +136,9 @@ def test_environment_tokens_get_exactly_zero_gradient(model, mode):
 
     def model_grads(b):
         model.zero_grad()
-        total, _ = PolicyObjective(agg_mode=mode, clip=PolicyLossConfig(tis_cap=2.0), use_tis=True).loss(model, b)
+        total, _ = PolicyObjective(agg_mode=mode, clip=PolicyLossConfig(tis_cap=2.0), correct_off_policy=True).loss(
+            model, b
+        )
         total.backward()
         return total.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 

@@ -252,7 +252,7 @@ def test_policy_split_matches_whole_batch(policy, agg_mode):
         temperature=temperature,
         entropy_coef=0.01,
         kl_loss_coef=0.1,
-        use_tis=True,
+        correct_off_policy=True,
     )
     result = run_whole_and_split(policy, obj, batch)
     whole_metrics = result[0]
@@ -307,8 +307,8 @@ def test_count_ignores_column_zero_and_validation():
     with pytest.raises(UnknownNameError, match="k3"):
         PolicyObjective(kl_estimator="k4")
     with pytest.raises(ValueError, match="tis_cap"):
-        PolicyObjective(use_tis=True)
-    with pytest.raises(ValueError, match="use_tis"):
+        PolicyObjective(correct_off_policy=True)
+    with pytest.raises(ValueError, match="correct_off_policy"):
         PolicyObjective(clip=PolicyLossConfig(tis_cap=2.0))
     with pytest.raises(ValueError, match="gspo"):
         PolicyObjective(loss_type="gspo", clip=PolicyLossConfig(dual_clip=3.0))
@@ -326,7 +326,7 @@ def test_policy_missing_fields_are_named(policy):
     with pytest.raises(ValueError, match="ref_logps"):
         PolicyObjective(kl_loss_coef=0.1).loss(policy, batch.replace(old_logps=old, advantages=adv))
     with pytest.raises(ValueError, match="rollout_logps"):
-        PolicyObjective(clip=PolicyLossConfig(tis_cap=2.0), use_tis=True).loss(
+        PolicyObjective(clip=PolicyLossConfig(tis_cap=2.0), correct_off_policy=True).loss(
             policy, batch.replace(old_logps=old, advantages=adv)
         )
 

@@ -1,0 +1,133 @@
+"""The bounded-staleness schedule (``rlhf.trainers.rl_schedule``) on its own, with a generator that records which
+weights it ran with: step t trains on samples of version max(0, t - 1 - k), each step's samples are generated once,
+the generation of step t + k overlaps step t's training, a checkpoint resumes the same sequence, skipped steps and
+errors behave. The real engines and trainer run it in tests/integration/test_async_rl.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from rlhf.trainers.rl_schedule import RolloutSchedule, behaviour_version
+
+
+class Engines:
+    """Stands in for the engines: ``weights`` is the step whose update they hold; every generation is logged."""
+
+    def __init__(self) -> None:
+        self.weights = 0
+        self.calls = []  # (step generated, weights used, on the driver's thread)
+
+    def generate(self, step: int):
+        self.calls.append((step, self.weights, threading.current_thread() is threading.main_thread()))
+        return ("samples of step", step, "by version", self.weights)
+
+
+def _run(schedule: RolloutSchedule, engines: Engines, steps, skip=()):
+    """The trainer's order: take the step's samples, train, settle the generation running ahead, push."""
+    trained = {}
+    for step in steps:
+        if step in skip:
+            continue
+        trained[step] = schedule.take(step)
+        schedule.settle()
+        engines.weights = step  # the push of step's update
+        schedule.pushed(step)
+    return trained
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_step_t_trains_on_samples_of_version_t_minus_1_minus_k(k):
+    engines = Engines()
+    schedule = RolloutSchedule(k, total_steps=7, generate=engines.generate)
+    trained = _run(schedule, engines, range(1, 8))
+    assert trained == {t: ("samples of step", t, "by version", max(0, t - 1 - k)) for t in range(1, 8)}
+    assert [step for step, _, _ in engines.calls] == sorted({step for step, _, _ in engines.calls})  # each once
+    assert len(engines.calls) == 7  # nothing generated past the last step
+    assert all(behaviour_version(t, k) == max(0, t - 1 - k) for t in range(1, 8))
+
+
+def test_staleness_zero_generates_each_step_at_its_start_on_the_driver_thread():
+    """k = 0 is the synchronous trainer: take(t) generates step t, now, with the weights step t - 1 left."""
+    engines = Engines()
+    _run(RolloutSchedule(0, total_steps=4, generate=engines.generate), engines, range(1, 5))
+    assert engines.calls == [(1, 0, True), (2, 1, True), (3, 2, True), (4, 3, True)]
+
+
+def test_the_generation_of_step_t_plus_k_runs_while_step_t_trains():
+    """k = 1: the first two steps' samples come from the starting weights (step 1's generated at once, step 2's in
+    the background); from then on each take starts the next step's generation on the background thread, which can
+    only finish if it runs while the driver's thread "trains" (here: waits for it)."""
+    engines = Engines()
+    generated = {}
+
+    def generate(step):
+        out = engines.generate(step)
+        generated.setdefault(step, threading.Event()).set()
+        return out
+
+    schedule = RolloutSchedule(1, total_steps=4, generate=generate)
+    for step in range(1, 5):
+        schedule.take(step)
+        if step < 4:  # training step t overlaps generating t + 1: wait for it from the "training" thread
+            assert generated.setdefault(step + 1, threading.Event()).wait(timeout=30)
+        schedule.settle()
+        engines.weights = step
+        schedule.pushed(step)
+    assert engines.calls == [(1, 0, True), (2, 0, False), (3, 1, False), (4, 2, False)]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_checkpoint_resumes_the_same_samples(tmp_path, k):
+    """Stopped after step 3 and resumed in a new schedule (a new process): the samples generated ahead come back
+    from the checkpoint, so every step trains on what the uninterrupted run trained on."""
+    uninterrupted = Engines()
+    whole = _run(RolloutSchedule(k, 8, uninterrupted.generate), uninterrupted, range(1, 9))
+    engines = Engines()
+    first = RolloutSchedule(k, 8, engines.generate)
+    before = _run(first, engines, range(1, 4))
+    first.save_checkpoint(str(tmp_path / "rollouts"))
+    resumed_engines = Engines()
+    resumed_engines.weights = 3  # the restored policy's weights, pushed by the trainer's resume()
+    second = RolloutSchedule(k, 8, resumed_engines.generate)
+    second.load_checkpoint(str(tmp_path / "rollouts"))
+    after = _run(second, resumed_engines, range(4, 9))
+    assert {**before, **after} == whole
+    assert [step for step, _, _ in resumed_engines.calls] == list(range(4 + k, 9))  # the rest came from the file
+
+
+def test_skipped_steps_change_no_weights_and_their_samples_are_dropped():
+    """Step 3 skipped (train.skip_steps): the weights after step 3 are those after step 2, so the samples of later
+    steps keep the versions of the uninterrupted schedule's weights; step 3's own samples are never trained."""
+    engines = Engines()
+    trained = _run(RolloutSchedule(1, 6, engines.generate), engines, range(1, 7), skip={3})
+    assert set(trained) == {1, 2, 4, 5, 6}
+    # step 4 needs the weights after step 2 (= after the skipped 3); step 5 those after 3 (= after 2); step 6: 4
+    assert {t: s[3] for t, s in trained.items()} == {1: 0, 2: 0, 4: 2, 5: 2, 6: 4}
+
+
+def test_a_failed_background_generation_is_raised_on_the_driver_thread():
+    class EngineDied(RuntimeError):
+        pass
+
+    def generate(step):
+        if step == 3:
+            raise EngineDied("rollout engine 0 died generating RL step 3")
+        return step
+
+    schedule = RolloutSchedule(1, 5, generate)
+    assert schedule.take(1) == 1
+    schedule.settle()
+    schedule.pushed(1)
+    assert schedule.take(2) == 2  # starts step 3's generation, which fails
+    with pytest.raises(EngineDied, match="RL step 3"):
+        schedule.settle()
+
+
+def test_samples_that_need_weights_already_replaced_are_refused():
+    """Never asked by the run (a checkpoint holds such samples); a schedule that lost them says so."""
+    schedule = RolloutSchedule(2, 8, lambda step: step)
+    schedule.updated = 4  # the weights after step 4 are the engines'
+    with pytest.raises(RuntimeError, match="RL step 5 must come from the weights after step 2, but step 4"):
+        schedule.take(5)
