@@ -119,6 +119,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_offline.py
 	$(PY) bench/bench_rl.py
 	$(PY) bench/bench_multi_turn.py
+	$(PY) bench/bench_async.py
 	$(PY) bench/bench_packing.py
 	$(PY) bench/bench_packing.py --uniform
 

@@ -263,10 +263,14 @@ def receive(conn, device_type: str) -> None:
     extension.model_runner = Runner()
     while True:
         call, args = conn.recv()
-        if call == "load_weights":
+        if call == "begin_weight_update":  # the extension's, without vLLM's layerwise reload
+            extension._rlhf_start_record(*args)
+            conn.send(None)
+        elif call == "load_weights":
             conn.send(extension.rlhf_load_shared_bucket(*args))
-        elif call == "finish_weight_update":
-            conn.send({name: digest(t) for name, t in Runner.model.received.items()})
+        elif call == "finish_weight_update":  # its record of the update, and every tensor's digest
+            digests = {name: digest(t) for name, t in Runner.model.received.items()}
+            conn.send([{**extension._rlhf_record(), "digests": digests}])
             return
         else:
             conn.send(None)
@@ -333,7 +337,7 @@ def check_ipc(model_path: str, precision: str) -> tuple:
         sender.connect()
         named = [(n, t.detach().to(sender.device)) for n, t in model.state_dict().items()]
         stats = sender.send(iter(named))
-        got = sender.answers["finish_weight_update"][0]  # the receiver's digests
+        got = sender.answers["finish_weight_update"][0][0]["digests"]  # the receiver's (send checked its record)
     finally:
         receiver.join(timeout=60)
         if receiver.is_alive():

@@ -49,6 +49,7 @@ def run_rl(tiny_model, prompts, shaping, out, *extra):
             "rollout.prompts_per_step=4",
             "rollout.n_samples_per_prompt=4",
             "rollout.max_new_tokens=4",
+            "rollout.max_prompt_length=16",  # the arithmetic prompts are ~8 tokens; token budgets below count on it
             "train.global_batch_size=8",
             "train.micro_batch_size=8",
             "train.max_steps=2",

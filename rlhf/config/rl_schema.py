@@ -57,6 +57,16 @@ class RolloutConfig:
     # max(0, t - 1 - max_staleness) generated, while the steps between trained; 0 = synchronous (generate, then
     # train). 1 is "one step off": step t's samples are generated while step t - 1 trains
     max_staleness: int = 0
+    # DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): groups whose samples all score the same train nothing under
+    # a group estimator; with true each step draws more prompts until rollout.prompts_per_step groups differ, at most
+    # rollout.dynamic_sampling_draws more draws of rollout.prompts_per_step prompts each (seeded by the step), then
+    # fills the batch with tied groups: the train batch keeps its size (docs/algorithms/grpo.md)
+    dynamic_sampling: bool = False
+    dynamic_sampling_draws: int = 4
+    # DAPO's overlong reward shaping (sec. 3.4): a response longer than max_new_tokens - overlong_buffer tokens loses
+    # up to overlong_penalty of reward, linearly over the buffer's last tokens (reward/overlong); 0 = off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
     # Multi-turn episodes (with env.spec; docs/algorithms/multi_turn.md):
     max_turns: int = 1  # policy turns per episode at most
     max_episode_tokens: int = 0  # tokens per episode in all (prompt, responses, observations); required with env.spec
@@ -90,6 +100,17 @@ class RolloutConfig:
         ):
             _check(getattr(self, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(self, key)}")
         _check(self.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0, got {self.max_staleness}")
+        _check(
+            self.dynamic_sampling_draws >= 1,
+            "rollout.dynamic_sampling_draws",
+            f"must be >= 1, got {self.dynamic_sampling_draws}",
+        )
+        _check(
+            0 <= self.overlong_buffer < self.max_new_tokens,
+            "rollout.overlong_buffer",
+            f"must be in [0, rollout.max_new_tokens={self.max_new_tokens}), got {self.overlong_buffer}",
+        )
+        _check(self.overlong_penalty >= 0, "rollout.overlong_penalty", f"must be >= 0, got {self.overlong_penalty}")
         _check(
             self.max_episode_tokens >= 0,
             "rollout.max_episode_tokens",
@@ -410,6 +431,23 @@ class RLRunConfig(RunConfig):
                 "rollout.n_samples_per_prompt",
                 f"must be >= 2 for algo.advantage_estimator={self.algo.advantage_estimator} (group baselines)",
             )
+        if self.rollout.dynamic_sampling:
+            _check(
+                self.algo.estimator.needs_group_ids,
+                "rollout.dynamic_sampling",
+                f"drops groups of tied scores, which only a group estimator leaves without signal; "
+                f"algo.advantage_estimator={self.algo.advantage_estimator} compares no groups",
+            )
+            _check(
+                not self.multi_turn,
+                "rollout.dynamic_sampling",
+                "is single-turn for now: with env.spec each episode's metrics come from its environment records",
+            )
+        _check(
+            not (self.rollout.overlong_buffer and self.multi_turn),
+            "rollout.overlong_buffer",
+            "shapes single-turn responses against rollout.max_new_tokens; episodes have rollout.episode_limit",
+        )
         self._check_colocation()
 
     @property

@@ -360,6 +360,16 @@ class HealthConfig:
     spike_factor: float = 10.0  # grad norm above this x its running median trips it (0 = off)
     spike_window: int = 20  # steps in the running median
     max_skips: int = 5  # with action=skip: steps it may pass over per invocation before it stops instead
+    # RL: the KL to the reference (kl) above this trips it: the policy has drifted far from the model it started
+    # from (a reward it games, a learning rate too high); 0 = off
+    max_kl: float = 1.0
+    # RL: the mean |trainer - vLLM| log-prob of the sampled tokens (logp_mismatch) above this trips it: weights that
+    # did not reach the engines, a precision gap, or (rollout.max_staleness) samples too far behind the policy that
+    # trains on them (then the behaviour / proximal gap); ~1e-6 with synced fp32 weights; 0 = off
+    max_logp_mismatch: float = 0.5
+    # RL: every sample of a step scored the same (reward_std exactly 0) this many steps in a row trips it: no
+    # learning signal left (a collapsed policy, a saturated or broken reward); 0 = off
+    flat_reward_steps: int = 10
 
     def __post_init__(self) -> None:
         _choice(self.action, "health.action", ("stop", "skip", "warn", "off"))
@@ -371,6 +381,9 @@ class HealthConfig:
             f"must be 0 (off) or > 1, got {self.spike_factor}",
         )
         _check(self.spike_window >= 1, "health.spike_window", f"must be >= 1, got {self.spike_window}")
+        for key in ("max_kl", "max_logp_mismatch"):
+            _check(getattr(self, key) >= 0, f"health.{key}", f"must be >= 0 (0 = off), got {getattr(self, key)}")
+        _check(self.flat_reward_steps >= 0, "health.flat_reward_steps", f"must be >= 0, got {self.flat_reward_steps}")
 
 
 @dataclass(frozen=True)

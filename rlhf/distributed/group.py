@@ -288,10 +288,12 @@ class WorkerGroup:
         """Start every rank's ``connect``; the caller gathers the refs after telling the peers to join."""
         return [w.connect_weight_sender.remote() for w in self.workers]
 
-    def push_weights(self) -> Dict[str, float]:
-        """Full weights -> the rollout engines through the attached senders; the sending ranks' stats merged
-        (bytes and tensors per engine as rank 0 saw them, seconds of the slowest rank)."""
-        stats = [s for s in self._gather([w.push_weights.remote() for w in self.workers], "push_weights") if s]
+    def push_weights(self, version: Optional[int] = None) -> Dict[str, float]:
+        """Full weights -> the rollout engines through the attached senders, as weight ``version`` (checked on
+        arrival: :func:`rlhf.rollout.senders.check_delivery`); the sending ranks' stats merged (bytes and tensors
+        per engine as rank 0 saw them, seconds of the slowest rank)."""
+        refs = [w.push_weights.remote(version) for w in self.workers]
+        stats = [s for s in self._gather(refs, "push_weights") if s]
         if not stats:
             return {}
         return {**stats[0], "seconds": max(s["seconds"] for s in stats)}

@@ -42,7 +42,7 @@ class WeightSender(Protocol):
 
     def connect(self) -> None: ...
 
-    def send(self, named: Iterator[Tuple[str, torch.Tensor]]) -> Dict[str, float]: ...
+    def send(self, named: Iterator[Tuple[str, torch.Tensor]], version: Optional[int] = None) -> Dict[str, float]: ...
 
 
 @dataclass(frozen=True)
@@ -289,8 +289,8 @@ class TrainerWorker:
         if self.weight_sender is not None:
             self.weight_sender.connect()
 
-    def push_weights(self) -> Dict[str, float]:
-        """Stream the full weights into this rank's sender.
+    def push_weights(self, version: Optional[int] = None) -> Dict[str, float]:
+        """Stream the full weights into this rank's sender, as weight ``version`` (the RL step they come from).
 
         Collective under ZeRO-3: every rank gathers each parameter in lockstep, whether or not it sends.
         """
@@ -302,7 +302,7 @@ class TrainerWorker:
             return {}
         named = iter_full_state(self.model, self.zero_stage, device=sender.device)
         # LoRA: the engines hold the base architecture; they get W + (alpha / r) B A under the base's names
-        return sender.send(named if self.lora is None else merged_named_tensors(named, self.lora))
+        return sender.send(named if self.lora is None else merged_named_tensors(named, self.lora), version)
 
     def release_cached_memory(self) -> None:
         """Hand the CUDA caching allocator's free blocks back to the driver (a no-op on CPU), so that a rollout

@@ -28,7 +28,7 @@ from rlhf.distributed.errors import WorkerError, gather
 from rlhf.distributed.rendezvous import DRIVER_GRACE_S
 from rlhf.rollout.ipc import share
 from rlhf.rollout.sync_group import GroupAddress, SyncGroup, SyncTimeouts, listen
-from rlhf.rollout.weight_sync import ALIGN, bucket_groups, bucket_to_bytes, layout, pack_bucket
+from rlhf.rollout.weight_sync import ALIGN, bucket_checksum, bucket_groups, bucket_to_bytes, layout, pack_bucket
 
 ENGINE_ROLE = "rollout engine"
 Named = Iterable[Tuple[str, torch.Tensor]]
@@ -58,23 +58,30 @@ class _Sender:
     def connect(self) -> None:
         pass
 
-    def send(self, named: Named) -> dict:
-        started, sent, tensors, buckets = time.perf_counter(), 0, 0, 0
-        self._all("begin_weight_update", [e.begin_weight_update.remote() for e in self.engines])
+    def send(self, named: Named, version: Optional[int] = None) -> dict:
+        """Stream ``named`` into the engines as weight ``version`` (the RL step they come from; None: not
+        numbered). Every engine worker then echoes the version and a checksum of the bytes it received, compared
+        with what was sent (:func:`check_delivery`): an update that did not fully arrive stops the run, naming the
+        engine."""
+        started, sent, tensors, buckets, checksum = time.perf_counter(), 0, 0, 0, 0
+        self._all("begin_weight_update", [e.begin_weight_update.remote(version) for e in self.engines])
         pending: list = []
         for group in bucket_groups(_engine_dtypes(named), self.bucket_bytes):
             bucket = pack_bucket(group, out=self._buffer(group))  # packed while the engines load the last one
+            checksum += bucket_checksum(bucket.data, bucket.nbytes)
             self._all("load_weights", pending)
             pending = self._ship(bucket)
             sent, tensors, buckets = sent + bucket.nbytes, tensors + len(bucket.metas), buckets + 1
         self._all("load_weights", pending)
-        self._all("finish_weight_update", [e.finish_weight_update.remote() for e in self.engines])
+        received = self._all("finish_weight_update", [e.finish_weight_update.remote() for e in self.engines])
+        check_delivery(self.names, received, version, sent, checksum)
         return {
             "bytes": float(sent),
             "tensors": float(tensors),
             "buckets": float(buckets),
             "seconds": time.perf_counter() - started,
             "method": self.method,
+            **({"version": float(version)} if version is not None else {}),
         }
 
     def _buffer(self, group) -> Optional[torch.Tensor]:
@@ -178,10 +185,10 @@ class IpcSender(_Sender):
         self._shared[self._turn] = buffer
         return buffer
 
-    def send(self, named: Named) -> dict:
+    def send(self, named: Named, version: Optional[int] = None) -> dict:
         self._handles = [None, None]
         try:
-            return super().send(named)
+            return super().send(named, version)
         finally:
             self._handles = [None, None]  # the engine closed them at finish_weight_update (or begins afresh)
             if self.device.type == "cuda":
@@ -201,6 +208,25 @@ class IpcSender(_Sender):
         if cached is None or cached[0] is not buffer:
             self._handles[self._turn] = cached = (buffer, share(buffer))
         return cached[1]
+
+
+def check_delivery(
+    names: Sequence[str], received: Sequence[Sequence[dict]], version: Optional[int], sent: int, checksum: int
+) -> None:
+    """Every worker of every engine (``received[e][w]``, :meth:`WeightSyncExtension.rlhf_finish_weight_update`)
+    holds the update just sent: its version, its byte count and checksum (what this sender sent to it).
+
+    Raises:
+        WorkerError: naming the first engine worker whose record differs, and both records.
+    """
+    for name, workers in zip(names, received):
+        for w, got in enumerate(workers):
+            if (got.get("version"), got.get("bytes"), got.get("checksum")) != (version, sent, checksum):
+                raise WorkerError(
+                    f"{name} worker {w} did not receive the weight update to version {version}: it holds version "
+                    f"{got.get('version')}, {got.get('bytes')} bytes with checksum {got.get('checksum')}; "
+                    f"{sent} bytes with checksum {checksum} were sent"
+                )
 
 
 def _engine_dtypes(named: Named) -> Named:

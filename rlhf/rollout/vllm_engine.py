@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rlhf.distributed.cluster import actor_placement
 from rlhf.hub import model_dir
@@ -89,6 +89,7 @@ class VLLMEngine:
         import torch
 
         self.index = index  # first: __repr__ needs it, and Ray calls it once __init__ returns
+        self.weight_version: Optional[int] = 0  # the RL step whose weights it holds (0: model.path's)
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
         if not torch.cuda.is_available():
@@ -139,11 +140,15 @@ class VLLMEngine:
             return None
         return self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
 
-    def begin_weight_update(self) -> None:
-        self.llm.collective_rpc("rlhf_begin_weight_update")
+    def begin_weight_update(self, version: Optional[int] = None) -> None:
+        self.llm.collective_rpc("rlhf_begin_weight_update", args=(version,))
 
-    def finish_weight_update(self) -> None:
-        self.llm.collective_rpc("rlhf_finish_weight_update")
+    def finish_weight_update(self) -> List[Dict[str, Any]]:
+        """End the update; every worker's record of it (version, bytes and checksum received), in worker order.
+        The engine now holds that version (:attr:`weight_version`)."""
+        received = self.llm.collective_rpc("rlhf_finish_weight_update")
+        self.weight_version = received[0]["version"] if received else None
+        return received
 
     # Weight sync: one method per transport (rlhf.rollout.senders), each run on every worker of the engine.
     def load_weights(self, metas: list, payload: bytes) -> int:

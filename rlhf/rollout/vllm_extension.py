@@ -16,13 +16,13 @@ Three transports carry the same packed buckets (``rlhf.rollout.senders``), and a
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
 from rlhf.rollout.ipc import open_shared
 from rlhf.rollout.sync_group import GroupAddress, SyncGroup
-from rlhf.rollout.weight_sync import bucket_from_bytes, metas_from_wire, unpack_bucket
+from rlhf.rollout.weight_sync import bucket_checksum, bucket_from_bytes, metas_from_wire, unpack_bucket
 
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
@@ -57,15 +57,21 @@ class WeightSyncExtension:
     rank: int  # the worker's rank within its engine (tensor parallel)
     _rlhf_opened: Dict[bytes, torch.Tensor]  # IPC handle -> the tensor it opened, during one update
     _rlhf_group: SyncGroup  # the broadcast transport's group (rlhf_join_weight_group)
+    _rlhf_update: Dict[str, Any]  # the update in progress: its version, the bytes loaded and their checksum
 
-    def rlhf_begin_weight_update(self) -> None:
+    def rlhf_begin_weight_update(self, version: Optional[int] = None) -> None:
+        """Start the update to weight ``version`` (the RL step whose weights these are; None: not numbered)."""
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         _quiet_buffer_only_layers()
         self._rlhf_opened = {}  # IPC handles opened during this update (a failed earlier update's are dropped)
+        self._rlhf_start_record(version)
         initialize_layerwise_reload(self.model_runner.model)
 
-    def rlhf_finish_weight_update(self) -> None:
+    def rlhf_finish_weight_update(self) -> Dict[str, Any]:
+        """End the update; returns what this worker received (``version``, ``bytes``, ``checksum``: the sum of
+        :func:`~rlhf.rollout.weight_sync.bucket_checksum` over its buckets), which the sender compares with what it
+        sent (:func:`rlhf.rollout.senders.check_delivery`)."""
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model_runner.model, self.model_runner.vllm_config.model_config)
@@ -73,6 +79,14 @@ class WeightSyncExtension:
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
+        return self._rlhf_record()
+
+    # The record of an update (also kept by bench/gpu_check.py's stand-in for a worker, which has no vLLM reload).
+    def _rlhf_start_record(self, version: Optional[int]) -> None:
+        self._rlhf_update = {"version": version, "bytes": 0, "checksum": 0}
+
+    def _rlhf_record(self) -> Dict[str, Any]:
+        return dict(getattr(self, "_rlhf_update", {"version": None, "bytes": 0, "checksum": 0}))
 
     def rlhf_load_bucket(self, metas: list, payload: bytes) -> int:
         """Object-store transport: one bucket's bytes (``WeightBucket.wire_metas()`` + bytes)."""
@@ -105,6 +119,10 @@ class WeightSyncExtension:
         return self._rlhf_load(metas, opened[handle][:nbytes].clone())
 
     def _rlhf_load(self, metas: list, data: torch.Tensor) -> int:
+        update = getattr(self, "_rlhf_update", None)
+        if update is not None:  # counted as received, before anything of it is loaded
+            update["bytes"] += data.numel()
+            update["checksum"] += bucket_checksum(data, data.numel())
         device = self.model_runner.device  # not the parameters' device: mid-reload they live on "meta"
         weights = [(name, tensor.to(device)) for name, tensor in unpack_bucket(metas_from_wire(metas), data)]
         self.model_runner.model.load_weights(weights=weights)

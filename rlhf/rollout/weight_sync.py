@@ -134,6 +134,21 @@ def bucket_groups(
         yield pending
 
 
+def bucket_checksum(data: torch.Tensor, nbytes: int) -> int:
+    """An exact checksum of the first ``nbytes`` bytes of a ``(>= nbytes,)`` uint8 tensor (a packed bucket): the
+    sum of its 32-bit words, then of its last ``nbytes % 4`` bytes, as a Python int (< 2**59 for any bucket up to
+    1 GiB, summed in int64 on the tensor's device, one value read back).
+
+    The same bytes give the same number on any device and transport; a bucket lost, cut, stale or sent to the wrong
+    engine changes it. A check of delivery, not a cryptographic hash (reordered words sum the same). ``data`` must
+    start 4-byte aligned, as every bucket does (a buffer's start, ``ALIGN``)."""
+    words = nbytes // 4
+    total = int(data[: 4 * words].view(torch.int32).sum(dtype=torch.int64)) if words else 0
+    if nbytes % 4:
+        total += int(data[4 * words : nbytes].to(torch.int64).sum())
+    return total
+
+
 def bucket_to_bytes(bucket: WeightBucket) -> bytes:
     """The bucket's bytes for the object store (a GPU bucket is copied to host)."""
     return bucket.data.cpu().numpy().tobytes()

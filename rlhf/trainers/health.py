@@ -5,7 +5,10 @@ Checked after every step, on the driver, from the logged metrics:
 * a non-finite value (NaN / inf) of a watched metric (loss, grad norm, ...);
 * the loss, or the grad norm, exactly zero for ``zero_loss_steps`` steps in a row (the signature of a precision
   setting that underflows every gradient, a loss mask that selects nothing, or a saturated, dead model);
-* the grad norm above ``spike_factor`` times its running median over the last ``spike_window`` steps.
+* the grad norm above ``spike_factor`` times its running median over the last ``spike_window`` steps;
+* RL (the metrics a trainer names in ``Steps.ceilings`` / ``Steps.flat_key``): the KL to the reference above
+  ``health.max_kl``, the trainer / engine log-prob gap above ``health.max_logp_mismatch``, and every sample of a
+  step scoring the same (``reward_std`` exactly 0) for ``health.flat_reward_steps`` steps in a row.
 
 ``health.action=stop`` raises :class:`TrainingHealthError` naming the step, the metric and the value. The guard
 runs before the step's checkpoint is written, so the newest checkpoint is the last good state. With
@@ -21,7 +24,20 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Deque, Optional, Sequence
+from typing import Deque, Mapping, Optional, Sequence, Tuple
+
+# A ceiling's metric -> its health.* key, and what a value above it means.
+CEILINGS = {
+    "kl": (
+        "max_kl",
+        "the policy has drifted far from its reference (a reward it games, a learning rate too high?)",
+    ),
+    "logp_mismatch": (
+        "max_logp_mismatch",
+        "the trainer's log-probs of the sampled tokens are far from the engine's: weights that did not reach the "
+        "engines, a precision gap, or samples too far behind the policy (rollout.max_staleness)",
+    ),
+}
 
 
 class TrainingHealthError(RuntimeError):
@@ -42,6 +58,9 @@ class HealthGuard:
     spike_key: the metric checked for spikes (a grad norm).
     spike_factor: trip when ``value > spike_factor * median`` (0: off).
     spike_window: steps in the running median; the check starts once the window holds ``min_history``.
+    ceilings: metric -> the largest value allowed, named by its ``health.*`` key in messages (:data:`CEILINGS`).
+    flat_key: the metric whose exact zeros mean "every sample scored the same" (``reward_std``; ``None``: off).
+    flat_steps: consecutive such steps that trip the guard (0: off).
     """
 
     def __init__(
@@ -53,8 +72,13 @@ class HealthGuard:
         spike_factor: float = 10.0,
         spike_window: int = 20,
         min_history: int = 5,
+        ceilings: Optional[Mapping[str, float]] = None,
+        flat_key: Optional[str] = None,
+        flat_steps: int = 0,
     ) -> None:
         self.watch, self.zero_loss_key, self.zero_loss_steps = tuple(watch), zero_loss_key, zero_loss_steps
+        self.ceilings = {k: v for k, v in (ceilings or {}).items() if v}
+        self.flat_key, self.flat_steps, self._flat = flat_key, flat_steps, 0
         self.spike_key, self.spike_factor, self.min_history = spike_key, spike_factor, min_history
         self._history: Deque[float] = deque(maxlen=spike_window)
         self._zeros = {key: 0 for key in (zero_loss_key, spike_key) if key is not None}
@@ -82,6 +106,19 @@ class HealthGuard:
                         f"step {step}: {key} = 0.0 exactly for {self._zeros[key]} steps in a row (a precision "
                         f"setting, a loss mask or a saturated model that stops every gradient?)"
                     )
+        for key, ceiling in self.ceilings.items():
+            value = row.get(key)
+            if isinstance(value, (int, float)) and value > ceiling:
+                config_key, meaning = CEILINGS[key]
+                return f"step {step}: {key} = {value:.4g} is above health.{config_key}={ceiling:g}: {meaning}"
+        if self.flat_key is not None and self.flat_steps:
+            self._flat = self._flat + 1 if row.get(self.flat_key) == 0.0 else 0
+            if self._flat >= self.flat_steps:
+                return (
+                    f"step {step}: {self.flat_key} = 0.0 for {self._flat} steps in a row (health.flat_reward_steps="
+                    f"{self.flat_steps}): every sample scored the same, no learning signal is left (a collapsed "
+                    f"policy, a saturated or broken reward?)"
+                )
         value = row.get(self.spike_key)
         if self.spike_factor and isinstance(value, (int, float)):
             if len(self._history) >= self.min_history:
@@ -96,8 +133,16 @@ class HealthGuard:
         return None
 
 
-def guard_from_config(health, watch: Sequence[str], zero_loss_key: Optional[str], spike_key: str = "grad_norm"):
-    """The run's guard from its ``health`` config section, or ``None`` when ``health.action=off``."""
+def guard_from_config(
+    health,
+    watch: Sequence[str],
+    zero_loss_key: Optional[str],
+    spike_key: str = "grad_norm",
+    ceilings: Tuple[str, ...] = (),
+    flat_key: Optional[str] = None,
+):
+    """The run's guard from its ``health`` config section, or ``None`` when ``health.action=off``. ``ceilings``:
+    the metrics of :data:`CEILINGS` the trainer logs (each checked against its ``health.*`` key)."""
     if health.action == "off":
         return None
     return HealthGuard(
@@ -107,6 +152,9 @@ def guard_from_config(health, watch: Sequence[str], zero_loss_key: Optional[str]
         spike_key=spike_key,
         spike_factor=health.spike_factor,
         spike_window=health.spike_window,
+        ceilings={key: getattr(health, CEILINGS[key][0]) for key in ceilings},
+        flat_key=flat_key,
+        flat_steps=health.flat_reward_steps,
     )
 
 

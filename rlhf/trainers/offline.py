@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 from rlhf.batch import Batch
 from rlhf.config.schema import RunConfig, TrainConfig
@@ -144,6 +144,8 @@ class OfflineSteps:
     policy: WorkerGroup
     watched = ("loss", "grad_norm")
     zero_loss_key = "loss"  # a supervised loss of exactly 0 is a bug (rlhf.trainers.health)
+    ceilings: Tuple[str, ...] = ()
+    flat_key = None
     evaluates_start = False
 
     @property
@@ -154,7 +156,7 @@ class OfflineSteps:
     def eval_console_keys(self) -> tuple:
         return self.task.console_keys
 
-    def resume(self) -> None:
+    def resume(self, done: int) -> None:
         """Nothing to do: the restored groups are all there is."""
 
     def train(self, step: StepPlan) -> dict:

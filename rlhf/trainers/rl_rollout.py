@@ -15,7 +15,7 @@ Either way request ``j`` of a (turn of a) step is drawn with ``seed + j`` whiche
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -56,6 +56,55 @@ class Rollout:
     # (B, T) int64 with rollout.max_staleness >= 1: the weight version that sampled each token, -1 on tokens the
     # policy did not sample (prompt, observations, padding); rlhf.trainers.rl_schedule
     token_versions: Optional[torch.Tensor] = None
+    # the summed reward and each source's, when they were computed with the samples (dynamic sampling picks groups
+    # by them); None: the step scores them
+    scored: Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = None
+
+    def select(self, rows: Sequence[int]) -> "Rollout":
+        """A single-turn rollout's ``rows``, in that order (its metric recomputed from them)."""
+        self._single_turn("select")
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        at_limit = self.at_limit[index] if self.at_limit is not None else None
+        return Rollout(
+            self.batch.select(rows),
+            [self.prompt_index[i] for i in rows],
+            [self.responses[i] for i in rows],
+            columns={k: [v[i] for i in rows] for k, v in self.columns.items()},
+            at_limit=at_limit,
+            metrics=_cut_metrics(at_limit),
+            scored=None
+            if self.scored is None
+            else (self.scored[0][index], {k: v[index] for k, v in self.scored[1].items()}),
+        )
+
+    @staticmethod
+    def concat(parts: Sequence["Rollout"], pad_id: int) -> "Rollout":
+        """Single-turn rollouts one after the other (sequence fields right-padded with ``pad_id``)."""
+        for part in parts:
+            part._single_turn("concat")
+        limits = [p.at_limit for p in parts]
+        at_limit = torch.cat([x for x in limits if x is not None]) if all(x is not None for x in limits) else None
+        scored = None
+        if all(p.scored is not None for p in parts):
+            totals = torch.cat([p.scored[0] for p in parts if p.scored is not None])
+            keys = [k for p in parts if p.scored is not None for k in p.scored[1]]
+            per_source = {
+                k: torch.cat([p.scored[1][k] for p in parts if p.scored is not None]) for k in dict.fromkeys(keys)
+            }
+            scored = (totals, per_source)
+        return Rollout(
+            Batch.concat([p.batch for p in parts], pad_id=pad_id),
+            [i for p in parts for i in p.prompt_index],
+            [s for p in parts for s in p.responses],
+            columns={k: [v for p in parts for v in p.columns[k]] for k in parts[0].columns},
+            at_limit=at_limit,
+            metrics=_cut_metrics(at_limit),
+            scored=scored,
+        )
+
+    def _single_turn(self, what: str) -> None:
+        if self.env_rewards is not None or self.failed is not None or self.token_versions is not None:
+            raise ValueError(f"Rollout.{what} takes single-turn rollouts before their versions are recorded")
 
 
 def single_turn(engines, tokenizer, prompts: PromptSet, prompt_index: List[int], sampling: SamplingSpec) -> Rollout:
@@ -67,8 +116,15 @@ def single_turn(engines, tokenizer, prompts: PromptSet, prompt_index: List[int],
         prompt_index,
         responses,
         at_limit=cut,
-        metrics={"episode/ended_max_new_tokens": cut.float().mean().item() if len(cut) else 0.0},
+        metrics=_cut_metrics(cut),
     )
+
+
+def _cut_metrics(cut: Optional[torch.Tensor]) -> Dict[str, float]:
+    """A single-turn rollout's ``episode/ended_max_new_tokens``: the share of responses cut at the budget."""
+    if cut is None:
+        return {}
+    return {"episode/ended_max_new_tokens": cut.float().mean().item() if len(cut) else 0.0}
 
 
 class EpisodeRollout:

@@ -33,6 +33,7 @@ from rlhf.distributed.group import StepResult, WorkerGroup
 from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
 from rlhf.objectives.base import Totals
+from rlhf.ops.dapo import overlong_penalty, pick_groups, varied_groups
 from rlhf.rewards.functions import metric_names
 from rlhf.rl import advantages_for, logp_mismatch
 from rlhf.rollout.engines import RolloutEngines
@@ -59,6 +60,8 @@ EVAL_CONSOLE_KEYS = ("reward_mean", "accuracy", "response_length", "episode/turn
 # Metrics the health guard keeps finite. No zero-loss check: an RL step whose groups all tie has a zero loss.
 RL_WATCHED = ("policy_loss", "grad_norm", "kl", "value_loss", "critic_grad_norm", "reward_mean")
 EVAL_SEED_BASE = 1 << 40  # evaluation seeds live far from the training steps' (seed * 1_000_003 + step * 10_007 + j)
+DRAW_SEED_BASE = 1 << 42  # dynamic sampling's draw d of a step: d * this + the step's base (far from both)
+SHAPING_SOURCES = ("overlong",)  # per-source rewards that shape, never say whether an answer is right
 TABLE_COLUMNS = (
     ("step", "step"),
     ("reward_mean", "reward"),
@@ -105,6 +108,9 @@ class RLTrainer:
     name = "rl"
     watched = RL_WATCHED
     zero_loss_key = None
+    # KL to the reference, and the trainer / engine log-prob gap (the behaviour / proximal gap when asynchronous)
+    ceilings = ("kl", "logp_mismatch")
+    flat_key = "reward_std"  # every sample of the step scored the same: no advantage anywhere
     eval_console_keys = EVAL_CONSOLE_KEYS
     evaluates_start = True  # the starting point, on the same held-out samples as every later evaluation
 
@@ -137,8 +143,9 @@ class RLTrainer:
     def has_eval(self) -> bool:
         return self.eval_prompts is not None
 
-    def resume(self) -> None:
-        self.push_weights()  # the engines hold model.path (resume) or a later step's weights (rewind)
+    def resume(self, done: int) -> None:
+        # the engines hold model.path (resume) or a later step's weights (rewind): step done's, checked on arrival
+        self.push_weights(done)
 
     def train(self, step: StepPlan) -> dict:
         """One RL step (the module docstring's pipeline); returns its logged row."""
@@ -147,7 +154,7 @@ class RLTrainer:
             rollout = self.schedule.take(step.step)  # k >= 1: the generation of step + k starts on the engines
             self.actors.engines.sleep()  # hybrid engine on GPUs: hand the devices to training
         with timer("score"):
-            scores, per_source = self.score(rollout, self.prompts)
+            scores, per_source = rollout.scored or self.score(rollout, self.prompts)
         with timer("logprobs"):
             batch = self.annotate(rollout.batch)
         batch, kl_stats = self.advantages(batch, scores, rollout.prompt_index)
@@ -157,7 +164,7 @@ class RLTrainer:
             with timer("wait"):  # the generation running ahead ends before the weights change
                 self.schedule.settle()
         with timer("sync"):
-            sync = self.push_weights()
+            sync = self.push_weights(step.step)
             self.schedule.pushed(step.step)
         stats = {**rollout.metrics, **train_stats, **kl_stats, **self._staleness(step.step, rollout)}
         return self.row(step, scores, per_source, batch, stats, sync, timer)
@@ -195,11 +202,56 @@ class RLTrainer:
 
     # ---------------------------------------------------------------------------------------- stages
     def generate(self, step: StepPlan) -> Rollout:
-        """``n_samples_per_prompt`` samples (or episodes) of each prompt of the step, spread over the engines."""
+        """``n_samples_per_prompt`` samples (or episodes) of each prompt of the step, spread over the engines; with
+        ``rollout.dynamic_sampling``, of prompts drawn until the step's groups differ (:meth:`_dynamic`)."""
         r = self.cfg.rollout
         prompt_index = [i for i in step.indices for _ in range(r.n_samples_per_prompt)]
-        seed_base = self.cfg.train.seed * 1_000_003 + step.step * 10_007
-        return self._sample(self.prompts, prompt_index, seed_base, step.step)
+        rollout = self._sample(self.prompts, prompt_index, self._seed_base(step.step), step.step)
+        return self._dynamic(step, rollout) if r.dynamic_sampling else rollout
+
+    def _seed_base(self, step: int, draw: int = 0) -> int:
+        """Sample ``j`` of ``step``'s draw ``draw`` (dynamic sampling; 0: the plan's prompts) has seed base + j."""
+        return draw * DRAW_SEED_BASE + self.cfg.train.seed * 1_000_003 + step * 10_007
+
+    def _dynamic(self, step: StepPlan, first: Rollout) -> Rollout:
+        """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): draws of ``rollout.prompts_per_step`` more prompts
+        until the step holds that many groups whose scores differ (``rollout.dynamic_sampling_draws`` draws at
+        most), then the first such groups in draw order, filled with tied ones if the draws ran out
+        (:func:`rlhf.ops.dapo.pick_groups`): the batch keeps its size.
+
+        Draw ``d`` takes prompts the step has not drawn yet, in the order of a permutation seeded by the run's seed,
+        the step and ``d``, and samples them with seeds of its own: a step's samples depend on its number and its
+        weights alone, as without dynamic sampling (rollout.max_staleness and resume stay exact). The scores are
+        computed here, once (``Rollout.scored``)."""
+        r, n = self.cfg.rollout, self.cfg.rollout.n_samples_per_prompt
+        draws = [first]
+        drawn = set(step.indices)
+        while True:
+            draws[-1].scored = self.score(draws[-1], self.prompts)
+            varied = [varied_groups(d.scored[0], n) for d in draws if d.scored is not None]
+            if sum(int(v.sum()) for v in varied) >= r.prompts_per_step or len(draws) > r.dynamic_sampling_draws:
+                break
+            indices = _fresh_prompts(
+                len(self.prompts.prompt_ids), r.prompts_per_step, drawn, self._seed_base(step.step, len(draws))
+            )
+            if not indices:  # every prompt of the data is in this step already
+                break
+            drawn.update(indices)
+            prompt_index = [i for i in indices for _ in range(n)]
+            draws.append(self._sample(self.prompts, prompt_index, self._seed_base(step.step, len(draws)), step.step))
+        picked, tied = pick_groups(varied, r.prompts_per_step)
+        starts = [sum(len(d.prompt_index) for d in draws[:k]) for k in range(len(draws))]
+        rows = [starts[d] + g * n + j for d, g in picked for j in range(n)]
+        rollout = Rollout.concat(draws, self.tokenizer.pad_token_id).select(rows)
+        rollout.metrics.update(
+            {
+                "dynamic/draws": float(len(draws) - 1),
+                "dynamic/varied_groups": float(sum(int(v.sum()) for v in varied)),
+                "dynamic/tied_groups_in_batch": float(tied),
+                "dynamic/samples_generated": float(starts[-1] + len(draws[-1].prompt_index)),
+            }
+        )
+        return rollout
 
     def _sample(self, prompts: PromptSet, prompt_index: List[int], seed_base: int, step: int) -> Rollout:
         r = self.cfg.rollout
@@ -239,6 +291,11 @@ class RLTrainer:
             per_source["reward_model"] = rm
             total = total + self.cfg.reward.model_weight * rm
         r = self.cfg.rollout
+        if r.overlong_buffer:  # DAPO's soft overlong punishment, on the response's length
+            assert rollout.batch.loss_mask is not None, "a rollout batch carries its loss mask"
+            lengths = rollout.batch.loss_mask.sum(-1)
+            per_source["overlong"] = overlong_penalty(lengths, r.max_new_tokens, r.overlong_buffer, r.overlong_penalty)
+            total = total + per_source["overlong"]
         if r.episode_limit == "penalize" and rollout.at_limit is not None:
             total = torch.where(rollout.at_limit, torch.tensor(r.limit_reward, dtype=total.dtype), total)
         return total.float(), per_source
@@ -326,8 +383,10 @@ class RLTrainer:
             **({"optimizer_steps_empty": empty} if empty else {}),
         }
 
-    def push_weights(self) -> dict:
-        """The policy's weights -> the engines, through the transport connected at start-up; returns its stats.
+    def push_weights(self, version: Optional[int] = None) -> dict:
+        """The policy's weights -> the engines as weight ``version`` (the step they come from), through the transport
+        connected at start-up; every engine worker echoes the version and a checksum of what it received, checked
+        against what was sent (:func:`rlhf.rollout.senders.check_delivery`). Returns the transport's stats.
 
         Hybrid engine on GPUs (vLLM sleep mode, engines asleep since :meth:`train`'s generate): every trainer group
         first empties its CUDA cache, the engines map their weights back (contents undefined after a level-2 sleep),
@@ -341,7 +400,7 @@ class RLTrainer:
                 if group is not None:
                     group.release_cached_memory()
         a.engines.wake_weights()
-        sync = a.policy.push_weights()
+        sync = a.policy.push_weights(version)
         a.engines.wake_kv_cache()
         return sync
 
@@ -414,6 +473,13 @@ class _UpdateTotals:
         }
 
 
+def _fresh_prompts(num_prompts: int, wanted: int, drawn: set, seed: int) -> List[int]:
+    """Up to ``wanted`` prompt indices not in ``drawn``, in the order of a permutation seeded by ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(num_prompts, generator=generator).tolist()
+    return [i for i in order if i not in drawn][:wanted]
+
+
 def _largest(norms: List[Optional[float]]) -> Optional[float]:
     """The largest norm; a NaN or inf one if any (``max`` would drop a NaN); ``None`` when none was measured."""
     measured = [n for n in norms if n is not None]
@@ -435,6 +501,7 @@ def _sample_stats(scores: torch.Tensor, per_source: Dict[str, torch.Tensor], bat
 
 def _accuracy(per_source: Dict[str, torch.Tensor]) -> dict:
     """``{"accuracy": ...}`` when some reward source is 0/1-valued (verifiable): a sample counts as correct when
-    every such source says so. ``{}`` otherwise (no made-up accuracy for a learned reward)."""
-    binary = [v for v in per_source.values() if bool(((v == 0) | (v == 1)).all())]
+    every such source says so. ``{}`` otherwise (no made-up accuracy for a learned reward). Shaping terms (the
+    overlong penalty) are not sources of correctness."""
+    binary = [v for k, v in per_source.items() if k not in SHAPING_SOURCES and bool(((v == 0) | (v == 1)).all())]
     return {"accuracy": float(torch.stack(binary).min(0).values.mean())} if binary else {}

@@ -92,6 +92,14 @@ class Steps(Protocol):
         """A row key whose exact 0 the guard reports (None: a zero loss can be legitimate)."""
 
     @property
+    def ceilings(self) -> Tuple[str, ...]:
+        """Row keys the health guard keeps below their ``health.max_*`` (rlhf.trainers.health.CEILINGS)."""
+
+    @property
+    def flat_key(self) -> Optional[str]:
+        """A row key whose exact zero, ``health.flat_reward_steps`` steps in a row, trips the guard (None: off)."""
+
+    @property
     def eval_console_keys(self) -> Tuple[str, ...]:
         """The evaluation row's keys printed on the console."""
 
@@ -103,8 +111,9 @@ class Steps(Protocol):
     def has_eval(self) -> bool:
         """Held-out data is set: evaluate every train.eval_every steps and after the last."""
 
-    def resume(self) -> None:
-        """Called before training continues from restored state (a resume or a rewind)."""
+    def resume(self, done: int) -> None:
+        """Called before training continues from restored state (a resume or a rewind): the state after step
+        ``done``."""
 
     def train(self, step: StepPlan) -> dict:
         """Train ``step``; returns its row (``step``, ``epoch`` and the metrics)."""
@@ -184,7 +193,9 @@ class Run:
             self.checkpoints.save_start(trained)  # a trip before the first save_every checkpoint rewinds to the start
         skipped_here, first = 0, True
         while True:
-            guard = guard_from_config(h, steps.watched, zero_loss_key=steps.zero_loss_key)
+            guard = guard_from_config(
+                h, steps.watched, steps.zero_loss_key, ceilings=steps.ceilings, flat_key=steps.flat_key
+            )
             if guard is not None:  # decide as the uninterrupted run would: its statistics from the rows kept
                 assert self.writers is not None, "train() opens the writers before this loop"
                 guard.observe([row for row in read_metrics(self.writers.metrics.path) if row["step"] <= done])
@@ -217,7 +228,7 @@ class Run:
                 if steps.evaluates_start and steps.has_eval:
                     self._evaluate(steps, None, progress)
             else:
-                steps.resume()
+                steps.resume(start_after)
             last: dict = {}
             for step in self.plan.steps(start=start_after + 1):
                 if self.stop.requested:

@@ -10,6 +10,9 @@ stopped after step 2 and resumed:
   (``logp_mismatch``) is that of an update, where the synchronous run's is rounding;
 * stopped and resumed, the run trains on the same samples (the checkpoint holds those generated ahead) and ends
   with the same rows and bit-identical weights.
+
+And DAPO's dynamic sampling with its overlong shaping, on the engines and generated ahead: with the 0/1 arithmetic
+reward the random tiny model's groups mostly tie, so steps draw more prompts and keep the batch's size.
 """
 
 from __future__ import annotations
@@ -42,6 +45,27 @@ def runs(tiny_model, rl_prompts, rl_shaping, tmp_path_factory):
     assert stopped.stopped_at == 2
     resumed = run_rl(tiny_model, rl_prompts, rl_shaping, out, *ASYNC, "train.resume=true")
     return sync, whole, resumed
+
+
+@pytest.fixture(scope="module")
+def dynamic(tiny_model, rl_prompts, rl_shaping, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("dynamic") / "run")
+    extra = ("reward.functions=[rlhf.synthetic.arithmetic:reward]", "rollout.dynamic_sampling=true")
+    rows, _ = run_rl(tiny_model, rl_prompts, rl_shaping, out, *ASYNC, *extra, "rollout.overlong_buffer=2")
+    return rows
+
+
+def test_dynamic_sampling_draws_on_the_engines_and_keeps_the_batch_size(dynamic):
+    assert [r["step"] for r in dynamic] == list(range(1, STEPS + 1))
+    for r in dynamic:
+        assert r["num_samples"] == 16 and r["optimizer_steps"] == 2  # the batch's size, whatever was drawn
+        draws = r["dynamic/draws"]
+        assert 0 <= draws <= 4 and r["dynamic/samples_generated"] == 16 * (draws + 1)
+        assert 0 <= r["dynamic/tied_groups_in_batch"] <= 4
+        # all the groups tied only if the draws ran out: then they fill the batch, the varied ones first
+        assert r["dynamic/varied_groups"] >= 4 or draws == 4
+        assert -1.0 <= r["reward/overlong"] <= 0.0 and r["logp_mismatch"] < 0.5
+    assert any(r["dynamic/draws"] > 0 for r in dynamic)  # tied groups were there to replace
 
 
 def test_step_one_of_the_async_run_is_the_synchronous_step(runs):

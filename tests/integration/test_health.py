@@ -54,6 +54,36 @@ def test_grad_norm_spike_against_the_running_median():
     assert _first_problem(calm, _rows([1.0] * 6, [1.0, 2.0, 1.5, 1.0, 2.0, 17.0])) is None
 
 
+def test_an_rl_run_guards_its_kl_its_log_prob_gap_and_a_flat_reward():
+    """The RL trainer's ceilings with the default health section: a GRPO run that reaches KL ~2 (a reward model it
+    games) trips at the step it crosses 1.0; a log-prob gap of 0.6 (weights that never reached the engines) trips;
+    ten steps in a row where every sample scored the same trip; the SFT trainer names none of these."""
+    from rlhf.config.schema import HealthConfig
+    from rlhf.trainers.health import guard_from_config
+    from rlhf.trainers.offline import OfflineSteps
+    from rlhf.trainers.rl_steps import RLTrainer
+
+    def guard(health=None, steps=RLTrainer):
+        health = health or HealthConfig()
+        return guard_from_config(
+            health, steps.watched, steps.zero_loss_key, ceilings=steps.ceilings, flat_key=steps.flat_key
+        )
+
+    drifting = [{"step": i, "kl": 0.02 * i**2, "reward_std": 0.3, "logp_mismatch": 1e-6} for i in range(1, 25)]
+    problem = _first_problem(guard(), drifting)
+    assert problem.startswith("step 8: kl = 1.28 is above health.max_kl=1: the policy has drifted far"), problem
+    assert _first_problem(guard(HealthConfig(max_kl=0)), drifting) is None  # 0: off
+    assert _first_problem(guard(HealthConfig(max_kl=2.5)), drifting).startswith("step 12: kl = 2.88")
+    stale = [{"step": 1, "kl": 0.0, "reward_std": 0.3, "logp_mismatch": 0.6}]
+    assert "logp_mismatch = 0.6 is above health.max_logp_mismatch=0.5: " in _first_problem(guard(), stale)
+    flat = [{"step": i, "kl": 0.01, "reward_std": 0.0 if i != 3 else 0.1, "logp_mismatch": 0.0} for i in range(1, 14)]
+    problem = _first_problem(guard(), flat)
+    assert problem.startswith("step 13: reward_std = 0.0 for 10 steps in a row (health.flat_reward_steps=10)")
+    assert _first_problem(guard(HealthConfig(flat_reward_steps=0)), flat) is None
+    sft = [{"step": 1, "loss": 1.0, "grad_norm": 1.0, "kl": 9.0, "reward_std": 0.0, "logp_mismatch": 9.0}] * 12
+    assert _first_problem(guard(steps=OfflineSteps), sft) is None
+
+
 def test_skipped_rows_are_neither_judged_nor_counted():
     guard = HealthGuard(("loss",), zero_loss_steps=2)
     assert guard.problem({"step": 1, "loss": 0.0}) is None

@@ -6,8 +6,10 @@ reward functions see chat transcripts with the template's observation turns, and
 resumed ends with the same rows and bit-identical weights. The resumed part also has its vLLM engine SIGKILLed
 while step 3's checkpoint is written: it restarts from that checkpoint with new actors and still ends identical
 (the fault test of the RL runner's restarts; actor start-up is most of a run's seconds, so the interrupted run
-serves both). A raising environment stops the run with an error that names the RL step, the environment, the
-episode and the turn.
+serves both). The same run with bounded staleness (``rollout.max_staleness=1``: episodes of step t + 1 roll out,
+environment actors and all, while step t trains), stopped, resumed and its engine killed the same way, ends as its
+uninterrupted twin too. A raising environment stops the run with an error that names the RL step, the environment,
+the episode and the turn.
 """
 
 from __future__ import annotations
@@ -84,7 +86,6 @@ def _overrides(tiny_model, files, out, env="Feedback", *extra):
         f"train.output_dir={out}",
         f"env.spec={base / 'envs.py'}:{env}",
         "rollout.max_turns=3",
-        "rollout.max_prompt_length=16",
         "rollout.max_episode_tokens=160",
         "rollout.max_prompt_length=96",
         "env.num_actors=2",
@@ -113,11 +114,11 @@ def _rows(out):
         return [json.loads(line) for line in f]
 
 
+CLOCK = ("samples_per_s", "sync_mb_per_s", "async/waited_s", "async/generated_ahead_s")
+
+
 def _untimed(rows):
-    return [
-        {k: v for k, v in r.items() if not k.startswith("time/") and k not in ("samples_per_s", "sync_mb_per_s")}
-        for r in rows
-    ]
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k not in CLOCK} for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +156,22 @@ def test_reward_functions_see_the_chat_transcript_and_the_final_response(whole):
         assert s["transcript"].endswith(s["response"])
 
 
+def _stopped_resumed_killed(tiny_model, files, out, *extra):
+    """Stopped after step 2, then resumed with ``train.on_failure=restart`` while the vLLM engine is SIGKILLed as
+    step 3's checkpoint is written: the stopped part's result and rows, whether the engine was killed, what the
+    driver printed in the resumed part and its result."""
+    common = ("train.save_every=1", "train.on_failure=restart", *extra)
+    stopped = _train(_overrides(tiny_model, files, out, "Feedback", "train.stop_after_steps=2", *common))
+    stopped_rows = _rows(out)
+    thread, killed = kill_an_actor_once(
+        os.path.join(out, "checkpoints", "step_000003"), "ray::VLLMEngine", while_saving=True
+    )
+    with tee_stdout() as printed:
+        result = _train(_overrides(tiny_model, files, out, "Feedback", "train.resume=true", *common))
+    thread.join(timeout=10)
+    return stopped, stopped_rows, killed, printed.getvalue(), result
+
+
 @pytest.fixture(scope="module")
 def split(whole, tiny_model, files):
     """The run of :func:`whole` stopped after step 2 and resumed with ``train.on_failure=restart``; in the resumed
@@ -164,16 +181,7 @@ def split(whole, tiny_model, files):
     the driver printed in the resumed part and its result."""
     base, _ = files
     out = str(base / "split")
-    common = ("train.save_every=1", "train.on_failure=restart")
-    stopped = _train(_overrides(tiny_model, files, out, "Feedback", "train.stop_after_steps=2", *common))
-    stopped_rows = _rows(out)
-    thread, killed = kill_an_actor_once(
-        os.path.join(out, "checkpoints", "step_000003"), "ray::VLLMEngine", while_saving=True
-    )
-    with tee_stdout() as printed:
-        result = _train(_overrides(tiny_model, files, out, "Feedback", "train.resume=true", *common))
-    thread.join(timeout=10)
-    return out, stopped, stopped_rows, killed, printed.getvalue(), result
+    return (out, *_stopped_resumed_killed(tiny_model, files, out))
 
 
 def test_a_multi_turn_run_resumed_mid_run_equals_the_uninterrupted_one(whole, split):
@@ -197,6 +205,28 @@ def test_a_killed_engine_restarts_from_the_checkpoint_and_ends_identical(whole, 
     assert _untimed(_rows(split_out)) == _untimed(_rows(out))
     a = _weights(result.final_dir)
     b = _weights(os.path.join(out, "final"))
+    assert a and set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# k = 1, and without the recording reward function (its file belongs to the synchronous runs)
+ASYNC = ("rollout.max_staleness=1", "reward.functions=[rlhf.synthetic.arithmetic:reward]")
+
+
+def test_an_async_multi_turn_run_stopped_resumed_and_restarted_ends_as_the_uninterrupted_one(tiny_model, files):
+    """Step 2's episodes roll out while step 1 trains (from the starting weights), step 3's while step 2 trains, and
+    so on. Stopped after step 2, the checkpoint holds step 3's episodes; the engine killed at step 3's checkpoint,
+    the restart reloads step 4's episodes from it: every step trains on the episodes of the uninterrupted run."""
+    base, _ = files
+    whole_out, split_out = str(base / "async-whole"), str(base / "async-split")
+    _train(_overrides(tiny_model, files, whole_out, "Feedback", *ASYNC))
+    whole_rows = _rows(whole_out)
+    assert [r["async/staleness_mean"] for r in whole_rows] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["logp_mismatch"] > 1e-3 for r in whole_rows[1:])  # an update between sampling and training
+    stopped, _, killed, printed, result = _stopped_resumed_killed(tiny_model, files, split_out, *ASYNC)
+    assert stopped.stopped_at == 2 and killed
+    assert re.search(r"\[restart 1/3\] .*rollout engine 0 died during", printed)
+    assert _untimed(_rows(split_out)) == _untimed(whole_rows)
+    a, b = _weights(os.path.join(whole_out, "final")), _weights(result.final_dir)
     assert a and set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -211,6 +211,7 @@ def _config(layout, *overrides):
             f"rollout.prompts_per_step={N_PROMPTS}",
             f"rollout.n_samples_per_prompt={N_SAMPLES}",
             f"rollout.temperature={TEMPERATURE}",
+            "rollout.max_prompt_length=16",  # the prompts are ~8 tokens: the token budget of 25 holds a row
             f"train.global_batch_size={N_PROMPTS * N_SAMPLES}",
             f"train.micro_batch_size={MICRO}",
             f"train.num_workers={RANKS}",

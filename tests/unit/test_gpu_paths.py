@@ -254,17 +254,27 @@ class _IpcEngine:
                 self.remote = fn
 
         def load(metas, handle, nbytes):
-            from rlhf.rollout.weight_sync import metas_from_wire, unpack_bucket
+            from rlhf.rollout.weight_sync import bucket_checksum, metas_from_wire, unpack_bucket
 
             outer.handles.append(handle)
             if handle not in outer.opened:
                 outer.opened[handle] = open_shared(handle)
             data = outer.opened[handle][:nbytes].clone()
             outer.received += [(n, t.clone()) for n, t in unpack_bucket(metas_from_wire(metas), data)]
+            outer.record["bytes"] += nbytes
+            outer.record["checksum"] += bucket_checksum(data, nbytes)
             return len(metas)
 
-        self.begin_weight_update = Call(lambda: self.opened.clear())
-        self.finish_weight_update = Call(lambda: self.opened.clear())
+        def begin(version=None):
+            self.opened.clear()
+            self.record = {"version": version, "bytes": 0, "checksum": 0}
+
+        def finish():
+            self.opened.clear()
+            return [dict(self.record)]  # one worker's record, as the engine's collective_rpc returns them
+
+        self.begin_weight_update = Call(begin)
+        self.finish_weight_update = Call(finish)
         self.load_shared_bucket = Call(load)
 
 
@@ -312,3 +322,47 @@ def test_a_cuda_handle_is_opened_on_the_receivers_current_device(monkeypatch):
     assert opened[_STORAGE_DEVICE_ARG] == 3
     assert opened[:_STORAGE_DEVICE_ARG] == sent[:_STORAGE_DEVICE_ARG]
     assert opened[_STORAGE_DEVICE_ARG + 1 :] == sent[_STORAGE_DEVICE_ARG + 1 :]
+
+
+def test_a_bucket_that_never_arrives_stops_the_sync_naming_the_engine(monkeypatch):
+    """Every engine worker echoes the version it now holds and a checksum of the bytes it received: an engine that
+    dropped a bucket (silent non-delivery, verl #7495 / slime #2280) fails the sync, naming it; one that got every
+    bucket passes and the stats carry the version."""
+    from rlhf.distributed.errors import WorkerError
+    from rlhf.rollout import senders
+
+    monkeypatch.setattr(senders, "gather", lambda refs, names, call, timeout_s=None: refs)
+    weights = [(f"w{i}", torch.randn(24, generator=torch.Generator().manual_seed(i))) for i in range(10)]
+    engine = _IpcEngine()
+    sender = senders.IpcSender(engine, 2, bucket_bytes=256)
+    sender.connect()
+    assert sender.send(iter(weights), version=3)["version"] == 3.0
+    load = engine.load_shared_bucket.remote
+    calls = []
+
+    def lossy(metas, handle, nbytes):  # the third bucket is acknowledged but never loaded
+        calls.append(nbytes)
+        return len(metas) if len(calls) == 3 else load(metas, handle, nbytes)
+
+    engine.load_shared_bucket.remote = lossy
+    with pytest.raises(
+        WorkerError, match=r"^rollout engine 2 worker 0 did not receive the weight update to version 4: "
+    ):
+        sender.send(iter(weights), version=4)
+
+
+def test_the_delivery_checksum_is_exact_and_sees_a_changed_byte():
+    from rlhf.rollout.weight_sync import bucket_checksum, pack_bucket
+
+    gen = torch.Generator().manual_seed(0)
+    bucket = pack_bucket([("a", torch.randn(5, generator=gen)), ("b", torch.randint(0, 9, (3,), generator=gen))])
+    data = bucket.data
+    words = [
+        int.from_bytes(bytes(data[i : i + 4].tolist()), "little", signed=True) for i in range(0, data.numel() - 3, 4)
+    ]
+    tail = sum(data[4 * len(words) :].tolist())
+    assert bucket_checksum(data, data.numel()) == sum(words) + tail
+    assert bucket_checksum(data, 7) == words[0] + sum(data[4:7].tolist())  # a cut bucket: its own sum
+    changed = data.clone()
+    changed[5] ^= 1
+    assert bucket_checksum(changed, changed.numel()) != bucket_checksum(data, data.numel())
