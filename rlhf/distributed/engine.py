@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Tuple, overload
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, overload
 
 import torch
 
@@ -454,6 +454,7 @@ def float64_sum_of_squares(
 
 
 _CPU = torch.device("cpu")
+GATHER_BYTES = 64 << 20  # ZeRO-3: full parameters gathered at once for a weight sync or an export
 
 
 # Typed per device: a device yields tensors, ``device=None`` yields ``None`` for each.
@@ -474,21 +475,51 @@ def iter_full_state(
 
 
 def iter_full_state(
-    module: torch.nn.Module, zero_stage: int, device: Optional[torch.device] = _CPU
+    module: torch.nn.Module, zero_stage: int, device: Optional[torch.device] = _CPU, gather_bytes: int = GATHER_BYTES
 ) -> Iterator[Tuple[str, Optional[torch.Tensor]]]:
     """Yield ``(name, full tensor on device)`` for every entry of the module's state dict, gathering ZeRO-3 shards.
 
     ``device=None`` yields ``(name, None)``: the caller only takes part in the gathers. Collective under ZeRO-3:
-    every rank of the group must iterate in lockstep.
+    every rank of the group must iterate in lockstep. ZeRO-3 gathers the parameters of consecutive entries together,
+    about ``gather_bytes`` of full parameters at a time (:func:`gather_chunks`): one all-gather per chunk instead of
+    one per tensor, and memory bounded by the chunk.
     """
-    params = dict(module.named_parameters(remove_duplicate=False))  # tied weights appear under both names
-    for name, value in module.state_dict(keep_vars=True).items():
-        param = params.get(name)
-        if param is not None and zero_stage == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                # a copy: the gathered storage is released when the context exits
-                yield name, None if device is None else param.data.detach().to(device, copy=True)
-        else:
+    entries = list(module.state_dict(keep_vars=True).items())
+    if zero_stage != 3:
+        for name, value in entries:
             yield name, None if device is None else value.detach().to(device)
+        return
+    import deepspeed
+
+    params = dict(module.named_parameters(remove_duplicate=False))  # tied weights appear under both names
+    for chunk in gather_chunks(entries, params, gather_bytes):
+        gathered = list({id(p): p for p in (params.get(name) for name, _ in chunk) if p is not None}.values())
+        with deepspeed.zero.GatheredParameters(gathered, modifier_rank=None):
+            for name, value in chunk:
+                param = params.get(name)
+                source = param.data if param is not None else value
+                # a copy: the gathered storage is released when the context exits
+                yield name, None if device is None else source.detach().to(device, copy=True)
+
+
+def gather_chunks(
+    entries: Sequence[Tuple[str, torch.Tensor]], params: Mapping[str, torch.Tensor], gather_bytes: int
+) -> List[List[Tuple[str, torch.Tensor]]]:
+    """``entries`` (a state dict's items, in order) cut into consecutive chunks whose parameters hold about
+    ``gather_bytes`` when gathered (a ZeRO-3 parameter's full size is its ``ds_numel``); a parameter larger than that
+    is a chunk of its own, a tied weight counts once per chunk."""
+    chunks: List[List[Tuple[str, torch.Tensor]]] = [[]]
+    size, seen = 0, set[int]()
+    for name, value in entries:
+        param = params.get(name)
+        nbytes = 0
+        if param is not None and id(param) not in seen:
+            nbytes = int(getattr(param, "ds_numel", param.numel())) * param.element_size()
+        if chunks[-1] and nbytes and size + nbytes > gather_bytes:
+            chunks.append([])
+            size, seen = 0, set()
+        chunks[-1].append((name, value))
+        if param is not None and id(param) not in seen:
+            seen.add(id(param))
+            size += nbytes
+    return [c for c in chunks if c]

@@ -12,6 +12,7 @@ from rlhf.distributed.packing import InfeasiblePlan, check_actors_fit, nodes_fro
 from rlhf.distributed.placement import Placement
 from rlhf.distributed.rendezvous import DRIVER_GRACE_S
 from rlhf.distributed.resource_plan import ROLLOUT, ActorPlan
+from rlhf.rollout.backend import RolloutBackend
 from rlhf.rollout.senders import make_senders
 from rlhf.rollout.sync_group import SyncTimeouts
 from rlhf.rollout.vllm_engine import Generation, SamplingSpec, VLLMEngine, VLLMSpec
@@ -55,7 +56,8 @@ def check_room(num_engines: int, cpus_per_engine: float, gpus_per_engine: float,
 
 
 class RolloutEngines:
-    """``num_engines`` :class:`~rlhf.rollout.vllm_engine.VLLMEngine` actors.
+    """``num_engines`` :class:`~rlhf.rollout.vllm_engine.VLLMEngine` actors: the vLLM
+    :class:`~rlhf.rollout.backend.RolloutBackend`.
 
     Args:
         spec: How each engine starts.
@@ -161,6 +163,10 @@ class RolloutEngines:
     def ping(self) -> List[bool]:
         return self._gather([h.ready.remote() for h in self.handles], "ping")
 
+    def versions(self) -> List[Optional[int]]:
+        """The weight version each engine holds (0: the model it started from)."""
+        return self._gather([h.version.remote() for h in self.handles], "version")
+
     def placements(self) -> List[dict]:
         return self._gather([h.placement.remote() for h in self.handles], "placement")
 
@@ -173,3 +179,8 @@ class RolloutEngines:
 
     def _gather(self, refs, call: str):
         return gather(refs, [f"{ROLE} {e}" for e in range(len(refs))], call)
+
+
+def as_backend(engines: RolloutEngines) -> RolloutBackend:
+    """The engines as the RL loop sees them; mypy (``make test``) checks here that they implement the protocol."""
+    return engines

@@ -54,7 +54,7 @@ class Environments(Protocol):
 
 
 class Generator(Protocol):
-    """The engines' side (:class:`rlhf.rollout.engines.RolloutEngines`)."""
+    """The engines' side: what an episode needs of a :class:`rlhf.rollout.backend.RolloutBackend`."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSpec) -> List[Generation]: ...
 

@@ -188,6 +188,10 @@ class VLLMEngine:
     def ready(self) -> bool:
         return True
 
+    def version(self) -> Optional[int]:
+        """The weight version this engine holds (the last update's, :meth:`finish_weight_update`)."""
+        return self.weight_version
+
     def placement(self) -> dict:
         return actor_placement()
 

@@ -25,7 +25,7 @@ from rlhf.objectives.actor_critic import PolicyObjective, ValueObjective
 from rlhf.ops.policy_loss import PolicyLossConfig
 from rlhf.rewards.functions import RewardFunctionScorer
 from rlhf.rl import ChatObservations, TurnLimits
-from rlhf.rollout.engines import RolloutEngines
+from rlhf.rollout.engines import RolloutEngines, as_backend
 from rlhf.rollout.sync_group import SyncTimeouts
 from rlhf.rollout.vllm_engine import VLLMSpec
 from rlhf.rollout.weight_sync import resolve_weight_sync
@@ -207,7 +207,7 @@ def _start_actors(cfg: RLRunConfig, ctx: RunContext, total_optimizer_steps: int)
 def _rl_actors(cfg: RLRunConfig, started: Dict[str, Any]) -> RLActors:
     return RLActors(
         policy=started["policy"],
-        engines=started[ROLLOUT],
+        engines=as_backend(started[ROLLOUT]),
         reference=started.get("reference"),
         reference_is_base=kind_of(cfg).reference_on_policy(cfg),
         critic=started.get("critic"),

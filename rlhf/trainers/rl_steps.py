@@ -36,7 +36,7 @@ from rlhf.objectives.base import Totals
 from rlhf.ops.dapo import overlong_penalty, pick_groups, varied_groups
 from rlhf.rewards.functions import metric_names
 from rlhf.rl import advantages_for, logp_mismatch
-from rlhf.rollout.engines import RolloutEngines
+from rlhf.rollout.backend import RolloutBackend
 from rlhf.rollout.vllm_engine import SamplingSpec
 from rlhf.trainers.rl_experience import PromptSet
 from rlhf.trainers.rl_rollout import EpisodeRollout, Rollout, single_turn
@@ -95,7 +95,7 @@ class RLActors:
     """The run's actors by role; the optional ones exist when the config asks for them."""
 
     policy: WorkerGroup  # trainable
-    engines: RolloutEngines
+    engines: RolloutBackend  # the vLLM engine actors (rlhf.rollout.engines.RolloutEngines)
     reference: Optional[WorkerGroup] = None  # frozen, when a KL term is used
     reference_is_base: bool = False  # LoRA: the KL reference is the policy's own frozen base (no reference group)
     critic: Optional[WorkerGroup] = None  # trainable, for GAE

@@ -207,3 +207,28 @@ def test_a_dead_engine_is_not_a_transport_to_fall_back_from(tiny_model, rl_promp
     with pytest.raises(WorkerError, match="rollout engine 1"):
         _connect_weight_sync(cfg, SimpleNamespace(gpus_per_worker=0.0), actors)
     assert actors.engines.tried == [("broadcast", "gloo")]
+
+
+def test_zero3_gathers_consecutive_parameters_in_chunks_of_about_gather_bytes():
+    """ZeRO-3's weight sync gathers a chunk of parameters at once (one all-gather each, not one per tensor): the
+    state dict's entries in order, a chunk closed before it would pass the budget, a parameter larger than it alone,
+    a tied weight counted once, buffers riding along. A partitioned parameter's full size is its ``ds_numel``."""
+    from rlhf.distributed.engine import gather_chunks
+
+    def param(numel, partitioned=False):
+        p = torch.nn.Parameter(torch.zeros(0 if partitioned else numel))
+        if partitioned:
+            p.ds_numel = numel
+        return p
+
+    embed, big = param(10, partitioned=True), param(100)
+    params = {"embed": embed, "a": param(6, partitioned=True), "b": param(8), "big": big, "c": param(4), "head": embed}
+    buffer = torch.zeros(50)
+    entries = (
+        [(n, params[n]) for n in ("embed", "a", "b")]
+        + [("rope", buffer)]
+        + [(n, params[n]) for n in ("big", "c", "head")]
+    )
+    chunks = gather_chunks(entries, params, gather_bytes=80)  # float32: 10, 6, 8, 100, 4, 10 (tied) params
+    assert [[name for name, _ in chunk] for chunk in chunks] == [["embed", "a"], ["b", "rope"], ["big"], ["c", "head"]]
+    assert [name for chunk in gather_chunks(entries, params, 1 << 30) for name, _ in chunk] == [n for n, _ in entries]
