@@ -8,8 +8,9 @@ the same time):
 
 * ``demo``: the demo's step (``grpo_tiny``: 128 samples of at most 6 tokens), where generation is a small share of
   the step, so overlap can win little;
-* ``balanced``: longer responses (``--balanced-tokens``, 48 by default, and 32 samples), where generation and the
-  rest of the step take comparable time.
+* ``balanced``: longer responses (``--balanced-tokens``, 48 by default, and 32 samples) from a fresh tiny model,
+  whose random weights rarely sample EOS, so every response runs to the budget, as long reasoning does: generation
+  and the rest of the step take comparable time (its rewards stay near 0).
 
 Prints per run (figures, not pass/fail), over the steps after the first (which include warm-up): seconds per step
 and samples/s; seconds per stage (``generate`` is the time blocked on generation, ``ahead`` the generation that ran
@@ -17,8 +18,8 @@ during the step); the trainer's idle share (blocked on generation) and the engin
 step and per wall-second. Then, for each shape, the limit of a two-stage pipeline, ``max(generate, the rest)`` of the
 synchronous step, and each async step time against it.
 
-``--model``: a model to start from (e.g. the demo's SFT model, ``.assets/demo/runs/sft/final`` after ``make demo``,
-so that rewards move); default: a fresh tiny model (random weights: rewards stay near 0, the timings are the same).
+``--model``: the ``demo`` shape's model (e.g. the demo's SFT model, ``.assets/demo/runs/sft/final`` after ``make
+demo``, so that rewards move); default: that one if present, else a fresh tiny model (rewards then stay near 0).
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ def shape_overrides(shape: str, balanced_tokens: int) -> list:
         f"rollout.max_new_tokens={balanced_tokens}",
         "train.global_batch_size=16",
         "train.micro_batch_size=16",
-        # the random tiny model rarely samples EOS: every response runs to the budget, as long reasoning does
-        "rollout.episode_limit=truncate",
+        "health.flat_reward_steps=0",  # random weights answer no sum right: every reward is 0, and the guard says so
     ]
 
 
@@ -120,12 +120,11 @@ def main(argv=None) -> int:
     from rlhf.synthetic import arithmetic
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench-async-")
-    model = args.model or (DEMO_SFT if os.path.isdir(DEMO_SFT) else "")
-    if not model:
-        model = build_tiny_model(os.path.join(workdir, "model"))
+    fresh = build_tiny_model(os.path.join(workdir, "model"))
+    model = args.model or (DEMO_SFT if os.path.isdir(DEMO_SFT) else fresh)
     prompts = os.path.join(workdir, "prompts.jsonl")
     arithmetic.write_jsonl(prompts, arithmetic.make_rl_prompts(512, seed=0))
-    print(f"model {model}; {args.steps} GRPO steps per run; runs under {workdir}")
+    print(f"demo shape: model {model}; balanced shape: {fresh}; {args.steps} GRPO steps per run; under {workdir}")
     init_ray(needed_cpus=4)
     for shape in args.shapes.split(","):
         print(f"\n{shape}:")
@@ -133,7 +132,8 @@ def main(argv=None) -> int:
         for k in (int(x) for x in args.staleness.split(",")):
             name = f"{shape}-k{k}"
             overrides = [*shape_overrides(shape, args.balanced_tokens), f"rollout.max_staleness={k}"]
-            figures[k] = summarize(f"k={k}", run(model, prompts, workdir, name, args.steps, overrides))
+            start = model if shape == "demo" else fresh
+            figures[k] = summarize(f"k={k}", run(start, prompts, workdir, name, args.steps, overrides))
         if 0 in figures:
             sync = figures[0]
             limit = max(sync["generate_s"], sync["rest_s"])
