@@ -169,6 +169,7 @@ def _rollout_lines(cfg: RLRunConfig, plan: ResourcePlan, devices: Devices) -> Li
         f"  vLLM sleep mode: {'on' if sleep else 'off'} (colocate.engine_sleep={c.engine_sleep})",
         f"  weight sync: {sync}: {transport} (rollout.weight_sync={r.weight_sync}), "
         f"{r.weight_sync_bucket_mb} MB buckets",
+        "  " + cfg.describe_schedule(),
     ]
     if cfg.multi_turn:
         e = cfg.env

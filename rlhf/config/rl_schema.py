@@ -485,6 +485,29 @@ class RLRunConfig(RunConfig):
     def multi_turn(self) -> bool:
         return bool(self.env.spec)
 
+    def describe_schedule(self) -> str:
+        """When each step's samples are generated and by which weights (``rollout.max_staleness``), with the
+        correction of the behaviour policy and DAPO's dynamic sampling when set (``--dry-run``, the run's first
+        lines)."""
+        r, a = self.rollout, self.algo
+        k = r.max_staleness
+        if k == 0:
+            line = "schedule: synchronous: each step generates its samples, then trains (rollout.max_staleness=0)"
+        else:
+            line = (
+                f"schedule: asynchronous: step t trains on samples of the weights after step max(0, t - {k + 1}), "
+                f"while the engines generate step t + {k}'s (rollout.max_staleness={k})"
+            )
+        correction = a.behaviour_correction
+        if correction is not None:
+            low = f"{correction.low:g} <= " if correction.low is not None else ""
+            line += f"; off-policy correction {correction.name}: {low}rho <= {correction.high:g}"
+        elif a.tis_cap:
+            line += f"; off-policy correction tis: rho <= {a.tis_cap:g} (algo.tis_cap)"
+        if r.dynamic_sampling:
+            line += f"; dynamic sampling: up to {r.dynamic_sampling_draws} more draws a step"
+        return line
+
     @property
     def max_sequence_length(self) -> int:
         """The longest row a step trains on and the engines' context: a prompt and its response, or an episode."""

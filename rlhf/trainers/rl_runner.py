@@ -337,6 +337,7 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
         f"{cfg.algo.advantage_estimator} / {cfg.algo.policy_loss} / {cfg.algo.describe_aggregation()}; "
         f"{cfg.algo.describe_clip()}"
     )
+    log.info(f"[rl] {cfg.describe_schedule()}")
     if cfg.multi_turn:
         e = cfg.env
         log.info(

@@ -175,6 +175,9 @@ def test_a_launcher_script_dry_run_in_a_subprocess():
     assert "node 0: bundles 0-7 (GPUs 0-7)" in proc.stdout  # policy + reference on the first node
     assert "node 1: actors 0-3 (GPUs 0-7)" in proc.stdout  # the 4 two-GPU engines on the second
     assert "weight sync: broadcast" in proc.stdout and "nccl process group" in proc.stdout
+    assert (
+        "  schedule: synchronous: each step generates its samples, then trains (rollout.max_staleness=0)" in proc.stdout
+    )
 
 
 def test_dry_run_imports_no_ray_here_or_simulated(tmp_path):

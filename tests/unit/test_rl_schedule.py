@@ -131,3 +131,26 @@ def test_samples_that_need_weights_already_replaced_are_refused():
     schedule.updated = 4  # the weights after step 4 are the engines'
     with pytest.raises(RuntimeError, match="RL step 5 must come from the weights after step 2, but step 4"):
         schedule.take(5)
+
+
+def test_the_schedule_is_described_with_its_correction_and_dynamic_sampling():
+    """The line --dry-run prints under rollout, and the run among its first lines."""
+    from rlhf.config.loader import load_config
+    from rlhf.config.rl_schema import RLRunConfig
+
+    def described(*overrides):
+        return load_config(
+            RLRunConfig, "grpo_tiny", ["model.path=/m", "data.train_path=/d.jsonl", *overrides]
+        ).describe_schedule()
+
+    assert (
+        described() == "schedule: synchronous: each step generates its samples, then trains (rollout.max_staleness=0)"
+    )
+    assert described(
+        "rollout.max_staleness=1", "algo.off_policy_correction=icepop", "rollout.dynamic_sampling=true"
+    ) == (
+        "schedule: asynchronous: step t trains on samples of the weights after step max(0, t - 2), while the engines "
+        "generate step t + 1's (rollout.max_staleness=1); off-policy correction icepop: 0.5 <= rho <= 5; dynamic "
+        "sampling: up to 4 more draws a step"
+    )
+    assert described("algo.tis_cap=1.5").endswith("; off-policy correction tis: rho <= 1.5 (algo.tis_cap)")
