@@ -57,6 +57,11 @@ class RolloutConfig:
     # max(0, t - 1 - max_staleness) generated, while the steps between trained; 0 = synchronous (generate, then
     # train). 1 is "one step off": step t's samples are generated while step t - 1 trains
     max_staleness: int = 0
+    # Partial rollouts (with max_staleness >= 1, single-turn): a step generated ahead samples this many tokens of every
+    # response with the weights it started with, pauses until the next weights land, and samples the rest with them:
+    # the weight sync waits for those tokens only, not for the longest response; each token records its version
+    # (async/version_span); 0 = off
+    partial_rollout_tokens: int = 0
     # DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): groups whose samples all score the same train nothing under
     # a group estimator; with true each step draws more prompts until rollout.prompts_per_step groups differ, at most
     # rollout.dynamic_sampling_draws more draws of rollout.prompts_per_step prompts each (seeded by the step), then
@@ -100,6 +105,21 @@ class RolloutConfig:
         ):
             _check(getattr(self, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(self, key)}")
         _check(self.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0, got {self.max_staleness}")
+        _check(
+            0 <= self.partial_rollout_tokens < self.max_new_tokens,
+            "rollout.partial_rollout_tokens",
+            f"must be in [0, rollout.max_new_tokens={self.max_new_tokens}), got {self.partial_rollout_tokens}",
+        )
+        _check(
+            not self.partial_rollout_tokens or self.max_staleness >= 1,
+            "rollout.partial_rollout_tokens",
+            "needs rollout.max_staleness >= 1: only a generation running ahead of training sees the weights change",
+        )
+        _check(
+            not (self.partial_rollout_tokens and self.dynamic_sampling),
+            "rollout.partial_rollout_tokens",
+            "and rollout.dynamic_sampling together are not supported yet: a draw would span two weight versions",
+        )
         _check(
             self.dynamic_sampling_draws >= 1,
             "rollout.dynamic_sampling_draws",
@@ -443,6 +463,11 @@ class RLRunConfig(RunConfig):
                 "rollout.dynamic_sampling",
                 "is single-turn for now: with env.spec each episode's metrics come from its environment records",
             )
+        _check(
+            not (self.rollout.partial_rollout_tokens and self.multi_turn),
+            "rollout.partial_rollout_tokens",
+            "is single-turn for now: an episode already returns to the engines at every turn",
+        )
         _check(
             not (self.rollout.overlong_buffer and self.multi_turn),
             "rollout.overlong_buffer",

@@ -136,8 +136,11 @@ class RunCheckpoints:
             return 0
         path, state = found
         saved = state.get("identity", {})
+        # both ways: a key only one side has (a setting that exists only when on, e.g. rollout.max_staleness) differs
         differ = [
-            f"{k}={saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in self.identity.items() if saved.get(k) != v
+            f"{k}={saved.get(k)!r} in the checkpoint, {self.identity.get(k)!r} now"
+            for k in dict.fromkeys([*self.identity, *saved])
+            if saved.get(k) != self.identity.get(k)
         ]
         if differ:
             raise ConfigError(f"train.resume: {path} belongs to another run: " + "; ".join(differ))

@@ -33,7 +33,7 @@ from rlhf.rl import (
 )
 from rlhf.rollout.multi_turn import RolloutStats
 from rlhf.rollout.observations import ChatObservations, TextObservations
-from rlhf.rollout.vllm_engine import SamplingSpec
+from rlhf.rollout.vllm_engine import Generation, SamplingSpec
 from rlhf.trainers.rl_experience import PromptSet
 from rlhf.utils.log import get_logger
 
@@ -109,6 +109,11 @@ class Rollout:
 
 def single_turn(engines, tokenizer, prompts: PromptSet, prompt_index: List[int], sampling: SamplingSpec) -> Rollout:
     generations = engines.generate([prompts.prompt_ids[i] for i in prompt_index], sampling)
+    return single_turn_of(generations, tokenizer, prompt_index)
+
+
+def single_turn_of(generations: Sequence[Generation], tokenizer, prompt_index: List[int]) -> Rollout:
+    """The rollout of single-turn ``generations`` (``prompt_index[j]``: generation ``j``'s prompt)."""
     responses = tokenizer.batch_decode([list(g.response_ids) for g in generations], skip_special_tokens=True)
     cut = torch.tensor([g.finish_reason == "length" for g in generations], dtype=torch.bool)
     return Rollout(

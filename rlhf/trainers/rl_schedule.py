@@ -21,6 +21,12 @@ So a run reproduces exactly, and resumes exactly: the checkpoint of step ``t`` h
 
 A step the run skips (``train.skip_steps``, a health-guard rewind) changes no weights: samples of a later step that
 are missing then are generated from the engines' weights, which are still the version the schedule names.
+
+**Partial rollouts** (``partial=True``, ``rollout.partial_rollout_tokens``): the generation running ahead gets a
+``pause`` callback. It samples the first tokens of every response, then calls ``pause()``, which returns once the
+next weights have landed (:meth:`RolloutSchedule.pushed`); it samples the rest with them. The weight sync waits for
+the pause point only (:meth:`RolloutSchedule.settle_for_push`), not for the longest response. Still deterministic: the
+switch is at a token count, never at a time.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Generic, Optional, TypeVar
+
+Pause = Callable[[], None]  # a generation running ahead calls it where the next weights may land (partial rollouts)
 
 STATE_FILE = "rollouts.pt"
 S = TypeVar("S")  # a step's samples (rlhf.trainers.rl_rollout.Rollout)
@@ -49,6 +57,8 @@ class _Ahead(Generic[S]):
     result: Optional[S] = None
     error: Optional[BaseException] = None
     seconds: float = 0.0
+    paused: threading.Event = field(default_factory=threading.Event)  # it reached its pause point (or ended)
+    resume: threading.Event = field(default_factory=threading.Event)  # the next weights landed: go on
 
 
 @dataclass
@@ -67,14 +77,17 @@ class RolloutSchedule(Generic[S]):
     Args:
         staleness: ``rollout.max_staleness`` (``k``).
         total_steps: the run's last RL step (nothing is generated past it).
-        generate: ``generate(step)`` returns step ``step``'s samples (a :class:`~rlhf.trainers.rl_rollout.Rollout`)
-            generated with the engines' current weights; called on the driver's thread or on the background one,
-            never on both at once.
+        generate: ``generate(step, pause)`` returns step ``step``'s samples (a
+            :class:`~rlhf.trainers.rl_rollout.Rollout`) generated with the engines' current weights; called on the
+            driver's thread (``pause`` None) or on the background one, never on both at once. With ``partial``, the
+            background call gets a ``pause`` to call where the next weights may land.
+        partial: partial rollouts (module docstring).
     """
 
     staleness: int
     total_steps: int
-    generate: Callable[[int], S]
+    generate: Callable[[int, Optional[Pause]], S]
+    partial: bool = False
     ready: Dict[int, S] = field(default_factory=dict)  # step -> samples generated and not yet trained
     versions: Dict[int, int] = field(default_factory=dict)  # step -> the version that generated its samples
     updated: int = 0  # the last step whose update reached the engines (steps skipped since changed nothing)
@@ -112,6 +125,11 @@ class RolloutSchedule(Generic[S]):
             return
         started = time.perf_counter()
         assert ahead.thread is not None, "_start_ahead starts the thread before it stores the job"
+        if ahead.paused.is_set() and not ahead.resume.is_set() and ahead.thread.is_alive():
+            raise RuntimeError(
+                f"the generation of RL step {ahead.step} waits for new weights that were never pushed (pushed() "
+                f"comes before settle())"
+            )
         ahead.thread.join()
         self.times.waited += time.perf_counter() - started
         self.times.ahead += ahead.seconds
@@ -120,9 +138,24 @@ class RolloutSchedule(Generic[S]):
         assert ahead.result is not None, "a generation that did not fail returned its samples"
         self._store(ahead.step, ahead.result)
 
+    def settle_for_push(self) -> None:
+        """Before a weight sync: wait until the background generation can take new weights: the end of it, or with
+        ``partial`` its pause point (it then goes on with the new weights once :meth:`pushed` says they landed)."""
+        ahead = self._ahead
+        if ahead is None or not self.partial:
+            self.settle()
+            return
+        started = time.perf_counter()
+        ahead.paused.wait()
+        self.times.waited += time.perf_counter() - started
+        if ahead.error is not None:
+            self.settle()  # raises it
+
     def pushed(self, step: int) -> None:
-        """Step ``step`` trained and its weights reached the engines."""
+        """Step ``step`` trained and its weights reached the engines (a paused generation goes on with them)."""
         self.updated = step
+        if self._ahead is not None:
+            self._ahead.resume.set()
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str) -> None:
@@ -151,7 +184,7 @@ class RolloutSchedule(Generic[S]):
     # ------------------------------------------------------------------------------------------ internals
     def _generate_now(self, step: int) -> S:
         self._check_weights(step)
-        return self.generate(step)
+        return self.generate(step, None)
 
     def _check_weights(self, step: int) -> None:
         """The engines' weights must be the version that generates ``step``: the schedule never asks otherwise
@@ -171,13 +204,19 @@ class RolloutSchedule(Generic[S]):
         self._check_weights(step)  # on this thread, before the background one starts
         ahead: _Ahead[S] = _Ahead(step)
 
+        def pause() -> None:
+            ahead.paused.set()
+            ahead.resume.wait()
+
         def run() -> None:
             started = time.perf_counter()
             try:
-                ahead.result = self.generate(step)
+                ahead.result = self.generate(step, pause if self.partial else None)
             except BaseException as exc:  # noqa: BLE001 -- handed to the driver's thread by settle()
                 ahead.error = exc
-            ahead.seconds = time.perf_counter() - started
+            finally:
+                ahead.seconds = time.perf_counter() - started
+                ahead.paused.set()  # a generation that ended (or failed) before its pause point
 
         ahead.thread = threading.Thread(target=run, name=f"rlhf-rollout-step-{step}", daemon=True)
         self._ahead = ahead

@@ -18,6 +18,7 @@ health guard, logging, rewinds) is :class:`rlhf.trainers.run.Run`'s, the same as
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import time
@@ -37,10 +38,10 @@ from rlhf.ops.dapo import overlong_penalty, pick_groups, varied_groups
 from rlhf.rewards.functions import metric_names
 from rlhf.rl import advantages_for, logp_mismatch
 from rlhf.rollout.backend import RolloutBackend
-from rlhf.rollout.vllm_engine import SamplingSpec
+from rlhf.rollout.vllm_engine import Generation, SamplingSpec
 from rlhf.trainers.rl_experience import PromptSet
-from rlhf.trainers.rl_rollout import EpisodeRollout, Rollout, single_turn
-from rlhf.trainers.rl_schedule import RolloutSchedule, behaviour_version
+from rlhf.trainers.rl_rollout import EpisodeRollout, Rollout, single_turn, single_turn_of
+from rlhf.trainers.rl_schedule import Pause, RolloutSchedule, behaviour_version
 from rlhf.utils.metrics import ConsoleTable, Progress, format_row
 
 CONSOLE_KEYS = (
@@ -61,6 +62,7 @@ EVAL_CONSOLE_KEYS = ("reward_mean", "accuracy", "response_length", "episode/turn
 RL_WATCHED = ("policy_loss", "grad_norm", "kl", "value_loss", "critic_grad_norm", "reward_mean")
 EVAL_SEED_BASE = 1 << 40  # evaluation seeds live far from the training steps' (seed * 1_000_003 + step * 10_007 + j)
 DRAW_SEED_BASE = 1 << 42  # dynamic sampling's draw d of a step: d * this + the step's base (far from both)
+CONTINUATION_SEED_BASE = 1 << 43  # partial rollouts: the rest of a response, after the weights changed
 SHAPING_SOURCES = ("overlong",)  # per-source rewards that shape, never say whether an answer is right
 TABLE_COLUMNS = (
     ("step", "step"),
@@ -137,7 +139,10 @@ class RLTrainer:
     @functools.cached_property
     def schedule(self) -> RolloutSchedule[Rollout]:
         """Which weights generate each step's samples, and the generation running ahead (``rollout.max_staleness``)."""
-        return RolloutSchedule(self.cfg.rollout.max_staleness, self.plan.total_steps, self._generate_step)
+        r = self.cfg.rollout
+        return RolloutSchedule(
+            r.max_staleness, self.plan.total_steps, self._generate_step, partial=bool(r.partial_rollout_tokens)
+        )
 
     @property
     def has_eval(self) -> bool:
@@ -161,17 +166,20 @@ class RLTrainer:
         with timer("train"):
             train_stats = self.update(self.trained_rows(batch, rollout), step.step)
         if self.schedule.staleness:
-            with timer("wait"):  # the generation running ahead ends before the weights change
-                self.schedule.settle()
+            with timer("wait"):  # the generation running ahead ends (or pauses) before the weights change
+                self.schedule.settle_for_push()
         with timer("sync"):
             sync = self.push_weights(step.step)
             self.schedule.pushed(step.step)
         stats = {**rollout.metrics, **train_stats, **kl_stats, **self._staleness(step.step, rollout)}
         return self.row(step, scores, per_source, batch, stats, sync, timer)
 
-    def _generate_step(self, step: int) -> Rollout:
+    def _generate_step(self, step: int, pause: Optional[Pause] = None) -> Rollout:
         """Step ``step``'s samples with the engines' current weights, each sampled token recording the version
-        that generated it (the schedule's, :func:`~rlhf.trainers.rl_schedule.behaviour_version`)."""
+        that generated it (the schedule's, :func:`~rlhf.trainers.rl_schedule.behaviour_version`); with a ``pause``
+        (partial rollouts), the responses' first tokens before it, the rest with the next weights (:meth:`_partial`)."""
+        if pause is not None:
+            return self._partial(self.plan.step(step), pause)
         rollout = self.generate(self.plan.step(step))
         if not self.schedule.staleness:
             return rollout
@@ -179,6 +187,56 @@ class RLTrainer:
         assert mask is not None, "a rollout batch carries its loss mask"
         version = behaviour_version(step, self.schedule.staleness)
         rollout.token_versions = torch.where(mask != 0, version, -1)
+        return rollout
+
+    def _partial(self, step: StepPlan, pause: Pause) -> Rollout:
+        """Partial rollouts (``rollout.partial_rollout_tokens = c``): every response's first ``c`` tokens with the
+        engines' weights (version ``v``, the schedule's), then ``pause()`` until the weights of step ``v + 1`` land,
+        then the rest of each response not yet ended, continued from its prompt and first tokens with the new weights
+        and seeds of their own. A response thus spans versions ``v`` and ``v + 1``, recorded per token; its sampling
+        log-probs are each token's own version's."""
+        r = self.cfg.rollout
+        prompt_index = [i for i in step.indices for _ in range(r.n_samples_per_prompt)]
+        sampling = self._sampling(self.prompts, self._seed_base(step.step))
+        engines = self.actors.engines
+        first = engines.generate(
+            [self.prompts.prompt_ids[i] for i in prompt_index],
+            dataclasses.replace(sampling, max_new_tokens=r.partial_rollout_tokens),
+        )
+        pause()  # the weight sync of the step training now waits for this point only
+        going = [j for j, g in enumerate(first) if g.finish_reason == "length"]
+        rest = (
+            engines.generate(
+                [tuple(first[j].prompt_ids) + tuple(first[j].response_ids) for j in going],
+                dataclasses.replace(
+                    sampling,
+                    max_new_tokens=r.max_new_tokens - r.partial_rollout_tokens,
+                    seed=None if sampling.seed is None else sampling.seed + CONTINUATION_SEED_BASE,
+                ),
+            )
+            if going
+            else []
+        )
+        whole = list(first)
+        for j, tail in zip(going, rest):
+            g = first[j]
+            whole[j] = Generation(
+                g.prompt_ids,
+                g.response_ids + tail.response_ids,
+                g.response_logps + tail.response_logps,
+                tail.finish_reason,
+            )
+        rollout = single_turn_of(whole, self.tokenizer, prompt_index)
+        version = behaviour_version(step.step, r.max_staleness)
+        versions = torch.full_like(rollout.batch.input_ids, -1)
+        for j, (g, w) in enumerate(zip(first, whole)):
+            start, cut, end = (
+                len(g.prompt_ids),
+                len(g.prompt_ids) + len(g.response_ids),
+                len(w.prompt_ids) + len(w.response_ids),
+            )
+            versions[j, start:cut], versions[j, cut:end] = version, version + 1
+        rollout.token_versions = versions
         return rollout
 
     def _staleness(self, step: int, rollout: Rollout) -> dict:
@@ -253,11 +311,11 @@ class RLTrainer:
         )
         return rollout
 
-    def _sample(self, prompts: PromptSet, prompt_index: List[int], seed_base: int, step: int) -> Rollout:
+    def _sampling(self, prompts: PromptSet, seed_base: int) -> SamplingSpec:
         r = self.cfg.rollout
         # Sample j is drawn with seed base + j whichever engine serves it: reproducible rollouts that do not
         # depend on rollout.num_engines.
-        sampling = SamplingSpec(
+        return SamplingSpec(
             max_new_tokens=r.max_new_tokens,
             temperature=r.temperature,
             top_p=r.top_p,
@@ -265,6 +323,9 @@ class RLTrainer:
             seed=seed_base,
             stop_token_ids=prompts.stop_token_ids or (self.tokenizer.eos_token_id,),
         )
+
+    def _sample(self, prompts: PromptSet, prompt_index: List[int], seed_base: int, step: int) -> Rollout:
+        sampling = self._sampling(prompts, seed_base)
         if self.episodes is not None:
             return self.episodes(self.actors.engines, prompts, prompt_index, sampling, step)
         return single_turn(self.actors.engines, self.tokenizer, prompts, prompt_index, sampling)
@@ -408,6 +469,7 @@ class RLTrainer:
         """Held-out prompts (``data.eval_path``), ``rollout.eval_samples_per_prompt`` samples each, scored like
         training samples; the run calls it before the first step, every ``train.eval_every`` steps and after the
         last. The seeds are the same at every evaluation, so successive rows differ only by the policy."""
+        self.schedule.settle()  # partial rollouts: the generation running ahead ends before the engines evaluate
         n = self.cfg.rollout.eval_samples_per_prompt
         assert self.eval_prompts is not None, "the run evaluates only with has_eval, i.e. with eval_prompts"
         index = [i for i in range(len(self.eval_prompts.prompt_ids)) for _ in range(n)]

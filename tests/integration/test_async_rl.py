@@ -12,7 +12,8 @@ stopped after step 2 and resumed:
   with the same rows and bit-identical weights.
 
 And DAPO's dynamic sampling with its overlong shaping, on the engines and generated ahead: with the 0/1 arithmetic
-reward the random tiny model's groups mostly tie, so steps draw more prompts and keep the batch's size.
+reward the random tiny model's groups mostly tie, so steps draw more prompts and keep the batch's size. And partial
+rollouts: responses that span two weight versions, recorded per token, resumed exactly.
 """
 
 from __future__ import annotations
@@ -53,6 +54,34 @@ def dynamic(tiny_model, rl_prompts, rl_shaping, tmp_path_factory):
     extra = ("reward.functions=[rlhf.synthetic.arithmetic:reward]", "rollout.dynamic_sampling=true")
     rows, _ = run_rl(tiny_model, rl_prompts, rl_shaping, out, *ASYNC, *extra, "rollout.overlong_buffer=2")
     return rows
+
+
+PARTIAL = (*ASYNC, "rollout.partial_rollout_tokens=2")  # of rollout.max_new_tokens=4
+
+
+@pytest.fixture(scope="module")
+def partial(tiny_model, rl_prompts, rl_shaping, tmp_path_factory):
+    """k = 1 with partial rollouts, whole and stopped after step 2 then resumed."""
+    base = tmp_path_factory.mktemp("partial")
+    whole = run_rl(tiny_model, rl_prompts, rl_shaping, str(base / "whole"), *PARTIAL)
+    out = str(base / "resumed")
+    _, stopped = run_rl(tiny_model, rl_prompts, rl_shaping, out, *PARTIAL, "train.stop_after_steps=2")
+    assert stopped.stopped_at == 2
+    return whole, run_rl(tiny_model, rl_prompts, rl_shaping, out, *PARTIAL, "train.resume=true")
+
+
+def test_partial_rollouts_span_two_versions_and_resume_exactly(partial):
+    """Steps 2-4 were generated while the step before trained: each response's first 2 tokens by the older
+    weights, the rest by the weights that then train on them (so less stale than without partial rollouts);
+    the weight sync waited for 2 tokens, not for the responses. Stopped and resumed, the run ends identical."""
+    (whole, whole_result), (resumed, resumed_result) = partial
+    assert whole[0]["async/version_span"] == 0.0 and whole[0]["async/staleness_max"] == 0.0  # generated at start
+    for r in whole[1:]:
+        assert 0.0 < r["async/version_span"] <= 1.0 and r["async/staleness_max"] == 1.0
+        assert 0.0 < r["async/staleness_mean"] < 1.0  # some tokens by the proximal weights themselves
+    assert [_exact(r) for r in resumed] == [_exact(r) for r in whole]
+    a, b = _weights(whole_result.final_dir), _weights(resumed_result.final_dir)
+    assert a and set(a) == set(b) and all(bool((a[k] == b[k]).all()) for k in a)
 
 
 def test_dynamic_sampling_draws_on_the_engines_and_keeps_the_batch_size(dynamic):

@@ -361,3 +361,19 @@ def test_the_cli_prints_the_new_directory_before_it_reads_anything(tmp_path, mon
         r"^\[sft\] output directory: outputs/sft-\d{8}-\d{6} \(new: train\.output_dir is not set\)$", captured.out, re.M
     )  # ... after the user was told where it would write
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_checkpoint_identity_key_only_one_side_has_is_a_difference(tmp_path):
+    """A setting in the identity only when it is on (an asynchronous run's rollout.max_staleness): resuming a k=1
+    checkpoint with k=0, or a k=0 one with k=1, is refused, naming the key; the same identity resumes."""
+    out = str(tmp_path / "run")
+    cfg = _cfg(out, "train.resume=true")
+    Checkpoints(out, keep=2).save(3, {"policy": _Saver()}, {"identity": {"train.seed": 42, "rollout.max_staleness": 1}})
+    with pytest.raises(
+        ConfigError, match=r"belongs to another run: rollout.max_staleness=1 in the checkpoint, None now"
+    ):
+        RunCheckpoints(cfg.train, {"train.seed": 42}, "rl").prepare()
+    assert RunCheckpoints(cfg.train, {"train.seed": 42, "rollout.max_staleness": 1}, "rl").prepare() == 3
+    Checkpoints(out, keep=2).save(4, {"policy": _Saver()}, {"identity": {"train.seed": 42}})
+    with pytest.raises(ConfigError, match=r"rollout.max_staleness=None in the checkpoint, 2 now"):
+        RunCheckpoints(cfg.train, {"train.seed": 42, "rollout.max_staleness": 2}, "rl").prepare()

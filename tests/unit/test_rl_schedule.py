@@ -19,7 +19,7 @@ class Engines:
         self.weights = 0
         self.calls = []  # (step generated, weights used, on the driver's thread)
 
-    def generate(self, step: int):
+    def generate(self, step: int, pause=None):
         self.calls.append((step, self.weights, threading.current_thread() is threading.main_thread()))
         return ("samples of step", step, "by version", self.weights)
 
@@ -62,7 +62,7 @@ def test_the_generation_of_step_t_plus_k_runs_while_step_t_trains():
     engines = Engines()
     generated = {}
 
-    def generate(step):
+    def generate(step, pause=None):
         out = engines.generate(step)
         generated.setdefault(step, threading.Event()).set()
         return out
@@ -111,7 +111,7 @@ def test_a_failed_background_generation_is_raised_on_the_driver_thread():
     class EngineDied(RuntimeError):
         pass
 
-    def generate(step):
+    def generate(step, pause=None):
         if step == 3:
             raise EngineDied("rollout engine 0 died generating RL step 3")
         return step
@@ -127,7 +127,7 @@ def test_a_failed_background_generation_is_raised_on_the_driver_thread():
 
 def test_samples_that_need_weights_already_replaced_are_refused():
     """Never asked by the run (a checkpoint holds such samples); a schedule that lost them says so."""
-    schedule = RolloutSchedule(2, 8, lambda step: step)
+    schedule = RolloutSchedule(2, 8, lambda step, pause: step)
     schedule.updated = 4  # the weights after step 4 are the engines'
     with pytest.raises(RuntimeError, match="RL step 5 must come from the weights after step 2, but step 4"):
         schedule.take(5)
@@ -154,3 +154,41 @@ def test_the_schedule_is_described_with_its_correction_and_dynamic_sampling():
         "sampling: up to 4 more draws a step"
     )
     assert described("algo.tis_cap=1.5").endswith("; off-policy correction tis: rho <= 1.5 (algo.tis_cap)")
+
+
+def test_partial_rollouts_pause_for_the_weights_then_go_on_with_them():
+    """With ``partial``, the generation running ahead samples its first part, pauses; the weight sync waits for
+    that point only (settle_for_push returns while the generation is still unfinished); once pushed, the rest is
+    sampled with the new weights. Generated at the start (on the driver's thread) there is no pause."""
+    engines = Engines()
+    parts = {}
+
+    def generate(step, pause=None):
+        first = engines.weights
+        if pause is not None:
+            pause()
+        parts[step] = (first, engines.weights)
+        return parts[step]
+
+    schedule = RolloutSchedule(1, total_steps=3, generate=generate, partial=True)
+    for step in range(1, 4):
+        assert schedule.take(step) == parts[step]
+        schedule.settle_for_push()  # returns at the pause point: the rest of step + 1 is not sampled yet
+        if step < 3:
+            assert step + 1 not in parts
+        engines.weights = step
+        schedule.pushed(step)
+    schedule.settle()
+    # step 1 on the driver's thread, whole; steps 2 and 3 begun with the weights before the step that trained
+    # meanwhile and finished with that step's
+    assert parts == {1: (0, 0), 2: (0, 1), 3: (1, 2)}
+
+
+def test_a_paused_generation_is_never_joined_before_the_push():
+    schedule = RolloutSchedule(1, total_steps=3, generate=lambda step, pause: pause and pause(), partial=True)
+    schedule.take(1)
+    schedule.settle_for_push()
+    with pytest.raises(RuntimeError, match="RL step 2 waits for new weights that were never pushed"):
+        schedule.settle()
+    schedule.pushed(1)
+    schedule.settle()
