@@ -12,6 +12,9 @@ the same time):
   whose random weights rarely sample EOS, so every response runs to the budget, as long reasoning does: generation
   and the rest of the step take comparable time (its rewards stay near 0).
 
+* ``longtail`` (not run by default: ``--shapes longtail``): the demo's model at temperature 2 with 64 new tokens,
+  most answers short, some to the budget; with ``--partial N`` the async runs use partial rollouts of N tokens.
+
 Prints per run (figures, not pass/fail), over the steps after the first (which include warm-up): seconds per step
 and samples/s; seconds per stage (``generate`` is the time blocked on generation, ``ahead`` the generation that ran
 during the step); the trainer's idle share (blocked on generation) and the engine's (not generating); reward per
@@ -40,6 +43,15 @@ DEMO_SFT = os.path.join(".assets", "demo", "runs", "sft", "final")
 def shape_overrides(shape: str, balanced_tokens: int) -> list:
     if shape == "demo":
         return []  # grpo_tiny as the demo runs it
+    if shape == "longtail":  # the demo's model at T=2: most answers end in a few tokens, some run to the budget
+        return [
+            "rollout.temperature=2.0",
+            "rollout.max_new_tokens=64",
+            "rollout.prompts_per_step=8",
+            "rollout.n_samples_per_prompt=4",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=16",
+        ]
     return [
         "rollout.prompts_per_step=8",
         "rollout.n_samples_per_prompt=4",
@@ -110,6 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--balanced-tokens", type=int, default=48)
     ap.add_argument("--shapes", default="demo,balanced")
     ap.add_argument("--staleness", default="0,1,2")
+    ap.add_argument("--partial", type=int, default=0, help="rollout.partial_rollout_tokens of the k >= 1 runs")
     args = ap.parse_args(argv)
 
     from rlhf.cli.common import quiet_environment
@@ -132,7 +145,9 @@ def main(argv=None) -> int:
         for k in (int(x) for x in args.staleness.split(",")):
             name = f"{shape}-k{k}"
             overrides = [*shape_overrides(shape, args.balanced_tokens), f"rollout.max_staleness={k}"]
-            start = model if shape == "demo" else fresh
+            if k and args.partial:
+                overrides.append(f"rollout.partial_rollout_tokens={args.partial}")
+            start = fresh if shape == "balanced" else model
             figures[k] = summarize(f"k={k}", run(start, prompts, workdir, name, args.steps, overrides))
         if 0 in figures:
             sync = figures[0]
