@@ -120,16 +120,17 @@ class RolloutSchedule(Generic[S]):
 
     def settle(self) -> None:
         """Wait for the background generation, if one runs; its error, if it failed, is raised here."""
-        ahead, self._ahead = self._ahead, None
+        ahead = self._ahead
         if ahead is None:
             return
-        started = time.perf_counter()
         assert ahead.thread is not None, "_start_ahead starts the thread before it stores the job"
         if ahead.paused.is_set() and not ahead.resume.is_set() and ahead.thread.is_alive():
-            raise RuntimeError(
+            raise RuntimeError(  # kept: a later pushed() still lets it go on
                 f"the generation of RL step {ahead.step} waits for new weights that were never pushed (pushed() "
                 f"comes before settle())"
             )
+        self._ahead = None
+        started = time.perf_counter()
         ahead.thread.join()
         self.times.waited += time.perf_counter() - started
         self.times.ahead += ahead.seconds

@@ -185,10 +185,16 @@ def test_partial_rollouts_pause_for_the_weights_then_go_on_with_them():
 
 
 def test_a_paused_generation_is_never_joined_before_the_push():
-    schedule = RolloutSchedule(1, total_steps=3, generate=lambda step, pause: pause and pause(), partial=True)
+    def generate(step, pause):
+        if pause is not None:
+            pause()
+        return step
+
+    schedule = RolloutSchedule(1, total_steps=3, generate=generate, partial=True)
     schedule.take(1)
     schedule.settle_for_push()
     with pytest.raises(RuntimeError, match="RL step 2 waits for new weights that were never pushed"):
         schedule.settle()
-    schedule.pushed(1)
+    schedule.pushed(1)  # the paused generation is still the schedule's: the push lets it finish
     schedule.settle()
+    assert 2 in schedule.ready
