@@ -181,3 +181,44 @@ def comm_op_links(extensions_dir) -> int:
         return 0
     with open(log, encoding="utf-8") as f:
         return sum(1 for line in f.read().splitlines() if line.split("\t")[3:4] == [f"{SHM_COMM_OP}.so"])
+
+
+def tiny_qwen_config(vocab: int):
+    """The one-layer Qwen2 config the objective tests compute on: eager attention, pad id 0."""
+    import transformers
+
+    return transformers.Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+
+
+def tiny_float64_policy(vocab: int):
+    """A causal LM of :func:`tiny_qwen_config` in float64, initialised under ``torch.manual_seed(0)``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(tiny_qwen_config(vocab)).double()
+
+
+def padded_rows(lengths, vocab: int, gen):
+    """``(input_ids, attention_mask, loss_mask)`` of right-padded rows of ``(prompt, response)`` token counts: ids
+    drawn from ``gen`` in ``1 .. vocab - 1`` (never the pad id 0), attention on every real token, the loss mask on
+    the response's."""
+    import torch
+
+    width = max(p + r for p, r in lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attn, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (p, r) in enumerate(lengths):
+        ids[i, : p + r] = torch.randint(1, vocab, (p + r,), generator=gen)
+        attn[i, : p + r] = 1
+        loss_mask[i, p : p + r] = 1
+    return ids, attn, loss_mask

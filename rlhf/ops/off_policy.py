@@ -185,8 +185,7 @@ def _tis(rho: Tensor, log_rho: Tensor, m: Tensor, low: Optional[float], high: fl
 )
 def _mis(rho: Tensor, log_rho: Tensor, m: Tensor, low: Optional[float], high: float):
     """Masked importance sampling: ``w = rho`` where ``rho <= high``, else 0 (the token is dropped, not capped)."""
-    masked = rho > high
-    return torch.where(masked, torch.zeros_like(rho), rho), masked, torch.zeros_like(m)
+    return _dropped(rho, rho > high, m)
 
 
 @_correction(
@@ -199,7 +198,11 @@ def _mis(rho: Tensor, log_rho: Tensor, m: Tensor, low: Optional[float], high: fl
 def _icepop(rho: Tensor, log_rho: Tensor, m: Tensor, low: Optional[float], high: float):
     """IcePop's ``M(rho; alpha, beta) = rho`` where ``alpha <= rho <= beta``, else 0 (two-sided masking)."""
     assert low is not None, "icepop has a lower bound"
-    masked = (rho < low) | (rho > high)
+    return _dropped(rho, (rho < low) | (rho > high), m)
+
+
+def _dropped(rho: Tensor, masked: Tensor, m: Tensor):
+    """A masking correction's ``(weight, masked, capped)``: ``rho``, 0 where ``masked``; nothing capped."""
     return torch.where(masked, torch.zeros_like(rho), rho), masked, torch.zeros_like(m)
 
 

@@ -89,7 +89,6 @@ class RolloutSchedule(Generic[S]):
     generate: Callable[[int, Optional[Pause]], S]
     partial: bool = False
     ready: Dict[int, S] = field(default_factory=dict)  # step -> samples generated and not yet trained
-    versions: Dict[int, int] = field(default_factory=dict)  # step -> the version that generated its samples
     updated: int = 0  # the last step whose update reached the engines (steps skipped since changed nothing)
     times: ScheduleTimes = field(default_factory=ScheduleTimes)
     _ahead: Optional[_Ahead[S]] = None
@@ -101,7 +100,6 @@ class RolloutSchedule(Generic[S]):
         self.times = ScheduleTimes()
         self.settle()
         self.ready = {s: r for s, r in self.ready.items() if s >= step}
-        self.versions = {s: v for s, v in self.versions.items() if s >= step}
         last = min(step + self.staleness, self.total_steps)
         for s in range(step, last + 1):
             if s in self.ready:
@@ -110,13 +108,9 @@ class RolloutSchedule(Generic[S]):
                 self._start_ahead(s)
             else:
                 started = time.perf_counter()
-                self._store(s, self._generate_now(s))
+                self.ready[s] = self._generate_now(s)
                 self.times.waited += time.perf_counter() - started
         return self.ready.pop(step)
-
-    def version_of(self, step: int) -> int:
-        """The version that generated step ``step``'s samples (after :meth:`take`, until the next one)."""
-        return self.versions[step]
 
     def settle(self) -> None:
         """Wait for the background generation, if one runs; its error, if it failed, is raised here."""
@@ -137,7 +131,7 @@ class RolloutSchedule(Generic[S]):
         if ahead.error is not None:
             raise ahead.error
         assert ahead.result is not None, "a generation that did not fail returned its samples"
-        self._store(ahead.step, ahead.result)
+        self.ready[ahead.step] = ahead.result
 
     def settle_for_push(self) -> None:
         """Before a weight sync: wait until the background generation can take new weights: the end of it, or with
@@ -160,12 +154,13 @@ class RolloutSchedule(Generic[S]):
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str) -> None:
-        """The samples generated for later steps and the versions that generated them (``rollouts.pt``)."""
+        """The samples generated for later steps and the last step pushed (``rollouts.pt``); the versions that
+        generated the samples follow from their steps (:func:`behaviour_version`)."""
         import torch  # lazy: the schedule's logic does not need it
 
         self.settle()
         os.makedirs(directory, exist_ok=True)
-        state = {"ready": self.ready, "versions": self.versions, "updated": self.updated}
+        state = {"ready": self.ready, "updated": self.updated}
         torch.save(state, os.path.join(directory, STATE_FILE))
 
     def load_checkpoint(self, directory: str) -> None:
@@ -179,8 +174,7 @@ class RolloutSchedule(Generic[S]):
             pass
         # our own file, written by save_checkpoint: the samples are Rollout / Batch objects, not only tensors
         state = torch.load(os.path.join(directory, STATE_FILE), weights_only=False)
-        self.ready, self.versions = state["ready"], state["versions"]
-        self.updated = state["updated"]
+        self.ready, self.updated = state["ready"], state["updated"]
 
     # ------------------------------------------------------------------------------------------ internals
     def _generate_now(self, step: int) -> S:
@@ -196,10 +190,6 @@ class RolloutSchedule(Generic[S]):
                 f"the samples of RL step {step} must come from the weights after step {needed}, but step "
                 f"{self.updated} has changed them since and the samples were not generated before"
             )
-
-    def _store(self, step: int, samples: S) -> None:
-        self.ready[step] = samples
-        self.versions[step] = behaviour_version(step, self.staleness)
 
     def _start_ahead(self, step: int) -> None:
         self._check_weights(step)  # on this thread, before the background one starts

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from shared_helpers import padded_rows, tiny_float64_policy
 
 from rlhf.batch import Batch
 from rlhf.config.rl_schema import AlgorithmConfig, RewardConfig, RLRunConfig, RolloutConfig
@@ -215,31 +216,12 @@ OBJECTIVE_CASES = [("tis", None, 1.2), ("mis", None, 1.2), ("icepop", 0.8, 1.25)
 
 @pytest.fixture(scope="module")
 def policy():
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        pad_token_id=0,
-        attn_implementation="eager",
-    )
-    return transformers.Qwen2ForCausalLM(cfg).double()
+    return tiny_float64_policy(VOCAB)
 
 
 def _batch(policy) -> Batch:
     gen = torch.Generator().manual_seed(0)
-    width = max(p + r for p, r in LENGTHS)
-    ids = torch.zeros(len(LENGTHS), width, dtype=torch.long)
-    attn, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (p, r) in enumerate(LENGTHS):
-        ids[i, : p + r] = torch.randint(1, VOCAB, (p + r,), generator=gen)
-        attn[i, : p + r] = 1
-        loss_mask[i, p : p + r] = 1
+    ids, attn, loss_mask = padded_rows(LENGTHS, VOCAB, gen)
     batch = Batch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, sample_index=torch.arange(len(LENGTHS)))
     mask = response_mask(batch)
     with torch.no_grad():

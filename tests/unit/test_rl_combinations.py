@@ -30,6 +30,7 @@ from types import SimpleNamespace
 import pytest
 import rl_reference_math as ref
 import torch
+from shared_helpers import padded_rows, tiny_float64_policy
 
 from rlhf.batch import Batch
 from rlhf.config.rl_schema import AlgorithmConfig, RewardConfig, RLRunConfig, RolloutConfig
@@ -89,20 +90,7 @@ def _config(estimator, loss, kl_mode, kl_estimator, agg) -> RLRunConfig:
 # ------------------------------------------------------------------------------------------ the tiny problem
 @pytest.fixture(scope="module")
 def policy():
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        pad_token_id=0,
-        attn_implementation="eager",
-    )
-    return transformers.Qwen2ForCausalLM(cfg).double()
+    return tiny_float64_policy(VOCAB)
 
 
 def _spans():
@@ -113,13 +101,7 @@ def _spans():
 def problem(policy):
     """The rollout batch with pi_old, reference log-probs and values as data (float64)."""
     gen = torch.Generator().manual_seed(7)
-    width = max(p + r for p, r in LENGTHS)
-    ids = torch.zeros(len(LENGTHS), width, dtype=torch.long)
-    attn, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (p, r) in enumerate(LENGTHS):
-        ids[i, : p + r] = torch.randint(1, VOCAB, (p + r,), generator=gen)
-        attn[i, : p + r] = 1
-        loss_mask[i, p : p + r] = 1
+    ids, attn, loss_mask = padded_rows(LENGTHS, VOCAB, gen)
     now = torch.zeros(ids.shape, dtype=torch.float64)
     with torch.no_grad():
         for i, (lp, s) in enumerate(zip(ref.logps_and_entropy(policy, _samples(ids), TEMPERATURE)[0], _spans())):

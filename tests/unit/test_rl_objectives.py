@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from shared_helpers import padded_rows, tiny_float64_policy, tiny_qwen_config
 
 from rlhf.batch import Batch
 from rlhf.objectives.actor_critic import (
@@ -31,27 +32,9 @@ LENGTHS = [(3, 5), (2, 1), (4, 7), (1, 3)]
 AGG_MODES = LOSS_AGGREGATIONS.names()
 
 
-def _config():
-    import transformers
-
-    return transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        pad_token_id=0,
-        attn_implementation="eager",
-    )
-
-
 @pytest.fixture(scope="module")
 def policy():
-    import transformers
-
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(_config()).double()
+    return tiny_float64_policy(VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +42,7 @@ def critic():
     import transformers
 
     torch.manual_seed(1)
-    cfg = _config()
+    cfg = tiny_qwen_config(VOCAB)
     cfg.num_labels = 1
     model = transformers.Qwen2ForSequenceClassification(cfg).double()
     with torch.no_grad():  # HF initialises the head with std 0.02; make values O(1) so clipping matters
@@ -69,15 +52,7 @@ def critic():
 
 def make_batch(seed: int = 0, lengths=LENGTHS) -> Batch:
     """Right-padded batch; token ids avoid the pad id 0 (so HF's pad-id pooling finds the same last token)."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(p + r for p, r in lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    loss_mask = torch.zeros_like(ids)
-    for i, (p, r) in enumerate(lengths):
-        ids[i, : p + r] = torch.randint(1, VOCAB, (p + r,), generator=gen)
-        attn[i, : p + r] = 1
-        loss_mask[i, p : p + r] = 1
+    ids, attn, loss_mask = padded_rows(lengths, VOCAB, torch.Generator().manual_seed(seed))
     return Batch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, sample_index=torch.arange(len(lengths)))
 
 

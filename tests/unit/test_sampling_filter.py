@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from shared_helpers import tiny_float64_policy
 
 import rlhf.ops.logprobs as lp_mod
 from rlhf.config.loader import load_config
@@ -222,20 +223,7 @@ def test_entropy_is_that_of_the_kept_set():
 # ------------------------------------------------------------------------------------------------ objective
 @pytest.fixture(scope="module")
 def policy():
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        vocab_size=48,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        pad_token_id=0,
-        attn_implementation="eager",
-    )
-    model = transformers.Qwen2ForCausalLM(cfg).double()
+    model = tiny_float64_policy(48)
     with torch.no_grad():  # peaked next-token distributions, so top-p keeps a few tokens, not most of them
         model.lm_head.weight.mul_(10.0)
     return model
