@@ -197,8 +197,10 @@ def test_policy_weight_sync_from_zero3_ranks_by_object_store_then_broadcast(engi
         assert _train_one_step(policy) > 1e-3
         policy.save_pretrained(str(tmp_path / "trained"))
         engine.connect_weight_sync(policy, "broadcast", bucket_bytes=1 << 20, backend="gloo")
-        stats = policy.push_weights()
-        assert stats["method"] == "broadcast" and stats["tensors"] == len(state)
+        assert engine.versions() == [None, None]  # the first push was not numbered
+        stats = policy.push_weights(version=7)  # numbered: every engine worker echoes it, checked by the sender
+        assert stats["method"] == "broadcast" and stats["tensors"] == len(state) and stats["version"] == 7.0
+        assert engine.versions() == [7, 7]
         trained, _ = _load(str(tmp_path / "trained"))
         assert not torch.equal(trained.state_dict()["lm_head.weight"], state["lm_head.weight"])
         _assert_engine_matches(engine, trained, tokenizer)
