@@ -282,12 +282,13 @@ class RLTrainer:
         weights alone, as without dynamic sampling (rollout.max_staleness and resume stay exact). The scores are
         computed here, once (``Rollout.scored``)."""
         r, n = self.cfg.rollout, self.cfg.rollout.n_samples_per_prompt
-        draws = [first]
+        draws, varied, found = [first], [], 0
         drawn = set(step.indices)
         while True:
             draws[-1].scored = self.score(draws[-1], self.prompts)
-            varied = [varied_groups(d.scored[0], n) for d in draws if d.scored is not None]
-            if sum(int(v.sum()) for v in varied) >= r.prompts_per_step or len(draws) > r.dynamic_sampling_draws:
+            varied.append(varied_groups(draws[-1].scored[0], n))  # this draw's; the earlier ones' are kept
+            found += int(varied[-1].sum())
+            if found >= r.prompts_per_step or len(draws) > r.dynamic_sampling_draws:
                 break
             indices = _fresh_prompts(
                 len(self.prompts.prompt_ids), r.prompts_per_step, drawn, self._seed_base(step.step, len(draws))
@@ -304,7 +305,7 @@ class RLTrainer:
         rollout.metrics.update(
             {
                 "dynamic/draws": float(len(draws) - 1),
-                "dynamic/varied_groups": float(sum(int(v.sum()) for v in varied)),
+                "dynamic/varied_groups": float(found),
                 "dynamic/tied_groups_in_batch": float(tied),
                 "dynamic/samples_generated": float(starts[-1] + len(draws[-1].prompt_index)),
             }
