@@ -21,6 +21,8 @@ during the step); the trainer's idle share (blocked on generation) and the engin
 step and per wall-second. Then, for each shape, the limit of a two-stage pipeline, ``max(generate, the rest)`` of the
 synchronous step, and each async step time against it.
 
+``--extra KEY=VALUE ...``: overrides for the ``k >= 1`` runs only (an off-policy correction, say).
+
 ``--model``: the ``demo`` shape's model (e.g. the demo's SFT model, ``.assets/demo/runs/sft/final`` after ``make
 demo``, so that rewards move); default: that one if present, else a fresh tiny model (rewards then stay near 0).
 """
@@ -123,6 +125,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="demo,balanced")
     ap.add_argument("--staleness", default="0,1,2")
     ap.add_argument("--partial", type=int, default=0, help="rollout.partial_rollout_tokens of the k >= 1 runs")
+    ap.add_argument(
+        "--extra",
+        nargs="*",
+        default=[],
+        help="more overrides for the k >= 1 runs (e.g. algo.off_policy_correction=tis)",
+    )
     args = ap.parse_args(argv)
 
     from rlhf.cli.common import quiet_environment
@@ -147,6 +155,8 @@ def main(argv=None) -> int:
             overrides = [*shape_overrides(shape, args.balanced_tokens), f"rollout.max_staleness={k}"]
             if k and args.partial:
                 overrides.append(f"rollout.partial_rollout_tokens={args.partial}")
+            if k:
+                overrides += args.extra
             start = fresh if shape == "balanced" else model
             figures[k] = summarize(f"k={k}", run(start, prompts, workdir, name, args.steps, overrides))
         if 0 in figures:

@@ -9,6 +9,13 @@ The weights reach a backend from the policy's ranks (``connect_weight_sync`` att
 the RL step they come from. Every engine worker echoes that version and a checksum of the bytes it received, and the
 sender compares them with what it sent (:func:`rlhf.rollout.senders.check_delivery`). :meth:`RolloutBackend.versions`
 reads back what each engine holds.
+
+Pause and resume (partial rollouts, ``rollout.partial_rollout_tokens``) need no methods of their own. A generation
+pauses at a token count, not a moment: it asks for the first ``c`` tokens (``SamplingSpec.max_new_tokens``), and it
+resumes with ``generate`` from the prompt and those tokens once the new weights have landed. The KV cache is
+recomputed under the new weights, as it must be, since the old weights' cache does not hold for them. A pause at a
+moment (vLLM's ``pause_generation``) would make a run depend on timing: its samples could not be replayed or
+resumed exactly.
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ class RolloutBackend(Protocol):
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSpec) -> List[Generation]:
         """One completion per entry of ``prompt_ids``, in order; completion ``j`` is drawn with seed
         ``sampling.seed + j`` whichever engine serves it, and carries the log-probs of the distribution sampled."""
+
+    def generate_each(self, prompt_ids: Sequence[Sequence[int]], samplings: Sequence[SamplingSpec]) -> List[Generation]:
+        """One completion per entry of ``prompt_ids``, in order, completion ``j`` drawn as ``samplings[j]`` says (its
+        own seed as it is, and its own length): the agent endpoint's requests, batched as they arrive."""
 
     def sleep(self) -> None:
         """Free the devices for training (a no-op unless :attr:`sleeps`)."""

