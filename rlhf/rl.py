@@ -33,12 +33,12 @@ import torch
 
 from rlhf.batch import Batch
 from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
-from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, token_level_rewards, whiten
+from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS, TOKEN_REWARDS, AdvantageInputs, token_level_rewards, whiten
 from rlhf.ops.kl import kl_estimate
 from rlhf.ops.logprobs import SamplingFilter
 from rlhf.ops.policy_loss import PolicyLossConfig
 from rlhf.rollout.engines import RolloutEngines
-from rlhf.rollout.episodes import Episode, EpisodeError, episodes_batch
+from rlhf.rollout.episodes import Episode, EpisodeError, episodes_batch, turn_reward_tokens
 from rlhf.rollout.multi_turn import EpisodeRecord, TurnLimits, episode_metrics, run_episodes
 from rlhf.rollout.observations import ChatObservations, TextObservations
 from rlhf.rollout.vllm_engine import Generation, SamplingSpec, VLLMSpec
@@ -65,6 +65,7 @@ __all__ = [
     "advantages_for",
     "episode_metrics",
     "episodes_batch",
+    "turn_reward_tokens",
     "logp_mismatch",
     "rollout_batch",
     "run_episodes",
@@ -98,6 +99,7 @@ def advantages_for(
     kl_estimator: str = "k3",
     kl_in_reward: bool = False,
     whiten_advantages: str = "none",
+    turn_rewards: Optional[torch.Tensor] = None,
 ) -> Tuple[Batch, dict]:
     """Attach ``advantages`` and ``returns`` (``(B, T)``) to the whole rollout batch; returns it with KL stats.
 
@@ -117,6 +119,9 @@ def advantages_for(
             sequence-level KL reward of Ahmadian et al. 2024), before any group statistic.
         whiten_advantages: ``none``; ``whiten`` (subtract the batch mean, divide by the batch std, over every
             response token of the whole rollout batch); ``scale`` (divide by the std only, keeping each sign).
+        turn_rewards: ``(B, T)`` per-turn credit (``algo.turn_credit=turn``): the part of ``scores`` an environment
+            gave turn by turn, each at its turn's last policy token (:func:`rlhf.rollout.episodes.turn_reward_tokens`);
+            only for estimators that read token rewards (the group statistics still see the whole ``scores``).
 
     Returns:
         The batch with ``advantages`` and ``returns``, and ``{"reward_kl_penalty": ...}``: the mean per-token
@@ -146,7 +151,10 @@ def advantages_for(
     per_token = penalty is not None and entry.kl_in_reward == "per token"
     if penalty is not None and not per_token:
         scores = scores - penalty.sum(-1).to(scores.dtype)
-    rewards = token_level_rewards(scores, mask, penalty if per_token else None, 1.0)
+    if turn_rewards is not None and TOKEN_REWARDS not in entry.reads:
+        raise ValueError(f"estimator {estimator!r} reads sequence scores only: it cannot take per-turn rewards")
+    placed = None if turn_rewards is None else turn_rewards.to(scores.dtype)
+    rewards = token_level_rewards(scores, mask, penalty if per_token else None, 1.0, placed)
     inputs = AdvantageInputs(
         token_rewards=rewards,
         scores=scores,

@@ -227,6 +227,11 @@ class AlgorithmConfig:
     # reinforce_pp: token-mean) | token-mean (DAPO's: every token weighs the same) | seq-mean-token-mean |
     # seq-mean-token-sum | seq-mean-token-sum-norm (token sums over the generation budget: Dr. GRPO's)
     loss_agg_mode: str = "auto"
+    # multi-turn (env.spec): where the environment's per-turn rewards enter the token rewards of gae and the
+    # reinforce_pp family: episode (summed into the episode's score at its last token) | turn (each turn's reward at
+    # that turn's last policy token; the score's other sources stay at the last token, group baselines use the whole
+    # episode's score)
+    turn_credit: str = "episode"
 
     def __post_init__(self) -> None:
         # The registries live with their torch code; imported here to keep `import rlhf.config` free of torch.
@@ -263,6 +268,16 @@ class AlgorithmConfig:
         _choice(self.kl_mode, "algo.kl_mode", ("loss", "reward"))
         _choice(self.whiten_advantages, "algo.whiten_advantages", ("none", "whiten", "scale"))
         _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "and algo.lam must be in [0, 1]")
+        _choice(self.turn_credit, "algo.turn_credit", ("episode", "turn"))
+        if self.turn_credit == "turn":
+            from rlhf.ops.advantages import TOKEN_REWARDS  # imports torch; keeps `import rlhf.config` light
+
+            _check(
+                TOKEN_REWARDS in self.estimator.reads,
+                "algo.turn_credit",
+                f"(turn) places rewards on tokens, which algo.advantage_estimator={self.advantage_estimator} does not "
+                f"read (it reads the episode's score only); use gae or the reinforce_pp family, or turn_credit=episode",
+            )
         for key, message in combination_problems(
             estimator_name=self.advantage_estimator,
             policy_loss=self.policy_loss,
@@ -463,6 +478,11 @@ class RLRunConfig(RunConfig):
                 "rollout.dynamic_sampling",
                 "is single-turn for now: with env.spec each episode's metrics come from its environment records",
             )
+        _check(
+            self.algo.turn_credit == "episode" or self.multi_turn,
+            "algo.turn_credit",
+            "(turn) needs episodes (env.spec): a single-turn sample has one turn",
+        )
         _check(
             not (self.rollout.partial_rollout_tokens and self.multi_turn),
             "rollout.partial_rollout_tokens",

@@ -149,9 +149,21 @@ def _last_token_index(mask: Tensor) -> Tensor:
     return torch.where(torch.nn.functional.pad(mask, (1, 0), value=True), cols, -1).amax(-1)
 
 
-def token_level_rewards(scores: Tensor, response_mask: Tensor, kl: Optional[Tensor], kl_coef: float) -> Tensor:
+def token_level_rewards(
+    scores: Tensor,
+    response_mask: Tensor,
+    kl: Optional[Tensor],
+    kl_coef: float,
+    turn_rewards: Optional[Tensor] = None,
+) -> Tensor:
     """Per-token rewards ``r[b, t] = -kl_coef * kl[b, t]`` on response tokens, plus ``scores[b]`` at the row's last
     response token (Ziegler et al. 2019; Ouyang et al. 2022, eq. 2, with the KL penalty spread over tokens).
+
+    With ``turn_rewards`` (multi-turn per-turn credit), the part of each score that an environment gave turn by turn
+    sits at each turn's own last policy token instead: ``r[b, t] += turn_rewards[b, t]`` and the last token gets
+    ``scores[b] - sum_t turn_rewards[b, t]``. A row's rewards still sum to its score (minus the KL penalty); only
+    where they enter changes, so a discounted or bootstrapped estimator (GAE, REINFORCE++) credits each turn with
+    what followed it rather than with the episode's end.
 
     Args:
         scores: ``(B,)`` sequence rewards.
@@ -159,6 +171,8 @@ def token_level_rewards(scores: Tensor, response_mask: Tensor, kl: Optional[Tens
         kl: ``(B, T)`` per-token KL estimates (e.g. :func:`rlhf.ops.kl.kl_estimate` ``"k1"``), or ``None`` for no
             penalty. Values outside the mask are ignored (even inf/NaN).
         kl_coef: the penalty coefficient ``beta`` (>= 0; ignored when ``kl`` is None).
+        turn_rewards: ``(B, T)`` or ``None``: rewards already part of ``scores``, each at the token that earns it
+            (a turn's last policy token); nonzero only on response tokens.
 
     Returns:
         ``(B, T)`` detached rewards in at least float32, 0 outside the mask. A row with no response token has
@@ -178,9 +192,18 @@ def token_level_rewards(scores: Tensor, response_mask: Tensor, kl: Optional[Tens
             raise ValueError(f"kl shape {tuple(kl.shape)} != response_mask {tuple(mask.shape)}")
         if kl_coef != 0:
             rewards = -kl_coef * _clean(kl, mask, dtype)
+    scores = scores.detach().to(dtype)
+    if turn_rewards is not None:
+        if turn_rewards.shape != mask.shape:
+            raise ValueError(f"turn_rewards shape {tuple(turn_rewards.shape)} != response_mask {tuple(mask.shape)}")
+        placed = turn_rewards.detach().to(dtype)
+        if bool((placed[~mask] != 0).any()):
+            raise ValueError("turn_rewards must be 0 outside the response mask (a turn's reward sits on its tokens)")
+        rewards = rewards + placed
+        scores = scores - placed.sum(-1)
     last = _last_token_index(mask)
     rows = torch.nonzero(last >= 0).squeeze(-1)
-    rewards[rows, last[rows]] += scores.detach().to(dtype)[rows]
+    rewards[rows, last[rows]] += scores[rows]
     return rewards
 
 

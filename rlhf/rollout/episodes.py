@@ -151,3 +151,32 @@ def episodes_batch(episodes: Sequence[Episode], pad_id: int) -> Batch:
         rollout_logps=rollout,
         sample_index=torch.arange(len(seqs)),
     )
+
+
+def turn_reward_tokens(
+    episodes: Sequence[Episode], turn_rewards: Sequence[Sequence[float]], width: int
+) -> torch.Tensor:
+    """Each turn's reward at the last token of that turn's response, laid out as :func:`episodes_batch` lays out the
+    episodes: ``(B, width)`` float32, 0 elsewhere (``algo.turn_credit=turn``).
+
+    ``turn_rewards[b][t]`` is episode ``b``'s reward after its ``t``-th policy segment. A turn whose response is
+    empty (cut to nothing by the token budget) has its reward at the latest policy token before it; with none
+    before it, the reward is not placed here and so stays with the episode's score at its last token
+    (:func:`rlhf.ops.advantages.token_level_rewards`).
+    """
+    if len(turn_rewards) != len(episodes):
+        raise ValueError(f"{len(turn_rewards)} lists of turn rewards for {len(episodes)} episodes")
+    out = torch.zeros(len(episodes), width, dtype=torch.float32)
+    for row, (episode, rewards) in enumerate(zip(episodes, turn_rewards)):
+        ends, start, last = [], len(episode.prompt_ids), -1
+        for segment in episode.segments:
+            start += len(segment.ids)
+            if segment.source == POLICY:
+                last = start - 1 if segment.ids else last
+                ends.append(last)
+        if len(rewards) > len(ends):
+            raise ValueError(f"episode {episode.index}: {len(rewards)} turn rewards for {len(ends)} policy turns")
+        for end, reward in zip(ends, rewards):
+            if end >= 0:
+                out[row, end] += float(reward)
+    return out

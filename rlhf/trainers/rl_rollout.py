@@ -30,6 +30,7 @@ from rlhf.rl import (
     episodes_batch,
     rollout_batch,
     run_episodes,
+    turn_reward_tokens,
 )
 from rlhf.rollout.multi_turn import RolloutStats
 from rlhf.rollout.observations import ChatObservations, TextObservations
@@ -49,6 +50,8 @@ class Rollout:
     responses: List[str]  # what reward functions score: the response (the final turn's, for an episode)
     columns: Dict[str, list] = field(default_factory=dict)  # extra reward-function columns (transcript, turns)
     env_rewards: Optional[torch.Tensor] = None  # (B,) the environment's rewards summed over each episode's turns
+    # (B, T) each turn's environment reward at that turn's last policy token (algo.turn_credit=turn reads it)
+    turn_rewards: Optional[torch.Tensor] = None
     # (B,) bool: a limit ended the episode, or cut the single-turn response (rollout.episode_limit applies)
     at_limit: Optional[torch.Tensor] = None
     failed: Optional[torch.Tensor] = None  # (B,) bool: the environment failed in the episode (env.on_error=drop)
@@ -199,7 +202,8 @@ class EpisodeRollout:
                 f"[rl] {_where(step)}: {len(failed)} of {len(records)} "
                 f"episodes ended by an environment error (env.on_error=drop), the first: {failed[0].error}"
             )
-        batch = episodes_batch([r.episode for r in records], self.tokenizer.pad_token_id)
+        episodes = [r.episode for r in records]
+        batch = episodes_batch(episodes, self.tokenizer.pad_token_id)
         return Rollout(
             batch,
             prompt_index,
@@ -209,6 +213,7 @@ class EpisodeRollout:
                 "turns": [r.episode.turns for r in records],
             },
             env_rewards=torch.tensor([r.reward for r in records], dtype=torch.float32),
+            turn_rewards=turn_reward_tokens(episodes, [r.turn_rewards for r in records], batch.input_ids.shape[1]),
             at_limit=torch.tensor([r.at_limit for r in records], dtype=torch.bool),
             failed=torch.tensor([bool(r.error) for r in records], dtype=torch.bool),
             metrics={

@@ -162,7 +162,7 @@ class RLTrainer:
             scores, per_source = rollout.scored or self.score(rollout, self.prompts)
         with timer("logprobs"):
             batch = self.annotate(rollout.batch)
-        batch, kl_stats = self.advantages(batch, scores, rollout.prompt_index)
+        batch, kl_stats = self.advantages(batch, scores, rollout.prompt_index, self.turn_credit(rollout))
         with timer("train"):
             train_stats = self.update(self.trained_rows(batch, rollout), step.step)
         if self.schedule.staleness:
@@ -392,12 +392,27 @@ class RLTrainer:
             batch = batch.replace(values=a.critic.score_batch(batch, TokenValues()))
         return batch
 
-    def advantages(self, batch: Batch, scores: torch.Tensor, prompt_index: List[int]):
+    def turn_credit(self, rollout: Rollout) -> Optional[torch.Tensor]:
+        """``(B, T)`` the environment's per-turn rewards, weighted as in :meth:`score`, at each turn's last policy
+        token (``algo.turn_credit=turn``; else ``None``). An episode whose score ``rollout.episode_limit=penalize``
+        replaced keeps no turn rewards: its score is the limit's reward alone."""
+        if self.cfg.algo.turn_credit != "turn":
+            return None
+        assert rollout.turn_rewards is not None, "algo.turn_credit=turn is checked to need episodes (env.spec)"
+        placed = self.cfg.env.reward_weight * rollout.turn_rewards
+        if self.cfg.rollout.episode_limit == "penalize" and rollout.at_limit is not None:
+            placed = placed * (~rollout.at_limit)[:, None]
+        return placed
+
+    def advantages(
+        self, batch: Batch, scores: torch.Tensor, prompt_index: List[int], turn_rewards: Optional[torch.Tensor] = None
+    ):
         a = self.cfg.algo
         return advantages_for(
             batch,
             scores,
             torch.tensor(prompt_index, dtype=torch.long),
+            turn_rewards=turn_rewards,
             estimator=a.advantage_estimator,
             gamma=a.gamma,
             lam=a.lam,

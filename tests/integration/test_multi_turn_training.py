@@ -245,7 +245,8 @@ def test_a_raising_environment_stops_the_run_naming_the_step_episode_and_turn(ti
 def test_with_on_error_drop_a_crashing_episode_ends_alone_and_the_run_goes_on(
     tiny_model, tiny_reward_model, files, capsys
 ):
-    """Also a reward model on the finished episodes: it scores each whole episode row."""
+    """Also a reward model on the finished episodes: it scores each whole episode row; and per-turn credit
+    (REINFORCE++ with each turn's environment reward at its last policy token) on episodes that end early."""
     base, _ = files
     out = str(base / "dropped")
     _train(
@@ -257,6 +258,8 @@ def test_with_on_error_drop_a_crashing_episode_ends_alone_and_the_run_goes_on(
             "env.on_error=drop",
             "train.max_steps=1",
             f"reward.model_path={tiny_reward_model}",
+            "algo.advantage_estimator=reinforce_pp",
+            "algo.turn_credit=turn",
         )
     )
     (row,) = _rows(out)

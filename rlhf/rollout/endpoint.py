@@ -1,0 +1,286 @@
+"""An OpenAI-compatible endpoint over the rollout engines, for agent code during an RL step.
+
+Each episode gets a base URL of its own, ``http://HOST:PORT/episodes/<key>/v1``, which an ``openai`` client takes
+as ``base_url``; ``/chat/completions``, ``/completions`` and ``/models`` are served under it. Requests are rendered
+and replies derendered by vLLM's own OpenAI serving code (:class:`rlhf.rollout.openai_render.OpenAIRenderer`: chat
+templates, ``tools``, tool-call parsers), and sampled by the project's engines (any
+:class:`~rlhf.rollout.backend.RolloutBackend`), so the weights an agent talks to are the policy's of this step,
+its sampling is the trainer's (``rollout.temperature`` / ``top_p`` / ``top_k``: the log-probs trained against must
+be of the distribution sampled; what the request asks for instead is ignored) and every token is recorded
+(:mod:`rlhf.rollout.transcripts`: the episode is trained on the tokens sampled, never on re-tokenised text).
+
+Server library: FastAPI on uvicorn, vLLM's own HTTP stack (both installed with it), in a thread of the driver
+process: the agents run in the environment actors and reach it over HTTP; the driver's thread calls the engines.
+Concurrent requests are batched: a batcher thread takes every request waiting and sends them to the engines in
+one ``generate_each`` call (continuous batching at the call level; vLLM batches within the call). Request ``r`` of
+an episode is sampled with seed ``episode seed + r`` whichever batch it lands in, so an episode's tokens do not
+depend on the other agents' timing.
+"""
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import queue
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from rlhf.rollout.transcripts import EpisodeTranscript, Exchange, normalise
+from rlhf.rollout.vllm_engine import Generation, SamplingSpec
+from rlhf.utils.log import get_logger
+
+log = get_logger(__name__)
+
+GenerateEach = Callable[[Sequence[Sequence[int]], Sequence[SamplingSpec]], List[Generation]]
+
+
+class Batcher:
+    """Requests from any thread or event loop, sent to ``generate_each`` in batches by one thread: each call takes
+    every request waiting when the previous call returned."""
+
+    def __init__(self, generate_each: GenerateEach) -> None:
+        self.generate_each = generate_each
+        self.pending: "queue.Queue[Optional[Tuple[Tuple[int, ...], SamplingSpec, concurrent.futures.Future]]]"
+        self.pending = queue.Queue()
+        self.calls, self.requests = 0, 0
+        self.thread = threading.Thread(target=self._loop, name="rlhf-endpoint-batcher", daemon=True)
+        self.thread.start()
+
+    def submit(self, prompt_ids: Sequence[int], sampling: SamplingSpec) -> "concurrent.futures.Future[Generation]":
+        future: "concurrent.futures.Future[Generation]" = concurrent.futures.Future()
+        self.pending.put((tuple(prompt_ids), sampling, future))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            first = self.pending.get()
+            if first is None:
+                return
+            batch = [first]
+            while True:
+                try:
+                    item = self.pending.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self.pending.put(None)  # stop after this batch
+                    break
+                batch.append(item)
+            self.calls, self.requests = self.calls + 1, self.requests + len(batch)
+            try:
+                generations = self.generate_each([b[0] for b in batch], [b[1] for b in batch])
+            except BaseException as e:  # every request of the batch fails with the engines' error
+                for _, _, future in batch:
+                    future.set_exception(e)
+                continue
+            for (_, _, future), generation in zip(batch, generations):
+                future.set_result(generation)
+
+    def close(self) -> None:
+        self.pending.put(None)
+        self.thread.join(timeout=30)
+
+
+@dataclass
+class Session:
+    """One episode's state on the endpoint: its seed base, token budget and transcript."""
+
+    transcript: EpisodeTranscript
+    seed: Optional[int]
+    budget: int  # tokens the episode may hold in all (rollout.max_episode_tokens)
+    exhausted: bool = False  # a request found no room left: the episode ended at the token budget
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # an episode's requests are a chain: one at a time
+
+
+@dataclass
+class EndpointStats:
+    requests: int = 0
+    refused: int = 0  # requests answered with an error (bad request, unknown episode)
+    seconds: float = 0.0  # summed over requests: render + generate + derender
+
+
+class AgentEndpoint:
+    """The HTTP endpoint (see the module docstring). Start with :meth:`start`, give each episode the URL of
+    :meth:`open`, take its transcript back with :meth:`close`.
+
+    Args:
+        renderer: an :class:`~rlhf.rollout.openai_render.OpenAIRenderer` of the policy's model.
+        generate_each: the engines' ``generate_each``.
+        sampling: the trainer's sampling (temperature, top-p/k, ``max_new_tokens``: each request's cap; its seed is
+            replaced per request).
+        host: the address to listen on and to hand out (the driver node's address for agents on other nodes).
+    """
+
+    def __init__(self, renderer, generate_each: GenerateEach, sampling: SamplingSpec, host: str = "127.0.0.1"):
+        self.renderer, self.sampling, self.host = renderer, sampling, host
+        self.batcher = Batcher(generate_each)
+        self.sessions: Dict[str, Session] = {}
+        self.stats = EndpointStats()
+        self.port = 0
+        self._server: Any = None
+        self._thread: Optional[threading.Thread] = None
+        self.close_ids = _close_ids(renderer)
+
+    # ------------------------------------------------------------------------------------------ life cycle
+    def start(self, port: int = 0, timeout_s: float = 30.0) -> "AgentEndpoint":
+        import uvicorn  # the server library: imported by the run that serves agents only
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(_app(self), log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, name="rlhf-endpoint", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the agent endpoint did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            assert self._thread is not None
+            self._thread.join(timeout=30)
+            self._server = None
+        self.batcher.close()
+
+    def __enter__(self) -> "AgentEndpoint":
+        return self.start()
+
+    def __exit__(self, *_: Any) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------------------------ episodes
+    def open(self, index: int, seed: Optional[int], budget: int) -> str:
+        """A new episode ``index`` (named in errors), sampled from ``seed`` (request ``r`` with ``seed + r``), within
+        ``budget`` tokens; returns its base URL."""
+        key = f"{index}-{secrets.token_hex(4)}"
+        self.sessions[key] = Session(EpisodeTranscript(index), seed, budget)
+        return f"http://{self.host}:{self.port}/episodes/{key}/v1"
+
+    def close(self, base_url: str) -> Session:
+        """The episode's session (its transcript); later requests to its URL get 404."""
+        return self.sessions.pop(base_url.rstrip("/").split("/")[-2])
+
+    # ------------------------------------------------------------------------------------------ requests
+    async def chat(self, key: str, body: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
+        """One ``/chat/completions`` request of episode ``key``: ``(HTTP status, JSON body)``."""
+        from rlhf.rollout.openai_render import RenderError  # imports vLLM's serving code when first used
+
+        started = time.perf_counter()
+        session = self.sessions.get(key)
+        if session is None:
+            return self._refuse(404, f"no open episode {key!r} (it ended, or the URL is not this step's)")
+        try:
+            rendered = await self.renderer.render_chat_async(body)
+        except RenderError as e:
+            return self._refuse(e.status_code, e.to_dict())
+        if rendered.sampling.n != 1:
+            return self._refuse(400, "n must be 1: an episode is one conversation", "n")
+        if rendered.sampling.refused is not None:  # an ask the engines cannot honour (stop strings, penalties, ...)
+            param, why = rendered.sampling.refused
+            return self._refuse(400, why, param)
+        messages = [dict(m) for m in body.get("messages", [])]
+        tools = body.get("tools")
+        async with session.lock:
+            return await self._chat(session, rendered, messages, tools, started)
+
+    async def _chat(self, session: Session, rendered, messages, tools, started: float) -> Tuple[int, Dict[str, Any]]:
+        transcript = session.transcript
+        loop = asyncio.get_running_loop()
+        prompt, continues = await loop.run_in_executor(
+            None, transcript.prompt_for, messages, tools, self._render_ids, self.close_ids
+        )
+        room = min(self.sampling.max_new_tokens, rendered.sampling.max_tokens, session.budget - len(prompt))
+        if room < 1:
+            session.exhausted = True
+            return self._refuse(
+                400, f"episode {transcript.index} has no room left in its {session.budget}-token budget", "messages"
+            )
+        request_no = len(transcript.exchanges)
+        sampling = dataclasses.replace(
+            self.sampling,
+            max_new_tokens=room,
+            seed=None if session.seed is None else session.seed + request_no,
+        )
+        generation = await asyncio.wrap_future(self.batcher.submit(prompt, sampling))
+        engine_view = dataclasses.replace(rendered, prompt_ids=tuple(prompt))
+        created = int(time.time())
+        response = await self.renderer.chat_response_async(
+            engine_view, [generation], f"chatcmpl-{transcript.index}-{request_no}", created, sampling.stop_token_ids
+        )
+        reply = response["choices"][0]["message"]
+        transcript.add(
+            Exchange(
+                tuple(prompt),
+                generation.response_ids,
+                generation.response_logps,
+                generation.finish_reason,
+                tuple(normalise(m) for m in messages),
+                normalise({k: v for k, v in reply.items() if k in ("role", "content", "tool_calls")}),
+                continues,
+            )
+        )
+        self.stats.requests += 1
+        self.stats.seconds += time.perf_counter() - started
+        return 200, response
+
+    def _render_ids(self, messages, tools, add_generation_prompt: bool) -> List[int]:
+        body: Dict[str, Any] = {
+            "model": self.renderer.served_model_name,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        if tools:
+            body["tools"] = tools
+        return list(self.renderer.render_chat(body).prompt_ids)
+
+    def _refuse(self, status: int, message: Any, param: Optional[str] = None) -> Tuple[int, Dict[str, Any]]:
+        self.stats.refused += 1
+        if isinstance(message, dict):
+            return status, message
+        return status, {"error": {"message": message, "type": "BadRequestError", "param": param, "code": status}}
+
+
+def _close_ids(renderer) -> List[int]:
+    """What the chat template writes after an assistant's text (ChatML: ``<|im_end|>`` ``\\n``), as token ids."""
+    tokenizer = renderer.tokenizer
+    probe = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+    text = tokenizer.apply_chat_template(probe, tokenize=False)
+    close = text[text.rindex("2") + 1 :]
+    return list(tokenizer(close, add_special_tokens=False)["input_ids"]) if close else []
+
+
+def _app(endpoint: AgentEndpoint):
+    # (no ``from __future__ import annotations`` in this module: FastAPI reads these handlers' annotations, and
+    # strings naming the local imports below would not resolve)
+    from fastapi import FastAPI, Request  # the server library: imported by the run that serves agents only
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI(title="rlhf agent endpoint")
+
+    @app.post("/episodes/{key}/v1/chat/completions")
+    async def chat(key: str, request: Request) -> JSONResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            status, answer = endpoint._refuse(400, "the body is not JSON")
+            return JSONResponse(answer, status_code=status)
+        status, answer = await endpoint.chat(key, body)
+        return JSONResponse(answer, status_code=status)
+
+    @app.get("/episodes/{key}/v1/models")
+    async def models(key: str) -> JSONResponse:
+        name = endpoint.renderer.served_model_name
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "rlhf"}]})
+
+    return app

@@ -1,0 +1,152 @@
+"""The agent endpoint (rlhf/rollout/endpoint.py) with the real ``openai`` client, the real HTTP server and vLLM's
+renderer on the tiny model; the engines are a stand-in that samples fixed tokens (the endpoint's own logic under
+test: token-in chaining, per-request seeds, batching, errors). tests/integration/test_agents.py runs real engines."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rlhf.rollout.endpoint import AgentEndpoint
+from rlhf.rollout.episodes import EpisodeError
+from rlhf.rollout.vllm_engine import Generation, SamplingSpec
+
+
+class Engines:
+    """Answers a request of seed s with ``words[s % len(words)]``, then the chat template's end of turn (as the
+    policy stops on it); records the prompts, seeds and lengths asked."""
+
+    def __init__(self, tokenizer, words):
+        self.tokenizer, self.words = tokenizer, words
+        self.calls: list = []
+        self.hold = None
+
+    def generate_each(self, prompt_ids, samplings):
+        if self.hold is not None:  # the first call waits (as a busy engine would) until the others have queued
+            hold, self.hold = self.hold, None
+            hold(len(prompt_ids))
+        self.calls.append([(tuple(p), s.seed, s.max_new_tokens) for p, s in zip(prompt_ids, samplings)])
+        out = []
+        for p, s in zip(prompt_ids, samplings):
+            text = self.words[(s.seed or 0) % len(self.words)]
+            end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + [end]
+            ids = ids[: s.max_new_tokens]
+            out.append(Generation(tuple(p), tuple(ids), tuple(-0.5 - 0.01 * i for i in range(len(ids))), "stop"))
+        return out
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_model):
+    from rlhf.rollout.openai_render import OpenAIRenderer
+
+    return OpenAIRenderer(tiny_model, served_model_name="policy")
+
+
+@pytest.fixture()
+def endpoint(renderer):
+    engines = Engines(renderer.tokenizer, ["12", "7 + 5", "hello there"])
+    stops = (renderer.tokenizer.eos_token_id, renderer.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    sampling = SamplingSpec(max_new_tokens=16, temperature=1.0, stop_token_ids=stops)
+    with AgentEndpoint(renderer, engines.generate_each, sampling) as endpoint:
+        endpoint.engines = engines
+        yield endpoint
+
+
+def _render(tokenizer, messages):
+    """The whole conversation rendered by the chat template and tokenized in one piece."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _client(url):
+    import openai
+
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+
+
+def test_a_conversation_is_trained_on_the_tokens_the_engine_saw_and_sampled(endpoint, renderer):
+    url = endpoint.open(index=3, seed=100, budget=400)
+    client = _client(url)
+    messages = [{"role": "user", "content": "What is 7 + 5?"}]
+    first = client.chat.completions.create(model="policy", messages=messages)
+    assert first.choices[0].message.content == "7 + 5"  # seed 100 -> words[100 % 3]
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}]
+    messages += [{"role": "user", "content": "Are you sure?"}]
+    second = client.chat.completions.create(model="policy", messages=messages, temperature=0.1, max_tokens=40)
+    assert second.choices[0].message.content == "hello there"  # seed 101: the episode's second request
+    transcript = endpoint.close(url).transcript
+    assert [e.continues for e in transcript.exchanges] == [False, True] and not transcript.breaks
+    (call1,), (call2,) = endpoint.engines.calls
+    tok = renderer.tokenizer
+    # the first prompt is the chat template's render; the second extends prompt + sampled reply exactly
+    assert list(call1[0]) == _render(tok, messages[:1])
+    assert call2[0][: len(call1[0])] == call1[0]
+    reply1 = transcript.exchanges[0].response_ids
+    assert call2[0][len(call1[0]) : len(call1[0]) + len(reply1)] == reply1
+    # here re-rendering the text would give the same ids (no drift): the chain equals the whole render
+    assert list(call2[0]) == _render(tok, messages)
+    assert call2[1:] == (101, 16)  # its own seed; max_tokens 40 capped by rollout.max_new_tokens (16)
+    episode = transcript.episode()
+    assert episode.token_ids == call2[0] + transcript.exchanges[1].response_ids
+    assert [s.source for s in episode.segments] == ["policy", "env", "policy"]
+    assert episode.segments[2].logps == transcript.exchanges[1].response_logps
+
+
+def test_a_rewritten_history_breaks_the_chain_and_is_named(endpoint):
+    url = endpoint.open(index=5, seed=0, budget=400)
+    client = _client(url)
+    messages = [{"role": "user", "content": "Hi"}]
+    reply = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content
+    rewritten = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": reply}]
+    client.chat.completions.create(model="policy", messages=rewritten + [{"role": "user", "content": "and?"}])
+    transcript = endpoint.close(url).transcript
+    assert transcript.breaks == ["request 2: message 1 differs from the one sent before (the agent rewrote it)"]
+    with pytest.raises(EpisodeError, match="episode 5: request 2: message 1 differs"):
+        transcript.episode()
+    truncated = transcript.episode("truncate")
+    assert truncated.truncated and truncated.turns == 1
+
+
+def test_concurrent_episodes_are_batched_and_keep_their_own_seeds(endpoint):
+    urls = [endpoint.open(index=i, seed=10 * i, budget=400) for i in range(6)]
+    answers = {}
+
+    def agent(i, url):
+        out = _client(url).chat.completions.create(model="policy", messages=[{"role": "user", "content": str(i)}])
+        answers[i] = out.choices[0].message.content
+
+    def others_queued(taken):
+        deadline = time.monotonic() + 30
+        while endpoint.batcher.pending.qsize() < len(urls) - taken and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    endpoint.engines.hold = others_queued
+    threads = [threading.Thread(target=agent, args=(i, u)) for i, u in enumerate(urls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == {i: ["12", "7 + 5", "hello there"][(10 * i) % 3] for i in range(6)}
+    # the first call's requests, then all the others, which queued while the engines were busy, in one call
+    assert len(endpoint.engines.calls) == 2 and sum(len(c) for c in endpoint.engines.calls) == len(urls)
+    assert sorted(seed for call in endpoint.engines.calls for _, seed, _ in call) == [0, 10, 20, 30, 40, 50]
+
+
+def test_errors_come_back_as_openai_errors(endpoint):
+    import openai
+
+    url = endpoint.open(index=0, seed=0, budget=400)
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        _client(url).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], n=2)
+    with pytest.raises(openai.BadRequestError, match="stop") as refused:  # the engines cannot stop on strings
+        _client(url).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], stop=["."])
+    assert refused.value.body["param"] == "stop"
+    endpoint.close(url)
+    with pytest.raises(openai.NotFoundError, match="no open episode"):
+        _client(url).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    tight = endpoint.open(index=1, seed=0, budget=5)
+    with pytest.raises(openai.BadRequestError, match="no room left in its 5-token budget"):
+        _client(tight).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
