@@ -154,6 +154,9 @@ def test_the_schedule_is_described_with_its_correction_and_dynamic_sampling():
         "sampling: up to 4 more draws a step"
     )
     assert described("algo.tis_cap=1.5").endswith("; off-policy correction tis: rho <= 1.5 (algo.tis_cap)")
+    assert described("rollout.max_staleness=2").endswith(
+        "; no off-policy correction: stale samples are not reweighted (set algo.off_policy_correction)"
+    )
 
 
 def test_partial_rollouts_pause_for_the_weights_then_go_on_with_them():
