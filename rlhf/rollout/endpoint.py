@@ -226,7 +226,7 @@ class AgentEndpoint:
                 generation.response_logps,
                 generation.finish_reason,
                 tuple(normalise(m) for m in messages),
-                normalise({k: v for k, v in reply.items() if k in ("role", "content", "tool_calls")}),
+                normalise(reply),
                 continues,
             )
         )

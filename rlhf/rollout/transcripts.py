@@ -44,11 +44,16 @@ class Exchange:
     continues: bool
 
 
+#: what a message is to a chat template; a client's other fields (``refusal``, ``annotations``, ``audio``, ...) are not
+MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+
+
 def normalise(message: Dict[str, Any]) -> str:
-    """A chat message as compared between requests: its JSON with keys sorted, ``None`` values and empty
-    ``tool_calls`` dropped, ``content`` ``None`` as ``""``, and each tool call's ``arguments`` parsed (an agent may
-    echo ``{"a": 1}`` as ``{"a":1}``) and its ``id`` / ``type`` left out (clients rewrite them)."""
-    m = {k: v for k, v in dict(message).items() if v is not None}
+    """A chat message as compared between requests: its :data:`MESSAGE_KEYS` as JSON with keys sorted, ``None``
+    values and empty ``tool_calls`` dropped, ``content`` ``None`` as ``""``, and each tool call's ``arguments``
+    parsed (an agent may echo ``{"a": 1}`` as ``{"a":1}``) and its ``id`` / ``type`` left out (clients rewrite
+    them). So a reply echoed as the client's message object compares equal to the reply returned."""
+    m = {k: v for k, v in dict(message).items() if v is not None and k in MESSAGE_KEYS}
     m["content"] = m.get("content") or ""
     calls = []
     for call in m.pop("tool_calls", None) or []:

@@ -73,7 +73,7 @@ def test_a_conversation_is_trained_on_the_tokens_the_engine_saw_and_sampled(endp
     messages = [{"role": "user", "content": "What is 7 + 5?"}]
     first = client.chat.completions.create(model="policy", messages=messages)
     assert first.choices[0].message.content == "7 + 5"  # seed 100 -> words[100 % 3]
-    messages += [{"role": "assistant", "content": first.choices[0].message.content}]
+    messages += [first.choices[0].message]  # the client's own message object, echoed as agents do
     messages += [{"role": "user", "content": "Are you sure?"}]
     second = client.chat.completions.create(model="policy", messages=messages, temperature=0.1, max_tokens=40)
     assert second.choices[0].message.content == "hello there"  # seed 101: the episode's second request
@@ -87,6 +87,7 @@ def test_a_conversation_is_trained_on_the_tokens_the_engine_saw_and_sampled(endp
     reply1 = transcript.exchanges[0].response_ids
     assert call2[0][len(call1[0]) : len(call1[0]) + len(reply1)] == reply1
     # here re-rendering the text would give the same ids (no drift): the chain equals the whole render
+    messages[1] = {"role": "assistant", "content": first.choices[0].message.content}
     assert list(call2[0]) == _render(tok, messages)
     assert call2[1:] == (101, 16)  # its own seed; max_tokens 40 capped by rollout.max_new_tokens (16)
     episode = transcript.episode()
@@ -150,3 +151,24 @@ def test_errors_come_back_as_openai_errors(endpoint):
     tight = endpoint.open(index=1, seed=0, budget=5)
     with pytest.raises(openai.BadRequestError, match="no room left in its 5-token budget"):
         _client(tight).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+
+
+def test_an_echoed_reply_compares_equal_whatever_the_client_adds_or_reformats():
+    from rlhf.rollout.transcripts import normalise
+
+    returned = {
+        "role": "assistant",
+        "content": None,
+        "reasoning": None,
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}],
+    }
+    echoed = {  # as a client sends its message object back: other ids, fields of its own, compact JSON
+        "role": "assistant",
+        "content": "",
+        "annotations": [],
+        "refusal": None,
+        "tool_calls": [{"id": "x", "type": "function", "function": {"name": "add", "arguments": '{"a":1}'}}],
+    }
+    assert normalise(echoed) == normalise(returned)
+    changed = dict(echoed, tool_calls=[{"function": {"name": "add", "arguments": '{"a": 2}'}}])
+    assert normalise(changed) != normalise(returned)
