@@ -10,8 +10,9 @@ steps; ``train.max_epochs`` counts passes over the prompt data.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 from rlhf.config.schema import ConfigError, RunConfig, _check, _choice
 
@@ -169,9 +170,67 @@ class RewardConfig:
     model_weight: float = 1.0  # weight of the reward model's score in the summed reward
     model_num_workers: int = 1  # reward-model ranks
     columns: Tuple[str, ...] = ("answer",)  # prompt-data fields passed to reward functions when present
+    # reward functions on this many Ray actors, in chunks, each sample with reward.timeout_s (a chunk that raises or
+    # hangs is scored again one sample at a time, so only the bad sample fails); 0 = in the driver, serially, with
+    # no timeout (a raising function stops the run)
+    num_workers: int = 0
+    chunk_size: int = 16  # samples per call to a reward actor
+    cpus_per_worker: float = 0.5  # Ray CPUs each reward actor reserves
+    timeout_s: float = 30.0  # the longest one sample may take in a reward function or an HTTP reward request
+    # a sample whose reward failed (raised, hung, bad value, HTTP errors after retries; needs reward.num_workers >= 1
+    # for functions): fail (the run stops, naming the source and the sample) | drop (the sample's group carries no
+    # loss) | a number (that reward instead); counted in reward/errors, reward/timeouts, reward/failed_samples
+    on_error: str = "fail"
+    # a remote reward: POSTs {"prompts": [...], "responses": [...], <columns>: [...]} and reads {"rewards": [...]}
+    http: str = ""
+    http_weight: float = 1.0  # weight of the remote reward in the summed reward
+    http_batch_size: int = 32  # samples per request
+    http_concurrency: int = 4  # requests in flight
+    http_retries: int = 3  # retries of a connection error, timeout, 429 or 5xx, with exponential backoff
+    http_backoff_s: float = 0.5  # the first retry's wait (doubling, capped at 30 s)
 
     def __post_init__(self) -> None:
         _check(self.model_num_workers >= 1, "reward.model_num_workers", f"must be >= 1, got {self.model_num_workers}")
+        _check(self.num_workers >= 0, "reward.num_workers", f"must be >= 0, got {self.num_workers}")
+        _check(self.chunk_size >= 1, "reward.chunk_size", f"must be >= 1, got {self.chunk_size}")
+        _check(self.cpus_per_worker >= 0, "reward.cpus_per_worker", f"must be >= 0, got {self.cpus_per_worker}")
+        _check(self.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {self.timeout_s}")
+        _failure_policy(self.on_error)
+        _check(
+            not self.http or self.http.startswith(("http://", "https://")),
+            "reward.http",
+            f"must be an http:// or https:// URL, got {self.http!r}",
+        )
+        for key in ("http_batch_size", "http_concurrency"):
+            _check(getattr(self, key) >= 1, f"reward.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _check(self.http_retries >= 0, "reward.http_retries", f"must be >= 0, got {self.http_retries}")
+        _check(self.http_backoff_s >= 0, "reward.http_backoff_s", f"must be >= 0, got {self.http_backoff_s}")
+        _check(
+            self.on_error == "fail" or self.num_workers >= 1 or not self.functions,
+            "reward.on_error",
+            f"({self.on_error}) needs reward.num_workers >= 1 for reward.functions: scored in the driver, a "
+            f"failing function stops the run",
+        )
+
+    @property
+    def failure_policy(self) -> Union[str, float]:
+        """``reward.on_error`` as :mod:`rlhf.rewards.results` takes it: ``"fail"``, ``"drop"`` or a float."""
+        return _failure_policy(self.on_error)
+
+
+def _failure_policy(on_error: str) -> Union[str, float]:
+    if on_error in ("fail", "drop"):
+        return on_error
+    try:
+        value = float(on_error)
+    except ValueError:
+        value = float("nan")
+    _check(
+        math.isfinite(value),
+        "reward.on_error",
+        f"must be fail, drop or a finite number (the reward instead), got {on_error!r}",
+    )
+    return value
 
 
 @dataclass(frozen=True)
@@ -437,9 +496,10 @@ class RLRunConfig(RunConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(
-            bool(self.reward.functions) or bool(self.reward.model_path) or self.multi_turn,
+            bool(self.reward.functions) or bool(self.reward.model_path) or bool(self.reward.http) or self.multi_turn,
             "reward.functions",
-            "is required unless reward.model_path or env.spec (an environment's rewards) is set: RL needs a reward",
+            "is required unless reward.model_path, reward.http or env.spec (an environment's rewards) is set: RL "
+            "needs a reward",
         )
         self._check_episodes()
         budget = self.train.max_tokens_per_micro_batch

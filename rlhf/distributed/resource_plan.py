@@ -17,6 +17,7 @@ from rlhf.config.schema import ConfigError, RunConfig, StrategyConfig
 
 ROLLOUT = "rollout"  # the vLLM engines' role name in plans and shared placement groups
 ENVIRONMENT = "environment"  # the multi-turn environment pool's actors (rlhf.envs.EnvironmentPool)
+REWARD_POOL = "reward_pool"  # the reward-function actors (rlhf.rewards.pool.RewardPool, reward.num_workers)
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ def policy_side_roles(colocate: ColocateConfig) -> Tuple[str, ...]:
 
 
 def rl_plan(cfg: RLRunConfig, gpus_per_worker: float, reference: bool) -> ResourcePlan:
-    """Online RL: policy side, engines, reference, critic side, environment actors (multi-turn).
+    """Online RL: policy side, engines, reference, critic side, environment actors (multi-turn), reward actors.
 
     Args:
         cfg: An :class:`~rlhf.config.rl_schema.RLRunConfig`.
@@ -232,6 +233,8 @@ def rl_plan(cfg: RLRunConfig, gpus_per_worker: float, reference: bool) -> Resour
         b.on(critic_side or b.group(("reward_model",), n), "reward_model", n)
     if cfg.env.spec:
         b.own(ENVIRONMENT, cfg.env.num_actors, cfg.env.cpus_per_actor, 0.0)
+    if cfg.reward.functions and cfg.reward.num_workers:
+        b.own(REWARD_POOL, cfg.reward.num_workers, cfg.reward.cpus_per_worker, 0.0)
     return b.build()
 
 

@@ -55,6 +55,8 @@ class Rollout:
     # (B,) bool: a limit ended the episode, or cut the single-turn response (rollout.episode_limit applies)
     at_limit: Optional[torch.Tensor] = None
     failed: Optional[torch.Tensor] = None  # (B,) bool: the environment failed in the episode (env.on_error=drop)
+    # (B,) bool: a reward source failed on the sample (reward.on_error=drop): its group carries no loss
+    reward_failed: Optional[torch.Tensor] = None
     metrics: Dict[str, float] = field(default_factory=dict)  # episode/* (single-turn: episode/ended_max_new_tokens)
     # (B, T) int64 with rollout.max_staleness >= 1: the weight version that sampled each token, -1 on tokens the
     # policy did not sample (prompt, observations, padding); rlhf.trainers.rl_schedule
@@ -74,6 +76,7 @@ class Rollout:
             [self.responses[i] for i in rows],
             columns={k: [v[i] for i in rows] for k, v in self.columns.items()},
             at_limit=at_limit,
+            reward_failed=None if self.reward_failed is None else self.reward_failed[index],
             metrics=_cut_metrics(at_limit),
             scored=None
             if self.scored is None
@@ -95,12 +98,15 @@ class Rollout:
                 k: torch.cat([p.scored[1][k] for p in parts if p.scored is not None]) for k in dict.fromkeys(keys)
             }
             scored = (totals, per_source)
+        failed = [p.reward_failed for p in parts]
+        reward_failed = torch.cat([x for x in failed if x is not None]) if all(x is not None for x in failed) else None
         return Rollout(
             Batch.concat([p.batch for p in parts], pad_id=pad_id),
             [i for p in parts for i in p.prompt_index],
             [s for p in parts for s in p.responses],
             columns={k: [v for p in parts for v in p.columns[k]] for k in parts[0].columns},
             at_limit=at_limit,
+            reward_failed=reward_failed,
             metrics=_cut_metrics(at_limit),
             scored=scored,
         )

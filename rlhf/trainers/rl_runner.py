@@ -17,13 +17,14 @@ from rlhf.data.plan import EpochPlan
 from rlhf.distributed.cluster import actor_env
 from rlhf.distributed.errors import WorkerError, WorkerTimeout
 from rlhf.distributed.placement import Placement
-from rlhf.distributed.resource_plan import ENVIRONMENT, ROLLOUT, ActorPlan, engine_gpus, engine_sleep
+from rlhf.distributed.resource_plan import ENVIRONMENT, REWARD_POOL, ROLLOUT, ActorPlan, engine_gpus, engine_sleep
 from rlhf.envs import EnvironmentPool
 from rlhf.hub import pin_run_sources
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
 from rlhf.objectives.actor_critic import PolicyObjective, ValueObjective
 from rlhf.ops.policy_loss import PolicyLossConfig
 from rlhf.rewards.functions import RewardFunctionScorer
+from rlhf.rewards.scoring import RewardScorers
 from rlhf.rl import ChatObservations, TurnLimits
 from rlhf.rollout.engines import RolloutEngines, as_backend
 from rlhf.rollout.sync_group import SyncTimeouts
@@ -119,6 +120,23 @@ def _start_environment_pool(cfg: RLRunConfig, ctx: RunContext, actors: ActorPlan
     return pool
 
 
+def _start_reward_pool(cfg: RLRunConfig, ctx: RunContext, actors: ActorPlan):
+    """The plan's reward-function actors (``reward.num_workers``); shut down with the worker groups."""
+    from rlhf.rewards.pool import RewardPool  # imports Ray: only a run with reward actors needs it
+
+    w = cfg.reward
+    pool = RewardPool(
+        RewardFunctionScorer(tuple(w.functions)),
+        num_workers=actors.count,
+        chunk_size=w.chunk_size,
+        timeout_s=w.timeout_s,
+        on_error=w.failure_policy,
+        cpus_per_worker=actors.cpus,
+    )
+    ctx.groups.append(pool)
+    return pool
+
+
 def _episode_rollout(cfg: RLRunConfig, pool: EnvironmentPool, prompts: PromptSet, tokenizer) -> EpisodeRollout:
     """Multi-turn rollouts of the environment pool's episodes."""
     r = cfg.rollout
@@ -200,6 +218,7 @@ def _start_actors(cfg: RLRunConfig, ctx: RunContext, total_optimizer_steps: int)
         ),
         "reward_model": frozen_group(ctx, cfg.reward.model_path, SCALAR_HEAD),
         ENVIRONMENT: lambda pool, _: _start_environment_pool(cfg, ctx, pool),
+        REWARD_POOL: lambda pool, _: _start_reward_pool(cfg, ctx, pool),
     }
     return start_plan(kind_of(cfg).plan(cfg, ctx.gpus_per_worker), ctx, starters)
 
@@ -217,7 +236,7 @@ def _rl_actors(cfg: RLRunConfig, started: Dict[str, Any]) -> RLActors:
 
 def _write_placement(started: Dict[str, Any], output_dir: str) -> None:
     """``placement.json``: every rank's placement group and resources, by role (shows what is colocated)."""
-    where = {role: group.placements() for role, group in started.items() if role != ENVIRONMENT}
+    where = {role: group.placements() for role, group in started.items() if role not in (ENVIRONMENT, REWARD_POOL)}
     with open(os.path.join(output_dir, "placement.json"), "w", encoding="utf-8") as f:
         json.dump(where, f, indent=1)
     groups: dict = {}
@@ -361,13 +380,14 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
         _write_placement(started, t.output_dir)
         policy_objective, value_objective = _objectives(cfg)
         episodes = _episode_rollout(cfg, started[ENVIRONMENT], prompts, tokenizer) if cfg.multi_turn else None
+        scorers = _reward_scorers(cfg, scorer, started.get(REWARD_POOL))
         trainer = RLTrainer(
             cfg,
             tokenizer,
             prompts,
             plan,
             actors,
-            scorer,
+            scorers,
             policy_objective,
             value_objective,
             eval_prompts=eval_prompts,
@@ -380,3 +400,30 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
             trained["rollouts"] = trainer.schedule
         last = run.train(trainer, trained)
         return run.finish(actors.policy, tokenizer, last)
+
+
+def _reward_scorers(
+    cfg: RLRunConfig, functions: Optional[RewardFunctionScorer], pool: Optional[Any]
+) -> Optional[RewardScorers]:
+    """The reward functions (in the driver, or on the plan's reward actors, ``pool``) and the remote reward
+    (``reward.http``), or ``None`` when the run has neither."""
+    w = cfg.reward
+    http = None
+    if w.http:
+        from rlhf.rewards.remote import HttpReward  # urllib and threads: only a run with a remote reward needs it
+
+        http = HttpReward(
+            w.http,
+            batch_size=w.http_batch_size,
+            timeout_s=w.timeout_s,
+            retries=w.http_retries,
+            backoff_s=w.http_backoff_s,
+            concurrency=w.http_concurrency,
+            on_error=w.failure_policy,
+            weight=w.http_weight,
+        )
+    if pool is not None:
+        functions = None  # scored on the actors
+    if functions is None and pool is None and http is None:
+        return None
+    return RewardScorers(functions=functions, pool=pool, http=http)

@@ -36,6 +36,7 @@ from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenL
 from rlhf.objectives.base import Totals
 from rlhf.ops.dapo import overlong_penalty, pick_groups, varied_groups
 from rlhf.rewards.functions import metric_names
+from rlhf.rewards.scoring import reward_scorers
 from rlhf.rl import advantages_for, logp_mismatch
 from rlhf.rollout.backend import RolloutBackend
 from rlhf.rollout.vllm_engine import Generation, SamplingSpec
@@ -130,7 +131,8 @@ class RLTrainer:
         episodes: Optional[EpisodeRollout] = None,
     ) -> None:
         self.cfg, self.tokenizer, self.prompts, self.plan = cfg, tokenizer, prompts, plan
-        self.actors, self.scorer, self.eval_prompts = actors, scorer, eval_prompts
+        self.actors, self.eval_prompts = actors, eval_prompts
+        self.scorer = reward_scorers(scorer)  # reward functions (driver or actors) and a remote reward
         self.episodes = episodes  # multi-turn rollouts (env.spec); None: one prompt -> one response
         self.policy_objective, self.value_objective = policy_objective, value_objective
         columns = [c for c in TABLE_COLUMNS if c[0] != "value_loss" or actors.critic is not None]
@@ -302,6 +304,8 @@ class RLTrainer:
         starts = [sum(len(d.prompt_index) for d in draws[:k]) for k in range(len(draws))]
         rows = [starts[d] + g * n + j for d, g in picked for j in range(n)]
         rollout = Rollout.concat(draws, self.tokenizer.pad_token_id).select(rows)
+        for key in {k for d in draws for k in d.metrics if k.startswith("reward/")}:  # every draw's scoring counts
+            rollout.metrics[key] = sum(d.metrics.get(key, 0.0) for d in draws)
         rollout.metrics.update(
             {
                 "dynamic/draws": float(len(draws) - 1),
@@ -344,10 +348,13 @@ class RLTrainer:
             per_source["env"] = rollout.env_rewards
             total = self.cfg.env.reward_weight * rollout.env_rewards
         if self.scorer is not None:
-            functions, by_function = self.scorer(prompts, rollout.responses, columns)
-            logged = metric_names(list(by_function))  # reward/<file.py:function>, not the file's whole path
-            by_function = {logged[name]: scores for name, scores in by_function.items()}
-            total, per_source = total + functions, {**per_source, **by_function}
+            scored = self.scorer.score(prompts, rollout.responses, columns)
+            logged = metric_names(list(scored.per_source))  # reward/<file.py:function>, not the file's whole path
+            by_function = {logged[name]: scores for name, scores in scored.per_source.items()}
+            total, per_source = total + scored.total, {**per_source, **by_function}
+            rollout.reward_failed = scored.failed  # reward.on_error=drop: these samples' groups carry no loss
+            if self.scorer.pool is not None or self.scorer.http is not None:
+                rollout.metrics.update(scored.metrics())
         if self.actors.reward_model is not None:
             rm = self.actors.reward_model.score_batch(rollout.batch, SequenceScores())
             per_source["reward_model"] = rm
@@ -363,10 +370,14 @@ class RLTrainer:
         return total.float(), per_source
 
     def trained_rows(self, batch: Batch, rollout: Rollout) -> Batch:
-        """``batch`` as the update sees it: episodes an environment error ended (``env.on_error=drop``) and, with
-        ``rollout.episode_limit=mask``, those a limit ended carry no loss (their scores still entered their groups'
-        baselines)."""
+        """``batch`` as the update sees it: episodes an environment error ended (``env.on_error=drop``), the groups
+        of samples whose reward failed (``reward.on_error=drop``) and, with ``rollout.episode_limit=mask``, those a
+        limit ended carry no loss (their scores still entered their groups' baselines)."""
         drop = rollout.failed
+        if rollout.reward_failed is not None and bool(rollout.reward_failed.any()):
+            groups = torch.tensor(rollout.prompt_index)
+            lost = torch.isin(groups, groups[rollout.reward_failed])  # a group without one sample has no baseline
+            drop = lost if drop is None else drop | lost
         if self.cfg.rollout.episode_limit == "mask" and rollout.at_limit is not None:
             drop = rollout.at_limit if drop is None else drop | rollout.at_limit
         if drop is None or not bool(drop.any()):

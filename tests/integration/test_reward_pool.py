@@ -106,3 +106,67 @@ def test_a_sample_that_kills_its_actor_fails_alone(rfile):
         assert got.errors == 1 and "made its worker fail: the actor died" in got.failures[0].message
         assert "on sample 4: prompt='die'" in got.failures[0].message
         assert pool.score(PROMPTS[:2], RESPONSES[:2]).total.tolist() == [1.0, 1.0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A real RL run: reward functions on the pool, a remote reward on loopback, reward.on_error=drop
+# ---------------------------------------------------------------------------------------------------------------
+
+RUN_REWARDS = """
+def flaky(prompts, responses):
+    # fails on one prompt of the step: its group must carry no loss, the others train
+    if any(p.startswith("flaky") for p in prompts):
+        raise ValueError("no checker for " + next(p for p in prompts if p.startswith("flaky")))
+    return [0.25 * (len(r) % 3) for r in responses]
+"""
+
+
+def test_an_rl_run_scores_on_actors_and_over_http_and_drops_the_failed_groups(tmp_path, tiny_model):
+    import json
+    import os
+
+    from shared_helpers import Service
+
+    from rlhf.config.loader import load_config
+    from rlhf.config.rl_schema import RLRunConfig
+    from rlhf.synthetic.arithmetic import make_rl_prompts, write_jsonl
+    from rlhf.trainers.rl_runner import train_ppo
+
+    rows = make_rl_prompts(16, seed=3)
+    rows[0]["prompt"] = "flaky " + rows[0]["prompt"]  # the prompt the flaky function fails on
+    prompts = write_jsonl(str(tmp_path / "prompts.jsonl"), rows)
+    (tmp_path / "flaky.py").write_text(RUN_REWARDS)
+    service = Service(lambda _, p: (200, json.dumps({"rewards": [len(r) / 10 for r in p["responses"]]}).encode()))
+    try:
+        out = str(tmp_path / "run")
+        cfg = load_config(
+            RLRunConfig,
+            "grpo_tiny",
+            [
+                f"model.path={tiny_model}",
+                f"data.train_path={prompts}",
+                f"train.output_dir={out}",
+                f"reward.functions=[rlhf.synthetic.arithmetic:reward,{tmp_path / 'flaky.py'}:flaky]",
+                "reward.num_workers=2",
+                "reward.cpus_per_worker=0.25",
+                "reward.chunk_size=8",
+                "reward.on_error=drop",
+                f"reward.http={service.url}",
+                "reward.http_batch_size=8",
+                "rollout.prompts_per_step=16",
+                "rollout.n_samples_per_prompt=2",
+                "train.global_batch_size=32",
+                "train.micro_batch_size=16",
+                "train.max_steps=1",
+                "logging.tensorboard=false",
+            ],
+        )
+        train_ppo(cfg)
+    finally:
+        service.close()
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        (row,) = [json.loads(line) for line in f]
+    assert row["reward/errors"] == 2 and row["reward/failed_samples"] == 2  # the prompt's two samples, isolated
+    assert row["reward/timeouts"] == 0 and row["reward/http"] > 0
+    assert len(service.calls) == 4  # 32 samples in batches of 8
+    assert row["grad_norm"] > 0  # the other groups trained

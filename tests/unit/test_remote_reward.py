@@ -7,11 +7,11 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
+from shared_helpers import Service
 
 from rlhf.rewards.functions import RewardFunctionError, RewardSource, compute_rewards
 from rlhf.rewards.remote import HttpReward
@@ -29,43 +29,6 @@ def expected_reward(response: str, answer: str) -> float:
 def correct(payload: Dict[str, Any]) -> Tuple[int, bytes]:
     rewards = [expected_reward(r, a) for r, a in zip(payload["responses"], payload["answer"])]
     return 200, json.dumps({"rewards": rewards}).encode()
-
-
-class Service:
-    """A ThreadingHTTPServer on 127.0.0.1 whose answer to each POST is ``behave(service, payload)``."""
-
-    def __init__(self, behave: Callable[["Service", Dict[str, Any]], Tuple[int, bytes]]) -> None:
-        self.calls: List[Dict[str, Any]] = []
-        self.lock, self.release = threading.Lock(), threading.Event()
-        service = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with service.lock:
-                    service.calls.append(payload)
-                status, body = behave(service, payload)
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                except OSError:  # the client gave up (timed out) meanwhile
-                    pass
-
-            def log_message(self, *args: Any) -> None:  # keep the test output clean
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
-
-    def close(self) -> None:
-        self.release.set()  # hung handlers return
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture
