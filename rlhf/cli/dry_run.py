@@ -35,6 +35,7 @@ from rlhf.distributed.packing import (
 )
 from rlhf.distributed.resource_plan import (
     ENVIRONMENT,
+    JUDGE,
     REWARD_POOL,
     ROLLOUT,
     ActorPlan,
@@ -266,7 +267,7 @@ def _first_failed(packing: Packing) -> int:
 def actor_lines(plan: ResourcePlan) -> List[str]:
     rows = []
     for a in plan.actors:
-        unit = {ROLLOUT: "engine", ENVIRONMENT: "actor", REWARD_POOL: "actor"}.get(a.role, "rank")
+        unit = {ROLLOUT: "engine", JUDGE: "engine", ENVIRONMENT: "actor", REWARD_POOL: "actor"}.get(a.role, "rank")
         where = f"{unit} r on bundle r of {a.group}" if a.group else "own resources"
         rows.append((a.role, _count(a.count, unit), f"{_res(a)} each", where))
     return _table(rows)

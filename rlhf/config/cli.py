@@ -222,8 +222,8 @@ def _format_default(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, str):
-        return '""' if value == "" else value
+    if isinstance(value, str):  # a newline shown as \n: one line in --help and the reference table
+        return '""' if value == "" else value.replace("\n", "\\n")
     if isinstance(value, tuple):
         return "[" + ", ".join(_format_default(v) for v in value) + "]"
     return repr(value)

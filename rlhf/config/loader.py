@@ -13,7 +13,7 @@ first, in order, then the file itself on top.
 Overrides look like ``train.micro_batch_size=2``, ``train.adam_betas=[0.9,0.99]`` or
 ``strategy.deepspeed_config=`` (empty string). Their values are parsed with ``yaml.safe_load`` and coerced to
 the annotated type of the field; a ``str`` field keeps the override's text as written (``model.path=123``
-gives ``"123"``).
+gives ``"123"``, ``reward.judge.template={prompt}`` the template, not a mapping).
 
 Every error is a :class:`~rlhf.config.schema.ConfigError` whose message names the dotted key (or the file and
 line of bad YAML). The sections are built bottom-up so each one's ``__post_init__`` validation runs, and its
@@ -376,10 +376,11 @@ def _type_error(key: str, expected: str, value: Any) -> ConfigError:
 
 
 def _to_str(value: Any, key: str, override: _Override | None) -> str:
-    """Strings pass; an override keeps its text as written; YAML numbers are converted."""
+    """Strings pass; an override keeps its text as written, whatever YAML would make of it (a judge template
+    ``{prompt}`` or ``Score: {response}`` is text, not a mapping); YAML numbers are converted."""
     if isinstance(value, str):
         return value
-    if override is not None and not isinstance(value, (Mapping, list)):
+    if override is not None:
         return override.raw.strip()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)

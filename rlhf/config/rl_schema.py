@@ -162,6 +162,39 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class JudgeConfig:
+    """An LLM judge (a generative reward model) on vLLM engines of its own (docs/algorithms/agents.md); off unless
+    ``reward.judge.path`` is set. Its answer becomes a reward by ``pattern``; greedy by default."""
+
+    path: str = ""  # the judge model: a local HF directory or a hub id; "" = no judge
+    # the question, a format string: {prompt}, {response} (score) or {response_a} {response_b} (pairwise), and any
+    # prompt-data column named in reward.columns; asked as a chat user turn when the judge has a chat template
+    template: str = "{prompt}\n\nAnswer: {response}\n\nRate the answer from 0 to 10."
+    mode: str = "score"  # score (a number per response) | pairwise (each pair of a group, both orders: win rates)
+    pattern: str = ""  # a regex with one group in the answer: the number / A, B or tie; "" = the mode's default
+    answer_prefix: str = "Score: "  # written after the question; the judge's answer continues it
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy: the same sample gets the same score
+    score_min: float = 0.0
+    score_max: float = 10.0
+    normalize: str = "unit"  # unit (the range to [0, 1]) | none (the judge's number)
+    out_of_range: str = "clamp"  # clamp | refuse (an unparsable answer)
+    on_unparsable: str = "fail"  # fail (naming the sample, quoting the judge) | drop (score mode) | a number
+    weight: float = 1.0  # weight of the judge's reward in the summed reward
+    max_model_len: int = 2048  # the judge engines' context
+    num_engines: int = 1
+    cpus_per_engine: float = 1.0
+
+    def __post_init__(self) -> None:
+        # the question, pattern and parsing keys are checked by rlhf.rewards.judge_spec.JudgeSpec.of (preflight, before
+        # any actor: the config layer imports no rewards code)
+        _check(self.num_engines >= 1, "reward.judge.num_engines", f"must be >= 1, got {self.num_engines}")
+        _check(self.cpus_per_engine >= 0, "reward.judge.cpus_per_engine", f"must be >= 0, got {self.cpus_per_engine}")
+        _choice(self.mode, "reward.judge.mode", ("score", "pairwise"))
+        _failure_policy(self.on_unparsable, "reward.judge.on_unparsable")
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     """Where scores come from: rule-based functions and/or a trained reward model, weighted and summed."""
 
@@ -188,6 +221,7 @@ class RewardConfig:
     http_concurrency: int = 4  # requests in flight
     http_retries: int = 3  # retries of a connection error, timeout, 429 or 5xx, with exponential backoff
     http_backoff_s: float = 0.5  # the first retry's wait (doubling, capped at 30 s)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
     def __post_init__(self) -> None:
         _check(self.model_num_workers >= 1, "reward.model_num_workers", f"must be >= 1, got {self.model_num_workers}")
@@ -218,18 +252,15 @@ class RewardConfig:
         return _failure_policy(self.on_error)
 
 
-def _failure_policy(on_error: str) -> Union[str, float]:
+def _failure_policy(on_error: str, key: str = "reward.on_error") -> Union[str, float]:
+    """``fail``, ``drop`` or the number ``on_error`` spells (the stand-in reward); anything else names ``key``."""
     if on_error in ("fail", "drop"):
         return on_error
     try:
         value = float(on_error)
     except ValueError:
         value = float("nan")
-    _check(
-        math.isfinite(value),
-        "reward.on_error",
-        f"must be fail, drop or a finite number (the reward instead), got {on_error!r}",
-    )
+    _check(math.isfinite(value), key, f"must be fail, drop or a finite number (the reward instead), got {on_error!r}")
     return value
 
 
@@ -496,10 +527,11 @@ class RLRunConfig(RunConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(
-            bool(self.reward.functions) or bool(self.reward.model_path) or bool(self.reward.http) or self.multi_turn,
+            bool(self.reward.functions or self.reward.model_path or self.reward.http or self.reward.judge.path)
+            or self.multi_turn,
             "reward.functions",
-            "is required unless reward.model_path, reward.http or env.spec (an environment's rewards) is set: RL "
-            "needs a reward",
+            "is required unless reward.model_path, reward.http, reward.judge.path or env.spec (an environment's "
+            "rewards) is set: RL needs a reward",
         )
         self._check_episodes()
         budget = self.train.max_tokens_per_micro_batch
@@ -520,6 +552,12 @@ class RLRunConfig(RunConfig):
             f"({gb}) must not exceed the rollout batch, rollout.prompts_per_step x rollout.n_samples_per_prompt "
             f"= {samples}",
         )
+        if self.reward.judge.path and self.reward.judge.mode == "pairwise":
+            _check(
+                self.rollout.n_samples_per_prompt >= 2,
+                "reward.judge.mode",
+                "(pairwise) compares the responses of a prompt: rollout.n_samples_per_prompt must be >= 2",
+            )
         if self.algo.estimator.needs_group_ids:
             _check(
                 self.rollout.n_samples_per_prompt >= 2,

@@ -18,6 +18,7 @@ from rlhf.config.schema import ConfigError, RunConfig, StrategyConfig
 ROLLOUT = "rollout"  # the vLLM engines' role name in plans and shared placement groups
 ENVIRONMENT = "environment"  # the multi-turn environment pool's actors (rlhf.envs.EnvironmentPool)
 REWARD_POOL = "reward_pool"  # the reward-function actors (rlhf.rewards.pool.RewardPool, reward.num_workers)
+JUDGE = "judge"  # the LLM judge's vLLM engines (reward.judge.*)
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,8 @@ def policy_side_roles(colocate: ColocateConfig) -> Tuple[str, ...]:
 
 
 def rl_plan(cfg: RLRunConfig, gpus_per_worker: float, reference: bool) -> ResourcePlan:
-    """Online RL: policy side, engines, reference, critic side, environment actors (multi-turn), reward actors.
+    """Online RL: policy side, engines, reference, critic side, environment actors (multi-turn), reward actors,
+    judge engines.
 
     Args:
         cfg: An :class:`~rlhf.config.rl_schema.RLRunConfig`.
@@ -235,6 +237,9 @@ def rl_plan(cfg: RLRunConfig, gpus_per_worker: float, reference: bool) -> Resour
         b.own(ENVIRONMENT, cfg.env.num_actors, cfg.env.cpus_per_actor, 0.0)
     if cfg.reward.functions and cfg.reward.num_workers:
         b.own(REWARD_POOL, cfg.reward.num_workers, cfg.reward.cpus_per_worker, 0.0)
+    if cfg.reward.judge.path:
+        j = cfg.reward.judge
+        b.own(JUDGE, j.num_engines, j.cpus_per_engine, engine_gpus(1, gpus_per_worker))
     return b.build()
 
 

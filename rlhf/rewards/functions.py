@@ -400,12 +400,12 @@ def _result_values(source: RewardSource, result: Any, prompts: Sequence[str], re
 def metric_names(names: Sequence[str]) -> Dict[str, str]:
     """The name each source's metric is logged under (``reward/<name>``): a function in a file is named by the file's
     base name and the function (``rewards.py:correct``, not the whole path); a module's keeps its spec
-    (``rlhf.synthetic.arithmetic:reward``); the remote reward's (``http:<url>``) is ``http``. Names two files would
-    share keep their whole paths."""
+    (``rlhf.synthetic.arithmetic:reward``); the remote reward's (``http:<url>``) is ``http``, the judge's ``judge``.
+    Names two files would share keep their whole paths."""
     short = {}
     for name in names:
-        if name.startswith("http:"):  # the remote reward (reward.http): reward/http, not its URL
-            short[name] = "http"
+        if name.startswith(("http:", "judge:")):  # reward.http, reward.judge: reward/http, reward/judge
+            short[name] = name.split(":", 1)[0]
             continue
         target, _, function = name.rpartition(":")
         short[name] = f"{os.path.basename(target)}:{function}" if looks_like_path(target) else name

@@ -1,6 +1,7 @@
-"""The rule-based and remote rewards of an RL step as one scorer: reward functions (in the driver, serially, or on a
-:class:`~rlhf.rewards.pool.RewardPool` of actors with per-sample timeouts) and an HTTP reward
-(:class:`~rlhf.rewards.remote.HttpReward`), summed into one :class:`~rlhf.rewards.results.ScoreResult`.
+"""The rule-based, remote and judged rewards of an RL step as one scorer: reward functions (in the driver, serially,
+or on a :class:`~rlhf.rewards.pool.RewardPool` of actors with per-sample timeouts), an HTTP reward
+(:class:`~rlhf.rewards.remote.HttpReward`) and an LLM judge (:class:`~rlhf.rewards.judge.LLMJudge`), summed into one
+:class:`~rlhf.rewards.results.ScoreResult`.
 
 The serial path is :func:`~rlhf.rewards.functions.compute_rewards` as it always was (no timeout: a raising function
 stops the run, naming the sample); the pool and the HTTP reward apply ``reward.on_error`` per sample.
@@ -25,14 +26,15 @@ class RewardScorers:
         functions: the reward functions, scored in the driver (``reward.num_workers=0``), or ``None``.
         pool: the reward functions on actors instead (``reward.num_workers >= 1``), or ``None``.
         http: a remote reward (``reward.http``), or ``None``.
+        judge: an LLM judge (:class:`rlhf.rewards.judge.LLMJudge`, ``reward.judge.*``), or ``None``.
     """
 
-    def __init__(self, functions: Optional[Callable] = None, pool=None, http=None) -> None:
+    def __init__(self, functions: Optional[Callable] = None, pool=None, http=None, judge=None) -> None:
         if functions is not None and pool is not None:
             raise ValueError("reward functions are scored either in the driver or on a pool, not both")
-        if functions is None and pool is None and http is None:
-            raise ValueError("RewardScorers needs reward functions, a reward pool or an HTTP reward")
-        self.functions, self.pool, self.http = functions, pool, http
+        if functions is None and pool is None and http is None and judge is None:
+            raise ValueError("RewardScorers needs reward functions, a reward pool, an HTTP reward or a judge")
+        self.functions, self.pool, self.http, self.judge = functions, pool, http, judge
 
     def score(
         self, prompts: Sequence[str], responses: Sequence[str], columns: Optional[Mapping[str, Sequence]] = None
@@ -49,6 +51,8 @@ class RewardScorers:
             results.append(self.pool.score(prompts, responses, columns))
         if self.http is not None:
             results.append(self.http.score(prompts, responses, columns))
+        if self.judge is not None:
+            results.append(self.judge.score(prompts, responses, columns))
         return results[0] if len(results) == 1 else ScoreResult.merge(results)
 
 

@@ -73,6 +73,17 @@ def preflight(cfg: RunConfig, here: bool = True, precision: Optional[str] = None
         ]  # a run loads them into its scorer (rlhf.rewards.functions)
         if cfg.env.spec:
             rows.append(("env.spec", cfg.env.spec, environment_status(cfg.env.spec, here)))
+        if cfg.reward.judge.path:
+            from rlhf.rewards.judge_spec import JudgeSpec  # lazy: pulls in torch
+
+            JudgeSpec.of(cfg.reward.judge, seed=cfg.train.seed)  # the question, pattern and parsing keys
+            rows.append(
+                (
+                    "reward.judge.path",
+                    cfg.reward.judge.path,
+                    _model_status("reward.judge.path", cfg.reward.judge.path, here),
+                )
+            )
         if cfg.reward.model_path and _readable(cfg.reward.model_path, here):
             check_scalar_head(model_dir(cfg.reward.model_path), "reward.model_path", cfg.reward.model_path)
         if cfg.critic_batch_problem():

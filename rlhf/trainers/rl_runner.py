@@ -17,7 +17,15 @@ from rlhf.data.plan import EpochPlan
 from rlhf.distributed.cluster import actor_env
 from rlhf.distributed.errors import WorkerError, WorkerTimeout
 from rlhf.distributed.placement import Placement
-from rlhf.distributed.resource_plan import ENVIRONMENT, REWARD_POOL, ROLLOUT, ActorPlan, engine_gpus, engine_sleep
+from rlhf.distributed.resource_plan import (
+    ENVIRONMENT,
+    JUDGE,
+    REWARD_POOL,
+    ROLLOUT,
+    ActorPlan,
+    engine_gpus,
+    engine_sleep,
+)
 from rlhf.envs import EnvironmentPool
 from rlhf.hub import pin_run_sources
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
@@ -137,6 +145,24 @@ def _start_reward_pool(cfg: RLRunConfig, ctx: RunContext, actors: ActorPlan):
     return pool
 
 
+def _start_judge(cfg: RLRunConfig, ctx: RunContext, engines: ActorPlan):
+    """The plan's LLM judge (``reward.judge.*``) on vLLM engines of its own; shut down with the worker groups."""
+    from rlhf.rewards.judge_spec import JudgeSpec  # imports torch's judge maths: only a run with a judge needs it
+    from rlhf.rollout.judge import start_judge
+
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float32"}[ctx.precision]
+    judge = start_judge(
+        JudgeSpec.of(cfg.reward.judge, seed=cfg.train.seed),
+        engines.count,
+        cpus_per_engine=engines.cpus,
+        gpus_per_engine=engines.gpus,
+        env_vars=actor_env(engines.gpus),
+        dtype=dtype,
+    )
+    ctx.groups.append(judge)
+    return judge
+
+
 def _episode_rollout(cfg: RLRunConfig, pool: EnvironmentPool, prompts: PromptSet, tokenizer) -> EpisodeRollout:
     """Multi-turn rollouts of the environment pool's episodes."""
     r = cfg.rollout
@@ -219,6 +245,7 @@ def _start_actors(cfg: RLRunConfig, ctx: RunContext, total_optimizer_steps: int)
         "reward_model": frozen_group(ctx, cfg.reward.model_path, SCALAR_HEAD),
         ENVIRONMENT: lambda pool, _: _start_environment_pool(cfg, ctx, pool),
         REWARD_POOL: lambda pool, _: _start_reward_pool(cfg, ctx, pool),
+        JUDGE: lambda engines, _: _start_judge(cfg, ctx, engines),
     }
     return start_plan(kind_of(cfg).plan(cfg, ctx.gpus_per_worker), ctx, starters)
 
@@ -236,7 +263,9 @@ def _rl_actors(cfg: RLRunConfig, started: Dict[str, Any]) -> RLActors:
 
 def _write_placement(started: Dict[str, Any], output_dir: str) -> None:
     """``placement.json``: every rank's placement group and resources, by role (shows what is colocated)."""
-    where = {role: group.placements() for role, group in started.items() if role not in (ENVIRONMENT, REWARD_POOL)}
+    where = {
+        role: group.placements() for role, group in started.items() if role not in (ENVIRONMENT, REWARD_POOL, JUDGE)
+    }
     with open(os.path.join(output_dir, "placement.json"), "w", encoding="utf-8") as f:
         json.dump(where, f, indent=1)
     groups: dict = {}
@@ -380,7 +409,7 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
         _write_placement(started, t.output_dir)
         policy_objective, value_objective = _objectives(cfg)
         episodes = _episode_rollout(cfg, started[ENVIRONMENT], prompts, tokenizer) if cfg.multi_turn else None
-        scorers = _reward_scorers(cfg, scorer, started.get(REWARD_POOL))
+        scorers = _reward_scorers(cfg, scorer, started.get(REWARD_POOL), started.get(JUDGE))
         trainer = RLTrainer(
             cfg,
             tokenizer,
@@ -403,10 +432,10 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
 
 
 def _reward_scorers(
-    cfg: RLRunConfig, functions: Optional[RewardFunctionScorer], pool: Optional[Any]
+    cfg: RLRunConfig, functions: Optional[RewardFunctionScorer], pool: Optional[Any], judge: Optional[Any]
 ) -> Optional[RewardScorers]:
-    """The reward functions (in the driver, or on the plan's reward actors, ``pool``) and the remote reward
-    (``reward.http``), or ``None`` when the run has neither."""
+    """The reward functions (in the driver, or on the plan's reward actors, ``pool``), the remote reward
+    (``reward.http``) and the LLM judge (``judge``, the plan's), or ``None`` when the run has none of them."""
     w = cfg.reward
     http = None
     if w.http:
@@ -424,6 +453,6 @@ def _reward_scorers(
         )
     if pool is not None:
         functions = None  # scored on the actors
-    if functions is None and pool is None and http is None:
+    if functions is None and pool is None and http is None and judge is None:
         return None
-    return RewardScorers(functions=functions, pool=pool, http=http)
+    return RewardScorers(functions=functions, pool=pool, http=http, judge=judge)

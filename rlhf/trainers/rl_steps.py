@@ -353,8 +353,10 @@ class RLTrainer:
             by_function = {logged[name]: scores for name, scores in scored.per_source.items()}
             total, per_source = total + scored.total, {**per_source, **by_function}
             rollout.reward_failed = scored.failed  # reward.on_error=drop: these samples' groups carry no loss
-            if self.scorer.pool is not None or self.scorer.http is not None:
+            if self.scorer.pool is not None or self.scorer.http is not None or self.scorer.judge is not None:
                 rollout.metrics.update(scored.metrics())
+            if self.scorer.judge is not None:
+                rollout.metrics.update(self.scorer.judge.metrics())
         if self.actors.reward_model is not None:
             rm = self.actors.reward_model.score_batch(rollout.batch, SequenceScores())
             per_source["reward_model"] = rm

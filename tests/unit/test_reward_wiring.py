@@ -88,3 +88,32 @@ def test_reward_failures_survive_dynamic_sampling_selection():
     joined = Rollout.concat(parts, pad_id=0)
     assert joined.reward_failed.tolist() == [False, True, True, False]
     assert joined.select([3, 1]).reward_failed.tolist() == [False, True]
+
+
+def test_judge_keys_are_checked_before_any_actor_and_planned_as_engines(tiny_model, tmp_path):
+    from rlhf.trainers.preflight import preflight
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    run = [f"model.path={tiny_model}", f"data.train_path={prompts}", f"reward.judge.path={tiny_model}"]
+    with pytest.raises(ConfigError, match=r"reward.judge.template: a score judge's template must use \{response\}"):
+        preflight(load_config(RLRunConfig, "grpo_tiny", [*run, "reward.judge.template={prompt}"]))
+    rows = preflight(load_config(RLRunConfig, "grpo_tiny", run), here=False)
+    assert [r[0] for r in rows if r[0] == "reward.judge.path"] == ["reward.judge.path"]
+    with pytest.raises(ConfigError, match="reward.judge.on_unparsable"):
+        _cfg("reward.judge.path=/j", "reward.judge.on_unparsable=skip")
+    pairwise = ["reward.judge.path=/j", "reward.judge.mode=pairwise", "reward.judge.template={response_a} {response_b}"]
+    with pytest.raises(ConfigError, match=r"reward.judge.mode \(pairwise\) compares the responses of a prompt"):
+        _cfg(
+            *pairwise,
+            "rollout.n_samples_per_prompt=1",
+            "algo.advantage_estimator=reinforce_pp",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=16",
+        )
+    cfg = _cfg("reward.functions=[]", "reward.judge.path=/j", "reward.judge.num_engines=2")  # a judge alone rewards
+    judge = {a.role: a for a in kind_of(cfg).plan(cfg, 0.0).actors}["judge"]
+    assert (judge.count, judge.cpus, judge.group) == (2, 1.0, None)
+    from rlhf.rewards.judge_spec import JudgeSpec
+
+    assert JudgeSpec.of(cfg.reward.judge, seed=7).seed == 7
