@@ -278,6 +278,10 @@ class EnvConfig:
     # (that episode ends there and carries no loss; counted in episode/env_errors, the first error printed)
     on_error: str = "fail"
     reward_weight: float = 1.0  # weight of the environment's rewards (summed over turns) in the summed reward
+    # agents (env.spec naming a function run(client, row)): the endpoint's tool-call parser (a vLLM name: hermes,
+    # llama3_json, ...; "" = tools rendered into prompts, calls not parsed) and chat template ("" = the tokenizer's)
+    tool_parser: str = ""
+    chat_template: str = ""  # a template's text or a file path
 
     def __post_init__(self) -> None:
         _choice(self.on_error, "env.on_error", ("fail", "drop"))

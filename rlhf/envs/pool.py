@@ -25,8 +25,9 @@ import functools
 import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from rlhf.envs.agents import run_agents
 from rlhf.envs.base import EnvError, LocalEpisode, Observation, StepOutcome
-from rlhf.envs.loading import absolute_spec, load_environment
+from rlhf.envs.loading import absolute_spec, is_agent, load_environment
 
 __all__ = ["EnvironmentPool"]
 
@@ -135,6 +136,13 @@ class _EnvActor:
 
         return self._run(items, call, lambda episode: self.episodes[episode].turn + 1)
 
+    def agents(self, items: Sequence[Tuple[int, Tuple[str, Mapping[str, Any]]]]) -> Tuple[List[Any], bool]:
+        """Run the agent function (``env.spec`` naming one) once per ``(episode, (base_url, row))``, all at once
+        (:func:`rlhf.envs.agents.run_agents`)."""
+        if not is_agent(self.cls):
+            raise EnvError(f"environment {self.spec!r} is a class, not an agent function: use reset and step")
+        return run_agents(self.cls, self.spec, items, self.step_timeout_s)
+
     def close(self, items: Sequence[Tuple[int, None]]) -> Tuple[List[Any], bool]:
         def call(episode: int, _: None) -> None:
             found = self.episodes.pop(episode, None)
@@ -230,11 +238,14 @@ class EnvironmentPool:
         self._actors[index] = self._start_actor(index)
         self._check_ready([index])
 
-    def _call(self, method: str, items: Sequence[Tuple[int, Any]], what: str, errors: str = "raise") -> List[Any]:
+    def _call(
+        self, method: str, items: Sequence[Tuple[int, Any]], what: str, errors: str = "raise", concurrent: bool = False
+    ) -> List[Any]:
         """Send ``items`` (``(episode, payload)``) to their actors, one remote call per actor; the per-item results
         in input order. Raises the first failure (in input order) as an :class:`EnvError`, after replacing any
         actor that hung or died; with ``errors="return"`` each failed item's :class:`EnvError` takes its place in
-        the results instead (every item of a replaced actor fails: its episodes are gone with it)."""
+        the results instead (every item of a replaced actor fails: its episodes are gone with it). ``concurrent``:
+        an actor runs its items at once (agents), so one timeout bounds them all."""
         import ray  # lazy: keeps `import rlhf.envs` light
 
         if errors not in ("raise", "return"):
@@ -246,7 +257,7 @@ class EnvironmentPool:
             getattr(self._actors[a], method).remote([items[p] for p in positions]): a
             for a, positions in by_actor.items()
         }
-        longest = max(len(p) for p in by_actor.values()) if by_actor else 0
+        longest = (1 if concurrent else max(len(p) for p in by_actor.values())) if by_actor else 0
         ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=self.step_timeout_s * longest + _GRACE_S)
         results: List[Any] = [None] * len(items)
         failures: Dict[int, EnvError] = {}  # position -> error
@@ -306,7 +317,7 @@ class EnvironmentPool:
         return [failures.get(p, value) for p, value in enumerate(results)]
 
     def _turn_for(self, episode: int, what: str) -> int:
-        return 0 if what == "reset" else self._turns.get(episode, 0) + (what == "step")
+        return 0 if what in ("reset", "agent") else self._turns.get(episode, 0) + (what == "step")
 
     # --------------------------------------------------------------------------------------------------- API
 
@@ -392,6 +403,16 @@ class EnvironmentPool:
                 f"environment {self.spec!r}: episode {episode} is not live (reset it first)", self.spec, episode
             )
         return None
+
+    def run_agents(self, urls: Sequence[str], rows: Sequence[Mapping[str, Any]], errors: str = "raise") -> List[Any]:
+        """Episode ``i`` runs the agent function on ``urls[i]`` (its endpoint) and ``rows[i]``; every actor runs its
+        episodes at once, the actors in parallel. Returns each episode's :class:`~rlhf.envs.agents.AgentResult` in
+        order; ``errors`` as in :meth:`step` (a failure is an :class:`EnvError` naming the agent and episode)."""
+        if len(urls) != len(rows):
+            raise ValueError(f"EnvironmentPool.run_agents: {len(urls)} endpoints for {len(rows)} rows")
+        self._check_ids(list(range(len(rows))), len(rows), "rows")
+        items = [(e, (str(url), dict(row))) for e, (url, row) in enumerate(zip(urls, rows))]
+        return self._call("agents", items, "agent", errors, concurrent=True)
 
     def close(self, episode_ids: Sequence[int]) -> None:
         """End the listed episodes (their environments' ``close`` runs); unknown or lost ids are ignored."""

@@ -46,6 +46,7 @@ class Batcher:
         self.pending: "queue.Queue[Optional[Tuple[Tuple[int, ...], SamplingSpec, concurrent.futures.Future]]]"
         self.pending = queue.Queue()
         self.calls, self.requests = 0, 0
+        self.seconds = 0.0  # inside generate_each, summed over calls
         self.thread = threading.Thread(target=self._loop, name="rlhf-endpoint-batcher", daemon=True)
         self.thread.start()
 
@@ -70,12 +71,15 @@ class Batcher:
                     break
                 batch.append(item)
             self.calls, self.requests = self.calls + 1, self.requests + len(batch)
+            started = time.perf_counter()
             try:
                 generations = self.generate_each([b[0] for b in batch], [b[1] for b in batch])
             except BaseException as e:  # every request of the batch fails with the engines' error
                 for _, _, future in batch:
                     future.set_exception(e)
                 continue
+            finally:
+                self.seconds += time.perf_counter() - started
             for (_, _, future), generation in zip(batch, generations):
                 future.set_result(generation)
 
@@ -91,15 +95,22 @@ class Session:
     transcript: EpisodeTranscript
     seed: Optional[int]
     budget: int  # tokens the episode may hold in all (rollout.max_episode_tokens)
+    max_requests: Optional[int] = None  # requests the episode may make (rollout.max_turns); None: no limit
     exhausted: bool = False  # a request found no room left: the episode ended at the token budget
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # an episode's requests are a chain: one at a time
 
 
 @dataclass
 class EndpointStats:
+    """Counts and seconds summed over the requests answered (the seconds of refused requests are not counted)."""
+
     requests: int = 0
     refused: int = 0  # requests answered with an error (bad request, unknown episode)
-    seconds: float = 0.0  # summed over requests: render + generate + derender
+    seconds: float = 0.0  # from the body parsed to the response made: the sum of the parts below and bookkeeping
+    render_seconds: float = 0.0  # vLLM's render: validation, chat template, tokenization
+    chain_seconds: float = 0.0  # a chat request's prompt from the transcript (renders the new messages again)
+    generate_seconds: float = 0.0  # waiting for the engines: the queue to the batcher and its generate_each call
+    derender_seconds: float = 0.0  # vLLM's derender: detokenization, tool-call parsing, the response object
 
 
 class AgentEndpoint:
@@ -153,6 +164,10 @@ class AgentEndpoint:
             self._server = None
         self.batcher.close()
 
+    def shutdown(self) -> None:
+        """:meth:`stop`, by the name a run stops its worker groups with (the endpoint is stopped with them)."""
+        self.stop()
+
     def __enter__(self) -> "AgentEndpoint":
         return self.start()
 
@@ -160,11 +175,11 @@ class AgentEndpoint:
         self.stop()
 
     # ------------------------------------------------------------------------------------------ episodes
-    def open(self, index: int, seed: Optional[int], budget: int) -> str:
+    def open(self, index: int, seed: Optional[int], budget: int, max_requests: Optional[int] = None) -> str:
         """A new episode ``index`` (named in errors), sampled from ``seed`` (request ``r`` with ``seed + r``), within
-        ``budget`` tokens; returns its base URL."""
+        ``budget`` tokens and ``max_requests`` requests; returns its base URL."""
         key = f"{index}-{secrets.token_hex(4)}"
-        self.sessions[key] = Session(EpisodeTranscript(index), seed, budget)
+        self.sessions[key] = Session(EpisodeTranscript(index), seed, budget, max_requests)
         return f"http://{self.host}:{self.port}/episodes/{key}/v1"
 
     def close(self, base_url: str) -> Session:
@@ -179,11 +194,12 @@ class AgentEndpoint:
         started = time.perf_counter()
         session = self.sessions.get(key)
         if session is None:
-            return self._refuse(404, f"no open episode {key!r} (it ended, or the URL is not this step's)")
+            return self._no_episode(key)
         try:
             rendered = await self.renderer.render_chat_async(body)
         except RenderError as e:
             return self._refuse(e.status_code, e.to_dict())
+        self.stats.render_seconds += time.perf_counter() - started
         if rendered.sampling.n != 1:
             return self._refuse(400, "n must be 1: an episode is one conversation", "n")
         if rendered.sampling.refused is not None:  # an ask the engines cannot honour (stop strings, penalties, ...)
@@ -195,29 +211,30 @@ class AgentEndpoint:
             return await self._chat(session, rendered, messages, tools, started)
 
     async def _chat(self, session: Session, rendered, messages, tools, started: float) -> Tuple[int, Dict[str, Any]]:
+        if self._at_limit(session):
+            return self._no_more(session, "messages")
         transcript = session.transcript
         loop = asyncio.get_running_loop()
+        chained = time.perf_counter()
         prompt, continues = await loop.run_in_executor(
             None, transcript.prompt_for, messages, tools, self._render_ids, self.close_ids
         )
-        room = min(self.sampling.max_new_tokens, rendered.sampling.max_tokens, session.budget - len(prompt))
-        if room < 1:
-            session.exhausted = True
-            return self._refuse(
-                400, f"episode {transcript.index} has no room left in its {session.budget}-token budget", "messages"
-            )
+        self.stats.chain_seconds += time.perf_counter() - chained
         request_no = len(transcript.exchanges)
-        sampling = dataclasses.replace(
-            self.sampling,
-            max_new_tokens=room,
-            seed=None if session.seed is None else session.seed + request_no,
-        )
-        generation = await asyncio.wrap_future(self.batcher.submit(prompt, sampling))
+        sampling = self._sampling(session, len(prompt), rendered.sampling.max_tokens)
+        if sampling is None:
+            return self._no_room(session, "messages")
+        generation = await self._generate(prompt, sampling)
         engine_view = dataclasses.replace(rendered, prompt_ids=tuple(prompt))
-        created = int(time.time())
+        derendered = time.perf_counter()
         response = await self.renderer.chat_response_async(
-            engine_view, [generation], f"chatcmpl-{transcript.index}-{request_no}", created, sampling.stop_token_ids
+            engine_view,
+            [generation],
+            f"chatcmpl-{transcript.index}-{request_no}",
+            int(time.time()),
+            sampling.stop_token_ids,
         )
+        self.stats.derender_seconds += time.perf_counter() - derendered
         reply = response["choices"][0]["message"]
         transcript.add(
             Exchange(
@@ -233,6 +250,108 @@ class AgentEndpoint:
         self.stats.requests += 1
         self.stats.seconds += time.perf_counter() - started
         return 200, response
+
+    async def completion(self, key: str, body: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
+        """One ``/completions`` request of episode ``key``: ``(HTTP status, JSON body)``.
+
+        The agent keeps its own text or tokens: each request carries the whole sequence as ``prompt``, one prompt
+        (text or token ids), ``n=1``. Its prompt ids go to the engine as they are rendered, and the request
+        continues the episode's chain when they start with the last exchange's prompt ids and sampled response ids
+        (:meth:`EpisodeTranscript.continues_ids`; the ids after them are the observation), else the chain breaks
+        there, named. A text prompt is tokenized again by the renderer, so an agent that appends text to the text it
+        got back drifts: the text leaves out the stop token the policy sampled (``<|im_end|>``, EOS), and tokens
+        can merge differently across the boundary, so its prompt does not extend the sampled ids and the chain
+        breaks. Send token ids instead (``prompt`` as a list of ids, as vLLM accepts it; ``return_token_ids: true``
+        returns ``prompt_token_ids`` and each choice's ``token_ids``, the stop token included): the prompt
+        ``prompt_token_ids + token_ids + the observation's ids`` continues the chain exactly."""
+        from rlhf.rollout.openai_render import RenderError  # imports vLLM's serving code when first used
+
+        started = time.perf_counter()
+        session = self.sessions.get(key)
+        if session is None:
+            return self._no_episode(key)
+        try:
+            rendered = await self.renderer.render_completion_async(body)
+        except RenderError as e:
+            return self._refuse(e.status_code, e.to_dict())
+        self.stats.render_seconds += time.perf_counter() - started
+        if len(rendered.prompt_ids) != 1:
+            why = "prompt must be one prompt (text or token ids), not a list of prompts: an episode is one sequence"
+            return self._refuse(400, why, "prompt")
+        ask = rendered.sampling[0]
+        if ask.n != 1:
+            return self._refuse(400, "n must be 1: an episode is one sequence", "n")
+        if ask.refused is not None:
+            param, why = ask.refused
+            return self._refuse(400, why, param)
+        async with session.lock:
+            return await self._completion(session, rendered, started)
+
+    async def _completion(self, session: Session, rendered, started: float) -> Tuple[int, Dict[str, Any]]:
+        if self._at_limit(session):
+            return self._no_more(session, "prompt")
+        transcript = session.transcript
+        prompt = list(rendered.prompt_ids[0])
+        continues = transcript.continues_ids(prompt)
+        request_no = len(transcript.exchanges)
+        sampling = self._sampling(session, len(prompt), rendered.sampling[0].max_tokens)
+        if sampling is None:
+            return self._no_room(session, "prompt")
+        generation = await self._generate(prompt, sampling)
+        derendered = time.perf_counter()
+        response = await self.renderer.completion_response_async(
+            rendered, [[generation]], f"cmpl-{transcript.index}-{request_no}", int(time.time()), sampling.stop_token_ids
+        )
+        self.stats.derender_seconds += time.perf_counter() - derendered
+        transcript.add(
+            Exchange(
+                tuple(prompt),
+                generation.response_ids,
+                generation.response_logps,
+                generation.finish_reason,
+                (),
+                response["choices"][0]["text"],
+                continues,
+            )
+        )
+        self.stats.requests += 1
+        self.stats.seconds += time.perf_counter() - started
+        return 200, response
+
+    def _sampling(self, session: Session, prompt_len: int, asked: int) -> Optional[SamplingSpec]:
+        """The trainer's sampling for the episode's next request: at most ``asked`` new tokens, within the episode's
+        budget, seeded ``seed + request number``; ``None`` when the budget leaves no room."""
+        room = min(self.sampling.max_new_tokens, asked, session.budget - prompt_len)
+        if room < 1:
+            return None
+        request_no = len(session.transcript.exchanges)
+        return dataclasses.replace(
+            self.sampling, max_new_tokens=room, seed=None if session.seed is None else session.seed + request_no
+        )
+
+    async def _generate(self, prompt: Sequence[int], sampling: SamplingSpec) -> Generation:
+        waited = time.perf_counter()
+        generation = await asyncio.wrap_future(self.batcher.submit(prompt, sampling))
+        self.stats.generate_seconds += time.perf_counter() - waited
+        return generation
+
+    @staticmethod
+    def _at_limit(session: Session) -> bool:
+        """Whether the episode has made all its requests (checked under its lock: a chain's requests, one at a
+        time)."""
+        return session.max_requests is not None and len(session.transcript.exchanges) >= session.max_requests
+
+    def _no_more(self, session: Session, param: str) -> Tuple[int, Dict[str, Any]]:
+        index, limit = session.transcript.index, session.max_requests
+        return self._refuse(400, f"episode {index} has made its {limit} requests (rollout.max_turns)", param)
+
+    def _no_room(self, session: Session, param: str) -> Tuple[int, Dict[str, Any]]:
+        session.exhausted = True
+        index, budget = session.transcript.index, session.budget
+        return self._refuse(400, f"episode {index} has no room left in its {budget}-token budget", param)
+
+    def _no_episode(self, key: str) -> Tuple[int, Dict[str, Any]]:
+        return self._refuse(404, f"no open episode {key!r} (it ended, or the URL is not this step's)")
 
     def _render_ids(self, messages, tools, add_generation_prompt: bool) -> List[int]:
         body: Dict[str, Any] = {
@@ -268,15 +387,22 @@ def _app(endpoint: AgentEndpoint):
 
     app = FastAPI(title="rlhf agent endpoint")
 
-    @app.post("/episodes/{key}/v1/chat/completions")
-    async def chat(key: str, request: Request) -> JSONResponse:
+    async def serve(handler, key: str, request: Request) -> JSONResponse:
         try:
             body = await request.json()
         except ValueError:
             status, answer = endpoint._refuse(400, "the body is not JSON")
             return JSONResponse(answer, status_code=status)
-        status, answer = await endpoint.chat(key, body)
+        status, answer = await handler(key, body)
         return JSONResponse(answer, status_code=status)
+
+    @app.post("/episodes/{key}/v1/chat/completions")
+    async def chat(key: str, request: Request) -> JSONResponse:
+        return await serve(endpoint.chat, key, request)
+
+    @app.post("/episodes/{key}/v1/completions")
+    async def completions(key: str, request: Request) -> JSONResponse:
+        return await serve(endpoint.completion, key, request)
 
     @app.get("/episodes/{key}/v1/models")
     async def models(key: str) -> JSONResponse:

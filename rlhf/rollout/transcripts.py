@@ -14,6 +14,12 @@ A request that does not continue the last exchange (the agent rewrote or dropped
 reply) is rendered whole: the episode's chain breaks there (:attr:`EpisodeTranscript.breaks`, naming the request
 and the message), and ``rollout.on_prefix_mismatch`` says what the trained episode is: ``error`` names the episode,
 the request and the first differing message; ``truncate`` trains the chain up to the break.
+
+A completion request (``/completions``) carries its whole prompt as text or token ids, with no messages: it continues
+the last exchange when its prompt ids start with that exchange's prompt ids and sampled response ids (a token prefix,
+:meth:`EpisodeTranscript.continues_ids`); the ids after them are the observation. A chat request after a completion
+breaks the chain (messages cannot be matched against tokens); a completion after a chat exchange continues it when
+its ids extend that exchange's.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from rlhf.rollout.episodes import Episode, EpisodeError
+from rlhf.rollout.episodes import Episode, EpisodeError, _first_difference
 
 Messages = List[Dict[str, Any]]
 #: ``render(messages, tools, add_generation_prompt) -> token ids``: the chat template's render, as the endpoint does it
@@ -33,7 +39,8 @@ RenderIds = Callable[[Messages, Optional[list], bool], List[int]]
 class Exchange:
     """One request and its sampled reply: ``prompt_ids`` as given to the engine, ``response_ids`` and their
     sampling ``response_logps`` as sampled; ``messages`` and ``reply`` (the assistant message returned) in their
-    normalised form (:func:`normalise`); ``continues``: whether it extends the previous exchange's tokens."""
+    normalised form (:func:`normalise`); ``continues``: whether it extends the previous exchange's tokens. A
+    completion exchange has no ``messages`` (``()``) and its ``reply`` is the text returned."""
 
     prompt_ids: Tuple[int, ...]
     response_ids: Tuple[int, ...]
@@ -87,7 +94,11 @@ class EpisodeTranscript:
         a reply that stopped on its first token only the rest is added, after a cut reply all of it."""
         normal = [normalise(m) for m in messages]
         last = self.exchanges[-1] if self.exchanges else None
-        why = self._why_not_continued(normal, last) if last is not None else None
+        why = None
+        if last is not None and not last.messages:
+            why = f"request {len(self.exchanges) + 1}: a chat request after a completion request (prompt tokens)"
+        elif last is not None:
+            why = self._why_not_continued(normal, last)
         if last is None or why is not None:
             if why is not None:
                 self.breaks.append(why)
@@ -108,6 +119,25 @@ class EpisodeTranscript:
         # ``before`` ends with the template's closing of the reply: the tokens after it are the new messages'
         tail = whole[len(before) :]
         return list(last.prompt_ids) + list(last.response_ids) + close + tail, True
+
+    def continues_ids(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether a completion request's ``prompt_ids`` continue the last exchange: they start with its prompt ids
+        and sampled response ids (the ids after them, possibly none, are the observation). A request that does not is
+        a break, recorded in :attr:`breaks` naming the request and the first token that differs (counted from 0, as
+        :meth:`Episode.extend_to` counts); the first request starts the chain."""
+        if not self.exchanges:
+            return False
+        last = self.exchanges[-1]
+        before = tuple(last.prompt_ids) + tuple(last.response_ids)
+        at = _first_difference(before, tuple(prompt_ids))
+        if at is None:
+            return True
+        where = f"they differ at token {at}" if at < len(prompt_ids) else f"it ends at token {at}"
+        self.breaks.append(
+            f"request {len(self.exchanges) + 1}: its prompt does not extend the last request's prompt and reply: "
+            f"{where} (of the {len(before)} it must start with)"
+        )
+        return False
 
     def _why_not_continued(self, normal: List[str], last: Exchange) -> Optional[str]:
         n = len(self.exchanges) + 1

@@ -26,8 +26,9 @@ from rlhf.distributed.resource_plan import (
     engine_gpus,
     engine_sleep,
 )
-from rlhf.envs import EnvironmentPool
-from rlhf.hub import pin_run_sources
+from rlhf.envs import EnvironmentPool, load_environment
+from rlhf.envs.loading import is_agent
+from rlhf.hub import model_dir, pin_run_sources
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
 from rlhf.objectives.actor_critic import PolicyObjective, ValueObjective
 from rlhf.ops.policy_loss import PolicyLossConfig
@@ -36,7 +37,7 @@ from rlhf.rewards.scoring import RewardScorers
 from rlhf.rl import ChatObservations, TurnLimits
 from rlhf.rollout.engines import RolloutEngines, as_backend
 from rlhf.rollout.sync_group import SyncTimeouts
-from rlhf.rollout.vllm_engine import VLLMSpec
+from rlhf.rollout.vllm_engine import SamplingSpec, VLLMSpec
 from rlhf.rollout.weight_sync import resolve_weight_sync
 from rlhf.trainers.actors import RoleStarter, frozen_group, start_plan, trained_group
 from rlhf.trainers.checkpoint import Checkpointable
@@ -161,6 +162,44 @@ def _start_judge(cfg: RLRunConfig, ctx: RunContext, engines: ActorPlan):
     )
     ctx.groups.append(judge)
     return judge
+
+
+def _episodes(cfg: RLRunConfig, ctx: RunContext, started: Dict[str, Any], prompts: PromptSet, tokenizer):
+    """Multi-turn rollouts: of an environment class, turn by turn, or of an agent function through the endpoint."""
+    pool = started[ENVIRONMENT]
+    if not is_agent(load_environment(cfg.env.spec)):
+        return _episode_rollout(cfg, pool, prompts, tokenizer)
+    from rlhf.trainers.agent_rollout import AgentRollout  # the endpoint's server stack: only agent runs need it
+
+    r = cfg.rollout
+    endpoint = _start_endpoint(cfg, ctx, started[ROLLOUT])
+    return AgentRollout(
+        pool, endpoint, tokenizer, r.max_episode_tokens, r.max_turns, r.on_prefix_mismatch, cfg.env.on_error
+    )
+
+
+def _start_endpoint(cfg: RLRunConfig, ctx: RunContext, engines: RolloutEngines):
+    """The OpenAI-compatible endpoint over the engines, on this node's address (agents may run on other nodes);
+    stopped with the worker groups."""
+    import ray
+
+    # FastAPI, uvicorn and vLLM's serving code: agent runs only
+    from rlhf.rollout.endpoint import AgentEndpoint
+    from rlhf.rollout.openai_render import OpenAIRenderer
+
+    e = cfg.env
+    renderer = OpenAIRenderer(
+        model_dir(cfg.model.path),
+        tool_parser=e.tool_parser or None,
+        chat_template=e.chat_template or None,
+        served_model_name="policy",
+        max_model_len=_engine_context(cfg),
+    )
+    sampling = SamplingSpec(max_new_tokens=cfg.rollout.max_new_tokens)  # each step sets the trainer's sampling
+    endpoint = AgentEndpoint(renderer, engines.generate_each, sampling, host=ray.util.get_node_ip_address()).start()
+    ctx.groups.append(endpoint)
+    log.info(f"[rl] agents of {e.spec} reach the policy at http://{endpoint.host}:{endpoint.port}/episodes/<key>/v1")
+    return endpoint
 
 
 def _episode_rollout(cfg: RLRunConfig, pool: EnvironmentPool, prompts: PromptSet, tokenizer) -> EpisodeRollout:
@@ -408,7 +447,7 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
         _connect_weight_sync(cfg, ctx, actors)
         _write_placement(started, t.output_dir)
         policy_objective, value_objective = _objectives(cfg)
-        episodes = _episode_rollout(cfg, started[ENVIRONMENT], prompts, tokenizer) if cfg.multi_turn else None
+        episodes = _episodes(cfg, ctx, started, prompts, tokenizer) if cfg.multi_turn else None
         scorers = _reward_scorers(cfg, scorer, started.get(REWARD_POOL), started.get(JUDGE))
         trainer = RLTrainer(
             cfg,

@@ -97,3 +97,28 @@ def test_episodes_through_the_endpoint_are_the_tokens_sampled_with_the_engines_l
     # float32 logits of two implementations of the same model: ~1e-7 per token (tests/integration/
     # test_vllm_rollout.py measures 2.3e-7 mean); a token scored in the wrong context is off by O(1)
     assert float(gap.max()) < 1e-4
+
+
+def test_a_completion_chain_of_token_ids_extends_the_sampled_tokens_with_the_episode_seeds(served):
+    import dataclasses
+
+    import openai
+
+    endpoint, engines, renderer = served
+    tok = renderer.tokenizer
+    url = endpoint.open(index=9, seed=77, budget=256)
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+    prompt = tok("Q: What is 3 + 4?\nA:", add_special_tokens=False)["input_ids"]
+    for turn in range(TURNS):
+        out = client.completions.create(model="policy", prompt=prompt, extra_body={"return_token_ids": True})
+        prompt = list(out.choices[0].prompt_token_ids) + list(out.choices[0].token_ids)
+        prompt += tok(f"\nresult {turn}\nA:", add_special_tokens=False)["input_ids"]
+    transcript = endpoint.close(url).transcript
+    assert [e.continues for e in transcript.exchanges] == [False, True, True] and not transcript.breaks
+    episode = transcript.episode()
+    last = transcript.exchanges[-1]
+    assert episode.turns == TURNS and episode.token_ids == last.prompt_ids + last.response_ids
+    # the engine's own call on the last prompt, seeded as the episode's third request: the same tokens
+    (again,) = engines.generate([last.prompt_ids], dataclasses.replace(endpoint.sampling, seed=77 + TURNS - 1))
+    assert again.response_ids == last.response_ids
+    assert max(abs(a - b) for a, b in zip(again.response_logps, last.response_logps)) < 1e-5  # same engine, same batch

@@ -4,11 +4,13 @@ test: token-in chaining, per-request seeds, batching, errors). tests/integration
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import pytest
 
+from rlhf.envs.agents import AgentResult, run_agents
 from rlhf.rollout.endpoint import AgentEndpoint
 from rlhf.rollout.episodes import EpisodeError
 from rlhf.rollout.vllm_engine import Generation, SamplingSpec
@@ -148,9 +150,88 @@ def test_errors_come_back_as_openai_errors(endpoint):
     endpoint.close(url)
     with pytest.raises(openai.NotFoundError, match="no open episode"):
         _client(url).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    capped = endpoint.open(index=2, seed=0, budget=400, max_requests=1)  # rollout.max_turns
+    first = _client(capped).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    again = [{"role": "user", "content": "x"}, first.choices[0].message, {"role": "user", "content": "y"}]
+    with pytest.raises(openai.BadRequestError, match=r"episode 2 has made its 1 requests \(rollout.max_turns\)"):
+        _client(capped).chat.completions.create(model="policy", messages=again)
     tight = endpoint.open(index=1, seed=0, budget=5)
     with pytest.raises(openai.BadRequestError, match="no room left in its 5-token budget"):
         _client(tight).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+
+
+def test_a_completion_chain_sent_as_token_ids_is_trained_on_the_tokens_sampled(endpoint, renderer):
+    tok = renderer.tokenizer
+    url = endpoint.open(index=4, seed=100, budget=400)
+    client = _client(url)
+    question = "Q: What is 7 + 5?\nA:"
+    first = client.completions.create(model="policy", prompt=question, extra_body={"return_token_ids": True})
+    assert first.choices[0].text == "7 + 5"  # seed 100 -> words[100 % 3], its stop token left out of the text
+    prompt1, reply1 = list(first.choices[0].prompt_token_ids), list(first.choices[0].token_ids)
+    assert prompt1 == tok(question, add_special_tokens=False)["input_ids"]  # the text prompt, tokenized as it is
+    assert reply1[-1] == tok.convert_tokens_to_ids("<|im_end|>")  # the ids returned include the stop token
+    observation = tok("\nQ: Are you sure?\nA:", add_special_tokens=False)["input_ids"]
+    second = client.completions.create(
+        model="policy", prompt=prompt1 + reply1 + observation, max_tokens=40, extra_body={"return_token_ids": True}
+    )
+    assert second.choices[0].text == "hello there"  # seed 101: the episode's second request
+    transcript = endpoint.close(url).transcript
+    assert [e.continues for e in transcript.exchanges] == [False, True] and not transcript.breaks
+    assert [e.messages for e in transcript.exchanges] == [(), ()]
+    (call1,), (call2,) = endpoint.engines.calls
+    assert call1[1:] == (100, 16) and call2 == (tuple(prompt1 + reply1 + observation), 101, 16)  # cap: 16
+    episode = transcript.episode()
+    assert episode.token_ids == call2[0] + tuple(second.choices[0].token_ids)
+    assert [s.source for s in episode.segments] == ["policy", "env", "policy"]
+    assert episode.segments[1].ids == tuple(observation)
+    assert episode.segments[0].logps == transcript.exchanges[0].response_logps
+
+
+def test_a_completion_text_prompt_that_appends_the_reply_text_drifts_and_the_break_is_named(endpoint, renderer):
+    tok = renderer.tokenizer
+    url = endpoint.open(index=6, seed=100, budget=400)
+    client = _client(url)
+    question = "Q: What is 7 + 5?\nA:"
+    reply = client.completions.create(model="policy", prompt=question).choices[0].text
+    client.completions.create(model="policy", prompt=question + reply + "\nQ: Are you sure?\nA:")
+    transcript = endpoint.close(url).transcript
+    assert [e.continues for e in transcript.exchanges] == [False, False]
+    # the text leaves out the sampled stop token: the prompts part where it stood, after the question and reply
+    at = len(tok(question, add_special_tokens=False)["input_ids"]) + len(
+        tok(reply, add_special_tokens=False)["input_ids"]
+    )
+    assert transcript.breaks == [
+        f"request 2: its prompt does not extend the last request's prompt and reply: they differ at token {at} "
+        f"(of the {at + 1} it must start with)"
+    ]
+    with pytest.raises(EpisodeError, match="episode 6: request 2: its prompt does not extend"):
+        transcript.episode()
+    assert transcript.episode("truncate").turns == 1
+
+
+def test_completion_asks_an_episode_cannot_hold_are_refused_by_field(endpoint):
+    import openai
+
+    url = endpoint.open(index=0, seed=0, budget=400)
+    with pytest.raises(openai.BadRequestError, match="n must be 1") as refused:
+        _client(url).completions.create(model="policy", prompt="x", n=2)
+    assert refused.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError, match="one prompt") as refused:
+        _client(url).completions.create(model="policy", prompt=["x", "y"])
+    assert refused.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match="stop") as refused:
+        _client(url).completions.create(model="policy", prompt="x", stop=["."])
+    assert refused.value.body["param"] == "stop"
+    assert endpoint.engines.calls == [] and endpoint.close(url).transcript.exchanges == []
+
+
+def test_a_chat_request_after_a_completion_breaks_the_chain_and_says_why(endpoint):
+    url = endpoint.open(index=2, seed=0, budget=400)
+    client = _client(url)
+    client.completions.create(model="policy", prompt="Hi")
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}])
+    transcript = endpoint.close(url).transcript
+    assert transcript.breaks == ["request 2: a chat request after a completion request (prompt tokens)"]
 
 
 def test_an_echoed_reply_compares_equal_whatever_the_client_adds_or_reformats():
@@ -172,3 +253,44 @@ def test_an_echoed_reply_compares_equal_whatever_the_client_adds_or_reformats():
     assert normalise(echoed) == normalise(returned)
     changed = dict(echoed, tool_calls=[{"function": {"name": "add", "arguments": '{"a": 2}'}}])
     assert normalise(changed) != normalise(returned)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Agent functions as the environment actors run them (rlhf.envs.agents.run_agents), against this endpoint
+# ---------------------------------------------------------------------------------------------------------------
+
+
+async def _async_agent(client, row):
+    reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["q"]}])
+    if row["q"] == "hang":
+        await asyncio.sleep(60)
+    if row["q"] == "raise":
+        raise RuntimeError("the tool is down")
+    return AgentResult(len(reply.choices[0].message.content), info={"q": row["q"]}) if row["q"] != "bool" else True
+
+
+def _sync_agent(client, row):
+    if row["q"] == "hang":
+        time.sleep(60)
+    reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["q"]}])
+    return float(len(reply.choices[0].message.content))
+
+
+@pytest.mark.parametrize("agent", [_async_agent, _sync_agent])
+def test_agents_run_at_once_and_each_failure_names_its_episode(endpoint, agent):
+    rows = [{"q": "ok"}, {"q": "hang"}, {"q": "raise"}, {"q": "bool"}, {"q": "fine"}]
+    urls = [endpoint.open(index=i, seed=10 * i, budget=400) for i in range(len(rows))]
+    started = time.perf_counter()
+    results, stuck = run_agents(agent, "agents.py:run", list(enumerate(zip(urls, rows))), timeout_s=2.0)
+    assert time.perf_counter() - started < 6  # all at once: one timeout, not one per agent
+    words = ["12", "7 + 5", "hello there"]
+    assert results[0].reward == len(words[0]) and results[4].reward == len(words[40 % 3])
+    assert "ran for more than 2 s (env.step_timeout_s) (episode 1)" in str(results[1])
+    if agent is _async_agent:
+        assert results[0].info == {"q": "ok"} and not stuck  # a hung coroutine is cancelled
+        assert "raised RuntimeError: the tool is down (episode 2)" in str(results[2])
+        assert "returned a bad result: an agent's reward must be a finite real number (not a bool" in str(results[3])
+    else:
+        assert stuck  # a hung thread cannot be stopped: its actor must be replaced
+    for url in urls:
+        endpoint.close(url)

@@ -84,8 +84,9 @@ def test_loading_errors_name_the_spec(envs: Path, tmp_path: Path):
     msg = _error(f"{envs}:Countr")
     assert "has no attribute 'Countr'" in msg and "Did you mean 'Counter'" in msg
     assert "Classes available there: BadOutcome, Counter, Duck, NeedsArgs, NoStep, Raising" in msg
-    assert "is not a class (it is int)" in _error(f"{envs}:NOT_A_CLASS")
-    assert "is not a class (it is function)" in _error(f"{envs}:counter")
+    assert "is not a class or a function (it is int)" in _error(f"{envs}:NOT_A_CLASS")
+    # a function is an agent (rlhf.envs.agents), which takes the episode's client and row
+    assert "agent function counter() must take (client, row)" in _error(f"{envs}:counter")
     assert "has no step method" in _error(f"{envs}:NoStep")
     assert "constructor requires sandbox" in _error(f"{envs}:NeedsArgs")
     assert "cannot import module 'rlhf.no_such'" in _error("rlhf.no_such:Env")

@@ -1,0 +1,164 @@
+"""One RL step's episodes when ``env.spec`` names an agent function (:mod:`rlhf.envs.agents`): each episode's agent
+talks to the policy through its own URL of the endpoint (:mod:`rlhf.rollout.endpoint`), and the episode trained on
+is the chain of tokens the engines were given and sampled (:mod:`rlhf.rollout.transcripts`).
+
+::
+
+    for every episode j of the step: a URL of the endpoint, seeds seed + j x AGENT_SEED_STRIDE + request
+    the environment actors run every agent at once (the endpoint batches their requests into engine calls)
+    each agent returns its reward; each episode's transcript -> its tokens, loss on the policy's replies only
+
+An episode ends ``done`` when its agent returns (a request beyond ``rollout.max_turns`` is refused with a 400,
+counted in ``agent/refused``: the agent then stops or fails); ``token_budget`` when a request found no room left in
+``rollout.max_episode_tokens``; ``max_new_tokens`` when its last reply was cut at ``rollout.max_new_tokens``;
+``prefix_mismatch`` when the agent broke the token chain (``rollout.on_prefix_mismatch=truncate`` trains the chain
+up to there; ``error`` stops the run naming the episode and why); ``env_error`` when the agent raised or hung
+(``env.on_error``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from rlhf.envs.base import EnvError
+from rlhf.rl import EpisodeError, episodes_batch
+from rlhf.rollout.episodes import Episode
+from rlhf.rollout.vllm_engine import SamplingSpec
+from rlhf.trainers.rl_experience import PromptSet
+from rlhf.trainers.rl_rollout import Rollout
+from rlhf.utils.log import get_logger
+
+log = get_logger(__name__)
+
+AGENT_SEED_STRIDE = 1_000_003  # episode j's requests are seeded from seed + j x stride (an episode makes fewer)
+LIMITS = ("token_budget", "max_new_tokens", "prefix_mismatch")
+
+
+class AgentRollout:
+    """Episodes of an agent function on the environment pool, through the endpoint.
+
+    Args:
+        pool: the :class:`~rlhf.envs.EnvironmentPool` hosting the agent function.
+        endpoint: the started :class:`~rlhf.rollout.endpoint.AgentEndpoint` over the run's engines.
+        tokenizer: decodes the final replies and transcripts for the reward functions.
+        max_episode_tokens: each episode's token budget (``rollout.max_episode_tokens``).
+        max_turns: the requests each episode may make (``rollout.max_turns``); one more is refused with a 400.
+        on_prefix_mismatch: ``error`` | ``truncate`` for an agent that breaks the token chain.
+        on_error: ``fail`` | ``drop`` for an agent that raises or hangs (``env.on_error``).
+    """
+
+    def __init__(
+        self,
+        pool,
+        endpoint,
+        tokenizer,
+        max_episode_tokens: int,
+        max_turns: int,
+        on_prefix_mismatch: str,
+        on_error: str,
+    ) -> None:
+        self.pool, self.endpoint, self.tokenizer = pool, endpoint, tokenizer
+        self.max_episode_tokens, self.max_turns = max_episode_tokens, max_turns
+        self.on_prefix_mismatch, self.on_error = on_prefix_mismatch, on_error
+
+    def __call__(
+        self, engines, prompts: PromptSet, prompt_index: List[int], sampling: SamplingSpec, step: int
+    ) -> Rollout:
+        """Episode ``j`` answers prompt ``prompt_index[j]`` (its row goes to the agent); ``step`` names the RL step in
+        errors (0: evaluation). ``engines`` are the endpoint's already."""
+        self.endpoint.sampling = dataclasses.replace(sampling, seed=None)  # the trainer's sampling, this step's
+        seeds = [
+            None if sampling.seed is None else sampling.seed + j * AGENT_SEED_STRIDE for j in range(len(prompt_index))
+        ]
+        before = _counts(self.endpoint)
+        urls = [self.endpoint.open(j, seed, self.max_episode_tokens, self.max_turns) for j, seed in enumerate(seeds)]
+        try:
+            results = self.pool.run_agents(
+                urls, [prompts.env_rows[i] for i in prompt_index], "return" if self.on_error == "drop" else "raise"
+            )
+        except EnvError as e:
+            raise EnvError(f"{_where(step)}: {e}", e.spec, e.episode, e.turn) from e
+        finally:
+            sessions = [self.endpoint.close(url) for url in urls]
+        episodes, ended, failed = [], [], []
+        for j, (session, result) in enumerate(zip(sessions, results)):
+            episode, why = self._episode(j, session, result, prompts.prompt_ids[prompt_index[j]], step)
+            episodes.append(episode)
+            ended.append(why)
+            failed.append(isinstance(result, EnvError) or why == "env_error")
+        errors = [r for r in results if isinstance(r, EnvError)]
+        if errors:
+            log.info(
+                f"[rl] {_where(step)}: {len(errors)} of {len(results)} agents failed (env.on_error=drop), the first: "
+                f"{errors[0]}"
+            )
+        batch = episodes_batch(episodes, self.tokenizer.pad_token_id)
+        decode = lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
+        rewards = [0.0 if isinstance(r, EnvError) else r.reward for r in results]
+        return Rollout(
+            batch,
+            prompt_index,
+            responses=[decode(_last_reply(e)) for e in episodes],
+            columns={
+                "transcript": [decode(e.token_ids[len(e.prompt_ids) :]) for e in episodes],
+                "turns": [e.turns for e in episodes],
+            },
+            env_rewards=torch.tensor(rewards, dtype=torch.float32),
+            turn_rewards=torch.zeros(batch.input_ids.shape, dtype=torch.float32),
+            at_limit=torch.tensor([why in LIMITS for why in ended], dtype=torch.bool),
+            failed=torch.tensor(failed, dtype=torch.bool),
+            metrics={**_metrics(episodes, ended), **_counts(self.endpoint, minus=before)},
+        )
+
+    def _episode(self, j: int, session, result, prompt_ids: Sequence[int], step: int):
+        """Episode ``j``'s tokens and why it ended. An agent that failed, or made no request, is an episode of its
+        prompt alone (no loss: it is ``failed``)."""
+        transcript = session.transcript
+        if isinstance(result, EnvError) or not transcript.exchanges:
+            if not isinstance(result, EnvError) and self.on_error != "drop":
+                raise EnvError(f"{_where(step)}: agent episode {j} made no request to its endpoint", None, j)
+            return Episode(tuple(prompt_ids), index=j), "env_error"
+        try:
+            episode = transcript.episode(self.on_prefix_mismatch)
+        except EpisodeError as e:
+            raise EpisodeError(f"{_where(step)}: {e}") from e
+        if episode.truncated:
+            return episode, "prefix_mismatch"
+        if session.exhausted:
+            return episode, "token_budget"
+        return episode, "max_new_tokens" if transcript.exchanges[-1].finish_reason == "length" else "done"
+
+
+def _last_reply(episode: Episode) -> Sequence[int]:
+    policy = [s for s in episode.segments if s.source == "policy"]
+    return policy[-1].ids if policy else ()
+
+
+def _metrics(episodes: Sequence[Episode], ended: Sequence[str]) -> Dict[str, float]:
+    """``episode/*`` as environments' episodes log them."""
+    n = max(len(episodes), 1)
+    return {
+        "episode/turns": sum(e.turns for e in episodes) / n,
+        "episode/policy_tokens": sum(e.policy_tokens for e in episodes) / n,
+        "episode/env_tokens": sum(e.env_tokens for e in episodes) / n,
+        **{f"episode/ended_{why}": sum(w == why for w in ended) / n for why in ("done", *LIMITS, "env_error")},
+    }
+
+
+def _counts(endpoint, minus: Optional[Dict[str, float]] = None) -> Dict[str, float]:
+    """The endpoint's ``agent/*`` counts so far (less ``minus``: one step's): requests served, refused, engine
+    calls they were batched into, seconds spent serving."""
+    now = {
+        "agent/requests": float(endpoint.stats.requests),
+        "agent/refused": float(endpoint.stats.refused),
+        "agent/engine_calls": float(endpoint.batcher.calls),
+        "agent/endpoint_s": float(endpoint.stats.seconds),
+    }
+    return {k: v - (minus or {}).get(k, 0.0) for k, v in now.items()}
+
+
+def _where(step: int) -> str:
+    return f"RL step {step}" if step else "the evaluation"
