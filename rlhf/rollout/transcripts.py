@@ -108,9 +108,11 @@ class EpisodeTranscript:
         before = render(messages[:done], tools, False)
         whole = render(messages, tools, True)
         if whole[: len(before)] != before:
+            at = next((i for i, (a, b) in enumerate(zip(before, whole)) if a != b), min(len(before), len(whole)))
             self.breaks.append(
                 f"request {len(self.exchanges) + 1}: the chat template renders the conversation so far differently "
-                f"once message {done + 1} follows (it rewrites earlier turns)"
+                f"once message {done + 1} follows (it rewrites earlier turns: the renders differ at token {at} of "
+                f"{len(before)})"
             )
             return whole, False
         close = list(close_ids)

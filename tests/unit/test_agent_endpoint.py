@@ -294,3 +294,40 @@ def test_agents_run_at_once_and_each_failure_names_its_episode(endpoint, agent):
         assert stuck  # a hung thread cannot be stopped: its actor must be replaced
     for url in urls:
         endpoint.close(url)
+
+
+def test_a_template_that_drops_earlier_reasoning_breaks_the_chain_at_the_token_it_rewrites():
+    """Qwen3's template drops an assistant turn's <think> block once a later user turn follows (prime-rl #1334,
+    verl #6719): re-rendering the conversation no longer extends the tokens sampled, and the break says where."""
+    import re
+
+    from rlhf.rollout.transcripts import EpisodeTranscript, Exchange, normalise
+
+    def render(messages, tools, add_generation_prompt):  # characters as token ids
+        text = ""
+        for i, m in enumerate(messages):
+            content = m["content"]
+            if m["role"] == "assistant" and i < len(messages) - 1:
+                content = re.sub(r"<think>.*?</think>", "", content)
+            text += f"<{m['role']}>{content}</end>"
+        return [ord(c) for c in text + ("<assistant>" if add_generation_prompt else "")]
+
+    transcript = EpisodeTranscript(index=4)
+    first = [{"role": "user", "content": "2+2="}]
+    prompt, _ = transcript.prompt_for(first, None, render, [ord(c) for c in "</end>"])
+    reply = {"role": "assistant", "content": "<think>easy</think>4"}
+    sampled = tuple(ord(c) for c in reply["content"] + "</end>")
+    transcript.add(Exchange(tuple(prompt), sampled, (-0.1,) * len(sampled), "stop", (normalise(first[0]),),
+                            normalise(reply), False))  # fmt: skip
+    second = [*first, reply, {"role": "user", "content": "sure?"}]
+    whole, continues = transcript.prompt_for(second, None, render, [ord(c) for c in "</end>"])
+    assert not continues and whole == render(second, None, True)  # the engine gets the template's render
+    at = len("<user>2+2=</end><assistant>")  # where <think> was
+    assert transcript.breaks == [
+        "request 2: the chat template renders the conversation so far differently once message 3 follows (it "
+        f"rewrites earlier turns: the renders differ at token {at} of {len(render(second[:2], None, False))})"
+    ]
+    transcript.add(Exchange(tuple(whole), (1,), (-0.2,), "stop", (), "", continues))
+    with pytest.raises(EpisodeError, match="episode 4: request 2: the chat template renders"):
+        transcript.episode()
+    assert transcript.episode("truncate").turns == 1  # the chain up to the rewrite
