@@ -35,7 +35,9 @@ STEP_KEYS = (
 )
 
 
-def run_rl(tiny_model, prompts, shaping, out, *extra):
+def train_rl(tiny_model, prompts, out, *overrides):
+    """``train_ppo`` with ``grpo_tiny`` on the tiny model and ``prompts``, writing to ``out`` (no TensorBoard), then
+    ``overrides``; returns the metrics rows and the run's result."""
     from rlhf.trainers.rl_runner import train_ppo
 
     cfg = load_config(
@@ -45,22 +47,31 @@ def run_rl(tiny_model, prompts, shaping, out, *extra):
             f"model.path={tiny_model}",
             f"data.train_path={prompts}",
             f"train.output_dir={out}",
-            f"reward.functions=[rlhf.synthetic.arithmetic:reward,{shaping}]",
-            "rollout.prompts_per_step=4",
-            "rollout.n_samples_per_prompt=4",
-            "rollout.max_new_tokens=4",
-            "rollout.max_prompt_length=16",  # the arithmetic prompts are ~8 tokens; token budgets below count on it
-            "train.global_batch_size=8",
-            "train.micro_batch_size=8",
-            "train.max_steps=2",
-            "train.lr=1e-4",
             "logging.tensorboard=false",
-            *extra,
+            *overrides,
         ],
     )
     result = train_ppo(cfg)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f], result
+
+
+def run_rl(tiny_model, prompts, shaping, out, *extra):
+    return train_rl(
+        tiny_model,
+        prompts,
+        out,
+        f"reward.functions=[rlhf.synthetic.arithmetic:reward,{shaping}]",
+        "rollout.prompts_per_step=4",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=4",
+        "rollout.max_prompt_length=16",  # the arithmetic prompts are ~8 tokens; token budgets below count on it
+        "train.global_batch_size=8",
+        "train.micro_batch_size=8",
+        "train.max_steps=2",
+        "train.lr=1e-4",
+        *extra,
+    )
 
 
 def check_rows(rows, steps=(1, 2), extra_keys=()):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
-from rlhf.data.chat import ChatFormatter, ChatTemplateError, check_messages, load_template
+from rlhf.data.chat import ChatFormatter, ChatTemplateError, check_messages, load_template, row_tools
 from rlhf.data.io import DataError, FieldsError, read_rows
 from rlhf.data.layouts import COMPLETION, pair_parts, sft_parts
 from rlhf.data.tokenize import RowError
@@ -30,15 +30,19 @@ def _fields(
     return dict(required=(), optional=tuple(keys) + tuple(optional), types=types, check=check)
 
 
-def sft_fields(prompt_key: str, response_key: str, messages_key: str, text_key: str = "text") -> Dict[str, Any]:
+def sft_fields(
+    prompt_key: str, response_key: str, messages_key: str, text_key: str = "text", tools_key: str = "tools"
+) -> Dict[str, Any]:
     """SFT: ``{messages_key: [...]}``; ``prompt_key`` + ``response_key`` (or ``completion``) both text or both
-    messages; or ``{text_key: "..."}`` (:func:`rlhf.data.layouts.sft_parts`)."""
+    messages; or ``{text_key: "..."}`` (:func:`rlhf.data.layouts.sft_parts`). ``tools_key``: the row's tool schemas,
+    when it has them (:func:`rlhf.data.chat.parse_tools`)."""
 
     def check(row: dict) -> None:
         sft_parts(row, prompt_key, response_key, messages_key, text_key)
+        row_tools(row, tools_key)
 
     keys = (messages_key, prompt_key, response_key) + ((COMPLETION,) if COMPLETION != response_key else ())
-    return _fields(keys + ((text_key,) if text_key else ()), check)
+    return _fields(keys + tuple(k for k in (text_key, tools_key) if k), check)
 
 
 def pair_fields(
@@ -61,11 +65,15 @@ def pair_fields(
 
 
 def prompt_fields(
-    prompt_key: str, columns: Sequence[str] = (), required_columns: Optional[Mapping[str, Sequence[str]]] = None
+    prompt_key: str,
+    columns: Sequence[str] = (),
+    required_columns: Optional[Mapping[str, Sequence[str]]] = None,
+    tools_key: str = "tools",
 ) -> Dict[str, Any]:
     """RL prompts: ``prompt_key`` as text or messages, plus reward-function columns when present;
     ``required_columns``: ``{config key: the columns a user named there}`` (``reward.columns``, ``env.columns``),
-    each of which must be in every row (a typo is refused naming the key, with the row's fields)."""
+    each of which must be in every row (a typo is refused naming the key, with the row's fields). ``tools_key``: the
+    row's tool schemas, when it has them (:func:`rlhf.data.chat.parse_tools`)."""
     required = {key: tuple(named) for key, named in (required_columns or {}).items()}
 
     def check(row: dict) -> None:
@@ -77,6 +85,7 @@ def prompt_fields(
             )
         if not isinstance(row[prompt_key], str):
             check_messages(row[prompt_key], prompt_key)
+        row_tools(row, tools_key)
         for key, named in required.items():
             for column in named:
                 if column not in row:
@@ -87,8 +96,9 @@ def prompt_fields(
                     )
 
     named_columns = tuple(c for named in required.values() for c in named)
-    optional = tuple(dict.fromkeys(c for c in tuple(columns) + named_columns if c != prompt_key))
-    return _fields((prompt_key,), check, optional=optional)
+    keys = (prompt_key,) + ((tools_key,) if tools_key and tools_key != prompt_key else ())
+    optional = tuple(dict.fromkeys(c for c in tuple(columns) + named_columns if c not in keys))
+    return _fields(keys, check, optional=optional)
 
 
 def is_conversational(rows: Sequence[dict], keys: Sequence[str]) -> bool:

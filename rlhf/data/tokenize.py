@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence, Tuple, cast
 import torch
 
 from rlhf.batch import Batch, pad_sequences
-from rlhf.data.chat import sft_turns
+from rlhf.data.chat import row_tools, sft_turns
 from rlhf.data.layouts import pair_parts, sft_parts
 
 
@@ -129,11 +129,13 @@ def tokenize_sft(
     chat=None,
     assistant_turns: str = "all",
     text_key: str = "text",
+    tools_key: str = "tools",
 ) -> Tokenized:
     """SFT rows in any layout of :func:`rlhf.data.layouts.sft_parts` -> examples; rows left without a target are
     skipped. Plain prompt + response text: the prompt with the tokenizer's special tokens, the response without, plus
     EOS (``add_eos``). A ``text`` row: tokenized whole with the tokenizer's special tokens, plus EOS (``add_eos``),
-    every token trained. Conversations: rendered with ``chat`` (a :class:`~rlhf.data.chat.ChatFormatter`)."""
+    every token trained. Conversations: rendered with ``chat`` (a :class:`~rlhf.data.chat.ChatFormatter`), with the
+    row's tool schemas (its ``tools_key`` field) when it has them."""
     parts = {}
     for i, row in enumerate(rows):
         with row_errors(i):
@@ -152,12 +154,13 @@ def tokenize_sft(
         if i in by_row:
             continue
         with row_errors(i):
+            tools = row_tools(rows[i], tools_key)
             if parts[i][0] == "messages":
                 messages = parts[i][1]
-                encoded = chat.encode(messages, sft_turns(messages, assistant_turns))
+                encoded = chat.encode(messages, sft_turns(messages, assistant_turns), tools)
             else:
                 prompt, completion = parts[i][1:]
-                encoded = chat.encode(prompt + completion, range(len(prompt), len(prompt) + len(completion)))
+                encoded = chat.encode(prompt + completion, range(len(prompt), len(prompt) + len(completion)), tools)
         by_row[i] = _truncated(encoded, max_length)
     examples = [by_row[i] for i in range(len(rows)) if by_row[i] is not None]
     return Tokenized(examples, [i for i in range(len(rows)) if by_row[i] is None])

@@ -35,6 +35,49 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
 
+#: A Qwen-style ChatML template with tool calling (hermes format: ``<tool_call>{json}</tool_call>``) for the tiny
+#: model, whose own template (:data:`CHAT_TEMPLATE`) has no ``tools``. Same turns as that template (BOS first,
+#: ``<|im_start|>role\n...<|im_end|>\n``); the tools go into the system turn, an assistant's calls into its turn as
+#: ``<tool_call>`` blocks and a tool's result into a user turn as ``<tool_response>``, as Qwen2.5's template does.
+TOOLS_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\n\n' -}}{%- endif -%}"
+    "{{- '# Tools\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}"
+    '{{- \'\n</tools>\nCall one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\n\' -}}'
+    "{%- elif messages[0]['role'] == 'system' -%}"
+    "{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' and loop.first -%}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{{- '<|im_start|>assistant\n' + (message['content'] or '') -}}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set fn = call['function'] -%}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
+    "{{- fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) -}}"
+    "{{- '}\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
+def write_tools_template(path: str) -> str:
+    """Write :data:`TOOLS_CHAT_TEMPLATE` to ``path`` (a ``.jinja`` file for ``data.chat_template``) and return it."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(TOOLS_CHAT_TEMPLATE)
+    return path
+
+
 # vLLM's CPU attention backend rejects head sizes below this.
 MIN_HEAD_DIM = 32
 

@@ -41,42 +41,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from rlhf.models.tiny import TOOLS_CHAT_TEMPLATE  # noqa: F401 - re-exported: tests and agents import it from here
 from rlhf.rollout.vllm_engine import Generation, SamplingSpec
-
-#: A Qwen-style ChatML template with tool calling (hermes format: ``<tool_call>{json}</tool_call>``) for the tiny
-#: model of :mod:`rlhf.models.tiny`, whose own template has no ``tools``. Same turns as that template (BOS first,
-#: ``<|im_start|>role\n...<|im_end|>\n``); the tools go into the system turn, an assistant's calls into its turn as
-#: ``<tool_call>`` blocks and a tool's result into a user turn as ``<tool_response>``, as Qwen2.5's template does.
-TOOLS_CHAT_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- if tools -%}"
-    "{{- '<|im_start|>system\n' -}}"
-    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\n\n' -}}{%- endif -%}"
-    "{{- '# Tools\n<tools>' -}}"
-    "{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}"
-    '{{- \'\n</tools>\nCall one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\n\' -}}'
-    "{%- elif messages[0]['role'] == 'system' -%}"
-    "{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' -}}"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' and loop.first -%}"
-    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
-    "{{- '<|im_start|>assistant\n' + (message['content'] or '') -}}"
-    "{%- for call in message['tool_calls'] -%}"
-    "{%- set fn = call['function'] -%}"
-    "{{- '\n<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
-    "{{- fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) -}}"
-    "{{- '}\n</tool_call>' -}}"
-    "{%- endfor -%}"
-    "{{- '<|im_end|>\n' -}}"
-    "{%- elif message['role'] == 'tool' -%}"
-    "{{- '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
-)
 
 
 class RenderError(Exception):

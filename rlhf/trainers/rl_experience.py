@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from rlhf.data.chat import row_tools
 from rlhf.data.tokenize import row_errors
 
 
@@ -39,9 +40,12 @@ def prepare_prompts(
     max_prompt_length: int,
     overflow: str,
     chat=None,
+    tools_key: str = "tools",
 ) -> PromptSet:
     """Tokenize every prompt once: text with the tokenizer's special tokens, messages through ``chat`` (a
-    :class:`~rlhf.data.chat.ChatFormatter`) with the generation prompt; apply ``max_prompt_length``."""
+    :class:`~rlhf.data.chat.ChatFormatter`) with the row's tool schemas (its ``tools_key`` field, when it has them:
+    an agent's first request, which sends them, renders to the same ids) and the generation prompt; apply
+    ``max_prompt_length``."""
     plain = [i for i, r in enumerate(rows) if isinstance(r[prompt_key], str)]
     encoded = dict(
         zip(
@@ -53,7 +57,7 @@ def prepare_prompts(
     for i, row in enumerate(rows):
         if i not in encoded:  # rendered once: its text is what reward functions see, its ids what the engine gets
             with row_errors(i):
-                texts[i] = chat.render(row[prompt_key], generation_prompt=True)
+                texts[i] = chat.render(row[prompt_key], generation_prompt=True, tools=row_tools(row, tools_key))
             encoded[i] = chat.tokenize(texts[i])
     keep, ids, skipped, truncated = [], [], 0, 0
     for i in range(len(rows)):

@@ -134,6 +134,31 @@ def single_turn_of(generations: Sequence[Generation], tokenizer, prompt_index: L
     )
 
 
+def continued(first: Sequence[Generation], going: Sequence[int], rest: Sequence[Generation]) -> List[Generation]:
+    """Partial rollouts: each of ``first`` (the responses' first tokens), response ``going[k]`` continued by
+    ``rest[k]`` (sampled from its prompt and first tokens): tokens and sampling log-probs joined, the finish
+    reason the continuation's."""
+    whole = list(first)
+    for j, tail in zip(going, rest):
+        g = first[j]
+        whole[j] = Generation(
+            g.prompt_ids, g.response_ids + tail.response_ids, g.response_logps + tail.response_logps, tail.finish_reason
+        )
+    return whole
+
+
+def spanned_versions(
+    first: Sequence[Generation], whole: Sequence[Generation], shape: Sequence[int], version: int
+) -> torch.Tensor:
+    """``(B, T)`` int64: the weight version of each sampled token of ``whole`` laid out as :func:`single_turn_of`
+    lays it out: ``version`` on the tokens of ``first``, ``version + 1`` on their continuation, -1 elsewhere."""
+    versions = torch.full(tuple(shape), -1, dtype=torch.long)
+    for j, (g, w) in enumerate(zip(first, whole)):
+        start, cut = len(g.prompt_ids), len(g.prompt_ids) + len(g.response_ids)
+        versions[j, start:cut], versions[j, cut : len(w.prompt_ids) + len(w.response_ids)] = version, version + 1
+    return versions
+
+
 def _cut_metrics(cut: Optional[torch.Tensor]) -> Dict[str, float]:
     """A single-turn rollout's ``episode/ended_max_new_tokens``: the share of responses cut at the budget."""
     if cut is None:
@@ -264,3 +289,20 @@ def observation_format(setting: str, conversational: bool) -> str:
             "or auto"
         )
     return setting
+
+
+def staleness_metrics(step: int, versions: torch.Tensor, times) -> Dict[str, float]:
+    """``async/*`` of step ``step``: how many versions the sampled tokens lag the policy that trains on them
+    (``step - 1``), the versions one sample spans, and the schedule's ``times`` (seconds waited on generation,
+    generation run ahead). ``versions``: ``(B, T)`` the version of each sampled token, -1 elsewhere."""
+    sampled = versions >= 0
+    lag = (step - 1 - versions)[sampled].float()
+    rows = sampled.any(-1)
+    span = versions.masked_fill(~sampled, -1).amax(-1) - versions.masked_fill(~sampled, 1 << 30).amin(-1)
+    return {
+        "async/staleness_mean": float(lag.mean()) if len(lag) else 0.0,
+        "async/staleness_max": float(lag.max()) if len(lag) else 0.0,
+        "async/version_span": float(span[rows].float().mean()) if bool(rows.any()) else 0.0,
+        "async/waited_s": round(times.waited, 4),
+        "async/generated_ahead_s": round(times.ahead, 4),
+    }

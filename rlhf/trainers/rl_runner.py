@@ -337,7 +337,7 @@ def row_fields(cfg: RLRunConfig) -> Dict[str, Any]:
     columns = tuple(dict.fromkeys(cfg.reward.columns + cfg.env.columns))  # an environment's row holds both
     named = cfg.reward.columns if cfg.reward.columns != RewardConfig().columns else ()
     required = {"reward.columns": named, "env.columns": cfg.env.columns if cfg.env.spec else ()}
-    return prompt_fields(cfg.data.prompt_key, columns, required_columns=required)
+    return prompt_fields(cfg.data.prompt_key, columns, required_columns=required, tools_key=cfg.data.tools_key)
 
 
 def _read_prompts(cfg: RLRunConfig, tokenizer, key: str, path: str, split: str):
@@ -362,6 +362,7 @@ def _read_prompts(cfg: RLRunConfig, tokenizer, key: str, path: str, split: str):
             max_prompt_length=r.max_prompt_length,
             overflow=r.prompt_overflow,
             chat=chat,
+            tools_key=d.tools_key,
         )
 
 

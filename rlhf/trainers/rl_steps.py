@@ -39,9 +39,17 @@ from rlhf.rewards.functions import metric_names
 from rlhf.rewards.scoring import reward_scorers
 from rlhf.rl import advantages_for, logp_mismatch
 from rlhf.rollout.backend import RolloutBackend
-from rlhf.rollout.vllm_engine import Generation, SamplingSpec
+from rlhf.rollout.vllm_engine import SamplingSpec
 from rlhf.trainers.rl_experience import PromptSet
-from rlhf.trainers.rl_rollout import EpisodeRollout, Rollout, single_turn, single_turn_of
+from rlhf.trainers.rl_rollout import (
+    EpisodeRollout,
+    Rollout,
+    continued,
+    single_turn,
+    single_turn_of,
+    spanned_versions,
+    staleness_metrics,
+)
 from rlhf.trainers.rl_schedule import Pause, RolloutSchedule, behaviour_version
 from rlhf.utils.metrics import ConsoleTable, Progress, format_row
 
@@ -219,46 +227,17 @@ class RLTrainer:
             if going
             else []
         )
-        whole = list(first)
-        for j, tail in zip(going, rest):
-            g = first[j]
-            whole[j] = Generation(
-                g.prompt_ids,
-                g.response_ids + tail.response_ids,
-                g.response_logps + tail.response_logps,
-                tail.finish_reason,
-            )
+        whole = continued(first, going, rest)
         rollout = single_turn_of(whole, self.tokenizer, prompt_index)
         version = behaviour_version(step.step, r.max_staleness)
-        versions = torch.full_like(rollout.batch.input_ids, -1)
-        for j, (g, w) in enumerate(zip(first, whole)):
-            start, cut, end = (
-                len(g.prompt_ids),
-                len(g.prompt_ids) + len(g.response_ids),
-                len(w.prompt_ids) + len(w.response_ids),
-            )
-            versions[j, start:cut], versions[j, cut:end] = version, version + 1
-        rollout.token_versions = versions
+        rollout.token_versions = spanned_versions(first, whole, rollout.batch.input_ids.shape, version)
         return rollout
 
     def _staleness(self, step: int, rollout: Rollout) -> dict:
-        """``async/*``: how many versions the sampled tokens lag the policy that trains on them (``step - 1``), the
-        versions one sample spans, and the schedule's seconds (waited on generation, generation run ahead)."""
+        """``async/*`` of the step's samples (:func:`~rlhf.trainers.rl_rollout.staleness_metrics`)."""
         if not self.schedule.staleness or rollout.token_versions is None:
             return {}
-        versions = rollout.token_versions
-        sampled = versions >= 0
-        lag = (step - 1 - versions)[sampled].float()
-        rows = sampled.any(-1)
-        span = versions.masked_fill(~sampled, -1).amax(-1) - versions.masked_fill(~sampled, 1 << 30).amin(-1)
-        times = self.schedule.times
-        return {
-            "async/staleness_mean": float(lag.mean()) if len(lag) else 0.0,
-            "async/staleness_max": float(lag.max()) if len(lag) else 0.0,
-            "async/version_span": float(span[rows].float().mean()) if bool(rows.any()) else 0.0,
-            "async/waited_s": round(times.waited, 4),
-            "async/generated_ahead_s": round(times.ahead, 4),
-        }
+        return staleness_metrics(step, rollout.token_versions, self.schedule.times)
 
     # ---------------------------------------------------------------------------------------- stages
     def generate(self, step: StepPlan) -> Rollout:

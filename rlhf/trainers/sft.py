@@ -17,7 +17,7 @@ from rlhf.trainers.run import RunResult
 def row_fields(cfg: SFTRunConfig) -> Dict[str, Any]:
     """What an SFT row holds (``rlhf.data.io.read_rows`` arguments; the descriptor's ``row_fields``)."""
     d = cfg.data
-    return sft_fields(d.prompt_key, d.response_key, d.messages_key, d.text_key)
+    return sft_fields(d.prompt_key, d.response_key, d.messages_key, d.text_key, d.tools_key)
 
 
 def _read(cfg: SFTRunConfig, tokenizer, path: str, split: str) -> Tokenized:
@@ -41,6 +41,7 @@ def _read(cfg: SFTRunConfig, tokenizer, path: str, split: str) -> Tokenized:
         chat=chat,
         assistant_turns=d.assistant_turns,
         text_key=d.text_key,
+        tools_key=d.tools_key,
     )
 
 

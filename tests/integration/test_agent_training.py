@@ -10,13 +10,8 @@ trains on the others.
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
-
-from rlhf.config.loader import load_config
-from rlhf.config.rl_schema import RLRunConfig
+from rl_helpers import train_rl
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -56,36 +51,27 @@ def files(tmp_path_factory):
 
 
 def _train(tiny_model, files, out, agent, *extra):
-    from rlhf.trainers.rl_runner import train_ppo
-
     base, prompts = files
-    cfg = load_config(
-        RLRunConfig,
-        "grpo_tiny",
-        [
-            f"model.path={tiny_model}",
-            f"data.train_path={prompts}",
-            f"train.output_dir={out}",
-            f"env.spec={base / 'agents.py'}:{agent}",
-            "env.num_actors=2",
-            "env.cpus_per_actor=0.25",
-            "reward.functions=[]",
-            "rollout.max_turns=2",
-            "rollout.max_episode_tokens=200",
-            "rollout.max_prompt_length=96",
-            "rollout.prompts_per_step=4",
-            "rollout.n_samples_per_prompt=4",
-            "rollout.max_new_tokens=4",
-            "train.global_batch_size=16",
-            "train.micro_batch_size=16",
-            f"train.max_steps={STEPS}",
-            "logging.tensorboard=false",
-            *extra,
-        ],
+    rows, _ = train_rl(
+        tiny_model,
+        prompts,
+        out,
+        f"env.spec={base / 'agents.py'}:{agent}",
+        "env.num_actors=2",
+        "env.cpus_per_actor=0.25",
+        "reward.functions=[]",
+        "rollout.max_turns=2",
+        "rollout.max_episode_tokens=200",
+        "rollout.max_prompt_length=96",
+        "rollout.prompts_per_step=4",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=4",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=16",
+        f"train.max_steps={STEPS}",
+        *extra,
     )
-    train_ppo(cfg)
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return rows
 
 
 def test_an_agent_trains_through_the_endpoint_on_the_tokens_it_was_given(tiny_model, files):

@@ -1,6 +1,7 @@
 """The agent endpoint (rlhf/rollout/endpoint.py) with the real ``openai`` client, the real HTTP server and vLLM's
 renderer on the tiny model; the engines are a stand-in that samples fixed tokens (the endpoint's own logic under
-test: token-in chaining, per-request seeds, batching, errors). tests/integration/test_agents.py runs real engines."""
+test: token-in chaining, per-request seeds, batching, errors). Real engines: tests/integration/
+test_agent_endpoint_engines.py and test_agent_training.py."""
 
 from __future__ import annotations
 

@@ -379,3 +379,11 @@ def test_the_reader_and_the_rules_catch_planted_faults():
         "metrics.py:3: rlhf.utils.metrics -> rlhf.cli.main (in a function)",
         "metrics.py:8: rlhf.utils.metrics -> rlhf.utils.sink (in a function)",
     ]
+
+
+def test_no_test_module_name_is_in_both_test_folders():
+    """pytest imports test modules by basename (the test folders are not packages): a name in both tests/unit and
+    tests/integration fails to collect in a whole-suite run (`make test`), though each folder alone passes."""
+    unit = {p.name for p in (ROOT / "tests" / "unit").glob("test_*.py")}
+    integration = {p.name for p in (ROOT / "tests" / "integration").glob("test_*.py")}
+    assert not unit & integration, f"rename one of each: {sorted(unit & integration)}"

@@ -1,6 +1,6 @@
 """The LLM judge's own logic (rlhf.rewards.judge) over scripted engines: template checks and rendering, the token
 ids that reach the engines, answer parsing, the unparsable-answer policies and the pairwise win-rate maths. The real
-vLLM engines are in tests/integration/test_judge.py."""
+vLLM engines are in tests/integration/test_judge_engines.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """RewardPool in this process (num_workers=0): the chunking, the per-sample isolation of a function that raises,
 hangs or returns a bad value, the three failure policies, and results equal to compute_rewards whatever the chunk
-size. The same logic on real Ray actors: tests/integration/test_reward_pool.py."""
+size. The same logic on real Ray actors: tests/integration/test_reward_pool_actors.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The RL run's reward keys (``reward.num_workers``, ``reward.on_error``, ``reward.http*``): validation, the plan's
 reward actors, the scorers the trainer sums, and ``on_error=drop`` taking a failed sample's whole group out of the
-loss. tests/integration/test_reward_pool.py runs them in a real run."""
+loss. tests/integration/test_reward_pool_actors.py runs them in a real run."""
 
 from __future__ import annotations
 

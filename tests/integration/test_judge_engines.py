@@ -173,40 +173,31 @@ def test_an_rl_run_is_rewarded_by_the_judge_on_engines_of_its_own(digit_model, t
     import json
     import os
 
-    from rlhf.config.loader import load_config
-    from rlhf.config.rl_schema import RLRunConfig
+    from rl_helpers import train_rl
+
     from rlhf.synthetic.arithmetic import make_rl_prompts, write_jsonl
-    from rlhf.trainers.rl_runner import train_ppo
 
     prompts = write_jsonl(str(tmp_path / "prompts.jsonl"), make_rl_prompts(8, seed=5))
     out = str(tmp_path / "run")
-    cfg = load_config(
-        RLRunConfig,
-        "grpo_tiny",
-        [
-            f"model.path={tiny_model}",
-            f"data.train_path={prompts}",
-            f"train.output_dir={out}",
-            "reward.functions=[]",
-            f"reward.judge.path={digit_model[0]}",
-            f"reward.judge.template={TEMPLATE}",
-            "reward.judge.pattern=Score: (\\d)",
-            "reward.judge.max_new_tokens=1",
-            "reward.judge.score_max=9",
-            "reward.judge.max_model_len=256",
-            "reward.judge.cpus_per_engine=0.5",
-            "algo.advantage_estimator=reinforce_pp",  # a batch baseline: the digits differ across the batch
-            "rollout.prompts_per_step=8",
-            "rollout.n_samples_per_prompt=2",
-            "train.global_batch_size=16",
-            "train.micro_batch_size=16",
-            "train.max_steps=1",
-            "logging.tensorboard=false",
-        ],
+    (row,), _ = train_rl(
+        tiny_model,
+        prompts,
+        out,
+        "reward.functions=[]",
+        f"reward.judge.path={digit_model[0]}",
+        f"reward.judge.template={TEMPLATE}",
+        "reward.judge.pattern=Score: (\\d)",
+        "reward.judge.max_new_tokens=1",
+        "reward.judge.score_max=9",
+        "reward.judge.max_model_len=256",
+        "reward.judge.cpus_per_engine=0.5",
+        "algo.advantage_estimator=reinforce_pp",  # a batch baseline: the digits differ across the batch
+        "rollout.prompts_per_step=8",
+        "rollout.n_samples_per_prompt=2",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=16",
+        "train.max_steps=1",
     )
-    train_ppo(cfg)
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        (row,) = [json.loads(line) for line in f]
     assert row["judge/calls"] == 16 and row["judge/unparsable"] == 0
     assert 0 <= row["reward/judge"] <= 1 and row["reward_mean"] == pytest.approx(row["reward/judge"], abs=1e-6)
     assert row["reward_std"] > 0 and row["grad_norm"] > 0  # the judge's digits differ: the policy learns from them

@@ -123,14 +123,11 @@ def flaky(prompts, responses):
 
 def test_an_rl_run_scores_on_actors_and_over_http_and_drops_the_failed_groups(tmp_path, tiny_model):
     import json
-    import os
 
+    from rl_helpers import train_rl
     from shared_helpers import Service
 
-    from rlhf.config.loader import load_config
-    from rlhf.config.rl_schema import RLRunConfig
     from rlhf.synthetic.arithmetic import make_rl_prompts, write_jsonl
-    from rlhf.trainers.rl_runner import train_ppo
 
     rows = make_rl_prompts(16, seed=3)
     rows[0]["prompt"] = "flaky " + rows[0]["prompt"]  # the prompt the flaky function fails on
@@ -138,34 +135,25 @@ def test_an_rl_run_scores_on_actors_and_over_http_and_drops_the_failed_groups(tm
     (tmp_path / "flaky.py").write_text(RUN_REWARDS)
     service = Service(lambda _, p: (200, json.dumps({"rewards": [len(r) / 10 for r in p["responses"]]}).encode()))
     try:
-        out = str(tmp_path / "run")
-        cfg = load_config(
-            RLRunConfig,
-            "grpo_tiny",
-            [
-                f"model.path={tiny_model}",
-                f"data.train_path={prompts}",
-                f"train.output_dir={out}",
-                f"reward.functions=[rlhf.synthetic.arithmetic:reward,{tmp_path / 'flaky.py'}:flaky]",
-                "reward.num_workers=2",
-                "reward.cpus_per_worker=0.25",
-                "reward.chunk_size=8",
-                "reward.on_error=drop",
-                f"reward.http={service.url}",
-                "reward.http_batch_size=8",
-                "rollout.prompts_per_step=16",
-                "rollout.n_samples_per_prompt=2",
-                "train.global_batch_size=32",
-                "train.micro_batch_size=16",
-                "train.max_steps=1",
-                "logging.tensorboard=false",
-            ],
+        (row,), _ = train_rl(
+            tiny_model,
+            prompts,
+            str(tmp_path / "run"),
+            f"reward.functions=[rlhf.synthetic.arithmetic:reward,{tmp_path / 'flaky.py'}:flaky]",
+            "reward.num_workers=2",
+            "reward.cpus_per_worker=0.25",
+            "reward.chunk_size=8",
+            "reward.on_error=drop",
+            f"reward.http={service.url}",
+            "reward.http_batch_size=8",
+            "rollout.prompts_per_step=16",
+            "rollout.n_samples_per_prompt=2",
+            "train.global_batch_size=32",
+            "train.micro_batch_size=16",
+            "train.max_steps=1",
         )
-        train_ppo(cfg)
     finally:
         service.close()
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        (row,) = [json.loads(line) for line in f]
     assert row["reward/errors"] == 2 and row["reward/failed_samples"] == 2  # the prompt's two samples, isolated
     assert row["reward/timeouts"] == 0 and row["reward/http"] > 0
     assert len(service.calls) == 4  # 32 samples in batches of 8
