@@ -189,17 +189,10 @@ class AgentEndpoint:
     # ------------------------------------------------------------------------------------------ requests
     async def chat(self, key: str, body: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
         """One ``/chat/completions`` request of episode ``key``: ``(HTTP status, JSON body)``."""
-        from rlhf.rollout.openai_render import RenderError  # imports vLLM's serving code when first used
-
         started = time.perf_counter()
-        session = self.sessions.get(key)
+        session, rendered = await self._open_request(key, self.renderer.render_chat_async, body)
         if session is None:
-            return self._no_episode(key)
-        try:
-            rendered = await self.renderer.render_chat_async(body)
-        except RenderError as e:
-            return self._refuse(e.status_code, e.to_dict())
-        self.stats.render_seconds += time.perf_counter() - started
+            return rendered  # the refusal
         if rendered.sampling.n != 1:
             return self._refuse(400, "n must be 1: an episode is one conversation", "n")
         if rendered.sampling.refused is not None:  # an ask the engines cannot honour (stop strings, penalties, ...)
@@ -264,17 +257,10 @@ class AgentEndpoint:
         breaks. Send token ids instead (``prompt`` as a list of ids, as vLLM accepts it; ``return_token_ids: true``
         returns ``prompt_token_ids`` and each choice's ``token_ids``, the stop token included): the prompt
         ``prompt_token_ids + token_ids + the observation's ids`` continues the chain exactly."""
-        from rlhf.rollout.openai_render import RenderError  # imports vLLM's serving code when first used
-
         started = time.perf_counter()
-        session = self.sessions.get(key)
+        session, rendered = await self._open_request(key, self.renderer.render_completion_async, body)
         if session is None:
-            return self._no_episode(key)
-        try:
-            rendered = await self.renderer.render_completion_async(body)
-        except RenderError as e:
-            return self._refuse(e.status_code, e.to_dict())
-        self.stats.render_seconds += time.perf_counter() - started
+            return rendered  # the refusal
         if len(rendered.prompt_ids) != 1:
             why = "prompt must be one prompt (text or token ids), not a list of prompts: an episode is one sequence"
             return self._refuse(400, why, "prompt")
@@ -334,6 +320,22 @@ class AgentEndpoint:
         generation = await asyncio.wrap_future(self.batcher.submit(prompt, sampling))
         self.stats.generate_seconds += time.perf_counter() - waited
         return generation
+
+    async def _open_request(self, key: str, render, body: Dict[str, Any]) -> Tuple[Optional[Session], Any]:
+        """Episode ``key``'s session and the request ``render``-ed, or ``(None, (status, refusal))`` for an unknown
+        episode or a request vLLM's renderer refuses."""
+        from rlhf.rollout.openai_render import RenderError  # imports vLLM's serving code when first used
+
+        started = time.perf_counter()
+        session = self.sessions.get(key)
+        if session is None:
+            return None, self._no_episode(key)
+        try:
+            rendered = await render(body)
+        except RenderError as e:
+            return None, self._refuse(e.status_code, e.to_dict())
+        self.stats.render_seconds += time.perf_counter() - started
+        return session, rendered
 
     @staticmethod
     def _at_limit(session: Session) -> bool:
