@@ -210,7 +210,7 @@ class AgentEndpoint:
         loop = asyncio.get_running_loop()
         chained = time.perf_counter()
         prompt, continues = await loop.run_in_executor(
-            None, transcript.prompt_for, messages, tools, self._render_ids, self.close_ids
+            None, transcript.prompt_for, messages, tools, rendered.prompt_ids, self._render_ids, self.close_ids
         )
         self.stats.chain_seconds += time.perf_counter() - chained
         request_no = len(transcript.exchanges)

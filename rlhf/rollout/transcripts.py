@@ -86,10 +86,17 @@ class EpisodeTranscript:
     breaks: List[str] = field(default_factory=list)  # why a request did not continue the chain, one line each
 
     def prompt_for(
-        self, messages: Messages, tools: Optional[list], render: RenderIds, close_ids: Sequence[int]
+        self,
+        messages: Messages,
+        tools: Optional[list],
+        whole: Sequence[int],
+        render: RenderIds,
+        close_ids: Sequence[int],
     ) -> Tuple[List[int], bool]:
         """The engine prompt for a request with ``messages``, and whether it continues the last exchange.
 
+        ``whole``: the request's own render (every message and the generation prompt), the prompt when it does not
+        continue; ``render`` renders the conversation up to the last reply, whose tokens ``whole`` must extend.
         ``close_ids``: what the template writes after an assistant's text (ChatML: ``<|im_end|>`` ``\\n``); after
         a reply that stopped on its first token only the rest is added, after a cut reply all of it."""
         normal = [normalise(m) for m in messages]
@@ -102,11 +109,11 @@ class EpisodeTranscript:
         if last is None or why is not None:
             if why is not None:
                 self.breaks.append(why)
-            return render(messages, tools, True), False
+            return list(whole), False
         assert last is not None
         done = len(last.messages) + 1  # the earlier messages and the reply: their tokens are the last exchange's
         before = render(messages[:done], tools, False)
-        whole = render(messages, tools, True)
+        whole = list(whole)
         if whole[: len(before)] != before:
             at = next((i for i, (a, b) in enumerate(zip(before, whole)) if a != b), min(len(before), len(whole)))
             self.breaks.append(

@@ -315,13 +315,15 @@ def test_a_template_that_drops_earlier_reasoning_breaks_the_chain_at_the_token_i
 
     transcript = EpisodeTranscript(index=4)
     first = [{"role": "user", "content": "2+2="}]
-    prompt, _ = transcript.prompt_for(first, None, render, [ord(c) for c in "</end>"])
+    prompt, _ = transcript.prompt_for(first, None, render(first, None, True), render, [ord(c) for c in "</end>"])
     reply = {"role": "assistant", "content": "<think>easy</think>4"}
     sampled = tuple(ord(c) for c in reply["content"] + "</end>")
     transcript.add(Exchange(tuple(prompt), sampled, (-0.1,) * len(sampled), "stop", (normalise(first[0]),),
                             normalise(reply), False))  # fmt: skip
     second = [*first, reply, {"role": "user", "content": "sure?"}]
-    whole, continues = transcript.prompt_for(second, None, render, [ord(c) for c in "</end>"])
+    whole, continues = transcript.prompt_for(
+        second, None, render(second, None, True), render, [ord(c) for c in "</end>"]
+    )
     assert not continues and whole == render(second, None, True)  # the engine gets the template's render
     at = len("<user>2+2=</end><assistant>")  # where <think> was
     assert transcript.breaks == [
