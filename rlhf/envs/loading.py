@@ -9,11 +9,11 @@ naming the spec.
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any
 
 from rlhf.envs.base import EnvError
-from rlhf.utils.specs import SpecKind, defined_classes, load_module, looks_like_path, resolve_attr, split_spec
+from rlhf.utils import specs
+from rlhf.utils.specs import SpecKind, defined_classes, load_module, resolve_attr, split_spec
 
 __all__ = ["load_environment", "absolute_spec", "is_agent"]
 
@@ -69,12 +69,9 @@ def load_environment(spec: str) -> Any:
 
 
 def absolute_spec(spec: str) -> str:
-    """``spec`` with a relative file path made absolute (against this process's working directory), so another
-    process (a Ray actor) loads the same file; a module spec is returned as is. Checks the form only."""
-    target, attr = split_spec(spec, _KIND)
-    if looks_like_path(target) and not os.path.isabs(os.path.expanduser(target)):
-        return f"{os.path.abspath(target)}:{attr}"
-    return spec
+    """``spec`` with a relative file path made absolute (:func:`rlhf.utils.specs.absolute_spec`), so a pool actor
+    loads the same file."""
+    return specs.absolute_spec(spec, _KIND)
 
 
 def is_agent(loaded: Any) -> bool:

@@ -30,25 +30,24 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from rlhf.rewards.functions import (
+    _KIND,
     RewardFunctionError,
     RewardFunctionScorer,
     RewardSource,
     _bind_columns,
     _clip,
     _result_values,
-    _split_spec,
     _split_weight,
 )
 from rlhf.rewards.results import Failure, OnError, ScoreResult, assemble, check_on_error
 from rlhf.utils.log import get_logger
-from rlhf.utils.specs import clip_plain, looks_like_path
+from rlhf.utils.specs import absolute_spec, clip_plain
 
 __all__ = ["RewardPool", "ScoreResult", "check_on_error", "score_chunk"]
 
@@ -196,10 +195,7 @@ def absolute_reward_specs(specs: Sequence[str]) -> Tuple[str, ...]:
     out = []
     for spec in specs:
         name, weight = _split_weight(spec)
-        target, attr = _split_spec(name)
-        if looks_like_path(target) and not os.path.isabs(os.path.expanduser(target)):
-            name = f"{os.path.abspath(target)}:{attr}"
-        out.append(f"{name}@{weight!r}")
+        out.append(f"{absolute_spec(name, _KIND)}@{weight!r}")
     return tuple(out)
 
 

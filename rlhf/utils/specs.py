@@ -33,6 +33,7 @@ __all__ = [
     "clip_plain",
     "split_spec",
     "looks_like_path",
+    "absolute_spec",
     "load_module",
     "resolve_attr",
     "public_callables",
@@ -139,6 +140,15 @@ def _import_module(spec: str, target: str, kind: SpecKind) -> types.ModuleType:
         raise kind.error(
             f"{kind.noun} {spec!r}: cannot import module {target!r}: {type(e).__name__}: {clip_plain(str(e), 1000)}"
         ) from e
+
+
+def absolute_spec(spec: str, kind: SpecKind) -> str:
+    """``spec`` with a relative file path made absolute (against this process's working directory), so another
+    process (a Ray actor) loads the same file; a module spec is returned as is. Checks the form only."""
+    target, attr = split_spec(spec, kind)
+    if looks_like_path(target) and not os.path.isabs(os.path.expanduser(target)):
+        return f"{os.path.abspath(target)}:{attr}"
+    return spec
 
 
 def load_module(spec: str, target: str, kind: SpecKind) -> types.ModuleType:
