@@ -88,8 +88,7 @@ def _start_engines(
     """The plan's vLLM engines: on the policy's bundles (hybrid engine) or with resources of their own."""
     r = cfg.rollout
     sleep = engine_sleep(cfg.colocate, engine_gpus(r.tensor_parallel_size, ctx.gpus_per_worker))
-    # vLLM runs no float64: an fp64 run's engines sample in float32 (the weight sync casts, rlhf.rollout.senders)
-    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float32"}[ctx.precision]
+    dtype = _engine_dtype(ctx.precision)
     spec = VLLMSpec(
         model_path=cfg.model.path,
         tensor_parallel_size=r.tensor_parallel_size,
@@ -111,6 +110,12 @@ def _start_engines(
     )
     ctx.groups.append(started)  # shut down with the worker groups, before the placement groups go
     return started
+
+
+def _engine_dtype(precision: str) -> str:
+    """The vLLM dtype of engines in a run of ``precision``. vLLM runs no float64: an fp64 run's engines sample in
+    float32 (the weight sync casts, rlhf.rollout.senders)."""
+    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float32"}[precision]
 
 
 def _engine_context(cfg: RLRunConfig) -> int:
@@ -151,7 +156,7 @@ def _start_judge(cfg: RLRunConfig, ctx: RunContext, engines: ActorPlan):
     from rlhf.rewards.judge_spec import JudgeSpec  # imports torch's judge maths: only a run with a judge needs it
     from rlhf.rollout.judge import start_judge
 
-    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float32"}[ctx.precision]
+    dtype = _engine_dtype(ctx.precision)
     judge = start_judge(
         JudgeSpec.of(cfg.reward.judge, seed=cfg.train.seed),
         engines.count,
