@@ -19,22 +19,23 @@ up to there; ``error`` stops the run naming the episode and why); ``env_error`` 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from rlhf.envs.base import EnvError
-from rlhf.rl import EpisodeError, episodes_batch
+from rlhf.rl import EpisodeError, EpisodeRecord, episode_metrics, episodes_batch
 from rlhf.rollout.episodes import Episode
+from rlhf.rollout.multi_turn import RolloutStats
 from rlhf.rollout.vllm_engine import SamplingSpec
 from rlhf.trainers.rl_experience import PromptSet
-from rlhf.trainers.rl_rollout import Rollout
+from rlhf.trainers.rl_rollout import Rollout, _last_response, _without
 from rlhf.utils.log import get_logger
 
 log = get_logger(__name__)
 
 AGENT_SEED_STRIDE = 1_000_003  # episode j's requests are seeded from seed + j x stride (an episode makes fewer)
-LIMITS = ("token_budget", "max_new_tokens", "prefix_mismatch")
 
 
 class AgentRollout:
@@ -73,7 +74,7 @@ class AgentRollout:
         seeds = [
             None if sampling.seed is None else sampling.seed + j * AGENT_SEED_STRIDE for j in range(len(prompt_index))
         ]
-        before = _counts(self.endpoint)
+        before, started = _counts(self.endpoint), time.perf_counter()
         urls = [self.endpoint.open(j, seed, self.max_episode_tokens, self.max_turns) for j, seed in enumerate(seeds)]
         try:
             results = self.pool.run_agents(
@@ -83,69 +84,58 @@ class AgentRollout:
             raise EnvError(f"{_where(step)}: {e}", e.spec, e.episode, e.turn) from e
         finally:
             sessions = [self.endpoint.close(url) for url in urls]
-        episodes, ended, failed = [], [], []
-        for j, (session, result) in enumerate(zip(sessions, results)):
-            episode, why = self._episode(j, session, result, prompts.prompt_ids[prompt_index[j]], step)
-            episodes.append(episode)
-            ended.append(why)
-            failed.append(isinstance(result, EnvError) or why == "env_error")
+        records = [
+            self._record(j, session, result, prompts.prompt_ids[prompt_index[j]], step)
+            for j, (session, result) in enumerate(zip(sessions, results))
+        ]
         errors = [r for r in results if isinstance(r, EnvError)]
         if errors:
             log.info(
                 f"[rl] {_where(step)}: {len(errors)} of {len(results)} agents failed (env.on_error=drop), the first: "
                 f"{errors[0]}"
             )
+        episodes = [r.episode for r in records]
         batch = episodes_batch(episodes, self.tokenizer.pad_token_id)
         decode = lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
-        rewards = [0.0 if isinstance(r, EnvError) else r.reward for r in results]
+        stats = RolloutStats(env_seconds=time.perf_counter() - started, env_errors=len(errors))
         return Rollout(
             batch,
             prompt_index,
-            responses=[decode(_last_reply(e)) for e in episodes],
+            responses=[decode(_last_response(r)) for r in records],
             columns={
                 "transcript": [decode(e.token_ids[len(e.prompt_ids) :]) for e in episodes],
                 "turns": [e.turns for e in episodes],
             },
-            env_rewards=torch.tensor(rewards, dtype=torch.float32),
+            env_rewards=torch.tensor([r.reward for r in records], dtype=torch.float32),
             turn_rewards=torch.zeros(batch.input_ids.shape, dtype=torch.float32),
-            at_limit=torch.tensor([why in LIMITS for why in ended], dtype=torch.bool),
-            failed=torch.tensor(failed, dtype=torch.bool),
-            metrics={**_metrics(episodes, ended), **_counts(self.endpoint, minus=before)},
+            at_limit=torch.tensor([r.at_limit for r in records], dtype=torch.bool),
+            failed=torch.tensor([bool(r.error) for r in records], dtype=torch.bool),
+            metrics={
+                **_without(episode_metrics(records, stats), "episode/env_reward"),  # = reward/env
+                **_counts(self.endpoint, minus=before),
+            },
         )
 
-    def _episode(self, j: int, session, result, prompt_ids: Sequence[int], step: int):
-        """Episode ``j``'s tokens and why it ended. An agent that failed, or made no request, is an episode of its
-        prompt alone (no loss: it is ``failed``)."""
+    def _record(self, j: int, session, result, prompt_ids: Sequence[int], step: int) -> EpisodeRecord:
+        """Episode ``j``'s tokens, the agent's reward (its one turn reward) and why it ended. An agent that failed,
+        or made no request, is an episode of its prompt alone that ends ``env_error`` (no loss: it is failed)."""
         transcript = session.transcript
         if isinstance(result, EnvError) or not transcript.exchanges:
             if not isinstance(result, EnvError) and self.on_error != "drop":
                 raise EnvError(f"{_where(step)}: agent episode {j} made no request to its endpoint", None, j)
-            return Episode(tuple(prompt_ids), index=j), "env_error"
+            error = str(result) if isinstance(result, EnvError) else f"agent episode {j} made no request"
+            return EpisodeRecord(Episode(tuple(prompt_ids), index=j), ended_by="env_error", error=error)
         try:
             episode = transcript.episode(self.on_prefix_mismatch)
         except EpisodeError as e:
             raise EpisodeError(f"{_where(step)}: {e}") from e
         if episode.truncated:
-            return episode, "prefix_mismatch"
-        if session.exhausted:
-            return episode, "token_budget"
-        return episode, "max_new_tokens" if transcript.exchanges[-1].finish_reason == "length" else "done"
-
-
-def _last_reply(episode: Episode) -> Sequence[int]:
-    policy = [s for s in episode.segments if s.source == "policy"]
-    return policy[-1].ids if policy else ()
-
-
-def _metrics(episodes: Sequence[Episode], ended: Sequence[str]) -> Dict[str, float]:
-    """``episode/*`` as environments' episodes log them."""
-    n = max(len(episodes), 1)
-    return {
-        "episode/turns": sum(e.turns for e in episodes) / n,
-        "episode/policy_tokens": sum(e.policy_tokens for e in episodes) / n,
-        "episode/env_tokens": sum(e.env_tokens for e in episodes) / n,
-        **{f"episode/ended_{why}": sum(w == why for w in ended) / n for why in ("done", *LIMITS, "env_error")},
-    }
+            why = "prefix_mismatch"
+        elif session.exhausted:
+            why = "token_budget"
+        else:
+            why = "max_new_tokens" if transcript.exchanges[-1].finish_reason == "length" else "done"
+        return EpisodeRecord(episode, turn_rewards=[result.reward], ended_by=why)
 
 
 def _counts(endpoint, minus: Optional[Dict[str, float]] = None) -> Dict[str, float]:
