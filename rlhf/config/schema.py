@@ -104,7 +104,7 @@ class DataConfig:
     prompt_key: str = "prompt"  # text, or a list of {role, content} messages (conversational)
     response_key: str = "response"  # SFT completion: text, or a list of assistant messages
     messages_key: str = "messages"  # conversational SFT rows: one list of system/user/assistant messages
-    tools_key: str = "tools"  # conversational SFT / RL prompt rows: tool schemas for the template ("" = not read)
+    tools_key: str = "tools"  # conversational rows (SFT, pairs, RL prompts): tool schemas for the template; "" = unread
     text_key: str = "text"  # SFT rows of plain text trained on whole (with EOS under data.add_eos); "" = refused
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"

@@ -46,13 +46,20 @@ def sft_fields(
 
 
 def pair_fields(
-    prompt_key: str, chosen_key: str, rejected_key: str, margin_key: str = "", margin_required: bool = False
+    prompt_key: str,
+    chosen_key: str,
+    rejected_key: str,
+    margin_key: str = "",
+    margin_required: bool = False,
+    tools_key: str = "tools",
 ) -> Dict[str, Any]:
     """Preference pairs in any layout of :func:`rlhf.data.layouts.pair_parts`: text or messages, the prompt
-    explicit, implicit (shared by the answers), or carried by whole conversations."""
+    explicit, implicit (shared by the answers), or carried by whole conversations. ``tools_key``: the row's tool
+    schemas, when it has them (:func:`rlhf.data.chat.parse_tools`), rendered with both sides."""
 
     def check(row: dict) -> None:
         pair_parts(row, prompt_key, chosen_key, rejected_key)
+        row_tools(row, tools_key)
         if margin_required and margin_key not in row:
             raise FieldsError(
                 f"missing field {margin_key!r} for a pair with a margin (rm.use_margin=true)",
@@ -60,7 +67,9 @@ def pair_fields(
                 advice="Set data.margin_key to the field that holds the margin, or rm.use_margin=false.",
             )
 
-    keys = tuple(k for k in (prompt_key, chosen_key, rejected_key) if k) + ((margin_key,) if margin_key else ())
+    keys = tuple(k for k in (prompt_key, chosen_key, rejected_key, tools_key) if k) + (
+        (margin_key,) if margin_key else ()
+    )
     return _fields(keys, check, {margin_key: (int, float)} if margin_key else None)
 
 

@@ -166,11 +166,11 @@ def tokenize_sft(
     return Tokenized(examples, [i for i in range(len(rows)) if by_row[i] is None])
 
 
-def _conversational_pair(prompt: list, chosen: list, rejected: list, chat):
+def _conversational_pair(prompt: list, chosen: list, rejected: list, chat, tools):
     start = len(prompt)
     return (
-        chat.encode(prompt + chosen, range(start, start + len(chosen))),
-        chat.encode(prompt + rejected, range(start, start + len(rejected))),
+        chat.encode(prompt + chosen, range(start, start + len(chosen)), tools),
+        chat.encode(prompt + rejected, range(start, start + len(rejected)), tools),
     )
 
 
@@ -185,11 +185,12 @@ def tokenize_pairs(
     margin_key: Optional[str] = None,
     add_eos: bool = True,
     chat=None,
+    tools_key: str = "tools",
 ) -> Tokenized:
     """Preference rows in any layout of :func:`rlhf.data.layouts.pair_parts` -> :class:`PairExample`: plain pairs
     (prompt, chosen and rejected text, the prompt found in the answers when there is no prompt field) tokenized as
-    plain SFT rows, conversational ones rendered with ``chat``; a pair is skipped when either side is left without
-    a target."""
+    plain SFT rows, conversational ones rendered with ``chat``, both sides with the row's tool schemas (its
+    ``tools_key`` field) when it has them; a pair is skipped when either side is left without a target."""
     parts = {}
     for i, row in enumerate(rows):
         with row_errors(i):
@@ -204,7 +205,7 @@ def tokenize_pairs(
     for i in range(len(rows)):
         if i not in sides:
             with row_errors(i):
-                encoded = _conversational_pair(*parts[i], chat)
+                encoded = _conversational_pair(*parts[i], chat, row_tools(rows[i], tools_key))
             # cast: encoded is _conversational_pair's (chosen, rejected), so the tuple has two items.
             sides[i] = cast(
                 Tuple[Optional[Example], Optional[Example]], tuple(_truncated(e, max_length) for e in encoded)

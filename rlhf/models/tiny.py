@@ -9,7 +9,7 @@ Both are deterministic in the seed, so two builds are byte-identical and a cache
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from rlhf.synthetic.arithmetic import tokenizer_corpus
 
@@ -39,6 +39,9 @@ CHAT_TEMPLATE = (
 #: model, whose own template (:data:`CHAT_TEMPLATE`) has no ``tools``. Same turns as that template (BOS first,
 #: ``<|im_start|>role\n...<|im_end|>\n``); the tools go into the system turn, an assistant's calls into its turn as
 #: ``<tool_call>`` blocks and a tool's result into a user turn as ``<tool_response>``, as Qwen2.5's template does.
+#: A call with no text before it starts right after ``assistant\n``, the generation prompt, with no second newline:
+#: a tokenizer that merges ``\n\n`` would otherwise train a token that crosses the prompt/reply boundary, one the
+#: model never sees after the generation prompt.
 TOOLS_CHAT_TEMPLATE = (
     "{{- bos_token -}}"
     "{%- if tools -%}"
@@ -56,7 +59,8 @@ TOOLS_CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\n' + (message['content'] or '') -}}"
     "{%- for call in message['tool_calls'] -%}"
     "{%- set fn = call['function'] -%}"
-    "{{- '\n<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
+    "{%- if message['content'] or not loop.first -%}{{- '\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
     "{{- fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) -}}"
     "{{- '}\n</tool_call>' -}}"
     "{%- endfor -%}"
@@ -82,7 +86,9 @@ def write_tools_template(path: str) -> str:
 MIN_HEAD_DIM = 32
 
 
-def build_tokenizer(vocab_size: int = 512, model_max_length: int = 512) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    vocab_size: int = 512, model_max_length: int = 512, extra_corpus: Iterable[str] = ()
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on the arithmetic task corpus.
 
     The initial alphabet is all 256 byte symbols, so any text encodes without ``<unk>``; merges are learned
@@ -99,6 +105,9 @@ def build_tokenizer(vocab_size: int = 512, model_max_length: int = 512) -> PreTr
     Args:
         vocab_size: Exact vocabulary size; what the corpus does not fill is reserved tokens.
         model_max_length: Recorded in the tokenizer config.
+        extra_corpus: More texts to learn merges from (e.g. an example's tool-call format, so that
+            ``{"name": "mul", "arguments": {`` is a few tokens rather than one per byte). Empty by default, which
+            keeps the tokenizer that the demo and tests use byte-identical.
 
     Returns:
         A ``transformers.PreTrainedTokenizerFast`` with pad/bos/eos/unk set and right padding.
@@ -123,7 +132,7 @@ def build_tokenizer(vocab_size: int = 512, model_max_length: int = 512) -> PreTr
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    tok.train_from_iterator([*tokenizer_corpus(), *extra_corpus], trainer=trainer)
     # Digits are never merged, so the corpus yields far fewer than `vocab_size` tokens. Fill the rest with
     # reserved tokens so that every embedding row of the model is a real token: an untrained policy samples all
     # ids, and an id the tokenizer does not know decodes to nothing (or to None in convert_ids_to_tokens).
@@ -154,6 +163,7 @@ def build_tiny_model(
     intermediate_size: int = 384,
     vocab_size: int = 512,
     max_position_embeddings: int = 512,
+    extra_corpus: Iterable[str] = (),
 ) -> str:
     """Write a tiny random Qwen2 causal LM and its tokenizer to ``out_dir``.
 
@@ -167,6 +177,7 @@ def build_tiny_model(
         intermediate_size: MLP width.
         vocab_size: Embedding rows, equal to the tokenizer's vocabulary size (padded with reserved tokens).
         max_position_embeddings: Longest sequence the model is configured for.
+        extra_corpus: More texts for the tokenizer's merges (:func:`build_tokenizer`).
 
     Returns:
         ``out_dir``.
@@ -182,7 +193,7 @@ def build_tiny_model(
         raise ValueError(f"num_heads {num_heads} is not divisible by num_kv_heads {num_kv_heads}")
 
     os.makedirs(out_dir, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size=vocab_size, model_max_length=max_position_embeddings)
+    tokenizer = build_tokenizer(vocab_size, max_position_embeddings, extra_corpus)
     # One embedding row per token, no more (see build_tokenizer) and no fewer (that would crash lookups).
     assert len(tokenizer) == vocab_size, f"tokenizer has {len(tokenizer)} tokens, vocab_size is {vocab_size}"
 

@@ -43,7 +43,7 @@ class _PairData:
 def row_fields(cfg: DPORunConfig) -> Dict[str, Any]:
     """What a preference row holds (``rlhf.data.io.read_rows`` arguments; the descriptor's ``row_fields``)."""
     d = cfg.data
-    return pair_fields(d.prompt_key, d.chosen_key, d.rejected_key)
+    return pair_fields(d.prompt_key, d.chosen_key, d.rejected_key, tools_key=d.tools_key)
 
 
 def _read(cfg: DPORunConfig, tokenizer, path: str, split: str) -> Tokenized:
@@ -58,6 +58,7 @@ def _read(cfg: DPORunConfig, tokenizer, path: str, split: str) -> Tokenized:
         rejected_key=d.rejected_key,
         add_eos=d.add_eos,
         chat=chat,
+        tools_key=d.tools_key,
     )
 
 

@@ -21,7 +21,12 @@ def row_fields(cfg: RewardModelRunConfig) -> Dict[str, Any]:
     the descriptor's ``row_fields``)."""
     d, margin = cfg.data, cfg.rm.use_margin
     return pair_fields(
-        d.prompt_key, d.chosen_key, d.rejected_key, d.margin_key if margin else "", margin_required=margin
+        d.prompt_key,
+        d.chosen_key,
+        d.rejected_key,
+        d.margin_key if margin else "",
+        margin_required=margin,
+        tools_key=d.tools_key,
     )
 
 
@@ -38,6 +43,7 @@ def _read(cfg: RewardModelRunConfig, tokenizer, path: str, split: str) -> Tokeni
         margin_key=d.margin_key if margin else None,
         add_eos=d.add_eos,
         chat=chat,
+        tools_key=d.tools_key,
     )
 
 

@@ -111,12 +111,31 @@ def test_the_mask_is_both_assistant_turns_the_tool_call_included(tokenizer, chat
     ids = list(enc.input_ids)
     assert list(enc.loss_mask) == _assistant_mask(tokenizer, ids)
     assert _masked_runs(tokenizer, ids, enc.loss_mask) == [
-        '\n<tool_call>\n{"name": "mul", "arguments": {"a": 37, "b": 48}}\n</tool_call><|im_end|>',
+        '<tool_call>\n{"name": "mul", "arguments": {"a": 37, "b": 48}}\n</tool_call><|im_end|>',
         "37*48=1776<|im_end|>",
     ]
     # last turn only: the tool call is context
     last = chat.encode(CONVERSATION, [3], tools=TOOLS)
     assert _masked_runs(tokenizer, ids, last.loss_mask) == ["37*48=1776<|im_end|>"]
+
+
+def test_a_call_turn_starts_at_the_generation_prompt_for_a_tokenizer_that_merges_newlines():
+    """A tokenizer whose merges were learned from tool-calling text (examples/agents) and paragraphs has a double
+    newline as one token, as real BPE tokenizers (Qwen's) do. The template starts a text-less call right after the
+    generation prompt's ``assistant`` line, so the prompt a policy is sampled from is a token prefix of the
+    conversation it is trained on; a second newline there would fuse into a token the policy never sees after the
+    prompt."""
+    from rlhf.models.tiny import build_tokenizer
+
+    base = build_tokenizer()
+    corpus = [base.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False, chat_template=TOOLS_CHAT_TEMPLATE)]
+    merging = build_tokenizer(extra_corpus=corpus * 20 + ["one\n\ntwo"] * 20)
+    assert len(merging("\n\n", add_special_tokens=False)["input_ids"]) == 1
+    prompt = _template_ids(merging, CONVERSATION[:1], TOOLS, generation_prompt=True)
+    whole = _template_ids(merging, CONVERSATION, TOOLS)
+    assert whole[: len(prompt)] == prompt
+    assert merging.decode(whole[len(prompt)]).startswith("<tool")
+    assert len(whole) < len(_template_ids(base, CONVERSATION, TOOLS)) * 0.6  # the tool text is words, not bytes
 
 
 def test_arguments_as_an_object_or_a_json_string_render_the_same(tokenizer, chat):
@@ -222,6 +241,39 @@ def test_the_sft_reader_renders_each_rows_tools(tiny_model, tokenizer, tmp_path)
     assert [list(e.input_ids) for e in read.examples] == expected
     assert [list(e.loss_mask) for e in read.examples] == [_assistant_mask(tokenizer, ids) for ids in expected]
     assert "<tools>" not in tokenizer.decode(read.examples[2].input_ids)
+
+
+@pytest.mark.parametrize("trainer", ["dpo", "reward_model"])
+def test_the_pair_readers_render_each_rows_tools_with_both_sides(tiny_model, tokenizer, tmp_path, trainer):
+    """DPO and reward-model rows (their trainers' readers, data.tools_key=functions): the chosen tool call and the
+    rejected answer are each rendered after the same tools header, trained on their answer only; a row without
+    tools has no header; a bad ``tools`` is refused with file and line."""
+    import importlib
+
+    from rlhf.config import DPORunConfig, RewardModelRunConfig, load_config
+
+    module = importlib.import_module(f"rlhf.trainers.{trainer}")
+    prompt, chosen, rejected = [USER], CONVERSATION[1:2], [{"role": "assistant", "content": "1700"}]
+    rows = [
+        {"prompt": prompt, "chosen": chosen, "rejected": rejected, "functions": TOOLS},
+        {"prompt": prompt, "chosen": chosen, "rejected": rejected},
+    ]
+    path = _write(tmp_path / "pairs.jsonl", rows)
+    template = write_tools_template(str(tmp_path / "tools.jinja"))
+    cls = DPORunConfig if trainer == "dpo" else RewardModelRunConfig
+    overrides = [f"model.path={tiny_model}", f"data.chat_template={template}", "data.tools_key=functions"]
+    cfg = load_config(cls, None, [*overrides, f"data.train_path={path}"])
+    with_tools, without = module._read(cfg, tokenizer, path, "train").examples
+    for example, tools in ((with_tools, TOOLS), (without, None)):
+        for side, answer in ((example.chosen, chosen), (example.rejected, rejected)):
+            ids = _template_ids(tokenizer, prompt + answer, tools)
+            assert list(side.input_ids) == ids
+            assert list(side.loss_mask) == _assistant_mask(tokenizer, ids)
+    assert '"name": "mul"' in tokenizer.decode(with_tools.chosen.input_ids[: with_tools.chosen.loss_mask.index(1)])
+    assert "<tools>" not in tokenizer.decode(without.rejected.input_ids)
+    bad = _write(tmp_path / "bad.jsonl", [rows[0], {**rows[0], "functions": "[{"}])
+    with pytest.raises(DataError, match=r"bad.jsonl:2: .*field 'functions' is not valid JSON"):
+        module._read(cfg, tokenizer, bad, "train")
 
 
 def test_an_rl_prompt_with_tools_renders_as_the_agents_first_request(tiny_model, tokenizer, tmp_path):

@@ -65,8 +65,9 @@ def _documented_layouts():
 
 def test_the_docs_table_lists_each_trainers_layouts():
     layouts = {(t, name) for t, name, _, _ in _documented_layouts()}
-    assert len(layouts) == 19
+    assert len(layouts) == 20
     assert ("SFT", "conversation with tool calls (TRL / OpenAI)") in layouts
+    assert ("DPO, reward model", "conversational with tool calls") in layouts
     assert ("RL", "conversational prompt with tools") in layouts
     for name in ("UltraFeedback-binarized", "Anthropic HH-RLHF", "implicit prompt, text (TRL)"):
         assert ("DPO, reward model", name) in layouts
