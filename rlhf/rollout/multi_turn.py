@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Union
 
 from rlhf.rollout.episodes import Episode
-from rlhf.rollout.observations import Messages, ObservationEncoder, as_encoder
+from rlhf.rollout.observations import Messages, ObservationEncoder, Tools, as_encoder
 from rlhf.rollout.vllm_engine import Generation, SamplingSpec
 
 # why an episode ended (EpisodeRecord.ended_by; the module docstring says when each applies)
@@ -114,6 +114,7 @@ def run_episodes(
     on_prefix_mismatch: str = "error",
     on_env_error: str = "raise",
     prompt_messages: Optional[Sequence[Optional[Messages]]] = None,
+    prompt_tools: Optional[Sequence[Tools]] = None,
 ) -> List[EpisodeRecord]:
     """Episode ``i`` starts from ``prompt_ids[i]`` and environment row ``rows[i]``; returns one record per episode,
     in order.
@@ -130,16 +131,19 @@ def run_episodes(
             ``end`` asks the environments for per-episode errors (``errors="return"``).
         prompt_messages: episode ``i``'s prompt as messages (``prompt_ids[i]`` is their render), aligned with
             ``prompt_ids`` and ``rows`` like them; a chat encoder renders a reset observation as their last message.
+        prompt_tools: episode ``i``'s tool schemas (the row's ``tools``, which its prompt was rendered with; None
+            for none), aligned like ``prompt_messages``; the reset observation's render keeps them.
 
     A reset observation is environment context like any other: it counts in ``limits.max_episode_tokens``, not in
     the prompt data's ``rollout.max_prompt_length`` (applied when the prompts were read; a truncated prompt stays
     truncated, :meth:`~rlhf.rollout.observations.ChatObservations.first`). A first prompt that leaves no room for a
     response is cut at the budget and ends ``token_budget`` before any turn, as a later observation would.
     """
-    if len(prompt_ids) != len(rows) or (prompt_messages is not None and len(prompt_messages) != len(rows)):
+    aligned = {"prompt messages": prompt_messages, "prompt tools": prompt_tools}
+    if len(prompt_ids) != len(rows) or any(v is not None and len(v) != len(rows) for v in aligned.values()):
         raise ValueError(
             f"{len(prompt_ids)} prompts for {len(rows)} environment rows"
-            + (f" and {len(prompt_messages)} prompt messages" if prompt_messages is not None else "")
+            + "".join(f" and {len(v)} {name}" for name, v in aligned.items() if v is not None)
         )
     encoder = as_encoder(encode)
     stats = stats if stats is not None else RolloutStats()
@@ -150,8 +154,10 @@ def run_episodes(
     first = environments.reset(list(rows), **errors)
     stats.env_seconds += time.perf_counter() - started
     messages = prompt_messages if prompt_messages is not None else [None] * len(rows)
+    tools = prompt_tools if prompt_tools is not None else [None] * len(rows)
     records = [
-        _start(i, p, m, obs, encoder, limits, stats) for i, (p, m, obs) in enumerate(zip(prompt_ids, messages, first))
+        _start(i, p, m, t, obs, encoder, limits, stats)
+        for i, (p, m, t, obs) in enumerate(zip(prompt_ids, messages, tools, first))
     ]
     live = [i for i, r in enumerate(records) if r.ended_by != "token_budget" and not r.error]
     for turn in range(1, limits.max_turns + 1):
@@ -196,6 +202,7 @@ def _start(
     index: int,
     prompt_ids: Sequence[int],
     messages: Optional[Messages],
+    tools: Tools,
     observation,
     encoder: ObservationEncoder,
     limits: TurnLimits,
@@ -209,7 +216,7 @@ def _start(
     ids = tuple(prompt_ids)
     if isinstance(observation, str) and observation:
         try:
-            ids = tuple(encoder.first(prompt_ids, observation, messages))
+            ids = tuple(encoder.first(prompt_ids, observation, messages, tools))
         except ValueError as e:
             raise ValueError(f"episode {index}'s reset observation: {e}") from None
     record = EpisodeRecord(Episode(ids[: limits.max_episode_tokens], index=index))

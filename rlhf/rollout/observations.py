@@ -11,10 +11,10 @@ tokens stay as sampled (rlhf/rollout/episodes.py says why re-encoding drifts).
   is tokenized as one piece around the observation's text. A response that did not end with the template's
   end-of-turn token (cut by ``rollout.max_new_tokens``) gets the template's turn closing as context first.
 
-An encoder has two entry points: ``first(prompt_ids, text, messages)`` returns a prompt with the reset
-observation (``messages``: that prompt's own messages, which a chat encoder renders again with the observation as
-the last message), ``encoder(text, response_ids)`` the tokens to append after a response. A plain function
-``encode(text) -> ids`` is accepted wherever an encoder is (:func:`as_encoder`).
+An encoder has two entry points: ``first(prompt_ids, text, messages, tools)`` returns a prompt with the reset
+observation (``messages`` and ``tools``: that prompt's own messages and tool schemas, which a chat encoder renders
+again with the observation as the last message), ``encoder(text, response_ids)`` the tokens to append after a
+response. A plain function ``encode(text) -> ids`` is accepted wherever an encoder is (:func:`as_encoder`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,13 @@ _MARK = "\u2063observation\u2063"  # a probe content no template writes itself (
 
 
 Messages = Sequence[dict]
+Tools = Optional[List[dict]]  # a prompt's tool schemas (the chat template's ``tools``), None for none
 
 
 class ObservationEncoder(Protocol):
-    def first(self, prompt_ids: Sequence[int], text: str, messages: Optional[Messages] = None) -> List[int]: ...
+    def first(
+        self, prompt_ids: Sequence[int], text: str, messages: Optional[Messages] = None, tools: Tools = None
+    ) -> List[int]: ...
 
     def __call__(self, text: str, response_ids: Sequence[int]) -> List[int]: ...
 
@@ -46,7 +49,9 @@ class TextObservations:
     def of(cls, tokenizer) -> "TextObservations":
         return cls(lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def first(self, prompt_ids: Sequence[int], text: str, messages: Optional[Messages] = None) -> List[int]:
+    def first(
+        self, prompt_ids: Sequence[int], text: str, messages: Optional[Messages] = None, tools: Tools = None
+    ) -> List[int]:
         return list(prompt_ids) + list(self.encode(text))
 
     def __call__(self, text: str, response_ids: Sequence[int]) -> List[int]:
@@ -94,11 +99,14 @@ class ChatObservations:
     def _message(self, text: str) -> dict:
         return {"role": self.role, "content": text}
 
-    def first(self, prompt_ids: Sequence[int], text: str, messages: Optional[Messages] = None) -> List[int]:
+    def first(
+        self, prompt_ids: Sequence[int], text: str, messages: Optional[Messages] = None, tools: Tools = None
+    ) -> List[int]:
         """The prompt rendered again with the reset observation as its last message, followed by the generation
         prompt (it is the data's own text, never sampled tokens).
 
-        ``prompt_ids`` must be the render of ``messages``, or its end (``rollout.prompt_overflow=truncate`` keeps a
+        ``prompt_ids`` must be the render of ``messages`` with the tool schemas ``tools`` (the row's, as the prompt
+        set rendered it), or its end (``rollout.prompt_overflow=truncate`` keeps a
         long prompt's last ``rollout.max_prompt_length`` tokens): the tokens the prompt set dropped from the start
         are dropped from the new render too, so a truncated prompt stays truncated. The observation itself is
         environment context, counted in the episode's token budget (the caller's, not this encoder's business).
@@ -112,14 +120,15 @@ class ChatObservations:
                 "a chat observation at reset is rendered as the prompt's last message: it needs the "
                 "prompt's messages (run_episodes(..., prompt_messages=...))"
             )
-        whole = self.chat.prompt_ids(list(messages))
+        whole = self.chat.prompt_ids(list(messages), tools)
         dropped = len(whole) - len(prompt_ids)
         if dropped < 0 or whole[dropped:] != list(prompt_ids):
             raise ValueError(
                 f"the prompt's messages render to {len(whole)} tokens that do not end with its "
-                f"{len(prompt_ids)} token ids: the messages of another prompt?"
+                f"{len(prompt_ids)} token ids: the messages of another prompt"
+                + (", or without its tools?" if tools is None else "?")
             )
-        observed = self.chat.prompt_ids(list(messages) + [self._message(text)])
+        observed = self.chat.prompt_ids(list(messages) + [self._message(text)], tools)
         if observed[:dropped] != whole[:dropped]:  # the tokens a truncation dropped must be the same ones
             raise ValueError(
                 "the chat template renders the start of a truncated prompt (rollout.prompt_overflow="

@@ -22,6 +22,7 @@ class PromptSet:
     env_rows: List[Dict[str, Any]] = field(default_factory=list)  # each prompt's row as read: an env's reset(row)
     chat: Any = None  # the ChatFormatter of conversational prompts (None: plain text)
     prompt_key: str = "prompt"
+    tools_key: str = "tools"
 
     @property
     def messages(self) -> List[Optional[list]]:
@@ -29,6 +30,14 @@ class PromptSet:
         is the render of ``messages[i]`` (its last ``rollout.max_prompt_length`` tokens, when truncated). An
         episode's reset observation is rendered onto its own prompt's messages (rl_rollout.EpisodeRollout)."""
         return [row[self.prompt_key] if isinstance(row[self.prompt_key], list) else None for row in self.env_rows]
+
+    @property
+    def tools(self) -> List[Optional[List[dict]]]:
+        """Each prompt's tool schemas (its row's ``tools_key`` field; ``None`` for none), indexed like
+        :attr:`prompt_ids`: a conversational prompt was rendered with them, and so is its reset observation."""
+        return [
+            row_tools(row, self.tools_key) if isinstance(row[self.prompt_key], list) else None for row in self.env_rows
+        ]
 
 
 def prepare_prompts(
@@ -83,4 +92,5 @@ def prepare_prompts(
         env_rows=[dict(rows[i]) for i in keep],
         chat=chat,
         prompt_key=prompt_key,
+        tools_key=tools_key,
     )

@@ -205,7 +205,7 @@ class EpisodeRollout:
         reset observation) are that prompt's; ``step`` names the RL step in errors (0: evaluation)."""
         stats = RolloutStats()
         decode = lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
-        messages = prompts.messages
+        messages, tools = prompts.messages, prompts.tools
         try:
             records = run_episodes(
                 engines,
@@ -220,6 +220,7 @@ class EpisodeRollout:
                 on_prefix_mismatch=self.on_prefix_mismatch,
                 on_env_error="end" if self.on_error == "drop" else "raise",
                 prompt_messages=[messages[i] for i in prompt_index],
+                prompt_tools=[tools[i] for i in prompt_index],
             )
         except EnvError as e:
             raise EnvError(

@@ -150,6 +150,30 @@ def test_each_episodes_reset_observation_is_rendered_onto_its_own_prompt(tokeniz
         assert rollout.batch.loss_mask[j, : len(ids)].sum() == 0  # the first prompt is context
 
 
+def test_a_reset_observation_keeps_the_rows_tools_in_the_prompt(tokenizer):
+    """A prompt row with ``tools`` was rendered with their schemas (what an agent's first request sends); its reset
+    observation is rendered onto the same messages with the same tools, so the episode's first tokens are the
+    tools header, the prompt and the observation. Without the tools, the render is refused, naming them."""
+    from rlhf.models.tiny import TOOLS_CHAT_TEMPLATE
+
+    tools = [{"type": "function", "function": {"name": "mul", "parameters": {"type": "object", "properties": {}}}}]
+    rows = [{"id": 10, "prompt": [{"role": "user", "content": "3*4="}], "tools": tools}]
+    chat = ChatFormatter(tokenizer, template=TOOLS_CHAT_TEMPLATE)
+    prompts = prepare_prompts(
+        rows, tokenizer, prompt_key="prompt", columns=(), max_prompt_length=256, overflow="skip", chat=chat
+    )
+    assert prompts.tools == [tools]
+    env, engine = Named(), Engine()
+    EpisodeRollout(env, tokenizer, "chat", "user", TurnLimits(1, 512), "error")(
+        engine, prompts, [0, 0], SAMPLING, step=1
+    )
+    expected = chat.prompt_ids(rows[0]["prompt"] + [{"role": "user", "content": "row 10"}], tools)
+    assert [list(p) for p in engine.calls[0][0]] == [expected, expected]
+    assert '"name": "mul"' in tokenizer.decode(expected)
+    with pytest.raises(ValueError, match="the messages of another prompt, or without its tools"):
+        ChatObservations(chat, "user").first(prompts.prompt_ids[0], "row 10", rows[0]["prompt"])
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer):
     # renders only the last message: an observation turn is not a continuation of the conversation
     chat = ChatFormatter(tokenizer, template="{{ messages[-1]['content'] }}")
