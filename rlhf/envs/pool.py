@@ -22,20 +22,16 @@ importing this module stays light.
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from rlhf.envs.agents import run_agents
 from rlhf.envs.base import EnvError, LocalEpisode, Observation, StepOutcome
 from rlhf.envs.loading import absolute_spec, is_agent, load_environment
+from rlhf.utils.actors import ActorSet, Hung, timed_call
 
 __all__ = ["EnvironmentPool"]
 
 _GRACE_S = 10.0  # the driver's backstop waits this much longer than the actors' own per-step timeouts
-
-
-class _Hung(Exception):
-    pass
 
 
 class _EnvActor:
@@ -62,32 +58,14 @@ class _EnvActor:
     def ready(self) -> Optional[EnvError]:
         return self.load_error
 
-    def _timed(self, fn: Callable[[], Any]) -> Any:
-        box: Dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as e:  # handed to the caller's thread
-                box["error"] = e
-
-        thread = threading.Thread(target=run, name="rlhf-env-call", daemon=True)
-        thread.start()
-        thread.join(self.step_timeout_s)
-        if thread.is_alive():
-            raise _Hung()
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
-
     def _run(
         self, items: Sequence[Tuple[int, Any]], call: Callable[[int, Any], Any], turn_of: Callable[[int], int]
     ) -> Tuple[List[Any], bool]:
         results: List[Any] = [None] * len(items)
         for k, (episode, payload) in enumerate(items):
             try:
-                results[k] = self._timed(functools.partial(call, episode, payload))
-            except _Hung:
+                results[k] = timed_call(functools.partial(call, episode, payload), self.step_timeout_s, "rlhf-env-call")
+            except Hung:
                 turn = turn_of(episode)
                 phase = "reset" if turn == 0 else "step"
                 results[k] = EnvError(
@@ -187,56 +165,23 @@ class EnvironmentPool:
         self.spec, self.num_actors = spec, num_actors
         self.step_timeout_s, self.start_timeout_s = float(step_timeout_s), float(start_timeout_s)
         self._load_spec = absolute_spec(spec)
-        self._remote = ray.remote(num_cpus=cpus_per_actor, max_restarts=0)(_EnvActor)
-        self._actors: List[Any] = [None] * num_actors
         self._turns: Dict[int, int] = {}  # live episode -> turns taken
         self._lost: Dict[int, str] = {}  # episode -> why it was lost (its actor was replaced)
-        try:
-            for i in range(num_actors):
-                self._actors[i] = self._start_actor(i)
-            self._check_ready(list(range(num_actors)))
-        except BaseException:
-            self.shutdown()
-            raise
+        self._actors = ActorSet(
+            ray.remote(num_cpus=cpus_per_actor, max_restarts=0)(_EnvActor),
+            lambda i: (spec, self._load_spec, self.step_timeout_s, i),
+            num_actors,
+            self.start_timeout_s,
+            lambda why: EnvError(f"environment {spec!r}: {why}", spec),
+        )
 
     # ------------------------------------------------------------------------------------------------ actors
 
-    def _start_actor(self, index: int) -> Any:
-        return self._remote.remote(self.spec, self._load_spec, self.step_timeout_s, index)
-
-    def _check_ready(self, indices: List[int]) -> None:
-        import ray  # lazy: keeps `import rlhf.envs` light
-
-        refs = [self._actors[i].ready.remote() for i in indices]
-        try:
-            errors = ray.get(refs, timeout=self.start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise EnvError(
-                f"environment {self.spec!r}: the pool's actors did not start within {self.start_timeout_s:g} s",
-                self.spec,
-            ) from None
-        except ray.exceptions.RayError as e:
-            raise EnvError(
-                f"environment {self.spec!r}: a pool actor failed to start: {type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}",
-                self.spec,
-            ) from None
-        for error in errors:
-            if error is not None:
-                raise error
-
     def _replace_actor(self, index: int, reason: str) -> None:
-        import ray  # lazy: keeps `import rlhf.envs` light
-
-        try:
-            ray.kill(self._actors[index], no_restart=True)
-        except Exception:  # already dead
-            pass
         for episode in [e for e in self._turns if e % self.num_actors == index]:
             del self._turns[episode]
             self._lost[episode] = reason
-        self._actors[index] = self._start_actor(index)
-        self._check_ready([index])
+        self._actors.replace(index)
 
     def _call(
         self, method: str, items: Sequence[Tuple[int, Any]], what: str, errors: str = "raise", concurrent: bool = False
@@ -428,15 +373,7 @@ class EnvironmentPool:
 
     def shutdown(self) -> None:
         """Kill the actors (idempotent); the pool cannot be used afterwards."""
-        import ray  # lazy: keeps `import rlhf.envs` light
-
-        for actor in self._actors:
-            if actor is not None and ray.is_initialized():
-                try:
-                    ray.kill(actor, no_restart=True)
-                except Exception:  # already dead
-                    pass
-        self._actors = [None] * len(self._actors)
+        self._actors.kill_all()
         self._turns.clear()
 
     def __enter__(self) -> "EnvironmentPool":
@@ -446,7 +383,7 @@ class EnvironmentPool:
         self.shutdown()
 
     def _check_ids(self, ids: List[int], n: int, what: str) -> None:
-        if any(a is None for a in self._actors):
+        if self._actors.closed:
             raise EnvError(f"environment {self.spec!r}: the pool is shut down", self.spec)
         if len(ids) != n:
             raise ValueError(f"EnvironmentPool: {len(ids)} episode ids but {n} {what}")

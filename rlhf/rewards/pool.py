@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import math
 import numbers
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from rlhf.rewards.functions import (
     _KIND,
@@ -46,6 +45,7 @@ from rlhf.rewards.functions import (
     _split_weight,
 )
 from rlhf.rewards.results import Failure, OnError, ScoreResult, assemble, check_on_error
+from rlhf.utils.actors import ActorSet, Hung, timed_call
 from rlhf.utils.log import get_logger
 from rlhf.utils.specs import absolute_spec, clip_plain
 
@@ -54,30 +54,6 @@ __all__ = ["RewardPool", "ScoreResult", "check_on_error", "score_chunk"]
 log = get_logger(__name__)
 
 # ------------------------------------------------------------------------------------------- one chunk, anywhere
-
-
-class _Hung(Exception):
-    pass
-
-
-def _timed(fn: Callable[[], Any], timeout_s: float) -> Any:
-    """``fn()`` in a daemon thread, waited for ``timeout_s`` seconds; :class:`_Hung` if it is still running."""
-    box: Dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # handed to the caller's thread
-            box["error"] = e
-
-    thread = threading.Thread(target=run, name="rlhf-reward-call", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise _Hung()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 @dataclass(frozen=True)
@@ -96,8 +72,12 @@ def _call_one(
 ) -> Tuple[Optional[List[float]], Optional[Tuple[str, str]]]:
     """The function's float32 values on these samples, or the failure: ``(values, None)`` or ``(None, (kind, why))``."""
     try:
-        result = _timed(lambda: source.fn(list(prompts), list(responses), **{k: list(v) for k, v in kwargs.items()}), t)
-    except _Hung:
+        result = timed_call(
+            lambda: source.fn(list(prompts), list(responses), **{k: list(v) for k, v in kwargs.items()}),
+            t,
+            "rlhf-reward-call",
+        )
+    except Hung:
         return None, ("timeout", f"hung (> {t:g} s)")
     except Exception as e:
         return None, ("error", f"raised {type(e).__name__}: {clip_plain(str(e), 500)}")
@@ -169,17 +149,17 @@ class _RewardActor:
     def __init__(self, specs: Tuple[str, ...], names: List[str], timeout_s: float, index: int = 0) -> None:
         self.timeout_s, self.index = timeout_s, index
         self.sources: List[RewardSource] = []
-        self.load_error: Optional[str] = None
+        self.load_error: Optional[RewardFunctionError] = None
         try:  # loaded from absolute paths, named as the user wrote them
             loaded = RewardFunctionScorer(specs).load()
             self.sources = [RewardSource(name, s.fn, s.weight) for name, s in zip(names, loaded)]
         except RewardFunctionError as e:
-            self.load_error = str(e)
+            self.load_error = e
 
     def __repr__(self) -> str:  # Ray prefixes this actor's forwarded output with it
         return f"reward actor {self.index}"
 
-    def ready(self) -> Optional[str]:
+    def ready(self) -> Optional[RewardFunctionError]:
         return self.load_error
 
     def score(self, start: int, prompts: List[str], responses: List[str], columns: Dict[str, list]) -> Any:
@@ -250,52 +230,21 @@ class RewardPool:
         ]
         self._specs: Tuple[str, ...] = absolute_reward_specs(scorer.specs)
         self._sources: List[RewardSource] = []
-        self._actors: List[Any] = []
+        self._actors: Optional[ActorSet] = None
         if num_workers == 0:
             self._sources = scorer.load()
             return
         import ray  # lazy: keeps `import rlhf.rewards` light
 
-        self._remote: Any = ray.remote(num_cpus=float(cpus_per_worker), max_restarts=0)(_RewardActor)
-        self._actors = [None] * num_workers
-        try:
-            for i in range(num_workers):
-                self._actors[i] = self._start_actor(i)
-            self._check_ready(list(range(num_workers)))
-        except BaseException:
-            self.shutdown()
-            raise
+        self._actors = ActorSet(
+            ray.remote(num_cpus=float(cpus_per_worker), max_restarts=0)(_RewardActor),
+            lambda i: (self._specs, self.names, self.timeout_s, i),
+            num_workers,
+            self.start_timeout_s,
+            lambda why: RewardFunctionError(f"reward pool ({', '.join(self.names)}): {why}"),
+        )
 
     # ------------------------------------------------------------------------------------------------ actors
-
-    def _start_actor(self, index: int) -> Any:
-        return self._remote.remote(self._specs, self.names, self.timeout_s, index)
-
-    def _check_ready(self, indices: List[int]) -> None:
-        import ray  # lazy: keeps `import rlhf.rewards` light
-
-        try:
-            errors = ray.get([self._actors[i].ready.remote() for i in indices], timeout=self.start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RewardFunctionError(
-                f"reward pool: the actors did not start within {self.start_timeout_s:g} s ({', '.join(self.names)})"
-            ) from None
-        except ray.exceptions.RayError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise RewardFunctionError(f"reward pool: an actor failed to start: {type(e).__name__}: {first}") from None
-        for error in errors:
-            if error is not None:
-                raise RewardFunctionError(error)
-
-    def _replace_actor(self, index: int) -> None:
-        import ray  # lazy: keeps `import rlhf.rewards` light
-
-        try:
-            ray.kill(self._actors[index], no_restart=True)
-        except Exception:  # already dead
-            pass
-        self._actors[index] = self._start_actor(index)
-        self._check_ready([index])
 
     def _budget(self, n: int) -> float:
         """The longest a chunk of ``n`` may take in an actor: every source on the chunk, then on each sample."""
@@ -347,7 +296,8 @@ class RewardPool:
         """Chunks to free actors until all are back; a lost chunk comes back as one chunk per sample."""
         import ray  # lazy: keeps `import rlhf.rewards` light
 
-        if any(a is None for a in self._actors):
+        actors = self._actors
+        if actors is None or actors.closed:
             raise RewardFunctionError("reward pool: the pool is shut down")
         queue, free = list(spans), list(range(self.num_workers))
         flying: Dict[Any, Tuple[int, int, int, float]] = {}  # ref -> (actor, start, end, deadline)
@@ -355,7 +305,7 @@ class RewardPool:
         while queue or flying:
             while queue and free:
                 a, (s, e) = free.pop(0), queue.pop(0)
-                ref = self._actors[a].score.remote(s, prompts[s:e], responses[s:e], _rows(columns, s, e))
+                ref = actors[a].score.remote(s, prompts[s:e], responses[s:e], _rows(columns, s, e))
                 flying[ref] = (a, s, e, time.monotonic() + self._budget(e - s) + self.grace_s)
             wait = max(0.0, min(d for *_, d in flying.values()) - time.monotonic())
             ready, _ = ray.wait(list(flying), num_returns=1, timeout=wait)
@@ -373,7 +323,7 @@ class RewardPool:
                     raise RewardFunctionError(got)
                 done.append(got)
                 if got.broken:  # a thread still hangs in it
-                    self._replace_actor(a)
+                    actors.replace(a)
                 free.append(a)
             now = time.monotonic()
             for ref, (a, s, e, deadline) in list(flying.items()):
@@ -389,7 +339,8 @@ class RewardPool:
     ) -> List[Tuple[int, int]]:
         """Replace actor ``a`` that lost chunk ``s:e``; the chunk's samples to score again one by one, or (a chunk of
         one) that sample's failure, for every function, added to ``done``."""
-        self._replace_actor(a)
+        assert self._actors is not None
+        self._actors.replace(a)
         if e - s > 1:
             return [(k, k + 1) for k in range(s, e)]
         problem = (kind, f"(or another function on the same sample) made its worker fail: the actor {why}")
@@ -399,16 +350,8 @@ class RewardPool:
 
     def shutdown(self) -> None:
         """Kill the actors (idempotent); the pool cannot be used afterwards."""
-        if self._actors:
-            import ray  # lazy: keeps `import rlhf.rewards` light
-
-            for actor in self._actors:
-                if actor is not None and ray.is_initialized():
-                    try:
-                        ray.kill(actor, no_restart=True)
-                    except Exception:  # already dead
-                        pass
-            self._actors = [None] * len(self._actors)
+        if self._actors is not None:
+            self._actors.kill_all()
 
     def __enter__(self) -> "RewardPool":
         return self
