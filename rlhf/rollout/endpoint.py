@@ -1,7 +1,8 @@
 """An OpenAI-compatible endpoint over the rollout engines, for agent code during an RL step.
 
 Each episode gets a base URL of its own, ``http://HOST:PORT/episodes/<key>/v1``, which an ``openai`` client takes
-as ``base_url``; ``/chat/completions``, ``/completions`` and ``/models`` are served under it. Requests are rendered
+as ``base_url``; ``/chat/completions``, ``/completions`` and ``/models`` are served under it, ``stream=true``
+included (the whole reply in one chunk, :mod:`rlhf.rollout.openai_stream`). Requests are rendered
 and replies derendered by vLLM's own OpenAI serving code (:class:`rlhf.rollout.openai_render.OpenAIRenderer`: chat
 templates, ``tools``, tool-call parsers), and sampled by the project's engines (any
 :class:`~rlhf.rollout.backend.RolloutBackend`), so the weights an agent talks to are the policy's of this step,
@@ -28,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from rlhf.rollout.openai_stream import chat_chunks, completion_chunks, events, take_stream
 from rlhf.rollout.transcripts import EpisodeTranscript, Exchange, normalise
 from rlhf.rollout.vllm_engine import Generation, SamplingSpec
 from rlhf.utils.log import get_logger
@@ -385,26 +387,29 @@ def _app(endpoint: AgentEndpoint):
     # (no ``from __future__ import annotations`` in this module: FastAPI reads these handlers' annotations, and
     # strings naming the local imports below would not resolve)
     from fastapi import FastAPI, Request  # the server library: imported by the run that serves agents only
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     app = FastAPI(title="rlhf agent endpoint")
 
-    async def serve(handler, key: str, request: Request) -> JSONResponse:
+    async def serve(handler, chunks, key: str, request: Request) -> Response:
         try:
             body = await request.json()
         except ValueError:
             status, answer = endpoint._refuse(400, "the body is not JSON")
             return JSONResponse(answer, status_code=status)
+        stream, include_usage = take_stream(body)  # served unstreamed, then sent as chunks (openai_stream.py)
         status, answer = await handler(key, body)
-        return JSONResponse(answer, status_code=status)
+        if not stream or status != 200:  # an error is a plain JSON error, as OpenAI's server sends it
+            return JSONResponse(answer, status_code=status)
+        return StreamingResponse(events(chunks(answer, include_usage)), media_type="text/event-stream")
 
     @app.post("/episodes/{key}/v1/chat/completions")
-    async def chat(key: str, request: Request) -> JSONResponse:
-        return await serve(endpoint.chat, key, request)
+    async def chat(key: str, request: Request) -> Response:
+        return await serve(endpoint.chat, chat_chunks, key, request)
 
     @app.post("/episodes/{key}/v1/completions")
-    async def completions(key: str, request: Request) -> JSONResponse:
-        return await serve(endpoint.completion, key, request)
+    async def completions(key: str, request: Request) -> Response:
+        return await serve(endpoint.completion, completion_chunks, key, request)
 
     @app.get("/episodes/{key}/v1/models")
     async def models(key: str) -> JSONResponse:

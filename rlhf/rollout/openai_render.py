@@ -91,7 +91,8 @@ def _as_render_error(exc: Exception) -> RenderError:
 
 
 def _refuse_flags(request: Any) -> None:
-    """Response shapes this layer does not produce: a stream (a later layer may add it), the prompt echoed, beams."""
+    """Response shapes this layer does not produce: a stream (the endpoint's HTTP layer serves ``stream=true`` by
+    sending the unstreamed response as chunks, rlhf/rollout/openai_stream.py), the prompt echoed, beams."""
     for field in ("stream", "echo", "use_beam_search"):
         if getattr(request, field):
             raise _bad_request(f"`{field}` is not supported by this endpoint", field)

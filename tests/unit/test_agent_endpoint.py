@@ -235,6 +235,91 @@ def test_a_chat_request_after_a_completion_breaks_the_chain_and_says_why(endpoin
     assert transcript.breaks == ["request 2: a chat request after a completion request (prompt tokens)"]
 
 
+def test_a_streamed_request_is_the_same_reply_and_continues_the_chain(endpoint, renderer):
+    """``stream=true`` (chat and completions): the reply the client accumulates from the chunks, its finish reason,
+    log-probs, token ids and usage are the unstreamed request's; the episode records it the same way, so the next
+    request continues its chain. Errors are plain JSON errors, as without streaming."""
+    import openai
+
+    url = endpoint.open(index=1, seed=100, budget=400)
+    client = _client(url)
+    messages = [{"role": "user", "content": "What is 7 + 5?"}]
+    ask = dict(model="policy", messages=messages, logprobs=True, extra_body={"return_token_ids": True})
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    said = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in said) == "7 + 5"  # seed 100, as unstreamed
+    assert [c.choices[0].finish_reason for c in said] == [None, "stop"] and said[0].choices[0].delta.role == "assistant"
+    plain = _client(endpoint.open(index=2, seed=100, budget=400)).chat.completions.create(**ask)
+    assert said[0].choices[0].logprobs.content == plain.choices[0].logprobs.content
+    assert said[0].choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    assert said[0].model_extra["prompt_token_ids"] == plain.model_extra["prompt_token_ids"]
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    messages += [{"role": "assistant", "content": "7 + 5"}, {"role": "user", "content": "Are you sure?"}]
+    again = client.chat.completions.create(model="policy", messages=messages, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in again if c.choices) == "hello there"  # seed 101
+    transcript = endpoint.close(url).transcript
+    assert [e.continues for e in transcript.exchanges] == [False, True] and not transcript.breaks
+    completion = _client(endpoint.open(index=3, seed=100, budget=400))
+    text = [c.choices[0].text for c in completion.completions.create(model="policy", prompt="Q:", stream=True)]
+    assert text == ["7 + 5", ""]
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        completion.chat.completions.create(model="policy", messages=messages, n=2, stream=True)
+
+
+def test_a_streamed_tool_call_accumulates_to_the_unstreamed_message(renderer, tiny_model):
+    """With tools and the hermes parser, the openai client's own stream accumulator
+    (``client.chat.completions.stream``) ends with the same tool call as the unstreamed request."""
+    from rlhf.rollout.openai_render import TOOLS_CHAT_TEMPLATE, OpenAIRenderer
+
+    hermes = OpenAIRenderer(tiny_model, tool_parser="hermes", chat_template=TOOLS_CHAT_TEMPLATE, served_model_name="p")
+    call = '<tool_call>\n{"name": "mul", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+    engines = Engines(hermes.tokenizer, [call])
+    stops = (hermes.tokenizer.eos_token_id, hermes.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    tools = [{"type": "function", "function": {"name": "mul", "parameters": {"type": "object", "properties": {}}}}]
+    ask = dict(model="p", messages=[{"role": "user", "content": "3*4="}], tools=tools)
+    with AgentEndpoint(hermes, engines.generate_each, SamplingSpec(max_new_tokens=96, stop_token_ids=stops)) as ep:
+        plain = _client(ep.open(index=0, seed=0, budget=400)).chat.completions.create(**ask)
+        with _client(ep.open(index=1, seed=0, budget=400)).chat.completions.stream(**ask) as stream:
+            streamed = stream.get_final_completion()
+    (expected,), (got,) = plain.choices[0].message.tool_calls, streamed.choices[0].message.tool_calls
+    assert (got.function.name, got.function.arguments) == (expected.function.name, expected.function.arguments)
+    assert got.function.arguments == '{"a": 3, "b": 4}' and got.id  # an id to answer it with (each request's own)
+    assert streamed.choices[0].finish_reason == plain.choices[0].finish_reason == "tool_calls"
+
+
+def test_stream_chunks_carry_every_field_of_the_reply():
+    from openai.types.chat import ChatCompletionChunk
+
+    from rlhf.rollout.openai_stream import chat_chunks, completion_chunks, events, take_stream
+
+    body = {"messages": [], "stream": True, "stream_options": {"include_usage": True}}
+    assert take_stream(body) == (True, True) and body == {"messages": []}
+    assert take_stream({"stream": False, "stream_options": {}}) == (False, False)  # the renderer's to refuse
+    message = {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "think",
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
+    head = {"id": "x", "object": "chat.completion", "created": 1, "model": "m", "prompt_token_ids": [1, 2]}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "tool_calls", "token_ids": [5]}
+    chunks = chat_chunks({**head, "choices": [choice], "usage": {"prompt_tokens": 2}})
+    parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]
+    assert [c.object for c in parsed] == ["chat.completion.chunk"] * 2
+    delta = parsed[0].choices[0].delta
+    assert delta.tool_calls[0].index == 0 and delta.tool_calls[0].function.name == "f"
+    assert delta.model_extra["reasoning_content"] == "think" and parsed[0].choices[0].model_extra["token_ids"] == [5]
+    assert parsed[1].choices[0].finish_reason == "tool_calls" and parsed[0].model_extra["prompt_token_ids"] == [1, 2]
+    texts = completion_chunks({**head, "choices": [{"index": 0, "text": "4", "finish_reason": "stop"}]}, True)
+    assert [c["choices"] for c in texts][:2] == [
+        [{"index": 0, "text": "4", "finish_reason": None}],
+        [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}],
+    ]
+    assert texts[-1]["choices"] == [] and texts[-1]["usage"] is None
+    lines = list(events(chunks))
+    assert lines[-1] == "data: [DONE]\n\n" and all(line.startswith("data: {") for line in lines[:-1])
+
+
 def test_an_echoed_reply_compares_equal_whatever_the_client_adds_or_reformats():
     from rlhf.rollout.transcripts import normalise
 
