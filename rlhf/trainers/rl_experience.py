@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -31,7 +32,7 @@ class PromptSet:
         episode's reset observation is rendered onto its own prompt's messages (rl_rollout.EpisodeRollout)."""
         return [row[self.prompt_key] if isinstance(row[self.prompt_key], list) else None for row in self.env_rows]
 
-    @property
+    @functools.cached_property  # read every step; parsed once
     def tools(self) -> List[Optional[List[dict]]]:
         """Each prompt's tool schemas (its row's ``tools_key`` field; ``None`` for none), indexed like
         :attr:`prompt_ids`: a conversational prompt was rendered with them, and so is its reset observation."""
