@@ -22,7 +22,8 @@ Multi-turn episodes replace the first two lines: ``records = run_episodes(engine
 sampling, encode, decode, TurnLimits(...))`` then ``episodes_batch([r.episode for r in records], pad_id)``; only
 the policy's sampled tokens carry loss (rlhf/rollout/episodes.py). ``encode`` is ``TextObservations.of(tokenizer)``
 or ``ChatObservations(chat, role)`` (a chat template's observation turns; a reset observation is rendered onto
-the episode's own prompt: pass ``prompt_messages=``, aligned with ``prompt_ids``), or any ``text -> ids`` function.
+the episode's own prompt: pass ``prompt_messages=``, and ``prompt_tools=`` for prompts rendered with tools, aligned
+with ``prompt_ids``), or any ``text -> ids`` function.
 """
 
 from __future__ import annotations
