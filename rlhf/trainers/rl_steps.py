@@ -18,7 +18,6 @@ health guard, logging, rewinds) is :class:`rlhf.trainers.run.Run`'s, the same as
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import time
@@ -34,22 +33,15 @@ from rlhf.distributed.group import StepResult, WorkerGroup
 from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
 from rlhf.objectives.base import Totals
-from rlhf.ops.dapo import overlong_penalty, pick_groups, varied_groups
+from rlhf.ops.dapo import overlong_penalty
 from rlhf.rewards.functions import metric_names
 from rlhf.rewards.scoring import reward_scorers
 from rlhf.rl import advantages_for, logp_mismatch
 from rlhf.rollout.backend import RolloutBackend
 from rlhf.rollout.vllm_engine import SamplingSpec
+from rlhf.trainers.rl_draws import draw_until_varied, partial_single_turn
 from rlhf.trainers.rl_experience import PromptSet
-from rlhf.trainers.rl_rollout import (
-    EpisodeRollout,
-    Rollout,
-    continued,
-    single_turn,
-    single_turn_of,
-    spanned_versions,
-    staleness_metrics,
-)
+from rlhf.trainers.rl_rollout import EpisodeRollout, Rollout, single_turn, staleness_metrics
 from rlhf.trainers.rl_schedule import Pause, RolloutSchedule, behaviour_version
 from rlhf.utils.metrics import ConsoleTable, Progress, format_row
 
@@ -71,7 +63,6 @@ EVAL_CONSOLE_KEYS = ("reward_mean", "accuracy", "response_length", "episode/turn
 RL_WATCHED = ("policy_loss", "grad_norm", "kl", "value_loss", "critic_grad_norm", "reward_mean")
 EVAL_SEED_BASE = 1 << 40  # evaluation seeds live far from the training steps' (seed * 1_000_003 + step * 10_007 + j)
 DRAW_SEED_BASE = 1 << 42  # dynamic sampling's draw d of a step: d * this + the step's base (far from both)
-CONTINUATION_SEED_BASE = 1 << 43  # partial rollouts: the rest of a response, after the weights changed
 SHAPING_SOURCES = ("overlong",)  # per-source rewards that shape, never say whether an answer is right
 TABLE_COLUMNS = (
     ("step", "step"),
@@ -200,38 +191,15 @@ class RLTrainer:
         return rollout
 
     def _partial(self, step: StepPlan, pause: Pause) -> Rollout:
-        """Partial rollouts (``rollout.partial_rollout_tokens = c``): every response's first ``c`` tokens with the
-        engines' weights (version ``v``, the schedule's), then ``pause()`` until the weights of step ``v + 1`` land,
-        then the rest of each response not yet ended, continued from its prompt and first tokens with the new weights
-        and seeds of their own. A response thus spans versions ``v`` and ``v + 1``, recorded per token; its sampling
-        log-probs are each token's own version's."""
+        """The step's responses in two halves around ``pause`` (:func:`~rlhf.trainers.rl_draws.partial_single_turn`):
+        the first ``rollout.partial_rollout_tokens`` with the schedule's version, the rest with the next."""
         r = self.cfg.rollout
         prompt_index = [i for i in step.indices for _ in range(r.n_samples_per_prompt)]
         sampling = self._sampling(self.prompts, self._seed_base(step.step))
-        engines = self.actors.engines
-        first = engines.generate(
-            [self.prompts.prompt_ids[i] for i in prompt_index],
-            dataclasses.replace(sampling, max_new_tokens=r.partial_rollout_tokens),
-        )
-        pause()  # the weight sync of the step training now waits for this point only
-        going = [j for j, g in enumerate(first) if g.finish_reason == "length"]
-        rest = (
-            engines.generate(
-                [tuple(first[j].prompt_ids) + tuple(first[j].response_ids) for j in going],
-                dataclasses.replace(
-                    sampling,
-                    max_new_tokens=r.max_new_tokens - r.partial_rollout_tokens,
-                    seed=None if sampling.seed is None else sampling.seed + CONTINUATION_SEED_BASE,
-                ),
-            )
-            if going
-            else []
-        )
-        whole = continued(first, going, rest)
-        rollout = single_turn_of(whole, self.tokenizer, prompt_index)
         version = behaviour_version(step.step, r.max_staleness)
-        rollout.token_versions = spanned_versions(first, whole, rollout.batch.input_ids.shape, version)
-        return rollout
+        return partial_single_turn(
+            self.actors.engines, self.tokenizer, self.prompts, prompt_index, sampling, r, pause, version
+        )
 
     def _staleness(self, step: int, rollout: Rollout) -> dict:
         """``async/*`` of the step's samples (:func:`~rlhf.trainers.rl_rollout.staleness_metrics`)."""
@@ -253,47 +221,18 @@ class RLTrainer:
         return draw * DRAW_SEED_BASE + self.cfg.train.seed * 1_000_003 + step * 10_007
 
     def _dynamic(self, step: StepPlan, first: Rollout) -> Rollout:
-        """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): draws of ``rollout.prompts_per_step`` more prompts
-        until the step holds that many groups whose scores differ (``rollout.dynamic_sampling_draws`` draws at
-        most), then the first such groups in draw order, filled with tied ones if the draws ran out
-        (:func:`rlhf.ops.dapo.pick_groups`): the batch keeps its size.
-
-        Draw ``d`` takes prompts the step has not drawn yet, in the order of a permutation seeded by the run's seed,
-        the step and ``d``, and samples them with seeds of its own: a step's samples depend on its number and its
-        weights alone, as without dynamic sampling (rollout.max_staleness and resume stay exact). The scores are
-        computed here, once (``Rollout.scored``)."""
-        r, n = self.cfg.rollout, self.cfg.rollout.n_samples_per_prompt
-        draws, varied, found = [first], [], 0
-        drawn = set(step.indices)
-        while True:
-            draws[-1].scored = self.score(draws[-1], self.prompts)
-            varied.append(varied_groups(draws[-1].scored[0], n))  # this draw's; the earlier ones' are kept
-            found += int(varied[-1].sum())
-            if found >= r.prompts_per_step or len(draws) > r.dynamic_sampling_draws:
-                break
-            indices = _fresh_prompts(
-                len(self.prompts.prompt_ids), r.prompts_per_step, drawn, self._seed_base(step.step, len(draws))
-            )
-            if not indices:  # every prompt of the data is in this step already
-                break
-            drawn.update(indices)
-            prompt_index = [i for i in indices for _ in range(n)]
-            draws.append(self._sample(self.prompts, prompt_index, self._seed_base(step.step, len(draws)), step.step))
-        picked, tied = pick_groups(varied, r.prompts_per_step)
-        starts = [sum(len(d.prompt_index) for d in draws[:k]) for k in range(len(draws))]
-        rows = [starts[d] + g * n + j for d, g in picked for j in range(n)]
-        rollout = Rollout.concat(draws, self.tokenizer.pad_token_id).select(rows)
-        for key in {k for d in draws for k in d.metrics if k.startswith("reward/")}:  # every draw's scoring counts
-            rollout.metrics[key] = sum(d.metrics.get(key, 0.0) for d in draws)
-        rollout.metrics.update(
-            {
-                "dynamic/draws": float(len(draws) - 1),
-                "dynamic/varied_groups": float(found),
-                "dynamic/tied_groups_in_batch": float(tied),
-                "dynamic/samples_generated": float(starts[-1] + len(draws[-1].prompt_index)),
-            }
+        """DAPO's dynamic sampling (:func:`~rlhf.trainers.rl_draws.draw_until_varied`): more prompts drawn, with
+        seeds of the step's own, until the step holds ``rollout.prompts_per_step`` groups whose scores differ."""
+        return draw_until_varied(
+            first,
+            step,
+            self.cfg.rollout,
+            len(self.prompts.prompt_ids),
+            sample=lambda prompt_index, seed_base: self._sample(self.prompts, prompt_index, seed_base, step.step),
+            score=lambda rollout: self.score(rollout, self.prompts),
+            seed_base=lambda draw: self._seed_base(step.step, draw),
+            pad_id=self.tokenizer.pad_token_id,
         )
-        return rollout
 
     def _sampling(self, prompts: PromptSet, seed_base: int) -> SamplingSpec:
         r = self.cfg.rollout
@@ -541,13 +480,6 @@ class _UpdateTotals:
             prefix + "lr": self.lr,
             **{prefix + key: value for key, value in self.cut.items()},
         }
-
-
-def _fresh_prompts(num_prompts: int, wanted: int, drawn: set, seed: int) -> List[int]:
-    """Up to ``wanted`` prompt indices not in ``drawn``, in the order of a permutation seeded by ``seed``."""
-    generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(num_prompts, generator=generator).tolist()
-    return [i for i in order if i not in drawn][:wanted]
 
 
 def _largest(norms: List[Optional[float]]) -> Optional[float]:
