@@ -22,12 +22,12 @@ import functools
 import inspect
 import math
 import numbers
-import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 from rlhf.envs.base import EnvError
+from rlhf.utils.actors import Hung, timed_call
 from rlhf.utils.specs import clip_plain
 
 __all__ = ["AgentResult", "run_agents"]
@@ -70,22 +70,10 @@ def run_agents(
     """Run ``fn`` once per ``(episode, (base_url, row))``, all at once; returns one :class:`AgentResult` or
     :class:`EnvError` per item, in order, and whether an agent hung in a thread that cannot be stopped (the
     caller's actor must then be replaced). The whole call is bounded by ``timeout_s`` plus a grace."""
-    box: Dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = asyncio.run(_all(fn, spec, items, timeout_s))
-        except BaseException as e:  # handed to the caller's thread
-            box["error"] = e
-
-    thread = threading.Thread(target=run, name="rlhf-agents", daemon=True)
-    thread.start()
-    thread.join(timeout_s + 10.0)
-    if thread.is_alive():  # the event loop itself is stuck (blocking code inside an async agent)
+    try:
+        return timed_call(lambda: asyncio.run(_all(fn, spec, items, timeout_s)), timeout_s + 10.0, "rlhf-agents")
+    except Hung:  # the event loop itself is stuck (blocking code inside an async agent)
         return [_hung(spec, episode, timeout_s, "blocked its event loop") for episode, _ in items], True
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 async def _all(fn: Callable, spec: str, items, timeout_s: float) -> Tuple[List[Any], bool]:

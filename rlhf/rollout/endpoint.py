@@ -230,20 +230,8 @@ class AgentEndpoint:
             sampling.stop_token_ids,
         )
         self.stats.derender_seconds += time.perf_counter() - derendered
-        reply = response["choices"][0]["message"]
-        transcript.add(
-            Exchange(
-                tuple(prompt),
-                generation.response_ids,
-                generation.response_logps,
-                generation.finish_reason,
-                tuple(normalise(m) for m in messages),
-                normalise(reply),
-                continues,
-            )
-        )
-        self.stats.requests += 1
-        self.stats.seconds += time.perf_counter() - started
+        reply = normalise(response["choices"][0]["message"])
+        self._record(transcript, prompt, generation, tuple(normalise(m) for m in messages), reply, continues, started)
         return 200, response
 
     async def completion(self, key: str, body: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
@@ -291,20 +279,27 @@ class AgentEndpoint:
             rendered, [[generation]], f"cmpl-{transcript.index}-{request_no}", int(time.time()), sampling.stop_token_ids
         )
         self.stats.derender_seconds += time.perf_counter() - derendered
+        self._record(transcript, prompt, generation, (), response["choices"][0]["text"], continues, started)
+        return 200, response
+
+    def _record(
+        self, transcript: EpisodeTranscript, prompt, generation: Generation, messages, reply, continues, started
+    ) -> None:
+        """The request's exchange on its episode's transcript (the ids the engine got and sampled), and its count
+        and time in :attr:`stats`."""
         transcript.add(
             Exchange(
                 tuple(prompt),
                 generation.response_ids,
                 generation.response_logps,
                 generation.finish_reason,
-                (),
-                response["choices"][0]["text"],
+                messages,
+                reply,
                 continues,
             )
         )
         self.stats.requests += 1
         self.stats.seconds += time.perf_counter() - started
-        return 200, response
 
     def _sampling(self, session: Session, prompt_len: int, asked: int) -> Optional[SamplingSpec]:
         """The trainer's sampling for the episode's next request: at most ``asked`` new tokens, within the episode's

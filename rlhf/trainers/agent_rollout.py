@@ -30,7 +30,7 @@ from rlhf.rollout.episodes import Episode
 from rlhf.rollout.multi_turn import RolloutStats
 from rlhf.rollout.vllm_engine import SamplingSpec
 from rlhf.trainers.rl_experience import PromptSet
-from rlhf.trainers.rl_rollout import Rollout, _last_response, _without
+from rlhf.trainers.rl_rollout import Rollout, _last_response, _where, _without
 from rlhf.utils.log import get_logger
 
 log = get_logger(__name__)
@@ -148,7 +148,3 @@ def _counts(endpoint, minus: Optional[Dict[str, float]] = None) -> Dict[str, flo
         "agent/endpoint_s": float(endpoint.stats.seconds),
     }
     return {k: v - (minus or {}).get(k, 0.0) for k, v in now.items()}
-
-
-def _where(step: int) -> str:
-    return f"RL step {step}" if step else "the evaluation"
