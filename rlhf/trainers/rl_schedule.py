@@ -59,6 +59,7 @@ class _Ahead(Generic[S]):
     seconds: float = 0.0
     paused: threading.Event = field(default_factory=threading.Event)  # it reached its pause point (or ended)
     resume: threading.Event = field(default_factory=threading.Event)  # the next weights landed: go on
+    waiting: bool = False  # blocked in its pause, until resume (not merely ended: that sets `paused` too)
 
 
 @dataclass
@@ -118,7 +119,7 @@ class RolloutSchedule(Generic[S]):
         if ahead is None:
             return
         assert ahead.thread is not None, "_start_ahead starts the thread before it stores the job"
-        if ahead.paused.is_set() and not ahead.resume.is_set() and ahead.thread.is_alive():
+        if ahead.waiting and not ahead.resume.is_set():
             raise RuntimeError(  # kept: a later pushed() still lets it go on
                 f"the generation of RL step {ahead.step} waits for new weights that were never pushed (pushed() "
                 f"comes before settle())"
@@ -196,8 +197,10 @@ class RolloutSchedule(Generic[S]):
         ahead: _Ahead[S] = _Ahead(step)
 
         def pause() -> None:
+            ahead.waiting = True  # before `paused`: a waiter woken by it sees the generation is held here
             ahead.paused.set()
             ahead.resume.wait()
+            ahead.waiting = False
 
         def run() -> None:
             started = time.perf_counter()

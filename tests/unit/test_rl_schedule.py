@@ -201,3 +201,32 @@ def test_a_paused_generation_is_never_joined_before_the_push():
     schedule.pushed(1)  # the paused generation is still the schedule's: the push lets it finish
     schedule.settle()
     assert 2 in schedule.ready
+
+
+class _Exiting:
+    """A generation's thread caught between its last line and its exit: alive until joined (the window in which
+    a finished generation has set ``paused`` but its thread has not ended yet)."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread, self.joined = thread, False
+
+    def is_alive(self) -> bool:
+        return not self.joined
+
+    def join(self, timeout=None) -> None:
+        self.thread.join(timeout)
+        self.joined = True
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_generation_that_ended_is_settled_even_while_its_thread_exits(partial):
+    """Only a generation held in its pause waits for weights; one that ended (``paused`` is set then too) is
+    joined, whether or not its thread has exited yet. This raised "never pushed" under load (k = 2, -n 2)."""
+    schedule = RolloutSchedule(1, total_steps=3, generate=lambda step, pause=None: step, partial=partial)
+    schedule.take(1)
+    ahead = schedule._ahead
+    assert ahead is not None and ahead.paused.wait(30)  # step 2's generation ran to its end (no pause called)
+    ahead.thread.join(30)
+    ahead.thread = _Exiting(ahead.thread)
+    schedule.settle()
+    assert schedule.ready == {2: 2} and ahead.thread.joined
