@@ -11,7 +11,8 @@ with the project's own code, one process plus one receiver process:
 2. sft / dpo     one global batch of 8 rows, whole (micro 8 x GA 1) against split (micro 2 x GA 4), cut by
                  ``cut_by_rows`` and normalised over the whole batch as ``WorkerGroup.train_batch`` does: loss, grad
                  norm and the weights after one optimizer step, from the same start.
-3. packing       per-token log-probs of the packed forward (flash-attn varlen if importable, else the sdpa twin)
+3. packing       per-token log-probs of the packed forward (flash-attn varlen if importable, else torch's varlen_attn on
+                 CUDA in bf16, else sdpa per row: the CPU twin)
                  against the padded forward; real tokens/s of each.
 4. ipc           ``IpcSender`` hands the model's weights in buckets (CUDA IPC handles; shared memory on CPU) to a
                  receiver process running the vLLM worker extension's load path; every tensor's SHA-256 is compared.
@@ -202,9 +203,9 @@ def check_packing(model_path: str, precision: str, vocab: int) -> tuple:
     import torch
 
     from rlhf.models.loading import ModelSpec, load_model
-    from rlhf.models.packing import packed_attention
+    from rlhf.models.packing import packed_attention, varlen_kernel
     from rlhf.objectives.sft import causal_lm_token_logps
-    from rlhf.utils.device import resolve_attn_implementation
+    from rlhf.utils.device import resolve_attn_implementation, torch_dtype
 
     padded_attn = resolve_attn_implementation("auto", precision)
     rows, longest = (16, 512) if DEVICE.type == "cuda" else (8, 128)
@@ -229,7 +230,11 @@ def check_packing(model_path: str, precision: str, vocab: int) -> tuple:
         del model
         release()
     diff, bound = rel(results["packed"][0], results["padded"][0]), BOUNDS[precision]["logps"]
-    kernel = "flash-attn varlen" if packed_attention(padded_attn) == "flash_attention_2" else "sdpa twin"
+    kernel = (
+        "flash-attn varlen"
+        if packed_attention(padded_attn) == "flash_attention_2"
+        else varlen_kernel(DEVICE, torch_dtype(precision))
+    )
     tokens = f"padded {results['padded'][1]:,.0f} / packed {results['packed'][1]:,.0f}"
     return (f"packing: {kernel} vs padded {padded_attn}", diff <= bound, within("logps", diff, bound), tokens)
 

@@ -12,18 +12,22 @@ Attention paths (selected by :func:`packed_attention`, per worker, from what it 
 
 * GPU with flash-attn: ``flash_attention_2``. transformers passes ``cu_seq_lens_q/k`` and ``max_length_q/k`` to
   flash-attention's variable-length kernel.
-* Everywhere else (the CPU twin): :data:`VARLEN_SDPA`, registered here with transformers' attention interface. It
-  takes the very same keyword arguments and runs torch's ``scaled_dot_product_attention`` causally on each row's
-  slice of the packed queries, keys and values: ``sum_i L_i^2`` attention work, as flash-attention's kernel does,
-  not the ``N^2`` of one masked attention over the whole packed sequence. Given no ``cu_seq_lens_q`` (an unpacked
-  forward) it is transformers' own sdpa with the usual padding mask.
+* Everywhere else: :data:`VARLEN_TORCH`, registered here with transformers' attention interface. It takes the very
+  same keyword arguments and picks its kernel from the tensors it is given (:func:`varlen_kernel`): on CUDA in
+  bf16 / fp16, PyTorch's own Flash-Attention varlen kernel (``torch.nn.attention.varlen.varlen_attn``, no build,
+  no extra package); on a CPU (the CPU twin) or in fp32, torch's ``scaled_dot_product_attention`` causally on each
+  row's slice of the packed queries, keys and values. Both do ``sum_i L_i^2`` attention work, not the ``N^2`` of one
+  masked attention over the whole packed sequence. Given no ``cu_seq_lens_q`` (an unpacked forward) it is
+  transformers' own sdpa with the usual padding mask.
 
-Only the attention function differs between the two: the packing, the model call and the unpacking are this
+Only the attention kernel differs between the paths: the packing, the model call and the unpacking are this
 module's, on every device.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
@@ -31,8 +35,9 @@ import torch
 
 Tensor = torch.Tensor
 
-VARLEN_SDPA = "rlhf_varlen_sdpa"  # transformers attn_implementation name of the CPU twin
-VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", VARLEN_SDPA)  # implementations that honour cu_seqlens
+VARLEN_TORCH = "rlhf_varlen"  # transformers attn_implementation name of torch's varlen kernel and its CPU twin
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", VARLEN_TORCH)  # implementations that honour cu_seqlens
+_HALF = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -161,26 +166,53 @@ def packed_attention(resolved: str) -> str:
     """The attention implementation a packing worker loads, given the one it would load unpacked.
 
     ``flash_attention_2`` (a CUDA worker with flash-attn) keeps its variable-length kernel; ``sdpa`` becomes
-    :data:`VARLEN_SDPA`. ``eager`` has no variable-length path (``TrainConfig`` refuses it with packing).
+    :data:`VARLEN_TORCH`. ``eager`` has no variable-length path (``TrainConfig`` refuses it with packing).
     """
     if resolved in VARLEN_ATTENTION:
         return resolved
     if resolved == "sdpa":
-        register_varlen_sdpa()
-        return VARLEN_SDPA
+        register_varlen_attention()
+        return VARLEN_TORCH
     raise ValueError(f"train.packing needs model.attn_implementation auto, sdpa or flash_attention_2, got {resolved!r}")
 
 
-def register_varlen_sdpa() -> None:
-    """Make :data:`VARLEN_SDPA` a transformers attention implementation (idempotent; per process)."""
+def register_varlen_attention() -> None:
+    """Make :data:`VARLEN_TORCH` a transformers attention implementation (idempotent; per process)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(VARLEN_SDPA, _varlen_sdpa)
-    AttentionMaskInterface.register(VARLEN_SDPA, _varlen_sdpa_mask)
+    AttentionInterface.register(VARLEN_TORCH, _varlen_attention)
+    AttentionMaskInterface.register(VARLEN_TORCH, _varlen_mask)
 
 
-def _varlen_sdpa_mask(*args: Any, attention_mask: Optional[Tensor] = None, **kwargs: Any):
+@functools.lru_cache(maxsize=None)
+def _torch_varlen() -> tuple:
+    """torch's varlen flash kernel and how to ask it for causal attention: ``(varlen_attn, causal kwargs, gqa)``, or
+    ``()`` when this torch has none. The signature moved between releases (2.11: ``window_size=(-1, 0)`` for causal;
+    2.13 adds ``enable_gqa``), so it is read, not assumed."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return ()
+    parameters = inspect.signature(varlen_attn).parameters
+    causal: Dict[str, Any]
+    if "window_size" in parameters:
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in parameters:
+        causal = {"is_causal": True}
+    else:
+        return ()
+    return varlen_attn, causal, "enable_gqa" in parameters
+
+
+def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel :data:`VARLEN_TORCH` runs for packed tensors on ``device`` in ``dtype``: ``"torch varlen_attn"``
+    (Flash-Attention, CUDA and half precision) or ``"sdpa per row"`` (the CPU twin, and fp32 anywhere)."""
+    usable = device.type == "cuda" and dtype in _HALF and bool(_torch_varlen())
+    return "torch varlen_attn" if usable else "sdpa per row"
+
+
+def _varlen_mask(*args: Any, attention_mask: Optional[Tensor] = None, **kwargs: Any):
     """No mask for a packed forward (``cu_seq_lens`` keep the rows apart; transformers would otherwise build a dense
     ``N x N`` one from the position ids); sdpa's own padding mask for an unpacked one."""
     if attention_mask is None:
@@ -193,7 +225,7 @@ def _varlen_sdpa_mask(*args: Any, attention_mask: Optional[Tensor] = None, **kwa
     return mask_fn(*args, attention_mask=attention_mask, **kwargs)
 
 
-def _varlen_sdpa(
+def _varlen_attention(
     module: torch.nn.Module,
     query: Tensor,
     key: Tensor,
@@ -205,8 +237,9 @@ def _varlen_sdpa(
     max_length_k: Optional[int] = None,
     **kwargs: Any,
 ):
-    """Causal sdpa on each row of a packed ``(1, heads, N, head_dim)`` query/key/value; ``(1, N, heads, head_dim)``
-    out, as transformers' attention functions return. Unpacked (no ``cu_seq_lens_q``): plain sdpa."""
+    """Causal attention within each row of a packed ``(1, heads, N, head_dim)`` query/key/value, by
+    :func:`varlen_kernel`'s choice; ``(1, N, heads, head_dim)`` out, as transformers' attention functions return.
+    Unpacked (no ``cu_seq_lens_q``): plain sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kwargs.pop("position_ids", None)
@@ -218,9 +251,11 @@ def _varlen_sdpa(
     if window is not None and max_length_q is not None and max_length_q > window:
         # flash-attention applies the window; this loop would not, and rows would see more than they should
         raise NotImplementedError(
-            f"varlen sdpa has no sliding window: a {max_length_q}-token row exceeds the "
+            f"rlhf_varlen has no sliding window: a {max_length_q}-token row exceeds the "
             f"model's {window}-token window (use flash_attention_2 or shorter rows)"
         )
+    if varlen_kernel(query.device, query.dtype) == "torch varlen_attn":
+        return _flash_varlen(module, query, key, value, cu_seq_lens_q, max_length_q, **kwargs), None
     kwargs["is_causal"] = True
     bounds = cu_seq_lens_q.tolist()
     parts = [
@@ -228,6 +263,36 @@ def _varlen_sdpa(
         for s, e in zip(bounds[:-1], bounds[1:])
     ]
     return torch.cat(parts, dim=1), None
+
+
+def _flash_varlen(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu_seqlens: Tensor,
+    max_length: Optional[int],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **_: Any,
+) -> Tensor:
+    """torch's Flash-Attention varlen kernel on packed ``(1, heads, N, head_dim)`` tensors -> ``(1, N, heads,
+    head_dim)``; grouped-query keys and values are shared by the kernel when it can (``enable_gqa``), else repeated."""
+    if dropout and module.training:
+        raise NotImplementedError("rlhf_varlen on CUDA runs without attention dropout (model.disable_dropout)")
+    varlen_attn, causal, gqa = _torch_varlen()
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, heads, head_dim), last dim contiguous
+    extra = dict(causal)
+    if k.shape[1] != q.shape[1]:
+        if gqa:
+            extra["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    longest = int(max_length) if max_length is not None else int((cu[1:] - cu[:-1]).max())
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **extra)
+    return out.unsqueeze(0)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ ROWS = (
     "engine: ZeRO 0 fp32",
     "sft: micro 8xGA1 vs 2xGA4",
     "dpo: micro 8xGA1 vs 2xGA4",
-    "packing: sdpa twin",
+    "packing: sdpa per row",
     "ipc: shared memory",
     "sync group: gloo, arrival bound",
 )

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf.batch import Batch
-from rlhf.models.packing import VARLEN_SDPA, PackedRows, packed_attention, packed_forward
+from rlhf.models.packing import VARLEN_TORCH, PackedRows, packed_attention, packed_forward
 from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
 from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
 from rlhf.objectives.reward import RewardObjective
@@ -26,7 +26,7 @@ def causal(tiny_model):
     """The tiny model under the CPU varlen attention (it also runs unpacked forwards, as sdpa) and under sdpa."""
     torch.manual_seed(0)
     packed_attention("sdpa")  # registers the implementation in this process
-    varlen = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation=VARLEN_SDPA)
+    varlen = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation=VARLEN_TORCH)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa")
     for m in (varlen, plain):
         m.config.use_cache = False
@@ -37,7 +37,7 @@ def causal(tiny_model):
 def scalar(tiny_reward_model):
     packed_attention("sdpa")
     model = AutoModelForSequenceClassification.from_pretrained(
-        tiny_reward_model, num_labels=1, attn_implementation=VARLEN_SDPA
+        tiny_reward_model, num_labels=1, attn_implementation=VARLEN_TORCH
     )
     model.config.use_cache = False
     return model
@@ -222,3 +222,49 @@ def test_critic_packed_equals_padded(scalar):
             rtol=1e-5,
             atol=1e-6,
         )
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+    """A CPU stand-in for ``torch.nn.attention.varlen.varlen_attn``, written from its documented contract (``(T, H,
+    D)`` tensors, int32 offsets, ``window_size=(-1, 0)`` causal, ``enable_gqa`` sharing each KV head among
+    ``H_q / H_kv`` query heads): explicit float64 softmax attention within each row."""
+    assert q.dim() == k.dim() == v.dim() == 3 and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
+    assert window_size == (-1, 0), "the glue asks for causal attention"
+    if k.shape[1] != q.shape[1]:
+        assert enable_gqa, "grouped KV heads passed without enable_gqa"
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+    assert max_q == max_k == max(lengths)
+    out = torch.empty_like(q)
+    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        qs, ks, vs = (t[s:e].double().transpose(0, 1) for t in (q, k, v))  # (H, L, D)
+        scores = qs @ ks.transpose(1, 2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        causal = torch.ones(e - s, e - s, dtype=torch.bool).tril()
+        out[s:e] = (scores.masked_fill(~causal, -torch.inf).softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("gqa", [True, False], ids=["enable_gqa", "repeated_kv"])
+def test_torch_varlen_glue_matches_padded(causal, tiny_model, monkeypatch, gqa):
+    """The CUDA path's glue (the layout transposes, int32 offsets, the causal window, grouped KV heads shared by the
+    kernel or repeated for a torch without ``enable_gqa``) gives the padded forward's log-probs, with the kernel
+    replaced by a reference from its documented contract (the real kernel runs on CUDA only: bench/gpu_check.py)."""
+    import rlhf.models.packing as packing
+
+    monkeypatch.setattr(packing, "_torch_varlen", lambda: (_reference_varlen, {"window_size": (-1, 0)}, gqa))
+    monkeypatch.setattr(packing, "varlen_kernel", lambda device, dtype: "torch varlen_attn")
+    varlen, plain = causal
+    ids, mask, _ = _rows(LENGTHS, varlen.config.vocab_size)
+    with torch.no_grad():
+        packed = TokenLogps(packing=True)(varlen, Batch(input_ids=ids, attention_mask=mask))
+        padded = TokenLogps(packing=False)(plain, Batch(input_ids=ids, attention_mask=mask))
+    assert varlen.config.num_key_value_heads < varlen.config.num_attention_heads  # the GQA branch is taken
+    torch.testing.assert_close(packed * mask, padded * mask, rtol=0, atol=2e-5)
+
+
+def test_varlen_kernel_choice():
+    """torch's varlen kernel only on CUDA in half precision; the per-row sdpa twin everywhere else."""
+    from rlhf.models.packing import varlen_kernel
+
+    assert varlen_kernel(torch.device("cpu"), torch.bfloat16) == "sdpa per row"
+    assert varlen_kernel(torch.device("cuda", 0), torch.float32) == "sdpa per row"

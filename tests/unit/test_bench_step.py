@@ -1,0 +1,51 @@
+"""``bench/bench_step.py --device cpu``: the step benchmark's CPU twin runs every trainer against the plain loop and
+reports figures that agree with each other (tokens/s with s/step, MFU with the model's FLOPs)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf.utils.flops import ModelFlops
+
+ROOT = Path(__file__).resolve().parents[2]
+SEQ, MICRO, GA, PEAK = 32, 2, 2, 0.5
+
+
+def test_cpu_twin(tiny_model, tmp_path):
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    args = ["--device", "cpu", "--model", tiny_model, "--seq", str(SEQ), "--micro", str(MICRO), "--ga", str(GA)]
+    args += ["--steps", "1", "--zero-stage", "2", "--peak-tflops", str(PEAK), "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_step.py"), *args],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    systems = {(r["trainer"], r["system"]) for r in rows}
+    for trainer in ("sft", "dpo", "rl"):
+        assert {(trainer, "plain-fp32"), (trainer, "rlhf-zero2")} <= systems
+    assert {("logprob", "plain-fp32"), ("logprob", "rlhf-ref")} <= systems
+    assert "| trainer | system" in done.stdout and "MFU = sum_rows" in done.stdout
+
+    flops = ModelFlops.of(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
+    for row in rows:
+        assert row["s_per_step"] > 0 and math.isfinite(row["s_per_step"])
+        rows_per_step = MICRO * GA * (2 if row["trainer"] == "dpo" else 1)
+        assert row["tokens_per_s"] * row["s_per_step"] == pytest.approx(rows_per_step * SEQ)
+        # uniform rows of SEQ tokens: the MFU is the model FLOPs of those rows over the step time and the peak
+        step_flops = flops.flops([SEQ] * rows_per_step, training=row["trainer"] != "logprob")
+        assert row["mfu"] == pytest.approx(step_flops / row["s_per_step"] / (PEAK * 1e12))
+        assert row["peak_gib"] is None  # no device memory on a CPU
+    first = {r["trainer"]: r for r in rows if r["system"] == "plain-fp32"}
+    for row in rows:
+        assert row["vs_plain"] == pytest.approx(first[row["trainer"]]["s_per_step"] / row["s_per_step"])
