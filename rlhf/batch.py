@@ -75,6 +75,11 @@ class Batch:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def row_lengths(self) -> List[int]:
+        """Real tokens of every sequence (both of a pair), non-empty ones only (a lockstep pad row counts nothing)."""
+        lengths = self.attention_mask.reshape(-1, self.attention_mask.shape[-1]).sum(-1)
+        return [int(n) for n in lengths.tolist() if n > 0]
+
     @property
     def is_pairwise(self) -> bool:
         """True for preference batches, ``input_ids`` of shape ``(B, 2, T)``."""

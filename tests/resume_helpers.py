@@ -38,7 +38,10 @@ def _overrides(model, data, out, *extra):
 
 def _rows(out, name="metrics.jsonl"):
     with open(os.path.join(out, name)) as f:
-        return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in f]
+        return [
+            {k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS and not k.startswith("perf/")}
+            for line in f
+        ]
 
 
 def _weights(final_dir):

@@ -187,7 +187,12 @@ def comm_op_links(extensions_dir) -> int:
 
 
 def tiny_qwen_config(vocab: int):
-    """The one-layer Qwen2 config the objective tests compute on: eager attention, pad id 0."""
+    """The one-layer Qwen2 config the objective tests compute on: sdpa attention (as runs load), pad id 0.
+
+    Not eager: transformers' eager attention takes its softmax in float32 whatever the model's dtype, and float32's
+    vectorised softmax rounds a row differently at another padded width (its SIMD tail moves; where depends on the
+    CPU's vector width). On an AMD EPYC a float64 row alone and padded to 10 columns then differed by 2.5e-8 in its
+    logits, and the float64 references (compared at 1e-11) failed; sdpa computes in float64 (1e-17)."""
     import transformers
 
     return transformers.Qwen2Config(
@@ -198,7 +203,7 @@ def tiny_qwen_config(vocab: int):
         num_attention_heads=2,
         num_key_value_heads=1,
         pad_token_id=0,
-        attn_implementation="eager",
+        attn_implementation="sdpa",
     )
 
 

@@ -46,7 +46,7 @@ SKIPPED_KEYS = frozenset(
         "critic_fillers",
     }
 )  # how a step was cut
-SKIPPED_PREFIXES = ("time/",)
+SKIPPED_PREFIXES = ("time/", "perf/")  # read off the clock
 EXACT_KEYS = frozenset({"num_samples", "num_tokens", "optimizer_steps"})
 # Numbers of an RL step's samples (not of its update): equal while the rollouts are.
 ROLLOUT_KEYS = frozenset({"reward_mean", "reward_std", "accuracy", "response_length"})

@@ -24,6 +24,7 @@ from typing import List, Sequence, Tuple
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError, DPORunConfig, RunConfig
 from rlhf.distributed.cluster import local_num_cpus
+from rlhf.distributed.engine import effective_zero_stage
 from rlhf.distributed.packing import (
     NodeShape,
     Packing,
@@ -218,6 +219,8 @@ def _devices_line(cfg: RunConfig, devices: Devices) -> str:
     auto = " (auto)" if s.gpus_per_worker < 0 else ""
     extras = ", gradient checkpointing" if cfg.model.gradient_checkpointing else ""
     extras += ", optimizer offloaded to CPU" if s.offload_optimizer else ""
+    if effective_zero_stage(s.zero_stage, 1, s.offload_optimizer) != s.zero_stage:
+        extras += " (ZeRO-1 on a one-rank group: nothing to partition)"
     return (
         f"devices: {gpus}{auto}; {devices.precision} (strategy.precision={s.precision}), "
         f"{devices.backend} (strategy.backend={s.backend}); DeepSpeed ZeRO-{s.zero_stage}{extras}"

@@ -48,6 +48,7 @@ PANELS: Tuple[Tuple[str, str], ...] = (
     ("episode/ended_prefix_mismatch", "episodes cut at a prefix mismatch"),
 )
 TIMING_PREFIX = "time/"
+PERF_PREFIX = "perf/"  # perf/<role>/mfu, tokens_per_s (and forward_ ones): one panel each
 REWARD_SOURCE_PREFIX = "reward/"  # each reward function's (and the reward model's) mean: one panel per source
 TURN_REWARD_PREFIX = "episode/reward_turn_"  # the environment's mean reward at turn t: one panel per turn
 
@@ -86,6 +87,7 @@ def load_runs(dirs: Sequence[str]) -> Tuple[Dict[str, List[dict]], List[str]]:
 def panels_for(runs: Dict[str, List[dict]]) -> List[Tuple[str, str]]:
     keys = {k for rows in runs.values() for row in rows for k in row}
     timings = sorted(k for k in keys if k.startswith(TIMING_PREFIX))
+    perf = sorted(k for k in keys if k.startswith(PERF_PREFIX))
     listed = {key for key, _ in PANELS}
     sources = sorted(k for k in keys if k.startswith(REWARD_SOURCE_PREFIX) and k not in listed)
     turns = sorted((k for k in keys if k.startswith(TURN_REWARD_PREFIX)), key=lambda k: int(k.rsplit("_", 1)[1]))
@@ -94,6 +96,7 @@ def panels_for(runs: Dict[str, List[dict]]) -> List[Tuple[str, str]]:
         + [(k, f"reward of {k[len(REWARD_SOURCE_PREFIX) :]}") for k in sources]
         + [(k, f"environment reward at turn {k.rsplit('_', 1)[1]}") for k in turns]
         + [(k, f"seconds: {k[len(TIMING_PREFIX) :]}") for k in timings]
+        + [(k, k[len(PERF_PREFIX) :].replace("/", ": ").replace("_", " ")) for k in perf]
     )
 
 

@@ -270,9 +270,13 @@ class StrategyConfig:
     # Bounds forming each role's process group: a rank that cannot reach rank 0, or never arrives, is named after
     # this long instead of a hang (the ranks start in parallel; loading the model comes after).
     init_timeout_s: float = 300.0
+    # The dense peak TFLOP/s of one worker's device in the run's precision, for the perf/<role>/mfu metrics (model
+    # FLOPs utilisation); 0: known GPUs by name (rlhf.utils.flops.PEAK_TFLOPS), none on CPUs.
+    peak_tflops: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.init_timeout_s > 0, "strategy.init_timeout_s", f"must be > 0, got {self.init_timeout_s}")
+        _check(self.peak_tflops >= 0, "strategy.peak_tflops", f"must be >= 0 (0: known GPUs), got {self.peak_tflops}")
         _check(self.zero_stage in (0, 1, 2, 3), "strategy.zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}")
         _choice(self.precision, "strategy.precision", ("auto", "fp32", "bf16", "fp64", "fp16"))
         _check(

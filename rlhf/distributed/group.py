@@ -25,6 +25,7 @@ from rlhf.distributed.rendezvous import DRIVER_GRACE_S
 from rlhf.distributed.worker import RankStepResult, TrainerWorker
 from rlhf.models.loading import ModelSpec
 from rlhf.objectives.base import Objective, ScoreFn, Sums, Totals
+from rlhf.utils.flops import perf_metrics
 
 __all__ = ["GroupResources", "StepResult", "WorkerError", "WorkerGroup"]
 
@@ -265,6 +266,12 @@ class WorkerGroup:
         for sums in results:
             totals.add(sums, 0)
         return totals.sums
+
+    def perf_metrics(self) -> Dict[str, float]:
+        """``perf/<role>/tokens_per_s`` and ``perf/<role>/mfu`` of this group's optimizer steps, and the
+        ``forward_`` pair of its scoring passes, since the last call (:func:`rlhf.utils.flops.perf_metrics`)."""
+        ranks = self._gather([w.take_perf.remote() for w in self.workers], "take_perf")
+        return perf_metrics(self.role, [r["work"] for r in ranks], ranks[0]["peak_tflops"])
 
     def _spread(self, batches: Sequence[Batch]):
         """Contiguous equal shards per rank. Under ZeRO-3 every forward is a collective, so ranks must run the

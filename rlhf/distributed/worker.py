@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
@@ -26,6 +27,7 @@ from rlhf.models.packing import packed_attention
 from rlhf.objectives.base import Objective, ScoreFn, Sums, add_sums
 from rlhf.ops.losses import normalize
 from rlhf.utils.device import resolve_attn_implementation
+from rlhf.utils.flops import ModelFlops, PerfMeter, peak_tflops
 
 
 class WeightSender(Protocol):
@@ -66,6 +68,9 @@ class TrainerWorker:
         self._store = None  # the process group's rendezvous store (rank 0 hosts it; kept alive with the group)
         self.spec: Optional[ModelSpec] = None
         self.lora: Optional[LoraSpec] = None  # the adapters this trainable rank trains (model.lora.*)
+        self.perf = PerfMeter()  # seconds, model FLOPs and real tokens of train_step / score (perf/* metrics)
+        self.model_flops: Optional[ModelFlops] = None
+        self.peak_tflops: Optional[float] = None
 
     def __repr__(self) -> str:
         # Ray prefixes the output it forwards from this actor with its repr: "(policy rank 0 pid=..., ip=...)"
@@ -158,6 +163,9 @@ class TrainerWorker:
         else:
             self.model = module.to(self.device).eval()
             self.model.requires_grad_(False)
+        self.model_flops = ModelFlops.of(self.model)
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        self.peak_tflops = engine.peak_tflops or peak_tflops(device_name, model.precision)
         sizes = [
             (p.ds_numel if hasattr(p, "ds_numel") else p.numel(), p.requires_grad) for p in self.model.parameters()
         ]
@@ -206,6 +214,7 @@ class TrainerWorker:
                 f"{self.role} rank {self.rank}: {len(counted)} counted flags for {len(micro_batches)} "
                 f"micro-batches, at least one counted"
             )
+        started = time.perf_counter()
         if schedule_step is not None:
             self.engine.position_schedule(schedule_step)
         lr = self.engine.current_lr()
@@ -218,6 +227,8 @@ class TrainerWorker:
             self.engine.micro_step(normalize(loss_sum, normalizer, self.world_size), is_last=i == last)
             if keep:
                 sums = add_sums(sums, micro_sums)
+        # the step ended with the gradient norm read back from the device: the clock has the device's work
+        self._account("train", micro_batches, counted, time.perf_counter() - started)
         return RankStepResult(sums=sums, grad_norm=self.engine.last_grad_norm, lr=lr)
 
     @torch.no_grad()
@@ -227,10 +238,23 @@ class TrainerWorker:
         model = self.engine if self.engine is not None else self.model
         was_training = self.model.training
         self.model.eval()
+        started = time.perf_counter()
         try:
-            return [fn(model, b.to(self.device)).cpu() for b in batches]
+            out = [fn(model, b.to(self.device)).cpu() for b in batches]  # .cpu(): the device's work is done
         finally:
             self.model.train(was_training)
+        self._account("forward", batches, [True] * len(batches), time.perf_counter() - started)
+        return out
+
+    def _account(self, kind: str, batches: List[Batch], counted: List[bool], seconds: float) -> None:
+        """Add a pass over ``batches`` (those ``counted``) to :attr:`perf`: its seconds, model FLOPs, real tokens."""
+        assert self.model_flops is not None, "build() sets the model's FLOP count"
+        lengths = [n for b, keep in zip(batches, counted) if keep for n in b.row_lengths()]
+        self.perf.add(kind, seconds, self.model_flops.flops(lengths, training=kind == "train"), sum(lengths))
+
+    def take_perf(self) -> Dict[str, Any]:
+        """This rank's work since the last call (:class:`rlhf.utils.flops.PerfMeter`) and its device's peak."""
+        return {"work": self.perf.take(), "peak_tflops": self.peak_tflops}
 
     @torch.no_grad()
     def evaluate(self, batches: List[Batch], objective: Objective, counted: List[bool]) -> Sums:

@@ -175,6 +175,7 @@ class OfflineSteps:
             "num_samples": result.num_samples,
             **result.cut_metrics(),
             "step_time_s": round(time.perf_counter() - started, 4),
+            **self.policy.perf_metrics(),
         }
 
     def evaluate(self, step: Optional[StepPlan]) -> dict:

@@ -103,6 +103,11 @@ class RLActors:
     critic: Optional[WorkerGroup] = None  # trainable, for GAE
     reward_model: Optional[WorkerGroup] = None  # frozen scalar head
 
+    def perf_metrics(self) -> Dict[str, float]:
+        """Every trainer group's ``perf/<role>/...`` metrics since the last call (WorkerGroup.perf_metrics)."""
+        groups = (self.policy, self.reference, self.critic, self.reward_model)
+        return {k: v for group in groups if group is not None for k, v in group.perf_metrics().items()}
+
 
 class RLTrainer:
     """The RL steps of a run (:class:`rlhf.trainers.run.Steps`): :meth:`train` is one RL step."""
@@ -173,6 +178,7 @@ class RLTrainer:
             sync = self.push_weights(step.step)
             self.schedule.pushed(step.step)
         stats = {**rollout.metrics, **train_stats, **kl_stats, **self._staleness(step.step, rollout)}
+        stats.update(self.actors.perf_metrics())
         return self.row(step, scores, per_source, batch, stats, sync, timer)
 
     def _generate_step(self, step: int, pause: Optional[Pause] = None) -> Rollout:

@@ -450,6 +450,7 @@ class RunContext:
             offload_optimizer=s.offload_optimizer,
             user_config=self.user_ds_config,
             packing=t.packing,
+            peak_tflops=s.peak_tflops,
         )
         if t.max_tokens_per_micro_batch:
             rows = t.global_batch_size if trainable else num_workers  # frozen: no accumulation window

@@ -20,7 +20,7 @@ reports no MFU unless the run names its peak (``perf.peak_tflops``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 # Dense peak TFLOP/s by (device-name fragment, dtype). bf16 and fp16 share the tensor-core rate; fp32 is the rate a
 # float32 matmul gets with TF32 off (torch's default for matmuls), i.e. the CUDA cores'. First match wins, so the
@@ -68,7 +68,7 @@ class ModelFlops:
         """From an HF causal LM (or a DeepSpeed engine around one). Parameter sizes are the full ones under ZeRO-3
         (``ds_numel``); a value head (critic, reward model) is a tiny ``N`` term and counted as any weight."""
         module = getattr(model, "module", model)
-        config = module.config
+        hf_config = module.config
         size = lambda p: int(getattr(p, "ds_numel", p.numel()))  # noqa: E731
         total = sum(size(p) for p in module.parameters())
         embedding = module.get_input_embeddings()
@@ -76,9 +76,9 @@ class ModelFlops:
         matmul = total - (size(embedding.weight) if embedding is not None else 0)
         if head is not None and embedding is not None and head.weight is embedding.weight:
             matmul += size(head.weight)  # tied: the table is one parameter, the head's matmul still runs
-        heads = int(config.num_attention_heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        return cls(matmul_params=matmul, layers=int(config.num_hidden_layers), attention_width=heads * head_dim)
+        heads = int(hf_config.num_attention_heads)
+        head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+        return cls(matmul_params=matmul, layers=int(hf_config.num_hidden_layers), attention_width=heads * head_dim)
 
     def flops(self, row_lengths: Iterable[int], training: bool = True) -> float:
         """Model FLOPs of one pass over rows of these real lengths (forward + backward when ``training``)."""
@@ -105,3 +105,41 @@ def mfu(flops: float, seconds: float, peak: Optional[float]) -> Optional[float]:
     if not peak or seconds <= 0:
         return None
     return flops / seconds / (peak * 1e12)
+
+
+class PerfMeter:
+    """A rank's work since it was last read: seconds spent, model FLOPs and real tokens, per kind of pass (``train``:
+    optimizer steps, ``forward``: scoring). Only counted rows are added (a lockstep filler is work, not useful work)."""
+
+    def __init__(self) -> None:
+        self.totals: Dict[str, List[float]] = {}
+
+    def add(self, kind: str, seconds: float, flops: float, tokens: int) -> None:
+        total = self.totals.setdefault(kind, [0.0, 0.0, 0.0])
+        total[0] += seconds
+        total[1] += flops
+        total[2] += tokens
+
+    def take(self) -> Dict[str, Dict[str, float]]:
+        """What was added since the last call, by kind; the meter starts again from nothing."""
+        taken = {kind: {"seconds": s, "flops": f, "tokens": t} for kind, (s, f, t) in self.totals.items()}
+        self.totals = {}
+        return taken
+
+
+def perf_metrics(role: str, ranks: Sequence[Dict[str, Dict[str, float]]], peak: Optional[float]) -> Dict[str, float]:
+    """A group's ``perf/<role>/...`` metrics from its ranks' :meth:`PerfMeter.take`: ``tokens_per_s`` (real tokens of
+    every rank over the slowest rank's seconds: the ranks run in lockstep) and ``mfu`` (their model FLOPs over that
+    time and every rank's ``peak`` TFLOP/s; absent without a peak) for optimizer steps, ``forward_tokens_per_s`` and
+    ``forward_mfu`` for scoring passes."""
+    out: Dict[str, float] = {}
+    for kind, prefix in (("train", ""), ("forward", "forward_")):
+        parts = [rank[kind] for rank in ranks if kind in rank]
+        seconds = max((p["seconds"] for p in parts), default=0.0)
+        if seconds <= 0:
+            continue
+        out[f"perf/{role}/{prefix}tokens_per_s"] = round(sum(p["tokens"] for p in parts) / seconds, 1)
+        utilisation = mfu(sum(p["flops"] for p in parts), seconds * len(ranks), peak)
+        if utilisation is not None:
+            out[f"perf/{role}/{prefix}mfu"] = round(utilisation, 4)
+    return out

@@ -33,7 +33,7 @@ CLOCK = ("samples_per_s", "sync_mb_per_s", "async/waited_s", "async/generated_ah
 
 
 def _exact(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("time/") and k not in CLOCK}
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/")) and k not in CLOCK}
 
 
 @pytest.fixture(scope="module")

@@ -118,7 +118,7 @@ CLOCK = ("samples_per_s", "sync_mb_per_s", "async/waited_s", "async/generated_ah
 
 
 def _untimed(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k not in CLOCK} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/")) and k not in CLOCK} for r in rows]
 
 
 @pytest.fixture(scope="module")

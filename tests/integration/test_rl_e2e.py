@@ -39,6 +39,9 @@ def test_grpo_runs_and_logs_every_stage(grpo_pair):
     check_rows(rows, extra_keys=("kl",))
     assert abs(rows[0]["policy_loss"]) > 0 or rows[0]["grad_norm"] > 0
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-3)  # first update starts at the reference
+    # perf metrics per role: the policy's update and its old-log-prob pass, the reference's pass (no MFU on CPU)
+    for key in ("perf/policy/tokens_per_s", "perf/policy/forward_tokens_per_s", "perf/reference/forward_tokens_per_s"):
+        assert all(row[key] > 0 for row in rows), key
     assert os.path.isfile(os.path.join(result.final_dir, "model.safetensors"))
 
 

@@ -53,3 +53,28 @@ def test_peak_table_and_mfu():
     assert peak_tflops("NVIDIA H200", "fp64") is None
     assert mfu(989e12 * 0.5, 1.0, 989.0) == pytest.approx(0.5)
     assert mfu(1.0, 1.0, None) is None and mfu(1.0, 0.0, 989.0) is None
+
+
+def test_perf_meter_and_group_metrics():
+    """Per rank: seconds, FLOPs and tokens by kind, reset when read. Per group: tokens over the slowest rank's
+    seconds, FLOPs over that time and every rank's peak; no MFU without a peak; a kind with no work is absent."""
+    from rlhf.utils.flops import PerfMeter, perf_metrics
+
+    meters = [PerfMeter(), PerfMeter()]
+    meters[0].add("train", 2.0, 4e12, 1000)
+    meters[0].add("train", 1.0, 2e12, 500)
+    meters[1].add("train", 2.5, 6e12, 1500)
+    meters[1].add("forward", 0.5, 1e12, 800)
+    ranks = [m.take() for m in meters]
+    assert ranks[0] == {"train": {"seconds": 3.0, "flops": 6e12, "tokens": 1500}}
+    assert meters[0].take() == {}  # read once
+    out = perf_metrics("policy", ranks, peak=10.0)
+    assert out["perf/policy/tokens_per_s"] == round(3000 / 3.0, 1)
+    assert out["perf/policy/mfu"] == round(12e12 / (3.0 * 2 * 10e12), 4)
+    assert out["perf/policy/forward_tokens_per_s"] == round(800 / 0.5, 1)
+    assert out["perf/policy/forward_mfu"] == round(1e12 / (0.5 * 2 * 10e12), 4)
+    assert perf_metrics("policy", ranks, peak=None) == {
+        "perf/policy/tokens_per_s": 1000.0,
+        "perf/policy/forward_tokens_per_s": 1600.0,
+    }
+    assert perf_metrics("reference", [{}, {}], peak=10.0) == {}

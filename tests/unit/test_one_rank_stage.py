@@ -1,0 +1,123 @@
+"""A one-rank group asked for ZeRO 2 builds ZeRO 1 (rlhf.distributed.engine.effective_zero_stage): nothing to
+partition, none of stage 2's per-parameter bucket hooks, and the weights of a real one-rank ZeRO 2 engine: bit for bit
+in fp32; in bf16 the same fp32 gradient sum (the one-rank ZeRO 1 skips DeepSpeed's cast of it to bf16 for an
+all-reduce over one rank), clipped by a norm each optimizer sums in its own order (~2e-7 apart), so a weight may land
+one bf16 step away. The engines run in a subprocess with its own one-rank gloo group."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlhf.distributed.engine import effective_zero_stage
+
+STEPS, ROWS, MICRO = 3, 4, 2
+
+
+def test_effective_stage():
+    assert effective_zero_stage(2, 1) == 1
+    assert [effective_zero_stage(s, 2) for s in (0, 1, 2, 3)] == [0, 1, 2, 3]
+    assert [effective_zero_stage(s, 1) for s in (0, 1, 3)] == [0, 1, 3]
+    assert effective_zero_stage(2, 1, offload_optimizer=True) == 2
+
+
+def _train(model_path: str, out_path: str, port: int) -> None:
+    """In the subprocess: per precision, a one-rank group asked for ZeRO 2 (built as ZeRO 1) and a real one-rank
+    ZeRO 2 (the mapping switched off), each 3 optimizer steps of 2 micro-batches; saves weights, norms, losses and
+    the optimizer each built."""
+    import rlhf.distributed.engine as engine_module
+    from rlhf.batch import Batch
+    from rlhf.distributed.engine import EngineSpec, OptimSpec, iter_full_state
+    from rlhf.distributed.worker import TrainerWorker
+    from rlhf.models.loading import ModelSpec
+    from rlhf.objectives.sft import SFTObjective
+
+    TrainerWorker("probe", 0, 1).init_process_group("127.0.0.1", port, "gloo", timeout_s=60)
+    mapped = engine_module.effective_zero_stage
+    results = {}
+    for precision in ("fp32", "bf16"):
+        for label, mapping in (("asked 2", mapped), ("real 2", lambda stage, *_: stage)):
+            engine_module.effective_zero_stage = mapping
+            worker = TrainerWorker(label, 0, 1)
+            worker.build(
+                ModelSpec(path=model_path, precision=precision),
+                EngineSpec(zero_stage=2, precision=precision, micro_batch_size=MICRO, grad_accum_steps=ROWS // MICRO),
+                OptimSpec(lr=1e-3, total_steps=STEPS, max_grad_norm=1.0),
+            )
+            gen, trace, tokens = torch.Generator().manual_seed(0), [], 0
+            for _ in range(STEPS):
+                lengths = torch.randint(3, 17, (ROWS,), generator=gen)
+                mask = (torch.arange(16) < lengths[:, None]).long()
+                ids = torch.randint(4, 500, (ROWS, 16), generator=gen) * mask
+                batch = Batch(input_ids=ids, attention_mask=mask, loss_mask=mask)
+                tokens += int(lengths.sum())
+                micro = [batch.select(range(i, i + MICRO)).trim() for i in range(0, ROWS, MICRO)]
+                objective = SFTObjective()
+                result = worker.train_step(micro, objective, sum(objective.count(m) for m in micro))
+                trace.append((result.grad_norm, result.sums["loss_sum"]))
+            results[precision, label] = {
+                "stage": worker.engine.spec.zero_stage,
+                "optimizer": type(worker.engine.engine.optimizer).__name__,
+                "weights": {n: t.clone() for n, t in iter_full_state(worker.model, 1)},
+                "trace": trace,
+                "perf": worker.take_perf(),
+                "perf_again": worker.take_perf(),
+                "tokens": tokens,
+                "matmul_params": worker.model_flops.matmul_params,
+            }
+    torch.save(results, out_path)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one_rank") / "results.pt"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = (
+        f"import sys; sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r}); "
+        f"from test_one_rank_stage import _train; _train({tiny_model!r}, {str(out)!r}, {port})"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_asked_zero2_builds_zero1_with_the_weights_of_a_real_zero2(trained, precision):
+    asked, real = trained[precision, "asked 2"], trained[precision, "real 2"]
+    assert asked["stage"] == 1 and real["stage"] == 2
+    assert asked["optimizer"] == ("BF16_Optimizer" if precision == "bf16" else "DeepSpeedZeroOptimizer")
+    assert asked["weights"].keys() == real["weights"].keys()
+    moved = 0
+    for name, weight in real["weights"].items():
+        if precision == "fp32":
+            assert torch.equal(asked["weights"][name], weight), name
+            continue
+        # bf16 weights as their 16-bit patterns: adjacent values differ by 1 (same sign, as every weight here)
+        steps = (asked["weights"][name].view(torch.int16).int() - weight.view(torch.int16).int()).abs()
+        assert int(steps.max()) <= 1, name
+        moved += int(steps.sum())
+    assert moved <= 1e-3 * sum(w.numel() for w in real["weights"].values())
+    for step, ((norm_a, loss_a), (norm_r, loss_r)) in enumerate(zip(asked["trace"], real["trace"])):
+        if precision == "fp32" or step == 0:  # the same weights: the same loss
+            assert loss_a == loss_r
+        else:  # a handful of weights one bf16 step apart: the loss moves by far less than bf16's own rounding
+            assert loss_a == pytest.approx(loss_r, rel=1e-5)
+        # the norm is each optimizer's own float32 sum of squares (a different order): a few float32 roundings
+        assert norm_a == pytest.approx(norm_r, rel=1e-6)
+
+
+def test_the_worker_accounts_its_steps_for_perf_metrics(trained):
+    """``TrainerWorker.take_perf``: the real tokens of every step since the last read, their training FLOPs, the
+    seconds spent, no peak on a CPU; read once."""
+    run = trained["fp32", "asked 2"]
+    work = run["perf"]["work"]["train"]
+    assert set(run["perf"]["work"]) == {"train"} and run["perf"]["peak_tflops"] is None
+    assert work["tokens"] == run["tokens"] and work["seconds"] > 0
+    assert run["matmul_params"] > 0 and work["flops"] >= 6 * run["matmul_params"] * run["tokens"]
+    assert run["perf_again"]["work"] == {}
