@@ -3,6 +3,7 @@
     python bench/bench_step.py [--device cuda|cpu] [--size 1.5b | --model PATH] [--trainers sft,dpo,rl,logprob]
         [--zero-stage 0,1,2,3] [--packing] [--rows uniform|longtail] [--seq 1024] [--micro 4] [--ga 4]
         [--steps 8] [--rounds 1] [--precision bf16|fp32] [--plain autocast,bf16] [--peak-tflops X] [--json PATH]
+        [--tiled-head] [--ds JSON] [--profile NAME]
 
 What runs, per trainer (``sft``, ``dpo``, ``rl`` = the PPO policy update, ``logprob`` = the forward-only reference /
 old-policy pass):
@@ -13,7 +14,8 @@ old-policy pass):
   the whole logits, the global normaliser), on the padded rows.
 * ``rlhf-zeroK``: the project's trainer rank (``TrainerWorker`` and its DeepSpeed engine, as a Ray actor hosts it,
   built here in-process on a one-rank group: nccl on CUDA, gloo on CPU) at ZeRO stage K, the batch cut and
-  normalised as ``WorkerGroup.train_batch`` does; ``--packing`` runs it padding-free. ``rlhf-ref`` is the frozen
+  normalised as ``WorkerGroup.train_batch`` does; ``--packing`` runs it padding-free, ``--tiled-head`` with the
+  LM head in token tiles (``model.tiled_head``: compare the peak memory). ``rlhf-ref`` is the frozen
   reference worker's ``score`` pass.
 
 Each step's rows are fresh random token ids (``--rows uniform``: every row ``--seq`` long; ``longtail``: lengths
@@ -201,7 +203,13 @@ def rlhf_system(trainer: str, zero: int, args, device) -> System:
         worker = TrainerWorker(f"bench-{trainer}", 0, 1, num_threads=os.cpu_count() or 1)
         worker.device = device
         worker.build(
-            ModelSpec(path=args.model, precision=args.precision, attn_implementation="auto", packing=args.packing),
+            ModelSpec(
+                path=args.model,
+                precision=args.precision,
+                attn_implementation="auto",
+                packing=args.packing,
+                tiled_head=args.tiled_head,
+            ),
             EngineSpec.for_global_batch(
                 rows, args.micro, 1, zero_stage=zero, precision=args.precision, user_config=args.ds or None
             ),
@@ -222,7 +230,8 @@ def rlhf_system(trainer: str, zero: int, args, device) -> System:
         state.clear()
 
     name = "rlhf-ref" + ("-zero3" if zero == 3 else "") if trainer == "logprob" else f"rlhf-zero{zero}"
-    return System(name + ("-packed" if args.packing else ""), setup, step, close, state)
+    name += "-packed" if args.packing else ""
+    return System(name + ("-tiled" if args.tiled_head else ""), setup, step, close, state)
 
 
 # ----------------------------------------------------------------------------------------------- measuring
@@ -376,6 +385,7 @@ def main(argv=None) -> int:
     parser.add_argument("--trainers", default="sft,dpo,rl,logprob")
     parser.add_argument("--zero-stage", default="0,1,2,3", help="comma list of ZeRO stages for the rlhf rows")
     parser.add_argument("--packing", action="store_true", help="the rlhf rows run padding-free")
+    parser.add_argument("--tiled-head", action="store_true", help="the rlhf rows apply the LM head in token tiles")
     parser.add_argument("--rows", choices=("uniform", "longtail"), default="uniform")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--micro", type=int, default=4)

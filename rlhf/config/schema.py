@@ -71,6 +71,9 @@ class ModelConfig:
     attn_implementation: str = "auto"  # auto: flash_attention_2 on GPU in bf16/fp16 when flash_attn imports, else sdpa
     disable_dropout: bool = True  # dropout breaks split-vs-whole equivalence and RL log-prob ratios
     gradient_checkpointing: bool = False
+    # Log-probs and entropies from the LM head applied to tiles of tokens, so a micro-batch's (tokens, vocabulary)
+    # logits never exist whole (rlhf/models/head.py): the same numbers to rounding, less memory.
+    tiled_head: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
@@ -453,6 +456,17 @@ class RunConfig:
             "train.packing",
             "needs a variable-length attention, which model.attn_implementation=eager does not have: use auto "
             "(flash_attention_2 on GPU, else rlhf's varlen sdpa), sdpa or flash_attention_2",
+        )
+        _check(
+            not self.model.tiled_head or self.strategy.zero_stage != 3,
+            "model.tiled_head",
+            "needs the LM head's whole weight on each rank, which ZeRO 3 partitions: use strategy.zero_stage 0-2",
+        )
+        _check(
+            not self.model.tiled_head or not self.model.lora.enabled,
+            "model.tiled_head",
+            "is not supported with LoRA (model.lora.r > 0) yet: the head is swapped inside the PEFT wrapper's model, "
+            "which no test covers",
         )
         _check(
             self.strategy.precision != "fp64" or self.model.attn_implementation != "eager",

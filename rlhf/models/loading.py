@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional, Set
 import torch
 
 from rlhf.hub import model_dir
+from rlhf.models.head import enable_tiled_head
 from rlhf.models.lora import LoraSpec
 from rlhf.models.packing import packed_forward, runs_packed
 from rlhf.ops.logprobs import at_least_float32
@@ -38,6 +39,7 @@ class ModelSpec:
     gradient_checkpointing: bool = False
     seed: int = 0  # seeds freshly initialised heads identically on every rank
     packing: bool = False  # load a variable-length attention so forwards can run padding-free (train.packing)
+    tiled_head: bool = False  # log-probs from the LM head in token tiles (model.tiled_head, rlhf.models.head)
     lora: Optional[LoraSpec] = None  # adapters for a trainable build (model.lora.*); frozen builds ignore it
 
 
@@ -66,6 +68,8 @@ def load_model(spec: ModelSpec, zero3_config: Optional[Dict[str, Any]] = None) -
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # The KV cache is for generation; training and scoring forwards should not build one.
     model.config.use_cache = False
+    if spec.tiled_head and spec.kind == CAUSAL_LM:
+        enable_tiled_head(model)
     return model
 
 

@@ -27,19 +27,12 @@ from typing import Dict, Optional, Tuple, cast
 import torch
 
 from rlhf.batch import Batch
+from rlhf.models.head import token_logprobs_and_entropy
 from rlhf.models.loading import last_token_values, scalar_head_values
-from rlhf.models.packing import LMLogits, lm_logits
 from rlhf.objectives.base import Sums
 from rlhf.ops.aggregation import LOSS_AGGREGATIONS, aggregate_count, aggregate_sum
 from rlhf.ops.kl import KL_ESTIMATORS, kl_estimate
-from rlhf.ops.logprobs import (
-    SamplingFilter,
-    at_least_float32,
-    drop_below,
-    entropy_from_logits,
-    next_token_edges,
-    token_logprobs,
-)
+from rlhf.ops.logprobs import SamplingFilter, at_least_float32
 from rlhf.ops.policy_loss import POLICY_LOSSES, PolicyLossConfig, policy_loss, value_loss
 
 Tensor = torch.Tensor
@@ -75,47 +68,6 @@ def _check_agg_mode(agg_mode: str, length: Optional[int]) -> None:
 def _check_sampling_filter(sampling_filter) -> None:
     if not isinstance(sampling_filter, SamplingFilter):
         raise TypeError(f"sampling_filter must be a rlhf.ops.logprobs.SamplingFilter, got {sampling_filter!r}")
-
-
-def _policy_forward(model: torch.nn.Module, batch: Batch, packing: Optional[bool]) -> LMLogits:
-    return lm_logits(model, batch.input_ids, batch.attention_mask, packing)
-
-
-def tempered_entropy(
-    logits: Tensor,
-    temperature: float,
-    sampling_filter: Optional[SamplingFilter] = None,
-    input_ids: Optional[Tensor] = None,
-) -> Tensor:
-    """Entropy ``(B, T)`` of ``softmax(logits / temperature)``, aligned like :func:`token_logprobs`: the entropy
-    of the distribution actually sampled from.
-
-    The division is done in the compute dtype (float32, float64 for float64 logits), exactly as
-    :func:`token_logprobs` scales the logits, so the entropy is that of the very distribution whose log-probs
-    the loss uses (a bf16 division would round every logit). For ``temperature != 1`` the scaled copy is made one
-    row at a time, so outside autograd at most one row's copy is alive; under autograd the entropy's backward
-    keeps each row's copy (one float32 copy of the logits in all).
-
-    With an active ``sampling_filter`` (top-k / top-p) it is the entropy of the renormalised kept set, the same
-    set as :func:`token_logprobs` uses (:func:`rlhf.ops.logprobs.next_token_edges`, which needs ``input_ids``
-    ``(B, T)`` for the sampled tokens it always keeps); under autograd each row's kept-set mask is kept too.
-    """
-    vocab = logits.shape[-1]
-    filtered = sampling_filter is not None and sampling_filter.active(vocab)
-    if temperature == 1.0 and not filtered:
-        return entropy_from_logits(logits)
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    if not filtered:
-        rows = [entropy_from_logits(logits[i : i + 1].to(dtype) / temperature) for i in range(logits.shape[0])]
-        return torch.cat(rows, dim=0)
-    if input_ids is None:
-        raise ValueError("tempered_entropy with a sampling filter needs input_ids (the sampled tokens it keeps)")
-    edges = next_token_edges(logits, input_ids, temperature, cast(SamplingFilter, sampling_filter))  # filtered: set
-    rows = [
-        entropy_from_logits(drop_below(logits[i : i + 1].to(dtype) / temperature, edges[i : i + 1]))
-        for i in range(logits.shape[0])
-    ]
-    return torch.cat(rows, dim=0)
 
 
 def token_values(model: torch.nn.Module, batch: Batch, packing: Optional[bool] = None) -> Tensor:
@@ -233,8 +185,16 @@ class PolicyObjective:
         mask = response_mask(batch)
         mode, length = self.agg_mode, self.agg_length
 
-        out = _policy_forward(model, batch, self.packing)
-        logps = out.per_token(token_logprobs(out.logits, out.input_ids, self.temperature, self.sampling_filter))
+        logps, entropy = token_logprobs_and_entropy(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            self.packing,
+            self.temperature,
+            self.sampling_filter,
+            entropy="grad" if self.entropy_coef else "value",  # only reported without a bonus: no gradient
+        )
+        assert entropy is not None, "asked for"
         # cast: _require above raised unless both are set
         pg, stats = policy_loss(
             self.loss_type,
@@ -248,13 +208,7 @@ class PolicyObjective:
         per_token = pg
 
         if self.entropy_coef:
-            entropy = out.per_token(tempered_entropy(out.logits, self.temperature, self.sampling_filter, out.input_ids))
             per_token = per_token - self.entropy_coef * entropy
-        else:
-            with torch.no_grad():
-                entropy = out.per_token(
-                    tempered_entropy(out.logits.detach(), self.temperature, self.sampling_filter, out.input_ids)
-                )
 
         kl = None
         if batch.ref_logps is not None:
@@ -407,10 +361,10 @@ class TokenLogps:
         _check_sampling_filter(self.sampling_filter)
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
-        out = _policy_forward(model, batch, self.packing)
-        return at_least_float32(
-            out.per_token(token_logprobs(out.logits, out.input_ids, self.temperature, self.sampling_filter))
+        logps, _ = token_logprobs_and_entropy(
+            model, batch.input_ids, batch.attention_mask, self.packing, self.temperature, self.sampling_filter
         )
+        return at_least_float32(logps)
 
 
 @dataclass(frozen=True)

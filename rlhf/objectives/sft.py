@@ -9,9 +9,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from rlhf.batch import Batch
-from rlhf.models.packing import lm_logits
+from rlhf.models.head import token_logprobs_and_entropy
 from rlhf.objectives.base import Sums, target_count
-from rlhf.ops.logprobs import token_logprobs
 from rlhf.ops.losses import sft_nll_sum
 
 
@@ -19,9 +18,9 @@ def causal_lm_token_logps(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packing: Optional[bool] = None
 ) -> torch.Tensor:
     """Per-token log-probs ``(B, T)`` of ``input_ids`` under a causal LM (column 0 is 0); the forward runs on the
-    packed rows when ``packing`` (:mod:`rlhf.models.packing`), the result is the same layout either way."""
-    out = lm_logits(model, input_ids, attention_mask, packing)
-    return out.per_token(token_logprobs(out.logits, out.input_ids))
+    packed rows when ``packing`` (:mod:`rlhf.models.packing`), the head in tiles with ``model.tiled_head``
+    (:mod:`rlhf.models.head`); the result is the same layout either way."""
+    return token_logprobs_and_entropy(model, input_ids, attention_mask, packing)[0]
 
 
 @dataclass(frozen=True)

@@ -281,6 +281,118 @@ class _Entropy(torch.autograd.Function):
         return (grad,)
 
 
+class _HeadLogProbs(torch.autograd.Function):
+    """Per-row log-prob of ``targets`` and entropy of ``softmax((hidden @ weight.T + bias) / temperature)`` (over
+    the sampler's kept set with an active ``sampling_filter``), the LM head applied tile by tile: the ``(N, V)``
+    logits never exist whole, in the forward or the backward (which recomputes each tile's logits).
+
+    Each tile computes exactly what the whole-logits path computes on it (:class:`_TargetLogProbs`,
+    :class:`_Entropy` and :func:`_kept_edges`): the logits in the weights' dtype, upcast and divided by the
+    temperature in the compute dtype, the edge of the kept set lowered to the target's value. The weight's gradient
+    is summed over the tiles in the compute dtype (float32 for bf16 weights) and cast once.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Optional[Tensor],
+        targets: Tensor,
+        temperature: float,
+        sampling_filter: Optional[SamplingFilter],
+    ) -> Tuple[Tensor, Tensor]:
+        n, vocab = hidden.shape[0], weight.shape[0]
+        dtype = _compute_dtype(hidden.dtype)
+        logps, lse, entropy = (torch.empty(n, dtype=dtype, device=hidden.device) for _ in range(3))
+        edges = torch.empty(n, dtype=dtype, device=hidden.device) if sampling_filter is not None else None
+        copies = _FILTER_COPIES if sampling_filter is not None else 1
+        for start, stop in _chunks(n, vocab, copies):
+            x = _scaled_upcast(torch.nn.functional.linear(hidden[start:stop], weight, bias), temperature)
+            target = x.gather(-1, targets[start:stop, None]).squeeze(-1)
+            if edges is not None and sampling_filter is not None:
+                edges[start:stop] = torch.minimum(_sampler_edges(x, sampling_filter), target)
+                x = drop_below(x, edges[start:stop])
+            lse[start:stop] = torch.logsumexp(x, dim=-1)
+            logps[start:stop] = target - lse[start:stop]
+            entropy[start:stop] = lse[start:stop] - _expected(torch.exp(x - lse[start:stop, None]), x)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, edges)
+        ctx.temperature = temperature
+        return logps, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logps: Tensor, grad_entropy: Tensor):  # type: ignore[override]
+        hidden, weight, bias, targets, lse, entropy, edges = ctx.saved_tensors
+        n, vocab = hidden.shape[0], weight.shape[0]
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+        grad_bias = torch.zeros(vocab, dtype=lse.dtype, device=weight.device) if bias is not None else None
+        mean_x = lse - entropy  # E_p[x] = logsumexp(x) - H
+        for start, stop in _chunks(n, vocab, _FILTER_COPIES if edges is not None else 1):
+            rows = hidden[start:stop]
+            x = _scaled_upcast(torch.nn.functional.linear(rows, weight, bias), ctx.temperature)
+            if edges is not None:
+                x = drop_below(x, edges[start:stop])
+            p = torch.exp(x - lse[start:stop, None])
+            g = grad_logps[start:stop].to(x.dtype)[:, None]
+            # d log p_y / dx = onehot(y) - p;  dH / dx_i = -p_i (x_i - E_p[x]) (0 where p_i = 0, x_i = -inf)
+            grad_x = p * -g
+            grad_x.scatter_add_(-1, targets[start:stop, None], g)
+            if grad_entropy is not None:
+                centred = torch.where(p > 0, x - mean_x[start:stop, None], 0.0)
+                grad_x -= p * centred * grad_entropy[start:stop].to(x.dtype)[:, None]
+            grad_logits = grad_x.div_(ctx.temperature)  # x = logits / temperature
+            low = grad_logits.to(hidden.dtype)  # the gradient the whole-logits path hands the LM head
+            grad_hidden[start:stop] = low @ weight
+            grad_weight += low.t().to(grad_weight.dtype) @ rows.to(grad_weight.dtype)
+            if grad_bias is not None:
+                grad_bias += low.to(grad_bias.dtype).sum(0)
+        return (
+            grad_hidden,
+            grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def head_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    input_ids: Tensor,
+    temperature: float = 1.0,
+    sampling_filter: Optional[SamplingFilter] = None,
+) -> Tuple[Tensor, Tensor]:
+    """:func:`token_logprobs` and the entropy of the same distribution from a causal LM's last hidden states and
+    its LM head, without the ``(B, T, V)`` logits: the head runs on tiles of tokens (``_CHUNK_ELEMENTS`` floats of
+    logits each) in the forward, and again in the backward.
+
+    Args:
+        hidden: ``(B, T, H)`` final hidden states (after the model's last norm), the head's input.
+        weight: ``(V, H)`` the LM head's weight (tied to the embedding or not); ``bias``: ``(V,)`` or ``None``.
+        input_ids: ``(B, T)`` token ids.
+        temperature: the sampling temperature; ``sampling_filter``: the sampler's top-k / top-p
+            (:class:`SamplingFilter`), replayed on each tile as :func:`next_token_edges` does.
+
+    Returns:
+        ``(logps, entropy)``, each ``(B, T)`` float32 (float64 for float64 weights), aligned like
+        :func:`token_logprobs` (column 0 is 0); ``entropy`` is that of the distribution the log-probs are of (as
+        ``rlhf.objectives.actor_critic.tempered_entropy``). Both are differentiable.
+    """
+    if hidden.dim() != 3 or input_ids.shape != hidden.shape[:2]:
+        raise ValueError(f"hidden must be (B, T, H) over input_ids (B, T), got {tuple(hidden.shape)}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    batch, length, width = hidden.shape
+    active = sampling_filter if sampling_filter is not None and sampling_filter.active(weight.shape[0]) else None
+    next_ids = input_ids.roll(-1, dims=1).reshape(-1).long()
+    logps, entropy = _HeadLogProbs.apply(hidden.reshape(-1, width), weight, bias, next_ids, float(temperature), active)
+    return _align(logps.view(batch, length)), _align(entropy.view(batch, length))
+
+
 def _expected(p: Tensor, x: Tensor) -> Tensor:
     """``sum_i p_i x_i`` over the last dim, with ``0 * -inf`` (a masked-out logit) counted as 0."""
     return torch.where(p > 0, p * x, 0.0).sum(-1)
@@ -356,6 +468,44 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     batch, length, vocab = logits.shape
     flat = _Entropy.apply(logits.reshape(-1, vocab))
     return _align(flat.view(batch, length))
+
+
+def tempered_entropy(
+    logits: Tensor,
+    temperature: float,
+    sampling_filter: Optional[SamplingFilter] = None,
+    input_ids: Optional[Tensor] = None,
+) -> Tensor:
+    """Entropy ``(B, T)`` of ``softmax(logits / temperature)``, aligned like :func:`token_logprobs`: the entropy
+    of the distribution actually sampled from.
+
+    The division is done in the compute dtype (float32, float64 for float64 logits), exactly as
+    :func:`token_logprobs` scales the logits, so the entropy is that of the very distribution whose log-probs
+    the loss uses (a bf16 division would round every logit). For ``temperature != 1`` the scaled copy is made one
+    row at a time, so outside autograd at most one row's copy is alive; under autograd the entropy's backward
+    keeps each row's copy (one float32 copy of the logits in all).
+
+    With an active ``sampling_filter`` (top-k / top-p) it is the entropy of the renormalised kept set, the same
+    set as :func:`token_logprobs` uses (:func:`next_token_edges`, which needs ``input_ids``
+    ``(B, T)`` for the sampled tokens it always keeps); under autograd each row's kept-set mask is kept too.
+    """
+    vocab = logits.shape[-1]
+    filtered = sampling_filter is not None and sampling_filter.active(vocab)
+    if temperature == 1.0 and not filtered:
+        return entropy_from_logits(logits)
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    if not filtered:
+        rows = [entropy_from_logits(logits[i : i + 1].to(dtype) / temperature) for i in range(logits.shape[0])]
+        return torch.cat(rows, dim=0)
+    if input_ids is None:
+        raise ValueError("tempered_entropy with a sampling filter needs input_ids (the sampled tokens it keeps)")
+    assert sampling_filter is not None  # filtered
+    edges = next_token_edges(logits, input_ids, temperature, sampling_filter)
+    rows = [
+        entropy_from_logits(drop_below(logits[i : i + 1].to(dtype) / temperature, edges[i : i + 1]))
+        for i in range(logits.shape[0])
+    ]
+    return torch.cat(rows, dim=0)
 
 
 def _masked(values: Tensor, mask: Tensor) -> Tensor:

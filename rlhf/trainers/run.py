@@ -436,6 +436,7 @@ class RunContext:
             gradient_checkpointing=m.gradient_checkpointing,
             seed=self.cfg.train.seed,
             packing=self.cfg.train.packing,
+            tiled_head=m.tiled_head,
             lora=lora_spec(self.cfg),
         )
 

@@ -19,8 +19,8 @@ import rlhf.ops.logprobs as lp_mod
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
-from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps, response_mask, tempered_entropy
-from rlhf.ops.logprobs import SamplingFilter, sampling_mask, token_logprobs
+from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps, response_mask
+from rlhf.ops.logprobs import SamplingFilter, sampling_mask, tempered_entropy, token_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

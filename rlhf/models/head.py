@@ -1,0 +1,89 @@
+"""Per-token log-probs and entropies of a causal LM, from its whole logits or from its LM head in tiles.
+
+A micro-batch's logits are ``(tokens, vocabulary)``: with a 151,936-token vocabulary, 16 rows of 1,024 tokens are
+5 GB in bf16 before any float32 copy, which caps the micro-batch and the context length. With ``model.tiled_head``
+the model's forward stops at its last hidden states (its LM head is swapped for the identity for the call) and
+:func:`rlhf.ops.logprobs.head_token_logprobs` applies the head to tiles of tokens, computing each tile's log-probs,
+kept set (top-k / top-p replay) and entropy, then dropping the tile; its backward recomputes the tiles. Without it
+the forward returns the whole logits and :func:`rlhf.ops.logprobs.token_logprobs` /
+:func:`rlhf.ops.logprobs.tempered_entropy` work on them, as every release before did. The two agree to rounding
+(float64: 1e-12, tests/unit/test_tiled_head.py).
+
+The head's weight must be whole on the rank (not ZeRO 3; refused by key) and the head a plain ``nn.Linear`` (no
+LoRA on it; refused too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional, Tuple
+
+import torch
+
+from rlhf.models.packing import lm_logits
+from rlhf.ops.logprobs import SamplingFilter, head_token_logprobs, tempered_entropy, token_logprobs
+
+Tensor = torch.Tensor
+_FLAG = "_rlhf_tiled_head"  # set on the HF module a worker loaded with ModelSpec.tiled_head
+ENTROPY_MODES = ("none", "value", "grad")  # no entropy; its value (no gradient); differentiable
+
+
+def enable_tiled_head(module: torch.nn.Module) -> None:
+    """Mark an HF causal LM so that :func:`token_logprobs_and_entropy` applies its head in tiles."""
+    head = module.get_output_embeddings()  # type: ignore[operator]
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"model.tiled_head needs a plain nn.Linear LM head, got {type(head).__name__}")
+    setattr(module, _FLAG, True)
+
+
+def uses_tiled_head(model: Any) -> bool:
+    """Whether ``model`` (an HF module or a DeepSpeed engine around one) was loaded with ``model.tiled_head``."""
+    return bool(getattr(getattr(model, "module", model), _FLAG, False))
+
+
+@contextlib.contextmanager
+def _head_off(model: Any) -> Iterator[torch.nn.Linear]:
+    """The model's forward returns its last hidden states as "logits" inside the block (its head swapped for the
+    identity; the parameters are untouched: a tied weight is still the embedding's); yields the head."""
+    module = getattr(model, "module", model)
+    head = module.get_output_embeddings()
+    module.set_output_embeddings(torch.nn.Identity())
+    try:
+        yield head
+    finally:
+        module.set_output_embeddings(head)
+
+
+def token_logprobs_and_entropy(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    packing: Optional[bool] = None,
+    temperature: float = 1.0,
+    sampling_filter: Optional[SamplingFilter] = None,
+    entropy: str = "none",
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Per-token log-probs ``(B, T)`` of ``input_ids`` (column 0 is 0) at ``temperature`` over the sampler's kept
+    set, and with ``entropy`` ``"value"`` (no gradient) or ``"grad"`` the entropy ``(B, T)`` of the same
+    distribution (else ``None``); packed per :func:`rlhf.models.packing.runs_packed`, tiled per
+    :func:`uses_tiled_head`."""
+    if entropy not in ENTROPY_MODES:
+        raise ValueError(f"entropy must be one of {ENTROPY_MODES}, got {entropy!r}")
+    if uses_tiled_head(model):
+        with _head_off(model) as head:
+            out = lm_logits(model, input_ids, attention_mask, packing)  # .logits: the last hidden states
+        logps, ent = head_token_logprobs(
+            out.logits, head.weight, head.bias, out.input_ids, temperature, sampling_filter
+        )
+        if entropy == "value":
+            ent = ent.detach()
+        return out.per_token(logps), None if entropy == "none" else out.per_token(ent)
+    out = lm_logits(model, input_ids, attention_mask, packing)
+    logps = out.per_token(token_logprobs(out.logits, out.input_ids, temperature, sampling_filter))
+    if entropy == "none":
+        return logps, None
+    if entropy == "grad":
+        return logps, out.per_token(tempered_entropy(out.logits, temperature, sampling_filter, out.input_ids))
+    with torch.no_grad():
+        value = tempered_entropy(out.logits.detach(), temperature, sampling_filter, out.input_ids)
+    return logps, out.per_token(value)
