@@ -268,3 +268,28 @@ class Service:
         self.release.set()  # hung handlers return
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def saved_by_subprocess(test_file: str, function: str, model: str, out, timeout_s: float = 600):
+    """``function(model, out, port)`` of the test module ``test_file`` run in a fresh Python process (its own
+    one-rank process group on a free ``port``: a test process may already have one), then what it saved to ``out``
+    with ``torch.save``."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import torch
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    name = os.path.splitext(os.path.basename(test_file))[0]
+    paths = [os.path.dirname(os.path.abspath(test_file)), os.path.dirname(os.path.abspath(__file__))]
+    code = (
+        f"import sys; sys.path[:0] = {paths!r}; "
+        f"from {name} import {function}; {function}({model!r}, {str(out)!r}, {port})"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
+    return torch.load(out)

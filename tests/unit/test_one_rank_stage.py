@@ -6,12 +6,9 @@ one bf16 step away. The engines run in a subprocess with its own one-rank gloo g
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-
 import pytest
 import torch
+from shared_helpers import saved_by_subprocess
 
 from rlhf.distributed.engine import effective_zero_stage
 
@@ -74,17 +71,7 @@ def _train(model_path: str, out_path: str, port: int) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tiny_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("one_rank") / "results.pt"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    code = (
-        f"import sys; sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r}); "
-        f"from test_one_rank_stage import _train; _train({tiny_model!r}, {str(out)!r}, {port})"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return torch.load(out)
+    return saved_by_subprocess(__file__, "_train", tiny_model, tmp_path_factory.mktemp("one_rank") / "results.pt")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

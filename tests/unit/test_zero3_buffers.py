@@ -14,13 +14,9 @@ No Ray.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 import torch
+from shared_helpers import saved_by_subprocess
 
 # name: (kind, trainable, lora rank, precision). fp32: zero.Init casts nothing, the config is left as it was.
 CASES = {
@@ -88,17 +84,7 @@ def _probe(model_path: str, out_path: str, port: int) -> None:
 
 @pytest.fixture(scope="module")
 def builds(tiny_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("zero3") / "builds.pt"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    code = (
-        f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-        f"from test_zero3_buffers import _probe; _probe({tiny_model!r}, {str(out)!r}, {port})"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return torch.load(out)
+    return saved_by_subprocess(__file__, "_probe", tiny_model, tmp_path_factory.mktemp("zero3") / "builds.pt")
 
 
 @pytest.mark.parametrize("case", list(CASES))
