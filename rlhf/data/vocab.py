@@ -11,7 +11,9 @@ import json
 import os
 from typing import Optional
 
-from rlhf.config.schema import ConfigError
+from rlhf.config.schema import ConfigError, RunConfig
+from rlhf.data.chat import load_template
+from rlhf.hub import model_dir
 from rlhf.utils.log import get_logger
 
 log = get_logger(__name__)
@@ -73,3 +75,19 @@ def config_vocab_size(model_dir: str) -> Optional[int]:
         return None
     size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     return size if isinstance(size, int) else None
+
+
+def load_tokenizer(cfg: RunConfig):
+    """The run's tokenizer (``model.tokenizer_path``, else ``model.path``), checked before anything starts.
+
+    A ``data.chat_template`` file becomes the tokenizer's own template, so ``final/`` carries it: the next stage
+    (DPO or RL from this run's model, vLLM) renders the same turns without being told the file again."""
+    from transformers import AutoTokenizer
+
+    key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
+    ref = cfg.model.tokenizer_path or cfg.model.path
+    tokenizer = AutoTokenizer.from_pretrained(model_dir(ref))
+    template = load_template(cfg.data.chat_template)  # None for auto (the tokenizer's own) and none
+    if template is not None:
+        tokenizer.chat_template = template
+    return check_tokenizer(tokenizer, key, ref, config_vocab_size(model_dir(cfg.model.path)))

@@ -17,15 +17,14 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 from rlhf.batch import Batch
 from rlhf.config.schema import RunConfig, TrainConfig
-from rlhf.data.chat import load_template
 from rlhf.data.formats import located
 from rlhf.data.io import DataError
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.data.tokenize import Tokenized, example_lengths
-from rlhf.data.vocab import check_tokenizer, config_vocab_size
+from rlhf.data.vocab import load_tokenizer
 from rlhf.distributed.group import WorkerGroup
 from rlhf.distributed.micro_batches import micro_batch_tokens
-from rlhf.hub import model_dir, pin_run_sources
+from rlhf.hub import pin_run_sources
 from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.base import Objective, Totals
 from rlhf.trainers.actors import frozen_group, start_plan, trained_group
@@ -103,22 +102,6 @@ def _check_token_budget(train_cfg: TrainConfig, key: str, path: str, data: Token
 
 def _how_counted(packing: bool) -> str:
     return "the sum of its sequences' lengths, packed" if packing else "its sequences x the longest, padded"
-
-
-def load_tokenizer(cfg: RunConfig):
-    """The run's tokenizer (``model.tokenizer_path``, else ``model.path``), checked before anything starts.
-
-    A ``data.chat_template`` file becomes the tokenizer's own template, so ``final/`` carries it: the next stage
-    (DPO or RL from this run's model, vLLM) renders the same turns without being told the file again."""
-    from transformers import AutoTokenizer
-
-    key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
-    ref = cfg.model.tokenizer_path or cfg.model.path
-    tokenizer = AutoTokenizer.from_pretrained(model_dir(ref))
-    template = load_template(cfg.data.chat_template)  # None for auto (the tokenizer's own) and none
-    if template is not None:
-        tokenizer.chat_template = template
-    return check_tokenizer(tokenizer, key, ref, config_vocab_size(model_dir(cfg.model.path)))
 
 
 def evaluate(task: OfflineTask, policy: WorkerGroup, rows_per_call: int) -> dict:

@@ -139,7 +139,7 @@ def _with_data_read(cfg: RunConfig, rows: List[Row]) -> List[Row]:
     if not data or not all(_here(status) for status in data) or not _tokenizer_here(cfg):
         # the reader reads both sets: with one that only the cluster has, the rows here are checked without it
         return [_with_rows_read(cfg, row) for row in rows]
-    from rlhf.trainers.offline import load_tokenizer  # lazy: transformers, only when there is data to tokenize
+    from rlhf.data.vocab import load_tokenizer  # lazy: transformers, only when there is data to tokenize
 
     summary = kind_of(cfg).read_data(cfg, load_tokenizer(cfg))
     return [

@@ -14,6 +14,7 @@ from rlhf.config.schema import ConfigError
 from rlhf.data.formats import located, prompt_fields, read_formatted, text_prompts_note
 from rlhf.data.io import DataError
 from rlhf.data.plan import EpochPlan
+from rlhf.data.vocab import load_tokenizer
 from rlhf.distributed.cluster import actor_env
 from rlhf.distributed.errors import WorkerError, WorkerTimeout
 from rlhf.distributed.placement import Placement
@@ -42,7 +43,6 @@ from rlhf.rollout.weight_sync import resolve_weight_sync
 from rlhf.trainers.actors import RoleStarter, frozen_group, start_plan, trained_group
 from rlhf.trainers.checkpoint import Checkpointable
 from rlhf.trainers.kinds import kind_of
-from rlhf.trainers.offline import load_tokenizer
 from rlhf.trainers.output_dir import claim_output_dir
 from rlhf.trainers.preflight import preflight
 from rlhf.trainers.rl_experience import PromptSet, prepare_prompts

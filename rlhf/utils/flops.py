@@ -68,17 +68,20 @@ class ModelFlops:
         """From an HF causal LM (or a DeepSpeed engine around one). Parameter sizes are the full ones under ZeRO-3
         (``ds_numel``); a value head (critic, reward model) is a tiny ``N`` term and counted as any weight."""
         module = getattr(model, "module", model)
-        hf_config = module.config
+        hf_config = getattr(module, "config", None)
         size = lambda p: int(getattr(p, "ds_numel", p.numel()))  # noqa: E731
         total = sum(size(p) for p in module.parameters())
-        embedding = module.get_input_embeddings()
-        head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
-        matmul = total - (size(embedding.weight) if embedding is not None else 0)
-        if head is not None and embedding is not None and head.weight is embedding.weight:
-            matmul += size(head.weight)  # tied: the table is one parameter, the head's matmul still runs
-        heads = int(hf_config.num_attention_heads)
-        head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
-        return cls(matmul_params=matmul, layers=int(hf_config.num_hidden_layers), attention_width=heads * head_dim)
+        embedding = getattr(module, "get_input_embeddings", lambda: None)()
+        head = getattr(module, "get_output_embeddings", lambda: None)()
+        table = getattr(embedding, "weight", None)
+        matmul = total - (size(table) if table is not None else 0)
+        if head is not None and table is not None and getattr(head, "weight", None) is table:
+            matmul += size(table)  # tied: the table is one parameter, the head's matmul still runs
+        # An architecture whose config names its shape otherwise counts no attention term (the N term stays exact).
+        heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
+        head_dim = int(getattr(hf_config, "head_dim", None) or (getattr(hf_config, "hidden_size", 0) // max(heads, 1)))
+        layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+        return cls(matmul_params=matmul, layers=layers, attention_width=heads * head_dim)
 
     def flops(self, row_lengths: Iterable[int], training: bool = True) -> float:
         """Model FLOPs of one pass over rows of these real lengths (forward + backward when ``training``)."""

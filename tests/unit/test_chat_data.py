@@ -236,7 +236,7 @@ def test_rl_prompts_rendered_with_the_generation_prompt(tokenizer, tmp_path):
 
 def test_tokenizer_checks(tokenizer, tiny_model, tmp_path, capsys):
     from rlhf.config import SFTRunConfig, load_config
-    from rlhf.trainers.offline import load_tokenizer
+    from rlhf.data.vocab import load_tokenizer
 
     # A model directory without tokenizer files: transformers builds a 1-token tokenizer instead of failing.
     bare = tmp_path / "bare"
@@ -337,7 +337,7 @@ def test_a_chat_template_file_is_saved_with_the_runs_tokenizer(tiny_model, sft_d
     from transformers import AutoTokenizer
 
     from rlhf.config import SFTRunConfig, load_config
-    from rlhf.trainers.offline import load_tokenizer
+    from rlhf.data.vocab import load_tokenizer
 
     template = tmp_path / "turns.jinja"
     template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")

@@ -25,7 +25,8 @@ def test_effective_stage():
 def _train(model_path: str, out_path: str, port: int) -> None:
     """In the subprocess: per precision, a one-rank group asked for ZeRO 2 (built as ZeRO 1) and a real one-rank
     ZeRO 2 (the mapping switched off), each 3 optimizer steps of 2 micro-batches; saves weights, norms, losses and
-    the optimizer each built."""
+    the optimizer each built; in fp32 also the asked-for ZeRO 2 with ``model.tiled_head`` (the LM head in token
+    tiles, rlhf.models.head) on the real engine."""
     import rlhf.distributed.engine as engine_module
     from rlhf.batch import Batch
     from rlhf.distributed.engine import EngineSpec, OptimSpec, iter_full_state
@@ -36,36 +37,42 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     TrainerWorker("probe", 0, 1).init_process_group("127.0.0.1", port, "gloo", timeout_s=60)
     mapped = engine_module.effective_zero_stage
     results = {}
-    for precision in ("fp32", "bf16"):
-        for label, mapping in (("asked 2", mapped), ("real 2", lambda stage, *_: stage)):
-            engine_module.effective_zero_stage = mapping
-            worker = TrainerWorker(label, 0, 1)
-            worker.build(
-                ModelSpec(path=model_path, precision=precision),
-                EngineSpec(zero_stage=2, precision=precision, micro_batch_size=MICRO, grad_accum_steps=ROWS // MICRO),
-                OptimSpec(lr=1e-3, total_steps=STEPS, max_grad_norm=1.0),
-            )
-            gen, trace, tokens = torch.Generator().manual_seed(0), [], 0
-            for _ in range(STEPS):
-                lengths = torch.randint(3, 17, (ROWS,), generator=gen)
-                mask = (torch.arange(16) < lengths[:, None]).long()
-                ids = torch.randint(4, 500, (ROWS, 16), generator=gen) * mask
-                batch = Batch(input_ids=ids, attention_mask=mask, loss_mask=mask)
-                tokens += int(lengths.sum())
-                micro = [batch.select(range(i, i + MICRO)).trim() for i in range(0, ROWS, MICRO)]
-                objective = SFTObjective()
-                result = worker.train_step(micro, objective, sum(objective.count(m) for m in micro))
-                trace.append((result.grad_norm, result.sums["loss_sum"]))
-            results[precision, label] = {
-                "stage": worker.engine.spec.zero_stage,
-                "optimizer": type(worker.engine.engine.optimizer).__name__,
-                "weights": {n: t.clone() for n, t in iter_full_state(worker.model, 1)},
-                "trace": trace,
-                "perf": worker.take_perf(),
-                "perf_again": worker.take_perf(),
-                "tokens": tokens,
-                "matmul_params": worker.model_flops.matmul_params,
-            }
+    real = lambda stage, *_: stage  # noqa: E731 - the mapping switched off
+    cases = [
+        (p, label, stage_of, False)
+        for p in ("fp32", "bf16")
+        for label, stage_of in (("asked 2", mapped), ("real 2", real))
+    ]
+    cases.append(("fp32", "tiled", mapped, True))
+    for precision, label, mapping, tiled in cases:
+        engine_module.effective_zero_stage = mapping
+        worker = TrainerWorker(label, 0, 1)
+        worker.build(
+            ModelSpec(path=model_path, precision=precision, tiled_head=tiled),
+            EngineSpec(zero_stage=2, precision=precision, micro_batch_size=MICRO, grad_accum_steps=ROWS // MICRO),
+            OptimSpec(lr=1e-3, total_steps=STEPS, max_grad_norm=1.0),
+        )
+        gen, trace, tokens = torch.Generator().manual_seed(0), [], 0
+        for _ in range(STEPS):
+            lengths = torch.randint(3, 17, (ROWS,), generator=gen)
+            mask = (torch.arange(16) < lengths[:, None]).long()
+            ids = torch.randint(4, 500, (ROWS, 16), generator=gen) * mask
+            batch = Batch(input_ids=ids, attention_mask=mask, loss_mask=mask)
+            tokens += int(lengths.sum())
+            micro = [batch.select(range(i, i + MICRO)).trim() for i in range(0, ROWS, MICRO)]
+            objective = SFTObjective()
+            result = worker.train_step(micro, objective, sum(objective.count(m) for m in micro))
+            trace.append((result.grad_norm, result.sums["loss_sum"]))
+        results[precision, label] = {
+            "stage": worker.engine.spec.zero_stage,
+            "optimizer": type(worker.engine.engine.optimizer).__name__,
+            "weights": {n: t.clone() for n, t in iter_full_state(worker.model, 1)},
+            "trace": trace,
+            "perf": worker.take_perf(),
+            "perf_again": worker.take_perf(),
+            "tokens": tokens,
+            "matmul_params": worker.model_flops.matmul_params,
+        }
     torch.save(results, out_path)
 
 
@@ -108,3 +115,13 @@ def test_the_worker_accounts_its_steps_for_perf_metrics(trained):
     assert work["tokens"] == run["tokens"] and work["seconds"] > 0
     assert run["matmul_params"] > 0 and work["flops"] >= 6 * run["matmul_params"] * run["tokens"]
     assert run["perf_again"]["work"] == {}
+
+
+def test_a_tiled_head_trains_on_the_real_engine_as_the_whole_logits(trained):
+    """``model.tiled_head`` on a DeepSpeed engine (its head swapped for the identity during the forward, its weight's
+    gradient from the tiles): the losses, grad norms and weights of the whole-logits run, to float32 rounding."""
+    tiled, whole = trained["fp32", "tiled"], trained["fp32", "asked 2"]
+    for (norm_t, loss_t), (norm_w, loss_w) in zip(tiled["trace"], whole["trace"]):
+        assert loss_t == pytest.approx(loss_w, rel=1e-6) and norm_t == pytest.approx(norm_w, rel=1e-5)
+    for name, weight in whole["weights"].items():  # Adam turns rounding into lr-sized steps where a gradient is ~0
+        torch.testing.assert_close(tiled["weights"][name], weight, rtol=0, atol=3e-3, msg=name)
