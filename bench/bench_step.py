@@ -88,10 +88,6 @@ def make_batch(trainer: str, rows: int, seq: int, vocab: int, kind: str, seed: i
     return Batch(input_ids=ids, attention_mask=mask, loss_mask=loss_mask)
 
 
-def real_lengths(batch) -> List[int]:
-    return [int(n) for n in batch.attention_mask.reshape(-1, batch.attention_mask.shape[-1]).sum(-1) if n > 0]
-
-
 # ----------------------------------------------------------------------------------------------- plain loops
 def plain_token_logps(model, ids, mask):
     """``(B, T-1)`` log-probs of tokens 1.. under ``model`` (the whole float32 log-softmax, as the common loop)."""
@@ -318,7 +314,7 @@ def run(args, device) -> List[dict]:
         steps = WARMUP_STEPS + args.steps
         distinct = [make_batch(trainer, rows, args.seq, vocab, args.rows, seed=s) for s in range(min(steps, 4))]
         batches = [distinct[i % len(distinct)] for i in range(steps)]
-        lengths = [real_lengths(b) for b in batches[WARMUP_STEPS:]]
+        lengths = [b.row_lengths() for b in batches[WARMUP_STEPS:]]
         tokens = statistics.mean(sum(x) for x in lengths)
         systems = systems_for(trainer, args, device)
         rounds: Dict[str, List[dict]] = {s.name: [] for s in systems}
