@@ -28,13 +28,14 @@ with ``prompt_ids``), or any ``text -> ids`` function.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union, overload
 
 import torch
 
 from rlhf.batch import Batch
 from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
 from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS, TOKEN_REWARDS, AdvantageInputs, token_level_rewards, whiten
+from rlhf.ops.failures import rows_out
 from rlhf.ops.kl import kl_estimate
 from rlhf.ops.logprobs import SamplingFilter
 from rlhf.ops.policy_loss import PolicyLossConfig
@@ -101,6 +102,7 @@ def advantages_for(
     kl_in_reward: bool = False,
     whiten_advantages: str = "none",
     turn_rewards: Optional[torch.Tensor] = None,
+    failed: Optional[torch.Tensor] = None,
 ) -> Tuple[Batch, dict]:
     """Attach ``advantages`` and ``returns`` (``(B, T)``) to the whole rollout batch; returns it with KL stats.
 
@@ -123,10 +125,15 @@ def advantages_for(
         turn_rewards: ``(B, T)`` per-turn credit (``algo.turn_credit=turn``): the part of ``scores`` an environment
             gave turn by turn, each at its turn's last policy token (:func:`rlhf.rollout.episodes.turn_reward_tokens`);
             only for estimators that read token rewards (the group statistics still see the whole ``scores``).
+        failed: ``(B,)`` bool, the samples whose reward is a placeholder (a reward source, environment or agent
+            failed under ``on_error=drop``). They, and for a group estimator their whole groups, are out of the step
+            (:mod:`rlhf.ops.failures`): the estimator runs on the other rows alone, the rows out get advantage,
+            return and loss mask 0, and their ``scores`` are never read (any value, NaN included, gives the same).
 
     Returns:
-        The batch with ``advantages`` and ``returns``, and ``{"reward_kl_penalty": ...}``: the mean per-token
-        penalty ``kl_coef x KL`` over the response tokens (0 without one), the same number however it entered.
+        The batch with ``advantages`` and ``returns`` (and, with ``failed``, the rows out of the step masked), and
+        ``{"reward_kl_penalty": ..., "failed/rows_out": ...}``: the mean per-token penalty ``kl_coef x KL`` over the
+        kept response tokens (0 without one), the same number however it entered, and how many rows are out.
     """
     entry = ADVANTAGE_ESTIMATORS.get(estimator)  # an unknown name is refused with the valid ones
     if entry.needs_group_ids and group_ids is None:
@@ -138,38 +145,108 @@ def advantages_for(
     # float64 when the policy's log-probs are (strategy.precision=fp64): the advantages are then float64 too
     fp64 = batch.old_logps is not None and batch.old_logps.dtype == torch.float64
     assert batch.loss_mask is not None, "an experience batch carries its loss mask"
-    mask = batch.loss_mask.to(torch.float64 if fp64 else torch.float32)
     scores = torch.as_tensor(scores, dtype=torch.float32)
     scores = scores.double() if fp64 else scores
     groups = None if group_ids is None else torch.as_tensor(group_ids, dtype=torch.long)
+    if turn_rewards is not None and TOKEN_REWARDS not in entry.reads:
+        raise ValueError(f"estimator {estimator!r} reads sequence scores only: it cannot take per-turn rewards")
+    out = rows_out(failed, groups, entry.needs_group_ids)
+    keep = torch.arange(len(batch)) if out is None else torch.nonzero(~out).squeeze(-1)
+    mask = batch.loss_mask.to(torch.float64 if fp64 else torch.float32)
+    kept = _Rows(keep, len(batch))
+    kept_mask = kept.take(mask)
+    advantages, returns, penalty = _estimate(
+        entry,
+        kept_mask,
+        kept.take(scores),
+        kept.take(groups),
+        kept.take(batch.values),
+        kept.take(batch.old_logps),
+        kept.take(batch.ref_logps),
+        kept.take(turn_rewards),
+        gamma=gamma,
+        lam=lam,
+        kl=(kl_coef, kl_estimator) if kl_in_reward and kl_coef > 0 else None,
+    )
+    if whiten_advantages != "none" and bool(kept_mask.any()):
+        advantages = whiten(advantages, kept_mask, shift_mean=whiten_advantages == "whiten")
+    stats = {
+        "reward_kl_penalty": float(penalty.sum() / kept_mask.sum().clamp(min=1)) if penalty is not None else 0.0,
+        "failed/rows_out": 0 if out is None else int(out.sum()),
+    }
+    fields = {"advantages": kept.put(advantages, mask), "returns": kept.put(returns, mask)}
+    if out is not None:
+        fields["loss_mask"] = batch.loss_mask * (~out).to(batch.loss_mask.dtype)[:, None]
+    return batch.replace(**fields), stats
+
+
+class _Rows:
+    """The rows of a ``(B, ...)`` batch that an estimator sees (:func:`advantages_for` with ``failed``)."""
+
+    def __init__(self, keep: torch.Tensor, total: int) -> None:
+        self.keep, self.total = keep, total
+
+    @overload
+    def take(self, x: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def take(self, x: None) -> None: ...
+    @overload
+    def take(self, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]: ...
+
+    def take(self, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The kept rows of ``x`` (``x`` itself when every row is kept or ``x`` is ``None``)."""
+        return x if x is None or len(self.keep) == self.total else x[self.keep]
+
+    def put(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``x`` (the kept rows) back in place in a ``like``-shaped tensor, 0 on the rows out."""
+        if len(self.keep) == self.total:
+            return x
+        full = torch.zeros(like.shape, dtype=x.dtype)
+        full[self.keep] = x
+        return full
+
+
+def _estimate(
+    entry,
+    mask: torch.Tensor,
+    scores: torch.Tensor,
+    groups: Optional[torch.Tensor],
+    values: Optional[torch.Tensor],
+    old_logps: Optional[torch.Tensor],
+    ref_logps: Optional[torch.Tensor],
+    turn_rewards: Optional[torch.Tensor],
+    *,
+    gamma: float,
+    lam: float,
+    kl: Optional[Tuple[float, str]],
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The estimator ``entry`` on the rows given (``(B', T)`` each): ``(advantages, returns, KL penalty or None)``;
+    ``kl`` is ``(kl_coef, kl_estimator)`` for a KL penalty in the reward. No row (every sample out): zeros."""
     penalty = None
-    if kl_in_reward and kl_coef > 0:
-        if batch.ref_logps is None:
+    if not len(mask):
+        return torch.zeros_like(mask), torch.zeros_like(mask), None
+    if kl is not None:
+        if ref_logps is None:
             raise ValueError("kl_in_reward needs batch.ref_logps (the reference's log-probs)")
-        assert batch.old_logps is not None, "the KL penalty is taken against the policy's log-probs"
-        kl = kl_estimate(kl_estimator, batch.old_logps, batch.ref_logps, bounded=True)
-        penalty = kl_coef * torch.where(mask != 0, kl, 0.0)
+        assert old_logps is not None, "the KL penalty is taken against the policy's log-probs"
+        kl_coef, kl_estimator = kl
+        penalty = kl_coef * torch.where(mask != 0, kl_estimate(kl_estimator, old_logps, ref_logps, bounded=True), 0.0)
     per_token = penalty is not None and entry.kl_in_reward == "per token"
     if penalty is not None and not per_token:
         scores = scores - penalty.sum(-1).to(scores.dtype)
-    if turn_rewards is not None and TOKEN_REWARDS not in entry.reads:
-        raise ValueError(f"estimator {estimator!r} reads sequence scores only: it cannot take per-turn rewards")
     placed = None if turn_rewards is None else turn_rewards.to(scores.dtype)
     rewards = token_level_rewards(scores, mask, penalty if per_token else None, 1.0, placed)
     inputs = AdvantageInputs(
         token_rewards=rewards,
         scores=scores,
         response_mask=mask,
-        values=batch.values,
+        values=values,
         group_ids=groups,
         gamma=gamma,
         lam=lam,
     )
     advantages, returns = entry.fn(inputs)
-    if whiten_advantages != "none":
-        advantages = whiten(advantages, mask, shift_mean=whiten_advantages == "whiten")
-    stats = {"reward_kl_penalty": float(penalty.sum() / mask.sum().clamp(min=1)) if penalty is not None else 0.0}
-    return batch.replace(advantages=advantages, returns=returns), stats
+    return advantages, returns, penalty
 
 
 def logp_mismatch(batch: Batch) -> Optional[float]:

@@ -1,6 +1,8 @@
 """One RL step written out by hand in plain PyTorch, for tests/integration/test_rl_reference.py (its clipped AdamW
-step and weight comparison also serve tests/integration/test_multinode.py) and the sweep of every algorithm
-combination in tests/unit/test_rl_combinations.py.
+step and weight comparison also serve tests/integration/test_multinode.py), the sweep of every algorithm
+combination in tests/unit/test_rl_combinations.py, the off-policy, asynchronous, per-turn and overlong paths in
+tests/unit/test_rl_paths_reference.py, and failed samples, dynamic sampling and the pairwise judge in
+tests/unit/test_rl_failures_reference.py.
 
 Nothing here imports ``rlhf``: the maths is transcribed from the papers and docs/algorithms/*.md, one sample at a
 time, so it shares no code (and no padding, alignment, masking or micro-batching convention) with the project it
@@ -11,7 +13,7 @@ of one sample, ``(R_i,)``, kept in a list over samples (ragged, never padded).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -278,3 +280,138 @@ def weight_agreement(
         if ratio > worst_ratio:
             worst_ratio, where = ratio, name
     return worst_lr, worst_ratio, where
+
+
+# ------------------------------------------------------------------------------------------------ off-policy RL
+# The tokens were sampled by a behaviour policy pi_behav (the rollout engine: other numerics, and in asynchronous RL
+# older weights); the PPO ratio is taken against the proximal policy pi_prox (the trainer's log-probs when the step
+# starts). Each token's clipped surrogate is then weighted by a detached function of
+#     rho_t = pi_prox(y_t) / pi_behav(y_t).
+# Default bounds, each from its source (docs/algorithms/async.md and rlhf/ops/off_policy.py cite the same):
+BEHAVIOUR_DEFAULT_BOUNDS: Dict[str, Tuple[Optional[float], float]] = {
+    "tis": (None, 2.0),  # Yao et al. 2025 (TIS), cap C = 2 (verl's rollout_is_threshold default)
+    "mis": (None, 2.0),  # Liu et al. 2025 ("When speed kills stability", MIS), threshold 2, token level
+    "icepop": (0.5, 5.0),  # Ling Team 2025 (Ring-1T), IcePop's [alpha, beta] = [0.5, 5]
+    "seq_mask": (0.999, 1.001),  # verl's rollout correction, geometric rejection (geo_rs preset)
+}
+
+
+def behaviour_weights(
+    correction: str,
+    proximal_logp: Tensor,
+    behaviour_logp: Tensor,
+    low: Optional[float] = None,
+    high: Optional[float] = None,
+) -> Tensor:
+    """One sample's detached per-token weights, token by token from ``rho_t = exp(log pi_prox - log pi_behav)``
+    (a bound left ``None`` takes :data:`BEHAVIOUR_DEFAULT_BOUNDS`):
+
+    * ``tis`` (Yao et al. 2025): ``w_t = min(rho_t, high)``;
+    * ``mis`` (Liu et al. 2025, masked importance sampling): ``w_t = rho_t`` if ``rho_t <= high``, else 0;
+    * ``icepop`` (Ling Team 2025, Ring-1T: ``M(k; alpha, beta) = k`` if ``alpha <= k <= beta``, else 0):
+      ``w_t = rho_t`` if ``low <= rho_t <= high``, else 0;
+    * ``seq_mask`` (verl's geometric rejection): the whole sample is kept, ``w_t = 1``, iff its geometric-mean ratio
+      ``exp(mean_t log rho_t)`` is in ``[low, high]``; else ``w_t = 0`` on all its tokens (no reweighting).
+
+    A weight of 0 removes the token's loss, never the token: it stays in the aggregation's denominator (the IcePop
+    objective's ``1 / sum_i |y_i|``), so callers keep such tokens in the ragged per-token lists."""
+    default_low, default_high = BEHAVIOUR_DEFAULT_BOUNDS[correction]
+    low = default_low if low is None else low
+    high = default_high if high is None else high
+    log_rho = [p - b for p, b in zip(proximal_logp.detach().tolist(), behaviour_logp.detach().tolist())]
+    rho = [math.exp(x) for x in log_rho]
+    if correction == "tis":
+        w = [min(r, high) for r in rho]
+    elif correction == "mis":
+        w = [r if r <= high else 0.0 for r in rho]
+    elif correction == "icepop":
+        w = [r if low <= r <= high else 0.0 for r in rho]
+    elif correction == "seq_mask":
+        geometric_mean = math.exp(sum(log_rho) / len(log_rho))
+        w = [1.0 if low <= geometric_mean <= high else 0.0] * len(rho)
+    else:
+        raise ValueError(correction)
+    return torch.tensor(w, dtype=torch.float64)
+
+
+def decoupled_ppo_token_loss(
+    logp: Tensor,
+    proximal_logp: Tensor,
+    behaviour_logp: Tensor,
+    adv: Tensor,
+    clip_low: float,
+    clip_high: float,
+    correction: Optional[str] = None,
+    low: Optional[float] = None,
+    high: Optional[float] = None,
+) -> Tensor:
+    """Decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization"), one sample, as a loss:
+    PPO's clipped surrogate of ``r_t = pi(y_t) / pi_prox(y_t)`` (the trust region is around the proximal policy),
+    times the detached behaviour weight ``w_t`` of :func:`behaviour_weights`:
+    ``w_t max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high))``. Hilton et al.'s own weight is the untruncated
+    ``rho_t = pi_prox / pi_behav`` (``tis`` with an unreachable cap); ``w_t`` being positive, this equals their
+    ``min(pi / pi_behav A, rho clip(r) A)``. ``correction=None``: no behaviour weight, plain PPO against
+    ``pi_prox``. Only the surrogate is weighted: regularisers added next to it (a KL loss, the entropy bonus) are
+    not."""
+    loss, _ = ppo_token_loss(logp, proximal_logp, adv, clip_low, clip_high)
+    if correction is None:
+        return loss
+    return loss * behaviour_weights(correction, proximal_logp, behaviour_logp, low, high)
+
+
+def partial_behaviour_logps(older: Tensor, newer: Tensor, first_tokens: int) -> Tensor:
+    """Partial rollouts (docs/algorithms/async.md): one response's first ``first_tokens`` tokens were sampled by
+    version ``v``, the rest, continued after the weight sync, by ``v + 1``; each token's behaviour log-prob is its
+    own version's (``older`` / ``newer``: the same response scored by each)."""
+    return torch.cat([older[:first_tokens], newer[first_tokens:]])
+
+
+# ------------------------------------------------------------------------------------------------ reward shaping
+def overlong_reward(length: int, max_length: int, cache: int, penalty: float = 1.0) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) for a response of ``|y| = length`` tokens, with
+    ``L_max = max_length`` and the punishment interval ``L_cache = cache``, scaled by ``penalty`` (1 in the paper)::
+
+        R_length(y) = 0                                   if |y| <= L_max - L_cache
+                      ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max
+                      -1                                  if L_max < |y|
+    """
+    if length <= max_length - cache:
+        value = 0.0
+    elif length <= max_length:
+        value = ((max_length - cache) - length) / cache
+    else:
+        value = -1.0
+    return penalty * value
+
+
+# ------------------------------------------------------------------------------------------------ multi-turn
+def token_logps_and_entropy(
+    model, ids: Sequence[int], positions: Sequence[int], temperature: float
+) -> Tuple[Tensor, Tensor]:
+    """One unpadded forward of a whole sequence (an episode: prompt, responses and observations): for each column
+    in ``positions`` (the policy's tokens, in order), ``log pi(ids[c])`` under the distribution predicted at
+    ``c - 1``, and that distribution's entropy. Observation tokens are context only: not in ``positions``."""
+    logits = model(input_ids=torch.tensor([list(ids)])).logits[0] / temperature
+    log_p = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    rows = torch.tensor([c - 1 for c in positions])
+    chosen = log_p[rows, torch.tensor([ids[c] for c in positions])]
+    return chosen, -(log_p[rows].exp() * log_p[rows]).sum(-1)
+
+
+def turn_token_rewards(
+    score: float, turn_lengths: Sequence[int], turn_rewards: Sequence[float], kl_penalty: Tensor, kl_coef: float
+) -> Tensor:
+    """One episode's rewards over its policy tokens in order (observation tokens are not time steps), with per-turn
+    credit (docs/algorithms/multi_turn.md): ``-kl_coef KL_j`` on every token; each turn's environment reward
+    (already weighted) at that turn's last policy token, a turn without tokens giving it to the latest policy token
+    before it (none before it: it stays in the score); the rest of the score (``score`` minus the rewards placed)
+    at the last policy token. The rewards still sum to ``score`` minus the KL penalty."""
+    r = -kl_coef * kl_penalty.detach().clone()
+    end, placed = -1, 0.0
+    for n, reward in zip(turn_lengths, turn_rewards):
+        end += n
+        if end >= 0:
+            r[end] = r[end] + reward
+            placed += reward
+    r[-1] = r[-1] + (score - placed)
+    return r

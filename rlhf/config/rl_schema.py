@@ -69,6 +69,9 @@ class RolloutConfig:
     # fills the batch with tied groups: the train batch keeps its size (docs/algorithms/grpo.md)
     dynamic_sampling: bool = False
     dynamic_sampling_draws: int = 4
+    # what a varied group differs in: accuracy (the paper's eq. 11: 0 < #correct < G, correct = every 0/1-valued
+    # reward source says 1) | score (the summed reward, shaping included) | reward/<source> (one source's, as logged)
+    dynamic_sampling_metric: str = "accuracy"
     # DAPO's overlong reward shaping (sec. 3.4): a response longer than max_new_tokens - overlong_buffer tokens loses
     # up to overlong_penalty of reward, linearly over the buffer's last tokens (reward/overlong); 0 = off
     overlong_buffer: int = 0
@@ -125,6 +128,13 @@ class RolloutConfig:
             self.dynamic_sampling_draws >= 1,
             "rollout.dynamic_sampling_draws",
             f"must be >= 1, got {self.dynamic_sampling_draws}",
+        )
+        from rlhf.ops.dapo import FILTER_METRICS  # imports torch; keeps `import rlhf.config` light
+
+        _check(
+            self.dynamic_sampling_metric in FILTER_METRICS or self.dynamic_sampling_metric.startswith("reward/"),
+            "rollout.dynamic_sampling_metric",
+            f"must be {' | '.join(FILTER_METRICS)} | reward/<source>, got {self.dynamic_sampling_metric!r}",
         )
         _check(
             0 <= self.overlong_buffer < self.max_new_tokens,
@@ -556,11 +566,18 @@ class RLRunConfig(RunConfig):
             f"({gb}) must not exceed the rollout batch, rollout.prompts_per_step x rollout.n_samples_per_prompt "
             f"= {samples}",
         )
+        self._check_reward_columns()
         if self.reward.judge.path and self.reward.judge.mode == "pairwise":
             _check(
                 self.rollout.n_samples_per_prompt >= 2,
                 "reward.judge.mode",
                 "(pairwise) compares the responses of a prompt: rollout.n_samples_per_prompt must be >= 2",
+            )
+            _check(
+                not self.data.eval_path or self.rollout.eval_samples_per_prompt >= 2,
+                "rollout.eval_samples_per_prompt",
+                f"({self.rollout.eval_samples_per_prompt}) must be >= 2 with reward.judge.mode=pairwise and "
+                "data.eval_path set: each held-out response is ranked against the other responses to its prompt",
             )
         if self.algo.estimator.needs_group_ids:
             _check(
@@ -579,6 +596,14 @@ class RLRunConfig(RunConfig):
                 not self.multi_turn,
                 "rollout.dynamic_sampling",
                 "is single-turn for now: with env.spec each episode's metrics come from its environment records",
+            )
+            rewards = self.reward
+            _check(
+                self.rollout.dynamic_sampling_metric != "accuracy"
+                or bool(rewards.functions or rewards.http or rewards.judge.path),
+                "rollout.dynamic_sampling_metric",
+                "(accuracy) needs a reward source that says right or wrong (reward.functions, reward.http or "
+                "reward.judge.path): a reward model's score is no accuracy; set rollout.dynamic_sampling_metric=score",
             )
         _check(
             self.algo.turn_credit == "episode" or self.multi_turn,
@@ -679,6 +704,23 @@ class RLRunConfig(RunConfig):
             f"must be set above rollout.max_prompt_length ({r.max_prompt_length}) with env.spec: the episode's "
             f"prompt, responses and observations in all (got {r.max_episode_tokens})",
         )
+
+    def _check_reward_columns(self) -> None:
+        """``reward.columns`` reach each reward source next to its own fields: the judge's template fields, the HTTP
+        request's keys. A column of such a name would be refused at the first scoring, after every actor started.
+        (A named column is in every prompt row: the data reader refuses a row without it.)"""
+        w = self.reward
+        taken = (
+            ("reward.judge.path", ("prompt", "response", "response_a", "response_b") if w.judge.path else ()),
+            ("reward.http", ("prompts", "responses") if w.http else ()),
+        )
+        for source, fields in taken:
+            clash = [c for c in w.columns if c in fields]
+            if clash:
+                raise ConfigError(
+                    f"reward.columns names {clash[0]!r}, which {source} uses for its own field "
+                    f"({', '.join(fields)}): drop it from reward.columns, or rename the data field"
+                )
 
     def _check_colocation(self) -> None:
         c, r = self.colocate, self.rollout

@@ -182,14 +182,22 @@ class LLMJudge:
         return f"LLM judge {self.name}: {what}: {said} {j.why}"
 
     def score(
-        self, prompts: Sequence[str], responses: Sequence[str], columns: Optional[Mapping[str, Sequence]] = None
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        columns: Optional[Mapping[str, Sequence]] = None,
+        groups: Optional[Sequence[int]] = None,
     ) -> ScoreResult:
         """Score ``N`` samples (float32 ``(N,)`` values under :attr:`name`), with masks and counts.
 
-        Pairwise mode scores each response by its :func:`win_rates` among the responses of its group, a run of
-        consecutive samples with the same prompt (the rollout's layout: a prompt's samples are adjacent), at a
-        cost of ``n * (n - 1)`` judge calls per group of ``n``. An unparsable verdict under a stand-in marks both of
-        its samples ``substituted`` (and counts once in ``errors``); nothing is ever ``failed``.
+        Pairwise mode scores each response by its :func:`win_rates` among the responses of its group, at a cost of
+        ``n * (n - 1)`` judge calls per group of ``n``. ``groups`` gives each sample's group id (the trainer passes
+        the rollout's ``prompt_index``, the groups its advantages are computed over): the samples of one id form
+        one group wherever they are, and samples of different ids never share one, whatever their prompt texts.
+        Without ``groups`` (the reward-function form, :meth:`__call__`) a group is a run of consecutive samples
+        with equal prompt texts, which merges two groups of one text side by side and splits a group whose samples
+        are not adjacent. An unparsable verdict under a stand-in marks both of its samples ``substituted`` (and
+        counts once in ``errors``); nothing is ever ``failed``. Score mode ignores ``groups``.
 
         Raises:
             JudgeError: misaligned inputs, a template field a sample lacks, a pairwise group of one response, or
@@ -197,7 +205,7 @@ class LLMJudge:
         """
         cols = self._columns(len(prompts), len(responses), columns or {})
         if self.spec.mode == PAIRWISE:
-            result = self._score_pairwise(list(prompts), list(responses), cols)
+            result = self._score_pairwise(list(prompts), list(responses), cols, groups)
         else:
             questions = [
                 self.render({**_row(cols, i), "prompt": p, "response": r}, i)
@@ -267,16 +275,28 @@ class LLMJudge:
         stand_in = float(self.on_unparsable) if not isinstance(self.on_unparsable, str) else 0.5
         return torch.tensor([stand_in if j.value is None else j.value for j in judgements], dtype=torch.float64)
 
-    def _score_pairwise(self, prompts: List[str], responses: List[str], cols: Dict[str, list]) -> ScoreResult:
-        groups = _runs(prompts)
-        lone = [s for s, e in groups if e - s < 2]
-        if lone:
+    def _pairwise_groups(self, prompts: List[str], groups: Optional[Sequence[int]]) -> List[List[int]]:
+        """Each group's sample indices (:meth:`score`), groups in order of first appearance so that the judge calls
+        come in a deterministic order. A group of one cannot be ranked: raises naming the sample."""
+        if groups is not None and len(groups) != len(prompts):
+            raise JudgeError(f"LLM judge {self.name}: got {len(groups)} group ids for {len(prompts)} samples")
+        ids = None if groups is None else [int(g) for g in groups]  # a tensor's elements hash by identity
+        members = [list(range(s, e)) for s, e in _runs(prompts)] if ids is None else _by_group(ids)
+        lone = next((g[0] for g in members if len(g) < 2), None)
+        if lone is not None:
+            where = "next to it" if ids is None else f"in its group (group {ids[lone]})"
             raise JudgeError(
                 f"LLM judge {self.name}: pairwise judging ranks the responses of a prompt among themselves; sample "
-                f"{lone[0]} (prompt={_clip(prompts[lone[0]])}) has no other response to its prompt next to it "
+                f"{lone} (prompt={_clip(prompts[lone])}) has no other response {where} "
                 f"(sample at least 2 responses per prompt)"
             )
-        pairs = [(s + i, s + j) for s, e in groups for i, j in ordered_pairs(e - s)]
+        return members
+
+    def _score_pairwise(
+        self, prompts: List[str], responses: List[str], cols: Dict[str, list], groups: Optional[Sequence[int]]
+    ) -> ScoreResult:
+        members = self._pairwise_groups(prompts, groups)
+        pairs = [(g[i], g[j]) for g in members for i, j in ordered_pairs(len(g))]
         p_a = self.compare(
             [prompts[i] for i, _ in pairs],
             [responses[i] for i, _ in pairs],
@@ -285,11 +305,11 @@ class LLMJudge:
         )
         rates = torch.zeros(len(prompts), dtype=torch.float64)
         at = 0
-        for s, e in groups:  # p_a holds each group's n(n-1) verdicts in ordered_pairs order
-            n = e - s
+        for g in members:  # p_a holds each group's n(n-1) verdicts in ordered_pairs order
+            n = len(g)
             grid = torch.zeros(n, n, dtype=torch.float64)
             grid[~torch.eye(n, dtype=torch.bool)] = p_a[at : at + n * (n - 1)]
-            rates[s:e] = win_rates(grid)
+            rates[g] = win_rates(grid)
             at += n * (n - 1)
         substituted = torch.zeros(len(prompts), dtype=torch.bool)
         failures = []
@@ -350,8 +370,16 @@ def _row(cols: Mapping[str, Sequence], i: int) -> Dict[str, Any]:
     return {key: column[i] for key, column in cols.items()}
 
 
+def _by_group(groups: Sequence[int]) -> List[List[int]]:
+    """The sample indices of each group id, in order of the ids' first appearance (a dict keeps insertion order)."""
+    members: Dict[int, List[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    return list(members.values())
+
+
 def _runs(prompts: Sequence[str]) -> List[Tuple[int, int]]:
-    """``[start, end)`` of each run of equal consecutive prompts."""
+    """``[start, end)`` of each run of equal consecutive prompts (the groups when no group ids are given)."""
     runs: List[Tuple[int, int]] = []
     for i, p in enumerate(prompts):
         if runs and prompts[runs[-1][0]] == p:

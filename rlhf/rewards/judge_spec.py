@@ -162,6 +162,11 @@ class JudgeSpec:
         ):
             if isinstance(count, bool) or not isinstance(count, int) or count < low:
                 raise ValueError(f"{_KEY}{key} must be an int >= {low}, got {count!r}")
+        if self.max_new_tokens >= self.max_model_len:  # else no judge prompt is ever sent: each sample unparsable
+            raise ValueError(
+                f"{_KEY}max_new_tokens ({self.max_new_tokens}) must be < {_KEY}max_model_len ({self.max_model_len}): "
+                f"the judge's prompt and its answer share the context, and a prompt only gets what the answer leaves"
+            )
         for key, number in (
             ("temperature", self.temperature),
             ("weight", self.weight),
@@ -184,6 +189,17 @@ class JudgeSpec:
                 f"{_KEY}on_unparsable for a pairwise judge must be 'fail' or a stand-in P(A better) in [0, 1] "
                 f"(0.5: a tie), got {self.on_unparsable!r}"
             )
+
+    @property
+    def own_fields(self) -> Tuple[str, ...]:
+        """The template fields the judge fills itself (:meth:`rlhf.rewards.judge.LLMJudge.score`)."""
+        return ("prompt", "response") if self.mode == SCORE else ("prompt", "response_a", "response_b")
+
+    @property
+    def column_fields(self) -> Tuple[str, ...]:
+        """The template's other fields: each sample must have them as columns (``reward.columns``), or rendering its
+        question fails at the first scoring, after every actor started."""
+        return tuple(f for f in template_fields(self.template) if f not in self.own_fields)
 
     @property
     def pattern_or_default(self) -> str:

@@ -37,10 +37,18 @@ class RewardScorers:
         self.functions, self.pool, self.http, self.judge = functions, pool, http, judge
 
     def score(
-        self, prompts: Sequence[str], responses: Sequence[str], columns: Optional[Mapping[str, Sequence]] = None
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        columns: Optional[Mapping[str, Sequence]] = None,
+        groups: Optional[Sequence[int]] = None,
     ) -> ScoreResult:
         """Every source on the batch: the summed float32 ``(N,)`` total, each source's values, the samples dropped
-        by ``reward.on_error=drop`` and the failure counts."""
+        by ``reward.on_error=drop`` and the failure counts.
+
+        ``groups`` is each sample's group id (the rollout's ``prompt_index``). Only the judge reads it: a pairwise
+        judge ranks a response among its group's, and equal prompt texts do not say which samples share a group
+        (two prompt rows of one text, or that render alike). The other sources score each sample alone."""
         results = []
         if self.functions is not None:
             started = time.perf_counter()
@@ -52,7 +60,7 @@ class RewardScorers:
         if self.http is not None:
             results.append(self.http.score(prompts, responses, columns))
         if self.judge is not None:
-            results.append(self.judge.score(prompts, responses, columns))
+            results.append(self.judge.score(prompts, responses, columns, groups=groups))
         return results[0] if len(results) == 1 else ScoreResult.merge(results)
 
 

@@ -76,7 +76,8 @@ def preflight(cfg: RunConfig, here: bool = True, precision: Optional[str] = None
         if cfg.reward.judge.path:
             from rlhf.rewards.judge_spec import JudgeSpec  # lazy: pulls in torch
 
-            JudgeSpec.of(cfg.reward.judge, seed=cfg.train.seed)  # the question, pattern and parsing keys
+            spec = JudgeSpec.of(cfg.reward.judge, seed=cfg.train.seed)  # the question, pattern and parsing keys
+            _check_judge_fields(cfg, spec)
             rows.append(
                 (
                     "reward.judge.path",
@@ -97,6 +98,25 @@ def preflight(cfg: RunConfig, here: bool = True, precision: Optional[str] = None
         )
     )
     return rows
+
+
+def _check_judge_fields(cfg: RLRunConfig, spec) -> None:
+    """The judge's template may use its own fields and the columns each sample has: ``reward.columns`` (the data
+    reader refuses a row without one the template reads, :func:`rlhf.trainers.rl_runner.row_fields`) and an
+    episode's :data:`~rlhf.trainers.rl_rollout.EPISODE_COLUMNS`; any other field would stop the run at its first
+    scoring."""
+    from rlhf.trainers.rl_rollout import EPISODE_COLUMNS  # lazy: pulls in torch
+
+    columns = (*cfg.reward.columns, *(EPISODE_COLUMNS if cfg.multi_turn else ()))
+    unknown = [f for f in spec.column_fields if f not in columns]
+    if unknown:
+        raise ConfigError(
+            f"reward.judge.template uses {{{unknown[0]}}}, which no sample has: a {spec.mode} judge fills "
+            f"{', '.join('{' + f + '}' for f in spec.own_fields)}, and the other fields come from reward.columns "
+            f"({', '.join(cfg.reward.columns) or 'none'})"
+            + (f" or an episode's {' and '.join(EPISODE_COLUMNS)}" if cfg.multi_turn else "")
+            + f"; add {unknown[0]} to reward.columns or fix the template"
+        )
 
 
 def _values(cfg: RunConfig, keys: Sequence[str]) -> List[Tuple[str, str]]:

@@ -15,7 +15,8 @@ import torch
 
 from rlhf.config.rl_schema import RolloutConfig
 from rlhf.data.plan import StepPlan
-from rlhf.ops.dapo import pick_groups, varied_groups
+from rlhf.ops.dapo import failed_groups, filter_values, pick_groups, varied_groups
+from rlhf.ops.failures import counted
 from rlhf.rollout.vllm_engine import SamplingSpec
 from rlhf.trainers.rl_experience import PromptSet
 from rlhf.trainers.rl_rollout import Rollout, continued, single_turn_of, spanned_versions
@@ -34,10 +35,12 @@ def draw_until_varied(
     seed_base: Callable[[int], int],
     pad_id: int,
 ) -> Rollout:
-    """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): draws of ``rollout.prompts_per_step`` more prompts
-    until the step holds that many groups whose scores differ (``rollout.dynamic_sampling_draws`` draws at most),
-    then the first such groups in draw order, filled with tied ones if the draws ran out
-    (:func:`rlhf.ops.dapo.pick_groups`): the batch keeps its size.
+    """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2, eq. 11): draws of ``rollout.prompts_per_step`` more
+    prompts until the step holds that many varied groups (``rollout.dynamic_sampling_draws`` draws at most), then
+    the first such groups in draw order, filled with tied ones if the draws ran out
+    (:func:`rlhf.ops.dapo.pick_groups`): the batch keeps its size. A group is varied when its samples differ in
+    ``rollout.dynamic_sampling_metric`` (:func:`rlhf.ops.dapo.filter_values`; accuracy by default, as the paper:
+    ``0 < #correct < G``) and none of them failed (a failed sample's placeholder is no reward).
 
     Draw ``d`` takes prompts the step has not drawn yet, in the order of a permutation seeded by ``seed_base(d)``
     (the run's seed, the step and ``d``), and samples them with seeds of their own (``sample(prompt_index,
@@ -50,11 +53,15 @@ def draw_until_varied(
         score: ``(scores (B,), per-source scores)`` of a rollout.
     """
     n = r.n_samples_per_prompt
-    draws, varied, found = [first], [], 0
+    draws, varied, failed, found = [first], [], [], 0
     drawn = set(step.indices)
     while True:
         draws[-1].scored = score(draws[-1])
-        varied.append(varied_groups(draws[-1].scored[0], n))  # this draw's; the earlier ones' are kept
+        lost = draws[-1].failures()  # failed samples: never make a group varied (rlhf.ops.failures)
+        real = counted(lost, len(draws[-1].prompt_index))
+        values = filter_values(r.dynamic_sampling_metric, *draws[-1].scored, real)
+        varied.append(varied_groups(values, n, lost))  # this draw's; the earlier ones' are kept
+        failed.append(failed_groups(~real, n))
         found += int(varied[-1].sum())
         if found >= r.prompts_per_step or len(draws) > r.dynamic_sampling_draws:
             break
@@ -63,7 +70,7 @@ def draw_until_varied(
             break
         drawn.update(indices)
         draws.append(sample([i for i in indices for _ in range(n)], seed_base(len(draws))))
-    picked, tied = pick_groups(varied, r.prompts_per_step)
+    picked, tied = pick_groups(varied, r.prompts_per_step, failed)
     starts = [sum(len(d.prompt_index) for d in draws[:k]) for k in range(len(draws))]
     rows = [starts[d] + g * n + j for d, g in picked for j in range(n)]
     rollout = Rollout.concat(draws, pad_id).select(rows)

@@ -40,6 +40,10 @@ from rlhf.utils.log import get_logger
 
 log = get_logger(__name__)
 
+# The columns an episode adds for the reward sources (EpisodeRollout, AgentRollout): checked against what the judge's
+# template and the reward functions read before any actor starts (rlhf.trainers.preflight, rlhf.trainers.rl_runner).
+EPISODE_COLUMNS = ("transcript", "turns")
+
 
 @dataclass
 class Rollout:
@@ -64,6 +68,15 @@ class Rollout:
     # the summed reward and each source's, when they were computed with the samples (dynamic sampling picks groups
     # by them); None: the step scores them
     scored: Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = None
+
+    def failures(self) -> Optional[torch.Tensor]:
+        """``(B,)`` bool: the samples that failed, a reward source's (``reward.on_error=drop``) or the environment's
+        or agent's (``env.on_error=drop``); ``None`` when neither can fail. Their rewards are placeholders: the step
+        leaves them out of every statistic (:mod:`rlhf.ops.failures`)."""
+        parts = [x for x in (self.failed, self.reward_failed) if x is not None]
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else parts[0] | parts[1]
 
     def select(self, rows: Sequence[int]) -> "Rollout":
         """A single-turn rollout's ``rows``, in that order (its metric recomputed from them)."""

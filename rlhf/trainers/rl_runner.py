@@ -33,7 +33,7 @@ from rlhf.hub import model_dir, pin_run_sources
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
 from rlhf.objectives.actor_critic import PolicyObjective, ValueObjective
 from rlhf.ops.policy_loss import PolicyLossConfig
-from rlhf.rewards.functions import RewardFunctionScorer
+from rlhf.rewards.functions import RewardFunctionError, RewardFunctionScorer, compute_rewards
 from rlhf.rewards.scoring import RewardScorers
 from rlhf.rl import ChatObservations, TurnLimits
 from rlhf.rollout.engines import RolloutEngines, as_backend
@@ -46,7 +46,7 @@ from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.output_dir import claim_output_dir
 from rlhf.trainers.preflight import preflight
 from rlhf.trainers.rl_experience import PromptSet, prepare_prompts
-from rlhf.trainers.rl_rollout import EpisodeRollout, observation_format
+from rlhf.trainers.rl_rollout import EPISODE_COLUMNS, EpisodeRollout, observation_format
 from rlhf.trainers.rl_steps import RLActors, RLTrainer
 from rlhf.trainers.run import Run, RunContext, RunResult, optim_spec, run_identity, with_restarts
 from rlhf.utils.log import get_logger
@@ -338,11 +338,25 @@ def row_fields(cfg: RLRunConfig) -> Dict[str, Any]:
     """The :func:`rlhf.data.io.read_rows` arguments of the prompt rows (the descriptor's ``row_fields``: no tokenizer
     needed, ``--dry-run`` reads them too). ``reward.columns`` as a user set it, and a multi-turn run's
     ``env.columns``, must be in every row, so a typo fails as the data is read, before any actor; the default
-    (``answer``) is passed when present."""
+    (``answer``) is passed when present, and required when the judge's template reads it."""
     columns = tuple(dict.fromkeys(cfg.reward.columns + cfg.env.columns))  # an environment's row holds both
     named = cfg.reward.columns if cfg.reward.columns != RewardConfig().columns else ()
-    required = {"reward.columns": named, "env.columns": cfg.env.columns if cfg.env.spec else ()}
+    required = {
+        "reward.columns": named,
+        "env.columns": cfg.env.columns if cfg.env.spec else (),
+        "reward.judge.template": _judge_columns(cfg),
+    }
     return prompt_fields(cfg.data.prompt_key, columns, required_columns=required, tools_key=cfg.data.tools_key)
+
+
+def _judge_columns(cfg: RLRunConfig) -> Tuple[str, ...]:
+    """The prompt-data columns the judge's template reads: a row without one would fail its rendering at the first
+    scoring. Fields outside ``reward.columns`` are the preflight's to refuse (rlhf.trainers.preflight)."""
+    if not cfg.reward.judge.path:
+        return ()
+    from rlhf.rewards.judge_spec import JudgeSpec  # imports torch's judge maths: only a run with a judge needs it
+
+    return tuple(f for f in JudgeSpec.of(cfg.reward.judge).column_fields if f in cfg.reward.columns)
 
 
 def _read_prompts(cfg: RLRunConfig, tokenizer, key: str, path: str, split: str):
@@ -373,21 +387,44 @@ def _read_prompts(cfg: RLRunConfig, tokenizer, key: str, path: str, split: str):
 
 def read_prompt_sets(cfg: RLRunConfig, tokenizer) -> Tuple[PromptSet, Optional[PromptSet]]:
     """The training and held-out prompts, tokenized, with every check a run makes of them before any actor starts
-    (a training set left empty by rollout.max_prompt_length, a multi-turn run's observations)."""
+    (a set left empty by rollout.max_prompt_length, a multi-turn run's observations)."""
     d, r = cfg.data, cfg.rollout
     prompts = _read_prompts(cfg, tokenizer, "data.train_path", d.train_path, d.split)
     eval_prompts = (
         _read_prompts(cfg, tokenizer, "data.eval_path", d.eval_path, d.eval_split or d.split) if d.eval_path else None
     )
-    if not prompts.prompt_ids:
-        raise DataError(
-            f"data.train_path={d.train_path}: every prompt is longer than rollout.max_prompt_length="
-            f"{r.max_prompt_length} ({prompts.skipped} skipped); raise it or set "
-            f"rollout.prompt_overflow=truncate"
-        )
+    for key, path, prompt_set in (
+        ("data.train_path", d.train_path, prompts),
+        ("data.eval_path", d.eval_path, eval_prompts),
+    ):
+        if prompt_set is not None and not prompt_set.prompt_ids:  # an evaluation of nothing: no reward, NaN lengths
+            raise DataError(
+                f"{key}={path}: every prompt is longer than rollout.max_prompt_length="
+                f"{r.max_prompt_length} ({prompt_set.skipped} skipped); raise it or set "
+                f"rollout.prompt_overflow=truncate"
+            )
     if cfg.multi_turn:
         _check_episodes(cfg, prompts, eval_prompts)
     return prompts, eval_prompts
+
+
+def check_reward_columns(
+    cfg: RLRunConfig, scorer: RewardFunctionScorer, prompts: PromptSet, eval_prompts: Optional[PromptSet]
+) -> None:
+    """Each reward function's parameters against the columns each prompt set gives it: the ``reward.columns`` every
+    row of the set has (the default, ``answer``, is optional) and an episode's. A parameter that no column fills
+    would stop the run at the evaluation before its first step, or at the first step, after every actor started."""
+    episode = EPISODE_COLUMNS if cfg.multi_turn else ()
+    for key, prompt_set in (("data.train_path", prompts), ("data.eval_path", eval_prompts)):
+        if prompt_set is None:
+            continue
+        columns = [*prompt_set.columns, *episode]
+        try:  # no sample: the functions are not called, their parameters are bound (as each scoring binds them)
+            compute_rewards(scorer.load(), [], [], {c: [] for c in columns})
+        except RewardFunctionError as e:
+            raise ConfigError(
+                f"reward.functions: with the columns of {key} ({', '.join(columns) or 'none'}), {e}"
+            ) from None
 
 
 def read_data(cfg: RLRunConfig, tokenizer) -> str:
@@ -423,6 +460,7 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     scorer = RewardFunctionScorer(tuple(cfg.reward.functions)) if cfg.reward.functions else None
     if scorer is not None:
         scorer.load()  # a bad spec fails here, before any actor starts
+        check_reward_columns(cfg, scorer, prompts, eval_prompts)
     optimizer_steps = plan.total_steps * cfg.optimizer_steps_per_rl_step
     log.info(
         f"[rl] {len(prompts.prompt_ids)} prompts ({prompts.skipped} skipped, {prompts.truncated} truncated), "

@@ -33,7 +33,8 @@ from rlhf.distributed.group import StepResult, WorkerGroup
 from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
 from rlhf.objectives.base import Totals
-from rlhf.ops.dapo import overlong_penalty
+from rlhf.ops.dapo import OVERLONG_SOURCE, correct_samples, overlong_penalty
+from rlhf.ops.failures import counted
 from rlhf.rewards.functions import metric_names
 from rlhf.rewards.scoring import reward_scorers
 from rlhf.rl import advantages_for, logp_mismatch
@@ -63,7 +64,6 @@ EVAL_CONSOLE_KEYS = ("reward_mean", "accuracy", "response_length", "episode/turn
 RL_WATCHED = ("policy_loss", "grad_norm", "kl", "value_loss", "critic_grad_norm", "reward_mean")
 EVAL_SEED_BASE = 1 << 40  # evaluation seeds live far from the training steps' (seed * 1_000_003 + step * 10_007 + j)
 DRAW_SEED_BASE = 1 << 42  # dynamic sampling's draw d of a step: d * this + the step's base (far from both)
-SHAPING_SOURCES = ("overlong",)  # per-source rewards that shape, never say whether an answer is right
 TABLE_COLUMNS = (
     ("step", "step"),
     ("reward_mean", "reward"),
@@ -168,7 +168,8 @@ class RLTrainer:
             scores, per_source = rollout.scored or self.score(rollout, self.prompts)
         with timer("logprobs"):
             batch = self.annotate(rollout.batch)
-        batch, kl_stats = self.advantages(batch, scores, rollout.prompt_index, self.turn_credit(rollout))
+        failed = rollout.failures()  # out of every statistic of the step (rlhf.ops.failures)
+        batch, kl_stats = self.advantages(batch, scores, rollout.prompt_index, self.turn_credit(rollout), failed)
         with timer("train"):
             train_stats = self.update(self.trained_rows(batch, rollout), step.step)
         if self.schedule.staleness:
@@ -179,7 +180,7 @@ class RLTrainer:
             self.schedule.pushed(step.step)
         stats = {**rollout.metrics, **train_stats, **kl_stats, **self._staleness(step.step, rollout)}
         stats.update(self.actors.perf_metrics())
-        return self.row(step, scores, per_source, batch, stats, sync, timer)
+        return self.row(step, scores, per_source, batch, stats, sync, timer, failed)
 
     def _generate_step(self, step: int, pause: Optional[Pause] = None) -> Rollout:
         """Step ``step``'s samples with the engines' current weights, each sampled token recording the version
@@ -272,11 +273,11 @@ class RLTrainer:
             per_source["env"] = rollout.env_rewards
             total = self.cfg.env.reward_weight * rollout.env_rewards
         if self.scorer is not None:
-            scored = self.scorer.score(prompts, rollout.responses, columns)
+            scored = self.scorer.score(prompts, rollout.responses, columns, groups=index)
             logged = metric_names(list(scored.per_source))  # reward/<file.py:function>, not the file's whole path
             by_function = {logged[name]: scores for name, scores in scored.per_source.items()}
             total, per_source = total + scored.total, {**per_source, **by_function}
-            rollout.reward_failed = scored.failed  # reward.on_error=drop: these samples' groups carry no loss
+            rollout.reward_failed = scored.failed  # reward.on_error=drop: out of the step (rlhf.ops.failures)
             if self.scorer.pool is not None or self.scorer.http is not None or self.scorer.judge is not None:
                 rollout.metrics.update(scored.metrics())
             if self.scorer.judge is not None:
@@ -289,27 +290,21 @@ class RLTrainer:
         if r.overlong_buffer:  # DAPO's soft overlong punishment, on the response's length
             assert rollout.batch.loss_mask is not None, "a rollout batch carries its loss mask"
             lengths = rollout.batch.loss_mask.sum(-1)
-            per_source["overlong"] = overlong_penalty(lengths, r.max_new_tokens, r.overlong_buffer, r.overlong_penalty)
-            total = total + per_source["overlong"]
+            shaping = overlong_penalty(lengths, r.max_new_tokens, r.overlong_buffer, r.overlong_penalty)
+            per_source[OVERLONG_SOURCE] = shaping
+            total = total + shaping
         if r.episode_limit == "penalize" and rollout.at_limit is not None:
             total = torch.where(rollout.at_limit, torch.tensor(r.limit_reward, dtype=total.dtype), total)
         return total.float(), per_source
 
     def trained_rows(self, batch: Batch, rollout: Rollout) -> Batch:
-        """``batch`` as the update sees it: episodes an environment error ended (``env.on_error=drop``), the groups
-        of samples whose reward failed (``reward.on_error=drop``) and, with ``rollout.episode_limit=mask``, those a
-        limit ended carry no loss (their scores still entered their groups' baselines)."""
-        drop = rollout.failed
-        if rollout.reward_failed is not None and bool(rollout.reward_failed.any()):
-            groups = torch.tensor(rollout.prompt_index)
-            lost = torch.isin(groups, groups[rollout.reward_failed])  # a group without one sample has no baseline
-            drop = lost if drop is None else drop | lost
-        if self.cfg.rollout.episode_limit == "mask" and rollout.at_limit is not None:
-            drop = rollout.at_limit if drop is None else drop | rollout.at_limit
-        if drop is None or not bool(drop.any()):
+        """``batch`` as the update sees it: with ``rollout.episode_limit=mask``, the samples a limit ended carry no
+        loss (their scores still entered their groups' baselines: DAPO's overlong filtering). Failed samples are
+        already out (:meth:`advantages`)."""
+        if self.cfg.rollout.episode_limit != "mask" or rollout.at_limit is None or not bool(rollout.at_limit.any()):
             return batch
         assert batch.loss_mask is not None, "a rollout batch carries its loss mask"
-        keep = (~drop).to(batch.loss_mask.dtype)
+        keep = (~rollout.at_limit).to(batch.loss_mask.dtype)
         return batch.replace(loss_mask=batch.loss_mask * keep[:, None])
 
     def annotate(self, batch: Batch) -> Batch:
@@ -342,8 +337,15 @@ class RLTrainer:
         return placed
 
     def advantages(
-        self, batch: Batch, scores: torch.Tensor, prompt_index: List[int], turn_rewards: Optional[torch.Tensor] = None
+        self,
+        batch: Batch,
+        scores: torch.Tensor,
+        prompt_index: List[int],
+        turn_rewards: Optional[torch.Tensor] = None,
+        failed: Optional[torch.Tensor] = None,
     ):
+        """Advantages over the whole rollout batch (:func:`rlhf.rl.advantages_for`); the ``failed`` samples and, for
+        a group estimator, their groups are out of the step: no advantage, no loss, in no statistic."""
         a = self.cfg.algo
         return advantages_for(
             batch,
@@ -357,6 +359,7 @@ class RLTrainer:
             kl_estimator=a.kl_estimator,
             kl_in_reward=a.kl_mode == "reward",
             whiten_advantages=a.whiten_advantages,
+            failed=failed,
         )
 
     def update(self, batch: Batch, rl_step: int) -> dict:
@@ -430,7 +433,7 @@ class RLTrainer:
         scores, per_source = self.score(rollout, self.eval_prompts)
         return {
             "step": step.step if step else 0,
-            **_sample_stats(scores, per_source, rollout.batch),
+            **_sample_stats(scores, per_source, rollout.batch, rollout.failures()),
             **rollout.metrics,
             "num_samples": len(rollout.batch),
         }
@@ -441,14 +444,23 @@ class RLTrainer:
         return f"[rl] step {row['step']}/{progress.total} " + format_row(row, CONSOLE_KEYS) + f" ({progress.eta()})"
 
     def row(
-        self, step: StepPlan, scores, per_source, batch: Batch, train_stats: dict, sync: dict, timer: StageTimer
+        self,
+        step: StepPlan,
+        scores,
+        per_source,
+        batch: Batch,
+        train_stats: dict,
+        sync: dict,
+        timer: StageTimer,
+        failed: Optional[torch.Tensor] = None,
     ) -> dict:
         total_s = sum(timer.seconds.values())
+        real = scores[counted(failed, len(scores))]  # placeholders are not rewards (rlhf.ops.failures)
         row = {
             "step": step.step,
             "epoch": step.epoch,
-            **_sample_stats(scores, per_source, batch),
-            "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
+            **_sample_stats(scores, per_source, batch, failed),
+            "reward_std": float(real.std()) if len(real) > 1 else (0.0 if len(real) else None),  # None: all failed
             **train_stats,
             "logp_mismatch": logp_mismatch(batch),
             "num_samples": len(batch),
@@ -495,21 +507,31 @@ def _largest(norms: List[Optional[float]]) -> Optional[float]:
     return bad[0] if bad else max(measured, default=None)
 
 
-def _sample_stats(scores: torch.Tensor, per_source: Dict[str, torch.Tensor], batch: Batch) -> dict:
+def _sample_stats(
+    scores: torch.Tensor, per_source: Dict[str, torch.Tensor], batch: Batch, failed: Optional[torch.Tensor] = None
+) -> dict:
     """What a training step and a held-out evaluation both report about their samples: mean reward, each source's
-    mean, accuracy (when verifiable) and mean response length in tokens."""
+    mean, accuracy (when verifiable) over the samples that did not fail (a failed one's reward is a placeholder:
+    counted in ``failed/samples``, in no mean; no reward metric when every sample failed), and the mean response
+    length in tokens over all of them."""
     assert batch.loss_mask is not None, "a rollout batch carries its loss mask"
-    return {
-        "reward_mean": float(scores.mean()),
-        **{f"reward/{k}": float(v.float().mean()) for k, v in per_source.items()},
-        **_accuracy(per_source),
-        "response_length": float(batch.loss_mask.sum(-1).float().mean()),
-    }
+    real = counted(failed, len(scores))
+    stats: Dict[str, float] = {"failed/samples": int((~real).sum())} if failed is not None else {}
+    if bool(real.any()):
+        kept = {k: v[real] for k, v in per_source.items()}
+        stats.update(
+            {
+                "reward_mean": float(scores[real].mean()),
+                **{f"reward/{k}": float(v.float().mean()) for k, v in kept.items()},
+                **_accuracy(kept),
+            }
+        )
+    return {**stats, "response_length": float(batch.loss_mask.sum(-1).float().mean())}
 
 
 def _accuracy(per_source: Dict[str, torch.Tensor]) -> dict:
     """``{"accuracy": ...}`` when some reward source is 0/1-valued (verifiable): a sample counts as correct when
-    every such source says so. ``{}`` otherwise (no made-up accuracy for a learned reward). Shaping terms (the
-    overlong penalty) are not sources of correctness."""
-    binary = [v for k, v in per_source.items() if k not in SHAPING_SOURCES and bool(((v == 0) | (v == 1)).all())]
-    return {"accuracy": float(torch.stack(binary).min(0).values.mean())} if binary else {}
+    every such source says so (:func:`rlhf.ops.dapo.correct_samples`). ``{}`` otherwise (no made-up accuracy for a
+    learned reward)."""
+    correct = correct_samples(per_source)
+    return {} if correct is None else {"accuracy": float(correct.float().mean())}

@@ -90,4 +90,6 @@ def test_with_on_error_drop_a_failing_agent_ends_its_episode_alone(tiny_model, f
     rows = _train(tiny_model, files, str(files[0] / "flaky"), "flaky", "env.on_error=drop", "train.max_steps=1")
     (row,) = rows
     assert 0 < row["episode/ended_env_error"] < 1 and row["grad_norm"] > 0
+    # an odd answer fails all 4 samples of its prompt: they are out of the step, and nothing else is
+    assert row["failed/samples"] == row["failed/rows_out"] == 16 * row["episode/ended_env_error"]
     assert "agents failed (env.on_error=drop), the first: agent" in capsys.readouterr().out

@@ -266,6 +266,7 @@ def test_with_on_error_drop_a_crashing_episode_ends_alone_and_the_run_goes_on(
     assert math.isfinite(row["reward/reward_model"]) and row["reward/reward_model"] != 0
     assert 0 < row["episode/env_errors"] < 16 and row["episode/ended_env_error"] == row["episode/env_errors"] / 16
     assert row["grad_norm"] > 0 and row["logp_mismatch"] < 1e-4  # the other episodes trained
+    assert row["failed/samples"] == row["failed/rows_out"] == row["episode/env_errors"]  # REINFORCE++: alone
     assert re.search(
         r"\[rl\] RL step 1: \d+ of 16 episodes ended by an environment error \(env.on_error=drop\), "
         r"the first: environment .* raised RuntimeError: the tool crashed",

@@ -155,6 +155,7 @@ def test_an_rl_run_scores_on_actors_and_over_http_and_drops_the_failed_groups(tm
     finally:
         service.close()
     assert row["reward/errors"] == 2 and row["reward/failed_samples"] == 2  # the prompt's two samples, isolated
+    assert row["failed/samples"] == row["failed/rows_out"] == 2  # out of the step, and no other sample
     assert row["reward/timeouts"] == 0 and row["reward/http"] > 0
     assert len(service.calls) == 4  # 32 samples in batches of 8
     assert row["grad_norm"] > 0  # the other groups trained

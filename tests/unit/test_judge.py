@@ -84,6 +84,7 @@ def test_template_fields_keep_order_and_refuse_what_format_would_misuse():
         (dict(out_of_range="wrap"), "reward.judge.out_of_range"),
         (dict(on_unparsable="skip"), "reward.judge.on_unparsable"),
         (dict(max_new_tokens=0), "reward.judge.max_new_tokens"),
+        (dict(max_new_tokens=16, max_model_len=16), "reward.judge.max_new_tokens (16) must be < reward.judge.max_mod"),
         (dict(temperature=-0.1), "reward.judge.temperature"),
         (dict(path=""), "reward.judge.path"),
         (dict(score_max=float("inf")), "reward.judge.score_max must be a finite number"),
@@ -304,3 +305,33 @@ def test_compare_and_unparsable_pairs(tokenizer):
         strict.compare(["p"] * 3, ["x", "xx", "xxx"], ["y", "y", "y"])
     with pytest.raises(JudgeError, match=r"compare needs reward.judge.mode=pairwise"):
         _judge(tokenizer, answer).compare(["p"], ["x"], ["y"])
+
+
+def test_pairwise_groups_are_the_rollouts_groups_not_runs_of_equal_texts(tokenizer):
+    # two groups of one prompt text side by side (two prompt rows of one text, or that render alike): each is
+    # ranked on its own, n(n-1) = 2 calls per group; as one run of four, "x" would beat nothing and "yy" everything
+    judge = _judge(tokenizer, _longer_wins, template=PAIR_TEMPLATE, mode="pairwise")
+    result = judge.score(["p"] * 4, ["x", "xx", "y", "yy"], groups=[3, 3, 5, 5])
+    assert result.per_source["judge:tiny"].tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert len(judge.engines.calls[0][0]) == 4 and judge.metrics()["judge/calls"] == 4
+
+
+def test_a_groups_rows_need_not_be_adjacent_and_groups_are_judged_in_order_of_first_appearance(tokenizer):
+    judge = _judge(tokenizer, _longer_wins, template=PAIR_TEMPLATE, mode="pairwise")
+    result = judge.score(["q", "p", "q", "p", "q"], ["yy", "x", "y", "xx", "yyy"], groups=[1, 0, 1, 0, 1])
+    # group 1 (rows 0, 2, 4): "yyy" beats both, "yy" beats "y"; group 0 (rows 1, 3): "xx" beats "x"
+    assert result.per_source["judge:tiny"].tolist() == [0.5, 0.0, 0.0, 1.0, 1.0]
+    asked = [re.search(r"A: (.*)\nB: (.*)\n", tokenizer.decode(p, skip_special_tokens=True)).groups()
+             for p in judge.engines.calls[0][0]]  # fmt: skip
+    assert asked == [("yy", "y"), ("yy", "yyy"), ("y", "yy"), ("y", "yyy"), ("yyy", "yy"), ("yyy", "y"),
+                     ("x", "xx"), ("xx", "x")]  # fmt: skip
+    assert result.failures == () and not result.substituted.any()
+
+
+def test_pairwise_groups_of_one_and_misaligned_groups_are_refused(tokenizer):
+    judge = _judge(tokenizer, _longer_wins, template=PAIR_TEMPLATE, mode="pairwise")
+    with pytest.raises(JudgeError, match=r"sample 1 \(prompt='p'\) has no other response in its group \(group 8\)"):
+        judge.score(["p", "p", "p"], ["x", "xx", "xxx"], groups=[7, 8, 7])
+    with pytest.raises(JudgeError, match="got 2 group ids for 3 samples"):
+        judge.score(["p", "p", "p"], ["x", "xx", "xxx"], groups=[7, 7])
+    assert judge.engines.calls == []  # nothing was asked

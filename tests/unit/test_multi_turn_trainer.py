@@ -288,11 +288,20 @@ def test_an_environment_error_ends_only_its_episode_when_asked():
     assert stats.env_errors == 2 and episode_metrics(records, stats)["episode/env_errors"] == 2
 
 
-def test_failed_episodes_carry_no_loss():
+def test_a_failed_episode_and_its_group_are_out_of_the_step():
+    """GRPO: the failed episode's group carries no loss and its score enters no baseline (rlhf.ops.failures);
+    before, only the failed row was masked and its score stayed in its siblings' baseline."""
     rollout = _rollout([False, False, False, False])
+    rollout.prompt_index = [0, 0, 1, 1]
     rollout.failed = torch.tensor([False, True, False, False])
-    rows = _trainer(_cfg(*MULTI, "env.on_error=drop")).trained_rows(rollout.batch, rollout)
-    assert rows.loss_mask.sum(-1).tolist() == [3, 0, 3, 3]
+    trainer = _trainer(_cfg(*MULTI, "env.on_error=drop"))
+    scores, _ = trainer.score(rollout, Prompts)
+    batch = rollout.batch.replace(old_logps=torch.zeros(4, 4))
+    rows, stats = trainer.advantages(batch, scores, rollout.prompt_index, None, rollout.failures())
+    assert rows.loss_mask.sum(-1).tolist() == [0, 0, 3, 3] and stats["failed/rows_out"] == 2
+    assert rows.advantages[:2].abs().sum() == 0  # env rewards [1.0, 0.5 (failed)]: nothing, not a +-0.707
+    a = 0.5 / (0.5**0.5 + 1e-6)  # the other group, env rewards [0.0, 1.0]: GRPO's +-0.5 / (std + eps)
+    torch.testing.assert_close(rows.advantages[2:, 1:], torch.tensor([[-a] * 3, [a] * 3]))
 
 
 def test_step_outcome_prompt_ids_are_checked():

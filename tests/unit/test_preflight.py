@@ -141,3 +141,20 @@ def test_an_env_columns_typo_is_refused_as_the_rows_are_read(tiny_model, rl_prom
         for key, _, status in preflight(_rl(tiny_model, rl_prompts, *multi_turn, "env.columns=[answer]"), here=False)
     }
     assert "64 prompts tokenized" in rows["data.train_path"]
+
+
+def test_a_held_out_set_that_rollout_max_prompt_length_leaves_empty_is_refused_like_the_training_set(
+    tiny_model, rl_prompts, tmp_path
+):
+    """Else every evaluation, the first before step 1 after every actor started, would sample nothing."""
+    from rlhf.data.io import DataError
+
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"prompt": "' + "1+" * 40 + '1=", "answer": "41"}\n')
+    cfg = _rl(tiny_model, rl_prompts, f"data.eval_path={long}", "rollout.max_prompt_length=16")
+    with pytest.raises(DataError) as error:
+        preflight(cfg, here=False)
+    assert str(error.value).startswith(f"data.eval_path={long}: every prompt is longer than rollout.max_prompt_len")
+    assert "(1 skipped)" in str(error.value)
+    rows = {key: status for key, _, status in preflight(_rl(tiny_model, rl_prompts, f"data.eval_path={long}"), False)}
+    assert rows["data.train_path"].endswith("64 prompts tokenized (0 skipped, 0 truncated); 1 held-out"), rows
