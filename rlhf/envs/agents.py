@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 from rlhf.envs.base import EnvError
+from rlhf.envs.rows import PromptRow
 from rlhf.utils.actors import Hung, timed_call
 from rlhf.utils.specs import clip_plain
 
@@ -97,10 +98,10 @@ async def _one(
     client: Any
     if threaded:
         client = openai.OpenAI(base_url=url, api_key=API_KEY, max_retries=0, timeout=timeout_s)
-        call = asyncio.get_running_loop().run_in_executor(threads, functools.partial(fn, client, dict(row)))
+        call = asyncio.get_running_loop().run_in_executor(threads, functools.partial(fn, client, PromptRow(row)))
     else:
         client = openai.AsyncOpenAI(base_url=url, api_key=API_KEY, max_retries=0, timeout=timeout_s)
-        call = fn(client, dict(row))
+        call = fn(client, PromptRow(row))  # a missing field names env.columns
     try:
         value = await asyncio.wait_for(call, timeout_s)
     except asyncio.TimeoutError:

@@ -12,6 +12,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from rlhf.envs.rows import PromptRow
 from rlhf.utils.specs import clip_plain
 
 __all__ = ["Observation", "StepOutcome", "Environment", "EnvError", "LocalEpisode"]
@@ -170,7 +171,7 @@ class LocalEpisode:
     def reset(self, row: Mapping[str, Any]) -> Observation:
         """``env.reset(row)``, which must return a ``str``."""
         try:
-            observation = self.env.reset(dict(row))
+            observation = self.env.reset(PromptRow(row))  # a missing field names env.columns
         except Exception as e:
             raise self.error(f"raised {_cause(e)}", 0) from e
         if not isinstance(observation, str):

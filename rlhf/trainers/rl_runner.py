@@ -29,6 +29,7 @@ from rlhf.distributed.resource_plan import (
 )
 from rlhf.envs import EnvironmentPool, load_environment
 from rlhf.envs.loading import is_agent
+from rlhf.envs.rows import MissingColumn, probe_agent
 from rlhf.hub import model_dir, pin_run_sources
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
 from rlhf.objectives.actor_critic import PolicyObjective, ValueObjective
@@ -50,6 +51,7 @@ from rlhf.trainers.rl_rollout import EPISODE_COLUMNS, EpisodeRollout, observatio
 from rlhf.trainers.rl_steps import RLActors, RLTrainer
 from rlhf.trainers.run import Run, RunContext, RunResult, optim_spec, run_identity, with_restarts
 from rlhf.utils.log import get_logger
+from rlhf.utils.specs import clip_plain
 from rlhf.utils.versions import check_versions
 
 log = get_logger(__name__)
@@ -428,13 +430,33 @@ def check_reward_columns(
 
 
 def read_data(cfg: RLRunConfig, tokenizer) -> str:
-    """``--dry-run``: the prompts read and tokenized as the run reads them (the descriptor's ``read_data``)."""
+    """``--dry-run``: the prompts read and tokenized as the run reads them (the descriptor's ``read_data``), and an
+    agent (``env.spec`` naming a function) run once on the first row (:func:`probe_row_reads`)."""
     prompts, eval_prompts = read_prompt_sets(cfg, tokenizer)
     held_out = f"; {len(eval_prompts.prompt_ids)} held-out" if eval_prompts is not None else ""
     return (
         f"{len(prompts.prompt_ids)} prompts tokenized ({prompts.skipped} skipped, {prompts.truncated} truncated)"
-        f"{held_out}"
+        f"{held_out}{probe_row_reads(cfg, prompts)}"
     )
+
+
+def probe_row_reads(cfg: RLRunConfig, prompts: PromptSet) -> str:
+    """An agent run once on the first prompt row as the run would give it, with a stand-in client
+    (:func:`rlhf.envs.rows.probe_agent`): a field it reads that no key passes is a :class:`ConfigError` naming
+    ``env.columns``, here rather than in every episode after the start-up. Returns what the dry run prints."""
+    if not cfg.env.spec or not prompts.env_rows:
+        return ""
+    agent = load_environment(cfg.env.spec)
+    if not is_agent(agent):
+        return ""
+    try:
+        stopped = probe_agent(agent, prompts.env_rows[0])
+    except MissingColumn as e:
+        where = f"env.columns: agent {cfg.env.spec} read a field of prompt row 0 it does not get"
+        raise ConfigError(f"{where}: {e}") from None
+    if stopped is None:
+        return "; the agent ran on row 0 (stand-in replies)"
+    return f"; the agent ran on row 0 until the stand-in's empty reply stopped it ({clip_plain(stopped, 120)})"
 
 
 def train_ppo(cfg: RLRunConfig) -> RunResult:
