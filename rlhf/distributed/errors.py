@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, List, Optional, Sequence
+
+# the line of a Python traceback that states the error: "ValueError: ...", "torch.OutOfMemoryError: ..."
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Timeout)\b[^:]*:\s*\S")
 
 
 class WorkerError(RuntimeError):
@@ -41,7 +45,7 @@ def gather(refs: List[Any], names: Sequence[str], call: str, timeout_s: Optional
         try:
             ray.get(ready[0])
         except ray.exceptions.RayActorError as exc:
-            raise WorkerError(f"{names[index[ready[0]]]} died during {call}: {exc}") from exc
+            raise WorkerError(f"{names[index[ready[0]]]} died during {call}: {cause_line(exc)}") from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             failed = f"{names[index[ready[0]]]} failed in {call}: {type(cause).__name__}: {cause}"
@@ -61,7 +65,19 @@ def _dead_peer(pending: List[Any], index: dict, names: Sequence[str], call: str,
         try:
             ray.get(ref)
         except ray.exceptions.RayActorError as exc:
-            return f"{names[index[ref]]} died during {call}: {exc}", exc
+            return f"{names[index[ref]]} died during {call}: {cause_line(exc)}", exc
         except Exception:  # noqa: BLE001 - another echo; keep looking for a death
             continue
     return None
+
+
+def cause_line(exc: BaseException, limit: int = 400) -> str:
+    """An error's cause in one line: the last line of its text that states an error (``ValueError: ...``, as the
+    creation-task traceback Ray puts in a dead actor's message ends with vLLM's reason), else its first line;
+    clipped to ``limit`` characters. The whole text stays on the exception (``raise ... from exc``)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    stated = [line for line in lines if _ERROR_LINE.match(line)]
+    line = stated[-1] if stated else lines[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -241,7 +241,8 @@ class Run:
                         f"[{self.name}] step {step.step}/{total} epoch {step.epoch} {SKIPPED_NOTE} ({progress.eta()})",
                     )
                 else:
-                    last = steps.train(step)
+                    with failure_at(f"{self.name} step {step.step}"):
+                        last = steps.train(step)
                     self._log(last, progress, steps.console(last, progress), quiet=not self._prints(step.step))
                     if guard is not None:
                         check_health(guard, self.cfg.health.action, last)
@@ -311,6 +312,19 @@ def check_skip_steps(t, total_steps: int) -> None:
     beyond = sorted(s for s in t.skip_steps if s > total_steps)
     if beyond:
         raise ConfigError(f"train.skip_steps: {beyond} past the run's last step ({total_steps})")
+
+
+@contextlib.contextmanager
+def failure_at(where: str):
+    """An exception raised inside carries ``where`` (``rl step 3``) as a note (PEP 678): the CLI's one-line error
+    says at which step a worker died (rlhf.cli.common.run_cli); the message itself is unchanged."""
+    try:
+        yield
+    except Exception as exc:
+        notes = exc.__dict__.setdefault("__notes__", [])  # what add_note does (Python >= 3.11), on any version
+        if where not in notes:
+            notes.append(where)
+        raise
 
 
 def with_restarts(cfg: RunConfigT, run: Callable[[RunConfigT], RunResult]) -> RunResult:
