@@ -6,8 +6,10 @@ Usage::
         [--num-prompts 512] [--num-eval-prompts 128] [--max-operand 20] [--force]
 
 Writes ``model/`` (tiny Qwen2 + tokenizer with a ChatML chat template), ``sft.jsonl``, ``preference.jsonl``,
-``prompts.jsonl`` and ``eval_prompts.jsonl`` under ``--out``, and the conversational forms of the training files
-(``sft_chat.jsonl``, ``preference_chat.jsonl``, ``prompts_chat.jsonl``). Anything that already exists is kept
+``prompts.jsonl`` and ``eval_prompts.jsonl`` under ``--out``, the conversational forms of the training files
+(``sft_chat.jsonl``, ``preference_chat.jsonl``, ``prompts_chat.jsonl``), and ``tools.jinja``: the model's ChatML
+with tools (:data:`rlhf.models.tiny.SHORT_TOOLS_CHAT_TEMPLATE`; its own template drops them), for an agent run's
+``env.chat_template`` and a tool-calling warm-up's ``data.chat_template``. Anything that already exists is kept
 unless ``--force``; every output appears atomically, so an existing path is always a complete one.
 """
 
@@ -19,7 +21,7 @@ import shutil
 import tempfile
 from typing import Callable, Sequence
 
-from rlhf.models.tiny import build_tiny_model
+from rlhf.models.tiny import SHORT_TOOLS_CHAT_TEMPLATE, build_tiny_model, write_tools_template
 from rlhf.synthetic import arithmetic
 
 # Each file samples from its own seed so that the files are independent draws. Multiplying keeps runs with
@@ -75,7 +77,7 @@ def make_assets(
 
     Returns:
         Paths keyed ``model``, ``sft``, ``preference``, ``prompts``, ``eval_prompts``, ``sft_chat``,
-        ``preference_chat``, ``prompts_chat``.
+        ``preference_chat``, ``prompts_chat``, ``tools_template``.
     """
     say = log or (lambda _msg: None)
     os.makedirs(out, exist_ok=True)
@@ -88,6 +90,7 @@ def make_assets(
         "sft_chat": os.path.join(out, "sft_chat.jsonl"),
         "preference_chat": os.path.join(out, "preference_chat.jsonl"),
         "prompts_chat": os.path.join(out, "prompts_chat.jsonl"),
+        "tools_template": os.path.join(out, "tools.jinja"),
     }
     makers: dict[str, Callable[[], list[dict]]] = {
         "sft": lambda: arithmetic.make_sft_rows(num_sft, _derived_seed(seed, _SFT), max_operand),
@@ -105,6 +108,11 @@ def make_assets(
     else:
         _build_model_atomically(paths["model"], seed)
         say(f"wrote   {paths['model']}")
+    if os.path.exists(paths["tools_template"]) and not force:
+        say(f"kept    {paths['tools_template']} (exists; --force to rebuild)")
+    else:
+        write_tools_template(paths["tools_template"], SHORT_TOOLS_CHAT_TEMPLATE)
+        say(f"wrote   {paths['tools_template']} (the model's chat template with tools, for env.chat_template)")
     for name, make in makers.items():
         path = paths[name]
         if os.path.exists(path) and not force:

@@ -292,6 +292,10 @@ class EnvConfig:
     # llama3_json, ...; "" = tools rendered into prompts, calls not parsed) and chat template ("" = the tokenizer's)
     tool_parser: str = ""
     chat_template: str = ""  # a template's text or a file path
+    # a template that does not write tools (a request renders the same with them and without) is refused before any
+    # actor starts when the agent sends tools (env.tool_parser set) or the data has them (data.tools_key); true: the
+    # run goes on with a warning, the tools never reaching the policy
+    allow_unrendered_tools: bool = False
 
     def __post_init__(self) -> None:
         _choice(self.on_error, "env.on_error", ("fail", "drop"))

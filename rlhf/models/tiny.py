@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Iterable
 
+from rlhf.atomic import write_text_atomic
 from rlhf.synthetic.arithmetic import tokenizer_corpus
 
 if TYPE_CHECKING:  # transformers is heavy; import it only where a function needs it
@@ -35,21 +36,30 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
 
-#: A Qwen-style ChatML template with tool calling (hermes format: ``<tool_call>{json}</tool_call>``) for the tiny
-#: model, whose own template (:data:`CHAT_TEMPLATE`) has no ``tools``. Same turns as that template (BOS first,
-#: ``<|im_start|>role\n...<|im_end|>\n``); the tools go into the system turn, an assistant's calls into its turn as
-#: ``<tool_call>`` blocks and a tool's result into a user turn as ``<tool_response>``, as Qwen2.5's template does.
-#: A call with no text before it starts right after ``assistant\n``, the generation prompt, with no second newline:
-#: a tokenizer that merges ``\n\n`` would otherwise train a token that crosses the prompt/reply boundary, one the
-#: model never sees after the generation prompt.
-TOOLS_CHAT_TEMPLATE = (
+# The pieces of the tools templates below: the system turn that lists the tools (its header: the one part they
+# differ in), and the turns, an assistant's calls and the tools' results, as Qwen2.5's template writes them.
+_TOOLS_SYSTEM = (
     "{{- bos_token -}}"
     "{%- if tools -%}"
     "{{- '<|im_start|>system\n' -}}"
     "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\n\n' -}}{%- endif -%}"
+)
+_JSON_TOOLS_HEADER = (
     "{{- '# Tools\n<tools>' -}}"
     "{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}"
     '{{- \'\n</tools>\nCall one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\n\' -}}'
+)
+_SHORT_TOOLS_HEADER = (
+    "{{- 'Tools:' -}}"
+    "{%- for tool in tools -%}"
+    "{%- set fn = tool['function'] if tool['function'] is defined else tool -%}"
+    "{%- set params = ((fn.get('parameters') or {}).get('properties') or {}) | list -%}"
+    "{{- '\n' + fn['name'] + '(' + (params | join(', ')) + ')' -}}"
+    "{%- if fn.get('description') -%}{{- ' ' + fn['description'] -}}{%- endif -%}"
+    "{%- endfor -%}"
+    '{{- \'\nCall: <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\n\' -}}'
+)
+_TOOLS_TURNS = (
     "{%- elif messages[0]['role'] == 'system' -%}"
     "{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' -}}"
     "{%- endif -%}"
@@ -74,12 +84,28 @@ TOOLS_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
 
+#: A Qwen-style ChatML template with tool calling (hermes format: ``<tool_call>{json}</tool_call>``) for the tiny
+#: model, whose own template (:data:`CHAT_TEMPLATE`) has no ``tools``. Same turns as that template (BOS first,
+#: ``<|im_start|>role\n...<|im_end|>\n``); the tools go into the system turn, an assistant's calls into its turn as
+#: ``<tool_call>`` blocks and a tool's result into a user turn as ``<tool_response>``, as Qwen2.5's template does.
+#: A call with no text before it starts right after ``assistant\n``, the generation prompt, with no second newline:
+#: a tokenizer that merges ``\n\n`` would otherwise train a token that crosses the prompt/reply boundary, one the
+#: model never sees after the generation prompt.
+TOOLS_CHAT_TEMPLATE = _TOOLS_SYSTEM + _JSON_TOOLS_HEADER + _TOOLS_TURNS
 
-def write_tools_template(path: str) -> str:
-    """Write :data:`TOOLS_CHAT_TEMPLATE` to ``path`` (a ``.jinja`` file for ``data.chat_template``) and return it."""
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(TOOLS_CHAT_TEMPLATE)
-    return path
+#: :data:`TOOLS_CHAT_TEMPLATE` with a short tools header: one line per tool, ``name(arg, ...) description``, where
+#: that template writes each tool's whole JSON schema. The tiny model has 512 positions, and its tokenizer spells
+#: most text byte by byte: one two-argument tool with a description takes 319 tokens of JSON header, and 111 here,
+#: which leaves an episode its room. Same turns and calls, so the hermes parser reads the replies as it does there.
+#: The template ``python -m rlhf.cli.make_assets`` writes as ``tools.jinja``, for ``env.chat_template`` (the agent
+#: endpoint) and ``data.chat_template`` (a tool-calling warm-up).
+SHORT_TOOLS_CHAT_TEMPLATE = _TOOLS_SYSTEM + _SHORT_TOOLS_HEADER + _TOOLS_TURNS
+
+
+def write_tools_template(path: str, template: str = TOOLS_CHAT_TEMPLATE) -> str:
+    """Write ``template`` (:data:`TOOLS_CHAT_TEMPLATE`, or :data:`SHORT_TOOLS_CHAT_TEMPLATE`) to ``path`` (a
+    ``.jinja`` file for ``data.chat_template`` / ``env.chat_template``) and return it."""
+    return write_text_atomic(path, template)
 
 
 # vLLM's CPU attention backend rejects head sizes below this.

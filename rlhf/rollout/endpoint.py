@@ -7,7 +7,8 @@ and replies derendered by vLLM's own OpenAI serving code (:class:`rlhf.rollout.o
 templates, ``tools``, tool-call parsers), and sampled by the project's engines (any
 :class:`~rlhf.rollout.backend.RolloutBackend`), so the weights an agent talks to are the policy's of this step,
 its sampling is the trainer's (``rollout.temperature`` / ``top_p`` / ``top_k``: the log-probs trained against must
-be of the distribution sampled; what the request asks for instead is ignored) and every token is recorded
+be of the distribution sampled; what the request asks for instead is ignored), every reply stops on EOS and the
+end of turn of the template requests are rendered with, and every token is recorded
 (:mod:`rlhf.rollout.transcripts`: the episode is trained on the tokens sampled, never on re-tokenised text).
 
 Server library: FastAPI on uvicorn, vLLM's own HTTP stack (both installed with it), in a thread of the driver
@@ -29,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from rlhf.data.chat import ChatFormatter, ChatTemplateError
 from rlhf.rollout.openai_stream import chat_chunks, completion_chunks, events, take_stream
 from rlhf.rollout.transcripts import EpisodeTranscript, Exchange, normalise
 from rlhf.rollout.vllm_engine import Generation, SamplingSpec
@@ -123,7 +125,7 @@ class AgentEndpoint:
         renderer: an :class:`~rlhf.rollout.openai_render.OpenAIRenderer` of the policy's model.
         generate_each: the engines' ``generate_each``.
         sampling: the trainer's sampling (temperature, top-p/k, ``max_new_tokens``: each request's cap; its seed is
-            replaced per request).
+            replaced per request, its stop ids by the endpoint's own, :attr:`stop_token_ids`).
         host: the address to listen on and to hand out (the driver node's address for agents on other nodes).
     """
 
@@ -136,6 +138,7 @@ class AgentEndpoint:
         self._server: Any = None
         self._thread: Optional[threading.Thread] = None
         self.close_ids = _close_ids(renderer)
+        self.stop_token_ids = _stop_ids(renderer)  # every reply's: EOS and the template's end of turn
 
     # ------------------------------------------------------------------------------------------ life cycle
     def start(self, port: int = 0, timeout_s: float = 30.0) -> "AgentEndpoint":
@@ -303,14 +306,14 @@ class AgentEndpoint:
 
     def _sampling(self, session: Session, prompt_len: int, asked: int) -> Optional[SamplingSpec]:
         """The trainer's sampling for the episode's next request: at most ``asked`` new tokens, within the episode's
-        budget, seeded ``seed + request number``; ``None`` when the budget leaves no room."""
+        budget, seeded ``seed + request number``, stopping on :attr:`stop_token_ids`; ``None`` when the budget leaves
+        no room."""
         room = min(self.sampling.max_new_tokens, asked, session.budget - prompt_len)
         if room < 1:
             return None
         request_no = len(session.transcript.exchanges)
-        return dataclasses.replace(
-            self.sampling, max_new_tokens=room, seed=None if session.seed is None else session.seed + request_no
-        )
+        seed = None if session.seed is None else session.seed + request_no
+        return dataclasses.replace(self.sampling, max_new_tokens=room, seed=seed, stop_token_ids=self.stop_token_ids)
 
     async def _generate(self, prompt: Sequence[int], sampling: SamplingSpec) -> Generation:
         waited = time.perf_counter()
@@ -370,12 +373,27 @@ class AgentEndpoint:
 
 
 def _close_ids(renderer) -> List[int]:
-    """What the chat template writes after an assistant's text (ChatML: ``<|im_end|>`` ``\\n``), as token ids."""
+    """What the chat template writes after an assistant's text (ChatML: ``<|im_end|>`` ``\\n``), as token ids: the
+    template requests are rendered with (``env.chat_template``, else the tokenizer's own)."""
     tokenizer = renderer.tokenizer
     probe = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
-    text = tokenizer.apply_chat_template(probe, tokenize=False)
+    text = tokenizer.apply_chat_template(probe, tokenize=False, chat_template=renderer.chat_template)
     close = text[text.rindex("2") + 1 :]
     return list(tokenizer(close, add_special_tokens=False)["input_ids"]) if close else []
+
+
+def _stop_ids(renderer) -> Tuple[int, ...]:
+    """What every reply stops on: EOS, and the end of turn of the template requests are rendered with (ChatML:
+    ``<|im_end|>``). Taken from that template, not from the run's prompt rows: the endpoint renders every chat
+    request with it whatever the rows' format, so a policy that ends its turn must stop there; with EOS alone (text
+    prompt rows) each reply ran on to ``rollout.max_new_tokens`` writing ``<|im_end|>`` again and again, and was
+    trained that way."""
+    eos = tuple(sorted(renderer.eos_token_ids))
+    try:
+        end_of_turn = ChatFormatter(renderer.tokenizer, template=renderer.chat_template).end_of_turn_ids()
+    except ChatTemplateError:  # no template at all (completions only): EOS alone
+        end_of_turn = ()
+    return eos + tuple(t for t in end_of_turn if t not in eos)
 
 
 def _app(endpoint: AgentEndpoint):

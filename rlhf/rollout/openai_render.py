@@ -247,9 +247,11 @@ class OpenAIRenderer:
         )
         self.model_config = model_config
         renderer = renderer_from_config(vllm_config)
+        #: the template text requests are rendered with; None: the tokenizer's own (its ``chat_template``)
+        self.chat_template: Optional[str] = load_chat_template(chat_template)
         options: Dict[str, Any] = dict(
             request_logger=None,
-            chat_template=load_chat_template(chat_template),
+            chat_template=self.chat_template,
             chat_template_content_format="auto",
             # a configured tool parser parses `tool_choice="auto"` calls (vLLM's --enable-auto-tool-choice)
             enable_auto_tools=tool_parser is not None,

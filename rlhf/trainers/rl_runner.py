@@ -27,7 +27,7 @@ from rlhf.distributed.resource_plan import (
     engine_gpus,
     engine_sleep,
 )
-from rlhf.envs import EnvironmentPool, load_environment
+from rlhf.envs import EnvError, EnvironmentPool, load_environment
 from rlhf.envs.loading import is_agent
 from rlhf.envs.rows import MissingColumn, probe_agent
 from rlhf.hub import model_dir, pin_run_sources
@@ -42,6 +42,7 @@ from rlhf.rollout.sync_group import SyncTimeouts
 from rlhf.rollout.vllm_engine import SamplingSpec, VLLMSpec
 from rlhf.rollout.weight_sync import resolve_weight_sync
 from rlhf.trainers.actors import RoleStarter, frozen_group, start_plan, trained_group
+from rlhf.trainers.agent_template import check_tools_rendered
 from rlhf.trainers.checkpoint import Checkpointable
 from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.output_dir import claim_output_dir
@@ -389,7 +390,8 @@ def _read_prompts(cfg: RLRunConfig, tokenizer, key: str, path: str, split: str):
 
 def read_prompt_sets(cfg: RLRunConfig, tokenizer) -> Tuple[PromptSet, Optional[PromptSet]]:
     """The training and held-out prompts, tokenized, with every check a run makes of them before any actor starts
-    (a set left empty by rollout.max_prompt_length, a multi-turn run's observations)."""
+    (a set left empty by rollout.max_prompt_length, a multi-turn run's observations, an agent run's tools against
+    the endpoint's chat template: rlhf.trainers.agent_template)."""
     d, r = cfg.data, cfg.rollout
     prompts = _read_prompts(cfg, tokenizer, "data.train_path", d.train_path, d.split)
     eval_prompts = (
@@ -407,7 +409,18 @@ def read_prompt_sets(cfg: RLRunConfig, tokenizer) -> Tuple[PromptSet, Optional[P
             )
     if cfg.multi_turn:
         _check_episodes(cfg, prompts, eval_prompts)
+    if cfg.multi_turn and _agent_run(cfg):  # the endpoint's template must write the tools the episodes carry
+        check_tools_rendered(cfg, tokenizer, (prompts, eval_prompts))
     return prompts, eval_prompts
+
+
+def _agent_run(cfg: RLRunConfig) -> bool:
+    """Whether ``env.spec`` names an agent function. False when it does not load here: the preflight refuses it in a
+    run, and ``--dry-run`` leaves a spec only the cluster has to the run."""
+    try:
+        return is_agent(load_environment(cfg.env.spec))
+    except EnvError:
+        return False
 
 
 def check_reward_columns(

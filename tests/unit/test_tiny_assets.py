@@ -11,7 +11,7 @@ import torch
 from rlhf.cli.make_assets import main as make_assets_main
 from rlhf.cli.make_assets import make_assets
 from rlhf.data.io import read_rows
-from rlhf.models.tiny import build_tiny_model
+from rlhf.models.tiny import SHORT_TOOLS_CHAT_TEMPLATE, build_tiny_model
 from rlhf.synthetic import arithmetic
 from rlhf.synthetic.arithmetic import (
     extract_answer,
@@ -274,8 +274,10 @@ def test_make_assets_writes_skips_and_forces(tmp_path, capsys) -> None:
         "sft_chat",
         "preference_chat",
         "prompts_chat",
+        "tools_template",
     }
     assert os.path.isfile(os.path.join(paths["model"], "model.safetensors"))
+    assert _read(paths["tools_template"]) == SHORT_TOOLS_CHAT_TEMPLATE.encode()  # the model's ChatML, with tools
     assert len(read_rows(paths["sft"], ["prompt", "response"])) == 20
     pref = read_rows(paths["preference"], ["prompt", "chosen", "rejected"], ["margin"], types={"margin": (int, float)})
     assert len(pref) == 30 and all("margin" in r for r in pref)
