@@ -275,6 +275,17 @@ def model_dir(ref: str) -> str:
     return _snapshot(ref, MODEL) if is_hub_ref(ref, MODEL) else ref
 
 
+def cached_model_dir(ref: str) -> Optional[str]:
+    """The local directory of a model reference if this machine already has it (a local directory, or the hub
+    cache's snapshot of the revision), asking the hub nothing: for checks that read a model's files where they can
+    and leave the rest to the run."""
+    if os.path.isdir(ref):
+        return ref
+    if not is_hub_ref(ref, MODEL):
+        return None
+    return _cached(*parse_ref(ref), MODEL)
+
+
 def dataset_dir(ref: str, config_name: str = "") -> str:
     """The snapshot directory of a hub dataset reference, with the data files of ``config_name`` (its default
     configuration when empty) present: downloaded when online (only that configuration's files when the dataset

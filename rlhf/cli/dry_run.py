@@ -49,7 +49,7 @@ from rlhf.distributed.resource_plan import (
 )
 from rlhf.ops.algorithms import describe, needs_length
 from rlhf.trainers.kinds import kind_of
-from rlhf.trainers.preflight import preflight
+from rlhf.trainers.preflight import policy_positions, preflight
 
 
 def dry_run(cfg: RunConfig, prog: str, cluster: str = "") -> None:
@@ -160,11 +160,14 @@ def _rollout_lines(cfg: RLRunConfig, plan: ResourcePlan, devices: Devices) -> Li
         "object_store": "buckets through the Ray object store",
         "broadcast": f"policy rank 0 -> every engine worker over a {backend} process group",
     }.get(sync, sync)
-    context = (
-        f"{r.max_episode_tokens + r.max_new_tokens} (rollout.max_episode_tokens + max_new_tokens: a turn may "
-        f"sample past the episode's budget, which keeps what fits)"
-        if cfg.multi_turn
-        else f"{r.max_prompt_length + r.max_new_tokens} (rollout.max_prompt_length + max_new_tokens)"
+    context = f"{cfg.engine_context} ({cfg.engine_context_keys}" + (
+        ": a turn may sample past the episode's budget, which keeps what fits)" if cfg.multi_turn else ")"
+    )
+    positions = policy_positions(cfg)  # a longer context was refused by the preflight
+    context += (
+        f", within the model's {positions.limit} positions ({positions.source})"
+        if positions
+        else "; the model's positions are checked by the run (its config.json is not on this machine)"
     )
     lines = [
         f"rollout: {_count(r.num_engines, 'vLLM engine')}, tensor_parallel_size {r.tensor_parallel_size}, {device}",

@@ -5,10 +5,11 @@ Usage::
     python -m rlhf.cli.make_assets --out assets/ [--seed 0] [--num-sft 2000] [--num-pref 2000]
         [--num-prompts 512] [--num-eval-prompts 128] [--max-operand 20] [--force]
 
-Writes ``model/`` (tiny Qwen2 + tokenizer with a ChatML chat template), ``sft.jsonl``, ``preference.jsonl``,
-``prompts.jsonl`` and ``eval_prompts.jsonl`` under ``--out``, the conversational forms of the training files
-(``sft_chat.jsonl``, ``preference_chat.jsonl``, ``prompts_chat.jsonl``), and ``tools.jinja``: the model's ChatML
-with tools (:data:`rlhf.models.tiny.SHORT_TOOLS_CHAT_TEMPLATE`; its own template drops them), for an agent run's
+Writes under ``--out`` the files of :data:`WRITES` (what ``--help`` lists): ``model/`` (tiny Qwen2 + tokenizer
+with a ChatML chat template), ``sft.jsonl``, ``preference.jsonl``, ``prompts.jsonl`` and ``eval_prompts.jsonl``,
+the conversational forms of the training files (``sft_chat.jsonl``, ``preference_chat.jsonl``,
+``prompts_chat.jsonl``), and ``tools.jinja``: the model's ChatML with tools
+(:data:`rlhf.models.tiny.SHORT_TOOLS_CHAT_TEMPLATE`; its own template drops them), for an agent run's
 ``env.chat_template`` and a tool-calling warm-up's ``data.chat_template``. Anything that already exists is kept
 unless ``--force``; every output appears atomically, so an existing path is always a complete one.
 """
@@ -19,10 +20,46 @@ import argparse
 import os
 import shutil
 import tempfile
+import textwrap
 from typing import Callable, Sequence
 
 from rlhf.models.tiny import SHORT_TOOLS_CHAT_TEMPLATE, build_tiny_model, write_tools_template
 from rlhf.synthetic import arithmetic
+
+#: Each output under --out, what it holds and what reads it (``--help`` prints this list; README.md names them).
+WRITES = (
+    (
+        "model/",
+        "a tiny random Qwen2 causal LM (0.5M parameters, 512 positions) with a byte-level BPE tokenizer trained on the "
+        "task and a ChatML chat template (<|im_start|>role ... <|im_end|>; no tools): model.path",
+    ),
+    ("sft.jsonl", "--num-sft rows {prompt: '12+7=', response: '19'}: SFT (sft_tiny)"),
+    (
+        "preference.jsonl",
+        "--num-pref pairs {prompt, chosen, rejected, margin}: DPO (dpo_tiny), reward models (rm_tiny)",
+    ),
+    ("prompts.jsonl", "--num-prompts RL prompts {prompt, answer}: online RL (grpo_tiny)"),
+    ("eval_prompts.jsonl", "--num-eval-prompts held-out RL prompts, another draw: data.eval_path"),
+    (
+        "sft_chat.jsonl",
+        "sft.jsonl as conversations {messages: [system, user, assistant, ...]}, every third with a second "
+        "question: a chat warm-up (sft_chat_tiny)",
+    ),
+    (
+        "preference_chat.jsonl",
+        "preference.jsonl as a prompt conversation and one assistant message each chosen / rejected",
+    ),
+    (
+        "prompts_chat.jsonl",
+        "prompts.jsonl as conversations {prompt: [system, user], answer}: chat RL, agents and multi-turn "
+        "environments (agent_tiny)",
+    ),
+    (
+        "tools.jinja",
+        "the model's ChatML with a short tools header (its own template drops tools): env.chat_template of a "
+        "tool-calling agent run, data.chat_template of its warm-up",
+    ),
+)
 
 # Each file samples from its own seed so that the files are independent draws. Multiplying keeps runs with
 # neighbouring --seed values from sharing streams (seed 1's SFT rows are not seed 0's preference rows).
@@ -124,18 +161,34 @@ def make_assets(
     return paths
 
 
+def _epilog() -> str:
+    """``--help``'s list of the outputs: a user picks the files for the next command from it."""
+    width = max(len(name) for name, _ in WRITES)
+    lines = ["writes, under --out:"]
+    for name, what in WRITES:
+        wrapped = textwrap.wrap(what, width=100 - width - 4)
+        lines.append(f"  {name.ljust(width)}  {wrapped[0]}")
+        lines += [f"  {'':{width}}  {line}" for line in wrapped[1:]]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m rlhf.cli.make_assets",
-        description="Write the tiny model and the synthetic arithmetic datasets.",
+        description="Write the tiny model and the datasets of a synthetic addition task (a+b=, answers a reward\n"
+        "function checks) under --out. What exists is kept unless --force.",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-sft", type=int, default=2000)
-    parser.add_argument("--num-pref", type=int, default=2000)
-    parser.add_argument("--num-prompts", type=int, default=512)
-    parser.add_argument("--num-eval-prompts", type=int, default=128)
-    parser.add_argument("--max-operand", type=int, default=arithmetic.DEFAULT_MAX_OPERAND)
+    parser.add_argument("--seed", type=int, default=0, help="the model's weights and every file's draws (default 0)")
+    parser.add_argument("--num-sft", type=int, default=2000, help="rows of sft.jsonl and sft_chat.jsonl")
+    parser.add_argument("--num-pref", type=int, default=2000, help="pairs of preference(_chat).jsonl")
+    parser.add_argument("--num-prompts", type=int, default=512, help="prompts of prompts(_chat).jsonl")
+    parser.add_argument("--num-eval-prompts", type=int, default=128, help="prompts of eval_prompts.jsonl")
+    parser.add_argument(
+        "--max-operand", type=int, default=arithmetic.DEFAULT_MAX_OPERAND, help="operands are drawn from 0..this"
+    )
     parser.add_argument("--force", action="store_true", help="rebuild outputs that already exist")
     args = parser.parse_args(argv)
     make_assets(

@@ -191,7 +191,8 @@ class JudgeConfig:
     out_of_range: str = "clamp"  # clamp | refuse (an unparsable answer)
     on_unparsable: str = "fail"  # fail (naming the sample, quoting the judge) | drop (score mode) | a number
     weight: float = 1.0  # weight of the judge's reward in the summed reward
-    max_model_len: int = 2048  # the judge engines' context
+    # the judge engines' context: at most the judge model's positions (its config.json; refused before Ray starts)
+    max_model_len: int = 2048
     num_engines: int = 1
     cpus_per_engine: float = 1.0
 
@@ -691,6 +692,20 @@ class RLRunConfig(RunConfig):
         """The longest row a step trains on and the engines' context: a prompt and its response, or an episode."""
         r = self.rollout
         return r.max_episode_tokens if self.multi_turn else r.max_prompt_length + r.max_new_tokens
+
+    @property
+    def engine_context(self) -> int:
+        """The policy engines' ``max_model_len``: a prompt and its response; for episodes, the episode's budget plus
+        one response (a turn may sample past the budget; the episode keeps only what fits, rlhf.rollout.multi_turn).
+        The run starts its engines and the agents' endpoint with it; the preflight compares it with the model's
+        positions."""
+        return self.max_sequence_length + (self.rollout.max_new_tokens if self.multi_turn else 0)
+
+    @property
+    def engine_context_keys(self) -> str:
+        """The keys :attr:`engine_context` adds up, as a message names them."""
+        first = "rollout.max_episode_tokens" if self.multi_turn else "rollout.max_prompt_length"
+        return f"{first} + rollout.max_new_tokens"
 
     def _check_episodes(self) -> None:
         r = self.rollout

@@ -3,9 +3,10 @@
 Checked, for the trainer's descriptor (:mod:`rlhf.trainers.kinds`): the model folders of its model keys (a
 ``config.json``, :func:`rlhf.hub.check_model_folder`), the tokenizer and data paths, ``strategy.deepspeed_config``
 against the run's settings, the multi-turn environment class (it loads), a reward model's scalar head, LoRA's
-target modules against each trained model, and the critic's batch arithmetic. The config's own validation ran
-when it was built; the cluster fit is the plan's (:meth:`rlhf.trainers.kinds.TrainerKind.plan`, packed by
-``--dry-run``, placed by the run).
+target modules against each trained model, the critic's batch arithmetic, and each vLLM engine's context (the
+policy's and the judge's ``max_model_len``) against its model's positions where this machine has the model's
+files. The config's own validation ran when it was built; the cluster fit is the plan's
+(:meth:`rlhf.trainers.kinds.TrainerKind.plan`, packed by ``--dry-run``, placed by the run).
 
 Two strictnesses, one wording: a run (``here=True``) refuses a path missing on this machine; ``--dry-run``
 (``here=False``) lists it as :data:`NOT_HERE` (a model or data set that exists only on the cluster) and checks all
@@ -31,8 +32,19 @@ from rlhf.config.schema import ConfigError, RunConfig
 from rlhf.data.formats import located
 from rlhf.data.io import read_rows
 from rlhf.envs import EnvError, load_environment
-from rlhf.hub import DATASET, MODEL, HubError, cache_dir, check_model_folder, is_hub_ref, locate, model_dir, offline
-from rlhf.models.checks import check_scalar_head
+from rlhf.hub import (
+    DATASET,
+    MODEL,
+    HubError,
+    cache_dir,
+    cached_model_dir,
+    check_model_folder,
+    is_hub_ref,
+    locate,
+    model_dir,
+    offline,
+)
+from rlhf.models.checks import Positions, check_scalar_head, model_positions
 from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.output_dir import output_dir_status
 from rlhf.utils.specs import looks_like_path
@@ -55,6 +67,8 @@ def preflight(cfg: RunConfig, here: bool = True, precision: Optional[str] = None
     """
     kind = kind_of(cfg)
     rows = [(key, path, _model_status(key, path, here)) for key, path in _values(cfg, kind.model_keys) if path]
+    if kind.online and isinstance(cfg, RLRunConfig):  # before the data is read: a refusal costs nothing here
+        check_engine_context(cfg)
     rows += [
         (key, path, _path_status(key, path, repo_type, here))
         for key, path, repo_type in (
@@ -78,6 +92,7 @@ def preflight(cfg: RunConfig, here: bool = True, precision: Optional[str] = None
 
             spec = JudgeSpec.of(cfg.reward.judge, seed=cfg.train.seed)  # the question, pattern and parsing keys
             _check_judge_fields(cfg, spec)
+            _check_judge_context(cfg)
             rows.append(
                 (
                     "reward.judge.path",
@@ -98,6 +113,50 @@ def preflight(cfg: RunConfig, here: bool = True, precision: Optional[str] = None
         )
     )
     return rows
+
+
+# ------------------------------------------------------------------------------------------ engine contexts
+
+
+def policy_positions(cfg: RLRunConfig) -> Optional[Positions]:
+    """The positions of ``model.path`` (the policy engines' model) if this machine has its files, else ``None``."""
+    folder = cached_model_dir(cfg.model.path)
+    return model_positions(folder) if folder else None
+
+
+def check_engine_context(cfg: RLRunConfig) -> None:
+    """The policy engines' ``max_model_len`` (:attr:`~rlhf.config.rl_schema.RLRunConfig.engine_context`) within
+    the policy model's positions. vLLM refuses a longer one only at engine start, inside a Ray actor, after the
+    cluster and the policy started, and suggests ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``, which runs positions the
+    model never learned (NaNs with RoPE). A model whose files are not here is left to vLLM."""
+    positions = policy_positions(cfg)
+    context, keys = cfg.engine_context, cfg.engine_context_keys
+    if positions is None or context <= positions.limit:
+        return
+    r = cfg.rollout
+    first = r.max_episode_tokens if cfg.multi_turn else r.max_prompt_length
+    raise ConfigError(
+        f"{keys} ({first} + {r.max_new_tokens} = {context}), the policy engines' max_model_len, is above the "
+        f"{positions.limit} positions of model.path {cfg.model.path!r} ({positions.source}): vLLM would refuse it "
+        f"when the engines start. Lower {' or '.join(keys.split(' + '))} to sum to at most {positions.limit}, or use "
+        f"a model with more positions"
+    )
+
+
+def _check_judge_context(cfg: RLRunConfig) -> None:
+    """``reward.judge.max_model_len`` within the judge model's positions, for the reason of
+    :func:`check_engine_context`; a judge whose files are not here is left to vLLM."""
+    j = cfg.reward.judge
+    folder = cached_model_dir(j.path)
+    positions = model_positions(folder) if folder else None
+    if positions is None or j.max_model_len <= positions.limit:
+        return
+    raise ConfigError(
+        f"reward.judge.max_model_len ({j.max_model_len}), the judge engines' context, is above the "
+        f"{positions.limit} positions of reward.judge.path {j.path!r} ({positions.source}): vLLM would refuse it "
+        f"when the judge's engines start. Lower reward.judge.max_model_len to at most {positions.limit} (above "
+        f"reward.judge.max_new_tokens={j.max_new_tokens}), or use a judge model with more positions"
+    )
 
 
 def _check_judge_fields(cfg: RLRunConfig, spec) -> None:

@@ -96,7 +96,7 @@ def _start_engines(
         model_path=cfg.model.path,
         tensor_parallel_size=r.tensor_parallel_size,
         seed=cfg.train.seed,
-        max_model_len=_engine_context(cfg),
+        max_model_len=cfg.engine_context,
         dtype=dtype,
         gpu_memory_utilization=r.gpu_memory_utilization,
         kv_cache_gib=r.kv_cache_gib,
@@ -119,13 +119,6 @@ def _engine_dtype(precision: str) -> str:
     """The vLLM dtype of engines in a run of ``precision``. vLLM runs no float64: an fp64 run's engines sample in
     float32 (the weight sync casts, rlhf.rollout.senders)."""
     return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float32"}[precision]
-
-
-def _engine_context(cfg: RLRunConfig) -> int:
-    """The engines' ``max_model_len``: a prompt and its response; for episodes, the episode's budget plus one
-    response (a turn may sample past the budget; the episode keeps only what fits, rlhf.rollout.multi_turn)."""
-    r = cfg.rollout
-    return cfg.max_sequence_length + (r.max_new_tokens if cfg.multi_turn else 0)
 
 
 def _start_environment_pool(cfg: RLRunConfig, ctx: RunContext, actors: ActorPlan) -> EnvironmentPool:
@@ -201,7 +194,7 @@ def _start_endpoint(cfg: RLRunConfig, ctx: RunContext, engines: RolloutEngines):
         tool_parser=e.tool_parser or None,
         chat_template=e.chat_template or None,
         served_model_name="policy",
-        max_model_len=_engine_context(cfg),
+        max_model_len=cfg.engine_context,
     )
     sampling = SamplingSpec(max_new_tokens=cfg.rollout.max_new_tokens)  # each step sets the trainer's sampling
     endpoint = AgentEndpoint(renderer, engines.generate_each, sampling, host=ray.util.get_node_ip_address()).start()

@@ -114,12 +114,16 @@ def test_reward_failures_survive_dynamic_sampling_selection():
     assert joined.select([3, 1]).reward_failed.tolist() == [False, True]
 
 
+# the tiny model as its own judge: its 512 positions hold no 2048-token judge context (test_engine_context.py)
+JUDGE_CONTEXT = "reward.judge.max_model_len=512"
+
+
 def test_judge_keys_are_checked_before_any_actor_and_planned_as_engines(tiny_model, tmp_path):
     from rlhf.trainers.preflight import preflight
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    run = [f"model.path={tiny_model}", f"data.train_path={prompts}", f"reward.judge.path={tiny_model}"]
+    run = [f"model.path={tiny_model}", f"data.train_path={prompts}", f"reward.judge.path={tiny_model}", JUDGE_CONTEXT]
     with pytest.raises(ConfigError, match=r"reward.judge.template: a score judge's template must use \{response\}"):
         preflight(load_config(RLRunConfig, "grpo_tiny", [*run, "reward.judge.template={prompt}"]))
     rows = preflight(load_config(RLRunConfig, "grpo_tiny", run), here=False)
@@ -184,7 +188,7 @@ def test_a_judge_template_field_no_sample_has_is_refused_before_any_actor(tiny_m
     envs.write_text(
         "class Once:\n    def reset(self, row):\n        return ''\n    def step(self, r, ids):\n        pass\n"
     )
-    run = [f"model.path={tiny_model}", f"data.train_path={prompts}", f"reward.judge.path={tiny_model}"]
+    run = [f"model.path={tiny_model}", f"data.train_path={prompts}", f"reward.judge.path={tiny_model}", JUDGE_CONTEXT]
 
     def judged(template, *more):
         return load_config(RLRunConfig, "grpo_tiny", [*run, f"reward.judge.template={template}", *more])

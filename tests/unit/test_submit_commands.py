@@ -266,3 +266,69 @@ def test_the_local_commands_run_at_tiny_sizes(page, tmp_path, capsys, monkeypatc
             value = next(a.split("=", 1)[1] for a in argv if a.startswith(key + "="))
             if (tmp_path / value).exists():
                 assert re.search(rf"{re.escape(key)} +{re.escape(value)} +found", out), out
+
+
+# ------------------------------------------------------------------------------------ the algorithm pages' commands
+
+
+ALGORITHM_PAGES = ("docs/algorithms/agents.md", "docs/algorithms/multi_turn.md", "docs/algorithms/async.md")
+ALGORITHM_COMMANDS = [
+    (page, argv)
+    for page in ALGORITHM_PAGES
+    for argv in _local_commands(ROOT / page)
+    if argv[0].startswith("rlhf.cli.train_")
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory) -> Path:
+    """``make_assets`` once for every page's commands, at tiny sizes."""
+    from rlhf.cli.make_assets import make_assets
+
+    out = tmp_path_factory.mktemp("assets")
+    make_assets(str(out), num_sft=32, num_pref=8, num_prompts=16, num_eval_prompts=8)
+    return out
+
+
+def _page_files(page: str) -> dict:
+    """The files a page shows: its Python blocks that open with ``# NAME.py``."""
+    blocks = re.findall(r"```python\n# (\S+\.py)\n(.*?)```", (ROOT / page).read_text(encoding="utf-8"), re.S)
+    return {name: code for name, code in blocks}
+
+
+def _asset_dirs(page: str) -> List[str]:
+    """Where the page's ``make_assets`` commands write."""
+    return [argv[argv.index("--out") + 1] for argv in _local_commands(ROOT / page) if argv[0] == "rlhf.cli.make_assets"]
+
+
+def test_every_algorithm_page_shows_a_training_command():
+    assert {page for page, _ in ALGORITHM_COMMANDS} == set(ALGORITHM_PAGES)
+
+
+@pytest.mark.parametrize(
+    "page,argv", ALGORITHM_COMMANDS, ids=[f"{p.split('/')[-1]}:{' '.join(a)[:60]}" for p, a in ALGORITHM_COMMANDS]
+)
+def test_an_algorithm_pages_command_passes_its_dry_run(page, argv, tiny_assets, tmp_path, capsys, monkeypatch):
+    """As written, in a directory holding the page's own files (``my_agent.py``, ``my_envs.py``) and make_assets'
+    files (also under the ``--out`` of the page's own make_assets command), on the tiny model: only ``model.path``
+    is a stand-in where it names no model here (``DIR``, or the output of the page's SFT command, which a dry run
+    does not write). Each length the engines would see is checked against the tiny model's 512 positions, and the
+    page's environment file loads."""
+    module, *argv = argv
+    for name, code in _page_files(page).items():
+        (tmp_path / name).write_text(code)
+    for item in tiny_assets.iterdir():
+        (tmp_path / item.name).symlink_to(item)
+    for out in _asset_dirs(page):  # the page's own make_assets command: built once for the module
+        (tmp_path / out).symlink_to(tiny_assets)
+    model = next(a.split("=", 1)[1] for a in argv if a.startswith("model.path="))
+    if not (tmp_path / model).is_dir():
+        argv = [f"model.path={tiny_assets / 'model'}" if a.startswith("model.path=") else a for a in argv]
+    rc, out, err = _main(module, argv + ["--dry-run"], tmp_path, capsys, monkeypatch)
+    assert rc == 0, f"{page}: {module} {' '.join(argv)}\n{err}"
+    assert re.search(r"data.train_path +\S+ +found; ", out), out
+    if module == "rlhf.cli.train_ppo":
+        assert "within the model's 512 positions (max_position_embeddings 512 in its config.json)" in out, out
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("env.spec=")), "")
+    if spec.split(":")[0] in _page_files(page):
+        assert re.search(rf"env.spec +{re.escape(spec)} +found, loads", out), out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -313,6 +314,30 @@ def test_make_assets_writes_skips_and_forces(tmp_path, capsys) -> None:
     printed = capsys.readouterr().out
     assert f"wrote   {paths['sft']} (7 rows)" in printed and paths["model"] in printed
     assert not [n for n in os.listdir(out) if n.startswith(".model-")]  # no temp dir left behind
+
+
+def test_make_assets_help_and_the_readme_name_every_file_it_writes(tmp_path, capsys) -> None:
+    """A user picks the next command's files from ``--help``: each output, with what reads it (the presets named
+    there exist); the README, where the assets are introduced, names the chat template and the chat files."""
+    import re
+
+    from rlhf.config.loader import available_presets
+
+    out = tmp_path / "assets"
+    make_assets(str(out), num_sft=3, num_pref=3, num_prompts=3, num_eval_prompts=3)
+    with pytest.raises(SystemExit) as exit_:
+        make_assets_main(["--help"])
+    assert exit_.value.code == 0
+    listed = capsys.readouterr().out.split("writes, under --out:\n", 1)[1]
+    names = re.findall(r"^  (\S+)", listed, re.M)
+    assert sorted(names) == sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir())
+    assert "chat template" in listed and "512 positions" in listed
+    presets = set(re.findall(r"\((\w+_tiny)\)", listed))
+    assert {"sft_chat_tiny", "agent_tiny", "grpo_tiny"} <= presets <= set(available_presets())
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    introduced = readme.split("- **Tiny local assets**", 1)[1].split("\n- **", 1)[0]
+    for name in ("chat template", "sft_chat.jsonl", "prompts_chat.jsonl", "sft_chat_tiny", "agent_tiny"):
+        assert name in introduced, name
 
 
 def test_make_assets_is_deterministic(tmp_path) -> None:
