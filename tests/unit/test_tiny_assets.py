@@ -336,7 +336,7 @@ def test_make_assets_help_and_the_readme_name_every_file_it_writes(tmp_path, cap
     assert {"sft_chat_tiny", "agent_tiny", "grpo_tiny"} <= presets <= set(available_presets())
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     introduced = readme.split("- **Tiny local assets**", 1)[1].split("\n- **", 1)[0]
-    for name in ("chat template", "sft_chat.jsonl", "prompts_chat.jsonl", "sft_chat_tiny", "agent_tiny"):
+    for name in ("chat template", "sft_chat.jsonl", "prompts_chat.jsonl", "tools.jinja", "sft_chat_tiny", "agent_tiny"):
         assert name in introduced, name
 
 
