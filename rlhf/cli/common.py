@@ -49,6 +49,7 @@ def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]
         a run stopped by SIGINT / SIGTERM (checkpointed; the last line says how to resume).
     """
     # lazy: pulls in torch; the audit, doctor and demo import this module and stay light until they train
+    from rlhf.envs.base import EnvError
     from rlhf.rewards.functions import RewardFunctionError
 
     quiet_environment()
@@ -68,6 +69,12 @@ def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]
         UnsupportedVersionError,
     ) as exc:
         log.error(f"error: {exc}")
+        return 2
+    except EnvError as exc:
+        if exc.episode is not None:  # an episode failed at run time: below
+            log.error(failure_line(exc, save_traceback(exc, request.config)))
+            return 1
+        log.error(f"error: {exc}")  # a spec that does not load: bad input
         return 2
     except RunInterrupted as exc:  # SIGINT / SIGTERM: checkpointed (rlhf.trainers.interrupt); 128 + the signal
         log.warning(str(exc))

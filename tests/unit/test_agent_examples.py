@@ -115,3 +115,16 @@ def test_the_calculator_warm_up_rows_train_on_the_call_and_the_copied_result(tin
     for r in prompts:
         x, y = r["prompt"][0]["content"].rstrip("=").split("*")
         assert int(r["answer"]) == int(x) * int(y)
+
+
+def test_the_docs_minimal_agent_is_the_example_file():
+    """docs/algorithms/agents.md shows examples/agents/minimal_agent.py as its my_agent.py, whole: the page's
+    commands (dry-run in test_submit_commands.py) run the example a user copies."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    page = (root / "docs" / "algorithms" / "agents.md").read_text(encoding="utf-8")
+    shown = re.search(r"```python\n(# my_agent\.py.*?)```", page, re.S)
+    assert shown is not None
+    assert shown.group(1) == (root / "examples" / "agents" / "minimal_agent.py").read_text(encoding="utf-8")

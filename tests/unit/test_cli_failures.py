@@ -74,3 +74,10 @@ def test_an_unexpected_error_is_its_type_and_stated_cause(tmp_path, capsys):
 )  # fmt: skip
 def test_cause_line_takes_the_stated_error_else_the_first_line(text, line):
     assert cause_line(RuntimeError(text)) == line
+
+
+def test_an_environment_spec_that_does_not_load_is_bad_input(tmp_path, capsys):
+    failure = EnvError("environment spec 'my_agent.py:run': file 'my_agent.py' not found", "my_agent.py:run")
+    assert _cli(tmp_path, failure) == 2
+    assert capsys.readouterr().err == "error: environment spec 'my_agent.py:run': file 'my_agent.py' not found\n"
+    assert not (tmp_path / "error.log").exists()
