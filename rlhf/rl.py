@@ -69,6 +69,7 @@ __all__ = [
     "episodes_batch",
     "turn_reward_tokens",
     "logp_mismatch",
+    "logp_mismatch_max",
     "rollout_batch",
     "run_episodes",
 ]
@@ -257,3 +258,15 @@ def logp_mismatch(batch: Batch) -> Optional[float]:
     assert batch.loss_mask is not None, "an experience batch carries its loss mask"
     mask = batch.loss_mask.float()
     return float(((batch.old_logps - batch.rollout_logps).abs() * mask).sum() / mask.sum().clamp(min=1))
+
+
+def logp_mismatch_max(batch: Batch) -> Optional[float]:
+    """Max |trainer log-prob - vLLM log-prob| over response tokens (0.0 when there are none): beside the mean
+    (:func:`logp_mismatch`), because a few tokens far off (one layer not synced, a kernel that differs on rare
+    inputs) hide in a mean over thousands of tokens and still skew their ratios."""
+    if batch.old_logps is None or batch.rollout_logps is None:
+        return None
+    assert batch.loss_mask is not None, "an experience batch carries its loss mask"
+    gap = (batch.old_logps - batch.rollout_logps).abs()  # (B, T)
+    kept = gap[batch.loss_mask != 0]  # (N,) the response tokens
+    return float(kept.max()) if kept.numel() else 0.0

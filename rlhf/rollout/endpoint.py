@@ -21,6 +21,7 @@ depend on the other agents' timing.
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import queue
 import secrets
@@ -28,7 +29,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from rlhf.data.chat import ChatFormatter, ChatTemplateError
 from rlhf.rollout.openai_stream import chat_chunks, completion_chunks, events, take_stream
@@ -92,6 +93,43 @@ class Batcher:
         self.thread.join(timeout=30)
 
 
+class BusyClock:
+    """Wall seconds during which at least one request was in flight: the union of the requests' intervals.
+
+    Why not the sum of each request's seconds: the endpoint serves an episode's agents all at once, so 64 requests
+    of 2 s each in flight together are 2 s of the step, not 128. The union is the endpoint's share of the step's
+    wall time (gaps while no agent is talking to it, e.g. an agent's own tool calls, are not counted); the sum over
+    requests divided by it is the mean number of requests in flight. ``clock``: seconds, monotonic (tests pass a
+    fake one). Entered and left from the server's event loop, read from the driver's thread: under a lock."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.active = 0  # requests in flight
+        self.since = 0.0  # when the current busy span began (active > 0)
+        self.closed = 0.0  # seconds of the busy spans that have ended
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """One request in flight for the duration of the ``with`` block."""
+        with self.lock:
+            if self.active == 0:
+                self.since = self.clock()
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.active -= 1
+                if self.active == 0:
+                    self.closed += self.clock() - self.since
+
+    def seconds(self) -> float:
+        """Busy seconds so far, the span still open (a request in flight) counted up to now."""
+        with self.lock:
+            return self.closed + (self.clock() - self.since if self.active else 0.0)
+
+
 @dataclass
 class Session:
     """One episode's state on the endpoint: its seed base, token budget and transcript."""
@@ -106,7 +144,8 @@ class Session:
 
 @dataclass
 class EndpointStats:
-    """Counts and seconds summed over the requests answered (the seconds of refused requests are not counted)."""
+    """Counts and seconds summed over the requests answered (the seconds of refused requests are not counted).
+    Summed over concurrent requests, so more than the wall time they took: that is :class:`BusyClock`'s."""
 
     requests: int = 0
     refused: int = 0  # requests answered with an error (bad request, unknown episode)
@@ -134,6 +173,7 @@ class AgentEndpoint:
         self.batcher = Batcher(generate_each)
         self.sessions: Dict[str, Session] = {}
         self.stats = EndpointStats()
+        self.busy = BusyClock()  # wall seconds with a request in flight (stats.seconds sums over requests)
         self.port = 0
         self._server: Any = None
         self._thread: Optional[threading.Thread] = None
@@ -405,13 +445,14 @@ def _app(endpoint: AgentEndpoint):
     app = FastAPI(title="rlhf agent endpoint")
 
     async def serve(handler, chunks, key: str, request: Request) -> Response:
-        try:
-            body = await request.json()
-        except ValueError:
-            status, answer = endpoint._refuse(400, "the body is not JSON")
-            return JSONResponse(answer, status_code=status)
-        stream, include_usage = take_stream(body)  # served unstreamed, then sent as chunks (openai_stream.py)
-        status, answer = await handler(key, body)
+        with endpoint.busy.busy():  # from the request's arrival to its response made (agent/endpoint_s)
+            try:
+                body = await request.json()
+            except ValueError:
+                status, answer = endpoint._refuse(400, "the body is not JSON")
+                return JSONResponse(answer, status_code=status)
+            stream, include_usage = take_stream(body)  # served unstreamed, then sent as chunks (openai_stream.py)
+            status, answer = await handler(key, body)
         if not stream or status != 200:  # an error is a plain JSON error, as OpenAI's server sends it
             return JSONResponse(answer, status_code=status)
         return StreamingResponse(events(chunks(answer, include_usage)), media_type="text/event-stream")

@@ -13,7 +13,7 @@ counted in ``agent/refused``: the agent then stops or fails); ``token_budget`` w
 ``rollout.max_episode_tokens``; ``max_new_tokens`` when its last reply was cut at ``rollout.max_new_tokens``;
 ``prefix_mismatch`` when the agent broke the token chain (``rollout.on_prefix_mismatch=truncate`` trains the chain
 up to there; ``error`` stops the run naming the episode and why); ``env_error`` when the agent raised or hung
-(``env.on_error``).
+(``env.on_error``). ``episode/broken_chains`` counts the episodes whose chain broke, every step (0 when none).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from rlhf.envs.base import EnvError
 from rlhf.rl import EpisodeError, EpisodeRecord, episode_metrics, episodes_batch
 from rlhf.rollout.episodes import Episode
 from rlhf.rollout.multi_turn import RolloutStats
+from rlhf.rollout.transcripts import EpisodeTranscript
 from rlhf.rollout.vllm_engine import SamplingSpec
 from rlhf.trainers.rl_experience import PromptSet
 from rlhf.trainers.rl_rollout import Rollout, _last_response, _where, _without
@@ -112,6 +113,7 @@ class AgentRollout:
             failed=torch.tensor([bool(r.error) for r in records], dtype=torch.bool),
             metrics={
                 **_without(episode_metrics(records, stats), "episode/env_reward"),  # = reward/env
+                "episode/broken_chains": float(broken_chains([s.transcript for s in sessions])),
                 **_counts(self.endpoint, minus=before),
             },
         )
@@ -138,13 +140,25 @@ class AgentRollout:
         return EpisodeRecord(episode, turn_rewards=[result.reward], ended_by=why)
 
 
+def broken_chains(transcripts: Sequence[EpisodeTranscript]) -> int:
+    """How many episodes' token chains broke (a request that did not continue the last exchange), whatever became
+    of them: logged every step, 0 when none, because ``episode/ended_prefix_mismatch`` counts only the episodes
+    ``rollout.on_prefix_mismatch=truncate`` cut (under ``error`` such an episode stops the run, and an agent that
+    then failed ends ``env_error``, its break counted here alone)."""
+    return sum(bool(t.breaks) for t in transcripts)
+
+
 def _counts(endpoint, minus: Optional[Dict[str, float]] = None) -> Dict[str, float]:
-    """The endpoint's ``agent/*`` counts so far (less ``minus``: one step's): requests served, refused, engine
-    calls they were batched into, seconds spent serving."""
+    """The endpoint's ``agent/*`` figures so far (less ``minus``: one step's): requests served, refused, engine
+    calls they were batched into, the wall seconds with a request in flight (``agent/endpoint_s``: the union of the
+    requests' intervals, :class:`~rlhf.rollout.endpoint.BusyClock`) and the requests' seconds summed
+    (``agent/request_s_sum``: more than the wall time when requests overlap; divided by ``agent/endpoint_s``, the
+    mean number in flight)."""
     now = {
         "agent/requests": float(endpoint.stats.requests),
         "agent/refused": float(endpoint.stats.refused),
         "agent/engine_calls": float(endpoint.batcher.calls),
-        "agent/endpoint_s": float(endpoint.stats.seconds),
+        "agent/endpoint_s": float(endpoint.busy.seconds()),
+        "agent/request_s_sum": float(endpoint.stats.seconds),
     }
     return {k: v - (minus or {}).get(k, 0.0) for k, v in now.items()}

@@ -8,7 +8,8 @@ One RL step reads like the algorithm::
 
 With ``rollout.max_staleness = k >= 1`` the generate stage takes samples generated ``k`` steps earlier, and the
 generation of step ``t + k`` runs on the engines while step ``t`` scores and trains (:mod:`rlhf.trainers.rl_schedule`);
-it ends before the weight sync. ``k = 0`` is the synchronous trainer, call for call.
+it ends before the weight sync, and a probe after the sync checks that it landed (:meth:`RLTrainer.probe_sync`).
+``k = 0`` is the synchronous trainer, call for call.
 
 Each stage is one method of :class:`RLTrainer`; the maths lives in ``rlhf.ops``, ``rlhf.objectives.actor_critic`` and
 ``rlhf.rl``, the actors in ``rlhf.distributed`` and ``rlhf.rollout``. The run around the steps (checkpoints, the
@@ -18,6 +19,7 @@ health guard, logging, rewinds) is :class:`rlhf.trainers.run.Run`'s, the same as
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import time
@@ -37,7 +39,7 @@ from rlhf.ops.dapo import OVERLONG_SOURCE, correct_samples, overlong_penalty
 from rlhf.ops.failures import counted
 from rlhf.rewards.functions import metric_names
 from rlhf.rewards.scoring import reward_scorers
-from rlhf.rl import advantages_for, logp_mismatch
+from rlhf.rl import advantages_for, logp_mismatch, logp_mismatch_max, rollout_batch
 from rlhf.rollout.backend import RolloutBackend
 from rlhf.rollout.vllm_engine import SamplingSpec
 from rlhf.trainers.rl_draws import draw_until_varied, partial_single_turn
@@ -64,6 +66,9 @@ EVAL_CONSOLE_KEYS = ("reward_mean", "accuracy", "response_length", "episode/turn
 RL_WATCHED = ("policy_loss", "grad_norm", "kl", "value_loss", "critic_grad_norm", "reward_mean")
 EVAL_SEED_BASE = 1 << 40  # evaluation seeds live far from the training steps' (seed * 1_000_003 + step * 10_007 + j)
 DRAW_SEED_BASE = 1 << 42  # dynamic sampling's draw d of a step: d * this + the step's base (far from both)
+PROBE_SEED = 3 << 40  # the weight-sync probe's requests: this + j, every step (between evaluation's and draw 1's)
+PROBE_SAMPLES = 4  # requests of the probe (k >= 1): enough tokens that one layer not synced shows, few to cost little
+PROBE_TOKENS = 16  # new tokens each, at most (rollout.max_new_tokens if fewer)
 TABLE_COLUMNS = (
     ("step", "step"),
     ("reward_mean", "reward"),
@@ -177,10 +182,38 @@ class RLTrainer:
                 self.schedule.settle_for_push()
         with timer("sync"):
             sync = self.push_weights(step.step)
-            self.schedule.pushed(step.step)
+        probed = self._probe_after_push(timer)  # before pushed(): a paused generation leaves the engines idle
+        self.schedule.pushed(step.step)
         stats = {**rollout.metrics, **train_stats, **kl_stats, **self._staleness(step.step, rollout)}
         stats.update(self.actors.perf_metrics())
-        return self.row(step, scores, per_source, batch, stats, sync, timer, failed)
+        return self.row(step, scores, per_source, batch, stats, sync, timer, failed, sync_mismatch=probed)
+
+    def _probe_after_push(self, timer: StageTimer) -> Optional[float]:
+        """``k >= 1``: :meth:`probe_sync` of the weights just pushed (``time/probe``); ``k = 0``: ``None``, the
+        step's own samples show it (:meth:`row`), and the synchronous step makes no extra call."""
+        if not self.schedule.staleness:
+            return None
+        with timer("probe"):
+            return self.probe_sync()
+
+    def probe_sync(self) -> Optional[float]:
+        """Mean |trainer - engine| log-prob on a probe both scored with the same weights: whether the last weight
+        sync landed (``sync_mismatch``; ~1e-7 when it did).
+
+        Why a probe: with ``rollout.max_staleness = k >= 1`` the step's samples were sampled by weights ``k``
+        updates older than the trainer's, so their gap (``logp_mismatch``) is the behaviour / proximal one, and the
+        step's tokens sampled by the trainer's own weights exist only with partial rollouts at ``k = 1``. The probe
+        is exact in every mode: right after the push the engines sample :data:`PROBE_SAMPLES` replies of at most
+        :data:`PROBE_TOKENS` tokens to the first training prompt (fixed seeds, the trainer's sampling) and the
+        policy scores them with the distribution sampled, as :meth:`annotate` does."""
+        r = self.cfg.rollout
+        sampling = dataclasses.replace(
+            self._sampling(self.prompts, PROBE_SEED), max_new_tokens=min(r.max_new_tokens, PROBE_TOKENS)
+        )
+        generations = self.actors.engines.generate([self.prompts.prompt_ids[0]] * PROBE_SAMPLES, sampling)
+        batch = rollout_batch(generations, self.tokenizer.pad_token_id)
+        logps = TokenLogps(temperature=r.temperature, sampling_filter=r.sampling_filter)
+        return logp_mismatch(batch.replace(old_logps=self.actors.policy.score_batch(batch, logps)))
 
     def _generate_step(self, step: int, pause: Optional[Pause] = None) -> Rollout:
         """Step ``step``'s samples with the engines' current weights, each sampled token recording the version
@@ -453,16 +486,23 @@ class RLTrainer:
         sync: dict,
         timer: StageTimer,
         failed: Optional[torch.Tensor] = None,
+        sync_mismatch: Optional[float] = None,
     ) -> dict:
+        """The step's logged row. ``sync_mismatch``: the probe's gap after this step's push (``k >= 1``,
+        :meth:`probe_sync`); ``None`` (``k = 0``): the step's own samples' gap, ``logp_mismatch``, which is the
+        same quantity there (trainer and engines held the same weights, those of the previous step's push)."""
         total_s = sum(timer.seconds.values())
         real = scores[counted(failed, len(scores))]  # placeholders are not rewards (rlhf.ops.failures)
+        mismatch = logp_mismatch(batch)
         row = {
             "step": step.step,
             "epoch": step.epoch,
             **_sample_stats(scores, per_source, batch, failed),
             "reward_std": float(real.std()) if len(real) > 1 else (0.0 if len(real) else None),  # None: all failed
             **train_stats,
-            "logp_mismatch": logp_mismatch(batch),
+            "logp_mismatch": mismatch,
+            "logp_mismatch_max": logp_mismatch_max(batch),
+            "sync_mismatch": mismatch if sync_mismatch is None else sync_mismatch,
             "num_samples": len(batch),
             **{f"time/{k}": round(v, 4) for k, v in timer.seconds.items()},
             "sync_mb_per_s": sync.get("bytes", 0.0) / 2**20 / max(sync.get("seconds", 0.0), 1e-9),

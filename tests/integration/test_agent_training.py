@@ -83,6 +83,9 @@ def test_an_agent_trains_through_the_endpoint_on_the_tokens_it_was_given(tiny_mo
         assert row["episode/turns"] == 2 and row["episode/env_tokens"] > 0  # the second request continued the first
         assert row["episode/ended_done"] + row["episode/ended_max_new_tokens"] == 1
         assert row["logp_mismatch"] < 1e-4  # the trainer scores exactly the tokens the engines sampled
+        assert row["episode/broken_chains"] == 0  # logged when none broke
+        # the endpoint's wall time lies within the step's generate stage; its requests overlapped
+        assert 0 < row["agent/endpoint_s"] <= row["time/generate"] and row["agent/request_s_sum"] > 0
         assert row["reward_mean"] == pytest.approx(row["reward/env"], abs=1e-6) and row["grad_norm"] > 0
 
 

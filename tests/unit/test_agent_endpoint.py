@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace as dataclasses_replace
 
 import pytest
 
@@ -129,14 +130,46 @@ def test_concurrent_episodes_are_batched_and_keep_their_own_seeds(endpoint):
 
     endpoint.engines.hold = others_queued
     threads = [threading.Thread(target=agent, args=(i, u)) for i, u in enumerate(urls)]
+    started = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    elapsed = time.perf_counter() - started
     assert answers == {i: ["12", "7 + 5", "hello there"][(10 * i) % 3] for i in range(6)}
     # the first call's requests, then all the others, which queued while the engines were busy, in one call
     assert len(endpoint.engines.calls) == 2 and sum(len(c) for c in endpoint.engines.calls) == len(urls)
     assert sorted(seed for call in endpoint.engines.calls for _, seed, _ in call) == [0, 10, 20, 30, 40, 50]
+    # agent/endpoint_s is wall time, within the agents' own; the requests' summed seconds count the overlap (the 5
+    # requests queued together) 5 times: measured 0.14-0.27 s of wall time against 0.42-0.49 s summed
+    assert 0 < endpoint.busy.seconds() <= elapsed and endpoint.busy.seconds() < endpoint.stats.seconds
+
+
+def test_the_busy_clock_is_the_union_of_the_requests_intervals_not_their_sum():
+    """agent/endpoint_s: requests over [0, 3], [1, 2] and [5, 6.5] are 4.5 s of wall time (their sum: 5.5 s); a
+    span still open counts up to now."""
+    from rlhf.rollout.endpoint import BusyClock
+
+    now = [0.0]
+    clock = BusyClock(lambda: now[0])
+    first, second = clock.busy(), clock.busy()
+    first.__enter__()  # t = 0
+    now[0] = 1.0
+    second.__enter__()
+    now[0] = 2.0
+    second.__exit__(None, None, None)
+    assert clock.seconds() == 2.0  # the first request is still in flight
+    now[0] = 3.0
+    first.__exit__(None, None, None)
+    now[0] = 5.0
+    assert clock.seconds() == 3.0  # idle from 3 to 5: not counted
+    with clock.busy():
+        now[0] = 6.5
+    assert clock.seconds() == 4.5 and clock.active == 0
+    with pytest.raises(RuntimeError), clock.busy():  # a request that fails still leaves
+        now[0] = 7.0
+        raise RuntimeError("the engines died")
+    assert clock.seconds() == 5.0 and clock.active == 0
 
 
 def test_errors_come_back_as_openai_errors(endpoint):
@@ -419,3 +452,50 @@ def test_a_template_that_drops_earlier_reasoning_breaks_the_chain_at_the_token_i
     with pytest.raises(EpisodeError, match="episode 4: request 2: the chat template renders"):
         transcript.episode()
     assert transcript.episode("truncate").turns == 1  # the chain up to the rewrite
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A step's episodes (rlhf.trainers.agent_rollout.AgentRollout) over this endpoint, the agents run in this process
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class LocalPool:
+    """The environment pool's ``run_agents`` as its actors run it (rlhf.envs.agents.run_agents), in this process."""
+
+    def __init__(self, agent):
+        self.agent = agent
+
+    def run_agents(self, urls, rows, errors="raise"):
+        results, _ = run_agents(self.agent, "agents.py:run", list(enumerate(zip(urls, rows))), timeout_s=30.0)
+        return results
+
+
+async def _asks_twice(client, row):
+    """Asks, then asks again after the reply; ``row["rewrite"]``: with its first message changed (a broken chain)."""
+    messages = [{"role": "user", "content": row["q"]}]
+    first = await client.chat.completions.create(model="policy", messages=messages)
+    if row["rewrite"]:
+        messages = [{"role": "user", "content": row["q"] + "!"}]
+    messages += [first.choices[0].message, {"role": "user", "content": "sure?"}]
+    await client.chat.completions.create(model="policy", messages=messages)
+    return 1.0
+
+
+def test_a_steps_broken_chains_are_counted_every_step_zero_when_none(endpoint, renderer):
+    from rlhf.trainers.agent_rollout import AgentRollout
+    from rlhf.trainers.rl_experience import PromptSet
+
+    rows = [{"q": "2 + 2", "rewrite": False}, {"q": "3 + 4", "rewrite": True}]
+    prompts = PromptSet([[1, 2], [3, 4]], ["a", "b"], {}, 0, 0, env_rows=rows)
+    episodes = AgentRollout(LocalPool(_asks_twice), endpoint, renderer.tokenizer, 400, 4, "truncate", "fail")
+    sampling = dataclasses_replace(endpoint.sampling, seed=7)
+    started = time.perf_counter()
+    broken = episodes(None, prompts, [0, 1, 1, 0], sampling, step=1).metrics
+    elapsed = time.perf_counter() - started
+    assert broken["episode/broken_chains"] == 2.0  # both episodes of row 1
+    assert broken["episode/ended_prefix_mismatch"] == 0.5  # the same episodes, as a share: cut by truncate
+    assert broken["agent/requests"] == 8 and 0 < broken["agent/endpoint_s"] <= elapsed
+    assert broken["agent/request_s_sum"] > 0
+    whole = episodes(None, prompts, [0, 0], sampling, step=2).metrics
+    assert whole["episode/broken_chains"] == 0.0 and whole["episode/ended_prefix_mismatch"] == 0.0  # logged: 0
+    assert whole["agent/requests"] == 4  # this step's requests only

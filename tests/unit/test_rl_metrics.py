@@ -10,6 +10,8 @@ That Ray workers keep the same contract per optimizer step is test_rl_e2e.py's a
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from group_helpers import LocalGroup
@@ -18,6 +20,7 @@ from shared_helpers import float64_model
 from rlhf.batch import Batch
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
+from rlhf.data.plan import StepPlan
 from rlhf.distributed.engine import EngineSpec
 from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps
 from rlhf.trainers.rl_steps import RLActors, RLTrainer, _largest
@@ -59,7 +62,7 @@ def rollout(model):
     return batch.replace(old_logps=old, advantages=advantages.contiguous())
 
 
-def _config(micro: int, ranks: int, ppo_epochs: int = 1) -> RLRunConfig:
+def _config(micro: int, ranks: int, ppo_epochs: int = 1, *extra: str) -> RLRunConfig:
     return load_config(
         RLRunConfig,
         "grpo_tiny",
@@ -73,6 +76,7 @@ def _config(micro: int, ranks: int, ppo_epochs: int = 1) -> RLRunConfig:
             f"train.num_workers={ranks}",
             f"algo.ppo_epochs={ppo_epochs}",
             "logging.console=line",
+            *extra,
         ],
     )
 
@@ -178,3 +182,106 @@ def test_the_run_says_when_the_aggregation_is_not_the_papers():
         == "token-mean (the paper's is seq-mean-token-mean)"
     )
     assert AlgorithmConfig(advantage_estimator="gae", loss_agg_mode="token-mean").describe_aggregation() == "token-mean"
+
+
+# ------------------------------------------------------------------------------------------ trainer / engine gaps
+def _gapped(old, rollout, mask):
+    """A one-row batch of 6 tokens with the given ``(6,)`` trainer and engine log-probs and loss mask."""
+    return Batch(
+        input_ids=torch.arange(4, 10)[None],
+        attention_mask=torch.ones(1, 6, dtype=torch.long),
+        loss_mask=torch.tensor([mask]),
+        old_logps=torch.tensor([old], dtype=torch.float64),
+        rollout_logps=torch.tensor([rollout], dtype=torch.float32),
+    )
+
+
+def test_logp_mismatch_max_is_the_largest_gap_on_a_response_token_beside_the_mean():
+    from rlhf.rl import logp_mismatch, logp_mismatch_max
+
+    #             prompt: a huge gap there is no sampled token's | response: gaps 0.125, 0.5, 0, 0.25 | padding
+    old = [-9.0, -1.0, -1.125, -2.5, -0.75, -7.0]
+    rollout = [0.0, -1.0, -1.0, -2.0, -0.75, -0.5]
+    batch = _gapped(old, rollout, [0, 0, 1, 1, 1, 0])
+    assert logp_mismatch_max(batch) == 0.5  # not 9 (a prompt token) nor 6.5 (padding)
+    assert logp_mismatch(batch) == pytest.approx((0.125 + 0.5) / 3)  # the mean keeps its meaning
+    assert logp_mismatch_max(_gapped(old, rollout, [0] * 6)) == 0.0  # no response token: no gap
+    assert logp_mismatch_max(batch.replace(rollout_logps=None)) is None  # nothing to compare: not logged
+    nan = _gapped([-1.0, float("nan"), -1.0, -1.0, -1.0, -1.0], [-1.0] * 6, [0, 1, 1, 0, 0, 0])
+    assert logp_mismatch_max(nan) != logp_mismatch_max(nan)  # a NaN log-prob is NaN here, not dropped
+
+
+class SyncedEngines:
+    """Stand-in engines after a weight sync: each request samples fixed tokens, reported with their log-probs under
+    the weights the engines hold (``model``: the policy's when the sync landed, an older copy when it did not)."""
+
+    def __init__(self, model, logps):
+        self.model, self.logps, self.asked = model, logps, []
+
+    def generate(self, prompt_ids, sampling):
+        from rlhf.rl import rollout_batch
+        from rlhf.rollout.vllm_engine import Generation
+
+        self.asked.append(([tuple(p) for p in prompt_ids], sampling))
+        out = []
+        for j, prompt in enumerate(prompt_ids):
+            response = tuple(5 + (3 * j + i) % 11 for i in range(sampling.max_new_tokens))
+            batch = rollout_batch([Generation(tuple(prompt), response, (0.0,) * len(response), "length")], 0)
+            with torch.no_grad():
+                logps = self.logps(self.model, batch)[0][batch.loss_mask[0] != 0]
+            out.append(Generation(tuple(prompt), response, tuple(logps.tolist()), "length"))
+        return out
+
+
+def _prober(model, engines_model, staleness: int):
+    from types import SimpleNamespace
+
+    from rlhf.trainers.rl_experience import PromptSet
+
+    cfg = _config(4, 1, 1, f"rollout.max_staleness={staleness}")
+    logps = TokenLogps(temperature=cfg.rollout.temperature, sampling_filter=cfg.rollout.sampling_filter)
+    engines = SyncedEngines(engines_model, logps)
+    policy = LocalGroup(model, EngineSpec.for_global_batch(4, 4, 1), 1)
+    prompts = PromptSet([[7, 8, 9], [10, 11]], ["a", "b"], {}, 0, 0, stop_token_ids=(3,))
+    plan = SimpleNamespace(total_steps=4)
+    tokenizer = SimpleNamespace(pad_token_id=0)
+    trainer = RLTrainer(cfg, tokenizer, prompts, plan, RLActors(policy=policy, engines=engines), None, None, None)
+    return trainer, engines
+
+
+def test_the_sync_probe_shows_whether_the_pushed_weights_reached_the_engines(model):
+    """k >= 1: the probe's gap is ~0 when the engines hold the policy's weights and large when they kept older
+    ones, whatever the step's stale samples say (rlhf/trainers/rl_steps.py RLTrainer.probe_sync)."""
+    from rlhf.trainers.rl_steps import PROBE_SAMPLES, PROBE_SEED, PROBE_TOKENS, StageTimer
+
+    stale = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in stale.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5), dtype=p.dtype))
+    trainer, engines = _prober(model, model, staleness=1)
+    timer = StageTimer()
+    landed = trainer._probe_after_push(timer)
+    assert landed is not None and landed < 1e-6  # float32 engine log-probs against float64 scores: rounding only
+    assert "probe" in timer.seconds  # time/probe
+    ((prompts, sampling),) = engines.asked
+    assert prompts == [(7, 8, 9)] * PROBE_SAMPLES and sampling.seed == PROBE_SEED  # fixed: the first prompt
+    assert sampling.max_new_tokens == min(PROBE_TOKENS, trainer.cfg.rollout.max_new_tokens)
+    assert sampling.stop_token_ids == (3,) and sampling.temperature == trainer.cfg.rollout.temperature
+    missed = _prober(model, stale, staleness=1)[0]._probe_after_push(StageTimer())
+    assert missed > 1e-2  # a sync that did not land
+    synchronous, engines = _prober(model, stale, staleness=0)
+    assert synchronous._probe_after_push(StageTimer()) is None and not engines.asked  # k = 0: no extra call
+
+
+def test_the_row_logs_the_gaps_and_k0s_sync_mismatch_is_logp_mismatch(model):
+    from rlhf.trainers.rl_steps import StageTimer
+
+    trainer, _ = _prober(model, model, staleness=0)
+    batch = _gapped([-1.0, -1.0, -1.125, -2.5, -0.75, -1.0], [-1.0, -1.0, -1.0, -2.0, -0.75, -1.0], [0, 0, 1, 1, 1, 0])
+    step = StepPlan(step=3, epoch=1, indices=[0])
+    args = (step, torch.tensor([1.0]), {}, batch, {}, {}, StageTimer())
+    row = trainer.row(*args)
+    assert row["logp_mismatch"] == pytest.approx(0.625 / 3) and row["logp_mismatch_max"] == 0.5
+    assert row["sync_mismatch"] == row["logp_mismatch"]  # k = 0: the step's own samples are the freshest weights'
+    stale_row = trainer.row(*args, sync_mismatch=2e-7)  # k >= 1: the probe's, not the behaviour / proximal gap
+    assert stale_row["sync_mismatch"] == 2e-7 and stale_row["logp_mismatch"] == row["logp_mismatch"]
