@@ -76,6 +76,9 @@ def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]
             return 1
         log.error(f"error: {exc}")  # a spec that does not load: bad input
         return 2
+    except TrainingHealthError as exc:  # the guard's own verdict, with the step and the last good checkpoint
+        log.error(f"error: {exc}")
+        return 1
     except RunInterrupted as exc:  # SIGINT / SIGTERM: checkpointed (rlhf.trainers.interrupt); 128 + the signal
         log.warning(str(exc))
         return exc.exit_code
@@ -87,13 +90,13 @@ def run_cli(config_cls, train: Callable, prog: str, argv: Optional[Sequence[str]
 
 def failure_line(exc: BaseException, traceback_path: Optional[str]) -> str:
     """The one line a run-time failure prints: a failure the run names (a worker's role, rank and call; an
-    environment's or agent's step, episode and turn; the health guard) as its message, anything else as its type
+    environment's or agent's step, episode and turn) as its message, anything else as its type
     and cause (:func:`rlhf.distributed.errors.cause_line`); then the step it happened at (the run's note) and where
     its traceback is."""
     from rlhf.envs.base import EnvError  # lazy: the CLI stays light until it trains
     from rlhf.rollout.episodes import EpisodeError
 
-    named = isinstance(exc, (WorkerError, TrainingHealthError, EnvError, EpisodeError))
+    named = isinstance(exc, (WorkerError, EnvError, EpisodeError))
     text = str(exc).strip() if named else f"{type(exc).__name__}: {cause_line(exc)}"
     where = [note for note in getattr(exc, "__notes__", ()) if note not in text]
     details = where + ([f"traceback: {traceback_path}"] if traceback_path else [])

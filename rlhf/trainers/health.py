@@ -120,7 +120,10 @@ class HealthGuard:
                     f"policy, a saturated or broken reward?)"
                 )
         value = row.get(self.spike_key)
-        if self.spike_factor and isinstance(value, (int, float)):
+        # a step whose gradient is exactly 0 trained on no signal (an RL step whose groups all tied): it says nothing
+        # of the usual scale, and counted it would drag the median of a sparse-reward run down until an ordinary
+        # step looked like a spike
+        if self.spike_factor and isinstance(value, (int, float)) and value != 0:
             if len(self._history) >= self.min_history:
                 median = statistics.median(self._history)
                 if median > 0 and value > self.spike_factor * median:

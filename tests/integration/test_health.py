@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+from collections import deque
 
 import pytest
 import torch
@@ -52,6 +53,17 @@ def test_grad_norm_spike_against_the_running_median():
     assert problem == ("step 6: grad_norm = 19 is 10.9x the running median 1.75 of the last 4 steps (limit 10x)")
     calm = HealthGuard(("grad_norm",), spike_factor=10.0, spike_window=4, min_history=3)
     assert _first_problem(calm, _rows([1.0] * 6, [1.0, 2.0, 1.5, 1.0, 2.0, 17.0])) is None
+
+
+def test_steps_with_no_gradient_are_not_the_scale_a_spike_is_judged_against():
+    """A sparse-reward GRPO run (the docs' first agent run tripped this): steps whose groups all tied train with a
+    gradient of exactly 0; counted, they made the median 0.17 and an ordinary 2.1 a 12.6x spike."""
+    norms = [2.0, 0.0, 0.0, 1.5, 0.0, 0.0, 0.0, 2.2]
+    sparse = HealthGuard(("grad_norm",), zero_loss_key=None, spike_factor=10.0, spike_window=4, min_history=2)
+    assert _first_problem(sparse, _rows([1.0] * len(norms), norms)) is None
+    assert sparse._history == deque([2.0, 1.5, 2.2], maxlen=4)
+    problem = sparse.problem({"step": 9, "loss": 1.0, "grad_norm": 30.0})  # a real spike still trips
+    assert problem is not None and "the running median 2 of the last 3 steps" in problem
 
 
 def test_an_rl_run_guards_its_kl_its_log_prob_gap_and_a_flat_reward():
