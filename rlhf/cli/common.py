@@ -109,7 +109,7 @@ def save_traceback(exc: BaseException, cfg) -> Optional[str]:
     """The failure's whole traceback (every chained cause: a dead actor's creation-task traceback) in
     ``train.output_dir/error.log``, else a temporary file; its path, or ``None`` when nothing could be written."""
     text = "".join(traceback.format_exception(exc))
-    out = getattr(getattr(cfg, "train", None), "output_dir", "")
+    out = cfg.train.output_dir  # every run config has train.output_dir (rlhf.config.schema.RunConfig)
     try:
         if out and os.path.isdir(out):
             path = os.path.join(out, "error.log")
