@@ -64,17 +64,16 @@ def filter_values(metric: str, scores: Tensor, per_source: Dict[str, Tensor], re
     return torch.where(real, per_source[source].double(), 0.0)
 
 
-def varied_groups(values: Tensor, group_size: int, failed: Optional[Tensor] = None) -> Tensor:
-    """``(G,)`` bool: the groups whose ``(B,)`` values (:func:`filter_values`) are not all equal and in which no
-    sample failed. A tied group has zero advantage under every group estimator (its baseline is its own score), so
-    it carries no policy gradient; a group with a failed sample is out of the step (:mod:`rlhf.ops.failures`)."""
+def varied_groups(values: Tensor, group_size: int) -> Tensor:
+    """``(G,)`` bool: the groups whose ``(B,)`` values (:func:`filter_values`) are not all equal. A tied group has
+    zero advantage under every group estimator (its baseline is its own score), so it carries no policy gradient."""
     grouped = _grouped(values, group_size)
-    varied = (grouped != grouped[:, :1]).any(dim=1)
-    return varied if failed is None else varied & ~failed_groups(failed, group_size)
+    return (grouped != grouped[:, :1]).any(dim=1)
 
 
 def failed_groups(failed: Tensor, group_size: int) -> Tensor:
-    """``(G,)`` bool: the groups holding a failed sample."""
+    """``(G,)`` bool: the groups holding a failed sample: out of the step (:mod:`rlhf.ops.failures`), so never
+    varied, whatever their placeholders."""
     return _grouped(failed, group_size).any(dim=1)
 
 

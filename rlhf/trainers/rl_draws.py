@@ -57,11 +57,10 @@ def draw_until_varied(
     drawn = set(step.indices)
     while True:
         draws[-1].scored = score(draws[-1])
-        lost = draws[-1].failures()  # failed samples: never make a group varied (rlhf.ops.failures)
-        real = counted(lost, len(draws[-1].prompt_index))
+        real = counted(draws[-1].failures(), len(draws[-1].prompt_index))  # placeholders are no rewards
+        failed.append(failed_groups(~real, n))  # never varied (rlhf.ops.failures)
         values = filter_values(r.dynamic_sampling_metric, *draws[-1].scored, real)
-        varied.append(varied_groups(values, n, lost))  # this draw's; the earlier ones' are kept
-        failed.append(failed_groups(~real, n))
+        varied.append(varied_groups(values, n) & ~failed[-1])  # this draw's; the earlier ones' are kept
         found += int(varied[-1].sum())
         if found >= r.prompts_per_step or len(draws) > r.dynamic_sampling_draws:
             break

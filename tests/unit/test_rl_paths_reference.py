@@ -150,6 +150,18 @@ def _place(ragged, spans, width):
     return out
 
 
+def _layout_batch(layout, **ragged):
+    """The layout's padded rows, each ``ragged`` per-token field (one ``(R_i,)`` tensor a row) placed on its span."""
+    width = layout.ids.shape[1]
+    return Batch(
+        input_ids=layout.ids,
+        attention_mask=layout.attn,
+        loss_mask=layout.mask,
+        sample_index=torch.arange(len(layout.spans)),
+        **{name: _place(values, layout.spans, width) for name, values in ragged.items()},
+    )
+
+
 def _ragged(x, spans):
     return [x[i, list(s)] for i, s in enumerate(spans)]
 
@@ -200,17 +212,7 @@ def problem(policy):
     ref_logps = [o + e for o, e in zip(old, _noise(gen, RESPONSE_LENGTHS, 0.2))]
     values = _noise(gen, RESPONSE_LENGTHS, 1.0)
     behaviour = [o - torch.tensor(x, dtype=torch.float64) for o, x in zip(old, LOG_RHO)]
-    width = layout.ids.shape[1]
-    batch = Batch(
-        input_ids=layout.ids,
-        attention_mask=layout.attn,
-        loss_mask=layout.mask,
-        sample_index=torch.arange(len(GROUPS)),
-        old_logps=_place(old, layout.spans, width),
-        ref_logps=_place(ref_logps, layout.spans, width),
-        values=_place(values, layout.spans, width),
-        rollout_logps=_place(behaviour, layout.spans, width),
-    )
+    batch = _layout_batch(layout, old_logps=old, ref_logps=ref_logps, values=values, rollout_logps=behaviour)
     # the reference reads the batch's own numbers back, ragged
     return SimpleNamespace(
         layout=layout,
@@ -730,15 +732,7 @@ def shaped(policy):
     gen = torch.Generator().manual_seed(42)
     old = [n + e for n, e in zip(_logps(policy, layout.samples), _noise(gen, OVERLONG_LENGTHS, 0.3))]
     values = _noise(gen, OVERLONG_LENGTHS, 1.0)
-    width = layout.ids.shape[1]
-    batch = Batch(
-        input_ids=layout.ids,
-        attention_mask=layout.attn,
-        loss_mask=layout.mask,
-        sample_index=torch.arange(len(GROUPS)),
-        old_logps=_place(old, layout.spans, width),
-        values=_place(values, layout.spans, width),
-    )
+    batch = _layout_batch(layout, old_logps=old, values=values)
     rollout = Rollout(batch, prompt_index=list(GROUPS), responses=[""] * len(GROUPS))
     prompts = PromptSet(layout.prompts, ["p0", "p1"], {}, 0, 0)
     return SimpleNamespace(layout=layout, rollout=rollout, prompts=prompts, old=old, values=values)
