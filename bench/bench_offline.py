@@ -163,8 +163,8 @@ def gradient_exactness(model_dir, sft_rows, pair_rows, out, global_batch=8):
 # ------------------------------------------------------------------------------------------- throughput
 def throughput(model_dir, sft_path, pair_path, out, steps):
     from rlhf.config import DPORunConfig, SFTRunConfig, load_config
-    from rlhf.trainers.dpo import train_dpo
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.dpo import train_dpo
+    from rlhf.trainers.offline.sft import train_sft
 
     results = {}
     trainers = (("sft", SFTRunConfig, train_sft, sft_path), ("dpo", DPORunConfig, train_dpo, pair_path))

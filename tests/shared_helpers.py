@@ -293,3 +293,12 @@ def saved_by_subprocess(test_file: str, function: str, model: str, out, timeout_
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     return torch.load(out)
+
+
+def preflight(cfg, *args, **kwargs):
+    """:func:`rlhf.trainers.preflight.preflight` of ``cfg`` under its trainer's descriptor, looked up by the config's
+    class as the command lines do (the core takes the descriptor; only the layer above the trainers looks it up)."""
+    from rlhf.trainers.kinds import kind_of
+    from rlhf.trainers.preflight import preflight as run_preflight
+
+    return run_preflight(cfg, kind_of(cfg), *args, **kwargs)

@@ -6,7 +6,7 @@ Run from the repo root (2 and 4 minutes on 2 CPU cores; examples/multi_turn/READ
     .venv/bin/python examples/multi_turn/train_loop.py --env retry        # feedback and one retry
 
 Both build the tiny model, write the example's data (examples/multi_turn/data.py), warm it up with SFT
-(``rlhf.trainers.sft.train_sft``, the ``sft_tiny`` preset) and then run GRPO. One RL step::
+(``rlhf.trainers.offline.sft.train_sft``, the ``sft_tiny`` preset) and then run GRPO. One RL step::
 
     records = run_episodes(engines, pool, ...)      # every live episode's next turn together, then the envs'
     batch = episodes_batch(episodes, pad_id)        # one row per episode; loss on the policy's tokens only
@@ -149,7 +149,7 @@ def warm_up(model_dir: str, sft_path: str, out_dir: str, settings: Settings) -> 
     """The SFT warm-up through the toolkit's trainer; returns its final model directory."""
     from rlhf.config.loader import load_config
     from rlhf.config.schema import SFTRunConfig
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.sft import train_sft
 
     cfg = load_config(
         SFTRunConfig,

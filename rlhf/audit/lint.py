@@ -33,18 +33,13 @@ a CPU box checks the GPU run it prepares), one of the CPU run only a warning.
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from rlhf.config.deepspeed_check import DTYPE_NAMES, contradictions, section_enabled
-from rlhf.config.rl_schema import RLRunConfig
-from rlhf.config.schema import RunConfig, TrainConfig
-from rlhf.data.plan import EpochPlan
+from rlhf.config.schema import RunConfig
+from rlhf.trainers.findings import ERROR, WARNING, Finding
 from rlhf.trainers.kinds import kind_of
-
-ERROR, WARNING = "error", "warning"
 
 # Why a contradicting DeepSpeed field matters, appended to deepspeed_check's message.
 _WHY = {
@@ -53,25 +48,6 @@ _WHY = {
 }
 
 _KEY = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+)+)")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One hazard: ``level`` (error | warning), the config ``key`` it is about (with ``=value`` when that helps),
-    and what is wrong."""
-
-    level: str
-    key: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.key}: {self.message}"
-
-    def name(self) -> str:
-        """The key, with the DeepSpeed field for a finding about the user's JSON: what a verdict line names."""
-        if self.key == "strategy.deepspeed_config":
-            return f"{self.key} ({self.message.split(':', 1)[0]})"
-        return self.key
 
 
 def from_config_error(message: str) -> Optional[Finding]:
@@ -104,10 +80,7 @@ def lint(cfg: RunConfig, user_ds_config: Optional[dict] = None, train_rows: Opti
     found: List[Finding] = []
     if user_ds_config is not None:
         found += deepspeed_findings(cfg, user_ds_config)
-    if kind_of(cfg).online and isinstance(cfg, RLRunConfig):  # online: always an RLRunConfig (narrows the type)
-        found += _rl_batches(cfg, train_rows)
-    elif train_rows is not None:
-        found += _epochs(cfg.train.global_batch_size, "train.global_batch_size", "rows", train_rows, cfg.train)
+    found += kind_of(cfg).lint_batches(cfg, train_rows)  # the trainer's own: epochs, RL's rollout batches
     found += _run_settings(cfg)
     return sorted(found, key=lambda f: f.level != ERROR)
 
@@ -193,87 +166,6 @@ def _autocast(user: dict, precision: str) -> List[str]:
 
 
 # --------------------------------------------------------------------------------------------- batches and data
-
-
-def _epochs(batch: int, key: str, unit: str, rows: int, t: TrainConfig) -> List[Finding]:
-    """Rows against one step's batch: not one step, rows left over each epoch, ``max_steps`` beyond the epochs."""
-    if rows < batch:
-        return [Finding(ERROR, f"{key}={batch}", f"data.train_path has only {rows} {unit}: not one step fits")]
-    plan = EpochPlan(num_samples=rows, global_batch_size=batch, max_epochs=t.max_epochs)  # the trainers' own rule
-    per_epoch, total = plan.steps_per_epoch, plan.total_steps
-    left = rows - per_epoch * batch
-    found = []
-    if left:
-        found.append(
-            Finding(
-                WARNING,
-                f"{key}={batch}",
-                f"data.train_path's {rows} {unit} give {per_epoch} steps per epoch and leave {left} "
-                f"{unit} unused per epoch (dropped after each reshuffle, a different {left} each epoch; "
-                f"never a partial accumulation window)",
-            )
-        )
-    if t.max_steps != -1 and t.max_steps > total:
-        epochs = math.ceil(t.max_steps / per_epoch)
-        found.append(
-            Finding(
-                ERROR,
-                f"train.max_steps={t.max_steps}",
-                f"the data gives only {t.max_epochs} epoch(s) x {per_epoch} steps = {total} steps "
-                f"(a run is min(train.max_steps, train.max_epochs x steps per epoch)); set "
-                f"train.max_epochs={epochs} or train.max_steps<={total}",
-            )
-        )
-    return found
-
-
-def _rl_batches(cfg: RLRunConfig, prompts: Optional[int]) -> List[Finding]:
-    t, r = cfg.train, cfg.rollout
-    found = [] if prompts is None else _epochs(r.prompts_per_step, "rollout.prompts_per_step", "prompts", prompts, t)
-    samples, batch = r.samples_per_step, t.global_batch_size
-    if samples % batch:
-        found.append(
-            Finding(
-                WARNING,
-                f"train.global_batch_size={batch}",
-                f"each rollout batch of {samples} samples (rollout.prompts_per_step x "
-                f"rollout.n_samples_per_prompt) gives {samples // batch} optimizer steps and leaves "
-                f"{samples % batch} samples out of every pass: generated and scored, never trained on",
-            )
-        )
-    if cfg.critic_batch_problem():
-        found.append(Finding(ERROR, f"critic.num_workers={cfg.critic.num_workers}", cfg.critic_batch_problem()))
-    return found + _rl_algorithm(cfg)
-
-
-def _rl_algorithm(cfg: RLRunConfig) -> List[Finding]:
-    """Settings the config accepts whose effect is not what their names suggest (the registry entries' facts)."""
-    a, found = cfg.algo, []
-    if a.aggregation == "seq-mean-token-sum" and cfg.train.max_grad_norm > 0:
-        found.append(
-            Finding(
-                WARNING,
-                "algo.loss_agg_mode=seq-mean-token-sum",
-                f"sums each response's ~{cfg.max_response_tokens} token losses, so the gradient norm is "
-                f"~{cfg.max_response_tokens}x the per-token scale and train.max_grad_norm="
-                f"{cfg.train.max_grad_norm:g} clips almost every step (a clipped step no longer follows "
-                f"its gradient's size); seq-mean-token-sum-norm is the same objective over the "
-                f"generation budget, Dr. GRPO's",
-            )
-        )
-    entry, (low, high) = a.policy_loss_entry, a.clip
-    if entry.sequence_level and max(low / entry.clip_low, high / entry.clip_high) >= 10:
-        found.append(
-            Finding(
-                WARNING,
-                "algo.clip_low" if low / entry.clip_low >= 10 else "algo.clip_high",
-                f"{low:g} / {high:g} with policy loss {a.policy_loss}: its ratio is a per-token geometric "
-                f"mean over the sequence, which almost never leaves [1 - {low:g}, 1 + {high:g}], so it "
-                f"runs unclipped; its paper clips at {entry.clip_low:g} / {entry.clip_high:g} (unset "
-                f"algo.clip_low and algo.clip_high to train with it)",
-            )
-        )
-    return found
 
 
 # --------------------------------------------------------------------------------------------- run settings

@@ -28,7 +28,6 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, TextIO
 
 from rlhf.audit.compare import WeightsDiff
 from rlhf.audit.factorizations import Factorization, Fits
-from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import RunConfig
 from rlhf.distributed.cluster import cluster_gpus, init_ray
 from rlhf.distributed.resource_plan import resolve_devices
@@ -100,26 +99,14 @@ def split_overrides(cfg: RunConfig, f: Factorization) -> List[str]:
     out = [f"train.micro_batch_size={f.micro}", f"train.num_workers={f.ranks}"]
     if cfg.train.max_tokens_per_micro_batch and f.why != "configured":
         out.append("train.max_tokens_per_micro_batch=0")
-    if kind_of(cfg).online and isinstance(cfg, RLRunConfig):  # online: an RLRunConfig (narrows the type)
-        if cfg.algo.needs_critic and cfg.critic.num_workers == cfg.train.num_workers:
-            out.append(f"critic.num_workers={f.ranks}")
-            if cfg.colocate.critic_reward:
-                out.append(f"reward.model_num_workers={f.ranks}")
-        if cfg.colocate.hybrid_engine:
-            out.append(f"rollout.num_engines={f.ranks}")
-    return out
+    return out + kind_of(cfg).audit_overrides(cfg, f.micro, f.ranks)  # the trainer's groups tied to the ranks
 
 
 def split_fits(cfg: RunConfig) -> Fits:
-    """Online RL with a critic: its ranks (tied to the policy's, or fixed) must divide the global batch too."""
-
-    def fits(micro: int, ranks: int) -> bool:
-        if not (kind_of(cfg).online and isinstance(cfg, RLRunConfig) and cfg.algo.needs_critic):
-            return True
-        critic = ranks if cfg.critic.num_workers == cfg.train.num_workers else cfg.critic.num_workers
-        return cfg.train.global_batch_size % (micro * critic) == 0
-
-    return fits
+    """Whether a ``(micro, ranks)`` split fits the trainer's other groups (online RL with a critic: its ranks, tied
+    to the policy's or fixed, must divide the global batch too)."""
+    kind = kind_of(cfg)
+    return lambda micro, ranks: kind.audit_split_fits(cfg, micro, ranks)
 
 
 def runs_deepspeed_config(user: Optional[dict], workdir: str, fp64: bool = False) -> str:

@@ -201,7 +201,7 @@ def _count_rows(cfg: RunConfig) -> Tuple[Optional[int], str]:
 
 
 def _run_and_compare(trainer, cfg: RunConfig, user_ds, args) -> int:
-    preflight(cfg)  # what each run checks before its actors start, once before the audit's cluster starts
+    preflight(cfg, trainer)  # what each run checks before its actors start, once before the audit's cluster starts
     t = cfg.train
     fits = split_fits(cfg)
     # under a token budget the configured run is 1 row a micro-batch to DeepSpeed (rlhf.audit.runner.split_overrides)

@@ -59,8 +59,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     quiet_environment()
     from rlhf.eval.generation import accuracy, sampled_accuracy  # lazy: pulls in torch (after DS_ACCELERATOR is set)
-    from rlhf.trainers.rl_runner import train_ppo  # lazy: pulls in torch (after DS_ACCELERATOR is set)
-    from rlhf.trainers.sft import train_sft  # lazy: pulls in torch (after DS_ACCELERATOR is set)
+    from rlhf.trainers.offline.sft import train_sft  # lazy: pulls in torch (after DS_ACCELERATOR is set)
+    from rlhf.trainers.online.runner import train_ppo  # lazy: pulls in torch (after DS_ACCELERATOR is set)
 
     started = time.time()
     assets = make_assets(os.path.join(args.workdir, "assets"), log=log.info)

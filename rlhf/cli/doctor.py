@@ -106,7 +106,7 @@ def _probe_worker(gpus: float) -> dict:
 
 def _selections(cluster_gpus: float) -> dict:
     """What ``auto`` picks for a run on this cluster, printed as a table."""
-    from rlhf.rollout.weight_sync import resolve_weight_sync  # lazy: pulls in torch (the version report needs none)
+    from rlhf.rollout.weights.sync import resolve_weight_sync  # lazy: pulls in torch (the version report needs none)
 
     devices = resolve_devices(StrategyConfig(), cluster_gpus)
     worker = _probe_worker(devices.gpus_per_worker)
@@ -145,7 +145,7 @@ def _finite(row: dict, keys) -> None:
 
 
 def _sft(assets: dict, workdir: str, precision: str) -> str:
-    from rlhf.trainers.sft import train_sft  # lazy: pulls in torch (and a broken install fails this check only)
+    from rlhf.trainers.offline.sft import train_sft  # lazy: pulls in torch (and a broken install fails this check only)
 
     cfg = load_config(
         SFTRunConfig,
@@ -170,7 +170,9 @@ def _sft(assets: dict, workdir: str, precision: str) -> str:
 
 
 def _grpo(assets: dict, workdir: str, name: str, precision: str, extra: tuple = ()) -> str:
-    from rlhf.trainers.rl_runner import train_ppo  # lazy: pulls in torch (and a broken install fails this check only)
+    from rlhf.trainers.online.runner import (
+        train_ppo,  # lazy: pulls in torch (and a broken install fails this check only)
+    )
 
     out = os.path.join(workdir, name)
     cfg = load_config(

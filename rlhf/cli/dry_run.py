@@ -21,8 +21,7 @@ from __future__ import annotations
 import os
 from typing import List, Sequence, Tuple
 
-from rlhf.config.rl_schema import RLRunConfig
-from rlhf.config.schema import ConfigError, DPORunConfig, RunConfig
+from rlhf.config.schema import ConfigError, RunConfig
 from rlhf.distributed.cluster import local_num_cpus
 from rlhf.distributed.engine import effective_zero_stage
 from rlhf.distributed.packing import (
@@ -43,13 +42,10 @@ from rlhf.distributed.resource_plan import (
     Devices,
     GroupPlan,
     ResourcePlan,
-    engine_gpus,
-    engine_sleep,
     resolve_devices,
 )
-from rlhf.ops.algorithms import describe, needs_length
 from rlhf.trainers.kinds import kind_of
-from rlhf.trainers.preflight import policy_positions, preflight
+from rlhf.trainers.preflight import preflight
 
 
 def dry_run(cfg: RunConfig, prog: str, cluster: str = "") -> None:
@@ -68,9 +64,8 @@ def dry_run(cfg: RunConfig, prog: str, cluster: str = "") -> None:
     name, label, nodes = cluster_nodes(cfg, cluster)
     devices = resolve_devices(cfg.strategy, sum(n.gpus for n in nodes))
     plan = kind.plan(cfg, devices.gpus_per_worker)
-    paths = preflight(cfg, here=False, precision=devices.precision)
-    # online: always an RLRunConfig (the isinstance narrows the type)
-    rollout = _rollout_lines(cfg, plan, devices) if kind.online and isinstance(cfg, RLRunConfig) else []
+    paths = preflight(cfg, kind, here=False, precision=devices.precision)
+    rollout = kind.describe(cfg, plan, devices)  # the trainer's own lines (online RL: engines, weight sync, episodes)
     packing = pack(plan, nodes, cluster=name)
     lines = [
         f"dry run: {prog}: the configuration is valid; nothing was started (no Ray actor, no weights loaded)",
@@ -141,52 +136,6 @@ def _live_nodes(address: str) -> Tuple[NodeShape, ...]:
 
 
 # ---------------------------------------------------------------------------------------------------- rollout
-
-
-def _rollout_lines(cfg: RLRunConfig, plan: ResourcePlan, devices: Devices) -> List[str]:
-    """Engines, devices per engine, vLLM sleep mode and the weight-sync transport, as the RL runner resolves them."""
-    from rlhf.rollout.weight_sync import resolve_weight_sync  # lazy: pulls in torch
-
-    r, c = cfg.rollout, cfg.colocate
-    engines = next(a for a in plan.actors if a.role == ROLLOUT)
-    sleep = engine_sleep(c, engine_gpus(r.tensor_parallel_size, devices.gpus_per_worker))
-    sync = resolve_weight_sync(r.weight_sync, hybrid_engine=c.hybrid_engine, gpus_per_engine=engines.gpus)
-    device = (f"{r.tensor_parallel_size:g} GPU" if engines.gpus >= 1 else "CPU") + " per engine"
-    if engines.group:
-        device = f"engine e on policy rank e's {'device' if engines.gpus else 'bundle'} (colocate.hybrid_engine)"
-    backend = "nccl" if engines.gpus > 0 and devices.gpus_per_worker > 0 else "gloo"  # both ends on GPUs
-    transport = {
-        "ipc": "CUDA IPC handles, policy rank e -> engine e on their shared device",
-        "object_store": "buckets through the Ray object store",
-        "broadcast": f"policy rank 0 -> every engine worker over a {backend} process group",
-    }.get(sync, sync)
-    context = f"{cfg.engine_context} ({cfg.engine_context_keys}" + (
-        ": a turn may sample past the episode's budget, which keeps what fits)" if cfg.multi_turn else ")"
-    )
-    positions = policy_positions(cfg)  # a longer context was refused by the preflight
-    context += (
-        f", within the model's {positions.limit} positions ({positions.source})"
-        if positions
-        else "; the model's positions are checked by the run (its config.json is not on this machine)"
-    )
-    lines = [
-        f"rollout: {_count(r.num_engines, 'vLLM engine')}, tensor_parallel_size {r.tensor_parallel_size}, {device}",
-        f"  max_model_len {context}",
-        f"  vLLM sleep mode: {'on' if sleep else 'off'} (colocate.engine_sleep={c.engine_sleep})",
-        f"  weight sync: {sync}: {transport} (rollout.weight_sync={r.weight_sync}), "
-        f"{r.weight_sync_bucket_mb} MB buckets",
-        "  " + cfg.describe_schedule(),
-    ]
-    if cfg.multi_turn:
-        e = cfg.env
-        lines += [
-            f"environment: {e.spec} on {_count(e.num_actors, 'actor')}, {e.step_timeout_s:g} s per reset or "
-            f"step at most (env.step_timeout_s)",
-            f"  episodes: up to {r.max_turns} turns and {r.max_episode_tokens} tokens each, then "
-            f"rollout.episode_limit={r.episode_limit}; observations: rollout.observation_format="
-            f"{r.observation_format}; an episode is one sample of the rollout batch",
-        ]
-    return lines
 
 
 def _count(n: int, noun: str) -> str:
@@ -294,7 +243,7 @@ def _sharing(plan: ResourcePlan, packing: Packing) -> str:
 
 def batch_lines(cfg: RunConfig) -> List[str]:
     """The global-batch arithmetic: offline, global = micro x accumulation x ranks; RL, the rollout batch and the
-    optimizer steps it makes."""
+    optimizer steps it makes (the trainer's ``batch_lines``)."""
     t, lora, kind = cfg.train, cfg.model.lora, kind_of(cfg)
     lines = [f"  train.global_batch_size {t.global_batch_size} = {t.describe_batching()} (samples per optimizer step)"]
     if lora.enabled:
@@ -306,59 +255,7 @@ def batch_lines(cfg: RunConfig) -> List[str]:
                 else ""
             )
         )
-    if kind.online and isinstance(cfg, RLRunConfig):  # online: always an RLRunConfig (narrows the type)
-        return _rl_batch_lines(cfg, lines)
-    if kind.reference_group(cfg) and isinstance(cfg, DPORunConfig):  # DPO's reference group (narrows the type)
-        dpo = cfg.dpo
-        lines.append(
-            f"  reference: {dpo.ref_num_workers} ranks, dpo.ref_mode={dpo.ref_mode}"
-            + (" (scores every pair once, then released)" if dpo.ref_mode == "precompute" else "")
-        )
-    lines.append(
-        f"  optimizer steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
-        f"floor(rows / {t.global_batch_size})), rows counted at run time; data.max_length "
-        f"{cfg.data.max_length}"
-    )
-    return lines
-
-
-def _rl_batch_lines(cfg: RLRunConfig, lines: List[str]) -> List[str]:
-    """:func:`batch_lines` of online RL: the rollout batch first, then ``lines`` (the global batch, LoRA), then the
-    optimizer steps, the LR schedule and the algorithm."""
-    t, r, a = cfg.train, cfg.rollout, cfg.algo
-    dropped = r.samples_per_step % t.global_batch_size
-    lines.insert(
-        0,
-        f"  RL step: {r.prompts_per_step} prompts x {r.n_samples_per_prompt} samples = rollout batch "
-        f"{r.samples_per_step} ({-(-r.samples_per_step // r.num_engines)} samples per engine)",
-    )
-    lines.append(
-        f"  optimizer steps per RL step: algo.ppo_epochs {a.ppo_epochs} x floor({r.samples_per_step} / "
-        f"{t.global_batch_size}) = {cfg.optimizer_steps_per_rl_step}"
-        + (f" ({dropped} samples per pass dropped)" if dropped else "")
-    )
-    if a.needs_critic:
-        lines.append(f"  critic: {t.describe_batching(cfg.critic.num_workers)}")
-    lines.append(
-        f"  RL steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
-        f"floor(prompts / {r.prompts_per_step})), prompts counted at run time"
-    )
-    decay = (
-        "constant"
-        if t.lr_scheduler == "constant"
-        else f"{t.lr_scheduler} towards lr x {t.min_lr_ratio} over the run's optimizer steps (RL steps x "
-        f"{cfg.optimizer_steps_per_rl_step})"
-    )
-    lines.append(f"  LR: warmup {t.warmup_steps} optimizer steps, then {decay}; skipped steps advance it")
-    lines.append(
-        f"  loss aggregation: {a.describe_aggregation()}"
-        + (f", L = {cfg.max_response_tokens} tokens (the generation budget)" if needs_length(a.aggregation) else "")
-    )
-    lines.append(f"  clip: {a.describe_clip()}")
-    lines += [
-        f"  {line}" for line in describe(a.advantage_estimator, a.policy_loss, a.kl_mode, a.kl_estimator, a.kl_coef)
-    ]
-    return lines
+    return kind.batch_lines(cfg, lines)  # the trainer's own: DPO's reference, RL's rollout batch and algorithm
 
 
 def _verdict(packing: Packing, cluster: str) -> str:

@@ -297,8 +297,8 @@ class WorkerGroup:
 
     def push_weights(self, version: Optional[int] = None) -> Dict[str, float]:
         """Full weights -> the rollout engines through the attached senders, as weight ``version`` (checked on
-        arrival: :func:`rlhf.rollout.senders.check_delivery`); the sending ranks' stats merged (bytes and tensors
-        per engine as rank 0 saw them, seconds of the slowest rank)."""
+        arrival: :func:`rlhf.rollout.weights.senders.check_delivery`); the sending ranks' stats merged (bytes and
+        tensors per engine as rank 0 saw them, seconds of the slowest rank)."""
         refs = [w.push_weights.remote(version) for w in self.workers]
         stats = [s for s in self._gather(refs, "push_weights") if s]
         if not stats:

@@ -15,7 +15,7 @@ the peer it waited for:
 
 The same code runs for gloo and NCCL (only the backend built afterwards differs), so the CPU tests run the GPU
 path's waits. Used by the trainers' group (:meth:`rlhf.distributed.worker.TrainerWorker.init_process_group`) and
-the weight-sync group (:mod:`rlhf.rollout.sync_group`).
+the weight-sync group (:mod:`rlhf.rollout.weights.group`).
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ def offline_plan(
     """SFT, reward model and DPO: the trained model's group, then (DPO) the reference's.
 
     Both groups hold their resources at once, even with ``dpo.ref_mode=precompute``, whose reference group is
-    released after scoring, before the first step (``rlhf.trainers.dpo.attach_reference``).
+    released after scoring, before the first step (``rlhf.trainers.offline.dpo.attach_reference``).
 
     Args:
         cfg: An SFT / reward-model / DPO run config.

@@ -31,7 +31,7 @@ from rlhf.utils.flops import ModelFlops, PerfMeter, peak_tflops
 
 
 class WeightSender(Protocol):
-    """The policy side of a weight sync, as a trainer worker sees it (``rlhf.rollout.senders`` implements it).
+    """The policy side of a weight sync, as a trainer worker sees it (``rlhf.rollout.weights.senders`` implements it).
 
     ``listen`` runs when the sender is attached to its rank (it may host a rendezvous and return its address),
     ``connect`` once the peers were told that address, ``send`` at every sync with the full named tensors on

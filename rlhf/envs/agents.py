@@ -1,7 +1,7 @@
 """Agent code as the environment: ``env.spec`` naming a function ``run(client, row)`` (or ``async def``).
 
 An agent is an episode written as a program rather than as ``reset`` / ``step``: it gets an ``openai`` client whose
-``base_url`` is its episode's endpoint (:mod:`rlhf.rollout.endpoint`: the policy, this RL step's weights) and its
+``base_url`` is its episode's endpoint (:mod:`rlhf.rollout.openai.endpoint`: the policy, this RL step's weights) and its
 prompt row (every column ``env.columns`` and ``reward.columns`` pass), talks to the model as it would to any
 OpenAI-compatible server (tool calls included), and returns the episode's reward: a number, or an
 :class:`AgentResult` with details to log. The endpoint records every token, so the episode trained on is what the

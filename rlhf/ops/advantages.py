@@ -86,8 +86,8 @@ TOKEN_REWARDS, SCORES = "token_rewards", "scores"
 @dataclass(frozen=True)
 class Estimator:
     """One advantage estimator: its maths and every fact the rest of the project needs about it. Config validation,
-    :func:`rlhf.rl.advantages_for`, ``--dry-run``, the audit lint and docs/algorithms read these fields; no other
-    list of estimator names exists, so a new estimator is one entry plus its maths.
+    :func:`rlhf.ops.batch_advantages.advantages_for`, ``--dry-run``, the audit lint and docs/algorithms read these
+    fields; no other list of estimator names exists, so a new estimator is one entry plus its maths.
 
     Attributes:
         fn: the maths, ``AdvantageInputs -> (advantages (B, T), returns (B, T))``.
@@ -344,8 +344,8 @@ def grpo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     and verl uses; the paper does not say. A group of size 1 has no spread to normalize by and gets advantage 0,
     as does any group whose scores are all equal (exactly 0, also with ``eps = 0``). ``token_rewards`` is not
     used: the paper's KL is a loss (its ``k3`` term); a KL penalty in the reward reaches GRPO through the scores
-    (:func:`rlhf.rl.advantages_for` subtracts its sum over the response). Returns equal the advantages (there is
-    no critic).
+    (:func:`rlhf.ops.batch_advantages.advantages_for` subtracts its sum over the response). Returns equal the
+    advantages (there is no critic).
 
     Uses ``scores``, ``group_ids``, ``response_mask``, ``eps``.
     """
@@ -398,8 +398,8 @@ def rloo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     size 1 has no other sample and gets 0; a group of equal scores gets exactly 0. Returns equal the advantages.
 
     Uses ``scores``, ``group_ids``, ``response_mask``. (Sequence scores only: the paper's KL penalty is
-    sequence-level, ``r(x, y) - beta log pi(y|x) / ref(y|x)``, which :func:`rlhf.rl.advantages_for` folds into the
-    scores for ``algo.kl_mode=reward``.)
+    sequence-level, ``r(x, y) - beta log pi(y|x) / ref(y|x)``, which :func:`rlhf.ops.batch_advantages.advantages_for`
+    folds into the scores for ``algo.kl_mode=reward``.)
     """
     size, total, _, constant = _group_stats(inputs.scores, inputs.group_ids, "rloo")
     s = inputs.scores.detach().to(torch.float64)

@@ -1,7 +1,7 @@
 """DAPO's sampling-side techniques (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at
 Scale"): which groups of a dynamic-sampling draw enter the train batch (sec. 3.2), and the overlong reward shaping
 (sec. 3.4, eq. 13). Pure maths and selection on the driver; the draws themselves are
-:meth:`rlhf.trainers.rl_steps.RLTrainer.generate`'s.
+:meth:`rlhf.trainers.online.steps.RLTrainer.generate`'s.
 
 Shapes: ``B = G * n`` samples, ``G`` groups of ``n`` consecutive samples of one prompt (the rollout's order).
 """

@@ -10,8 +10,8 @@ both orders, so a judge that always says "A" gives every response 0.5, not a bia
 
 This module is the judge over any generation backend with the rollout engines' signature (:class:`JudgeEngines`);
 the spec, the parsing and the win-rate maths are :mod:`rlhf.rewards.judge_spec` (pure, re-exported here);
-:func:`rlhf.rollout.judge.start_judge` starts vLLM engines of the judge model and builds the :class:`LLMJudge` over
-them (the rollout layer owns the engines; this layer must not import it).
+:func:`rlhf.rollout.vllm.judge_engines.start_judge` starts vLLM engines of the judge model and builds the
+:class:`LLMJudge` over them (the rollout layer owns the engines; this layer must not import it).
 
 **Templates.** A Python format string over ``{prompt}`` and ``{response}`` (score) or ``{prompt}``,
 ``{response_a}`` and ``{response_b}`` (pairwise), plus any column of the prompt rows (``{answer}``). Only plain
@@ -64,7 +64,7 @@ __all__ = [
 
 
 class JudgeEngines(Protocol):
-    """What the judge generates with: :class:`rlhf.rollout.engines.RolloutEngines` (batched, results in prompt
+    """What the judge generates with: :class:`rlhf.rollout.vllm.engines.RolloutEngines` (batched, results in prompt
     order, each with ``prompt_ids`` and ``response_ids``)."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: Any) -> Sequence[Any]: ...
@@ -97,7 +97,7 @@ class LLMJudge:
         engines: The generation backend (:class:`JudgeEngines`).
         tokenizer: The judge model's tokenizer (renders the chat template, decodes the answers).
         sampling: What ``engines.generate`` takes for ``spec``'s sampling
-            (:func:`rlhf.rollout.judge.judge_sampling`).
+            (:func:`rlhf.rollout.vllm.judge_engines.judge_sampling`).
     """
 
     def __init__(self, spec: JudgeSpec, engines: JudgeEngines, tokenizer: Any, sampling: Any) -> None:

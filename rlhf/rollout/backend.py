@@ -1,14 +1,14 @@
 """What the RL loop asks of its rollout engines: the one protocol between the trainer and whatever generates.
 
-:class:`rlhf.rollout.engines.RolloutEngines` (vLLM engine actors) implements it. The loop
-(:class:`rlhf.trainers.rl_steps.RLTrainer`, the bounded-staleness schedule, multi-turn episodes) calls these methods
+:class:`rlhf.rollout.vllm.engines.RolloutEngines` (vLLM engine actors) implements it. The loop
+(:class:`rlhf.trainers.online.steps.RLTrainer`, the bounded-staleness schedule, multi-turn episodes) calls these methods
 and nothing else, never a vLLM RPC by name. So another engine (SGLang, a remote server) is a class with these methods
-and the weight-sync methods its senders call (``rlhf.rollout.senders``).
+and the weight-sync methods its senders call (``rlhf.rollout.weights.senders``).
 
 The weights reach a backend from the policy's ranks (``connect_weight_sync`` attaches a sender to each), numbered by
 the RL step they come from. Every engine worker echoes that version and a checksum of the bytes it received, and the
-sender compares them with what it sent (:func:`rlhf.rollout.senders.check_delivery`). :meth:`RolloutBackend.versions`
-reads back what each engine holds.
+sender compares them with what it sent (:func:`rlhf.rollout.weights.senders.check_delivery`).
+:meth:`RolloutBackend.versions` reads back what each engine holds.
 
 Pause and resume (partial rollouts, ``rollout.partial_rollout_tokens``) need no methods of their own. A generation
 pauses at a token count, not a moment: it asks for the first ``c`` tokens (``SamplingSpec.max_new_tokens``), and it
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Protocol, Sequence
 
-from rlhf.rollout.sync_group import SyncTimeouts
-from rlhf.rollout.vllm_engine import Generation, SamplingSpec
+from rlhf.rollout.types import Generation, SamplingSpec
+from rlhf.rollout.weights.group import SyncTimeouts
 
 
 class RolloutBackend(Protocol):

@@ -14,7 +14,7 @@ differing position, or truncates the episode there (``on_mismatch="truncate"``).
 :func:`episodes_batch` lays episodes out as one right-padded train batch: ``loss_mask`` is 1 on policy tokens only,
 so environment tokens are context: no loss, no log-prob ratio, no KL, no advantage, and they are not counted by any
 loss aggregation. An episode is one row (one sample) whatever its number of turns. A single-turn rollout is the
-episode ``prompt + one policy segment`` (:func:`rlhf.rl.rollout_batch`).
+episode ``prompt + one policy segment`` (:func:`rollout_batch`).
 """
 
 from __future__ import annotations
@@ -180,3 +180,18 @@ def turn_reward_tokens(
             if end >= 0:
                 out[row, end] += float(reward)
     return out
+
+
+def rollout_batch(generations: Sequence, pad_id: int) -> Batch:
+    """Single-turn generations (``rlhf.rollout.types.Generation``) -> one right-padded ``(B, T)`` batch.
+
+    Each is the episode ``prompt + response`` (:func:`rlhf.rollout.episodes.episodes_batch`): ``input_ids`` =
+    prompt + response, ``loss_mask`` on the response tokens, ``rollout_logps`` = the engine's sampling log-probs
+    placed on the response columns, ``sample_index`` = the generation's position.
+    """
+    episodes = []
+    for i, g in enumerate(generations):
+        episode = Episode(tuple(g.prompt_ids), index=i)
+        episode.add_response(g.response_ids, g.response_logps)
+        episodes.append(episode)
+    return episodes_batch(episodes, pad_id)

@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, 
 
 from rlhf.rollout.episodes import Episode
 from rlhf.rollout.observations import Messages, ObservationEncoder, Tools, as_encoder
-from rlhf.rollout.vllm_engine import Generation, SamplingSpec
+from rlhf.rollout.types import Generation, SamplingSpec
 
 # why an episode ended (EpisodeRecord.ended_by; the module docstring says when each applies)
 ENDINGS = ("done", "max_turns", "token_budget", "max_new_tokens", "prefix_mismatch", "env_error")

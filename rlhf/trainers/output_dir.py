@@ -32,7 +32,6 @@ from typing import List, Optional
 from rlhf.config.loader import is_saved_config, save_config
 from rlhf.config.schema import ConfigError, RunConfig, RunConfigT
 from rlhf.trainers.checkpoint import CHECKPOINT_DIR, Checkpoints
-from rlhf.trainers.kinds import kind_of
 from rlhf.utils.log import get_logger
 from rlhf.utils.metrics import EVAL_FILE, METRICS_FILE, TENSORBOARD_DIR
 
@@ -53,17 +52,12 @@ RUN_ARTIFACTS = (
     CHECKPOINT_DIR,  # rlhf.trainers.checkpoint
     FINAL_DIR,
     f".{FINAL_DIR}.tmp-*",  # save_final
-    "placement.json",  # rlhf.trainers.rl_runner
+    "placement.json",  # rlhf.trainers.online.runner
     "wandb",
     "wandb_run_id",  # rlhf.utils.wandb_sink
 )
 # Drawn from a run's metrics afterwards (rlhf.cli.report, the demo): deleted with the run, not a run by themselves.
 DERIVED_ARTIFACTS = ("report.png", "rl_curves.png")
-
-
-def trainer_name(cfg: RunConfig) -> str:
-    """``sft``, ``rm``, ``dpo`` or ``rl``: the prefix of the run's log lines and of a new output directory."""
-    return kind_of(cfg).run_name
 
 
 def new_output_dir(trainer: str, now: Optional[float] = None, root: str = OUTPUTS_ROOT) -> str:
@@ -111,17 +105,18 @@ def clear_run(directory: str) -> List[str]:
     return removed
 
 
-def claim_output_dir(cfg: RunConfigT) -> RunConfigT:
+def claim_output_dir(cfg: RunConfigT, name: str) -> RunConfigT:
     """Once per invocation, before any data is read or actor started: the directory the run will write.
 
-    Returns ``cfg`` itself, or a copy with ``train.output_dir`` set to a new directory when it was empty. Prints
-    the directory and what happens to a run already there.
+    Returns ``cfg`` itself, or a copy with ``train.output_dir`` set to a new directory ``<name>-<date>-<time>``
+    when it was empty (``name``: the trainer's ``run_name``). Prints the directory and what happens to a run
+    already there.
 
     Raises:
         ConfigError: ``train.output_dir`` is a file, or holds a run this one may not touch (see the module
             docstring); the message names ``train.resume`` and ``train.overwrite``. Nothing has been written.
     """
-    t, name = cfg.train, trainer_name(cfg)
+    t = cfg.train
     if not t.output_dir:
         path = new_output_dir(name)
         log.info(f"[{name}] output directory: {path} (new: train.output_dir is not set)")
@@ -130,7 +125,7 @@ def claim_output_dir(cfg: RunConfigT) -> RunConfigT:
     return cfg
 
 
-def output_dir_status(cfg: RunConfig) -> str:
+def output_dir_status(cfg: RunConfig, name: str) -> str:
     """What a run of ``cfg`` would do with ``train.output_dir`` (for ``--dry-run``); nothing is printed or written.
 
     Raises:
@@ -138,7 +133,7 @@ def output_dir_status(cfg: RunConfig) -> str:
     """
     t = cfg.train
     if not t.output_dir:
-        return f"not set: a new {OUTPUTS_ROOT}/{trainer_name(cfg)}-<date>-<time> is made at run time"
+        return f"not set: a new {OUTPUTS_ROOT}/{name}-<date>-<time> is made at run time"
     action = _planned(t)
     return {
         "new": "exists, holds no run" if os.path.isdir(t.output_dir) else "created at run time",

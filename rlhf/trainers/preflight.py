@@ -1,12 +1,12 @@
 """What a run checks before its first actor starts: one preflight, run by the runners, ``--dry-run`` and the audit.
 
-Checked, for the trainer's descriptor (:mod:`rlhf.trainers.kinds`): the model folders of its model keys (a
+Checked, for the trainer's descriptor (:mod:`rlhf.trainers.descriptor`): the model folders of its model keys (a
 ``config.json``, :func:`rlhf.hub.check_model_folder`), the tokenizer and data paths, ``strategy.deepspeed_config``
-against the run's settings, the multi-turn environment class (it loads), a reward model's scalar head, LoRA's
-target modules against each trained model, the critic's batch arithmetic, and each vLLM engine's context (the
-policy's and the judge's ``max_model_len``) against its model's positions where this machine has the model's
-files. The config's own validation ran when it was built; the cluster fit is the plan's
-(:meth:`rlhf.trainers.kinds.TrainerKind.plan`, packed by ``--dry-run``, placed by the run).
+against the run's settings, LoRA's target modules against each trained model, and what the trainer's own
+``checks`` hook checks (online RL, :func:`rlhf.trainers.online.checks.start_up_checks`: each vLLM engine's context
+against its model's positions, the reward functions, the environment class, the judge, a reward model's scalar
+head, the critic's batch arithmetic). The config's own validation ran when it was built; the cluster fit is the plan's
+(:meth:`rlhf.trainers.descriptor.TrainerKind.plan`, packed by ``--dry-run``, placed by the run).
 
 Two strictnesses, one wording: a run (``here=True``) refuses a path missing on this machine; ``--dry-run``
 (``here=False``) lists it as :data:`NOT_HERE` (a model or data set that exists only on the cluster) and checks all
@@ -16,48 +16,42 @@ it can read here. Hub references (``org/name@sha``) were resolved and checked by
 
 ``--dry-run`` also reads the data rows this machine has, each checked against the trainer's layouts (its
 descriptor's ``row_fields``); the run reads them itself right after, with its tokenizer, as it reads its reward
-functions, each refusing bad input with its file and row (:mod:`rlhf.trainers.offline`,
-:mod:`rlhf.trainers.rl_runner`).
+functions, each refusing bad input with its file and row (:mod:`rlhf.trainers.offline.loop`,
+:mod:`rlhf.trainers.online.runner`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import List, Optional, Sequence, Tuple
 
 from rlhf.config.deepspeed_check import check_user_config
-from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError, RunConfig
 from rlhf.data.formats import located
 from rlhf.data.io import read_rows
-from rlhf.envs import EnvError, load_environment
 from rlhf.hub import (
     DATASET,
     MODEL,
     HubError,
     cache_dir,
-    cached_model_dir,
     check_model_folder,
     is_hub_ref,
     locate,
     model_dir,
     offline,
 )
-from rlhf.models.checks import Positions, check_scalar_head, model_positions
-from rlhf.trainers.kinds import kind_of
+from rlhf.trainers.descriptor import Row, TrainerKind
 from rlhf.trainers.output_dir import output_dir_status
-from rlhf.utils.specs import looks_like_path
 
 NOT_HERE = "not on this machine (checked at run time)"
-Row = Tuple[str, str, str]  # (config key, path, status)
 
 
-def preflight(cfg: RunConfig, here: bool = True, precision: Optional[str] = None) -> List[Row]:
+def preflight(cfg: RunConfig, kind: TrainerKind, here: bool = True, precision: Optional[str] = None) -> List[Row]:
     """Every check of the module docstring; ``(key, path, status)`` of each path the run reads.
 
     Args:
         cfg: A run config of any trainer.
+        kind: Its trainer's descriptor, whose ``checks`` hook makes the checks only that trainer makes.
         here: A run on this machine (a missing path is refused); ``False`` for ``--dry-run``.
         precision: The resolved precision (``strategy.precision=auto`` depends on the cluster), for the DeepSpeed
             config's precision fields; ``None`` checks the others (a run checks these once Ray is up).
@@ -65,10 +59,8 @@ def preflight(cfg: RunConfig, here: bool = True, precision: Optional[str] = None
     Raises:
         ConfigError: Naming the key of the first setting a run would refuse.
     """
-    kind = kind_of(cfg)
-    rows = [(key, path, _model_status(key, path, here)) for key, path in _values(cfg, kind.model_keys) if path]
-    if kind.online and isinstance(cfg, RLRunConfig):  # before the data is read: a refusal costs nothing here
-        check_engine_context(cfg)
+    rows = [(key, path, model_status(key, path, here)) for key, path in _values(cfg, kind.model_keys) if path]
+    own = kind.checks(cfg, here)  # before the data is read: a refusal costs nothing here (online RL: its engines)
     rows += [
         (key, path, _path_status(key, path, repo_type, here))
         for key, path, repo_type in (
@@ -78,104 +70,23 @@ def preflight(cfg: RunConfig, here: bool = True, precision: Optional[str] = None
         )
         if path
     ]
-    if not here:  # a run reads its data right after, with its tokenizer (rlhf.trainers.offline, rl_runner)
-        rows = _with_data_read(cfg, rows)
+    if not here:  # a run reads its data right after, with its tokenizer (rlhf.trainers.offline.loop, rl_runner)
+        rows = _with_data_read(cfg, kind, rows)
     rows += _deepspeed_rows(cfg, here, precision)
-    if kind.online and isinstance(cfg, RLRunConfig):  # online: always an RLRunConfig (narrows the type)
-        rows += [
-            ("reward.functions", spec, reward_function_status(spec)) for spec in cfg.reward.functions if not here
-        ]  # a run loads them into its scorer (rlhf.rewards.functions)
-        if cfg.env.spec:
-            rows.append(("env.spec", cfg.env.spec, environment_status(cfg.env.spec, here)))
-        if cfg.reward.judge.path:
-            from rlhf.rewards.judge_spec import JudgeSpec  # lazy: pulls in torch
-
-            spec = JudgeSpec.of(cfg.reward.judge, seed=cfg.train.seed)  # the question, pattern and parsing keys
-            _check_judge_fields(cfg, spec)
-            _check_judge_context(cfg)
-            rows.append(
-                (
-                    "reward.judge.path",
-                    cfg.reward.judge.path,
-                    _model_status("reward.judge.path", cfg.reward.judge.path, here),
-                )
-            )
-        if cfg.reward.model_path and _readable(cfg.reward.model_path, here):
-            check_scalar_head(model_dir(cfg.reward.model_path), "reward.model_path", cfg.reward.model_path)
-        if cfg.critic_batch_problem():
-            raise ConfigError(cfg.critic_batch_problem())
-    _check_lora(cfg, here)
+    rows += own
+    _check_lora(cfg, kind, here)
     rows.append(
         (
             "train.output_dir",
             cfg.train.output_dir or '""',
-            output_dir_status(cfg) + ("" if not cfg.train.output_dir else ", on storage every node writes"),
+            output_dir_status(cfg, kind.run_name)
+            + ("" if not cfg.train.output_dir else ", on storage every node writes"),
         )
     )
     return rows
 
 
 # ------------------------------------------------------------------------------------------ engine contexts
-
-
-def policy_positions(cfg: RLRunConfig) -> Optional[Positions]:
-    """The positions of ``model.path`` (the policy engines' model) if this machine has its files, else ``None``."""
-    folder = cached_model_dir(cfg.model.path)
-    return model_positions(folder) if folder else None
-
-
-def check_engine_context(cfg: RLRunConfig) -> None:
-    """The policy engines' ``max_model_len`` (:attr:`~rlhf.config.rl_schema.RLRunConfig.engine_context`) within
-    the policy model's positions. vLLM refuses a longer one only at engine start, inside a Ray actor, after the
-    cluster and the policy started, and suggests ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``, which runs positions the
-    model never learned (NaNs with RoPE). A model whose files are not here is left to vLLM."""
-    positions = policy_positions(cfg)
-    context, keys = cfg.engine_context, cfg.engine_context_keys
-    if positions is None or context <= positions.limit:
-        return
-    r = cfg.rollout
-    first = r.max_episode_tokens if cfg.multi_turn else r.max_prompt_length
-    raise ConfigError(
-        f"{keys} ({first} + {r.max_new_tokens} = {context}), the policy engines' max_model_len, is above the "
-        f"{positions.limit} positions of model.path {cfg.model.path!r} ({positions.source}): vLLM would refuse it "
-        f"when the engines start. Lower {' or '.join(keys.split(' + '))} to sum to at most {positions.limit}, or use "
-        f"a model with more positions"
-    )
-
-
-def _check_judge_context(cfg: RLRunConfig) -> None:
-    """``reward.judge.max_model_len`` within the judge model's positions, for the reason of
-    :func:`check_engine_context`; a judge whose files are not here is left to vLLM."""
-    j = cfg.reward.judge
-    folder = cached_model_dir(j.path)
-    positions = model_positions(folder) if folder else None
-    if positions is None or j.max_model_len <= positions.limit:
-        return
-    raise ConfigError(
-        f"reward.judge.max_model_len ({j.max_model_len}), the judge engines' context, is above the "
-        f"{positions.limit} positions of reward.judge.path {j.path!r} ({positions.source}): vLLM would refuse it "
-        f"when the judge's engines start. Lower reward.judge.max_model_len to at most {positions.limit} (above "
-        f"reward.judge.max_new_tokens={j.max_new_tokens}), or use a judge model with more positions"
-    )
-
-
-def _check_judge_fields(cfg: RLRunConfig, spec) -> None:
-    """The judge's template may use its own fields and the columns each sample has: ``reward.columns`` (the data
-    reader refuses a row without one the template reads, :func:`rlhf.trainers.rl_runner.row_fields`) and an
-    episode's :data:`~rlhf.trainers.rl_rollout.EPISODE_COLUMNS`; any other field would stop the run at its first
-    scoring."""
-    from rlhf.trainers.rl_rollout import EPISODE_COLUMNS  # lazy: pulls in torch
-
-    columns = (*cfg.reward.columns, *(EPISODE_COLUMNS if cfg.multi_turn else ()))
-    unknown = [f for f in spec.column_fields if f not in columns]
-    if unknown:
-        raise ConfigError(
-            f"reward.judge.template uses {{{unknown[0]}}}, which no sample has: a {spec.mode} judge fills "
-            f"{', '.join('{' + f + '}' for f in spec.own_fields)}, and the other fields come from reward.columns "
-            f"({', '.join(cfg.reward.columns) or 'none'})"
-            + (f" or an episode's {' and '.join(EPISODE_COLUMNS)}" if cfg.multi_turn else "")
-            + f"; add {unknown[0]} to reward.columns or fix the template"
-        )
 
 
 def _values(cfg: RunConfig, keys: Sequence[str]) -> List[Tuple[str, str]]:
@@ -185,7 +96,7 @@ def _values(cfg: RunConfig, keys: Sequence[str]) -> List[Tuple[str, str]]:
 # ------------------------------------------------------------------------------------------------------ paths
 
 
-def _model_status(key: str, path: str, here: bool) -> str:
+def model_status(key: str, path: str, here: bool) -> str:
     if is_hub_ref(path, MODEL):
         return "hub model, resolved by the run" if here else hub_status(key, path, MODEL)
     if not os.path.exists(path) and not here:
@@ -209,18 +120,18 @@ def _path_status(key: str, path: str, repo_type: str, here: bool) -> str:
     return "found"
 
 
-def _with_data_read(cfg: RunConfig, rows: List[Row]) -> List[Row]:
+def _with_data_read(cfg: RunConfig, kind: TrainerKind, rows: List[Row]) -> List[Row]:
     """``--dry-run``: the data this machine has, read as the run reads it. With the model's tokenizer here too, the
     data is tokenized by the trainer's own reader (the tokenizer's checks, the chat template, every row's layout
-    and length, ``reward.columns``: :meth:`~rlhf.trainers.kinds.TrainerKind.read_data`); else every row's layout
+    and length, ``reward.columns``: :meth:`~rlhf.trainers.descriptor.TrainerKind.read_data`); else every row's layout
     is checked without it. A bad row is refused with its file and line. Each file is read once either way."""
     data = [status for key, _, status in rows if key in ("data.train_path", "data.eval_path")]
     if not data or not all(_here(status) for status in data) or not _tokenizer_here(cfg):
         # the reader reads both sets: with one that only the cluster has, the rows here are checked without it
-        return [_with_rows_read(cfg, row) for row in rows]
+        return [_with_rows_read(cfg, kind, row) for row in rows]
     from rlhf.data.vocab import load_tokenizer  # lazy: transformers, only when there is data to tokenize
 
-    summary = kind_of(cfg).read_data(cfg, load_tokenizer(cfg))
+    summary = kind.read_data(cfg, load_tokenizer(cfg))
     return [
         (key, path, f"{status}; " + (summary if key == "data.train_path" else "read with data.train_path"))
         if key in ("data.train_path", "data.eval_path")
@@ -236,10 +147,10 @@ def _here(status: str) -> bool:
 
 def _tokenizer_here(cfg: RunConfig) -> bool:
     m = cfg.model
-    return _readable(m.path, here=False) and (not m.tokenizer_path or _readable(m.tokenizer_path, here=False))
+    return readable(m.path, here=False) and (not m.tokenizer_path or readable(m.tokenizer_path, here=False))
 
 
-def _with_rows_read(cfg: RunConfig, row: Row) -> Row:
+def _with_rows_read(cfg: RunConfig, kind: TrainerKind, row: Row) -> Row:
     """``--dry-run``: a data file this machine has is read as the run reads it, every row checked against the
     trainer's layouts (its fields, ``reward.columns``); a bad row is refused with its file and line."""
     key, path, status = row
@@ -248,7 +159,7 @@ def _with_rows_read(cfg: RunConfig, row: Row) -> Row:
     d = cfg.data
     split = d.split if key == "data.train_path" else (d.eval_split or d.split)
     with located(key, path):
-        count = len(read_rows(path, split=split, config_name=d.config_name, **kind_of(cfg).row_fields(cfg)))
+        count = len(read_rows(path, split=split, config_name=d.config_name, **kind.row_fields(cfg)))
     return key, path, f"{status}; {count} rows read, each in a layout the trainer reads"
 
 
@@ -283,7 +194,7 @@ def _deepspeed_rows(cfg: RunConfig, here: bool, precision: Optional[str]) -> Lis
     return [("strategy.deepspeed_config", ds, "found, consistent with the run" if os.path.isfile(ds) else NOT_HERE)]
 
 
-def _readable(ref: str, here: bool) -> bool:
+def readable(ref: str, here: bool) -> bool:
     """Whether a model's files can be read on this machine (a run's always can: its preflight checked them)."""
     if here:
         return True
@@ -299,44 +210,12 @@ def _readable(ref: str, here: bool) -> bool:
 # ------------------------------------------------------------------------------------------- code and models
 
 
-def reward_function_status(spec: str) -> str:
-    """Load a reward function that resolves here (a bad one is an error); one that does not is left to the run."""
-    from rlhf.rewards.functions import RewardFunctionScorer, load_reward_function  # lazy: pulls in torch
-
-    RewardFunctionScorer((spec,))  # spec form and weight, nothing imported
-    head, at, tail = spec.rpartition("@")
-    name = head if at and ":" not in tail else spec
-    if not _resolves_here(name.rpartition(":")[0]):
-        return NOT_HERE
-    load_reward_function(name)
-    return "found, loads"
-
-
-def _resolves_here(target: str) -> bool:
-    """Whether the file or the top-level module a spec's target names exists on this machine (nothing imported)."""
-    if looks_like_path(target):
-        return os.path.isfile(target)
-    return importlib.util.find_spec(target.split(".")[0]) is not None
-
-
-def environment_status(spec: str, here: bool) -> str:
-    """Load the environment class (a bad one is an error); under ``--dry-run`` one whose module is not on this
-    machine is left to the run."""
-    if not here and not _resolves_here(spec.strip().rpartition(":")[0]):
-        return NOT_HERE
-    try:
-        load_environment(spec)
-    except EnvError as e:
-        raise ConfigError(f"env.spec: {e}") from None
-    return "found, loads"
-
-
-def _check_lora(cfg: RunConfig, here: bool) -> None:
+def _check_lora(cfg: RunConfig, kind: TrainerKind, here: bool) -> None:
     """``model.lora.target_modules`` against the layers of each model LoRA wraps (under ``--dry-run``, those whose
     config can be read here; the paths table says why not otherwise)."""
     if not cfg.model.lora.enabled:
         return
     from rlhf.trainers.run import check_lora_targets  # lazy: torch and transformers, only when LoRA is asked for
 
-    trained = kind_of(cfg).trained_models(cfg)
-    check_lora_targets(cfg, [(path, kind) for path, kind in trained if _readable(path, here)])
+    trained = kind.trained_models(cfg)
+    check_lora_targets(cfg, [(path, kind) for path, kind in trained if readable(path, here)])

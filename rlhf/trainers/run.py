@@ -3,7 +3,7 @@
 A trainer gives the run its :class:`Steps` (how to train one step, evaluate, and print a row); the run owns the
 rest::
 
-    run = Run(cfg, name, plan, identity)            # checkpoints and output dir checked: before any actor starts
+    run = Run(cfg, kind, plan, identity)            # checkpoints and output dir checked: before any actor starts
     with run.cluster(needed_cpus) as ctx:           # Ray joined; every group and placement shut down on exit
         ... build the worker groups through ctx ...
         last = run.train(steps, trained)             # restore -> the step loop under the health guard
@@ -50,9 +50,9 @@ from rlhf.distributed.resource_plan import ActorPlan, GroupPlan, resolve_devices
 from rlhf.models.loading import ModelSpec
 from rlhf.models.lora import LoraSpec, check_targets
 from rlhf.trainers.checkpoint import Checkpointable, RunCheckpoints
+from rlhf.trainers.descriptor import TrainerKind
 from rlhf.trainers.health import TrainingHealthError, check_health, guard_from_config
 from rlhf.trainers.interrupt import RunInterrupted, StopSignals, signal_name
-from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.output_dir import prepare_output_dir
 from rlhf.utils.log import get_logger
 from rlhf.utils.metrics import (
@@ -128,10 +128,12 @@ class Steps(Protocol):
 class Run:
     """Checkpoints, metric writers, the health guard, progress and rewinds around a trainer's :class:`Steps`."""
 
-    def __init__(self, cfg: RunConfig, name: str, plan: EpochPlan, identity: dict) -> None:
-        """Checks ``train.skip_steps`` against the plan, that a checkpoint in ``train.output_dir`` belongs to this
-        run (``identity``: what a resumed run must share with it), and claims the output directory. Nothing starts."""
-        self.cfg, self.name, self.plan = cfg, name, plan
+    def __init__(self, cfg: RunConfig, kind: TrainerKind, plan: EpochPlan, identity: dict) -> None:
+        """``kind``: the trainer's descriptor (its name in log lines, its resume command, its libraries). Checks
+        ``train.skip_steps`` against the plan, that a checkpoint in ``train.output_dir`` belongs to this run
+        (``identity``: what a resumed run must share with it), and claims the output directory. Nothing starts."""
+        self.cfg, self.kind, self.name, self.plan = cfg, kind, kind.run_name, plan
+        name = kind.run_name
         check_skip_steps(cfg.train, plan.total_steps)
         self.checkpoints = RunCheckpoints(cfg.train, identity, name)
         self.checkpoints.prepare()  # a checkpoint of another run fails here, before anything is written or started
@@ -145,7 +147,7 @@ class Run:
     def cluster(self, needed_cpus: float) -> Iterator["RunContext"]:
         """Join or start Ray for ``needed_cpus``; on exit the metric files are closed and every group shut down."""
         with self.stop:
-            ctx = start_cluster(self.cfg, needed_cpus)
+            ctx = start_cluster(self.cfg, self.kind.packages, needed_cpus)
             try:
                 yield ctx
             finally:
@@ -263,7 +265,7 @@ class Run:
         invocation trained it) and raise :class:`RunInterrupted` naming the checkpoint and the resume command."""
         assert self.stop.signum is not None, "called once a stop was requested"
         signame = signal_name(self.stop.signum)
-        resume = kind_of(self.cfg).resume_command(self.cfg.train.output_dir)
+        resume = self.kind.resume_command(self.cfg.train.output_dir)
         if trained_here:
             path = self.checkpoints.save_stopped(done, self.trained)
             message = f"[{self.name}] stopped by {signame} after step {done}: checkpoint {path}; resume with: {resume}"
@@ -274,7 +276,7 @@ class Run:
     def _stopped_at_once(self, signum: int) -> RunInterrupted:
         """A second signal abandoned the step in progress: the message names the newest checkpoint."""
         found = self.checkpoints.store.latest()
-        resume = kind_of(self.cfg).resume_command(self.cfg.train.output_dir)
+        resume = self.kind.resume_command(self.cfg.train.output_dir)
         saved = (
             f"the newest checkpoint is step {found[1]['step']} ({found[0]})" if found else "no checkpoint was written"
         )
@@ -407,13 +409,13 @@ def run_identity(cfg: RunConfig, plan: EpochPlan) -> dict:
     }
 
 
-def start_cluster(cfg: RunConfig, needed_cpus: float) -> "RunContext":
-    """Join or start Ray; every node's install of the libraries the trainer needs is checked; precision and backend
-    follow the cluster's workers (the driver may have no GPU)."""
+def start_cluster(cfg: RunConfig, packages: Sequence[str], needed_cpus: float) -> "RunContext":
+    """Join or start Ray; every node's install of the libraries the trainer needs (``packages``) is checked; precision
+    and backend follow the cluster's workers (the driver may have no GPU)."""
     init_ray(cfg.ray.address, cfg.ray.num_cpus, needed_cpus=needed_cpus)
     devices = resolve_devices(cfg.strategy, cluster_gpus())  # what --dry-run resolves for its cluster too
     check_node_versions(
-        kind_of(cfg).packages,
+        packages,
         devices.gpus_per_worker > 0,  # each node's install
         cfg.model.attn_implementation,
     )

@@ -15,8 +15,8 @@ above to stderr, flushed, to the *current* ``sys.stdout`` / ``sys.stderr`` at ea
 ``contextlib.redirect_stdout`` see them as they saw ``print``).
 
 Why at import and not by the entry points: the lines must appear as they did for ``python -m rlhf.cli.*``, for a
-user calling ``rlhf.trainers.sft.train_sft(cfg)`` from Python, and in the Ray actors' processes (whose output Ray
-forwards to the driver), none of which runs a common entry point; every module that logs imports this one first.
+user calling ``rlhf.trainers.offline.sft.train_sft(cfg)`` from Python, and in the Ray actors' processes (whose output
+Ray forwards to the driver), none of which runs a common entry point; every module that logs imports this one first.
 ``import rlhf`` does not import it (nothing heavy either way: this module is the standard library only).
 
 The ``rlhf`` logger does not propagate to the root logger: an application that configured logging (a root handler,

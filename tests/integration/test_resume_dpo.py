@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 def test_dpo_resumed_equals_uninterrupted_with_eval(tiny_model, pair_data, tmp_path):
-    from rlhf.trainers.dpo import train_dpo
+    from rlhf.trainers.offline.dpo import train_dpo
 
     def base(out):
         return _overrides(

@@ -318,8 +318,8 @@ def _run_step(cfg, actors, rollout, tmp_path):
     from safetensors.torch import load_file
 
     from rlhf.rl import rollout_batch
-    from rlhf.trainers.rl_runner import _objectives
-    from rlhf.trainers.rl_steps import RLActors, RLTrainer
+    from rlhf.trainers.online.runner import build_objectives
+    from rlhf.trainers.online.steps import RLActors, RLTrainer
 
     a = cfg.algo
     actors["policy"].load_checkpoint(actors.initial("policy"))
@@ -331,7 +331,7 @@ def _run_step(cfg, actors, rollout, tmp_path):
         reference=actors["reference"] if a.kl_coef > 0 else None,
         critic=actors["critic"] if a.needs_critic else None,
     )
-    policy_objective, value_objective = _objectives(cfg)
+    policy_objective, value_objective = build_objectives(cfg)
     trainer = RLTrainer(cfg, rollout["tokenizer"], None, None, roles, None, policy_objective, value_objective)
     tokenizer = rollout["tokenizer"]
     batch = rollout_batch(rollout["samples"], tokenizer.pad_token_id)

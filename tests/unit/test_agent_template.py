@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from rlhf.rollout.vllm_engine import Generation, SamplingSpec
+from rlhf.rollout.types import Generation, SamplingSpec
 
 TEXT_ROWS = [{"prompt": "2+2=", "answer": "4"}, {"prompt": "1+3=", "answer": "4"}]
 
@@ -72,10 +72,10 @@ class LocalPool:
 def test_an_agent_run_with_text_prompt_rows_stops_at_the_templates_end_of_turn(tiny_model):
     from transformers import AutoTokenizer
 
-    from rlhf.rollout.endpoint import AgentEndpoint
-    from rlhf.rollout.openai_render import OpenAIRenderer
-    from rlhf.trainers.agent_rollout import AgentRollout
-    from rlhf.trainers.rl_experience import prepare_prompts
+    from rlhf.rollout.agent import AgentRollout
+    from rlhf.rollout.openai.endpoint import AgentEndpoint
+    from rlhf.rollout.openai.render import OpenAIRenderer
+    from rlhf.rollout.prompts import prepare_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     prompts = prepare_prompts(
@@ -131,7 +131,7 @@ def _agent_run(tiny_model, prompts, tmp_path, *overrides):
 def _read(cfg):
     """The prompts as the run reads them, every check before any actor included."""
     from rlhf.data.vocab import load_tokenizer
-    from rlhf.trainers.rl_runner import read_prompt_sets
+    from rlhf.trainers.online.prompts import read_prompt_sets
 
     return read_prompt_sets(cfg, load_tokenizer(cfg))
 
@@ -141,9 +141,10 @@ def test_tools_the_agent_sends_to_a_template_that_drops_them_are_refused_before_
 ):
     """The tiny model's ChatML has no ``tools``: with ``env.tool_parser`` set the run expects calls that can never
     come. The run's read of its prompts and ``--dry-run`` refuse it, naming env.chat_template and both ways on."""
+    from shared_helpers import preflight
+
     from rlhf.config.schema import ConfigError
     from rlhf.models.tiny import SHORT_TOOLS_CHAT_TEMPLATE, write_tools_template
-    from rlhf.trainers.preflight import preflight
 
     cfg = _agent_run(tiny_model, rl_prompts, tmp_path, "env.tool_parser=hermes")
     expected = (
@@ -206,9 +207,9 @@ def test_the_probe_agrees_with_the_endpoints_own_render_and_the_short_header_fit
     from transformers import AutoTokenizer
 
     from rlhf.models.tiny import SHORT_TOOLS_CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE, write_tools_template
-    from rlhf.rollout.endpoint import AgentEndpoint
-    from rlhf.rollout.openai_render import OpenAIRenderer
-    from rlhf.trainers.agent_template import endpoint_template, renders_tools
+    from rlhf.rollout.openai.endpoint import AgentEndpoint
+    from rlhf.rollout.openai.render import OpenAIRenderer
+    from rlhf.trainers.online.agent_template import endpoint_template, renders_tools
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     short = write_tools_template(str(tmp_path / "tools.jinja"), SHORT_TOOLS_CHAT_TEMPLATE)

@@ -16,7 +16,7 @@ from rlhf.data.io import DataError, read_rows
 from rlhf.data.tokenize import RowError, tokenize_pairs, tokenize_sft
 from rlhf.data.vocab import check_tokenizer
 from rlhf.models.checks import check_scalar_head
-from rlhf.trainers.rl_experience import prepare_prompts
+from rlhf.rollout.prompts import prepare_prompts
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +282,7 @@ def test_reward_model_needs_a_scalar_head(tiny_model, tmp_path):
 def test_reward_model_reads_conversational_pairs_with_margins(tokenizer, tmp_path):
     from rlhf.config import RewardModelRunConfig, load_config
     from rlhf.synthetic.arithmetic import make_preference_rows, to_chat_preference
-    from rlhf.trainers.reward_model import _read
+    from rlhf.trainers.offline.reward_model import _read
 
     rows = to_chat_preference(make_preference_rows(6, seed=0, max_operand=9))
     path = _write(tmp_path / "pref.jsonl", rows)
@@ -299,7 +299,7 @@ def test_reward_model_reads_conversational_pairs_with_margins(tokenizer, tmp_pat
 def test_an_rl_prompt_the_template_refuses_names_its_source(tokenizer, tmp_path):
     from rlhf.config import load_config
     from rlhf.config.rl_schema import RLRunConfig
-    from rlhf.trainers.rl_runner import _read_prompts
+    from rlhf.trainers.online.prompts import read_prompts
 
     strict = tmp_path / "strict.jinja"
     strict.write_text(
@@ -328,7 +328,7 @@ def test_an_rl_prompt_the_template_refuses_names_its_source(tokenizer, tmp_path)
         match=r"data.train_path=.*prompts.jsonl: row 1 \(0-based\): the chat template "
         r"cannot render.*the first message must be the user",
     ):
-        _read_prompts(cfg, tokenizer, "data.train_path", path, "train")
+        read_prompts(cfg, tokenizer, "data.train_path", path, "train")
 
 
 def test_a_chat_template_file_is_saved_with_the_runs_tokenizer(tiny_model, sft_data, tmp_path):

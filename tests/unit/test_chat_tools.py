@@ -214,10 +214,10 @@ def test_bad_tool_rows_are_refused_with_file_and_line(tmp_path, bad, error):
 
 
 def test_the_sft_reader_renders_each_rows_tools(tiny_model, tokenizer, tmp_path):
-    """The reader train_sft uses (rlhf.trainers.sft): tools as a list or as a JSON string, arguments as an object or
-    a string, and a row without tools, each rendered with its own tools and masked on its assistant turns."""
+    """The reader train_sft uses (rlhf.trainers.offline.sft): tools as a list or as a JSON string, arguments as an
+    object or a string, and a row without tools, each rendered with its own tools and masked on its assistant turns."""
     from rlhf.config import SFTRunConfig, load_config
-    from rlhf.trainers.sft import _read
+    from rlhf.trainers.offline.sft import _read
 
     rows = [
         {"messages": CONVERSATION, "tools": TOOLS},
@@ -252,7 +252,7 @@ def test_the_pair_readers_render_each_rows_tools_with_both_sides(tiny_model, tok
 
     from rlhf.config import DPORunConfig, RewardModelRunConfig, load_config
 
-    module = importlib.import_module(f"rlhf.trainers.{trainer}")
+    module = importlib.import_module(f"rlhf.trainers.offline.{trainer}")
     prompt, chosen, rejected = [USER], CONVERSATION[1:2], [{"role": "assistant", "content": "1700"}]
     rows = [
         {"prompt": prompt, "chosen": chosen, "rejected": rejected, "functions": TOOLS},
@@ -277,13 +277,13 @@ def test_the_pair_readers_render_each_rows_tools_with_both_sides(tiny_model, tok
 
 
 def test_an_rl_prompt_with_tools_renders_as_the_agents_first_request(tiny_model, tokenizer, tmp_path):
-    """RL prompts (rlhf.trainers.rl_runner, data.tools_key=functions): the prompt ids are the template's render with
+    """RL prompts (rlhf.trainers.online.runner, data.tools_key=functions): the prompt ids are the template's render with
     the row's tools and the generation prompt, the same ids as vLLM's OpenAI renderer gives the request an agent
     sends first ({"messages": prompt, "tools": tools})."""
     from rlhf.config import load_config
     from rlhf.config.rl_schema import RLRunConfig
-    from rlhf.rollout.openai_render import OpenAIRenderer
-    from rlhf.trainers.rl_runner import _read_prompts
+    from rlhf.rollout.openai.render import OpenAIRenderer
+    from rlhf.trainers.online.prompts import read_prompts
 
     system = {"role": "system", "content": "Use the tools."}
     rows = [
@@ -305,7 +305,7 @@ def test_an_rl_prompt_with_tools_renders_as_the_agents_first_request(tiny_model,
             "reward.functions=[rlhf.synthetic.arithmetic:reward]",
         ],
     )
-    prompts = _read_prompts(cfg, tokenizer, "data.train_path", path, "train")
+    prompts = read_prompts(cfg, tokenizer, "data.train_path", path, "train")
     assert (prompts.skipped, prompts.truncated) == (0, 0)
     tools = [TOOLS, TOOLS, None]
     expected = [_template_ids(tokenizer, r["prompt"], t, generation_prompt=True) for r, t in zip(rows, tools)]

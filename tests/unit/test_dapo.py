@@ -14,9 +14,9 @@ from rlhf.config.schema import ConfigError
 from rlhf.data.plan import StepPlan
 from rlhf.objectives.actor_critic import PolicyObjective
 from rlhf.ops.dapo import overlong_penalty, pick_groups, varied_groups
-from rlhf.rollout.vllm_engine import Generation
-from rlhf.trainers.rl_experience import PromptSet
-from rlhf.trainers.rl_steps import RLActors, RLTrainer
+from rlhf.rollout.prompts import PromptSet
+from rlhf.rollout.types import Generation
+from rlhf.trainers.online.steps import RLActors, RLTrainer
 
 
 def test_varied_groups_are_those_whose_scores_differ():

@@ -15,7 +15,8 @@ from rlhf.config.rl_schema import RLRunConfig
 from rlhf.data.chat import ChatFormatter
 from rlhf.data.formats import text_prompts_note
 from rlhf.data.io import DataError
-from rlhf.trainers import dpo, reward_model, rl_runner, sft
+from rlhf.trainers.offline import dpo, reward_model, sft
+from rlhf.trainers.online import prompts as rl_prompts
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "your_model_and_data.md"
 READERS = {
@@ -47,7 +48,7 @@ def _read(kind, tiny_model, tokenizer, tmp_path, rows, *settings):
     extra = ["reward.functions=[m:f]", "rollout.max_prompt_length=128"] if kind == "rl" else []
     cfg = load_config(cls, preset, [f"model.path={tiny_model}", f"data.train_path={path}", *extra, *settings])
     if kind == "rl":
-        return rl_runner._read_prompts(cfg, tokenizer, "data.train_path", str(path), "train")
+        return rl_prompts.read_prompts(cfg, tokenizer, "data.train_path", str(path), "train")
     return read(cfg, tokenizer, str(path), "train")
 
 

@@ -10,12 +10,13 @@ import json
 import shutil
 
 import pytest
+from shared_helpers import preflight
 
 from rlhf.config import load_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
 from rlhf.models.checks import Positions, model_positions
-from rlhf.trainers.preflight import check_engine_context, preflight
+from rlhf.trainers.online.checks import check_engine_context
 
 AGENT = "examples/agents/retry_agent.py:run"
 

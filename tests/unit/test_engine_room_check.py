@@ -75,8 +75,8 @@ def test_rollout_engines_check_before_creating_any_engine(monkeypatch):
     import ray
     import ray._private.state
 
-    from rlhf.rollout.engines import RolloutEngines
-    from rlhf.rollout.vllm_engine import VLLMSpec
+    from rlhf.rollout.vllm.engine import VLLMSpec
+    from rlhf.rollout.vllm.engines import RolloutEngines
 
     created = []
 
@@ -91,7 +91,7 @@ def test_rollout_engines_check_before_creating_any_engine(monkeypatch):
         "available_resources_per_node",
         lambda: {"n0": {"CPU": 8.0, "GPU": 2.0}, "n1": {"CPU": 4.0, "GPU": 8.0}},
     )
-    monkeypatch.setattr("rlhf.rollout.engines.ROOM_GRACE_S", 0.0)
+    monkeypatch.setattr("rlhf.rollout.vllm.engines.ROOM_GRACE_S", 0.0)
     spec = VLLMSpec(model_path="/m", tensor_parallel_size=2)
     with pytest.raises(InfeasiblePlan) as err:
         RolloutEngines(spec, num_engines=2, cpus_per_engine=8, gpus_per_engine=2.0)
@@ -111,8 +111,8 @@ def test_a_stale_view_of_free_resources_is_read_again(monkeypatch):
     import ray
     import ray._private.state
 
-    from rlhf.rollout.engines import RolloutEngines
-    from rlhf.rollout.vllm_engine import VLLMSpec
+    from rlhf.rollout.vllm.engine import VLLMSpec
+    from rlhf.rollout.vllm.engines import RolloutEngines
 
     views = iter([{"n0": {"CPU": 1.0}}, {"n0": {"CPU": 1.0}}, {"n0": {"CPU": 4.0}}])  # released on the third read
 
@@ -122,7 +122,7 @@ def test_a_stale_view_of_free_resources_is_read_again(monkeypatch):
 
     monkeypatch.setattr(ray, "remote", lambda cls: Actor())
     monkeypatch.setattr(ray._private.state, "available_resources_per_node", lambda: next(views))
-    monkeypatch.setattr("rlhf.rollout.engines.ROOM_GRACE_S", 30.0)
+    monkeypatch.setattr("rlhf.rollout.vllm.engines.ROOM_GRACE_S", 30.0)
     with pytest.raises(_Stop):
         RolloutEngines(VLLMSpec(model_path="/m"), num_engines=2, cpus_per_engine=2)
     assert next(views, None) is None  # all three views read

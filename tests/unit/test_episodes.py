@@ -15,7 +15,7 @@ from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps
 from rlhf.ops.aggregation import aggregate_sum
 from rlhf.ops.policy_loss import PolicyLossConfig, policy_loss
 from rlhf.rl import Episode, EpisodeError, episodes_batch, rollout_batch
-from rlhf.rollout.vllm_engine import Generation
+from rlhf.rollout.types import Generation
 
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 

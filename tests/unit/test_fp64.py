@@ -89,7 +89,7 @@ def test_score_functions_keep_float64_and_upcast_half_precision():
 
 
 def test_weight_sync_sends_a_float64_policy_as_float32():
-    from rlhf.rollout.senders import _engine_dtypes
+    from rlhf.rollout.weights.senders import _engine_dtypes
 
     named = [
         ("w", torch.randn(3, dtype=torch.float64)),

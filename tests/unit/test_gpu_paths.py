@@ -45,7 +45,7 @@ def test_a_cuda_worker_builds_torch_fused_adamw_which_needs_no_build(monkeypatch
 
 # ------------------------------------------------------------------ vLLM engine options and sleep
 def test_eager_on_cpu_only():
-    from rlhf.rollout.vllm_engine import VLLMSpec, llm_options
+    from rlhf.rollout.vllm.engine import VLLMSpec, llm_options
 
     spec = VLLMSpec(model_path="m")
     gpu, cpu = llm_options(spec, cuda=True), llm_options(spec, cuda=False)
@@ -67,7 +67,7 @@ class _FakeLLM:
 
 
 def _engine(sleep_mode: bool, log: list):
-    from rlhf.rollout.vllm_engine import VLLMEngine, VLLMSpec
+    from rlhf.rollout.vllm.engine import VLLMEngine, VLLMSpec
 
     engine = object.__new__(VLLMEngine)  # no vLLM: the methods under test only use spec and llm
     engine.spec, engine.llm = VLLMSpec(model_path="m", enable_sleep_mode=sleep_mode), _FakeLLM(log)
@@ -102,7 +102,7 @@ class _Recorder:
 
 @pytest.mark.parametrize("sleeps", [True, False])
 def test_push_weights_empties_the_trainers_caches_wakes_weights_syncs_then_wakes_the_kv_cache(sleeps):
-    from rlhf.trainers.rl_steps import RLActors, RLTrainer
+    from rlhf.trainers.online.steps import RLActors, RLTrainer
 
     log: list = []
     trainer = object.__new__(RLTrainer)
@@ -164,7 +164,7 @@ def test_hybrid_engine_with_broadcast_is_refused_when_the_config_says_gpus(tiny_
 
 
 def test_the_runner_refuses_hybrid_broadcast_once_the_cluster_gives_gpus(tiny_model, rl_prompts):
-    from rlhf.trainers.rl_runner import _connect_weight_sync
+    from rlhf.trainers.online.roles import connect_weight_sync
 
     class Engines:
         gpus_per_engine = 1.0
@@ -174,7 +174,7 @@ def test_the_runner_refuses_hybrid_broadcast_once_the_cluster_gives_gpus(tiny_mo
 
     cfg = _rl_cfg(tiny_model, rl_prompts)
     with pytest.raises(ConfigError, match=HYBRID_BROADCAST):
-        _connect_weight_sync(
+        connect_weight_sync(
             cfg, SimpleNamespace(gpus_per_worker=1.0), SimpleNamespace(engines=Engines(), policy=object())
         )
 
@@ -244,7 +244,7 @@ class _IpcEngine:
     handle is opened once per update and kept until the update finishes."""
 
     def __init__(self):
-        from rlhf.rollout.ipc import open_shared
+        from rlhf.rollout.weights.ipc import open_shared
 
         self.handles, self.received, self.opened = [], [], {}
         outer = self
@@ -254,7 +254,7 @@ class _IpcEngine:
                 self.remote = fn
 
         def load(metas, handle, nbytes):
-            from rlhf.rollout.weight_sync import bucket_checksum, metas_from_wire, unpack_bucket
+            from rlhf.rollout.weights.sync import bucket_checksum, metas_from_wire, unpack_bucket
 
             outer.handles.append(handle)
             if handle not in outer.opened:
@@ -279,7 +279,7 @@ class _IpcEngine:
 
 
 def test_ipc_exports_each_buffer_once_per_sync_and_every_bucket_arrives(monkeypatch):
-    from rlhf.rollout import senders
+    from rlhf.rollout.weights import senders
 
     monkeypatch.setattr(senders, "gather", lambda refs, names, call, timeout_s=None: refs)
     exported: list = []
@@ -314,7 +314,7 @@ def test_a_cuda_handle_is_opened_on_the_receivers_current_device(monkeypatch):
     numbers each actor's visible GPUs from 0."""
     import pickle
 
-    from rlhf.rollout.ipc import _STORAGE_DEVICE_ARG, open_shared
+    from rlhf.rollout.weights.ipc import _STORAGE_DEVICE_ARG, open_shared
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     sent = ("cls", (4,), (1,), 0, "storage", torch.bfloat16, 0, b"handle", 256)
@@ -329,7 +329,7 @@ def test_a_bucket_that_never_arrives_stops_the_sync_naming_the_engine(monkeypatc
     dropped a bucket (silent non-delivery, verl #7495 / slime #2280) fails the sync, naming it; one that got every
     bucket passes and the stats carry the version."""
     from rlhf.distributed.errors import WorkerError
-    from rlhf.rollout import senders
+    from rlhf.rollout.weights import senders
 
     monkeypatch.setattr(senders, "gather", lambda refs, names, call, timeout_s=None: refs)
     weights = [(f"w{i}", torch.randn(24, generator=torch.Generator().manual_seed(i))) for i in range(10)]
@@ -352,7 +352,7 @@ def test_a_bucket_that_never_arrives_stops_the_sync_naming_the_engine(monkeypatc
 
 
 def test_the_delivery_checksum_is_exact_and_sees_a_changed_byte():
-    from rlhf.rollout.weight_sync import bucket_checksum, pack_bucket
+    from rlhf.rollout.weights.sync import bucket_checksum, pack_bucket
 
     gen = torch.Generator().manual_seed(0)
     bucket = pack_bucket([("a", torch.randn(5, generator=gen)), ("b", torch.randint(0, 9, (3,), generator=gen))])

@@ -20,8 +20,8 @@ from rlhf.rewards.judge import (
     template_fields,
     win_rates,
 )
-from rlhf.rollout.judge import judge_sampling
-from rlhf.rollout.vllm_engine import Generation
+from rlhf.rollout.types import Generation
+from rlhf.rollout.vllm.judge_engines import judge_sampling
 
 SCORE_TEMPLATE = "Question: {prompt}\nReference: {answer}\nResponse: {response}\nGrade it."
 PAIR_TEMPLATE = "Question: {prompt}\nA: {response_a}\nB: {response_b}\nWhich is better?"

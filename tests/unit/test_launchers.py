@@ -4,9 +4,9 @@
   two-node launcher planned against one node fails with exit 2 naming the placement group or role.
 * The PACK simulator: bundles spread over nodes, the freer node preferred, colocated roles' fractional shares,
   two ranks on one device flagged, all-or-nothing groups.
-* The runners start their plan (``rlhf.trainers.actors.start_plan``): the requests ``rl_runner._start_actors`` and
-  the offline runner make (recorded through stand-ins for the worker groups, placement groups, engines and
-  environment actors) are the plan's, in its order, and the dry run prints them.
+* The runners start their plan (``rlhf.trainers.actors.start_plan``): the requests
+  ``rlhf.trainers.online.roles.start_roles`` and the offline runner make (recorded through stand-ins for the worker
+  groups, placement groups, engines and environment actors) are the plan's, in its order, and the dry run prints them.
 * A dry run imports no Ray at all; the scripts are valid bash.
 """
 
@@ -453,9 +453,9 @@ class _Recorder:
         monkeypatch.setattr("rlhf.distributed.group.WorkerGroup", WorkerGroup)
         monkeypatch.setattr("rlhf.trainers.run.Placement", Placement)  # where RunContext makes them
         monkeypatch.setattr("rlhf.trainers.run.WorkerGroup", WorkerGroup)
-        monkeypatch.setattr("rlhf.rollout.engines.RolloutEngines", RolloutEngines)
-        monkeypatch.setattr("rlhf.trainers.rl_runner.RolloutEngines", RolloutEngines)  # where the RL runner starts them
-        monkeypatch.setattr("rlhf.trainers.rl_runner.EnvironmentPool", EnvironmentPool)
+        monkeypatch.setattr("rlhf.rollout.vllm.engines.RolloutEngines", RolloutEngines)
+        monkeypatch.setattr("rlhf.trainers.online.roles.RolloutEngines", RolloutEngines)  # where the RL roles start
+        monkeypatch.setattr("rlhf.trainers.online.roles.EnvironmentPool", EnvironmentPool)
 
     @staticmethod
     def of(plan: ResourcePlan):
@@ -504,7 +504,7 @@ RL_VARIANTS = {
 @pytest.mark.parametrize("gpus", [0.0, 1.0], ids=["cpu", "gpu"])
 @pytest.mark.parametrize("variant", sorted(RL_VARIANTS))
 def test_rl_runner_requests_what_the_plan_says(variant, gpus, monkeypatch):
-    from rlhf.trainers import rl_runner
+    from rlhf.trainers.online.roles import start_roles
     from rlhf.trainers.run import RunContext
 
     cfg = load_config(RLRunConfig, "grpo_tiny", ["model.path=/m", "data.train_path=/d", *RL_VARIANTS[variant]])
@@ -512,17 +512,17 @@ def test_rl_runner_requests_what_the_plan_says(variant, gpus, monkeypatch):
     ctx = RunContext(
         cfg=cfg, precision="bf16" if gpus else "fp32", backend="nccl" if gpus else "gloo", gpus_per_worker=gpus
     )
-    rl_runner._start_actors(cfg, ctx, total_optimizer_steps=10)
     plan = kind_of(cfg).plan(cfg, gpus)
+    start_roles(cfg, ctx, plan, total_optimizer_steps=10)
     assert (rec.requests, rec.actors) == _Recorder.of(plan)
     held = sum(r[2] * r[3] for r in rec.requests)  # bundles (or actors) x CPUs
     assert held == pytest.approx(plan.needed_cpus)
 
 
 OFFLINE = {
-    "sft": (SFTRunConfig, "sft_tiny", "rlhf.trainers.sft:build_sft_task", "policy"),
-    "rm": (RewardModelRunConfig, "rm_tiny", "rlhf.trainers.reward_model:build_rm_task", "reward_model"),
-    "dpo": (DPORunConfig, "dpo_tiny", "rlhf.trainers.dpo:build_dpo_task", "policy"),
+    "sft": (SFTRunConfig, "sft_tiny", "rlhf.trainers.offline.sft:build_sft_task", "policy"),
+    "rm": (RewardModelRunConfig, "rm_tiny", "rlhf.trainers.offline.reward_model:build_rm_task", "reward_model"),
+    "dpo": (DPORunConfig, "dpo_tiny", "rlhf.trainers.offline.dpo:build_dpo_task", "policy"),
 }
 
 
@@ -533,7 +533,8 @@ class _Stop(Exception):
 @pytest.mark.parametrize("kind", sorted(OFFLINE))
 def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, pair_data, tmp_path, monkeypatch):
     """The offline runner up to its first step (groups built, the DPO reference attached), on stand-ins."""
-    from rlhf.trainers import offline, run
+    from rlhf.trainers import run
+    from rlhf.trainers.offline import loop as offline
     from rlhf.trainers.run import RunContext
 
     cls, preset, builder, role = OFFLINE[kind]
@@ -556,7 +557,7 @@ def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, 
     rec = _Recorder(monkeypatch)
     asked = {}
 
-    def start_cluster(cfg_, needed_cpus):
+    def start_cluster(cfg_, packages, needed_cpus):
         asked["cpus"] = needed_cpus
         return RunContext(cfg=cfg_, precision="bf16", backend="nccl", gpus_per_worker=1.0)
 
@@ -567,7 +568,7 @@ def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, 
     monkeypatch.setattr(run.Run, "train", stop)
     module, fn = builder.split(":")
     with pytest.raises(_Stop):
-        offline._run_offline_once(cfg, getattr(importlib.import_module(module), fn))
+        offline._run_offline_once(cfg, kind_of(cfg), getattr(importlib.import_module(module), fn))
     assert kind_of(cfg).policy_role == role
     plan = kind_of(cfg).plan(cfg, 1.0)
     assert (rec.requests, rec.actors) == _Recorder.of(plan)
@@ -575,7 +576,7 @@ def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, 
 
 
 def test_dry_run_prints_the_requests_the_runner_makes(monkeypatch, capsys):
-    from rlhf.trainers import rl_runner
+    from rlhf.trainers.online.roles import start_roles
     from rlhf.trainers.run import RunContext
 
     overrides = ["model.path=/m", "data.train_path=/d", *RL_VARIANTS["gae_critic_reward"]]
@@ -588,7 +589,9 @@ def test_dry_run_prints_the_requests_the_runner_makes(monkeypatch, capsys):
     assert rc == 0, err
     rec = _Recorder(monkeypatch)
     cfg = load_config(RLRunConfig, "grpo_tiny", overrides)
-    rl_runner._start_actors(cfg, RunContext(cfg=cfg, precision="bf16", backend="nccl", gpus_per_worker=1.0), 10)
+    start_roles(
+        cfg, RunContext(cfg=cfg, precision="bf16", backend="nccl", gpus_per_worker=1.0), kind_of(cfg).plan(cfg, 1.0), 10
+    )
     printed = out.split("placement groups")[1].split("actors:")[0]
     for i, request in enumerate(rec.requests, 1):
         kind, name, count, cpus, gpus = request[:5]

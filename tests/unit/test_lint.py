@@ -1,8 +1,8 @@
 """ruff's lint over the whole tree, with the rules ``pyproject.toml`` selects (``[tool.ruff.lint]``: pyflakes,
 pycodestyle, bugbear, import order), and its formatter's layout. Pyflakes' rules catch, on the CPU, errors that
 live in code only a GPU reaches: a function-level ``import torch.multiprocessing.reductions`` made ``torch`` a
-local name of ``rlhf.rollout.ipc.open_shared``, and the CUDA branch above it failed with UnboundLocalError on the
-first real GPU run (ruff F823)."""
+local name of ``rlhf.rollout.weights.ipc.open_shared``, and the CUDA branch above it failed with UnboundLocalError on
+the first real GPU run (ruff F823)."""
 
 from __future__ import annotations
 

@@ -201,7 +201,7 @@ def test_actors_name_their_role_and_rank_in_their_repr():
 
     from rlhf.distributed.worker import TrainerWorker
     from rlhf.envs.pool import _EnvActor
-    from rlhf.rollout.vllm_engine import VLLMEngine
+    from rlhf.rollout.vllm.engine import VLLMEngine
 
     assert repr(TrainerWorker("critic", 3, 4, num_threads=torch.get_num_threads())) == "critic rank 3"
     engine = VLLMEngine.__new__(VLLMEngine)  # __init__ starts vLLM: only the attribute __repr__ reads

@@ -80,7 +80,7 @@ def test_targets_that_match_nothing_are_named_with_the_layers_there_are(tiny_mod
 
 
 def test_train_sft_refuses_bad_targets_before_any_actor_starts(tiny_model, sft_data, tmp_path):
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.sft import train_sft
 
     cfg = _cfg(
         SFTRunConfig,

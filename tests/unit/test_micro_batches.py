@@ -183,8 +183,8 @@ def test_a_data_row_no_micro_batch_can_hold_is_refused_with_its_position(tmp_pat
     from rlhf.config.schema import DPORunConfig
     from rlhf.data.io import DataError
     from rlhf.models.tiny import build_tokenizer
-    from rlhf.trainers.dpo import _read
-    from rlhf.trainers.offline import read_train_and_eval
+    from rlhf.trainers.offline.dpo import _read
+    from rlhf.trainers.offline.loop import read_train_and_eval
 
     rows = [
         {"prompt": "1+1=", "chosen": "2", "rejected": "3"},

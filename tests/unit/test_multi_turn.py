@@ -12,7 +12,7 @@ import pytest
 
 from rlhf.rollout.episodes import episodes_batch
 from rlhf.rollout.multi_turn import TURN_SEED_STRIDE, RolloutStats, TurnLimits, episode_metrics, run_episodes
-from rlhf.rollout.vllm_engine import Generation, SamplingSpec
+from rlhf.rollout.types import Generation, SamplingSpec
 
 
 class Engine:
@@ -187,7 +187,7 @@ def test_limits_are_checked():
 
 
 def test_prefill_groups_fit_one_scheduler_step():
-    from rlhf.rollout.vllm_engine import prefill_groups
+    from rlhf.rollout.vllm.engine import prefill_groups
 
     assert prefill_groups([10, 10, 10], None) == [(0, 3)]
     assert prefill_groups([], 100) == []

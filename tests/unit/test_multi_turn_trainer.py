@@ -25,11 +25,11 @@ from rlhf.objectives.actor_critic import PolicyObjective
 from rlhf.rollout.episodes import EpisodeError
 from rlhf.rollout.multi_turn import RolloutStats, TurnLimits, episode_metrics, run_episodes
 from rlhf.rollout.observations import ChatObservations, TextObservations
-from rlhf.rollout.vllm_engine import Generation
+from rlhf.rollout.prompts import PromptSet, prepare_prompts
+from rlhf.rollout.sources import EpisodeRollout, Rollout, observation_format
+from rlhf.rollout.types import Generation
 from rlhf.trainers.kinds import kind_of
-from rlhf.trainers.rl_experience import PromptSet, prepare_prompts
-from rlhf.trainers.rl_rollout import EpisodeRollout, Rollout, observation_format
-from rlhf.trainers.rl_steps import RLActors, RLTrainer
+from rlhf.trainers.online.steps import RLActors, RLTrainer
 
 SYSTEM = {"role": "system", "content": "Answer with the sum."}
 
@@ -459,8 +459,8 @@ def test_single_turn_responses_cut_at_max_new_tokens_are_at_a_limit(tokenizer):
 
 
 def test_a_multi_turn_run_checks_its_environment_and_chat_template_before_any_actor(tokenizer, tmp_path):
-    from rlhf.trainers.preflight import environment_status
-    from rlhf.trainers.rl_runner import _check_episodes
+    from rlhf.trainers.online.checks import environment_status
+    from rlhf.trainers.online.prompts import check_episodes
 
     envs = tmp_path / "envs.py"
     envs.write_text(
@@ -474,6 +474,6 @@ def test_a_multi_turn_run_checks_its_environment_and_chat_template_before_any_ac
         environment_status(f"{envs}:Retri", here=True)  # the run's preflight
     assert environment_status(f"{envs}:Retry", here=True) == "found, loads"
     with pytest.raises(ConfigError, match="rollout.observation_role=user: the chat template does not render"):
-        _check_episodes(_cfg(f"env.spec={envs}:Retry", *keys), prompts)
-    _check_episodes(_cfg(f"env.spec={envs}:Retry", *keys, "rollout.observation_format=text"), prompts)  # no chat
-    _check_episodes(_cfg(f"env.spec={envs}:Retry", *keys), dataclasses.replace(prompts, chat=ChatFormatter(tokenizer)))
+        check_episodes(_cfg(f"env.spec={envs}:Retry", *keys), prompts)
+    check_episodes(_cfg(f"env.spec={envs}:Retry", *keys, "rollout.observation_format=text"), prompts)  # no chat
+    check_episodes(_cfg(f"env.spec={envs}:Retry", *keys), dataclasses.replace(prompts, chat=ChatFormatter(tokenizer)))

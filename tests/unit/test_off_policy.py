@@ -328,14 +328,16 @@ def _run_config(**algo) -> RLRunConfig:
 
 
 def test_runner_builds_the_configured_correction():
-    from rlhf.trainers.rl_runner import _objectives
+    from rlhf.trainers.online.runner import build_objectives
 
-    policy_obj, _ = _objectives(_run_config(off_policy_correction="icepop", off_policy_low=0.6, off_policy_high=4.0))
+    policy_obj, _ = build_objectives(
+        _run_config(off_policy_correction="icepop", off_policy_low=0.6, off_policy_high=4.0)
+    )
     assert policy_obj.correct_off_policy and policy_obj.clip.correction == BehaviourCorrection("icepop", 0.6, 4.0)
-    policy_obj, _ = _objectives(_run_config(off_policy_correction="seq_mask"))  # unset bounds: the entry's
+    policy_obj, _ = build_objectives(_run_config(off_policy_correction="seq_mask"))  # unset bounds: the entry's
     entry = BEHAVIOUR_CORRECTIONS.get("seq_mask")
     assert (policy_obj.clip.correction.low, policy_obj.clip.correction.high) == (entry.low, entry.high)
-    policy_obj, _ = _objectives(_run_config(tis_cap=1.5))  # the shorthand still works
+    policy_obj, _ = build_objectives(_run_config(tis_cap=1.5))  # the shorthand still works
     assert policy_obj.correct_off_policy and policy_obj.clip.correction == BehaviourCorrection("tis", high=1.5)
-    policy_obj, _ = _objectives(_run_config())
+    policy_obj, _ = build_objectives(_run_config())
     assert not policy_obj.correct_off_policy and policy_obj.clip.correction is None

@@ -1,4 +1,4 @@
-"""The OpenAI rendering layer (rlhf.rollout.openai_render) with vLLM's real renderer and derenderer on the tiny model:
+"""The OpenAI rendering layer (rlhf.rollout.openai.render) with vLLM's real renderer and derenderer on the tiny model:
 prompts equal the tokenizer's own chat template, responses carry exactly the sampled ids and log-probs, hermes tool
 calls are parsed, bad requests come back as vLLM's error responses. No engine, no Ray."""
 
@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from rlhf.rollout.openai_render import TOOLS_CHAT_TEMPLATE, OpenAIRenderer, RenderError
-from rlhf.rollout.vllm_engine import Generation
+from rlhf.rollout.openai.render import TOOLS_CHAT_TEMPLATE, OpenAIRenderer, RenderError
+from rlhf.rollout.types import Generation
 
 ADD_TOOL = {
     "type": "function",

@@ -97,12 +97,12 @@ def _prepared(cfg):
 
 def test_an_empty_output_dir_gets_a_new_directory_chosen_once_and_printed(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    cfg = od.claim_output_dir(_cfg(""))
+    cfg = od.claim_output_dir(_cfg(""), "sft")
     path = cfg.train.output_dir
     assert re.fullmatch(r"outputs/sft-\d{8}-\d{6}", path), path
     assert f"[sft] output directory: {path} (new: train.output_dir is not set)" in capsys.readouterr().out
     assert not os.path.exists(path)  # chosen, not created: a run that fails validation leaves nothing behind
-    assert od.claim_output_dir(cfg) == cfg  # a set directory stays (what a restart of the invocation sees)
+    assert od.claim_output_dir(cfg, "sft") == cfg  # a set directory stays (what a restart of the invocation sees)
 
 
 def test_a_new_directory_never_reuses_a_taken_name(tmp_path):
@@ -122,11 +122,10 @@ def test_resume_without_an_output_dir_is_a_config_error_naming_it():
 def test_the_trainer_names_of_the_run_configs():
     from rlhf.config.rl_schema import RLRunConfig
     from rlhf.config.schema import DPORunConfig, RewardModelRunConfig
+    from rlhf.trainers.kinds import kind_of
 
-    names = {
-        cls.__name__: od.trainer_name(object.__new__(cls))
-        for cls in (SFTRunConfig, DPORunConfig, RewardModelRunConfig, RLRunConfig)
-    }
+    configs = (SFTRunConfig, DPORunConfig, RewardModelRunConfig, RLRunConfig)
+    names = {cls.__name__: kind_of(object.__new__(cls)).run_name for cls in configs}
     assert names == {"SFTRunConfig": "sft", "DPORunConfig": "dpo", "RewardModelRunConfig": "rm", "RLRunConfig": "rl"}
 
 
@@ -138,13 +137,13 @@ def test_every_file_the_writers_leave_marks_the_run_and_overwrite_deletes_them_a
     placement.json, final/ and its staging leftover, the report plot) and a user's own files: overwrite leaves
     exactly the user's files, and the new run's config.yaml."""
     pytest.importorskip("wandb")
-    from rlhf.trainers.rl_runner import _write_placement
+    from rlhf.trainers.online.roles import write_placement
 
     out = str(tmp_path / "run")
     _write_run(out, checkpoint=True, wandb=True)
     os.makedirs(os.path.join(out, "checkpoints", "step_000002.tmp"))  # a crash mid-save
     os.makedirs(os.path.join(out, f".final.tmp-{os.getpid() + 1}"))  # a crash mid-save of final/
-    _write_placement({"policy": _Saver(), "rollout": _Saver()}, out)
+    write_placement({"policy": _Saver(), "rollout": _Saver()}, out)
     with open(os.path.join(out, "report.png"), "wb") as f:  # python -m rlhf.cli.report RUN
         f.write(b"\x89PNG")
     _add_user_files(out)
@@ -179,7 +178,7 @@ def test_a_users_own_files_do_not_make_a_run_and_their_config_yaml_is_never_repl
     assert od.run_artifacts(str(out)) == []
     for flags in ((), ("train.overwrite=true",)):
         with pytest.raises(ConfigError, match=r"config\.yaml that no run wrote"):
-            od.claim_output_dir(_cfg(out, *flags))
+            od.claim_output_dir(_cfg(out, *flags), "sft")
     assert (out / "config.yaml").read_text() == "train:\n  lr: 0.1\n"
 
 
@@ -187,7 +186,7 @@ def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
     path = tmp_path / "file"
     path.write_text("x")
     with pytest.raises(ConfigError, match="is a file, not a directory"):
-        od.claim_output_dir(_cfg(path))
+        od.claim_output_dir(_cfg(path), "sft")
 
 
 # ------------------------------------------------------------------------------------ refused, allowed
@@ -198,7 +197,7 @@ def test_a_directory_holding_a_run_is_refused_naming_both_keys_and_nothing_chang
     out = str(tmp_path / "run")
     _write_run(out, finished=finished, checkpoint=not finished)
     before = _snapshot(out)
-    for attempt in (od.claim_output_dir, _prepared):
+    for attempt in (lambda cfg: od.claim_output_dir(cfg, "sft"), _prepared):
         with pytest.raises(ConfigError) as caught:
             attempt(_cfg(out))
         message = str(caught.value)
@@ -211,7 +210,7 @@ def test_resume_continues_a_run_with_a_checkpoint_and_deletes_nothing(tmp_path, 
     out = str(tmp_path / "run")
     _write_run(out, finished=False, checkpoint=True, steps=(1, 2))
     before = _snapshot(out)
-    cfg = od.claim_output_dir(_cfg(out, "train.resume=true"))
+    cfg = od.claim_output_dir(_cfg(out, "train.resume=true"), "sft")
     assert "(continuing the run there: train.resume=true)" in capsys.readouterr().out
     checkpoints = _prepared(cfg)
     assert checkpoints.resuming
@@ -230,16 +229,16 @@ def test_resume_refuses_a_finished_run_it_could_only_train_again(tmp_path):
         match=r"^train\.resume: .* finished and without a checkpoint for train\.resume="
         r"true to continue from; set train\.overwrite=true",
     ):
-        od.claim_output_dir(_cfg(out, "train.resume=true"))
+        od.claim_output_dir(_cfg(out, "train.resume=true"), "sft")
     assert _snapshot(out) == before
-    _prepared(od.claim_output_dir(_cfg(out, "train.resume=true", "train.overwrite=true")))  # both: start again
+    _prepared(od.claim_output_dir(_cfg(out, "train.resume=true", "train.overwrite=true"), "sft"))  # both: start again
     assert od.run_artifacts(out) == ["config.yaml"]
 
 
 def test_resume_without_a_checkpoint_starts_an_unfinished_run_over(tmp_path, capsys):
     out = str(tmp_path / "run")
     _write_run(out, finished=False, checkpoint=False, steps=(1, 2, 3))
-    cfg = od.claim_output_dir(_cfg(out, "train.resume=true"))
+    cfg = od.claim_output_dir(_cfg(out, "train.resume=true"), "sft")
     assert "has no checkpoint: it starts over from step 1" in capsys.readouterr().out
     checkpoints = _prepared(cfg)
     assert not checkpoints.resuming and od.run_artifacts(out) == ["config.yaml"]  # old logs and events gone
@@ -273,7 +272,9 @@ def test_a_restart_before_the_first_checkpoint_starts_over_in_the_directory_it_o
             raise WorkerError("policy rank 0 died during train_step")
         return "done"
 
-    cfg = od.claim_output_dir(_cfg(out, "train.save_every=5", "train.on_failure=restart", "logging.tensorboard=true"))
+    cfg = od.claim_output_dir(
+        _cfg(out, "train.save_every=5", "train.on_failure=restart", "logging.tensorboard=true"), "sft"
+    )
     assert with_restarts(cfg, attempt) == "done"
     assert attempts == [False, True] and "[restart 1/3]" in capsys.readouterr().out
     assert read_metrics(os.path.join(out, "metrics.jsonl")) == [{"step": 1, "loss": 1.0}]
@@ -286,7 +287,7 @@ def test_a_restart_before_the_first_checkpoint_starts_over_in_the_directory_it_o
 def test_the_sft_cli_refuses_before_ray_starts_and_leaves_the_run_untouched(tmp_path, monkeypatch, capsys):
     from rlhf.cli.common import run_cli
     from rlhf.trainers import run
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.sft import train_sft
 
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray was started")
@@ -307,7 +308,7 @@ def test_the_sft_cli_refuses_before_ray_starts_and_leaves_the_run_untouched(tmp_
 
 def test_the_rl_runner_refuses_before_reading_anything(tmp_path):
     from rlhf.config.rl_schema import RLRunConfig
-    from rlhf.trainers.rl_runner import train_ppo
+    from rlhf.trainers.online.runner import train_ppo
 
     out = str(tmp_path / "run")
     _write_run(out)
@@ -351,7 +352,7 @@ def test_python_m_train_sft_into_a_finished_run_exits_2(tiny_model, sft_data, tm
 
 def test_the_cli_prints_the_new_directory_before_it_reads_anything(tmp_path, monkeypatch, capsys):
     from rlhf.cli.common import run_cli
-    from rlhf.trainers.sft import train_sft
+    from rlhf.trainers.offline.sft import train_sft
 
     monkeypatch.chdir(tmp_path)
     rc = run_cli(SFTRunConfig, train_sft, "train_sft", ["model.path=/no/model", "data.train_path=d.jsonl"])

@@ -13,9 +13,9 @@ from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.objectives.actor_critic import PolicyObjective
-from rlhf.rollout.vllm_engine import Generation
-from rlhf.trainers.rl_experience import PromptSet
-from rlhf.trainers.rl_steps import RLActors, RLTrainer
+from rlhf.rollout.prompts import PromptSet
+from rlhf.rollout.types import Generation
+from rlhf.trainers.online.steps import RLActors, RLTrainer
 
 
 class VersionedEngines:

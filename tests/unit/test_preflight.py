@@ -4,11 +4,12 @@ too with the same words, except a path that is missing here, which a dry run lea
 from __future__ import annotations
 
 import pytest
+from shared_helpers import preflight
 
 from rlhf.config import SFTRunConfig, load_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
-from rlhf.trainers.preflight import NOT_HERE, preflight
+from rlhf.trainers.preflight import NOT_HERE
 
 
 def _sft(model, data, *overrides):

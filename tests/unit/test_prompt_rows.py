@@ -10,8 +10,8 @@ from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
 from rlhf.envs.agents import run_agents
 from rlhf.envs.rows import MissingColumn, PromptRow, probe_agent
-from rlhf.trainers.rl_experience import PromptSet
-from rlhf.trainers.rl_runner import probe_row_reads
+from rlhf.rollout.prompts import PromptSet
+from rlhf.trainers.online.prompts import probe_row_reads
 
 AGENTS = """
 def reads_a(client, row):

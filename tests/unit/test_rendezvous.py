@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from rlhf.distributed.rendezvous import RendezvousTimeout, arrive, connect_store, host_store
-from rlhf.rollout.sync_group import GroupAddress, SyncGroup, SyncTimeouts
+from rlhf.rollout.weights.group import GroupAddress, SyncGroup, SyncTimeouts
 
 BOUND_S = 3.0
 MEMBERS = ("policy rank 0", "rollout engine 0 worker 0", "rollout engine 1 worker 0")
 
 _JOINER = textwrap.dedent("""
     import sys
-    from rlhf.rollout.sync_group import GroupAddress, SyncGroup, SyncTimeouts
+    from rlhf.rollout.weights.group import GroupAddress, SyncGroup, SyncTimeouts
     from rlhf.distributed.rendezvous import RendezvousTimeout
     port, rank, members, bound = int(sys.argv[1]), int(sys.argv[2]), tuple(sys.argv[3].split(",")), float(sys.argv[4])
     print("started", flush=True)  # imports done: the test starts rank 0's clock only now

@@ -15,9 +15,9 @@ from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
 from rlhf.rewards.results import ScoreResult
 from rlhf.rewards.scoring import RewardScorers, reward_scorers
+from rlhf.rollout.sources import Rollout
 from rlhf.trainers.kinds import kind_of
-from rlhf.trainers.rl_rollout import Rollout
-from rlhf.trainers.rl_steps import RLTrainer
+from rlhf.trainers.online.steps import RLTrainer
 
 BASE = ["model.path=/m", "data.train_path=/d.jsonl"]
 
@@ -119,7 +119,7 @@ JUDGE_CONTEXT = "reward.judge.max_model_len=512"
 
 
 def test_judge_keys_are_checked_before_any_actor_and_planned_as_engines(tiny_model, tmp_path):
-    from rlhf.trainers.preflight import preflight
+    from shared_helpers import preflight
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
@@ -179,8 +179,9 @@ def test_judge_settings_that_would_fail_at_the_first_scoring_are_refused_naming_
 
 
 def test_a_judge_template_field_no_sample_has_is_refused_before_any_actor(tiny_model, tmp_path):
+    from shared_helpers import preflight
+
     from rlhf.data.io import DataError
-    from rlhf.trainers.preflight import preflight
 
     prompts, bare, envs = tmp_path / "p.jsonl", tmp_path / "bare.jsonl", tmp_path / "envs.py"
     prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
@@ -205,7 +206,7 @@ def test_a_judge_template_field_no_sample_has_is_refused_before_any_actor(tiny_m
         "rollout.max_prompt_length=16",
         "rollout.max_episode_tokens=32",
     ]
-    preflight(judged("{transcript} {turns} {response}", *episodes))  # an episode's columns (rlhf.trainers.rl_rollout)
+    preflight(judged("{transcript} {turns} {response}", *episodes))  # an episode's columns (rlhf.rollout.sources)
     # the default reward.columns (answer) is passed when the rows have it; a template that reads it needs it in each
     with pytest.raises(DataError, match=r"bare.jsonl:1: reward.judge.template names 'answer' but the row has no such"):
         preflight(judged("{prompt} {answer} {response}", f"data.train_path={bare}"), here=False)
@@ -213,8 +214,8 @@ def test_a_judge_template_field_no_sample_has_is_refused_before_any_actor(tiny_m
 
 def test_a_reward_function_parameter_no_prompt_set_fills_is_refused_before_any_actor(tmp_path):
     from rlhf.rewards.functions import RewardFunctionScorer
-    from rlhf.trainers.rl_experience import PromptSet
-    from rlhf.trainers.rl_runner import check_reward_columns
+    from rlhf.rollout.prompts import PromptSet
+    from rlhf.trainers.online.prompts import check_reward_columns
 
     fns = tmp_path / "fns.py"
     fns.write_text(

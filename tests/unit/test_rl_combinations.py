@@ -39,8 +39,8 @@ from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS
 from rlhf.ops.aggregation import LOSS_AGGREGATIONS
 from rlhf.ops.kl import KL_ESTIMATORS
 from rlhf.ops.policy_loss import POLICY_LOSSES
-from rlhf.trainers.rl_runner import _objectives
-from rlhf.trainers.rl_steps import RLTrainer
+from rlhf.trainers.online.runner import build_objectives
+from rlhf.trainers.online.steps import RLTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -198,7 +198,7 @@ def test_one_step_matches_the_papers(policy, problem, combo):
         return
     cfg = _config(*combo)
     batch, stats = RLTrainer.advantages(SimpleNamespace(cfg=cfg), problem.batch, torch.tensor(SCORES), GROUPS)
-    objective, _ = _objectives(cfg)
+    objective, _ = build_objectives(cfg)
 
     advantages, returns, penalty = _reference_advantages(estimator, kl_mode, kl_estimator, problem)
     for i, s in enumerate(_spans()):

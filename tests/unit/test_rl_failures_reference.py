@@ -43,12 +43,12 @@ from rlhf.rewards.judge_spec import JudgeSpec
 from rlhf.rewards.remote import HttpReward
 from rlhf.rewards.results import Failure, assemble
 from rlhf.rewards.scoring import RewardScorers
-from rlhf.rollout.judge import judge_sampling
-from rlhf.rollout.vllm_engine import Generation
-from rlhf.trainers.rl_experience import PromptSet
-from rlhf.trainers.rl_rollout import single_turn_of
-from rlhf.trainers.rl_runner import _objectives
-from rlhf.trainers.rl_steps import RLActors, RLTrainer
+from rlhf.rollout.prompts import PromptSet
+from rlhf.rollout.sources import single_turn_of
+from rlhf.rollout.types import Generation
+from rlhf.rollout.vllm.judge_engines import judge_sampling
+from rlhf.trainers.online.runner import build_objectives
+from rlhf.trainers.online.steps import RLActors, RLTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -255,7 +255,7 @@ def _step(cfg, pool=None, episodes=None, judge=None, prompts=None, http=None):
     gradient) and the engines (which prompts they were asked for)."""
     model = tiny_float64_policy(VOCAB)
     group, engines = BackpropGroup(model, cfg.train.global_batch_size), Engines()
-    objective, _ = _objectives(cfg)
+    objective, _ = build_objectives(cfg)
     prompts = prompts or _prompt_set()
     plan = EpochPlan(num_samples=len(CORRECT), global_batch_size=cfg.rollout.prompts_per_step, max_epochs=1, seed=1)
     given = {"pool": pool, "judge": judge, "http": http}

@@ -23,7 +23,7 @@ from rlhf.config.rl_schema import RLRunConfig
 from rlhf.data.plan import StepPlan
 from rlhf.distributed.engine import EngineSpec
 from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps
-from rlhf.trainers.rl_steps import RLActors, RLTrainer, _largest
+from rlhf.trainers.online.steps import RLActors, RLTrainer, _largest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # this module's maths on one thread
 
@@ -220,7 +220,7 @@ class SyncedEngines:
 
     def generate(self, prompt_ids, sampling):
         from rlhf.rl import rollout_batch
-        from rlhf.rollout.vllm_engine import Generation
+        from rlhf.rollout.types import Generation
 
         self.asked.append(([tuple(p) for p in prompt_ids], sampling))
         out = []
@@ -236,7 +236,7 @@ class SyncedEngines:
 def _prober(model, engines_model, staleness: int):
     from types import SimpleNamespace
 
-    from rlhf.trainers.rl_experience import PromptSet
+    from rlhf.rollout.prompts import PromptSet
 
     cfg = _config(4, 1, 1, f"rollout.max_staleness={staleness}")
     logps = TokenLogps(temperature=cfg.rollout.temperature, sampling_filter=cfg.rollout.sampling_filter)
@@ -251,8 +251,8 @@ def _prober(model, engines_model, staleness: int):
 
 def test_the_sync_probe_shows_whether_the_pushed_weights_reached_the_engines(model):
     """k >= 1: the probe's gap is ~0 when the engines hold the policy's weights and large when they kept older
-    ones, whatever the step's stale samples say (rlhf/trainers/rl_steps.py RLTrainer.probe_sync)."""
-    from rlhf.trainers.rl_steps import PROBE_SAMPLES, PROBE_SEED, PROBE_TOKENS, StageTimer
+    ones, whatever the step's stale samples say (rlhf/trainers/online/steps.py RLTrainer.probe_sync)."""
+    from rlhf.trainers.online.steps import PROBE_SAMPLES, PROBE_SEED, PROBE_TOKENS, StageTimer
 
     stale = copy.deepcopy(model)
     with torch.no_grad():
@@ -274,7 +274,7 @@ def test_the_sync_probe_shows_whether_the_pushed_weights_reached_the_engines(mod
 
 
 def test_the_row_logs_the_gaps_and_k0s_sync_mismatch_is_logp_mismatch(model):
-    from rlhf.trainers.rl_steps import StageTimer
+    from rlhf.trainers.online.steps import StageTimer
 
     trainer, _ = _prober(model, model, staleness=0)
     batch = _gapped([-1.0, -1.0, -1.125, -2.5, -0.75, -1.0], [-1.0, -1.0, -1.0, -2.0, -0.75, -1.0], [0, 0, 1, 1, 1, 0])

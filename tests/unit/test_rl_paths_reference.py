@@ -43,12 +43,12 @@ from rlhf.ops.aggregation import LOSS_AGGREGATIONS
 from rlhf.ops.dapo import overlong_penalty
 from rlhf.rewards.scoring import reward_scorers
 from rlhf.rl import Episode, episodes_batch, turn_reward_tokens
-from rlhf.rollout.vllm_engine import Generation
-from rlhf.trainers.rl_experience import PromptSet
-from rlhf.trainers.rl_rollout import Rollout
-from rlhf.trainers.rl_runner import _objectives
-from rlhf.trainers.rl_schedule import behaviour_version
-from rlhf.trainers.rl_steps import RLActors, RLTrainer
+from rlhf.rollout.prompts import PromptSet
+from rlhf.rollout.sources import Rollout
+from rlhf.rollout.types import Generation
+from rlhf.trainers.online.runner import build_objectives
+from rlhf.trainers.online.schedule import behaviour_version
+from rlhf.trainers.online.steps import RLActors, RLTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -318,7 +318,7 @@ def test_behaviour_corrections_match_the_papers(policy, problem, case, estimator
     )
     layout = problem.layout
     batch, _ = RLTrainer.advantages(SimpleNamespace(cfg=cfg), problem.batch, torch.tensor(SCORES), GROUPS)
-    objective, _ = _objectives(cfg)
+    objective, _ = build_objectives(cfg)
     advantages, returns = _reference_advantages(
         estimator, SCORES, GROUPS, problem.old, problem.ref, problem.values, kl_in_reward=False
     )
@@ -414,8 +414,8 @@ def test_stale_samples_train_decoupled_ppo(policy, versions, problem, k, correct
         **keys,
     )
     cfg = _config(rollout={"max_staleness": k}, **algo)
-    objective, _ = _objectives(cfg)
-    assert objective == _objectives(_config(**algo))[0]  # k changes the samples, never the objective
+    objective, _ = build_objectives(cfg)
+    assert objective == build_objectives(_config(**algo))[0]  # k changes the samples, never the objective
     if correction == "none":
         assert "no off-policy correction" in cfg.describe_schedule()
     samples = problem.layout.samples
@@ -514,7 +514,7 @@ def test_partial_rollouts_weigh_each_token_by_its_version(policy, versions, prob
         pad_token_id=0, eos_token_id=VOCAB - 1, batch_decode=lambda ids, **_: [" ".join(map(str, x)) for x in ids]
     )
     prompts = PromptSet(layout.prompts, ["p0", "p1"], {}, 0, 0)
-    objective, _ = _objectives(cfg)
+    objective, _ = build_objectives(cfg)
     trainer = RLTrainer(
         cfg,
         tokenizer,
@@ -687,7 +687,7 @@ def test_per_turn_credit_matches_the_docs(policy, episodes, estimator, gamma, la
     advantages, returns = _reference_turn_advantages(estimator, expected_scores, episodes, True, gamma, lam)
     _assert_advantages(batch, episodes.positions, advantages, returns)
 
-    objective, _ = _objectives(cfg)
+    objective, _ = build_objectives(cfg)
     p = SimpleNamespace(proximal=episodes.old, behaviour=None, ref=episodes.ref)
 
     def reference():
@@ -766,7 +766,7 @@ def test_overlong_shaping_matches_dapo(policy, shaped, penalty, estimator):
         estimator, shaped_scores, GROUPS, shaped.old, None, shaped.values, kl_in_reward=False
     )
     _assert_advantages(batch, shaped.layout.spans, advantages, returns)
-    objective, _ = _objectives(cfg)
+    objective, _ = build_objectives(cfg)
     p = SimpleNamespace(proximal=shaped.old, behaviour=None, ref=None)
 
     def reference():

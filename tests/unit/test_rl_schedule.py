@@ -1,4 +1,4 @@
-"""The bounded-staleness schedule (``rlhf.trainers.rl_schedule``) on its own, with a generator that records which
+"""The bounded-staleness schedule (``rlhf.trainers.online.schedule``) on its own, with a generator that records which
 weights it ran with: step t trains on samples of version max(0, t - 1 - k), each step's samples are generated once,
 the generation of step t + k overlaps step t's training, a checkpoint resumes the same sequence, skipped steps and
 errors behave. The real engines and trainer run it in tests/integration/test_async_rl.py."""
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from rlhf.trainers.rl_schedule import RolloutSchedule, behaviour_version
+from rlhf.trainers.online.schedule import RolloutSchedule, behaviour_version
 
 
 class Engines:

@@ -317,10 +317,10 @@ def test_rollout_top_k_is_validated_naming_the_key():
 
 def test_the_trainer_samples_and_scores_with_the_configs_top_k_and_top_p():
     """The engines get rollout.top_k / top_p, and pi_old, the reference and the loss score the same kept set."""
-    from rlhf.rollout.vllm_engine import Generation
-    from rlhf.trainers.rl_experience import PromptSet
-    from rlhf.trainers.rl_runner import _objectives
-    from rlhf.trainers.rl_steps import RLActors, RLTrainer
+    from rlhf.rollout.prompts import PromptSet
+    from rlhf.rollout.types import Generation
+    from rlhf.trainers.online.runner import build_objectives
+    from rlhf.trainers.online.steps import RLActors, RLTrainer
 
     class Recorder:
         def __init__(self):
@@ -339,7 +339,7 @@ def test_the_trainer_samples_and_scores_with_the_configs_top_k_and_top_p():
         pad_token_id=0, eos_token_id=2, batch_decode=lambda ids, skip_special_tokens: ["x"] * len(ids)
     )
     engines, policy, reference = Recorder(), Recorder(), Recorder()
-    policy_objective = _objectives(cfg)[0]
+    policy_objective = build_objectives(cfg)[0]
     trainer = RLTrainer(
         cfg,
         tokenizer,

@@ -105,3 +105,81 @@ def test_the_probe_finder_finds_a_probe(tmp_path):
     sample = tmp_path / "probe.py"
     sample.write_text("def f(cfg):\n    return hasattr(cfg, 'rollout')\n", encoding="utf-8")
     assert list(_attribute_probes(sample, tmp_path)) == ["probe.py:2"]
+
+
+#: The rooms every trainer passes through: they reach a trainer's own checks, lines and splits through its
+#: descriptor's hooks, and never name a trainer's run config (an ``isinstance`` on one is a branch on the run's type).
+GENERIC_ROOMS = (
+    "rlhf/trainers/run.py",
+    "rlhf/trainers/preflight.py",
+    "rlhf/trainers/output_dir.py",
+    "rlhf/trainers/actors.py",
+    "rlhf/trainers/checkpoint.py",
+    "rlhf/trainers/descriptor.py",
+    "rlhf/trainers/findings.py",
+    "rlhf/cli/dry_run.py",
+    "rlhf/audit/lint.py",
+    "rlhf/audit/runner.py",
+    "rlhf/audit/factorizations.py",
+)
+TRAINER_CONFIGS = ("SFTRunConfig", "RewardModelRunConfig", "DPORunConfig", "RLRunConfig")
+
+
+def _trainer_config_names(path: Path, root: Path = ROOT):
+    """Where ``path`` names a trainer's run config class (an import or a use)."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = []
+        if isinstance(node, ast.ImportFrom):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.Name):
+            names = [node.id]
+        for name in names:
+            if name in TRAINER_CONFIGS:
+                yield f"{path.relative_to(root)}:{node.lineno}: {name}"
+
+
+def test_no_generic_room_branches_on_the_runs_type():
+    found = [hit for room in GENERIC_ROOMS for hit in _trainer_config_names(ROOT / room)]
+    assert found == [], "reach the trainer's own behaviour through a hook of its descriptor: " + ", ".join(found)
+
+
+def test_the_room_finder_finds_a_branch(tmp_path):
+    sample = tmp_path / "room.py"
+    sample.write_text(
+        "from rlhf.config.rl_schema import RLRunConfig\ndef f(cfg):\n    return isinstance(cfg, RLRunConfig)\n",
+        encoding="utf-8",
+    )
+    assert list(_trainer_config_names(sample, tmp_path)) == ["room.py:1: RLRunConfig", "room.py:3: RLRunConfig"]
+
+
+def test_the_hooks_reach_the_generic_rooms():
+    """What only online RL checks, prints and splits comes from its hooks; the offline trainers' defaults add
+    nothing (DPO's batch lines add its reference group)."""
+    from rlhf.audit.runner import split_fits
+    from rlhf.distributed.resource_plan import Devices
+
+    sft, rm, dpo, ppo = kinds()
+    gae = _cfg(RLRunConfig, "grpo_tiny", "algo.advantage_estimator=gae", "reward.functions=[m:f]")
+    devices = Devices(precision="fp32", backend="gloo", gpus_per_worker=0.0)
+    lines = ppo.describe(gae, ppo.plan(gae, 0.0), devices)
+    assert lines[0].startswith("rollout: ") and any("weight sync" in line for line in lines)
+    sft_cfg = _cfg(SFTRunConfig, "sft_tiny")
+    assert sft.describe(sft_cfg, sft.plan(sft_cfg, 0.0), devices) == [] and sft.checks(sft_cfg, False) == []
+    assert ppo.batch_lines(gae, ["  x"])[0].startswith("  RL step: ") and sft.batch_lines(sft_cfg, ["  x"])[0] == "  x"
+    dpo_cfg = _cfg(DPORunConfig, "dpo_tiny", "dpo.ref_num_workers=2")
+    assert any(line.startswith("  reference: 2 ranks") for line in dpo.batch_lines(dpo_cfg, []))
+    tied = _cfg(
+        RLRunConfig,
+        "grpo_tiny",
+        "algo.advantage_estimator=gae",
+        "reward.functions=[m:f]",
+        "train.num_workers=2",
+        "critic.num_workers=2",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+    )
+    assert ppo.audit_overrides(tied, 1, 4) == ["critic.num_workers=4"] and sft.audit_overrides(sft_cfg, 1, 4) == []
+    assert split_fits(tied)(2, 2) and not split_fits(tied)(3, 2)  # the critic's 2 x 3 do not divide 8
+    assert [f.key for f in ppo.lint_batches(tied, 1)] == [
+        "rollout.prompts_per_step=" + str(tied.rollout.prompts_per_step)
+    ]

@@ -16,7 +16,7 @@ from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import AlgorithmConfig, RLRunConfig
 from rlhf.config.schema import ConfigError
 from rlhf.rl import Episode, advantages_for, episodes_batch, turn_reward_tokens
-from rlhf.trainers.rl_steps import RLTrainer
+from rlhf.trainers.online.steps import RLTrainer
 
 # (turn lengths of the policy's responses, observation lengths after each turn but the last)
 SHAPES = [([3, 2, 4], [2, 3]), ([1], []), ([2, 0, 3], [1, 2]), ([4, 1], [5])]

@@ -16,9 +16,9 @@ from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
 from rlhf.distributed.errors import WorkerError, WorkerTimeout
-from rlhf.rollout.ipc import open_shared, share
-from rlhf.rollout.senders import BroadcastSender, IpcSender, ObjectStoreSender, make_senders
-from rlhf.rollout.weight_sync import ALIGN, bucket_groups, layout, resolve_weight_sync
+from rlhf.rollout.weights.ipc import open_shared, share
+from rlhf.rollout.weights.senders import BroadcastSender, IpcSender, ObjectStoreSender, make_senders
+from rlhf.rollout.weights.sync import ALIGN, bucket_groups, layout, resolve_weight_sync
 
 
 @pytest.mark.parametrize(
@@ -109,13 +109,13 @@ class _Engines:
 def test_auto_falls_back_to_the_object_store_and_a_named_method_fails_naming_the_key(
     tiny_model, rl_prompts, asked, fallback, capsys
 ):
-    from rlhf.trainers.rl_runner import _connect_weight_sync
+    from rlhf.trainers.online.roles import connect_weight_sync
 
     cfg = _rl_cfg(tiny_model, rl_prompts, f"rollout.weight_sync={asked}")
     actors = SimpleNamespace(engines=_Engines(), policy=object())
     ctx = SimpleNamespace(gpus_per_worker=0.0)
     if fallback:
-        _connect_weight_sync(cfg, ctx, actors)
+        connect_weight_sync(cfg, ctx, actors)
         assert actors.engines.tried == [("broadcast", "gloo"), ("object_store", "gloo")]
         assert "using the object store (rollout.weight_sync=auto)" in capsys.readouterr().out
     else:
@@ -124,13 +124,13 @@ def test_auto_falls_back_to_the_object_store_and_a_named_method_fails_naming_the
             match=r"^rollout.weight_sync=broadcast: cannot set up the broadcast "
             r"transport: rollout engine 1 failed",
         ):
-            _connect_weight_sync(cfg, ctx, actors)
+            connect_weight_sync(cfg, ctx, actors)
         assert actors.engines.tried == [("broadcast", "gloo")]
 
 
 _MEMBER = textwrap.dedent("""
     import sys, torch
-    from rlhf.rollout.sync_group import GroupAddress, SyncGroup, SyncTimeouts
+    from rlhf.rollout.weights.group import GroupAddress, SyncGroup, SyncTimeouts
     host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     group = SyncGroup(GroupAddress(host, port, ("sender", "a", "b"), "gloo", SyncTimeouts(60.0, 60.0)), rank=rank)
     data = torch.zeros(1 << 16, dtype=torch.uint8)
@@ -141,7 +141,7 @@ _MEMBER = textwrap.dedent("""
 
 def test_a_gloo_weight_sync_group_broadcasts_across_processes():
     """Rank 0 hosts the store on a port the OS picks; two other processes join and receive its bytes."""
-    from rlhf.rollout.sync_group import GroupAddress, SyncGroup, SyncTimeouts
+    from rlhf.rollout.weights.group import GroupAddress, SyncGroup, SyncTimeouts
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
     address = GroupAddress("127.0.0.1", int(store.port), ("sender", "a", "b"), "gloo", SyncTimeouts(60.0, 60.0))
@@ -160,7 +160,7 @@ def test_a_gloo_weight_sync_group_broadcasts_across_processes():
 
 _RECEIVER = textwrap.dedent("""
     import ast, gc, sys
-    from rlhf.rollout.ipc import open_shared
+    from rlhf.rollout.weights.ipc import open_shared
     for handle in ast.literal_eval(sys.stdin.read()):  # one long-lived receiver, bucket after bucket (an engine)
         opened = open_shared(handle)
         print(opened.clone().sum().item(), flush=True)
@@ -190,22 +190,22 @@ def test_a_shared_memory_handle_opens_the_same_memory_in_another_process():
 def test_a_stuck_engine_is_not_a_transport_to_fall_back_from(tiny_model, rl_prompts):
     """An engine that did not answer at all would hold the object-store set-up behind its stuck call: the run
     stops naming it instead of falling back."""
-    from rlhf.trainers.rl_runner import _connect_weight_sync
+    from rlhf.trainers.online.roles import connect_weight_sync
 
     cfg = _rl_cfg(tiny_model, rl_prompts)  # auto
     actors = SimpleNamespace(engines=_Engines(stuck=True), policy=object())
     with pytest.raises(WorkerTimeout, match="rollout engine 1 did not answer connect_weight_sync"):
-        _connect_weight_sync(cfg, SimpleNamespace(gpus_per_worker=0.0), actors)
+        connect_weight_sync(cfg, SimpleNamespace(gpus_per_worker=0.0), actors)
     assert actors.engines.tried == [("broadcast", "gloo")]
 
 
 def test_a_dead_engine_is_not_a_transport_to_fall_back_from(tiny_model, rl_prompts):
-    from rlhf.trainers.rl_runner import _connect_weight_sync
+    from rlhf.trainers.online.roles import connect_weight_sync
 
     cfg = _rl_cfg(tiny_model, rl_prompts)  # auto
     actors = SimpleNamespace(engines=_Engines(died=True), policy=object())
     with pytest.raises(WorkerError, match="rollout engine 1"):
-        _connect_weight_sync(cfg, SimpleNamespace(gpus_per_worker=0.0), actors)
+        connect_weight_sync(cfg, SimpleNamespace(gpus_per_worker=0.0), actors)
     assert actors.engines.tried == [("broadcast", "gloo")]
 
 

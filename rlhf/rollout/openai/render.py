@@ -1,6 +1,6 @@
 """OpenAI ``/v1/chat/completions`` and ``/v1/completions`` rendering over the project's own vLLM engines.
 
-Agent code in an RL rollout speaks the OpenAI API; generation goes through :class:`rlhf.rollout.vllm_engine.VLLMEngine`
+Agent code in an RL rollout speaks the OpenAI API; generation goes through :class:`rlhf.rollout.vllm.engine.VLLMEngine`
 (token ids in, token ids and sampling log-probs out), not through vLLM's own ``AsyncLLM`` server. This module is the
 layer between them, and it is vLLM's: the pieces of vLLM's disaggregated *render server*
 (``vllm/entrypoints/launchers/render/app_state.py``), built once per model directory, on the CPU, with no engine:
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rlhf.models.tiny import TOOLS_CHAT_TEMPLATE  # noqa: F401 - re-exported: tests and agents import it from here
-from rlhf.rollout.vllm_engine import Generation, SamplingSpec
+from rlhf.rollout.types import Generation, SamplingSpec
 
 
 class RenderError(Exception):
@@ -92,7 +92,7 @@ def _as_render_error(exc: Exception) -> RenderError:
 
 def _refuse_flags(request: Any) -> None:
     """Response shapes this layer does not produce: a stream (the endpoint's HTTP layer serves ``stream=true`` by
-    sending the unstreamed response as chunks, rlhf/rollout/openai_stream.py), the prompt echoed, beams."""
+    sending the unstreamed response as chunks, rlhf/rollout/openai/stream.py), the prompt echoed, beams."""
     for field in ("stream", "echo", "use_beam_search"):
         if getattr(request, field):
             raise _bad_request(f"`{field}` is not supported by this endpoint", field)
@@ -213,7 +213,7 @@ class OpenAIRenderer:
             but calls are not parsed, and ``tool_choice="auto"`` is refused (vLLM's rule).
         chat_template: A template (text or file path) used instead of the tokenizer's.
         served_model_name: The ``model`` of every response; default ``model_path``.
-        max_model_len: The engine's context length (:class:`rlhf.rollout.vllm_engine.VLLMSpec`); default the
+        max_model_len: The engine's context length (:class:`rlhf.rollout.vllm.engine.VLLMSpec`); default the
             model's.
         reasoning_parser: A vLLM reasoning parser name, or ``None``.
 

@@ -16,10 +16,13 @@ from rlhf.config.schema import DPORunConfig
 from rlhf.data.formats import pair_fields, read_formatted
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.distributed.group import WorkerGroup
+from rlhf.models.loading import CAUSAL_LM
 from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.base import ScoreFn
 from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
-from rlhf.trainers.offline import OfflineTask, data_summary, read_train_and_eval, run_offline
+from rlhf.trainers.descriptor import TrainerKind
+from rlhf.trainers.findings import offline_batch_findings
+from rlhf.trainers.offline.loop import OfflineTask, batch_lines, data_summary, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunContext, RunResult
 from rlhf.utils.log import get_logger
 
@@ -128,4 +131,37 @@ def precompute_reference(ref: WorkerGroup, data: _PairData, fn: ScoreFn) -> torc
 
 
 def train_dpo(cfg: DPORunConfig) -> RunResult:
-    return run_offline(cfg, build_dpo_task)
+    return run_offline(cfg, DPO, build_dpo_task)
+
+
+def dpo_batch_lines(cfg: DPORunConfig, lines: List[str]) -> List[str]:
+    """``--dry-run``'s batch lines of DPO (``TrainerKind.batch_lines``): an offline trainer's, with its reference
+    group's ranks and mode when it starts one."""
+    if DPO.reference_group(cfg):
+        d = cfg.dpo
+        lines = lines + [
+            f"  reference: {d.ref_num_workers} ranks, dpo.ref_mode={d.ref_mode}"
+            + (" (scores every pair once, then released)" if d.ref_mode == "precompute" else "")
+        ]
+    return batch_lines(cfg, lines)
+
+
+#: The DPO family's descriptor (rlhf.trainers.descriptor), listed in rlhf.trainers.kinds.
+DPO = TrainerKind(
+    name="dpo",
+    run_name="dpo",
+    config_cls=DPORunConfig,
+    train=train_dpo,
+    cli_module="rlhf.cli.train_dpo",
+    row_fields=row_fields,
+    read_data=read_data,
+    batch_lines=dpo_batch_lines,
+    lint_batches=offline_batch_findings,
+    policy_role="policy",
+    policy_kind=CAUSAL_LM,
+    primary_loss="loss",
+    sections=("dpo",),
+    preset_prefixes=("dpo",),
+    has_reference=lambda cfg: True,
+    reference_ranks=lambda cfg: cfg.dpo.ref_num_workers,
+)

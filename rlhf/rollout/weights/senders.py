@@ -2,11 +2,11 @@
 
 The trainer worker knows only the small protocol below (:class:`rlhf.distributed.worker.WeightSender`): it
 streams its named full tensors into ``send`` (ZeRO-3 shards gathered) and reports the stats. Every transport
-packs the same buckets (``rlhf.rollout.weight_sync``) and the engines load them through the same in-place reload;
+packs the same buckets (``rlhf.rollout.weights.sync``) and the engines load them through the same in-place reload;
 only how a bucket's bytes travel differs:
 
 * :class:`BroadcastSender` (``rollout.weight_sync=broadcast``): policy rank 0 and every engine worker form one
-  process group at start-up (``rlhf.rollout.sync_group``); each bucket is broadcast, NCCL on GPUs, gloo on CPU.
+  process group at start-up (``rlhf.rollout.weights.group``); each bucket is broadcast, NCCL on GPUs, gloo on CPU.
 * :class:`IpcSender` (``ipc``, the hybrid engine): every policy rank hands *its* engine, on the same device, a
   CUDA-IPC handle to the packed bucket (shared memory on CPU).
 * :class:`ObjectStoreSender` (``object_store``): rank 0 puts each bucket's bytes in Ray's object store once; every
@@ -26,9 +26,9 @@ import torch
 
 from rlhf.distributed.errors import WorkerError, gather
 from rlhf.distributed.rendezvous import DRIVER_GRACE_S
-from rlhf.rollout.ipc import share
-from rlhf.rollout.sync_group import GroupAddress, SyncGroup, SyncTimeouts, listen
-from rlhf.rollout.weight_sync import ALIGN, bucket_checksum, bucket_groups, bucket_to_bytes, layout, pack_bucket
+from rlhf.rollout.weights.group import GroupAddress, SyncGroup, SyncTimeouts, listen
+from rlhf.rollout.weights.ipc import share
+from rlhf.rollout.weights.sync import ALIGN, bucket_checksum, bucket_groups, bucket_to_bytes, layout, pack_bucket
 
 ENGINE_ROLE = "rollout engine"
 Named = Iterable[Tuple[str, torch.Tensor]]
@@ -171,7 +171,7 @@ class IpcSender(_Sender):
         self._turn = 0
         # Each buffer's handle, exported once per sync and handed over with every bucket the buffer carries: the
         # engine opens it once and keeps it until the update finishes (WeightSyncExtension). A handle carries one
-        # reference (rlhf.rollout.ipc), so one export per sync balances the engine's one open.
+        # reference (rlhf.rollout.weights.ipc), so one export per sync balances the engine's one open.
         self._handles: List[Optional[Tuple[torch.Tensor, bytes]]] = [None, None]
 
     def connect(self) -> None:

@@ -11,8 +11,11 @@ from typing import Any, Dict
 from rlhf.config.schema import RewardModelRunConfig
 from rlhf.data.formats import pair_fields, read_formatted
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
+from rlhf.models.loading import SCALAR_HEAD
 from rlhf.objectives.reward import RewardObjective
-from rlhf.trainers.offline import OfflineTask, data_summary, read_train_and_eval, run_offline
+from rlhf.trainers.descriptor import TrainerKind
+from rlhf.trainers.findings import offline_batch_findings
+from rlhf.trainers.offline.loop import OfflineTask, batch_lines, data_summary, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunResult
 
 
@@ -71,4 +74,23 @@ def read_data(cfg: RewardModelRunConfig, tokenizer) -> str:
 
 
 def train_reward_model(cfg: RewardModelRunConfig) -> RunResult:
-    return run_offline(cfg, build_rm_task)
+    return run_offline(cfg, RM, build_rm_task)
+
+
+#: The reward model's descriptor (rlhf.trainers.descriptor), listed in rlhf.trainers.kinds.
+RM = TrainerKind(
+    name="rm",
+    run_name="rm",
+    config_cls=RewardModelRunConfig,
+    train=train_reward_model,
+    cli_module="rlhf.cli.train_rm",
+    row_fields=row_fields,
+    read_data=read_data,
+    batch_lines=batch_lines,
+    lint_batches=offline_batch_findings,
+    policy_role="reward_model",
+    policy_kind=SCALAR_HEAD,
+    primary_loss="loss",
+    sections=("rm",),
+    preset_prefixes=("rm",),
+)

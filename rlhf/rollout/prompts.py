@@ -1,6 +1,6 @@
 """The RL prompt set (driver side, no actors): :func:`prepare_prompts` tokenizes the prompt data once, applying
 ``rollout.max_prompt_length`` (skip or left-truncate, counted). Generations become a train batch in
-:mod:`rlhf.rl`."""
+:mod:`rlhf.rollout.episodes`."""
 
 from __future__ import annotations
 

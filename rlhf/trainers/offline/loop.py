@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from rlhf.batch import Batch
 from rlhf.config.schema import RunConfig, TrainConfig
@@ -28,7 +28,7 @@ from rlhf.hub import pin_run_sources
 from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.base import Objective, Totals
 from rlhf.trainers.actors import frozen_group, start_plan, trained_group
-from rlhf.trainers.kinds import kind_of
+from rlhf.trainers.descriptor import TrainerKind
 from rlhf.trainers.output_dir import claim_output_dir
 from rlhf.trainers.preflight import preflight
 from rlhf.trainers.run import Run, RunContext, RunResult, optim_spec, run_identity, with_restarts
@@ -197,17 +197,17 @@ def data_summary(cfg: RunConfig, tokenizer, build_task: TaskBuilder) -> str:
     )
 
 
-def run_offline(cfg: RunConfig, build_task: TaskBuilder) -> RunResult:
-    """An offline task end to end; ``train.on_failure=restart`` restarts from checkpoints."""
+def run_offline(cfg: RunConfig, kind: TrainerKind, build_task: TaskBuilder) -> RunResult:
+    """An offline task of the trainer ``kind`` end to end; ``train.on_failure=restart`` restarts from
+    checkpoints."""
     # hub ids -> org/name@<sha>: config.yaml and every actor get them
-    cfg = pin_run_sources(claim_output_dir(cfg), kind_of(cfg).model_keys)
-    return with_restarts(cfg, lambda c: _run_offline_once(c, build_task))
+    cfg = pin_run_sources(claim_output_dir(cfg, kind.run_name), kind.model_keys)
+    return with_restarts(cfg, lambda c: _run_offline_once(c, kind, build_task))
 
 
-def _run_offline_once(cfg: RunConfig, build_task: TaskBuilder) -> RunResult:
-    kind = kind_of(cfg)
+def _run_offline_once(cfg: RunConfig, kind: TrainerKind, build_task: TaskBuilder) -> RunResult:
     check_versions(kind.packages)
-    preflight(cfg)
+    preflight(cfg, kind)
     tokenizer = load_tokenizer(cfg)
     task, skipped = build_task(cfg, tokenizer)
     t = cfg.train
@@ -219,7 +219,7 @@ def _run_offline_once(cfg: RunConfig, build_task: TaskBuilder) -> RunResult:
         seed=t.seed,
     )
     log.info(describe_plan(kind.run_name, plan, t, len(skipped)))
-    run = Run(cfg, kind.run_name, plan, run_identity(cfg, plan))
+    run = Run(cfg, kind, plan, run_identity(cfg, plan))
     # CPUs do not depend on the GPUs per worker, which are known only once the cluster is joined.
     with run.cluster(needed_cpus=kind.plan(cfg, 0.0).needed_cpus) as ctx:
         groups = start_plan(
@@ -235,3 +235,13 @@ def _run_offline_once(cfg: RunConfig, build_task: TaskBuilder) -> RunResult:
             task.attach(task, ctx, policy, groups.get("reference"))
         last = run.train(OfflineSteps(kind.run_name, task, policy), trained={"policy": policy})
         return run.finish(policy, tokenizer, last)
+
+
+def batch_lines(cfg: RunConfig, lines: List[str]) -> List[str]:
+    """``--dry-run``'s batch lines of an offline trainer (``TrainerKind.batch_lines``): ``lines`` (the global batch,
+    LoRA), then the optimizer steps the data will give."""
+    t = cfg.train
+    return lines + [
+        f"  optimizer steps: min(train.max_steps={t.max_steps}, train.max_epochs={t.max_epochs} x "
+        f"floor(rows / {t.global_batch_size})), rows counted at run time; data.max_length {cfg.data.max_length}"
+    ]

@@ -1,4 +1,4 @@
-"""The LLM judge's engines: vLLM engines of the judge model (:class:`~rlhf.rollout.engines.RolloutEngines`, the
+"""The LLM judge's engines: vLLM engines of the judge model (:class:`~rlhf.rollout.vllm.engines.RolloutEngines`, the
 rollout's own group) under an :class:`~rlhf.rewards.judge.LLMJudge`. The judge's logic lives in
 :mod:`rlhf.rewards.judge`; starting engines is this layer's."""
 
@@ -8,8 +8,9 @@ from typing import Any, Optional
 
 from rlhf.hub import model_dir
 from rlhf.rewards.judge import JudgeSpec, LLMJudge
-from rlhf.rollout.engines import RolloutEngines
-from rlhf.rollout.vllm_engine import SamplingSpec, VLLMSpec
+from rlhf.rollout.types import SamplingSpec
+from rlhf.rollout.vllm.engine import VLLMSpec
+from rlhf.rollout.vllm.engines import RolloutEngines
 
 
 def judge_sampling(spec: JudgeSpec, eos_token_id: Optional[int] = None) -> SamplingSpec:

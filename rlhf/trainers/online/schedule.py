@@ -40,7 +40,7 @@ from typing import Callable, Dict, Generic, Optional, TypeVar
 Pause = Callable[[], None]  # a generation running ahead calls it where the next weights may land (partial rollouts)
 
 STATE_FILE = "rollouts.pt"
-S = TypeVar("S")  # a step's samples (rlhf.trainers.rl_rollout.Rollout)
+S = TypeVar("S")  # a step's samples (rlhf.rollout.sources.Rollout)
 
 
 def behaviour_version(step: int, staleness: int) -> int:
@@ -79,7 +79,7 @@ class RolloutSchedule(Generic[S]):
         staleness: ``rollout.max_staleness`` (``k``).
         total_steps: the run's last RL step (nothing is generated past it).
         generate: ``generate(step, pause)`` returns step ``step``'s samples (a
-            :class:`~rlhf.trainers.rl_rollout.Rollout`) generated with the engines' current weights; called on the
+            :class:`~rlhf.rollout.sources.Rollout`) generated with the engines' current weights; called on the
             driver's thread (``pause`` None) or on the background one, never on both at once. With ``partial``, the
             background call gets a ``pause`` to call where the next weights may land.
         partial: partial rollouts (module docstring).

@@ -9,7 +9,7 @@ device, because Ray gives each actor its own ``CUDA_VISIBLE_DEVICES`` numbering.
 The sender must keep the tensor alive until every receiver is done with it, and a handle is opened once: it carries
 one reference to the memory, which opening it gives back (``file_system`` sharing counts references in the
 shared segment and unlinks it at zero; CUDA IPC has a producer-side counter of its own, and keeps a freed block
-until ``torch.cuda.ipc_collect()`` sees the counter at zero). :class:`rlhf.rollout.senders.IpcSender` therefore
+until ``torch.cuda.ipc_collect()`` sees the counter at zero). :class:`rlhf.rollout.weights.senders.IpcSender` therefore
 exports each of its buffers once per sync and the engine opens each handle once, whatever the number of buckets.
 """
 

@@ -9,8 +9,11 @@ from typing import Any, Dict
 from rlhf.config.schema import SFTRunConfig
 from rlhf.data.formats import read_formatted, sft_fields
 from rlhf.data.tokenize import Tokenized, collate_sft, tokenize_sft
+from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.sft import SFTObjective
-from rlhf.trainers.offline import OfflineTask, data_summary, read_train_and_eval, run_offline
+from rlhf.trainers.descriptor import TrainerKind
+from rlhf.trainers.findings import offline_batch_findings
+from rlhf.trainers.offline.loop import OfflineTask, batch_lines, data_summary, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunResult
 
 
@@ -69,4 +72,23 @@ def read_data(cfg: SFTRunConfig, tokenizer) -> str:
 
 
 def train_sft(cfg: SFTRunConfig) -> RunResult:
-    return run_offline(cfg, build_sft_task)
+    return run_offline(cfg, SFT, build_sft_task)
+
+
+#: SFT's descriptor (rlhf.trainers.descriptor), listed in rlhf.trainers.kinds.
+SFT = TrainerKind(
+    name="sft",
+    run_name="sft",
+    config_cls=SFTRunConfig,
+    train=train_sft,
+    cli_module="rlhf.cli.train_sft",
+    row_fields=row_fields,
+    read_data=read_data,
+    batch_lines=batch_lines,
+    lint_batches=offline_batch_findings,
+    policy_role="policy",
+    policy_kind=CAUSAL_LM,
+    primary_loss="loss",
+    sections=(),
+    preset_prefixes=("sft",),
+)

@@ -1,5 +1,5 @@
 """Rollouts a step assembles from more than one generation: dynamic sampling's draws and a partial rollout's two
-halves (rlhf.trainers.rl_steps calls them; the stages that stay one generation live there).
+halves (rlhf.trainers.online.steps calls them; the stages that stay one generation live there).
 
 * :func:`draw_until_varied`: DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2).
 * :func:`partial_single_turn`: partial rollouts (``rollout.partial_rollout_tokens``), a response's first tokens with
@@ -17,10 +17,10 @@ from rlhf.config.rl_schema import RolloutConfig
 from rlhf.data.plan import StepPlan
 from rlhf.ops.dapo import failed_groups, filter_values, pick_groups, varied_groups
 from rlhf.ops.failures import counted
-from rlhf.rollout.vllm_engine import SamplingSpec
-from rlhf.trainers.rl_experience import PromptSet
-from rlhf.trainers.rl_rollout import Rollout, continued, single_turn_of, spanned_versions
-from rlhf.trainers.rl_schedule import Pause
+from rlhf.rollout.prompts import PromptSet
+from rlhf.rollout.sources import Rollout, continued, single_turn_of, spanned_versions
+from rlhf.rollout.types import SamplingSpec
+from rlhf.trainers.online.schedule import Pause
 
 CONTINUATION_SEED_BASE = 1 << 43  # partial rollouts: the rest of a response, after the weights changed
 

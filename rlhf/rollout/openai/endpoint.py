@@ -2,8 +2,8 @@
 
 Each episode gets a base URL of its own, ``http://HOST:PORT/episodes/<key>/v1``, which an ``openai`` client takes
 as ``base_url``; ``/chat/completions``, ``/completions`` and ``/models`` are served under it, ``stream=true``
-included (the whole reply in one chunk, :mod:`rlhf.rollout.openai_stream`). Requests are rendered
-and replies derendered by vLLM's own OpenAI serving code (:class:`rlhf.rollout.openai_render.OpenAIRenderer`: chat
+included (the whole reply in one chunk, :mod:`rlhf.rollout.openai.stream`). Requests are rendered
+and replies derendered by vLLM's own OpenAI serving code (:class:`rlhf.rollout.openai.render.OpenAIRenderer`: chat
 templates, ``tools``, tool-call parsers), and sampled by the project's engines (any
 :class:`~rlhf.rollout.backend.RolloutBackend`), so the weights an agent talks to are the policy's of this step,
 its sampling is the trainer's (``rollout.temperature`` / ``top_p`` / ``top_k``: the log-probs trained against must
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from rlhf.data.chat import ChatFormatter, ChatTemplateError
-from rlhf.rollout.openai_stream import chat_chunks, completion_chunks, events, take_stream
+from rlhf.rollout.openai.stream import chat_chunks, completion_chunks, events, take_stream
 from rlhf.rollout.transcripts import EpisodeTranscript, Exchange, normalise
-from rlhf.rollout.vllm_engine import Generation, SamplingSpec
+from rlhf.rollout.types import Generation, SamplingSpec
 from rlhf.utils.log import get_logger
 
 log = get_logger(__name__)
@@ -161,7 +161,7 @@ class AgentEndpoint:
     :meth:`open`, take its transcript back with :meth:`close`.
 
     Args:
-        renderer: an :class:`~rlhf.rollout.openai_render.OpenAIRenderer` of the policy's model.
+        renderer: an :class:`~rlhf.rollout.openai.render.OpenAIRenderer` of the policy's model.
         generate_each: the engines' ``generate_each``.
         sampling: the trainer's sampling (temperature, top-p/k, ``max_new_tokens``: each request's cap; its seed is
             replaced per request, its stop ids by the endpoint's own, :attr:`stop_token_ids`).
@@ -364,7 +364,7 @@ class AgentEndpoint:
     async def _open_request(self, key: str, render, body: Dict[str, Any]) -> Tuple[Optional[Session], Any]:
         """Episode ``key``'s session and the request ``render``-ed, or ``(None, (status, refusal))`` for an unknown
         episode or a request vLLM's renderer refuses."""
-        from rlhf.rollout.openai_render import RenderError  # imports vLLM's serving code when first used
+        from rlhf.rollout.openai.render import RenderError  # imports vLLM's serving code when first used
 
         started = time.perf_counter()
         session = self.sessions.get(key)

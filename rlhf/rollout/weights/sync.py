@@ -4,8 +4,8 @@ The policy's full parameters (ZeRO-3 shards gathered, see :func:`rlhf.distribute
 packed in order into buckets of about ``bucket_bytes``: one flat ``uint8`` tensor per bucket, every tensor at a
 16-byte-aligned offset so that the receiver can view it in place as its own dtype, plus a list of
 :class:`TensorMeta`. One bucket costs one transfer instead of one per parameter (OpenRLHF's per-parameter
-broadcast is its known bottleneck, issues #533/#647). The transports (``rlhf.rollout.senders``) differ only in how
-the bucket's bytes travel: a broadcast over a process group (NCCL / gloo), a CUDA-IPC / shared-memory handle, or
+broadcast is its known bottleneck, issues #533/#647). The transports (``rlhf.rollout.weights.senders``) differ only in
+how the bucket's bytes travel: a broadcast over a process group (NCCL / gloo), a CUDA-IPC / shared-memory handle, or
 the Ray object store. On the engine side the names stay HF checkpoint names: vLLM's own ``model.load_weights``
 maps them onto its fused layers (qkv, gate_up).
 """

@@ -1,6 +1,6 @@
 """One RL step's episodes when ``env.spec`` names an agent function (:mod:`rlhf.envs.agents`): each episode's agent
-talks to the policy through its own URL of the endpoint (:mod:`rlhf.rollout.endpoint`), and the episode trained on
-is the chain of tokens the engines were given and sampled (:mod:`rlhf.rollout.transcripts`).
+talks to the policy through its own URL of the endpoint (:mod:`rlhf.rollout.openai.endpoint`), and the episode trained
+on is the chain of tokens the engines were given and sampled (:mod:`rlhf.rollout.transcripts`).
 
 ::
 
@@ -25,13 +25,12 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from rlhf.envs.base import EnvError
-from rlhf.rl import EpisodeError, EpisodeRecord, episode_metrics, episodes_batch
-from rlhf.rollout.episodes import Episode
-from rlhf.rollout.multi_turn import RolloutStats
+from rlhf.rollout.episodes import Episode, EpisodeError, episodes_batch
+from rlhf.rollout.multi_turn import EpisodeRecord, RolloutStats, episode_metrics
+from rlhf.rollout.prompts import PromptSet
+from rlhf.rollout.sources import Rollout, _last_response, _where, _without
 from rlhf.rollout.transcripts import EpisodeTranscript
-from rlhf.rollout.vllm_engine import SamplingSpec
-from rlhf.trainers.rl_experience import PromptSet
-from rlhf.trainers.rl_rollout import Rollout, _last_response, _where, _without
+from rlhf.rollout.types import SamplingSpec
 from rlhf.utils.log import get_logger
 
 log = get_logger(__name__)
@@ -44,7 +43,7 @@ class AgentRollout:
 
     Args:
         pool: the :class:`~rlhf.envs.EnvironmentPool` hosting the agent function.
-        endpoint: the started :class:`~rlhf.rollout.endpoint.AgentEndpoint` over the run's engines.
+        endpoint: the started :class:`~rlhf.rollout.openai.endpoint.AgentEndpoint` over the run's engines.
         tokenizer: decodes the final replies and transcripts for the reward functions.
         max_episode_tokens: each episode's token budget (``rollout.max_episode_tokens``).
         max_turns: the requests each episode may make (``rollout.max_turns``); one more is refused with a 400.
@@ -151,7 +150,7 @@ def broken_chains(transcripts: Sequence[EpisodeTranscript]) -> int:
 def _counts(endpoint, minus: Optional[Dict[str, float]] = None) -> Dict[str, float]:
     """The endpoint's ``agent/*`` figures so far (less ``minus``: one step's): requests served, refused, engine
     calls they were batched into, the wall seconds with a request in flight (``agent/endpoint_s``: the union of the
-    requests' intervals, :class:`~rlhf.rollout.endpoint.BusyClock`) and the requests' seconds summed
+    requests' intervals, :class:`~rlhf.rollout.openai.endpoint.BusyClock`) and the requests' seconds summed
     (``agent/request_s_sum``: more than the wall time when requests overlap; divided by ``agent/endpoint_s``, the
     mean number in flight)."""
     now = {
