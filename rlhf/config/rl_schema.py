@@ -23,13 +23,16 @@ HYBRID_BROADCAST_ON_GPUS = (
 )
 
 WEIGHT_SYNC_METHODS = ("auto", "broadcast", "ipc", "object_store")
+# The engines a run generates with (rlhf.trainers.online.roles starts each by its name): vLLM only today.
+ROLLOUT_BACKENDS = ("vllm",)
 EPISODE_LIMITS = ("truncate", "mask", "penalize")
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """vLLM generation."""
+    """Generation: the engines, the prompts and samples of a step, sampling, episodes, the weight sync."""
 
+    backend: str = "vllm"  # the engines (rlhf.rollout.backend's protocol): vllm only today
     num_engines: int = 1  # vLLM engines; a step's prompts are split evenly across them
     tensor_parallel_size: int = 1  # devices per engine (GPU)
     prompts_per_step: int = 8  # prompts drawn per RL step (the prompt data's global batch)
@@ -153,6 +156,7 @@ class RolloutConfig:
         _choice(self.on_prefix_mismatch, "rollout.on_prefix_mismatch", ("error", "truncate"))
         _choice(self.prompt_overflow, "rollout.prompt_overflow", ("skip", "truncate"))
         _choice(self.weight_sync, "rollout.weight_sync", WEIGHT_SYNC_METHODS)
+        _choice(self.backend, "rollout.backend", ROLLOUT_BACKENDS)
         for key in ("weight_sync_connect_timeout_s", "weight_sync_timeout_s"):
             _check(getattr(self, key) > 0, f"rollout.{key}", f"must be > 0, got {getattr(self, key)}")
         _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")

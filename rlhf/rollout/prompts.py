@@ -29,7 +29,7 @@ class PromptSet:
     def messages(self) -> List[Optional[list]]:
         """Each prompt's messages (``None`` for a text prompt), indexed like :attr:`prompt_ids`: ``prompt_ids[i]``
         is the render of ``messages[i]`` (its last ``rollout.max_prompt_length`` tokens, when truncated). An
-        episode's reset observation is rendered onto its own prompt's messages (rl_rollout.EpisodeRollout)."""
+        episode's reset observation is rendered onto its own prompt's messages (rlhf.rollout.sources.EpisodeRollout)."""
         return [row[self.prompt_key] if isinstance(row[self.prompt_key], list) else None for row in self.env_rows]
 
     @functools.cached_property  # read every step; parsed once

@@ -9,19 +9,21 @@ environment pool are actors).
   only. Reward functions see the final turn's response as ``responses`` and may ask for the columns ``transcript``
   (everything after the prompt, observations included, as text) and ``turns``.
 
-Either way request ``j`` of a (turn of a) step is drawn with ``seed + j`` whichever engine serves it.
+Either way request ``j`` of a (turn of a) step is drawn with ``seed + j`` whichever engine serves it. Each way is
+a :class:`RolloutSource` (an agent's episodes through the endpoint: :class:`rlhf.rollout.agent.AgentRollout`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from rlhf.batch import Batch
 from rlhf.config.schema import ConfigError
 from rlhf.envs.base import EnvError
+from rlhf.rollout.backend import RolloutBackend
 from rlhf.rollout.episodes import (
     EpisodeError,
     episodes_batch,
@@ -125,9 +127,31 @@ class Rollout:
             raise ValueError(f"Rollout.{what} takes single-turn rollouts before their versions are recorded")
 
 
-def single_turn(engines, tokenizer, prompts: PromptSet, prompt_index: List[int], sampling: SamplingSpec) -> Rollout:
-    generations = engines.generate([prompts.prompt_ids[i] for i in prompt_index], sampling)
-    return single_turn_of(generations, tokenizer, prompt_index)
+class RolloutSource(Protocol):
+    """Where an RL step's samples come from: :class:`SingleTurnRollout` (one prompt, one response),
+    :class:`EpisodeRollout` (an environment's episodes, turn by turn) and :class:`rlhf.rollout.agent.AgentRollout`
+    (an agent's episodes through the endpoint). The trainer holds one and calls it the same way whatever it is;
+    a new rollout mode is a class with this call (docs/extending.md)."""
+
+    def __call__(
+        self, engines: RolloutBackend, prompts: PromptSet, prompt_index: List[int], sampling: SamplingSpec, step: int
+    ) -> Rollout:
+        """Sample ``j`` answers prompt ``prompt_index[j]`` of ``prompts``, drawn with ``sampling`` (request ``j``
+        with seed ``sampling.seed + j``) on ``engines``; ``step`` names the RL step in errors."""
+        ...
+
+
+class SingleTurnRollout:
+    """One response per prompt index: each is one request to the engines, a sample ``prompt + response``."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(
+        self, engines: RolloutBackend, prompts: PromptSet, prompt_index: List[int], sampling: SamplingSpec, step: int
+    ) -> Rollout:
+        generations = engines.generate([prompts.prompt_ids[i] for i in prompt_index], sampling)
+        return single_turn_of(generations, self.tokenizer, prompt_index)
 
 
 def single_turn_of(generations: Sequence[Generation], tokenizer, prompt_index: List[int]) -> Rollout:

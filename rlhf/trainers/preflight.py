@@ -70,7 +70,8 @@ def preflight(cfg: RunConfig, kind: TrainerKind, here: bool = True, precision: O
         )
         if path
     ]
-    if not here:  # a run reads its data right after, with its tokenizer (rlhf.trainers.offline.loop, rl_runner)
+    # a run reads its data right after, with its tokenizer (rlhf.trainers.offline.loop, rlhf.trainers.online.prompts)
+    if not here:
         rows = _with_data_read(cfg, kind, rows)
     rows += _deepspeed_rows(cfg, here, precision)
     rows += own

@@ -236,8 +236,9 @@ def _config(layout, *overrides):
 
 class Groups:
     """Policy, reference and critic, 2 ranks each, started once; :meth:`use` (re)builds them for a layout as
-    ``rl_runner._start_actors`` builds them (the three in parallel) and saves the trainable ones' initial states as
-    DeepSpeed checkpoints, which every case loads first (weights, Adam state and schedule back at step 0)."""
+    ``rlhf.trainers.online.roles.start_roles`` builds them (the three in parallel) and saves the trainable ones'
+    initial states as DeepSpeed checkpoints, which every case loads first (weights, Adam state and schedule back at
+    step 0)."""
 
     def __init__(self, ctx, paths, directory):
         self.ctx, self.paths, self.directory = ctx, paths, directory

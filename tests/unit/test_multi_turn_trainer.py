@@ -403,7 +403,7 @@ def test_mask_takes_the_loss_off_episodes_a_limit_ended_and_skips_a_step_left_wi
         rollout = _rollout(at_limit)
         group = LocalGroup(model, EngineSpec.for_global_batch(2, 2, 1), 1)
         trainer = _trainer(cfg, group)
-        rows = trainer.trained_rows(rollout.batch, rollout)
+        rows = trainer.scoring.trained_rows(rollout.batch, rollout)
         batch = rows.replace(old_logps=torch.zeros(4, 4), advantages=torch.ones(4, 4) * rows.loss_mask)
         return rows, trainer.update(batch, rl_step=1), group
 
@@ -448,13 +448,13 @@ def test_single_turn_responses_cut_at_max_new_tokens_are_at_a_limit(tokenizer):
     trainer, rollout = _single_turn(tokenizer, "rollout.episode_limit=mask")
     assert rollout.at_limit.tolist() == [False, True, False, True]
     assert rollout.metrics == {"episode/ended_max_new_tokens": 0.5}
-    assert trainer.trained_rows(rollout.batch, rollout).loss_mask.sum(-1).tolist() == [4, 0, 4, 0]
+    assert trainer.scoring.trained_rows(rollout.batch, rollout).loss_mask.sum(-1).tolist() == [4, 0, 4, 0]
     assert trainer.score(rollout, trainer.prompts)[0].tolist() == [1.0] * 4  # still in their groups' baselines
     trainer, rollout = _single_turn(tokenizer, "rollout.episode_limit=penalize", "rollout.limit_reward=-1")
     scores, per_source = trainer.score(rollout, trainer.prompts)
     assert scores.tolist() == [1.0, -1.0, 1.0, -1.0] and per_source["f"].tolist() == [1.0] * 4
     trainer, rollout = _single_turn(tokenizer)  # truncate (the default): trained as they stand
-    assert trainer.trained_rows(rollout.batch, rollout).loss_mask.sum(-1).tolist() == [4] * 4
+    assert trainer.scoring.trained_rows(rollout.batch, rollout).loss_mask.sum(-1).tolist() == [4] * 4
     assert trainer.score(rollout, trainer.prompts)[0].tolist() == [1.0] * 4
 
 

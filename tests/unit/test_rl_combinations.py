@@ -1,7 +1,8 @@
 """Every (advantage estimator x policy loss x kl_mode x kl_estimator x loss aggregation) the config accepts trains what
-its papers say: one step on a tiny float64 batch, through the run's own path (the config, ``rl_runner._objectives``,
-``RLTrainer.advantages``, ``PolicyObjective``), against a plain-PyTorch reference written here from the papers,
-without any of the project's functions. A combination the config refuses must be one the maths does not support.
+its papers say: one step on a tiny float64 batch, through the run's own path (the config,
+``rlhf.trainers.online.runner.build_objectives``, ``RLTrainer.advantages``, ``PolicyObjective``), against a
+plain-PyTorch reference written here from the papers, without any of the project's functions. A combination the config
+refuses must be one the maths does not support.
 
 The reference is ``tests/rl_reference_math.py`` (ragged, one sample at a time, no ``rlhf`` import), per row ``i``
 with response tokens ``t`` (columns of ``input_ids``; log-probs at column ``t`` are of ``softmax(logits[t - 1] / T)``):

@@ -459,7 +459,7 @@ def test_a_fixed_stand_in_is_a_reward_and_fail_stops_the_step():
 
 
 class FailingEpisodes:
-    """Multi-turn episodes as the driver gets them (``RLTrainer.episodes``): the engines' responses, the
+    """Multi-turn episodes as the driver gets them (``RLTrainer.source``): the engines' responses, the
     environment's reward (the table's verdict) and the episodes it failed in (``env.on_error=drop``), whose reward
     is the placeholder (what the environment gave before failing)."""
 

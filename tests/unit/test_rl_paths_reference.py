@@ -1,7 +1,8 @@
 """The off-policy and shaping paths of RL train what their papers say: one step on a tiny float64 batch, through the
-run's own path (the config, ``rl_runner._objectives``, ``RLTrainer.score`` / ``turn_credit`` / ``advantages`` /
-``_partial``, ``PolicyObjective``), against the plain-PyTorch reference of ``tests/rl_reference_math.py`` (ragged, one
-sample at a time, no ``rlhf`` import): advantages to 1e-12, the loss to 1e-11, its gradient to 1e-10 relative.
+run's own path (the config, ``rlhf.trainers.online.runner.build_objectives``, ``StepScoring.score`` / ``turn_credit`` /
+``advantages`` / ``_partial``, ``PolicyObjective``), against the plain-PyTorch reference of
+``tests/rl_reference_math.py`` (ragged, one sample at a time, no ``rlhf`` import): advantages to 1e-12, the loss to
+1e-11, its gradient to 1e-10 relative.
 
 * Behaviour corrections on ``rho_t = pi_prox(y_t) / pi_behav(y_t)`` (``algo.off_policy_correction``, ``algo.tis_cap``,
   ``algo.off_policy_low`` / ``off_policy_high``), each with its default bounds and with bounds set: TIS (Yao et al.
@@ -19,7 +20,7 @@ sample at a time, no ``rlhf`` import): advantages to 1e-12, the loss to 1e-11, i
 * Per-turn credit (``algo.turn_credit=turn``) for ``reinforce_pp``, ``reinforce_pp_baseline`` and ``gae`` on episodes
   with observation holes (docs/algorithms/multi_turn.md): each turn's ``env.reward_weight x reward`` at its last
   policy token, the rest of the score at the last one, discounting over policy tokens only.
-* DAPO's overlong shaping (Yu et al. 2025, eq. 13) in ``RLTrainer.score``, then through every estimator.
+* DAPO's overlong shaping (Yu et al. 2025, eq. 13) in ``StepScoring.score``, then through every estimator.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from rlhf.rollout.sources import Rollout
 from rlhf.rollout.types import Generation
 from rlhf.trainers.online.runner import build_objectives
 from rlhf.trainers.online.schedule import behaviour_version
+from rlhf.trainers.online.scoring import StepScoring, reward_sources
 from rlhf.trainers.online.steps import RLActors, RLTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -671,16 +673,16 @@ def _turn_config(estimator, agg, gamma, lam, turn_credit="turn"):
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.8)])
 @pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline", "gae"])
 def test_per_turn_credit_matches_the_docs(policy, episodes, estimator, gamma, lam, agg):
-    """``algo.turn_credit=turn``: the score through ``RLTrainer.score`` (``env.reward_weight`` x the turns' rewards
-    summed, plus the reward function's), the turns' rewards through ``RLTrainer.turn_credit``, then the advantages
+    """``algo.turn_credit=turn``: the score through ``StepScoring.score`` (``env.reward_weight`` x the turns' rewards
+    summed, plus the reward function's), the turns' rewards through ``StepScoring.turn_credit``, then the advantages
     and a PPO step on episodes with observation holes, against the reference's per-episode rewards."""
     cfg = _turn_config(estimator, agg, gamma, lam)
     assert cfg.max_response_tokens == MULTI_TURN_BUDGET
-    trainer = SimpleNamespace(cfg=cfg, scorer=reward_scorers(_other_scores), actors=SimpleNamespace(reward_model=None))
-    scores, per_source = RLTrainer.score(trainer, episodes.rollout, episodes.prompts)
+    scoring = StepScoring(cfg, reward_sources(cfg, reward_scorers(_other_scores)))
+    scores, per_source = scoring.score(episodes.rollout, episodes.prompts)
     expected_scores = [REWARD_WEIGHT * sum(t) + o for t, o in zip(TURN_REWARDS, OTHER_SCORES)]
     assert scores.tolist() == expected_scores  # exact: every number is a multiple of 1/64
-    placed = RLTrainer.turn_credit(SimpleNamespace(cfg=cfg), episodes.rollout)
+    placed = scoring.turn_credit(episodes.rollout)
     batch, _ = RLTrainer.advantages(
         SimpleNamespace(cfg=cfg), episodes.rollout.batch, scores, episodes.rollout.prompt_index, placed
     )
@@ -746,7 +748,7 @@ def _fixed_scores(prompts, responses, columns):
 @pytest.mark.parametrize("estimator", ADVANTAGE_ESTIMATORS.names())
 @pytest.mark.parametrize("penalty", [1.0, 0.5])
 def test_overlong_shaping_matches_dapo(policy, shaped, penalty, estimator):
-    """``RLTrainer.score`` adds DAPO's eq. 13 (times ``rollout.overlong_penalty``) for each response's length to its
+    """``StepScoring.score`` adds DAPO's eq. 13 (times ``rollout.overlong_penalty``) for each response's length to its
     reward, and every estimator then reads the shaped score (Yu et al. 2025: ``R = R_correct + R_length``)."""
     cfg = _config(
         rollout={"overlong_buffer": OVERLONG_BUFFER, "overlong_penalty": penalty},
@@ -754,8 +756,8 @@ def test_overlong_shaping_matches_dapo(policy, shaped, penalty, estimator):
         loss_agg_mode="token-mean",
         entropy_coef=ENTROPY_COEF,
     )
-    trainer = SimpleNamespace(cfg=cfg, scorer=reward_scorers(_fixed_scores), actors=SimpleNamespace(reward_model=None))
-    scores, per_source = RLTrainer.score(trainer, shaped.rollout, shaped.prompts)
+    scoring = StepScoring(cfg, reward_sources(cfg, reward_scorers(_fixed_scores)))
+    scores, per_source = scoring.score(shaped.rollout, shaped.prompts)
     expected = [ref.overlong_reward(n, BUDGET, OVERLONG_BUFFER, penalty) for n in OVERLONG_LENGTHS]
     assert per_source["overlong"].tolist() == expected  # exact: multiples of 1/8
     shaped_scores = [s + r for s, r in zip(SCORES, expected)]

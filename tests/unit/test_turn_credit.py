@@ -16,7 +16,7 @@ from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import AlgorithmConfig, RLRunConfig
 from rlhf.config.schema import ConfigError
 from rlhf.rl import Episode, advantages_for, episodes_batch, turn_reward_tokens
-from rlhf.trainers.online.steps import RLTrainer
+from rlhf.trainers.online.scoring import StepScoring
 
 # (turn lengths of the policy's responses, observation lengths after each turn but the last)
 SHAPES = [([3, 2, 4], [2, 3]), ([1], []), ([2, 0, 3], [1, 2]), ([4, 1], [5])]
@@ -198,14 +198,14 @@ def test_turn_credit_config_rules():
     assert load_config(RLRunConfig, "grpo_tiny", [*base, *multi]).algo.turn_credit == "turn"
 
 
-def test_the_trainer_weights_turn_rewards_and_drops_them_where_a_limit_replaced_the_score():
+def test_the_step_scoring_weights_turn_rewards_and_drops_them_where_a_limit_replaced_the_score():
     base = ["model.path=/m", "data.train_path=/d.jsonl", "algo.advantage_estimator=reinforce_pp"]
     multi = ["env.spec=e.py:E", "rollout.max_turns=2", "rollout.max_episode_tokens=300", "env.reward_weight=0.5"]
     placed = torch.tensor([[0.0, 2.0, 0.0, 4.0], [1.0, 0.0, 0.0, 8.0]])
     rollout = SimpleNamespace(turn_rewards=placed, at_limit=torch.tensor([False, True]))
-    credit = lambda *extra: RLTrainer.turn_credit(  # noqa: E731
-        SimpleNamespace(cfg=load_config(RLRunConfig, "grpo_tiny", [*base, *multi, *extra])), rollout
-    )
+    credit = lambda *extra: StepScoring(  # noqa: E731
+        load_config(RLRunConfig, "grpo_tiny", [*base, *multi, *extra]), ()
+    ).turn_credit(rollout)
     assert credit() is None  # algo.turn_credit=episode: the environment's rewards stay in the score
     assert credit("algo.turn_credit=turn").tolist() == [[0.0, 1.0, 0.0, 2.0], [0.5, 0.0, 0.0, 4.0]]
     penalized = credit("algo.turn_credit=turn", "rollout.episode_limit=penalize")

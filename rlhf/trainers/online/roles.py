@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from rlhf.config.rl_schema import HYBRID_BROADCAST_ON_GPUS, RLRunConfig
 from rlhf.config.schema import ConfigError
@@ -30,10 +30,10 @@ from rlhf.envs.loading import is_agent
 from rlhf.hub import model_dir
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
 from rlhf.rewards.functions import RewardFunctionScorer
-from rlhf.rewards.scoring import RewardScorers
+from rlhf.rollout.backend import RolloutBackend
 from rlhf.rollout.multi_turn import TurnLimits
 from rlhf.rollout.prompts import PromptSet
-from rlhf.rollout.sources import EpisodeRollout, observation_format
+from rlhf.rollout.sources import EpisodeRollout, RolloutSource, SingleTurnRollout, observation_format
 from rlhf.rollout.types import SamplingSpec
 from rlhf.rollout.vllm.engine import VLLMSpec
 from rlhf.rollout.vllm.engines import RolloutEngines, as_backend
@@ -55,8 +55,16 @@ def engine_dtype(precision: str) -> str:
 
 def _start_engines(
     cfg: RLRunConfig, ctx: RunContext, engines: ActorPlan, placement: Optional[Placement]
+) -> RolloutBackend:
+    """The plan's engines, of ``rollout.backend``: on the policy's bundles (hybrid engine) or with resources of their
+    own."""
+    return ENGINE_STARTERS[cfg.rollout.backend](cfg, ctx, engines, placement)
+
+
+def _start_vllm_engines(
+    cfg: RLRunConfig, ctx: RunContext, engines: ActorPlan, placement: Optional[Placement]
 ) -> RolloutEngines:
-    """The plan's vLLM engines: on the policy's bundles (hybrid engine) or with resources of their own."""
+    """vLLM engine actors (``rollout.backend=vllm``)."""
     r = cfg.rollout
     sleep = engine_sleep(cfg.colocate, engine_gpus(r.tensor_parallel_size, ctx.gpus_per_worker))
     dtype = engine_dtype(ctx.precision)
@@ -81,6 +89,12 @@ def _start_engines(
     )
     ctx.groups.append(started)  # shut down with the worker groups, before the placement groups go
     return started
+
+
+#: ``rollout.backend`` -> its engines' starter: one per name of rlhf.config.rl_schema.ROLLOUT_BACKENDS (tested).
+ENGINE_STARTERS: Dict[str, Callable[[RLRunConfig, RunContext, ActorPlan, Optional[Placement]], Any]] = {
+    "vllm": _start_vllm_engines,
+}
 
 
 def _start_environment_pool(cfg: RLRunConfig, ctx: RunContext, actors: ActorPlan) -> EnvironmentPool:
@@ -127,8 +141,13 @@ def _start_judge(cfg: RLRunConfig, ctx: RunContext, engines: ActorPlan):
     return judge
 
 
-def episode_source(cfg: RLRunConfig, ctx: RunContext, started: Dict[str, Any], prompts: PromptSet, tokenizer):
-    """Multi-turn rollouts: of an environment class, turn by turn, or of an agent function through the endpoint."""
+def rollout_source(
+    cfg: RLRunConfig, ctx: RunContext, started: Dict[str, Any], prompts: PromptSet, tokenizer
+) -> RolloutSource:
+    """Where the run's samples come from: one response per prompt, or (``env.spec``) the episodes of an environment
+    class, turn by turn, or of an agent function through the endpoint."""
+    if not cfg.multi_turn:
+        return SingleTurnRollout(tokenizer)
     pool = started[ENVIRONMENT]
     if not is_agent(load_environment(cfg.env.spec)):
         return _episode_rollout(cfg, pool, prompts, tokenizer)
@@ -265,30 +284,3 @@ def write_placement(started: Dict[str, Any], output_dir: str) -> None:
             groups.setdefault(rank["placement_group"], set()).add(role)
     shared = [" + ".join(sorted(roles)) for roles in groups.values() if len(roles) > 1]
     log.info(f"[rl] colocated: {'; '.join(shared)}" if shared else "[rl] every role on its own resources")
-
-
-def reward_scorers(
-    cfg: RLRunConfig, functions: Optional[RewardFunctionScorer], pool: Optional[Any], judge: Optional[Any]
-) -> Optional[RewardScorers]:
-    """The reward functions (in the driver, or on the plan's reward actors, ``pool``), the remote reward
-    (``reward.http``) and the LLM judge (``judge``, the plan's), or ``None`` when the run has none of them."""
-    w = cfg.reward
-    http = None
-    if w.http:
-        from rlhf.rewards.remote import HttpReward  # urllib and threads: only a run with a remote reward needs it
-
-        http = HttpReward(
-            w.http,
-            batch_size=w.http_batch_size,
-            timeout_s=w.timeout_s,
-            retries=w.http_retries,
-            backoff_s=w.http_backoff_s,
-            concurrency=w.http_concurrency,
-            on_error=w.failure_policy,
-            weight=w.http_weight,
-        )
-    if pool is not None:
-        functions = None  # scored on the actors
-    if functions is None and pool is None and http is None and judge is None:
-        return None
-    return RewardScorers(functions=functions, pool=pool, http=http, judge=judge)

@@ -27,12 +27,12 @@ from rlhf.trainers.online import checks
 from rlhf.trainers.online.prompts import check_reward_columns, read_data, read_prompt_sets, row_fields
 from rlhf.trainers.online.roles import (
     connect_weight_sync,
-    episode_source,
-    reward_scorers,
     rl_actors,
+    rollout_source,
     start_roles,
     write_placement,
 )
+from rlhf.trainers.online.scoring import scored_rewards
 from rlhf.trainers.online.steps import RLTrainer
 from rlhf.trainers.output_dir import claim_output_dir
 from rlhf.trainers.preflight import preflight
@@ -138,8 +138,8 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
         connect_weight_sync(cfg, ctx, actors)
         write_placement(started, t.output_dir)
         policy_objective, value_objective = build_objectives(cfg)
-        episodes = episode_source(cfg, ctx, started, prompts, tokenizer) if cfg.multi_turn else None
-        scorers = reward_scorers(cfg, scorer, started.get(REWARD_POOL), started.get(JUDGE))
+        source = rollout_source(cfg, ctx, started, prompts, tokenizer)
+        scorers = scored_rewards(cfg, scorer, started.get(REWARD_POOL), started.get(JUDGE))
         trainer = RLTrainer(
             cfg,
             tokenizer,
@@ -150,7 +150,7 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
             policy_objective,
             value_objective,
             eval_prompts=eval_prompts,
-            episodes=episodes,
+            source=source,
         )
         trained: Dict[str, Checkpointable] = {"policy": actors.policy}
         if actors.critic is not None:

@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Generic, Optional, TypeVar
 
+from rlhf.trainers.moved import load_pickled
+
 Pause = Callable[[], None]  # a generation running ahead calls it where the next weights may land (partial rollouts)
 
 STATE_FILE = "rollouts.pt"
@@ -167,14 +169,14 @@ class RolloutSchedule(Generic[S]):
     def load_checkpoint(self, directory: str) -> None:
         """Back to a checkpoint's samples (a resume or a rewind); a generation still running is waited for and its
         samples dropped."""
-        import torch
 
         try:
             self.settle()
         except Exception:  # noqa: BLE001 -- its samples are discarded either way; the checkpoint's replace them
             pass
-        # our own file, written by save_checkpoint: the samples are Rollout / Batch objects, not only tensors
-        state = torch.load(os.path.join(directory, STATE_FILE), weights_only=False)
+        # our own file, written by save_checkpoint: the samples are Rollout / Batch objects, not only tensors; one
+        # written before their modules moved still loads
+        state = load_pickled(os.path.join(directory, STATE_FILE))
         self.ready, self.updated = state["ready"], state["updated"]
 
     # ------------------------------------------------------------------------------------------ internals

@@ -24,7 +24,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -33,21 +33,21 @@ from rlhf.config.rl_schema import RLRunConfig
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.distributed.group import StepResult, WorkerGroup
 from rlhf.models.lora import OnBaseModel
-from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
+from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps, TokenValues, ValueObjective
 from rlhf.objectives.base import Totals
 from rlhf.ops.batch_advantages import advantages_for
-from rlhf.ops.dapo import OVERLONG_SOURCE, correct_samples, overlong_penalty
+from rlhf.ops.dapo import correct_samples
 from rlhf.ops.failures import counted
 from rlhf.ops.mismatch import logp_mismatch, logp_mismatch_max
-from rlhf.rewards.functions import metric_names
 from rlhf.rewards.scoring import reward_scorers
 from rlhf.rollout.backend import RolloutBackend
 from rlhf.rollout.episodes import rollout_batch
 from rlhf.rollout.prompts import PromptSet
-from rlhf.rollout.sources import EpisodeRollout, Rollout, single_turn, staleness_metrics
+from rlhf.rollout.sources import Rollout, RolloutSource, SingleTurnRollout, staleness_metrics
 from rlhf.rollout.types import SamplingSpec
 from rlhf.trainers.online.draws import draw_until_varied, partial_single_turn
 from rlhf.trainers.online.schedule import Pause, RolloutSchedule, behaviour_version
+from rlhf.trainers.online.scoring import StepScoring, reward_sources
 from rlhf.utils.metrics import ConsoleTable, Progress, format_row
 
 CONSOLE_KEYS = (
@@ -139,12 +139,15 @@ class RLTrainer:
         policy_objective: PolicyObjective,
         value_objective: Optional[ValueObjective],
         eval_prompts: Optional[PromptSet] = None,
-        episodes: Optional[EpisodeRollout] = None,
+        source: Optional[RolloutSource] = None,
     ) -> None:
         self.cfg, self.tokenizer, self.prompts, self.plan = cfg, tokenizer, prompts, plan
         self.actors, self.eval_prompts = actors, eval_prompts
-        self.scorer = reward_scorers(scorer)  # reward functions (driver or actors) and a remote reward
-        self.episodes = episodes  # multi-turn rollouts (env.spec); None: one prompt -> one response
+        # the step's reward: the environment's, the reward functions' (driver or actors), HTTP, the judge, the reward
+        # model's, then shaping and limits (rlhf.trainers.online.scoring)
+        self.scoring = StepScoring(cfg, reward_sources(cfg, reward_scorers(scorer), actors.reward_model))
+        # where the samples come from (env.spec: an environment's or an agent's episodes); None: single-turn
+        self.source: RolloutSource = source if source is not None else SingleTurnRollout(tokenizer)
         self.policy_objective, self.value_objective = policy_objective, value_objective
         columns = [c for c in TABLE_COLUMNS if c[0] != "value_loss" or actors.critic is not None]
         self.table = ConsoleTable(columns) if cfg.logging.console == "table" else None
@@ -176,9 +179,11 @@ class RLTrainer:
         with timer("logprobs"):
             batch = self.annotate(rollout.batch)
         failed = rollout.failures()  # out of every statistic of the step (rlhf.ops.failures)
-        batch, kl_stats = self.advantages(batch, scores, rollout.prompt_index, self.turn_credit(rollout), failed)
+        batch, kl_stats = self.advantages(
+            batch, scores, rollout.prompt_index, self.scoring.turn_credit(rollout), failed
+        )
         with timer("train"):
-            train_stats = self.update(self.trained_rows(batch, rollout), step.step)
+            train_stats = self.update(self.scoring.trained_rows(batch, rollout), step.step)
         if self.schedule.staleness:
             with timer("wait"):  # the generation running ahead ends (or pauses) before the weights change
                 self.schedule.settle_for_push()
@@ -291,62 +296,16 @@ class RLTrainer:
         )
 
     def _sample(self, prompts: PromptSet, prompt_index: List[int], seed_base: int, step: int) -> Rollout:
-        sampling = self._sampling(prompts, seed_base)
-        if self.episodes is not None:
-            return self.episodes(self.actors.engines, prompts, prompt_index, sampling, step)
-        return single_turn(self.actors.engines, self.tokenizer, prompts, prompt_index, sampling)
+        return self.source(self.actors.engines, prompts, prompt_index, self._sampling(prompts, seed_base), step)
 
-    def score(self, rollout: Rollout, prompt_set: PromptSet):
-        """Summed reward per sample and each source's ``(B,)`` scores: the environment's (its per-turn rewards
-        summed), the reward functions' on the (final) responses, the reward model's on the whole rows. With
-        ``rollout.episode_limit=penalize`` an episode a limit ended gets ``rollout.limit_reward`` instead."""
-        index = rollout.prompt_index
-        prompts = [prompt_set.texts[i] for i in index]
-        columns = {**{k: [v[i] for i in index] for k, v in prompt_set.columns.items()}, **rollout.columns}
-        total = torch.zeros(len(index))
-        per_source: Dict[str, torch.Tensor] = {}
-        if rollout.env_rewards is not None:
-            per_source["env"] = rollout.env_rewards
-            total = self.cfg.env.reward_weight * rollout.env_rewards
-        if self.scorer is not None:
-            scored = self.scorer.score(prompts, rollout.responses, columns, groups=index)
-            logged = metric_names(list(scored.per_source))  # reward/<file.py:function>, not the file's whole path
-            by_function = {logged[name]: scores for name, scores in scored.per_source.items()}
-            total, per_source = total + scored.total, {**per_source, **by_function}
-            rollout.reward_failed = scored.failed  # reward.on_error=drop: out of the step (rlhf.ops.failures)
-            if self.scorer.pool is not None or self.scorer.http is not None or self.scorer.judge is not None:
-                rollout.metrics.update(scored.metrics())
-            if self.scorer.judge is not None:
-                rollout.metrics.update(self.scorer.judge.metrics())
-        if self.actors.reward_model is not None:
-            rm = self.actors.reward_model.score_batch(rollout.batch, SequenceScores())
-            per_source["reward_model"] = rm
-            total = total + self.cfg.reward.model_weight * rm
-        r = self.cfg.rollout
-        if r.overlong_buffer:  # DAPO's soft overlong punishment, on the response's length
-            assert rollout.batch.loss_mask is not None, "a rollout batch carries its loss mask"
-            lengths = rollout.batch.loss_mask.sum(-1)
-            shaping = overlong_penalty(lengths, r.max_new_tokens, r.overlong_buffer, r.overlong_penalty)
-            per_source[OVERLONG_SOURCE] = shaping
-            total = total + shaping
-        if r.episode_limit == "penalize" and rollout.at_limit is not None:
-            total = torch.where(rollout.at_limit, torch.tensor(r.limit_reward, dtype=total.dtype), total)
-        return total.float(), per_source
-
-    def trained_rows(self, batch: Batch, rollout: Rollout) -> Batch:
-        """``batch`` as the update sees it: with ``rollout.episode_limit=mask``, the samples a limit ended carry no
-        loss (their scores still entered their groups' baselines: DAPO's overlong filtering). Failed samples are
-        already out (:meth:`advantages`)."""
-        if self.cfg.rollout.episode_limit != "mask" or rollout.at_limit is None or not bool(rollout.at_limit.any()):
-            return batch
-        assert batch.loss_mask is not None, "a rollout batch carries its loss mask"
-        keep = (~rollout.at_limit).to(batch.loss_mask.dtype)
-        return batch.replace(loss_mask=batch.loss_mask * keep[:, None])
+    def score(self, rollout: Rollout, prompt_set: PromptSet) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """Summed reward per sample and each source's ``(B,)`` scores (:meth:`StepScoring.score`)."""
+        return self.scoring.score(rollout, prompt_set)
 
     def annotate(self, batch: Batch) -> Batch:
         """Per-token log-probs of the policy that generated the batch (pi_old), of the reference, and values:
         ``(B, T)`` each, float32 (float64 from an fp64 run's models). Every group scores in chunks of its build's
-        micro-batch size, ``train.micro_batch_size`` for each (rl_runner._start_actors)."""
+        micro-batch size, ``train.micro_batch_size`` for each (rlhf.trainers.online.roles.start_roles)."""
         a = self.actors
         r = self.cfg.rollout
         # the distribution the engines sampled from: tempered, cut to the top-k / top-p set (the reference's own)
@@ -359,18 +318,6 @@ class RLTrainer:
         if a.critic is not None:
             batch = batch.replace(values=a.critic.score_batch(batch, TokenValues()))
         return batch
-
-    def turn_credit(self, rollout: Rollout) -> Optional[torch.Tensor]:
-        """``(B, T)`` the environment's per-turn rewards, weighted as in :meth:`score`, at each turn's last policy
-        token (``algo.turn_credit=turn``; else ``None``). An episode whose score ``rollout.episode_limit=penalize``
-        replaced keeps no turn rewards: its score is the limit's reward alone."""
-        if self.cfg.algo.turn_credit != "turn":
-            return None
-        assert rollout.turn_rewards is not None, "algo.turn_credit=turn is checked to need episodes (env.spec)"
-        placed = self.cfg.env.reward_weight * rollout.turn_rewards
-        if self.cfg.rollout.episode_limit == "penalize" and rollout.at_limit is not None:
-            placed = placed * (~rollout.at_limit)[:, None]
-        return placed
 
     def advantages(
         self,
