@@ -32,7 +32,7 @@ from rlhf.config import (  # noqa: E402
     describe_keys,
     load_config,
 )
-from rlhf.config.cli import _format_default  # noqa: E402  (a default spelled as --help spells it)
+from rlhf.config.cli import format_default  # noqa: E402  (a default spelled as --help spells it)
 from rlhf.config.rl_schema import RLRunConfig  # noqa: E402
 
 #: (trainer, command module, run config), in the order the reference lists them.
@@ -132,7 +132,7 @@ def _cell(text: str) -> str:
 def _table(rows: list[Row], required: set[str]) -> list[str]:
     lines = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for key, type_name, default, help_text in rows:
-        shown = "*required*" if key in required else f"`{_format_default(default)}`"
+        shown = "*required*" if key in required else f"`{format_default(default)}`"
         lines.append(f"| `{key}` | `{_cell(type_name)}` | {_cell(shown)} | {_cell(help_text)} |")
     return lines
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Dict
 
 import pytest
 
@@ -98,7 +99,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
     recorded = config.stash.get(_SECONDS, {})
-    seconds = {}  # file -> summed recorded seconds of its collected tests
+    seconds: Dict[str, float] = {}  # file -> summed recorded seconds of its collected tests
     for item in items:
         if item.nodeid in recorded:
             seconds[_file(item.nodeid)] = seconds.get(_file(item.nodeid), 0.0) + float(recorded[item.nodeid])

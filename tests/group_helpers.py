@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import List, Optional, Sequence, Tuple
+
 import torch
 
+from rlhf.batch import Batch
 from rlhf.distributed.engine import EngineSpec
 from rlhf.distributed.group import WorkerGroup
 from rlhf.distributed.worker import RankStepResult
-from rlhf.objectives.base import add_sums
+from rlhf.objectives.base import Sums, add_sums
 
 
 class LocalGroup(WorkerGroup):
@@ -21,7 +24,10 @@ class LocalGroup(WorkerGroup):
     def __init__(self, model, spec: EngineSpec, ranks: int, report=None):  # no actors: WorkerGroup.__init__ unused
         self.model, self.role, self.size, self.trainable = model, "policy", ranks, True
         self.engine_spec, self.report = spec, report or (lambda rank, schedule_step: (1.5, 0.1))
-        self.given, self.counted, self.schedule_steps = None, None, []
+        # the last train_step's (per_rank, normalizer, schedule_step) and counted; every train_step's schedule_step
+        self.given: Optional[Tuple[Sequence[List[Batch]], int, Optional[int]]] = None
+        self.counted: Optional[Sequence[List[bool]]] = None
+        self.schedule_steps: List[Optional[int]] = []
 
     def train_step(self, per_rank, objective, normalizer, schedule_step=None, counted=None):
         self.given = (per_rank, normalizer, schedule_step)
@@ -30,7 +36,7 @@ class LocalGroup(WorkerGroup):
         results = []
         with torch.no_grad():
             for rank, micro_batches in enumerate(per_rank):
-                sums = {}
+                sums: Sums = {}
                 keep = counted[rank] if counted else [True] * len(micro_batches)
                 for mb, kept in zip(micro_batches, keep):
                     if kept:  # a filler is dropped, as TrainerWorker.train_step drops it
@@ -40,7 +46,7 @@ class LocalGroup(WorkerGroup):
         return results
 
     def evaluate(self, batches, objective):
-        sums = {}
+        sums: Sums = {}
         with torch.no_grad():
             for b in batches:
                 sums = add_sums(sums, objective.loss(self.model, b)[1])

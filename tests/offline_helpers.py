@@ -101,8 +101,8 @@ def _assert_same_runs(runs, keys, tight_steps=None, loose_rtol=1e-3, dpo_beta=No
         for a, b in zip(ref_rows, rows):
             assert a["num_samples"] == b["num_samples"] and a["num_tokens"] == b["num_tokens"], (name, a, b)
             rtol = LOSS_RTOL if tight_steps is None or a["step"] <= tight_steps else loose_rtol
-            rounding = None if dpo_beta is None else [dpo_rounding_margin(r, dpo_beta) for r in (a, b)]
-            at_reference = rounding is not None and all(abs(r["rewards/margin"]) <= m for r, m in zip((a, b), rounding))
+            rounding = [] if dpo_beta is None else [dpo_rounding_margin(r, dpo_beta) for r in (a, b)]
+            at_reference = bool(rounding) and all(abs(r["rewards/margin"]) <= m for r, m in zip((a, b), rounding))
             for key in keys:
                 floor = ABS_TOL
                 if at_reference and key == "rewards/accuracy":

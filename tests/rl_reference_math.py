@@ -13,7 +13,7 @@ of one sample, ``(R_i,)``, kept in a list over samples (ragged, never padded).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -119,7 +119,8 @@ def discounted_returns(rewards: Ragged, gamma: float) -> Ragged:
     """``G_j = r_j + gamma G_{j+1}``, ``G_R = 0``."""
     out = []
     for r in rewards:
-        g, acc = torch.zeros_like(r), 0.0
+        g = torch.zeros_like(r)
+        acc: Union[float, Tensor] = 0.0  # G_R; a tensor from G_{R-1} on
         for j in reversed(range(len(r))):
             acc = r[j] + gamma * acc
             g[j] = acc
@@ -142,7 +143,9 @@ def gae(rewards: Ragged, vals: Ragged, gamma: float, lam: float) -> Tuple[Ragged
     advs, rets = [], []
     for r, v in zip(rewards, vals):
         v = v.detach()
-        a, nxt_a, nxt_v = torch.zeros_like(r), 0.0, 0.0
+        a = torch.zeros_like(r)
+        nxt_a: Union[float, Tensor] = 0.0  # A_R and V_R; tensors from j = R - 1 on
+        nxt_v: Union[float, Tensor] = 0.0
         for j in reversed(range(len(r))):
             delta = r[j] + gamma * nxt_v - v[j]
             nxt_a = delta + gamma * lam * nxt_a
@@ -161,7 +164,7 @@ def ppo_token_loss(
     clip_low: float,
     clip_high: float,
     dual_clip: float = 0.0,
-    tis_weight: Tensor = None,
+    tis_weight: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7) as a loss,
     ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; dual clip (Ye et al. 2020) bounds it by ``-c A`` for
@@ -325,8 +328,10 @@ def behaviour_weights(
     elif correction == "mis":
         w = [r if r <= high else 0.0 for r in rho]
     elif correction == "icepop":
+        assert low is not None, "icepop has a lower bound (BEHAVIOUR_DEFAULT_BOUNDS)"
         w = [r if low <= r <= high else 0.0 for r in rho]
     elif correction == "seq_mask":
+        assert low is not None, "seq_mask has a lower bound (BEHAVIOUR_DEFAULT_BOUNDS)"
         geometric_mean = math.exp(sum(log_rho) / len(log_rho))
         w = [1.0 if low <= geometric_mean <= high else 0.0] * len(rho)
     else:

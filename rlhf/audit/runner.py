@@ -185,8 +185,9 @@ def _actor_output_to(stream: TextIO) -> Iterator[None]:
         yield
         return
     try:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-        from ray._private.worker import print_worker_logs
+        # ray._private: the dispatcher and Ray's printer of forwarded lines have no public form (docstring)
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher  # noqa: PLC2701
+        from ray._private.worker import print_worker_logs  # noqa: PLC2701
 
         handlers = list(dispatcher.handlers)
     except (ImportError, AttributeError):

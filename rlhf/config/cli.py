@@ -214,7 +214,7 @@ def _field_comments(klass: type) -> dict[str, str]:
     return found
 
 
-def _format_default(value: Any) -> str:
+def format_default(value: Any) -> str:
     """A default as it would be typed in an override."""
     if value is dataclasses.MISSING:
         return "(required)"
@@ -225,14 +225,14 @@ def _format_default(value: Any) -> str:
     if isinstance(value, str):  # a newline shown as \n: one line in --help and the reference table
         return '""' if value == "" else value.replace("\n", "\\n")
     if isinstance(value, tuple):
-        return "[" + ", ".join(_format_default(v) for v in value) + "]"
+        return "[" + ", ".join(format_default(v) for v in value) + "]"
     return repr(value)
 
 
 def _help_epilog(cls: type) -> str:
     """The key reference printed by ``--help``."""
     rows = describe_keys(cls)
-    cells = [(key, type_name, _format_default(default), text) for key, type_name, default, text in rows]
+    cells = [(key, type_name, format_default(default), text) for key, type_name, default, text in rows]
     widths = [max((len(c[i]) for c in cells), default=0) for i in range(3)]
     lines = ["configuration keys (KEY=VALUE overrides; type, default, notes):"]
     for key, type_name, default, text in cells:

@@ -212,7 +212,7 @@ class _TargetLogProbs(torch.autograd.Function):
         ctx,
         logits: Tensor,
         targets: Tensor,
-        temperature: float,  # type: ignore[override]
+        temperature: float,
         edges: Optional[Tensor] = None,
     ) -> Tensor:
         n, vocab = logits.shape
@@ -232,7 +232,7 @@ class _TargetLogProbs(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+    def backward(ctx, grad_out: Tensor):
         logits, targets, lse, edges = ctx.saved_tensors
         grad = torch.empty_like(logits)
         n, vocab = logits.shape
@@ -252,7 +252,7 @@ class _Entropy(torch.autograd.Function):
     """Entropy of ``softmax(logits)`` row by row for ``(N, V)`` logits; float32 (float64 for float64 logits)."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, logits: Tensor) -> Tensor:
         n, vocab = logits.shape
         dtype = _compute_dtype(logits.dtype)
         lse = torch.empty(n, dtype=dtype, device=logits.device)
@@ -267,7 +267,7 @@ class _Entropy(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+    def backward(ctx, grad_out: Tensor):
         logits, lse, entropy = ctx.saved_tensors
         grad = torch.empty_like(logits)
         n, vocab = logits.shape
@@ -293,7 +293,7 @@ class _HeadLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx,
         hidden: Tensor,
         weight: Tensor,
@@ -322,7 +322,7 @@ class _HeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logps: Tensor, grad_entropy: Tensor):  # type: ignore[override]
+    def backward(ctx, grad_logps: Tensor, grad_entropy: Tensor):
         hidden, weight, bias, targets, lse, entropy, edges = ctx.saved_tensors
         n, vocab = hidden.shape[0], weight.shape[0]
         grad_hidden = torch.empty_like(hidden)

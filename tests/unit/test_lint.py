@@ -1,5 +1,6 @@
 """ruff's lint over the whole tree, with the rules ``pyproject.toml`` selects (``[tool.ruff.lint]``: pyflakes,
-pycodestyle, bugbear, import order), and its formatter's layout. Pyflakes' rules catch, on the CPU, errors that
+pycodestyle, bugbear, import order, private names imported from another package outside tests/unit and
+tests/integration), and its formatter's layout. Pyflakes' rules catch, on the CPU, errors that
 live in code only a GPU reaches: a function-level ``import torch.multiprocessing.reductions`` made ``torch`` a
 local name of ``rlhf.rollout.weights.ipc.open_shared``, and the CUDA branch above it failed with UnboundLocalError on
 the first real GPU run (ruff F823)."""
@@ -47,3 +48,16 @@ def test_the_rule_that_found_the_gpu_bug_is_among_them(tmp_path):
         text=True,
     )
     assert done.returncode == 1 and "F823" in done.stdout
+
+
+def test_a_private_import_is_reported(tmp_path):
+    """The check can fail: the project's config selects the preview rule PLC2701 (``from rlhf.x import _y`` outside
+    the package; a scratch file is under no per-file ignore)."""
+    sample = tmp_path / "private.py"
+    sample.write_text("from rlhf.config.cli import _help_epilog\n\nprint(_help_epilog)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(sample)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and "PLC2701" in done.stdout, done.stdout + done.stderr

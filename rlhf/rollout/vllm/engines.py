@@ -35,7 +35,8 @@ def check_room(num_engines: int, cpus_per_engine: float, gpus_per_engine: float,
         InfeasiblePlan: The first engine that does not fit, its request, and each node's free resources.
     """
     try:
-        from ray._private.state import available_resources_per_node  # Ray's DeveloperAPI, per live node
+        # Ray's DeveloperAPI, per live node; ray._private: no public API gives a node's free resources
+        from ray._private.state import available_resources_per_node  # noqa: PLC2701
     except ImportError:  # a Ray without this API: no check, the start-up waits as it did before the check
         return
 
