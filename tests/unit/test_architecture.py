@@ -428,10 +428,14 @@ def test_imports_form_no_cycle():
     assert not stale, f"ALLOWED_CYCLE_EDGES entries whose arrow is gone or closes no cycle (remove them): {stale}"
 
 
+#: Files whose string paths name modules that are gone on purpose: the moves an old checkpoint's pickles follow.
+GONE_ON_PURPOSE = ("rlhf/trainers/moved.py",)
+
+
 def test_in_package_string_paths_name_what_exists():
     modules, _, _ = _package()
     sources = {name: path.read_text(encoding="utf-8") for name, path in modules.items()}
-    missing = missing_string_paths(all_string_paths(), sources)
+    missing = [m for m in missing_string_paths(all_string_paths(), sources) if not m.startswith(GONE_ON_PURPOSE)]
     assert not missing, "string paths naming what the package does not have (moved or renamed?):\n" + "\n".join(missing)
 
 
