@@ -23,7 +23,8 @@ from rlhf.config.rl_schema import RLRunConfig
 from rlhf.data.plan import StepPlan
 from rlhf.distributed.engine import EngineSpec
 from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps
-from rlhf.trainers.online.steps import RLActors, RLTrainer, _largest
+from rlhf.trainers.online.report import _largest
+from rlhf.trainers.online.steps import RLActors, RLTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # this module's maths on one thread
 
@@ -252,7 +253,8 @@ def _prober(model, engines_model, staleness: int):
 def test_the_sync_probe_shows_whether_the_pushed_weights_reached_the_engines(model):
     """k >= 1: the probe's gap is ~0 when the engines hold the policy's weights and large when they kept older
     ones, whatever the step's stale samples say (rlhf/trainers/online/steps.py RLTrainer.probe_sync)."""
-    from rlhf.trainers.online.steps import PROBE_SAMPLES, PROBE_SEED, PROBE_TOKENS, StageTimer
+    from rlhf.trainers.online.report import StageTimer
+    from rlhf.trainers.online.steps import PROBE_SAMPLES, PROBE_SEED, PROBE_TOKENS
 
     stale = copy.deepcopy(model)
     with torch.no_grad():
@@ -274,14 +276,16 @@ def test_the_sync_probe_shows_whether_the_pushed_weights_reached_the_engines(mod
 
 
 def test_the_row_logs_the_gaps_and_k0s_sync_mismatch_is_logp_mismatch(model):
-    from rlhf.trainers.online.steps import StageTimer
+    from rlhf.trainers.online.report import StageTimer, step_row
 
     trainer, _ = _prober(model, model, staleness=0)
     batch = _gapped([-1.0, -1.0, -1.125, -2.5, -0.75, -1.0], [-1.0, -1.0, -1.0, -2.0, -0.75, -1.0], [0, 0, 1, 1, 1, 0])
     step = StepPlan(step=3, epoch=1, indices=[0])
     args = (step, torch.tensor([1.0]), {}, batch, {}, {}, StageTimer())
-    row = trainer.row(*args)
+    row = step_row(trainer.prompts, *args)
     assert row["logp_mismatch"] == pytest.approx(0.625 / 3) and row["logp_mismatch_max"] == 0.5
     assert row["sync_mismatch"] == row["logp_mismatch"]  # k = 0: the step's own samples are the freshest weights'
-    stale_row = trainer.row(*args, sync_mismatch=2e-7)  # k >= 1: the probe's, not the behaviour / proximal gap
+    stale_row = step_row(
+        trainer.prompts, *args, sync_mismatch=2e-7
+    )  # k >= 1: the probe's, not the behaviour / proximal gap
     assert stale_row["sync_mismatch"] == 2e-7 and stale_row["logp_mismatch"] == row["logp_mismatch"]

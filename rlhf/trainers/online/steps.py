@@ -18,11 +18,8 @@ health guard, logging, rewinds) is :class:`rlhf.trainers.run.Run`'s, the same as
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import math
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -31,14 +28,11 @@ import torch
 from rlhf.batch import Batch
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.data.plan import EpochPlan, StepPlan
-from rlhf.distributed.group import StepResult, WorkerGroup
+from rlhf.distributed.group import WorkerGroup
 from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps, TokenValues, ValueObjective
-from rlhf.objectives.base import Totals
 from rlhf.ops.batch_advantages import advantages_for
-from rlhf.ops.dapo import correct_samples
-from rlhf.ops.failures import counted
-from rlhf.ops.mismatch import logp_mismatch, logp_mismatch_max
+from rlhf.ops.mismatch import logp_mismatch
 from rlhf.rewards.scoring import reward_scorers
 from rlhf.rollout.backend import RolloutBackend
 from rlhf.rollout.episodes import rollout_batch
@@ -46,24 +40,19 @@ from rlhf.rollout.prompts import PromptSet
 from rlhf.rollout.sources import Rollout, RolloutSource, SingleTurnRollout, staleness_metrics
 from rlhf.rollout.types import SamplingSpec
 from rlhf.trainers.online.draws import draw_until_varied, partial_single_turn
+from rlhf.trainers.online.report import (
+    CONSOLE_KEYS,
+    EVAL_CONSOLE_KEYS,
+    TABLE_COLUMNS,
+    StageTimer,
+    UpdateTotals,
+    sample_stats,
+    step_row,
+)
 from rlhf.trainers.online.schedule import Pause, RolloutSchedule, behaviour_version
 from rlhf.trainers.online.scoring import StepScoring, reward_sources
 from rlhf.utils.metrics import ConsoleTable, Progress, format_row
 
-CONSOLE_KEYS = (
-    "reward_mean",
-    "accuracy",
-    "kl",
-    "policy_loss",
-    "value_loss",
-    "entropy",
-    "clip_frac",
-    "response_length",
-    "episode/turns",
-    "logp_mismatch",
-    "samples_per_s",
-)
-EVAL_CONSOLE_KEYS = ("reward_mean", "accuracy", "response_length", "episode/turns", "num_samples")
 # Metrics the health guard keeps finite. No zero-loss check: an RL step whose groups all tie has a zero loss.
 RL_WATCHED = ("policy_loss", "grad_norm", "kl", "value_loss", "critic_grad_norm", "reward_mean")
 EVAL_SEED_BASE = 1 << 40  # evaluation seeds live far from the training steps' (seed * 1_000_003 + step * 10_007 + j)
@@ -71,32 +60,6 @@ DRAW_SEED_BASE = 1 << 42  # dynamic sampling's draw d of a step: d * this + the 
 PROBE_SEED = 3 << 40  # the weight-sync probe's requests: this + j, every step (between evaluation's and draw 1's)
 PROBE_SAMPLES = 4  # requests of the probe (k >= 1): enough tokens that one layer not synced shows, few to cost little
 PROBE_TOKENS = 16  # new tokens each, at most (rollout.max_new_tokens if fewer)
-TABLE_COLUMNS = (
-    ("step", "step"),
-    ("reward_mean", "reward"),
-    ("reward_std", "reward_std"),
-    ("accuracy", "accuracy"),
-    ("kl", "kl"),
-    ("entropy", "entropy"),
-    ("policy_loss", "pg_loss"),
-    ("value_loss", "v_loss"),
-    ("clip_frac", "clip_frac"),
-    ("response_length", "resp_len"),
-    ("logp_mismatch", "mismatch"),
-    ("samples_per_s", "samples/s"),
-    ("eta", "eta"),
-)
-
-
-class StageTimer:
-    def __init__(self) -> None:
-        self.seconds: Dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, stage: str):
-        started = time.perf_counter()
-        yield
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - started
 
 
 @dataclass
@@ -193,7 +156,7 @@ class RLTrainer:
         self.schedule.pushed(step.step)
         stats = {**rollout.metrics, **train_stats, **kl_stats, **self._staleness(step.step, rollout)}
         stats.update(self.actors.perf_metrics())
-        return self.row(step, scores, per_source, batch, stats, sync, timer, failed, sync_mismatch=probed)
+        return step_row(self.prompts, step, scores, per_source, batch, stats, sync, timer, failed, sync_mismatch=probed)
 
     def _probe_after_push(self, timer: StageTimer) -> Optional[float]:
         """``k >= 1``: :meth:`probe_sync` of the weights just pushed (``time/probe``); ``k = 0``: ``None``, the
@@ -363,7 +326,7 @@ class RLTrainer:
             seed=t.seed * 7919 + rl_step,
         )
         first = (rl_step - 1) * plan.total_steps  # the run's 0-based optimizer step where this RL step starts
-        policy, critic = _UpdateTotals(), _UpdateTotals()
+        policy, critic = UpdateTotals(), UpdateTotals()
         empty = 0
         for train_step in plan.steps():
             rows = batch.select(train_step.indices)
@@ -416,7 +379,7 @@ class RLTrainer:
         scores, per_source = self.score(rollout, self.eval_prompts)
         return {
             "step": step.step if step else 0,
-            **_sample_stats(scores, per_source, rollout.batch, rollout.failures()),
+            **sample_stats(scores, per_source, rollout.batch, rollout.failures()),
             **rollout.metrics,
             "num_samples": len(rollout.batch),
         }
@@ -425,103 +388,3 @@ class RLTrainer:
         if self.table is not None:
             return self.table.render({**row, "eta": progress.remaining()})
         return f"[rl] step {row['step']}/{progress.total} " + format_row(row, CONSOLE_KEYS) + f" ({progress.eta()})"
-
-    def row(
-        self,
-        step: StepPlan,
-        scores,
-        per_source,
-        batch: Batch,
-        train_stats: dict,
-        sync: dict,
-        timer: StageTimer,
-        failed: Optional[torch.Tensor] = None,
-        sync_mismatch: Optional[float] = None,
-    ) -> dict:
-        """The step's logged row. ``sync_mismatch``: the probe's gap after this step's push (``k >= 1``,
-        :meth:`probe_sync`); ``None`` (``k = 0``): the step's own samples' gap, ``logp_mismatch``, which is the
-        same quantity there (trainer and engines held the same weights, those of the previous step's push)."""
-        total_s = sum(timer.seconds.values())
-        real = scores[counted(failed, len(scores))]  # placeholders are not rewards (rlhf.ops.failures)
-        mismatch = logp_mismatch(batch)
-        row = {
-            "step": step.step,
-            "epoch": step.epoch,
-            **_sample_stats(scores, per_source, batch, failed),
-            "reward_std": float(real.std()) if len(real) > 1 else (0.0 if len(real) else None),  # None: all failed
-            **train_stats,
-            "logp_mismatch": mismatch,
-            "logp_mismatch_max": logp_mismatch_max(batch),
-            "sync_mismatch": mismatch if sync_mismatch is None else sync_mismatch,
-            "num_samples": len(batch),
-            **{f"time/{k}": round(v, 4) for k, v in timer.seconds.items()},
-            "sync_mb_per_s": sync.get("bytes", 0.0) / 2**20 / max(sync.get("seconds", 0.0), 1e-9),
-            "samples_per_s": len(batch) / max(total_s, 1e-9),
-            "prompts_skipped": self.prompts.skipped,
-            "prompts_truncated": self.prompts.truncated,
-        }
-        return {k: v for k, v in row.items() if v is not None}
-
-
-class _UpdateTotals:
-    """One trained role's sums over the optimizer steps of an RL step, finalized once (:meth:`RLTrainer.update`)."""
-
-    def __init__(self) -> None:
-        self.totals = Totals()
-        self.grad_norms: List[Optional[float]] = []
-        self.lr: Optional[float] = None
-        self.cut: Dict[str, int] = {}  # under a token budget: micro-batches and fillers, summed over the steps
-
-    def add(self, result: StepResult) -> None:
-        self.totals.add(result.sums, result.normalizer)
-        self.grad_norms.append(result.grad_norm)
-        self.lr = result.lr
-        for key, value in result.cut_metrics().items():
-            self.cut[key] = self.cut.get(key, 0) + value
-
-    def metrics(self, objective, prefix: str) -> dict:
-        if not self.grad_norms:
-            return {}
-        return {
-            **self.totals.finalize(objective),
-            prefix + "grad_norm": _largest(self.grad_norms),
-            prefix + "lr": self.lr,
-            **{prefix + key: value for key, value in self.cut.items()},
-        }
-
-
-def _largest(norms: List[Optional[float]]) -> Optional[float]:
-    """The largest norm; a NaN or inf one if any (``max`` would drop a NaN); ``None`` when none was measured."""
-    measured = [n for n in norms if n is not None]
-    bad = [n for n in measured if not math.isfinite(n)]
-    return bad[0] if bad else max(measured, default=None)
-
-
-def _sample_stats(
-    scores: torch.Tensor, per_source: Dict[str, torch.Tensor], batch: Batch, failed: Optional[torch.Tensor] = None
-) -> dict:
-    """What a training step and a held-out evaluation both report about their samples: mean reward, each source's
-    mean, accuracy (when verifiable) over the samples that did not fail (a failed one's reward is a placeholder:
-    counted in ``failed/samples``, in no mean; no reward metric when every sample failed), and the mean response
-    length in tokens over all of them."""
-    assert batch.loss_mask is not None, "a rollout batch carries its loss mask"
-    real = counted(failed, len(scores))
-    stats: Dict[str, float] = {"failed/samples": int((~real).sum())} if failed is not None else {}
-    if bool(real.any()):
-        kept = {k: v[real] for k, v in per_source.items()}
-        stats.update(
-            {
-                "reward_mean": float(scores[real].mean()),
-                **{f"reward/{k}": float(v.float().mean()) for k, v in kept.items()},
-                **_accuracy(kept),
-            }
-        )
-    return {**stats, "response_length": float(batch.loss_mask.sum(-1).float().mean())}
-
-
-def _accuracy(per_source: Dict[str, torch.Tensor]) -> dict:
-    """``{"accuracy": ...}`` when some reward source is 0/1-valued (verifiable): a sample counts as correct when
-    every such source says so (:func:`rlhf.ops.dapo.correct_samples`). ``{}`` otherwise (no made-up accuracy for a
-    learned reward)."""
-    correct = correct_samples(per_source)
-    return {} if correct is None else {"accuracy": float(correct.float().mean())}
