@@ -183,3 +183,32 @@ def test_the_hooks_reach_the_generic_rooms():
     assert [f.key for f in ppo.lint_batches(tied, 1)] == [
         "rollout.prompts_per_step=" + str(tied.rollout.prompts_per_step)
     ]
+
+
+def test_the_core_never_imports_a_wing_and_no_wing_imports_the_list_of_trainers():
+    """``rlhf/trainers/``'s core (its own modules) imports neither wing (``offline/``, ``online/``) nor
+    ``kinds.py``; a wing imports the core, never ``kinds.py`` nor the other wing. So each trainer hands the core its
+    own descriptor, and the list of every trainer sits above both wings."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "unit"))
+    from test_architecture import all_imports
+
+    def room(module: str) -> str:
+        parts = module.split(".")
+        if parts[:2] != ["rlhf", "trainers"] or len(parts) < 3:
+            return "outside"
+        return parts[2] if parts[2] in ("offline", "online", "kinds") else "core"
+
+    allowed = {"core": {"core"}, "offline": {"core", "offline"}, "online": {"core", "online"}}
+    imports = all_imports()
+    seen = {(room(imp.importer), room(imp.target)) for imp in imports}
+    assert {("online", "core"), ("offline", "core"), ("kinds", "online"), ("kinds", "offline")} <= seen  # read them
+    wrong = [
+        str(imp)
+        for imp in imports
+        if room(imp.importer) in allowed
+        and room(imp.target) != "outside"
+        and room(imp.target) not in allowed[room(imp.importer)]
+    ]
+    assert wrong == [], "\n".join(wrong)
