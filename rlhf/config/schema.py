@@ -42,7 +42,7 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         # the form of target_modules is checked with the model's layers, before any actor starts
-        # (rlhf.trainers.run.check_lora_targets, through rlhf.models.lora.LoraSpec)
+        # (rlhf.trainers.context.check_lora_targets, through rlhf.models.lora.LoraSpec)
         _check(self.r >= 0, "model.lora.r", f"must be an integer >= 0 (0 disables LoRA), got {self.r}")
         _check(
             self.alpha > 0 and math.isfinite(self.alpha),

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from rlhf.distributed.engine import OptimSpec
     from rlhf.distributed.group import WorkerGroup
     from rlhf.distributed.placement import Placement
-    from rlhf.trainers.run import RunContext
+    from rlhf.trainers.context import RunContext
 
 # (the role's actors in the plan, the shared placement group they sit on or None) -> the started role
 RoleStarter = Callable[[ActorPlan, Optional["Placement"]], Any]

@@ -186,7 +186,7 @@ def hub_status(key: str, ref: str, repo_type: str) -> str:
 
 def _deepspeed_rows(cfg: RunConfig, here: bool, precision: Optional[str]) -> List[Row]:
     """``strategy.deepspeed_config`` against the run's settings (a run reads it once more when ``auto`` precision is
-    resolved, rlhf.trainers.run.start_cluster)."""
+    resolved, rlhf.trainers.context.start_cluster)."""
     ds = cfg.strategy.deepspeed_config
     if here or (ds and os.path.isfile(ds)):
         check_user_config(cfg, precision)
@@ -216,7 +216,7 @@ def _check_lora(cfg: RunConfig, kind: TrainerKind, here: bool) -> None:
     config can be read here; the paths table says why not otherwise)."""
     if not cfg.model.lora.enabled:
         return
-    from rlhf.trainers.run import check_lora_targets  # lazy: torch and transformers, only when LoRA is asked for
+    from rlhf.trainers.context import check_lora_targets  # lazy: torch and transformers, only when LoRA is asked for
 
     trained = kind.trained_models(cfg)
     check_lora_targets(cfg, [(path, kind) for path, kind in trained if readable(path, here)])

@@ -2,7 +2,7 @@
 
 flash-attention 2 is selected by what the worker process can actually do, so the same configs run on a CPU
 laptop (sdpa) and on a GPU cluster without edits. Backend and precision are decided by the driver from the
-cluster's resources (rlhf.trainers.run.start_cluster).
+cluster's resources (rlhf.trainers.context.start_cluster).
 """
 
 from __future__ import annotations

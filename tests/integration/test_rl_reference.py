@@ -249,7 +249,7 @@ class Groups:
         from concurrent.futures import ThreadPoolExecutor
 
         from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
-        from rlhf.trainers.run import optim_spec
+        from rlhf.trainers.context import optim_spec
 
         if layout == self.layout:
             return
@@ -293,7 +293,7 @@ class Groups:
 
 @pytest.fixture(scope="module")
 def actors(ray_session, paths, tmp_path_factory):
-    from rlhf.trainers.run import RunContext
+    from rlhf.trainers.context import RunContext
 
     started = time.perf_counter()
     cfg = _config("fp32-zero2-zero3-packed-tok25")

@@ -451,8 +451,8 @@ class _Recorder:
 
         monkeypatch.setattr("rlhf.distributed.placement.Placement", Placement)
         monkeypatch.setattr("rlhf.distributed.group.WorkerGroup", WorkerGroup)
-        monkeypatch.setattr("rlhf.trainers.run.Placement", Placement)  # where RunContext makes them
-        monkeypatch.setattr("rlhf.trainers.run.WorkerGroup", WorkerGroup)
+        monkeypatch.setattr("rlhf.trainers.context.Placement", Placement)  # where RunContext makes them
+        monkeypatch.setattr("rlhf.trainers.context.WorkerGroup", WorkerGroup)
         monkeypatch.setattr("rlhf.rollout.vllm.engines.RolloutEngines", RolloutEngines)
         monkeypatch.setattr("rlhf.trainers.online.roles.RolloutEngines", RolloutEngines)  # where the RL roles start
         monkeypatch.setattr("rlhf.trainers.online.roles.EnvironmentPool", EnvironmentPool)
@@ -504,8 +504,8 @@ RL_VARIANTS = {
 @pytest.mark.parametrize("gpus", [0.0, 1.0], ids=["cpu", "gpu"])
 @pytest.mark.parametrize("variant", sorted(RL_VARIANTS))
 def test_rl_runner_requests_what_the_plan_says(variant, gpus, monkeypatch):
+    from rlhf.trainers.context import RunContext
     from rlhf.trainers.online.roles import start_roles
-    from rlhf.trainers.run import RunContext
 
     cfg = load_config(RLRunConfig, "grpo_tiny", ["model.path=/m", "data.train_path=/d", *RL_VARIANTS[variant]])
     rec = _Recorder(monkeypatch)
@@ -534,8 +534,8 @@ class _Stop(Exception):
 def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, pair_data, tmp_path, monkeypatch):
     """The offline runner up to its first step (groups built, the DPO reference attached), on stand-ins."""
     from rlhf.trainers import run
+    from rlhf.trainers.context import RunContext
     from rlhf.trainers.offline import loop as offline
-    from rlhf.trainers.run import RunContext
 
     cls, preset, builder, role = OFFLINE[kind]
     data = sft_data if kind == "sft" else pair_data
@@ -576,8 +576,8 @@ def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, 
 
 
 def test_dry_run_prints_the_requests_the_runner_makes(monkeypatch, capsys):
+    from rlhf.trainers.context import RunContext
     from rlhf.trainers.online.roles import start_roles
-    from rlhf.trainers.run import RunContext
 
     overrides = ["model.path=/m", "data.train_path=/d", *RL_VARIANTS["gae_critic_reward"]]
     rc, out, err = _cli(

@@ -11,8 +11,8 @@ from shared_helpers import uneven_pair_rows, write_jsonl
 from rlhf.config import ConfigError, DPORunConfig, SFTRunConfig, load_config
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
+from rlhf.trainers.context import check_lora_targets, lora_spec
 from rlhf.trainers.kinds import kind_of
-from rlhf.trainers.run import check_lora_targets, lora_spec
 
 
 def _cfg(cls, tiny_model, data, *overrides, preset=None):

@@ -286,14 +286,14 @@ def test_a_restart_before_the_first_checkpoint_starts_over_in_the_directory_it_o
 
 def test_the_sft_cli_refuses_before_ray_starts_and_leaves_the_run_untouched(tmp_path, monkeypatch, capsys):
     from rlhf.cli.common import run_cli
-    from rlhf.trainers import run
+    from rlhf.trainers import context, run
     from rlhf.trainers.offline.sft import train_sft
 
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray was started")
 
     monkeypatch.setattr(run, "start_cluster", no_ray)
-    monkeypatch.setattr(run, "init_ray", no_ray)
+    monkeypatch.setattr(context, "init_ray", no_ray)
     out = str(tmp_path / "run")
     _write_run(out)
     before = _snapshot(out)

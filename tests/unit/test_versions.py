@@ -211,11 +211,12 @@ def _start_cluster(monkeypatch, cfg, node: NodeReport):
     import ray
 
     from rlhf.distributed import node_versions
-    from rlhf.trainers import run
+    from rlhf.trainers import context
+    from rlhf.trainers.kinds import kind_of
 
     asked = []
-    monkeypatch.setattr(run, "init_ray", lambda *args, **kwargs: "local")
-    monkeypatch.setattr(run, "cluster_gpus", lambda: 0.0)
+    monkeypatch.setattr(context, "init_ray", lambda *args, **kwargs: "local")
+    monkeypatch.setattr(context, "cluster_gpus", lambda: 0.0)
     monkeypatch.setattr(
         ray,
         "nodes",
@@ -223,7 +224,7 @@ def _start_cluster(monkeypatch, cfg, node: NodeReport):
     )
     monkeypatch.setattr(node_versions, "node_reports", lambda timeout_s, ids: asked.append(ids) or [node])
     monkeypatch.setattr(node_versions, "_PASSED", {})
-    return run.start_cluster(cfg, 1.0), asked
+    return context.start_cluster(cfg, kind_of(cfg).packages, 1.0), asked
 
 
 def test_start_cluster_refuses_a_node_outside_the_supported_versions(monkeypatch):

@@ -20,10 +20,11 @@ from rlhf.models.loading import CAUSAL_LM
 from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.base import ScoreFn
 from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
+from rlhf.trainers.context import RunContext
 from rlhf.trainers.descriptor import TrainerKind
 from rlhf.trainers.findings import offline_batch_findings
 from rlhf.trainers.offline.loop import OfflineTask, batch_lines, data_summary, read_train_and_eval, run_offline
-from rlhf.trainers.run import RunContext, RunResult
+from rlhf.trainers.run import RunResult
 from rlhf.utils.log import get_logger
 
 log = get_logger(__name__)

@@ -28,10 +28,11 @@ from rlhf.hub import pin_run_sources
 from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.base import Objective, Totals
 from rlhf.trainers.actors import frozen_group, start_plan, trained_group
+from rlhf.trainers.context import RunContext, optim_spec
 from rlhf.trainers.descriptor import TrainerKind
 from rlhf.trainers.output_dir import claim_output_dir
 from rlhf.trainers.preflight import preflight
-from rlhf.trainers.run import Run, RunContext, RunResult, optim_spec, run_identity, with_restarts
+from rlhf.trainers.run import Run, RunResult, run_identity, with_restarts
 from rlhf.utils.log import get_logger
 from rlhf.utils.metrics import Progress, format_row
 from rlhf.utils.versions import check_versions

@@ -40,8 +40,8 @@ from rlhf.rollout.vllm.engines import RolloutEngines, as_backend
 from rlhf.rollout.weights.group import SyncTimeouts
 from rlhf.rollout.weights.sync import resolve_weight_sync
 from rlhf.trainers.actors import RoleStarter, frozen_group, start_plan, trained_group
+from rlhf.trainers.context import RunContext, optim_spec
 from rlhf.trainers.online.steps import RLActors
-from rlhf.trainers.run import RunContext, optim_spec
 from rlhf.utils.log import get_logger
 
 log = get_logger(__name__)
