@@ -14,7 +14,7 @@ from rlhf.trainers.run import failure_at
 # what Ray puts in a dead actor's message when its constructor raised: vLLM's reason is the last line
 RAY_CREATION_DEATH = """The actor died because of an error raised in its creation task, ray::RolloutEngine.__init__() \
 (pid=123, ip=127.0.0.1, actor_id=abc)
-  File "/x/rlhf/rollout/vllm_engine.py", line 80, in __init__
+  File "/x/rlhf/rollout/vllm/engine.py", line 80, in __init__
     self.llm = LLM(**kwargs)
   File "/x/vllm/config.py", line 900, in __post_init__
     raise ValueError(
