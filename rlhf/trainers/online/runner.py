@@ -5,7 +5,7 @@ validate, read the prompts (:mod:`~rlhf.trainers.online.prompts`), start the rol
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, List, Tuple
 
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.data.plan import EpochPlan
@@ -43,7 +43,9 @@ from rlhf.utils.versions import check_versions
 log = get_logger(__name__)
 
 
-def build_objectives(cfg: RLRunConfig):
+def build_objectives(cfg: RLRunConfig) -> Tuple[PolicyObjective, ValueObjective]:
+    """The run's policy and value objectives from ``algo.*`` (the clip, the off-policy correction, the loss
+    aggregation and its length constant, the KL as a loss) and the sampling the trainer's log-probs replay."""
     a = cfg.algo
     low, high = a.clip
     clip = PolicyLossConfig(
@@ -161,11 +163,7 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
         return run.finish(actors.policy, tokenizer, last)
 
 
-def _plan(cfg: RLRunConfig, gpus_per_worker: float, reference: bool):
-    return rl_plan(cfg, gpus_per_worker, reference=reference)
-
-
-def _critic(cfg: RLRunConfig):
+def _critic(cfg: RLRunConfig) -> List[Tuple[str, str]]:
     """The critic, trained beside the policy (and wrapped by LoRA with it) when the algorithm has one."""
     return [(cfg.critic.path or cfg.model.path, SCALAR_HEAD)] if cfg.algo.needs_critic else []
 
@@ -190,7 +188,7 @@ PPO = TrainerKind(
     has_reference=lambda cfg: cfg.algo.kl_coef > 0,
     model_keys=RUN_MODEL_KEYS + ("critic.path", "reward.model_path"),
     extra_packages=("vllm",),
-    resource_plan=_plan,
+    resource_plan=rl_plan,
     extra_trained=_critic,
     checks=checks.start_up_checks,
     describe=checks.describe,
