@@ -19,7 +19,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 from rlhf.config.schema import RunConfig
 from rlhf.distributed.resource_plan import Devices, ResourcePlan, offline_plan
 from rlhf.hub import RUN_MODEL_KEYS
-from rlhf.trainers.findings import Finding
+from rlhf.models.loading import CAUSAL_LM
+from rlhf.trainers.findings import Finding, offline_batch_findings
 from rlhf.utils.versions import TRAINING_PACKAGES
 
 Row = Tuple[str, str, str]  # a preflight row: (config key, path, status)
@@ -57,12 +58,13 @@ class TrainerKind:
     row_fields: Callable[[Any], Dict[str, Any]]  # cfg -> the rlhf.data.io.read_rows arguments of a data row
     read_data: Callable[[Any, Any], str]  # (cfg, tokenizer) -> a line: the data read and tokenized as a run does
     batch_lines: Callable[[Any, List[str]], List[str]]  # --dry-run's batch lines from the common ones (LoRA, batch)
-    lint_batches: Callable[[Any, Optional[int]], List[Finding]]  # the audit's findings on the batch arithmetic
-    policy_role: str  # the role of the model it trains
-    policy_kind: str  # CAUSAL_LM, or SCALAR_HEAD for a reward model
-    primary_loss: str  # the loss column of the audit's table
-    sections: Tuple[str, ...]  # config sections only this trainer has (what tells its configs apart)
     preset_prefixes: Tuple[str, ...]  # its shipped presets are named <prefix>_...
+    sections: Tuple[str, ...] = ()  # config sections only this trainer has (what tells its configs apart)
+    policy_role: str = "policy"  # the role of the model it trains
+    policy_kind: str = CAUSAL_LM  # or SCALAR_HEAD for a reward model
+    primary_loss: str = "loss"  # the loss column of the audit's table
+    # the audit's findings on the batch arithmetic (an offline trainer's: the epochs its rows give)
+    lint_batches: Callable[[Any, Optional[int]], List[Finding]] = offline_batch_findings
     # whether a run scores against a frozen reference model (with LoRA, the base under the adapters)
     has_reference: Callable[[Any], bool] = lambda cfg: False
     reference_ranks: Callable[[Any], int] = lambda cfg: 0  # offline: the reference group's ranks

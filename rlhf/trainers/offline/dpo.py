@@ -16,13 +16,11 @@ from rlhf.config.schema import DPORunConfig
 from rlhf.data.formats import pair_fields, read_formatted
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.distributed.group import WorkerGroup
-from rlhf.models.loading import CAUSAL_LM
 from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.base import ScoreFn
 from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
 from rlhf.trainers.context import RunContext
 from rlhf.trainers.descriptor import TrainerKind
-from rlhf.trainers.findings import offline_batch_findings
 from rlhf.trainers.offline.loop import OfflineTask, batch_lines, data_summary, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunResult
 from rlhf.utils.log import get_logger
@@ -157,10 +155,6 @@ DPO = TrainerKind(
     row_fields=row_fields,
     read_data=read_data,
     batch_lines=dpo_batch_lines,
-    lint_batches=offline_batch_findings,
-    policy_role="policy",
-    policy_kind=CAUSAL_LM,
-    primary_loss="loss",
     sections=("dpo",),
     preset_prefixes=("dpo",),
     has_reference=lambda cfg: True,

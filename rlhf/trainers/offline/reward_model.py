@@ -14,7 +14,6 @@ from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
 from rlhf.models.loading import SCALAR_HEAD
 from rlhf.objectives.reward import RewardObjective
 from rlhf.trainers.descriptor import TrainerKind
-from rlhf.trainers.findings import offline_batch_findings
 from rlhf.trainers.offline.loop import OfflineTask, batch_lines, data_summary, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunResult
 
@@ -87,10 +86,8 @@ RM = TrainerKind(
     row_fields=row_fields,
     read_data=read_data,
     batch_lines=batch_lines,
-    lint_batches=offline_batch_findings,
     policy_role="reward_model",
     policy_kind=SCALAR_HEAD,
-    primary_loss="loss",
     sections=("rm",),
     preset_prefixes=("rm",),
 )

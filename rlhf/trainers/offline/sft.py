@@ -9,10 +9,8 @@ from typing import Any, Dict
 from rlhf.config.schema import SFTRunConfig
 from rlhf.data.formats import read_formatted, sft_fields
 from rlhf.data.tokenize import Tokenized, collate_sft, tokenize_sft
-from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.sft import SFTObjective
 from rlhf.trainers.descriptor import TrainerKind
-from rlhf.trainers.findings import offline_batch_findings
 from rlhf.trainers.offline.loop import OfflineTask, batch_lines, data_summary, read_train_and_eval, run_offline
 from rlhf.trainers.run import RunResult
 
@@ -85,10 +83,5 @@ SFT = TrainerKind(
     row_fields=row_fields,
     read_data=read_data,
     batch_lines=batch_lines,
-    lint_batches=offline_batch_findings,
-    policy_role="policy",
-    policy_kind=CAUSAL_LM,
-    primary_loss="loss",
-    sections=(),
     preset_prefixes=("sft",),
 )

@@ -16,7 +16,7 @@ from rlhf.distributed.resource_plan import (
     rl_plan,
 )
 from rlhf.hub import RUN_MODEL_KEYS, pin_run_sources
-from rlhf.models.loading import CAUSAL_LM, SCALAR_HEAD
+from rlhf.models.loading import SCALAR_HEAD
 from rlhf.objectives.actor_critic import PolicyObjective, ValueObjective
 from rlhf.ops.policy_loss import PolicyLossConfig
 from rlhf.rewards.functions import RewardFunctionScorer
@@ -180,8 +180,6 @@ PPO = TrainerKind(
     read_data=read_data,
     batch_lines=checks.batch_lines,
     lint_batches=checks.lint_batches,
-    policy_role="policy",
-    policy_kind=CAUSAL_LM,
     primary_loss="policy_loss",
     sections=("rollout", "reward", "algo", "critic", "colocate"),
     preset_prefixes=("ppo", "grpo"),
