@@ -20,7 +20,7 @@ import textwrap
 import tokenize
 from typing import Any, Generic, Sequence, TypeVar, cast
 
-from rlhf.config.loader import _type_name, _walk, available_presets, load_config
+from rlhf.config.loader import available_presets, load_config, type_name, walk_fields
 from rlhf.config.schema import ConfigError
 from rlhf.config.suggest import suggest_keys
 
@@ -97,13 +97,13 @@ def describe_keys(cls: type) -> list[tuple[str, str, object, str]]:
     """
     rows: list[tuple[str, str, object, str]] = []
     sections: dict[str, Any] = {}  # dotted section -> its default instance (None: none), whose values are defaults
-    for key, owner, f, tp, section in _walk(cls):
+    for key, owner, f, tp, section in walk_fields(cls):
         parent = sections.get(key.rpartition(".")[0])
         default = getattr(parent, f.name) if parent is not None else _field_default(f)
         if section is not None:
             sections[key] = default if isinstance(default, section) else None
         else:
-            rows.append((key, _type_name(tp), default, _field_help(owner, f.name)))
+            rows.append((key, type_name(tp), default, _field_help(owner, f.name)))
     return rows
 
 
@@ -235,8 +235,8 @@ def _help_epilog(cls: type) -> str:
     cells = [(key, type_name, format_default(default), text) for key, type_name, default, text in rows]
     widths = [max((len(c[i]) for c in cells), default=0) for i in range(3)]
     lines = ["configuration keys (KEY=VALUE overrides; type, default, notes):"]
-    for key, type_name, default, text in cells:
-        line = f"  {key:<{widths[0]}}  {type_name:<{widths[1]}}  {default:<{widths[2]}}"
+    for key, type_text, default, text in cells:
+        line = f"  {key:<{widths[0]}}  {type_text:<{widths[1]}}  {default:<{widths[2]}}"
         lines.append(f"{line}  {text}".rstrip())
     lines += ["", f"presets (--config NAME): {', '.join(available_presets()) or '(none)'}"]
     return "\n".join(lines)

@@ -356,7 +356,7 @@ def _coerce(value: Any, tp: Any, key: str, root: type) -> Any:
     if plain is None and not empty_str and (optional or section is None):
         if optional:
             return None
-        raise ConfigError(f"{key}: expected {_type_name(inner)}, got null")
+        raise ConfigError(f"{key}: expected {type_name(inner)}, got null")
     if section is not None:
         return _build(section, plain, key, root)  # a null section (keys all commented out) is an empty one
     if inner is str:
@@ -432,21 +432,21 @@ def _to_tuple(value: Any, tp: Any, key: str, root: type) -> tuple[Any, ...]:
     if isinstance(value, str):
         value = [item.strip() for item in value.split(",")]
     if not isinstance(value, (list, tuple)):
-        raise _type_error(key, _type_name(tp), value)
+        raise _type_error(key, type_name(tp), value)
     args = typing.get_args(tp)
     if not args:
         return tuple(value)
     if len(args) == 2 and args[1] is Ellipsis:
         args = (args[0],) * len(value)
     if len(value) != len(args):
-        raise ConfigError(f"{key}: expected a list of {len(args)} values ({_type_name(tp)}), got {list(value)!r}")
+        raise ConfigError(f"{key}: expected a list of {len(args)} values ({type_name(tp)}), got {list(value)!r}")
     return tuple(_coerce(v, a, f"{key}[{i}]", root) for i, (v, a) in enumerate(zip(value, args)))
 
 
 def _to_list(value: Any, tp: Any, key: str, root: type) -> list[Any]:
     """A list with each item coerced to the element type."""
     if not isinstance(value, (list, tuple)):
-        raise _type_error(key, _type_name(tp), value)
+        raise _type_error(key, type_name(tp), value)
     args = typing.get_args(tp)
     if not args:
         return list(value)
@@ -505,7 +505,7 @@ def _section_type(tp: Any) -> type | None:
     return inner if isinstance(inner, type) and dataclasses.is_dataclass(inner) else None
 
 
-def _walk(cls: type, prefix: str = "") -> Iterator[tuple[str, type, dataclasses.Field[Any], Any, type | None]]:
+def walk_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, type, dataclasses.Field[Any], Any, type | None]]:
     """``(dotted key, owner, field, type, section dataclass or None)`` for every key of ``cls``, in declaration
     order, each section followed by its own keys. The owner is the dataclass the field belongs to."""
     for name, f in _init_fields(cls).items():
@@ -513,13 +513,13 @@ def _walk(cls: type, prefix: str = "") -> Iterator[tuple[str, type, dataclasses.
         section = _section_type(tp)
         yield key, cls, f, tp, section
         if section is not None:
-            yield from _walk(section, key)
+            yield from walk_fields(section, key)
 
 
 @functools.lru_cache(maxsize=None)
 def _all_keys(cls: type) -> tuple[str, ...]:
     """Every valid dotted key, sections included (for suggestions)."""
-    return tuple(key for key, *_ in _walk(cls))
+    return tuple(key for key, *_ in walk_fields(cls))
 
 
 def _join(prefix: str, name: str) -> str:
@@ -534,16 +534,16 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     """Readable type: ``int``, ``tuple[float, float]``, ``str | None``."""
     if tp is _NONE_TYPE:
         return "None"
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in args)
+        return " | ".join(type_name(a) for a in args)
     if origin is not None:
         name = getattr(origin, "__name__", str(origin))
-        inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
+        inner = ", ".join("..." if a is Ellipsis else type_name(a) for a in args)
         return f"{name}[{inner}]" if args else name
     if isinstance(tp, type):
         return tp.__name__

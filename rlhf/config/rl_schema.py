@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
 
-from rlhf.config.schema import ConfigError, RunConfig, _check, _choice
+from rlhf.config.schema import ConfigError, RunConfig, check_choice, check_setting
 
 # rollout.weight_sync=broadcast with the hybrid engine on GPUs: the message follows the key in the ConfigError.
 HYBRID_BROADCAST_ON_GPUS = (
@@ -110,58 +110,62 @@ class RolloutConfig:
             "eval_samples_per_prompt",
             "max_turns",
         ):
-            _check(getattr(self, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(self, key)}")
-        _check(self.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0, got {self.max_staleness}")
-        _check(
+            check_setting(getattr(self, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(self, key)}")
+        check_setting(self.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0, got {self.max_staleness}")
+        check_setting(
             0 <= self.partial_rollout_tokens < self.max_new_tokens,
             "rollout.partial_rollout_tokens",
             f"must be in [0, rollout.max_new_tokens={self.max_new_tokens}), got {self.partial_rollout_tokens}",
         )
-        _check(
+        check_setting(
             not self.partial_rollout_tokens or self.max_staleness >= 1,
             "rollout.partial_rollout_tokens",
             "needs rollout.max_staleness >= 1: only a generation running ahead of training sees the weights change",
         )
-        _check(
+        check_setting(
             not (self.partial_rollout_tokens and self.dynamic_sampling),
             "rollout.partial_rollout_tokens",
             "and rollout.dynamic_sampling together are not supported yet: a draw would span two weight versions",
         )
-        _check(
+        check_setting(
             self.dynamic_sampling_draws >= 1,
             "rollout.dynamic_sampling_draws",
             f"must be >= 1, got {self.dynamic_sampling_draws}",
         )
         from rlhf.ops.dapo import FILTER_METRICS  # imports torch; keeps `import rlhf.config` light
 
-        _check(
+        check_setting(
             self.dynamic_sampling_metric in FILTER_METRICS or self.dynamic_sampling_metric.startswith("reward/"),
             "rollout.dynamic_sampling_metric",
             f"must be {' | '.join(FILTER_METRICS)} | reward/<source>, got {self.dynamic_sampling_metric!r}",
         )
-        _check(
+        check_setting(
             0 <= self.overlong_buffer < self.max_new_tokens,
             "rollout.overlong_buffer",
             f"must be in [0, rollout.max_new_tokens={self.max_new_tokens}), got {self.overlong_buffer}",
         )
-        _check(self.overlong_penalty >= 0, "rollout.overlong_penalty", f"must be >= 0, got {self.overlong_penalty}")
-        _check(
+        check_setting(
+            self.overlong_penalty >= 0, "rollout.overlong_penalty", f"must be >= 0, got {self.overlong_penalty}"
+        )
+        check_setting(
             self.max_episode_tokens >= 0,
             "rollout.max_episode_tokens",
             f"must be >= 0 (0: single-turn, unused), got {self.max_episode_tokens}",
         )
-        _choice(self.episode_limit, "rollout.episode_limit", EPISODE_LIMITS)
-        _choice(self.observation_format, "rollout.observation_format", ("auto", "text", "chat"))
-        _choice(self.observation_role, "rollout.observation_role", ("user", "tool", "system"))
-        _choice(self.on_prefix_mismatch, "rollout.on_prefix_mismatch", ("error", "truncate"))
-        _choice(self.prompt_overflow, "rollout.prompt_overflow", ("skip", "truncate"))
-        _choice(self.weight_sync, "rollout.weight_sync", WEIGHT_SYNC_METHODS)
-        _choice(self.backend, "rollout.backend", ROLLOUT_BACKENDS)
+        check_choice(self.episode_limit, "rollout.episode_limit", EPISODE_LIMITS)
+        check_choice(self.observation_format, "rollout.observation_format", ("auto", "text", "chat"))
+        check_choice(self.observation_role, "rollout.observation_role", ("user", "tool", "system"))
+        check_choice(self.on_prefix_mismatch, "rollout.on_prefix_mismatch", ("error", "truncate"))
+        check_choice(self.prompt_overflow, "rollout.prompt_overflow", ("skip", "truncate"))
+        check_choice(self.weight_sync, "rollout.weight_sync", WEIGHT_SYNC_METHODS)
+        check_choice(self.backend, "rollout.backend", ROLLOUT_BACKENDS)
         for key in ("weight_sync_connect_timeout_s", "weight_sync_timeout_s"):
-            _check(getattr(self, key) > 0, f"rollout.{key}", f"must be > 0, got {getattr(self, key)}")
-        _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
-        _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= -1, "rollout.top_k", f"must be -1 or 0 (off) or a number of tokens >= 1, got {self.top_k}")
+            check_setting(getattr(self, key) > 0, f"rollout.{key}", f"must be > 0, got {getattr(self, key)}")
+        check_setting(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
+        check_setting(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        check_setting(
+            self.top_k >= -1, "rollout.top_k", f"must be -1 or 0 (off) or a number of tokens >= 1, got {self.top_k}"
+        )
 
     @property
     def samples_per_step(self) -> int:
@@ -203,9 +207,11 @@ class JudgeConfig:
     def __post_init__(self) -> None:
         # the question, pattern and parsing keys are checked by rlhf.rewards.judge_spec.JudgeSpec.of (preflight, before
         # any actor: the config layer imports no rewards code)
-        _check(self.num_engines >= 1, "reward.judge.num_engines", f"must be >= 1, got {self.num_engines}")
-        _check(self.cpus_per_engine >= 0, "reward.judge.cpus_per_engine", f"must be >= 0, got {self.cpus_per_engine}")
-        _choice(self.mode, "reward.judge.mode", ("score", "pairwise"))
+        check_setting(self.num_engines >= 1, "reward.judge.num_engines", f"must be >= 1, got {self.num_engines}")
+        check_setting(
+            self.cpus_per_engine >= 0, "reward.judge.cpus_per_engine", f"must be >= 0, got {self.cpus_per_engine}"
+        )
+        check_choice(self.mode, "reward.judge.mode", ("score", "pairwise"))
         _failure_policy(self.on_unparsable, "reward.judge.on_unparsable")
 
 
@@ -239,22 +245,24 @@ class RewardConfig:
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
     def __post_init__(self) -> None:
-        _check(self.model_num_workers >= 1, "reward.model_num_workers", f"must be >= 1, got {self.model_num_workers}")
-        _check(self.num_workers >= 0, "reward.num_workers", f"must be >= 0, got {self.num_workers}")
-        _check(self.chunk_size >= 1, "reward.chunk_size", f"must be >= 1, got {self.chunk_size}")
-        _check(self.cpus_per_worker >= 0, "reward.cpus_per_worker", f"must be >= 0, got {self.cpus_per_worker}")
-        _check(self.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {self.timeout_s}")
+        check_setting(
+            self.model_num_workers >= 1, "reward.model_num_workers", f"must be >= 1, got {self.model_num_workers}"
+        )
+        check_setting(self.num_workers >= 0, "reward.num_workers", f"must be >= 0, got {self.num_workers}")
+        check_setting(self.chunk_size >= 1, "reward.chunk_size", f"must be >= 1, got {self.chunk_size}")
+        check_setting(self.cpus_per_worker >= 0, "reward.cpus_per_worker", f"must be >= 0, got {self.cpus_per_worker}")
+        check_setting(self.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {self.timeout_s}")
         _failure_policy(self.on_error)
-        _check(
+        check_setting(
             not self.http or self.http.startswith(("http://", "https://")),
             "reward.http",
             f"must be an http:// or https:// URL, got {self.http!r}",
         )
         for key in ("http_batch_size", "http_concurrency"):
-            _check(getattr(self, key) >= 1, f"reward.{key}", f"must be >= 1, got {getattr(self, key)}")
-        _check(self.http_retries >= 0, "reward.http_retries", f"must be >= 0, got {self.http_retries}")
-        _check(self.http_backoff_s >= 0, "reward.http_backoff_s", f"must be >= 0, got {self.http_backoff_s}")
-        _check(
+            check_setting(getattr(self, key) >= 1, f"reward.{key}", f"must be >= 1, got {getattr(self, key)}")
+        check_setting(self.http_retries >= 0, "reward.http_retries", f"must be >= 0, got {self.http_retries}")
+        check_setting(self.http_backoff_s >= 0, "reward.http_backoff_s", f"must be >= 0, got {self.http_backoff_s}")
+        check_setting(
             self.on_error == "fail" or self.num_workers >= 1 or not self.functions,
             "reward.on_error",
             f"({self.on_error}) needs reward.num_workers >= 1 for reward.functions: scored in the driver, a "
@@ -275,7 +283,9 @@ def _failure_policy(on_error: str, key: str = "reward.on_error") -> Union[str, f
         value = float(on_error)
     except ValueError:
         value = float("nan")
-    _check(math.isfinite(value), key, f"must be fail, drop or a finite number (the reward instead), got {on_error!r}")
+    check_setting(
+        math.isfinite(value), key, f"must be fail, drop or a finite number (the reward instead), got {on_error!r}"
+    )
     return value
 
 
@@ -303,10 +313,10 @@ class EnvConfig:
     allow_unrendered_tools: bool = False
 
     def __post_init__(self) -> None:
-        _choice(self.on_error, "env.on_error", ("fail", "drop"))
-        _check(self.num_actors >= 1, "env.num_actors", f"must be >= 1, got {self.num_actors}")
-        _check(self.cpus_per_actor >= 0, "env.cpus_per_actor", f"must be >= 0, got {self.cpus_per_actor}")
-        _check(self.step_timeout_s > 0, "env.step_timeout_s", f"must be > 0, got {self.step_timeout_s}")
+        check_choice(self.on_error, "env.on_error", ("fail", "drop"))
+        check_setting(self.num_actors >= 1, "env.num_actors", f"must be >= 1, got {self.num_actors}")
+        check_setting(self.cpus_per_actor >= 0, "env.cpus_per_actor", f"must be >= 0, got {self.cpus_per_actor}")
+        check_setting(self.step_timeout_s > 0, "env.step_timeout_s", f"must be > 0, got {self.step_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -366,26 +376,26 @@ class AlgorithmConfig:
                 registry.get(getattr(self, key))
             except KeyError as exc:
                 raise ConfigError(f"algo.{key}: {exc}" + (", or auto" if key == "loss_agg_mode" else "")) from None
-        _check(self.ppo_epochs >= 1, "algo.ppo_epochs", f"must be >= 1, got {self.ppo_epochs}")
+        check_setting(self.ppo_epochs >= 1, "algo.ppo_epochs", f"must be >= 1, got {self.ppo_epochs}")
         low, high = self.clip
-        _check(
+        check_setting(
             0 <= low < 1, "algo.clip_low", f"must be in [0, 1) (the ratio's lower bound 1 - clip_low > 0), got {low}"
         )
-        _check(high >= 0, "algo.clip_high", f"must be >= 0, got {high}")
-        _check(
+        check_setting(high >= 0, "algo.clip_high", f"must be >= 0, got {high}")
+        check_setting(
             self.dual_clip == 0 or self.dual_clip > 1, "algo.dual_clip", f"must be 0 (off) or > 1, got {self.dual_clip}"
         )
-        _check(self.tis_cap >= 0, "algo.tis_cap", f"must be >= 0, got {self.tis_cap}")
+        check_setting(self.tis_cap >= 0, "algo.tis_cap", f"must be >= 0, got {self.tis_cap}")
         self._check_off_policy()
-        _check(self.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {self.kl_coef}")
-        _choice(self.kl_mode, "algo.kl_mode", ("loss", "reward"))
-        _choice(self.whiten_advantages, "algo.whiten_advantages", ("none", "whiten", "scale"))
-        _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "and algo.lam must be in [0, 1]")
-        _choice(self.turn_credit, "algo.turn_credit", ("episode", "turn"))
+        check_setting(self.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {self.kl_coef}")
+        check_choice(self.kl_mode, "algo.kl_mode", ("loss", "reward"))
+        check_choice(self.whiten_advantages, "algo.whiten_advantages", ("none", "whiten", "scale"))
+        check_setting(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "and algo.lam must be in [0, 1]")
+        check_choice(self.turn_credit, "algo.turn_credit", ("episode", "turn"))
         if self.turn_credit == "turn":
             from rlhf.ops.advantages import TOKEN_REWARDS  # imports torch; keeps `import rlhf.config` light
 
-            _check(
+            check_setting(
                 TOKEN_REWARDS in self.estimator.reads,
                 "algo.turn_credit",
                 f"(turn) places rewards on tokens, which algo.advantage_estimator={self.advantage_estimator} does not "
@@ -413,12 +423,14 @@ class AlgorithmConfig:
             except KeyError as exc:  # its message lists the valid names
                 raise ConfigError(f"algo.off_policy_correction: {exc}, or none") from None
         low, high = self.off_policy_low, self.off_policy_high
-        _check(low >= 0, "algo.off_policy_low", f"must be >= 0 (0: the correction's default), got {low}")
-        _check(high >= 0, "algo.off_policy_high", f"must be >= 0 (0: the correction's default), got {high}")
+        check_setting(low >= 0, "algo.off_policy_low", f"must be >= 0 (0: the correction's default), got {low}")
+        check_setting(high >= 0, "algo.off_policy_high", f"must be >= 0 (0: the correction's default), got {high}")
         if name == "none":
-            _check(low == high == 0, "algo.off_policy_low", "and algo.off_policy_high need algo.off_policy_correction")
+            check_setting(
+                low == high == 0, "algo.off_policy_low", "and algo.off_policy_high need algo.off_policy_correction"
+            )
             return
-        _check(
+        check_setting(
             self.tis_cap == 0,
             "algo.tis_cap",
             f"is {self.tis_cap:g} and algo.off_policy_correction is {name}: tis_cap is the shorthand for "
@@ -511,9 +523,9 @@ class CriticConfig:
     num_workers: int = 1  # critic ranks
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, "critic.lr", f"must be > 0, got {self.lr}")
-        _check(self.value_clip >= 0, "critic.value_clip", f"must be >= 0, got {self.value_clip}")
-        _check(self.num_workers >= 1, "critic.num_workers", f"must be >= 1, got {self.num_workers}")
+        check_setting(self.lr > 0, "critic.lr", f"must be > 0, got {self.lr}")
+        check_setting(self.value_clip >= 0, "critic.value_clip", f"must be >= 0, got {self.value_clip}")
+        check_setting(self.num_workers >= 1, "critic.num_workers", f"must be >= 1, got {self.num_workers}")
 
 
 @dataclass(frozen=True)
@@ -532,7 +544,7 @@ class ColocateConfig:
     engine_sleep: str = "auto"
 
     def __post_init__(self) -> None:
-        _choice(self.engine_sleep, "colocate.engine_sleep", ("auto", "on", "off"))
+        check_choice(self.engine_sleep, "colocate.engine_sleep", ("auto", "on", "off"))
 
 
 @dataclass(frozen=True)
@@ -549,7 +561,7 @@ class RLRunConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(
+        check_setting(
             bool(self.reward.functions or self.reward.model_path or self.reward.http or self.reward.judge.path)
             or self.multi_turn,
             "reward.functions",
@@ -558,7 +570,7 @@ class RLRunConfig(RunConfig):
         )
         self._check_episodes()
         budget = self.train.max_tokens_per_micro_batch
-        _check(
+        check_setting(
             not budget or budget >= self.max_sequence_length,
             "train.max_tokens_per_micro_batch",
             f"({budget}) must hold the longest row a step can train on: {self.max_sequence_length} tokens ("
@@ -569,7 +581,7 @@ class RLRunConfig(RunConfig):
             ),
         )
         samples, gb = self.rollout.samples_per_step, self.train.global_batch_size
-        _check(
+        check_setting(
             samples >= gb,
             "train.global_batch_size",
             f"({gb}) must not exceed the rollout batch, rollout.prompts_per_step x rollout.n_samples_per_prompt "
@@ -577,54 +589,54 @@ class RLRunConfig(RunConfig):
         )
         self._check_reward_columns()
         if self.reward.judge.path and self.reward.judge.mode == "pairwise":
-            _check(
+            check_setting(
                 self.rollout.n_samples_per_prompt >= 2,
                 "reward.judge.mode",
                 "(pairwise) compares the responses of a prompt: rollout.n_samples_per_prompt must be >= 2",
             )
-            _check(
+            check_setting(
                 not self.data.eval_path or self.rollout.eval_samples_per_prompt >= 2,
                 "rollout.eval_samples_per_prompt",
                 f"({self.rollout.eval_samples_per_prompt}) must be >= 2 with reward.judge.mode=pairwise and "
                 "data.eval_path set: each held-out response is ranked against the other responses to its prompt",
             )
         if self.algo.estimator.needs_group_ids:
-            _check(
+            check_setting(
                 self.rollout.n_samples_per_prompt >= 2,
                 "rollout.n_samples_per_prompt",
                 f"must be >= 2 for algo.advantage_estimator={self.algo.advantage_estimator} (group baselines)",
             )
         if self.rollout.dynamic_sampling:
-            _check(
+            check_setting(
                 self.algo.estimator.needs_group_ids,
                 "rollout.dynamic_sampling",
                 f"drops groups of tied scores, which only a group estimator leaves without signal; "
                 f"algo.advantage_estimator={self.algo.advantage_estimator} compares no groups",
             )
-            _check(
+            check_setting(
                 not self.multi_turn,
                 "rollout.dynamic_sampling",
                 "is single-turn for now: with env.spec each episode's metrics come from its environment records",
             )
             rewards = self.reward
-            _check(
+            check_setting(
                 self.rollout.dynamic_sampling_metric != "accuracy"
                 or bool(rewards.functions or rewards.http or rewards.judge.path),
                 "rollout.dynamic_sampling_metric",
                 "(accuracy) needs a reward source that says right or wrong (reward.functions, reward.http or "
                 "reward.judge.path): a reward model's score is no accuracy; set rollout.dynamic_sampling_metric=score",
             )
-        _check(
+        check_setting(
             self.algo.turn_credit == "episode" or self.multi_turn,
             "algo.turn_credit",
             "(turn) needs episodes (env.spec): a single-turn sample has one turn",
         )
-        _check(
+        check_setting(
             not (self.rollout.partial_rollout_tokens and self.multi_turn),
             "rollout.partial_rollout_tokens",
             "is single-turn for now: an episode already returns to the engines at every turn",
         )
-        _check(
+        check_setting(
             not (self.rollout.overlong_buffer and self.multi_turn),
             "rollout.overlong_buffer",
             "shapes single-turn responses against rollout.max_new_tokens; episodes have rollout.episode_limit",
@@ -714,14 +726,14 @@ class RLRunConfig(RunConfig):
     def _check_episodes(self) -> None:
         r = self.rollout
         if not self.multi_turn:
-            _check(
+            check_setting(
                 r.max_turns == 1,
                 "rollout.max_turns",
                 f"is {r.max_turns}, which needs an environment (env.spec): "
                 f"without one a rollout is one prompt -> one response",
             )
             return
-        _check(
+        check_setting(
             r.max_episode_tokens > r.max_prompt_length,
             "rollout.max_episode_tokens",
             f"must be set above rollout.max_prompt_length ({r.max_prompt_length}) with env.spec: the episode's "
@@ -748,39 +760,41 @@ class RLRunConfig(RunConfig):
     def _check_colocation(self) -> None:
         c, r = self.colocate, self.rollout
         if c.policy_reference:
-            _check(self.algo.kl_coef > 0, "colocate.policy_reference", "needs a reference model (algo.kl_coef > 0)")
-            _check(
+            check_setting(
+                self.algo.kl_coef > 0, "colocate.policy_reference", "needs a reference model (algo.kl_coef > 0)"
+            )
+            check_setting(
                 not self.model.reference_is_base,
                 "colocate.policy_reference",
                 "has nothing to colocate: with model.lora.r > 0 the reference is the policy's own frozen base, "
                 "scored by the policy's workers with the adapters off",
             )
         if c.critic_reward:
-            _check(
+            check_setting(
                 self.algo.needs_critic and bool(self.reward.model_path),
                 "colocate.critic_reward",
                 "needs a critic (algo.advantage_estimator=gae) and a reward model (reward.model_path)",
             )
-            _check(
+            check_setting(
                 self.critic.num_workers == self.reward.model_num_workers,
                 "colocate.critic_reward",
                 f"needs critic.num_workers ({self.critic.num_workers}) == reward.model_num_workers "
                 f"({self.reward.model_num_workers})",
             )
         if c.hybrid_engine:
-            _check(
+            check_setting(
                 r.max_staleness == 0,
                 "rollout.max_staleness",
                 f"is {r.max_staleness}, which needs engines that generate while the policy trains: "
                 "colocate.hybrid_engine=true puts them on the policy's devices, asleep while it trains",
             )
-            _check(
+            check_setting(
                 r.num_engines == self.train.num_workers,
                 "colocate.hybrid_engine",
                 f"needs rollout.num_engines ({r.num_engines}) == train.num_workers ({self.train.num_workers}): "
                 f"one engine per policy rank",
             )
-            _check(
+            check_setting(
                 r.tensor_parallel_size == 1,
                 "colocate.hybrid_engine",
                 f"needs rollout.tensor_parallel_size=1 (got {r.tensor_parallel_size}): an engine lives on one "
@@ -788,18 +802,18 @@ class RLRunConfig(RunConfig):
             )
         # On GPUs only: the CPU twin (gloo) forms the same group on one host without complaint. The config knows the
         # device when strategy.gpus_per_worker says so; with -1 (auto) the runner refuses once the cluster decided.
-        _check(
+        check_setting(
             not (c.hybrid_engine and r.weight_sync == "broadcast" and self.strategy.gpus_per_worker > 0),
             "rollout.weight_sync",
             HYBRID_BROADCAST_ON_GPUS,
         )
-        _check(
+        check_setting(
             r.weight_sync != "ipc" or c.hybrid_engine,
             "rollout.weight_sync",
             "is ipc, which needs colocate.hybrid_engine=true: IPC hands each engine the buckets of the policy rank "
             "on its own device",
         )
-        _check(
+        check_setting(
             c.engine_sleep != "on" or c.hybrid_engine,
             "colocate.engine_sleep",
             "must be auto or off without colocate.hybrid_engine=true (sleeping only helps when the policy trains "

@@ -19,13 +19,13 @@ class ConfigError(ValueError):
     """A bad configuration value; the message names the dotted key."""
 
 
-def _check(cond: bool, key: str, msg: str) -> None:
+def check_setting(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{key} {msg}")
 
 
-def _choice(value: str, key: str, choices: Tuple[str, ...]) -> None:
-    _check(value in choices, key, f"must be one of {', '.join(choices)}; got {value!r}")
+def check_choice(value: str, key: str, choices: Tuple[str, ...]) -> None:
+    check_setting(value in choices, key, f"must be one of {', '.join(choices)}; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,14 @@ class LoraConfig:
     def __post_init__(self) -> None:
         # the form of target_modules is checked with the model's layers, before any actor starts
         # (rlhf.trainers.context.check_lora_targets, through rlhf.models.lora.LoraSpec)
-        _check(self.r >= 0, "model.lora.r", f"must be an integer >= 0 (0 disables LoRA), got {self.r}")
-        _check(
+        check_setting(self.r >= 0, "model.lora.r", f"must be an integer >= 0 (0 disables LoRA), got {self.r}")
+        check_setting(
             self.alpha > 0 and math.isfinite(self.alpha),
             "model.lora.alpha",
             f"must be a finite number > 0 (the adapter is scaled by alpha / r), got {self.alpha}",
         )
-        _check(0 <= self.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {self.dropout}")
-        _check(
+        check_setting(0 <= self.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        check_setting(
             bool(self.target_modules),
             "model.lora.target_modules",
             "must name modules (e.g. [q_proj, v_proj]) or be [all-linear]",
@@ -77,9 +77,11 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        _check(bool(self.path), "model.path", "is required (an HF model directory or a hub id, org/name)")
-        _choice(self.attn_implementation, "model.attn_implementation", ("auto", "sdpa", "eager", "flash_attention_2"))
-        _check(
+        check_setting(bool(self.path), "model.path", "is required (an HF model directory or a hub id, org/name)")
+        check_choice(
+            self.attn_implementation, "model.attn_implementation", ("auto", "sdpa", "eager", "flash_attention_2")
+        )
+        check_setting(
             self.lora.dropout == 0 or not self.disable_dropout,
             "model.lora.dropout",
             f"is {self.lora.dropout}, but model.disable_dropout=true: dropout draws from the RNG per micro-batch "
@@ -121,14 +123,14 @@ class DataConfig:
     template_text_prompts: bool = False
 
     def __post_init__(self) -> None:
-        _check(
+        check_setting(
             bool(self.train_path),
             "data.train_path",
             "is required (JSON lines, Parquet, a saved dataset directory or a hub dataset id)",
         )
-        _check(self.max_length >= 2, "data.max_length", f"must be >= 2, got {self.max_length}")
-        _choice(self.assistant_turns, "data.assistant_turns", ("all", "last"))
-        _check(
+        check_setting(self.max_length >= 2, "data.max_length", f"must be >= 2, got {self.max_length}")
+        check_choice(self.assistant_turns, "data.assistant_turns", ("all", "last"))
+        check_setting(
             self.chat_template in ("auto", "none") or self.chat_template.endswith((".jinja", ".j2", ".txt")),
             "data.chat_template",
             f"must be auto, none or a template file (.jinja), got {self.chat_template!r}",
@@ -180,26 +182,28 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for key in ("global_batch_size", "micro_batch_size", "num_workers", "max_epochs", "keep_checkpoints"):
             value = getattr(self, key)
-            _check(value >= 1, f"train.{key}", f"must be >= 1, got {value}")
-        _check(
+            check_setting(value >= 1, f"train.{key}", f"must be >= 1, got {value}")
+        check_setting(
             self.max_steps == -1 or self.max_steps >= 1, "train.max_steps", f"must be -1 or >= 1, got {self.max_steps}"
         )
-        _check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
-        _choice(self.lr_scheduler, "train.lr_scheduler", ("constant", "linear", "cosine"))
-        _check(self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        _check(
+        check_setting(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
+        check_choice(self.lr_scheduler, "train.lr_scheduler", ("constant", "linear", "cosine"))
+        check_setting(self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        check_setting(
+            0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}"
+        )
+        check_setting(
             len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
             "train.adam_betas",
             f"must be two numbers in [0, 1), got {self.adam_betas}",
         )
-        _check(
+        check_setting(
             self.max_tokens_per_micro_batch >= 0,
             "train.max_tokens_per_micro_batch",
             f"must be >= 0 (0 = micro-batches of train.micro_batch_size rows), got {self.max_tokens_per_micro_batch}",
         )
         if self.max_tokens_per_micro_batch:
-            _check(
+            check_setting(
                 self.global_batch_size % self.num_workers == 0,
                 "train.global_batch_size",
                 f"({self.global_batch_size}) must be divisible by train.num_workers ({self.num_workers}): under "
@@ -207,26 +211,26 @@ class TrainConfig:
             )
         else:
             per_pass = self.micro_batch_size * self.num_workers
-            _check(
+            check_setting(
                 self.global_batch_size % per_pass == 0,
                 "train.global_batch_size",
                 f"({self.global_batch_size}) must be divisible by train.micro_batch_size x train.num_workers "
                 f"({self.micro_batch_size} x {self.num_workers} = {per_pass})",
             )
-        _check(
+        check_setting(
             bool(self.output_dir) or not self.resume,
             "train.output_dir",
             "must name the run to continue when train.resume=true (it is empty: a new directory)",
         )
-        _choice(self.on_failure, "train.on_failure", ("exit", "restart"))
-        _check(
+        check_choice(self.on_failure, "train.on_failure", ("exit", "restart"))
+        check_setting(
             self.on_failure != "restart" or self.save_every > 0,
             "train.on_failure",
             "=restart needs train.save_every > 0: a restart continues from the last checkpoint",
         )
         for key in ("eval_every", "save_every", "stop_after_steps", "max_restarts"):
-            _check(getattr(self, key) >= 0, f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
-        _check(
+            check_setting(getattr(self, key) >= 0, f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
+        check_setting(
             all(s >= 1 for s in self.skip_steps),
             "train.skip_steps",
             f"must be step numbers >= 1, got {list(self.skip_steps)}",
@@ -278,11 +282,15 @@ class StrategyConfig:
     peak_tflops: float = 0.0
 
     def __post_init__(self) -> None:
-        _check(self.init_timeout_s > 0, "strategy.init_timeout_s", f"must be > 0, got {self.init_timeout_s}")
-        _check(self.peak_tflops >= 0, "strategy.peak_tflops", f"must be >= 0 (0: known GPUs), got {self.peak_tflops}")
-        _check(self.zero_stage in (0, 1, 2, 3), "strategy.zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}")
-        _choice(self.precision, "strategy.precision", ("auto", "fp32", "bf16", "fp64", "fp16"))
-        _check(
+        check_setting(self.init_timeout_s > 0, "strategy.init_timeout_s", f"must be > 0, got {self.init_timeout_s}")
+        check_setting(
+            self.peak_tflops >= 0, "strategy.peak_tflops", f"must be >= 0 (0: known GPUs), got {self.peak_tflops}"
+        )
+        check_setting(
+            self.zero_stage in (0, 1, 2, 3), "strategy.zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}"
+        )
+        check_choice(self.precision, "strategy.precision", ("auto", "fp32", "bf16", "fp64", "fp16"))
+        check_setting(
             self.precision != "fp16",
             "strategy.precision",
             "is fp16, which is not supported: DeepSpeed's fp16 path (dynamic loss scaling, overflowing steps "
@@ -291,9 +299,9 @@ class StrategyConfig:
         )
         if self.precision == "fp64":
             self._check_fp64()
-        _choice(self.backend, "strategy.backend", ("auto", "gloo", "nccl"))
-        _check(self.cpus_per_worker > 0, "strategy.cpus_per_worker", f"must be > 0, got {self.cpus_per_worker}")
-        _check(
+        check_choice(self.backend, "strategy.backend", ("auto", "gloo", "nccl"))
+        check_setting(self.cpus_per_worker > 0, "strategy.cpus_per_worker", f"must be > 0, got {self.cpus_per_worker}")
+        check_setting(
             self.gpus_per_worker == -1 or self.gpus_per_worker >= 0,
             "strategy.gpus_per_worker",
             f"must be -1 (auto) or >= 0, got {self.gpus_per_worker}",
@@ -301,13 +309,13 @@ class StrategyConfig:
 
     def _check_fp64(self) -> None:
         """fp64 is for audits: only ZeRO 0 trains in float64 end to end (docs/concepts.md, Precision)."""
-        _check(
+        check_setting(
             self.zero_stage == 0,
             "strategy.precision",
             f"is fp64, which runs on ZeRO 0 only (strategy.zero_stage=0), got strategy.zero_stage="
             f"{self.zero_stage}: {FP64_REFUSED_STAGES.get(self.zero_stage, '')}",
         )
-        _check(
+        check_setting(
             not self.offload_optimizer,
             "strategy.precision",
             "is fp64, which cannot offload the optimizer (strategy.offload_optimizer=true): ZeRO-Offload moves "
@@ -338,7 +346,9 @@ class RayConfig:
     num_cpus: int = -1  # local cluster only; -1 = enough logical CPUs for every actor of the run
 
     def __post_init__(self) -> None:
-        _check(self.num_cpus == -1 or self.num_cpus >= 1, "ray.num_cpus", f"must be -1 or >= 1, got {self.num_cpus}")
+        check_setting(
+            self.num_cpus == -1 or self.num_cpus >= 1, "ray.num_cpus", f"must be -1 or >= 1, got {self.num_cpus}"
+        )
 
 
 @dataclass(frozen=True)
@@ -353,10 +363,10 @@ class LoggingConfig:
     wandb_run_name: str = ""  # "" = the base name of train.output_dir
 
     def __post_init__(self) -> None:
-        _check(self.print_every >= 1, "logging.print_every", f"must be >= 1, got {self.print_every}")
-        _choice(self.console, "logging.console", ("line", "table"))
-        _choice(self.wandb_mode, "logging.wandb_mode", ("offline", "online"))
-        _choice(self.progress_bar, "logging.progress_bar", ("auto", "on", "off"))
+        check_setting(self.print_every >= 1, "logging.print_every", f"must be >= 1, got {self.print_every}")
+        check_choice(self.console, "logging.console", ("line", "table"))
+        check_choice(self.wandb_mode, "logging.wandb_mode", ("offline", "online"))
+        check_choice(self.progress_bar, "logging.progress_bar", ("auto", "on", "off"))
 
 
 @dataclass(frozen=True)
@@ -380,18 +390,20 @@ class HealthConfig:
     flat_reward_steps: int = 10
 
     def __post_init__(self) -> None:
-        _choice(self.action, "health.action", ("stop", "skip", "warn", "off"))
-        _check(self.max_skips >= 1, "health.max_skips", f"must be >= 1, got {self.max_skips}")
-        _check(self.zero_loss_steps >= 0, "health.zero_loss_steps", f"must be >= 0, got {self.zero_loss_steps}")
-        _check(
+        check_choice(self.action, "health.action", ("stop", "skip", "warn", "off"))
+        check_setting(self.max_skips >= 1, "health.max_skips", f"must be >= 1, got {self.max_skips}")
+        check_setting(self.zero_loss_steps >= 0, "health.zero_loss_steps", f"must be >= 0, got {self.zero_loss_steps}")
+        check_setting(
             self.spike_factor == 0 or self.spike_factor > 1,
             "health.spike_factor",
             f"must be 0 (off) or > 1, got {self.spike_factor}",
         )
-        _check(self.spike_window >= 1, "health.spike_window", f"must be >= 1, got {self.spike_window}")
+        check_setting(self.spike_window >= 1, "health.spike_window", f"must be >= 1, got {self.spike_window}")
         for key in ("max_kl", "max_logp_mismatch"):
-            _check(getattr(self, key) >= 0, f"health.{key}", f"must be >= 0 (0 = off), got {getattr(self, key)}")
-        _check(self.flat_reward_steps >= 0, "health.flat_reward_steps", f"must be >= 0, got {self.flat_reward_steps}")
+            check_setting(getattr(self, key) >= 0, f"health.{key}", f"must be >= 0 (0 = off), got {getattr(self, key)}")
+        check_setting(
+            self.flat_reward_steps >= 0, "health.flat_reward_steps", f"must be >= 0, got {self.flat_reward_steps}"
+        )
 
 
 @dataclass(frozen=True)
@@ -406,13 +418,13 @@ class DPOConfig:
     ref_num_workers: int = 1  # reference workers (precompute and online)
 
     def __post_init__(self) -> None:
-        _check(self.beta > 0, "dpo.beta", f"must be > 0, got {self.beta}")
-        _check(
+        check_setting(self.beta > 0, "dpo.beta", f"must be > 0, got {self.beta}")
+        check_setting(
             0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}"
         )
-        _check(self.nll_coef >= 0, "dpo.nll_coef", f"must be >= 0, got {self.nll_coef}")
-        _choice(self.ref_mode, "dpo.ref_mode", ("precompute", "online"))
-        _check(self.ref_num_workers >= 1, "dpo.ref_num_workers", f"must be >= 1, got {self.ref_num_workers}")
+        check_setting(self.nll_coef >= 0, "dpo.nll_coef", f"must be >= 0, got {self.nll_coef}")
+        check_choice(self.ref_mode, "dpo.ref_mode", ("precompute", "online"))
+        check_setting(self.ref_num_workers >= 1, "dpo.ref_num_workers", f"must be >= 1, got {self.ref_num_workers}")
         from rlhf.ops.preference import DPO_LOSSES  # imports torch; keeps `import rlhf.config` light
 
         try:
@@ -446,29 +458,29 @@ class RunConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
-        _check(
+        check_setting(
             self.health.action != "skip" or self.train.save_every > 0,
             "health.action",
             "is skip, which needs train.save_every > 0: a skip rewinds to the newest checkpoint",
         )
-        _check(
+        check_setting(
             not self.train.packing or self.model.attn_implementation != "eager",
             "train.packing",
             "needs a variable-length attention, which model.attn_implementation=eager does not have: use auto "
             "(flash_attention_2 on GPU, else rlhf's varlen sdpa), sdpa or flash_attention_2",
         )
-        _check(
+        check_setting(
             not self.model.tiled_head or self.strategy.zero_stage != 3,
             "model.tiled_head",
             "needs the LM head's whole weight on each rank, which ZeRO 3 partitions: use strategy.zero_stage 0-2",
         )
-        _check(
+        check_setting(
             not self.model.tiled_head or not self.model.lora.enabled,
             "model.tiled_head",
             "is not supported with LoRA (model.lora.r > 0) yet: the head is swapped inside the PEFT wrapper's model, "
             "which no test covers",
         )
-        _check(
+        check_setting(
             self.strategy.precision != "fp64" or self.model.attn_implementation != "eager",
             "model.attn_implementation",
             "is eager, which strategy.precision=fp64 cannot audit: transformers' eager "

@@ -53,7 +53,7 @@ class RewardFunctionError(ValueError):
     when one sample is at fault, that sample."""
 
 
-_KIND = SpecKind(
+REWARD_SPEC = SpecKind(
     noun="reward function spec", what="function", error=RewardFunctionError, file_prefix="_rlhf_reward_file_"
 )
 
@@ -63,7 +63,7 @@ _KIND = SpecKind(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _clip(text: Any, limit: int = _PREVIEW_CHARS) -> str:
+def clip_preview(text: Any, limit: int = _PREVIEW_CHARS) -> str:
     """``repr`` of a string cut to ``limit`` characters, saying how much was cut."""
     text = text if isinstance(text, str) else str(text)
     if len(text) <= limit:
@@ -73,10 +73,10 @@ def _clip(text: Any, limit: int = _PREVIEW_CHARS) -> str:
 
 def _split_spec(spec: Any) -> Tuple[str, str]:
     """``"target:attr"`` -> ``(target, attr)``, checking the form only (nothing is imported)."""
-    return split_spec(spec, _KIND)
+    return split_spec(spec, REWARD_SPEC)
 
 
-def _split_weight(spec: Any) -> Tuple[str, float]:
+def split_weight(spec: Any) -> Tuple[str, float]:
     """``"SPEC@WEIGHT"`` -> ``(SPEC, WEIGHT)``; no ``@`` after the last ``:`` means weight 1.0."""
     if not isinstance(spec, str):
         raise RewardFunctionError(
@@ -119,7 +119,7 @@ def load_reward_function(spec: str) -> Callable:
             the attribute is not callable, or it cannot take ``(prompts, responses)`` positionally.
     """
     target, attr = _split_spec(spec)
-    obj = resolve_attr(spec, target, attr, load_module(spec, target, _KIND), _KIND)
+    obj = resolve_attr(spec, target, attr, load_module(spec, target, REWARD_SPEC), REWARD_SPEC)
     if not callable(obj):
         raise RewardFunctionError(
             f"reward function spec {spec!r}: {attr} is not callable (it is "
@@ -162,7 +162,7 @@ def _check_specs(specs: Sequence[str]) -> List[Tuple[str, float]]:
     parsed: List[Tuple[str, float]] = []
     seen: Dict[str, str] = {}
     for spec in specs:
-        name, weight = _split_weight(spec)
+        name, weight = split_weight(spec)
         _split_spec(name)
         if name in seen:
             raise RewardFunctionError(
@@ -219,7 +219,7 @@ def _match_column(param: str, columns: Sequence[str]) -> Optional[str]:
     return None
 
 
-def _bind_columns(source: RewardSource, columns: Sequence[str]) -> Dict[str, str]:
+def bind_columns(source: RewardSource, columns: Sequence[str]) -> Dict[str, str]:
     """Keyword argument -> column name, for the columns ``source.fn`` declares (see :mod:`rlhf.rewards`)."""
     try:
         signature = inspect.signature(source.fn)
@@ -294,7 +294,7 @@ def _call_error(
         except Exception as e:
             return RewardFunctionError(
                 f"{head}; the first sample that fails on its own is index {i} ({type(e).__name__}: "
-                f"{clip_plain(str(e), 500)}): prompt={_clip(prompts[i])}; response={_clip(responses[i])}"
+                f"{clip_plain(str(e), 500)}): prompt={clip_preview(prompts[i])}; response={clip_preview(responses[i])}"
             )
     return RewardFunctionError(
         f"{head}; every sample succeeds on its own, so the failure depends on the batch, not on one sample"
@@ -307,7 +307,7 @@ def _bad_value(
     return RewardFunctionError(
         f"reward function {source.name!r} returned {what} at index {i} of {n}: "
         f"{clip_plain(repr(value), _PREVIEW_CHARS)}; "
-        f"prompt={_clip(prompts[i])}; response={_clip(responses[i])}"
+        f"prompt={clip_preview(prompts[i])}; response={clip_preview(responses[i])}"
     )
 
 
@@ -333,7 +333,7 @@ def _scalar(x: Any) -> Tuple[Optional[float], str]:
     return None, f"a non-numeric value ({type(x).__name__})"
 
 
-def _result_values(source: RewardSource, result: Any, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
+def result_values(source: RewardSource, result: Any, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
     """Validate one function's result and return it as a float32 ``(N,)`` tensor."""
     n = len(prompts)
     where = f"reward function {source.name!r}"
@@ -463,7 +463,7 @@ def compute_rewards(
     per_source: Dict[str, torch.Tensor] = {}
     total = torch.zeros(n, dtype=torch.float64)
     for source in sources:
-        binding = _bind_columns(source, column_names)
+        binding = bind_columns(source, column_names)
         if n == 0:
             values = torch.zeros(0, dtype=torch.float32)
         else:
@@ -472,7 +472,7 @@ def compute_rewards(
                 result = source.fn(list(prompts), list(responses), **kwargs)
             except Exception as e:
                 raise _call_error(source, e, binding, prompts, responses, columns) from e
-            values = _result_values(source, result, prompts, responses)
+            values = result_values(source, result, prompts, responses)
         per_source[source.name] = values
         total += source.weight * values.to(torch.float64)
 

@@ -35,9 +35,9 @@ from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from rlhf.rewards.functions import _clip
+from rlhf.rewards.functions import clip_preview
 from rlhf.rewards.judge_spec import (
-    _KEY,
+    KEY,
     PAIRWISE,
     JudgeError,
     JudgeSpec,
@@ -102,7 +102,7 @@ class LLMJudge:
 
     def __init__(self, spec: JudgeSpec, engines: JudgeEngines, tokenizer: Any, sampling: Any) -> None:
         self.spec, self.engines, self.tokenizer, self.sampling = spec, engines, tokenizer, sampling
-        self.on_unparsable: OnError = check_on_error(spec.on_unparsable, f"{_KEY}on_unparsable")
+        self.on_unparsable: OnError = check_on_error(spec.on_unparsable, f"{KEY}on_unparsable")
         self.last_result: Optional[ScoreResult] = None
         self.last_judgements: Tuple[Judgement, ...] = ()
         self._seconds = 0.0
@@ -129,7 +129,7 @@ class LLMJudge:
             return self.spec.template.format_map({k: str(v) for k, v in values.items()})
         except KeyError as e:
             raise JudgeError(
-                f"LLM judge {self.name}: {_KEY}template uses {{{e.args[0]}}}, which sample {sample} does not have "
+                f"LLM judge {self.name}: {KEY}template uses {{{e.args[0]}}}, which sample {sample} does not have "
                 f"(it has {', '.join(sorted(values))}): add that column to the prompt rows or fix the template"
             ) from None
 
@@ -157,8 +157,8 @@ class LLMJudge:
             (
                 tuple(p),
                 None,
-                f"its judge prompt has {len(p)} tokens; with {_KEY}max_new_tokens={self.spec.max_new_tokens} it "
-                f"exceeds {_KEY}max_model_len={self.spec.max_model_len}",
+                f"its judge prompt has {len(p)} tokens; with {KEY}max_new_tokens={self.spec.max_new_tokens} it "
+                f"exceeds {KEY}max_model_len={self.spec.max_model_len}",
             )
             for p in ids
         ]
@@ -178,7 +178,7 @@ class LLMJudge:
         return judgements
 
     def _message(self, j: Judgement, what: str) -> str:
-        said = "the judge was not asked:" if j.text is None else f"the judge's answer {_clip(j.text)}"
+        said = "the judge was not asked:" if j.text is None else f"the judge's answer {clip_preview(j.text)}"
         return f"LLM judge {self.name}: {what}: {said} {j.why}"
 
     def score(
@@ -218,7 +218,9 @@ class LLMJudge:
                     self.name,
                     "error",
                     self._message(
-                        j, f"sample {j.index} (prompt={_clip(prompts[j.index])}; response={_clip(responses[j.index])})"
+                        j,
+                        f"sample {j.index} (prompt={clip_preview(prompts[j.index])}; "
+                        f"response={clip_preview(responses[j.index])})",
                     ),
                 )
                 for j in judgements
@@ -257,7 +259,7 @@ class LLMJudge:
             JudgeError: with ``on_unparsable="fail"`` for the first unparsable pair (named, the judge's text quoted).
         """
         if self.spec.mode != PAIRWISE:
-            raise JudgeError(f"LLM judge {self.name}: compare needs {_KEY}mode=pairwise, not {self.spec.mode!r}")
+            raise JudgeError(f"LLM judge {self.name}: compare needs {KEY}mode=pairwise, not {self.spec.mode!r}")
         cols = self._columns(len(prompts), len(responses_a), columns or {})
         if len(responses_b) != len(prompts):
             raise JudgeError(f"LLM judge {self.name}: {len(prompts)} prompts but {len(responses_b)} responses B")
@@ -270,7 +272,7 @@ class LLMJudge:
         if bad and self.on_unparsable == "fail":
             more = f" (and {len(bad) - 1} more unparsable pairs)" if len(bad) > 1 else ""
             raise JudgeError(
-                self._message(bad[0], f"pair {bad[0].index} (prompt={_clip(prompts[bad[0].index])})") + more
+                self._message(bad[0], f"pair {bad[0].index} (prompt={clip_preview(prompts[bad[0].index])})") + more
             )
         stand_in = float(self.on_unparsable) if not isinstance(self.on_unparsable, str) else 0.5
         return torch.tensor([stand_in if j.value is None else j.value for j in judgements], dtype=torch.float64)
@@ -287,7 +289,7 @@ class LLMJudge:
             where = "next to it" if ids is None else f"in its group (group {ids[lone]})"
             raise JudgeError(
                 f"LLM judge {self.name}: pairwise judging ranks the responses of a prompt among themselves; sample "
-                f"{lone} (prompt={_clip(prompts[lone])}) has no other response {where} "
+                f"{lone} (prompt={clip_preview(prompts[lone])}) has no other response {where} "
                 f"(sample at least 2 responses per prompt)"
             )
         return members

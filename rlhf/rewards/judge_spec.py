@@ -36,7 +36,7 @@ DEFAULT_PAIRWISE_PATTERN = r"(?:^|[Aa]nswer|[Vv]erdict|[Ww]inner|[Bb]etter)\W*\b
 _PREFERENCE = {"A": 1.0, "B": 0.0, "TIE": 0.5}
 _NORMALIZE = ("unit", "none")
 _OUT_OF_RANGE = ("clamp", "refuse")
-_KEY = "reward.judge."  # the config keys' prefix: errors name reward.judge.<field>
+KEY = "reward.judge."  # the config keys' prefix: errors name reward.judge.<field>
 
 
 class JudgeError(RewardFunctionError):
@@ -44,7 +44,7 @@ class JudgeError(RewardFunctionError):
     the message names the sample and quotes the judge's text."""
 
 
-def template_fields(template: str, where: str = f"{_KEY}template") -> Tuple[str, ...]:
+def template_fields(template: str, where: str = f"{KEY}template") -> Tuple[str, ...]:
     """The names a template fills, in order of first use. Raises ``ValueError`` naming ``where`` for a template
     ``str.format`` cannot parse, a positional field (``{}``, ``{0}``) or an attribute / index (``{x.y}``)."""
     try:
@@ -134,26 +134,26 @@ class JudgeSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
-            raise ValueError(f"{_KEY}path: the judge model is required, got {self.path!r}")
+            raise ValueError(f"{KEY}path: the judge model is required, got {self.path!r}")
         for key, text in (("template", self.template), ("answer_prefix", self.answer_prefix)):
             if not isinstance(text, str):
-                raise ValueError(f"{_KEY}{key} must be a string, got {text!r}")
+                raise ValueError(f"{KEY}{key} must be a string, got {text!r}")
         if self.mode not in (SCORE, PAIRWISE):
-            raise ValueError(f"{_KEY}mode must be one of {SCORE!r}, {PAIRWISE!r}; got {self.mode!r}")
+            raise ValueError(f"{KEY}mode must be one of {SCORE!r}, {PAIRWISE!r}; got {self.mode!r}")
         names = template_fields(self.template)
         needed = ("response",) if self.mode == SCORE else ("response_a", "response_b")
         missing = [n for n in needed if n not in names]
         if missing:
             raise ValueError(
-                f"{_KEY}template: a {self.mode} judge's template must use "
+                f"{KEY}template: a {self.mode} judge's template must use "
                 f"{', '.join('{' + n + '}' for n in needed)}; missing {', '.join('{' + n + '}' for n in missing)}"
             )
         try:
             groups = re.compile(self.pattern_or_default).groups
         except re.error as e:
-            raise ValueError(f"{_KEY}pattern: not a regular expression ({e}): {self.pattern!r}") from None
+            raise ValueError(f"{KEY}pattern: not a regular expression ({e}): {self.pattern!r}") from None
         if groups != 1:
-            raise ValueError(f"{_KEY}pattern must have exactly one group (the answer), has {groups}: {self.pattern!r}")
+            raise ValueError(f"{KEY}pattern must have exactly one group (the answer), has {groups}: {self.pattern!r}")
         for key, count, low in (
             ("max_new_tokens", self.max_new_tokens, 1),
             ("max_model_len", self.max_model_len, 2),
@@ -161,10 +161,10 @@ class JudgeSpec:
             ("seed", self.seed, 0),
         ):
             if isinstance(count, bool) or not isinstance(count, int) or count < low:
-                raise ValueError(f"{_KEY}{key} must be an int >= {low}, got {count!r}")
+                raise ValueError(f"{KEY}{key} must be an int >= {low}, got {count!r}")
         if self.max_new_tokens >= self.max_model_len:  # else no judge prompt is ever sent: each sample unparsable
             raise ValueError(
-                f"{_KEY}max_new_tokens ({self.max_new_tokens}) must be < {_KEY}max_model_len ({self.max_model_len}): "
+                f"{KEY}max_new_tokens ({self.max_new_tokens}) must be < {KEY}max_model_len ({self.max_model_len}): "
                 f"the judge's prompt and its answer share the context, and a prompt only gets what the answer leaves"
             )
         for key, number in (
@@ -174,19 +174,19 @@ class JudgeSpec:
             ("score_max", self.score_max),
         ):
             if isinstance(number, bool) or not isinstance(number, numbers.Real) or not math.isfinite(number):
-                raise ValueError(f"{_KEY}{key} must be a finite number, got {number!r}")
+                raise ValueError(f"{KEY}{key} must be a finite number, got {number!r}")
         if self.temperature < 0:
-            raise ValueError(f"{_KEY}temperature must be >= 0 (0: greedy), got {self.temperature}")
+            raise ValueError(f"{KEY}temperature must be >= 0 (0: greedy), got {self.temperature}")
         if self.score_min >= self.score_max:
-            raise ValueError(f"{_KEY}score_min < {_KEY}score_max must hold, got {self.score_min}, {self.score_max}")
+            raise ValueError(f"{KEY}score_min < {KEY}score_max must hold, got {self.score_min}, {self.score_max}")
         if self.normalize not in _NORMALIZE:
-            raise ValueError(f"{_KEY}normalize must be one of {', '.join(_NORMALIZE)}; got {self.normalize!r}")
+            raise ValueError(f"{KEY}normalize must be one of {', '.join(_NORMALIZE)}; got {self.normalize!r}")
         if self.out_of_range not in _OUT_OF_RANGE:
-            raise ValueError(f"{_KEY}out_of_range must be one of {', '.join(_OUT_OF_RANGE)}; got {self.out_of_range!r}")
-        on = check_on_error(self.on_unparsable, f"{_KEY}on_unparsable")
+            raise ValueError(f"{KEY}out_of_range must be one of {', '.join(_OUT_OF_RANGE)}; got {self.out_of_range!r}")
+        on = check_on_error(self.on_unparsable, f"{KEY}on_unparsable")
         if self.mode == PAIRWISE and (on == "drop" or (isinstance(on, float) and not 0.0 <= on <= 1.0)):
             raise ValueError(
-                f"{_KEY}on_unparsable for a pairwise judge must be 'fail' or a stand-in P(A better) in [0, 1] "
+                f"{KEY}on_unparsable for a pairwise judge must be 'fail' or a stand-in P(A better) in [0, 1] "
                 f"(0.5: a tie), got {self.on_unparsable!r}"
             )
 
@@ -224,17 +224,17 @@ def parse_score(text: str, spec: JudgeSpec) -> Tuple[Optional[float], str]:
     """
     match = re.search(spec.pattern_or_default, text)
     if match is None:
-        return None, f"does not match {_KEY}pattern {spec.pattern_or_default!r}"
+        return None, f"does not match {KEY}pattern {spec.pattern_or_default!r}"
     try:
         value = float(match.group(1))
     except (TypeError, ValueError):
-        return None, f"{_KEY}pattern's group {match.group(1)!r} is not a number"
+        return None, f"{KEY}pattern's group {match.group(1)!r} is not a number"
     if not math.isfinite(value):
-        return None, f"{_KEY}pattern's group {match.group(1)!r} is not a finite number"
+        return None, f"{KEY}pattern's group {match.group(1)!r} is not a finite number"
     low, high = spec.score_min, spec.score_max
     if not low <= value <= high:
         if spec.out_of_range == "refuse":
-            return None, f"gives {value:g}, outside [{low:g}, {high:g}] ({_KEY}out_of_range=refuse)"
+            return None, f"gives {value:g}, outside [{low:g}, {high:g}] ({KEY}out_of_range=refuse)"
         value = min(max(value, low), high)
     return ((value - low) / (high - low) if spec.normalize == "unit" else value), ""
 
@@ -243,10 +243,10 @@ def parse_preference(text: str, spec: JudgeSpec) -> Tuple[Optional[float], str]:
     """``(P(A better), why)``: 1.0 for ``A``, 0.0 for ``B``, 0.5 for a tie, or ``None`` and why."""
     match = re.search(spec.pattern_or_default, text)
     if match is None:
-        return None, f"does not match {_KEY}pattern {spec.pattern_or_default!r}"
+        return None, f"does not match {KEY}pattern {spec.pattern_or_default!r}"
     verdict = (match.group(1) or "").strip().upper()
     if verdict not in _PREFERENCE:
-        return None, f"{_KEY}pattern's group {match.group(1)!r} is none of A, B, tie"
+        return None, f"{KEY}pattern's group {match.group(1)!r} is none of A, B, tie"
     return _PREFERENCE[verdict], ""
 
 

@@ -35,14 +35,14 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from rlhf.rewards.functions import (
-    _KIND,
+    REWARD_SPEC,
     RewardFunctionError,
     RewardFunctionScorer,
     RewardSource,
-    _bind_columns,
-    _clip,
-    _result_values,
-    _split_weight,
+    bind_columns,
+    clip_preview,
+    result_values,
+    split_weight,
 )
 from rlhf.rewards.results import Failure, OnError, ScoreResult, assemble, check_on_error
 from rlhf.utils.actors import ActorSet, Hung, timed_call
@@ -82,7 +82,7 @@ def _call_one(
     except Exception as e:
         return None, ("error", f"raised {type(e).__name__}: {clip_plain(str(e), 500)}")
     try:
-        return _result_values(source, result, prompts, responses).tolist(), None
+        return result_values(source, result, prompts, responses).tolist(), None
     except RewardFunctionError as e:
         return None, ("error", f"returned a bad result ({e})")
 
@@ -103,7 +103,7 @@ def score_chunk(
     failures: List[Failure] = []
     broken = False
     for source in sources:
-        binding = _bind_columns(source, list(columns))
+        binding = bind_columns(source, list(columns))
         kwargs = {param: list(columns[col]) for param, col in binding.items()}
         got, problem = _call_one(source, prompts, responses, kwargs, n * timeout_s) if n else ([], None)
         broken |= problem is not None and problem[0] == "timeout"
@@ -136,7 +136,8 @@ def _failure(name: str, index: int, prompt: str, response: str, problem: Tuple[s
         index,
         name,
         kind,
-        f"reward function {name!r} {why} on sample {index}: prompt={_clip(prompt)}; response={_clip(response)}",
+        f"reward function {name!r} {why} on sample {index}: prompt={clip_preview(prompt)}; "
+        f"response={clip_preview(response)}",
     )
 
 
@@ -174,8 +175,8 @@ def absolute_reward_specs(specs: Sequence[str]) -> Tuple[str, ...]:
     so that an actor started elsewhere loads the same files."""
     out = []
     for spec in specs:
-        name, weight = _split_weight(spec)
-        out.append(f"{absolute_spec(name, _KIND)}@{weight!r}")
+        name, weight = split_weight(spec)
+        out.append(f"{absolute_spec(name, REWARD_SPEC)}@{weight!r}")
     return tuple(out)
 
 
@@ -226,7 +227,7 @@ class RewardPool:
         self.grace_s: float = float(grace_s)
         self.names: List[str] = scorer.names
         self._weights: List[Tuple[str, float]] = [
-            (name, _split_weight(spec)[1]) for name, spec in zip(self.names, scorer.specs)
+            (name, split_weight(spec)[1]) for name, spec in zip(self.names, scorer.specs)
         ]
         self._specs: Tuple[str, ...] = absolute_reward_specs(scorer.specs)
         self._sources: List[RewardSource] = []

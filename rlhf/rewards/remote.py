@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from rlhf.rewards.functions import RewardFunctionError, _clip
+from rlhf.rewards.functions import RewardFunctionError, clip_preview
 from rlhf.rewards.results import Failure, OnError, ScoreResult, assemble, check_on_error
 from rlhf.utils.specs import clip_plain
 
@@ -170,8 +170,9 @@ class HttpReward:
                         i,
                         self.name,
                         out.problem.kind,
-                        f"HTTP reward {self.url} failed on samples {s}..{e - 1} (sample {i}: prompt={_clip(prompts[i])}"
-                        f"; response={_clip(responses[i])}) after {tries}: {out.problem.why}",
+                        f"HTTP reward {self.url} failed on samples {s}..{e - 1} "
+                        f"(sample {i}: prompt={clip_preview(prompts[i])}"
+                        f"; response={clip_preview(responses[i])}) after {tries}: {out.problem.why}",
                     )
                 )
         retried = sum(out.attempts - 1 for out in outcomes)
@@ -252,7 +253,9 @@ class HttpReward:
             raise _Problem("error", f"connection failed: {type(reason).__name__}: {reason}", True) from None
         if status != 200:
             retry = status == 429 or status >= 500
-            raise _Problem("error", f"status {status}: {_clip(text.decode('utf-8', 'replace'), _BODY_CHARS)}", retry)
+            raise _Problem(
+                "error", f"status {status}: {clip_preview(text.decode('utf-8', 'replace'), _BODY_CHARS)}", retry
+            )
         return _parse(text, n, status)
 
 
@@ -265,7 +268,7 @@ def _read(error: urllib.error.HTTPError) -> bytes:
 
 def _parse(text: bytes, n: int, status: int) -> List[float]:
     """The ``rewards`` of an answer, or a :class:`_Problem` (not retried) saying what is wrong with it."""
-    quoted = _clip(text.decode("utf-8", "replace"), _BODY_CHARS)
+    quoted = clip_preview(text.decode("utf-8", "replace"), _BODY_CHARS)
 
     def bad(what: str) -> _Problem:
         return _Problem("error", f"status {status} but {what}; body: {quoted}", False)

@@ -28,7 +28,7 @@ from rlhf.envs.base import EnvError
 from rlhf.rollout.episodes import Episode, EpisodeError, episodes_batch
 from rlhf.rollout.multi_turn import EpisodeRecord, RolloutStats, episode_metrics
 from rlhf.rollout.prompts import PromptSet
-from rlhf.rollout.sources import Rollout, _last_response, _where, _without
+from rlhf.rollout.sources import Rollout, last_response, where_in_run, without_key
 from rlhf.rollout.transcripts import EpisodeTranscript
 from rlhf.rollout.types import SamplingSpec
 from rlhf.utils.log import get_logger
@@ -81,7 +81,7 @@ class AgentRollout:
                 urls, [prompts.env_rows[i] for i in prompt_index], "return" if self.on_error == "drop" else "raise"
             )
         except EnvError as e:
-            raise EnvError(f"{_where(step)}: {e}", e.spec, e.episode, e.turn) from e
+            raise EnvError(f"{where_in_run(step)}: {e}", e.spec, e.episode, e.turn) from e
         finally:
             sessions = [self.endpoint.close(url) for url in urls]
         records = [
@@ -91,8 +91,8 @@ class AgentRollout:
         errors = [r for r in results if isinstance(r, EnvError)]
         if errors:
             log.info(
-                f"[rl] {_where(step)}: {len(errors)} of {len(results)} agents failed (env.on_error=drop), the first: "
-                f"{errors[0]}"
+                f"[rl] {where_in_run(step)}: {len(errors)} of {len(results)} agents failed (env.on_error=drop), "
+                f"the first: {errors[0]}"
             )
         episodes = [r.episode for r in records]
         batch = episodes_batch(episodes, self.tokenizer.pad_token_id)
@@ -101,7 +101,7 @@ class AgentRollout:
         return Rollout(
             batch,
             prompt_index,
-            responses=[decode(_last_response(r)) for r in records],
+            responses=[decode(last_response(r)) for r in records],
             columns={
                 "transcript": [decode(e.token_ids[len(e.prompt_ids) :]) for e in episodes],
                 "turns": [e.turns for e in episodes],
@@ -111,7 +111,7 @@ class AgentRollout:
             at_limit=torch.tensor([r.at_limit for r in records], dtype=torch.bool),
             failed=torch.tensor([bool(r.error) for r in records], dtype=torch.bool),
             metrics={
-                **_without(episode_metrics(records, stats), "episode/env_reward"),  # = reward/env
+                **without_key(episode_metrics(records, stats), "episode/env_reward"),  # = reward/env
                 "episode/broken_chains": float(broken_chains([s.transcript for s in sessions])),
                 **_counts(self.endpoint, minus=before),
             },
@@ -123,13 +123,13 @@ class AgentRollout:
         transcript = session.transcript
         if isinstance(result, EnvError) or not transcript.exchanges:
             if not isinstance(result, EnvError) and self.on_error != "drop":
-                raise EnvError(f"{_where(step)}: agent episode {j} made no request to its endpoint", None, j)
+                raise EnvError(f"{where_in_run(step)}: agent episode {j} made no request to its endpoint", None, j)
             error = str(result) if isinstance(result, EnvError) else f"agent episode {j} made no request"
             return EpisodeRecord(Episode(tuple(prompt_ids), index=j), ended_by="env_error", error=error)
         try:
             episode = transcript.episode(self.on_prefix_mismatch)
         except EpisodeError as e:
-            raise EpisodeError(f"{_where(step)}: {e}") from e
+            raise EpisodeError(f"{where_in_run(step)}: {e}") from e
         if episode.truncated:
             why = "prefix_mismatch"
         elif session.exhausted:

@@ -102,7 +102,7 @@ class Episode:
         if on_mismatch not in ("error", "truncate"):
             raise ValueError(f"on_mismatch must be 'error' or 'truncate', got {on_mismatch!r}")
         have, full = self.token_ids, tuple(full_ids)
-        at = _first_difference(have, full)
+        at = first_difference(have, full)
         if at is None:
             self.add_observation(full[len(have) :])
             return True
@@ -118,7 +118,7 @@ class Episode:
         )
 
 
-def _first_difference(prefix: Tuple[int, ...], full: Tuple[int, ...]) -> Optional[int]:
+def first_difference(prefix: Tuple[int, ...], full: Tuple[int, ...]) -> Optional[int]:
     """The first position where ``full`` does not continue ``prefix`` (``None``: it does)."""
     for i, token in enumerate(prefix):
         if i >= len(full) or full[i] != token:

@@ -257,14 +257,17 @@ class EpisodeRollout:
             )
         except EnvError as e:
             raise EnvError(
-                f"{_where(step)}: {e} (env.step_timeout_s={self.pool.step_timeout_s:g})", e.spec, e.episode, e.turn
+                f"{where_in_run(step)}: {e} (env.step_timeout_s={self.pool.step_timeout_s:g})",
+                e.spec,
+                e.episode,
+                e.turn,
             ) from e
         except EpisodeError as e:  # a re-tokenizing environment (rollout.on_prefix_mismatch=error)
-            raise EpisodeError(f"{_where(step)}: {e}") from e
+            raise EpisodeError(f"{where_in_run(step)}: {e}") from e
         failed = [r for r in records if r.error]
         if failed:  # the run goes on without them (env.on_error=drop); say what happened, once per step
             log.info(
-                f"[rl] {_where(step)}: {len(failed)} of {len(records)} "
+                f"[rl] {where_in_run(step)}: {len(failed)} of {len(records)} "
                 f"episodes ended by an environment error (env.on_error=drop), the first: {failed[0].error}"
             )
         episodes = [r.episode for r in records]
@@ -272,7 +275,7 @@ class EpisodeRollout:
         return Rollout(
             batch,
             prompt_index,
-            responses=[decode(_last_response(r)) for r in records],
+            responses=[decode(last_response(r)) for r in records],
             columns={
                 "transcript": [decode(r.episode.token_ids[len(r.episode.prompt_ids) :]) for r in records],
                 "turns": [r.episode.turns for r in records],
@@ -282,21 +285,21 @@ class EpisodeRollout:
             at_limit=torch.tensor([r.at_limit for r in records], dtype=torch.bool),
             failed=torch.tensor([bool(r.error) for r in records], dtype=torch.bool),
             metrics={
-                **_without(episode_metrics(records, stats), "episode/env_reward"),  # = reward/env
+                **without_key(episode_metrics(records, stats), "episode/env_reward"),  # = reward/env
                 **_turn_rewards(records),
             },
         )
 
 
-def _where(step: int) -> str:
+def where_in_run(step: int) -> str:
     return f"RL step {step}" if step else "the evaluation"
 
 
-def _without(metrics: Dict[str, float], key: str) -> Dict[str, float]:
+def without_key(metrics: Dict[str, float], key: str) -> Dict[str, float]:
     return {k: v for k, v in metrics.items() if k != key}
 
 
-def _last_response(record: EpisodeRecord) -> Sequence[int]:
+def last_response(record: EpisodeRecord) -> Sequence[int]:
     policy = [s for s in record.episode.segments if s.source == "policy"]
     return policy[-1].ids if policy else ()
 

@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from rlhf.rollout.episodes import Episode, EpisodeError, _first_difference
+from rlhf.rollout.episodes import Episode, EpisodeError, first_difference
 
 Messages = List[Dict[str, Any]]
 #: ``render(messages, tools, add_generation_prompt) -> token ids``: the chat template's render, as the endpoint does it
@@ -138,7 +138,7 @@ class EpisodeTranscript:
             return False
         last = self.exchanges[-1]
         before = tuple(last.prompt_ids) + tuple(last.response_ids)
-        at = _first_difference(before, tuple(prompt_ids))
+        at = first_difference(before, tuple(prompt_ids))
         if at is None:
             return True
         where = f"they differ at token {at}" if at < len(prompt_ids) else f"it ends at token {at}"

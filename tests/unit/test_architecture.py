@@ -590,3 +590,23 @@ def test_no_test_module_name_is_in_both_test_folders():
     unit = {p.name for p in (ROOT / "tests" / "unit").glob("test_*.py")}
     integration = {p.name for p in (ROOT / "tests" / "integration").glob("test_*.py")}
     assert not unit & integration, f"rename one of each: {sorted(unit & integration)}"
+
+
+def private_imports(source: str, path: str) -> List[str]:
+    """``from rlhf.x import _name`` in ``source``: another module's private name (ruff's PLC2701 leaves imports
+    within the first-party package alone, so this test holds the package to it)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE):
+            out += [f"{path}:{node.lineno}: {a.name} from {node.module}" for a in node.names if a.name.startswith("_")]
+    return out
+
+
+def test_no_module_imports_another_modules_private_name():
+    _, sources, _ = _package()
+    found = [hit for path, source in sorted(sources.items()) for hit in private_imports(source, path)]
+    assert not found, "make the name public where it lives, or move it where it belongs:\n" + "\n".join(found)
+
+
+def test_the_private_import_finder_finds_one():
+    assert private_imports("from rlhf.x import a, _b\nfrom os import _exit\n", "m.py") == ["m.py:1: _b from rlhf.x"]
