@@ -38,7 +38,7 @@ def _no_models(cfg: Any) -> List[Tuple[str, str]]:
     return []
 
 
-def _row_splits(cfg: Any, micro: int, ranks: int) -> List[str]:
+def _no_overrides(cfg: Any, micro: int, ranks: int) -> List[str]:
     return []
 
 
@@ -77,7 +77,7 @@ class TrainerKind:
     # its --dry-run lines after the devices, the audit's overrides and feasibility for a (micro, ranks) split
     checks: Callable[[Any, bool], List[Row]] = _no_rows
     describe: Callable[[Any, ResourcePlan, Devices], List[str]] = _no_lines
-    audit_overrides: Callable[[Any, int, int], List[str]] = _row_splits
+    audit_overrides: Callable[[Any, int, int], List[str]] = _no_overrides
     audit_split_fits: Callable[[Any, int, int], bool] = _any_split
     online: bool = False  # rollouts from engines: the audit counts RL steps (each its rollout batch)
 
