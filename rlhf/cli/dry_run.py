@@ -46,6 +46,7 @@ from rlhf.distributed.resource_plan import (
 )
 from rlhf.trainers.kinds import kind_of
 from rlhf.trainers.preflight import preflight
+from rlhf.utils.metrics import plural
 
 
 def dry_run(cfg: RunConfig, prog: str, cluster: str = "") -> None:
@@ -138,10 +139,6 @@ def _live_nodes(address: str) -> Tuple[NodeShape, ...]:
 # ---------------------------------------------------------------------------------------------------- rollout
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 # ------------------------------------------------------------------------------------------------- rendering
 
 
@@ -186,11 +183,11 @@ def placement_lines(packing: Packing) -> List[str]:
         if isinstance(request, GroupPlan):
             bundle = "{" + ", ".join(f"{k}: {v:g}" for k, v in request.bundle.items()) + "}"
             shared = f", shared by {request.share} roles" if request.share > 1 else ""
-            lines.append(f"  {i}. {request.name}: {_count(request.num_bundles, 'bundle')} x {bundle}{shared}")
+            lines.append(f"  {i}. {request.name}: {plural(request.num_bundles, 'bundle')} x {bundle}{shared}")
             what = "bundles"
         else:
             lines.append(
-                f"  {i}. {request.role}: {_count(request.count, 'actor')} x {_res(request)}, no placement "
+                f"  {i}. {request.role}: {plural(request.count, 'actor')} x {_res(request)}, no placement "
                 f"group (Ray's default scheduler)"
             )
             what = "actors"
@@ -224,7 +221,7 @@ def actor_lines(plan: ResourcePlan) -> List[str]:
     for a in plan.actors:
         unit = {ROLLOUT: "engine", JUDGE: "engine", ENVIRONMENT: "actor", REWARD_POOL: "actor"}.get(a.role, "rank")
         where = f"{unit} r on bundle r of {a.group}" if a.group else "own resources"
-        rows.append((a.role, _count(a.count, unit), f"{_res(a)} each", where))
+        rows.append((a.role, plural(a.count, unit), f"{_res(a)} each", where))
     return _table(rows)
 
 

@@ -176,6 +176,11 @@ def is_finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def plural(n: int, noun: str) -> str:
+    """``"1 engine"``, ``"2 engines"``: a count and its noun, for console and ``--dry-run`` lines."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def format_row(row: Dict[str, Any], keys: tuple = ()) -> str:
     """A compact one-line rendering for the console."""
     parts = []

@@ -21,6 +21,7 @@ from rlhf.ops.algorithms import needs_length
 from rlhf.trainers.descriptor import Row
 from rlhf.trainers.findings import ERROR, WARNING, Finding, epoch_findings
 from rlhf.trainers.preflight import NOT_HERE, model_status, readable
+from rlhf.utils.metrics import plural
 from rlhf.utils.specs import looks_like_path
 
 
@@ -172,7 +173,7 @@ def describe(cfg: RLRunConfig, plan: ResourcePlan, devices: Devices) -> List[str
         else "; the model's positions are checked by the run (its config.json is not on this machine)"
     )
     lines = [
-        f"rollout: {_plural(r.num_engines, 'vLLM engine')}, tensor_parallel_size {r.tensor_parallel_size}, {device}",
+        f"rollout: {plural(r.num_engines, 'vLLM engine')}, tensor_parallel_size {r.tensor_parallel_size}, {device}",
         f"  max_model_len {context}",
         f"  vLLM sleep mode: {'on' if sleep else 'off'} (colocate.engine_sleep={c.engine_sleep})",
         f"  weight sync: {sync}: {transport} (rollout.weight_sync={r.weight_sync}), "
@@ -182,17 +183,13 @@ def describe(cfg: RLRunConfig, plan: ResourcePlan, devices: Devices) -> List[str
     if cfg.multi_turn:
         e = cfg.env
         lines += [
-            f"environment: {e.spec} on {_plural(e.num_actors, 'actor')}, {e.step_timeout_s:g} s per reset or "
+            f"environment: {e.spec} on {plural(e.num_actors, 'actor')}, {e.step_timeout_s:g} s per reset or "
             f"step at most (env.step_timeout_s)",
             f"  episodes: up to {r.max_turns} turns and {r.max_episode_tokens} tokens each, then "
             f"rollout.episode_limit={r.episode_limit}; observations: rollout.observation_format="
             f"{r.observation_format}; an episode is one sample of the rollout batch",
         ]
     return lines
-
-
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def batch_lines(cfg: RLRunConfig, lines: List[str]) -> List[str]:

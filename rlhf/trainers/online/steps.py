@@ -160,7 +160,8 @@ class RLTrainer:
 
     def _probe_after_push(self, timer: StageTimer) -> Optional[float]:
         """``k >= 1``: :meth:`probe_sync` of the weights just pushed (``time/probe``); ``k = 0``: ``None``, the
-        step's own samples show it (:meth:`row`), and the synchronous step makes no extra call."""
+        step's own samples show it (``logp_mismatch`` in :func:`~rlhf.trainers.online.report.step_row`), and the
+        synchronous step makes no extra call."""
         if not self.schedule.staleness:
             return None
         with timer("probe"):
