@@ -97,12 +97,12 @@ def read_prompt_sets(cfg: RLRunConfig, tokenizer) -> Tuple[PromptSet, Optional[P
             )
     if cfg.multi_turn:
         check_episodes(cfg, prompts, eval_prompts)
-    if cfg.multi_turn and agent_run(cfg):  # the endpoint's template must write the tools the episodes carry
+    if cfg.multi_turn and _agent_run(cfg):  # the endpoint's template must write the tools the episodes carry
         check_tools_rendered(cfg, tokenizer, (prompts, eval_prompts))
     return prompts, eval_prompts
 
 
-def agent_run(cfg: RLRunConfig) -> bool:
+def _agent_run(cfg: RLRunConfig) -> bool:
     """Whether ``env.spec`` names an agent function. False when it does not load here: the preflight refuses it in a
     run, and ``--dry-run`` leaves a spec only the cluster has to the run."""
     try:

@@ -47,7 +47,7 @@ from rlhf.utils.log import get_logger
 log = get_logger(__name__)
 
 
-def engine_dtype(precision: str) -> str:
+def _engine_dtype(precision: str) -> str:
     """The vLLM dtype of engines in a run of ``precision``. vLLM runs no float64: an fp64 run's engines sample in
     float32 (the weight sync casts, rlhf.rollout.weights.senders)."""
     return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float32"}[precision]
@@ -67,7 +67,7 @@ def _start_vllm_engines(
     """vLLM engine actors (``rollout.backend=vllm``)."""
     r = cfg.rollout
     sleep = engine_sleep(cfg.colocate, engine_gpus(r.tensor_parallel_size, ctx.gpus_per_worker))
-    dtype = engine_dtype(ctx.precision)
+    dtype = _engine_dtype(ctx.precision)
     spec = VLLMSpec(
         model_path=cfg.model.path,
         tensor_parallel_size=r.tensor_parallel_size,
@@ -128,7 +128,7 @@ def _start_judge(cfg: RLRunConfig, ctx: RunContext, engines: ActorPlan):
     from rlhf.rewards.judge_spec import JudgeSpec  # imports torch's judge maths: only a run with a judge needs it
     from rlhf.rollout.vllm.judge_engines import start_judge
 
-    dtype = engine_dtype(ctx.precision)
+    dtype = _engine_dtype(ctx.precision)
     judge = start_judge(
         JudgeSpec.of(cfg.reward.judge, seed=cfg.train.seed),
         engines.count,
