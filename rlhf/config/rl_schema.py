@@ -795,6 +795,12 @@ class RLRunConfig(RunConfig):
                 f"one engine per policy rank",
             )
             check_setting(
+                self.strategy.sequence_parallel_size == 1,
+                "colocate.hybrid_engine",
+                f"needs strategy.sequence_parallel_size=1 (got {self.strategy.sequence_parallel_size}): one engine "
+                f"per policy rank, and a sequence group's ranks hold one copy of the policy between them",
+            )
+            check_setting(
                 r.tensor_parallel_size == 1,
                 "colocate.hybrid_engine",
                 f"needs rollout.tensor_parallel_size=1 (got {r.tensor_parallel_size}): an engine lives on one "

@@ -280,8 +280,16 @@ class StrategyConfig:
     # The dense peak TFLOP/s of one worker's device in the run's precision, for the perf/<role>/mfu metrics (model
     # FLOPs utilisation); 0: known GPUs by name (rlhf.utils.flops.PEAK_TFLOPS), none on CPUs.
     peak_tflops: float = 0.0
+    # Ulysses sequence parallelism (docs/long_sequences.md): N ranks share every row, each running 1/N of its
+    # positions, attention heads split N ways; every trainer role runs its num_workers data-parallel ranks x N
+    sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        check_setting(
+            self.sequence_parallel_size >= 1,
+            "strategy.sequence_parallel_size",
+            f"must be >= 1, got {self.sequence_parallel_size}",
+        )
         check_setting(self.init_timeout_s > 0, "strategy.init_timeout_s", f"must be > 0, got {self.init_timeout_s}")
         check_setting(
             self.peak_tflops >= 0, "strategy.peak_tflops", f"must be >= 0 (0: known GPUs), got {self.peak_tflops}"

@@ -60,10 +60,14 @@ class EngineSpec:
     max_tokens_per_micro_batch: int = 0
     packing: bool = False
     peak_tflops: float = 0.0  # the device's dense peak for the perf/*/mfu metrics; 0: rlhf.utils.flops's table
+    # ranks sharing each row (rlhf.models.sequence_parallel): a group of W ranks has W / this data-parallel ranks
+    sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_micro_batch < 0:
             raise ValueError(f"max_tokens_per_micro_batch must be >= 0, got {self.max_tokens_per_micro_batch}")
+        if self.sequence_parallel_size < 1:
+            raise ValueError(f"sequence_parallel_size must be >= 1, got {self.sequence_parallel_size}")
         if self.max_tokens_per_micro_batch and self.micro_batch_size != 1:
             raise ValueError(
                 "a token budget cuts micro-batches itself: micro_batch_size must be 1 (one row is the "
@@ -126,8 +130,9 @@ class EngineSpec:
         )
 
     def global_batch_size(self, world_size: int) -> int:
-        """Rows one optimizer step consumes over ``world_size`` ranks."""
-        return self.micro_batch_size * self.grad_accum_steps * world_size
+        """Rows one optimizer step consumes over ``world_size`` ranks (``world_size / sequence_parallel_size``
+        data-parallel ones)."""
+        return self.micro_batch_size * self.grad_accum_steps * (world_size // self.sequence_parallel_size)
 
 
 def build_ds_config(spec: EngineSpec, world_size: int, max_grad_norm: float, trainable: bool = True) -> Dict[str, Any]:
@@ -145,6 +150,7 @@ def build_ds_config(spec: EngineSpec, world_size: int, max_grad_norm: float, tra
     config["zero_optimization"] = zero
     config["train_micro_batch_size_per_gpu"] = spec.micro_batch_size
     config["gradient_accumulation_steps"] = spec.grad_accum_steps
+    # every rank counts as data-parallel here: a sequence group's ranks each take the micro-batch (their positions)
     config["train_batch_size"] = spec.micro_batch_size * spec.grad_accum_steps * world_size
     # Clipping is applied by DeepSpeed; 0 disables it (the norm is still measured, see TrainEngine._step_grad_norm).
     config["gradient_clipping"] = max(0.0, max_grad_norm)

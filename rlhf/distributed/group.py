@@ -6,6 +6,11 @@ normalizer over the whole batch before the first backward, steps, and returns th
 :meth:`WorkerGroup.score_batch` runs a forward-only function over a batch in chunks and returns one ``(B, ...)``
 tensor at the batch's width. Results come back in rank order, and any actor failure becomes a
 :class:`WorkerError` naming the role, the rank and the call.
+
+Under sequence parallelism (``EngineSpec.sequence_parallel_size = n``) the ``W`` ranks form ``W / n`` sequence
+groups of ``n`` consecutive ranks: the batch is cut over the groups as it would be over ``W / n`` ranks, every rank
+of a group gets its group's micro-batches (each runs its share of their positions,
+:mod:`rlhf.models.sequence_parallel`), and a group's results are read from its first rank (they hold the same).
 """
 
 from __future__ import annotations
@@ -126,13 +131,41 @@ class WorkerGroup:
         """Load ``model`` on every rank; with ``optim``, under a training engine shaped by ``engine`` (one optimizer
         step = ``engine.micro_batch_size x engine.grad_accum_steps x`` ranks rows), else frozen for scoring (in
         chunks of ``engine.micro_batch_size`` rows)."""
+        if self.size % engine.sequence_parallel_size:
+            raise ValueError(
+                f"{self.role}: {self.size} ranks do not form sequence groups of "
+                f"strategy.sequence_parallel_size={engine.sequence_parallel_size}"
+            )
         self.engine_spec, self.trainable = engine, optim is not None
         return self._gather([w.build.remote(model, engine, optim) for w in self.workers], "build")
 
     @property
     def global_batch_size(self) -> int:
-        """Rows :meth:`train_batch` takes: micro-batch size x accumulation steps x ranks."""
+        """Rows :meth:`train_batch` takes: micro-batch size x accumulation steps x data-parallel ranks."""
         return self._spec("global_batch_size").global_batch_size(self.size)
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks sharing each row (1 before build())."""
+        return self.engine_spec.sequence_parallel_size if self.engine_spec is not None else 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Sequence groups: the ranks a batch is cut over."""
+        return self.size // self.sequence_parallel_size
+
+    def _ranks_text(self) -> str:
+        """``2 ranks``, or ``2 sequence groups of 2 ranks`` under sequence parallelism."""
+        n = self.sequence_parallel_size
+        return f"{self.size} ranks" if n == 1 else f"{self.data_parallel_size} sequence groups of {n} ranks"
+
+    def _to_ranks(self, per_group: Sequence[Any]) -> List[Any]:
+        """Each sequence group's item given to every rank of the group (identity without sequence parallelism)."""
+        return [per_group[r // self.sequence_parallel_size] for r in range(self.size)]
+
+    def _of_groups(self, per_rank: Sequence[Any]) -> List[Any]:
+        """Each sequence group's first rank's result."""
+        return list(per_rank[:: self.sequence_parallel_size])
 
     # ------------------------------------------------------------------ training
     def train_batch(self, batch: Batch, objective: Objective, schedule_step: Optional[int] = None) -> StepResult:
@@ -151,14 +184,14 @@ class WorkerGroup:
             raise ValueError(f"{self.role}: train_batch needs a trainable group (built with an optimizer)")
         if len(batch) != self.global_batch_size:
             shape = (
-                f"{self.global_batch_size // self.size} rows per rank in micro-batches of at most "
+                f"{self.global_batch_size // self.data_parallel_size} rows per rank in micro-batches of at most "
                 f"{spec.max_tokens_per_micro_batch} tokens"
                 if spec.max_tokens_per_micro_batch
                 else f"micro_batch_size {spec.micro_batch_size} x grad_accum_steps {spec.grad_accum_steps}"
             )
             raise ValueError(
                 f"{self.role}: train_batch got {len(batch)} rows; one optimizer step takes "
-                f"{shape} x {self.size} ranks = {self.global_batch_size}"
+                f"{shape} x {self._ranks_text()} = {self.global_batch_size}"
             )
         cut = self._cut(batch, spec)
         per_rank = [[_piece(batch, rows) for rows in shard] for shard in cut.micro_batches]
@@ -167,17 +200,17 @@ class WorkerGroup:
             objective.count(mb) for mbs, counted in zip(per_rank, cut.counted) for mb, keep in zip(mbs, counted) if keep
         )
         results = self.train_step(
-            per_rank,
+            self._to_ranks(per_rank),
             objective,
             normalizer,
             schedule_step,
-            counted=[list(c) for c in cut.counted] if cut.fillers else None,
+            counted=self._to_ranks([list(c) for c in cut.counted]) if cut.fillers else None,
         )
         norms = {repr(r.grad_norm) for r in results}  # repr: a NaN equals itself here
         if len(norms) > 1:  # the norm is all-reduced: ranks that disagree trained different models
             raise RuntimeError(f"{self.role}: ranks report different grad norms {[r.grad_norm for r in results]}")
         totals = Totals(normalizer=normalizer)
-        for result in results:
+        for result in self._of_groups(results):
             totals.add(result.sums, 0)
         by_tokens = bool(spec.max_tokens_per_micro_batch)
         return StepResult(
@@ -214,9 +247,15 @@ class WorkerGroup:
 
     def _cut(self, batch: Batch, spec: EngineSpec) -> StepCut:
         if not spec.max_tokens_per_micro_batch:
-            return cut_by_rows(len(batch), self.size, spec.micro_batch_size)
+            return cut_by_rows(len(batch), self.data_parallel_size, spec.micro_batch_size)
         try:
-            return cut_by_tokens(row_lengths(batch), self.size, spec.max_tokens_per_micro_batch, spec.packing)
+            return cut_by_tokens(
+                row_lengths(batch),
+                self.data_parallel_size,
+                spec.max_tokens_per_micro_batch,
+                spec.packing,
+                spec.sequence_parallel_size,
+            )
         except ValueError as err:  # name the sample, not just its row in this batch
             raise ValueError(f"{self.role}: {_with_sample(err, batch)}") from None
 
@@ -254,7 +293,7 @@ class WorkerGroup:
             return []
         shards, _ = self._spread(batches)
         results = self._gather([w.score.remote(s, fn) for w, s in zip(self.workers, shards)], "score")
-        return [out for shard in results for out in shard][: len(batches)]
+        return [out for shard in self._of_groups(results) for out in shard][: len(batches)]
 
     def evaluate(self, batches: Sequence[Batch], objective: Objective) -> Sums:
         """Forward-only objective sums over ``batches`` spread across the ranks, added over ranks."""
@@ -263,7 +302,7 @@ class WorkerGroup:
             [w.evaluate.remote(s, objective, c) for w, s, c in zip(self.workers, shards, counted)], "evaluate"
         )
         totals = Totals()
-        for sums in results:
+        for sums in self._of_groups(results):
             totals.add(sums, 0)
         return totals.sums
 
@@ -274,13 +313,15 @@ class WorkerGroup:
         return perf_metrics(self.role, [r["work"] for r in ranks], ranks[0]["peak_tflops"])
 
     def _spread(self, batches: Sequence[Batch]):
-        """Contiguous equal shards per rank. Under ZeRO-3 every forward is a collective, so ranks must run the
-        same number of them: short shards are topped up with a repeat of the last batch, marked not counted."""
-        per_rank = -(-len(batches) // self.size)
-        filler = per_rank * self.size - len(batches)
+        """Contiguous equal shards per sequence group (per rank without sequence parallelism), given to each of
+        its ranks. Under ZeRO-3 every forward is a collective, so ranks must run the same number of them: short
+        shards are topped up with a repeat of the last batch, marked not counted."""
+        groups = self.data_parallel_size
+        per_group = -(-len(batches) // groups)
+        filler = per_group * groups - len(batches)
         padded = list(batches) + [batches[-1]] * filler
         counted = [True] * len(batches) + [False] * filler
-        cut = lambda xs: [xs[r * per_rank : (r + 1) * per_rank] for r in range(self.size)]  # noqa: E731
+        cut = lambda xs: self._to_ranks([xs[g * per_group : (g + 1) * per_group] for g in range(groups)])  # noqa: E731
         return cut(padded), cut(counted)
 
     def attach_weight_senders(self, senders: Sequence[Any]) -> List[Any]:
@@ -344,7 +385,8 @@ class WorkerGroup:
         or under a token budget consecutive rows within ``max_tokens_per_micro_batch``."""
         spec = self._spec(call)
         if rows_per_forward is None and spec.max_tokens_per_micro_batch:
-            ranges = consecutive_by_tokens(row_lengths(batch), spec.max_tokens_per_micro_batch, spec.packing)
+            budget = spec.max_tokens_per_micro_batch * spec.sequence_parallel_size  # a group holds n ranks' share
+            ranges = consecutive_by_tokens(row_lengths(batch), budget, spec.packing)
             return [_piece(batch, rows) for rows in ranges]
         return _pieces(batch, rows_per_forward or spec.micro_batch_size)
 

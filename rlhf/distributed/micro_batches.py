@@ -67,22 +67,27 @@ def cut_by_rows(num_rows: int, ranks: int, micro_batch_size: int) -> StepCut:
     return StepCut(micro_batches=shards, counted=tuple((True,) * len(s) for s in shards))
 
 
-def cut_by_tokens(lengths: Sequence[RowLengths], ranks: int, max_tokens: int, packing: bool) -> StepCut:
+def cut_by_tokens(
+    lengths: Sequence[RowLengths], ranks: int, max_tokens: int, packing: bool, sequence_parallel: int = 1
+) -> StepCut:
     """Balanced rank shards cut into micro-batches of at most ``max_tokens`` tokens, topped up with fillers to one
-    count (see the module docstring).
+    count (see the module docstring). With ``sequence_parallel = n`` the ``ranks`` are sequence groups whose ``n``
+    ranks each hold ``1/n`` of a micro-batch's positions: a micro-batch may hold ``n x max_tokens``.
 
     Raises:
         ValueError: rows that do not divide over the ranks, or a row longer than the budget (naming it).
     """
     if len(lengths) % ranks:
         raise ValueError(f"{len(lengths)} rows do not divide over {ranks} ranks")
+    capacity = max_tokens * sequence_parallel
+    shared = f" x strategy.sequence_parallel_size={sequence_parallel}" if sequence_parallel > 1 else ""
     for index, row in enumerate(lengths):
-        if micro_batch_tokens([row], packing) > max_tokens:
+        if micro_batch_tokens([row], packing) > capacity:
             raise ValueError(
                 f"row {index} holds {micro_batch_tokens([row], packing)} tokens, more than "
-                f"train.max_tokens_per_micro_batch={max_tokens}"
+                f"train.max_tokens_per_micro_batch={max_tokens}{shared}"
             )
-    shards = [_first_fit_decreasing(rows, lengths, max_tokens, packing) for rows in _balanced_shards(lengths, ranks)]
+    shards = [_first_fit_decreasing(rows, lengths, capacity, packing) for rows in _balanced_shards(lengths, ranks)]
     most = max(len(s) for s in shards)
     micro, counted = [], []
     for shard in shards:

@@ -190,9 +190,11 @@ def offline_plan(
             modelling, or LoRA, where the policy's workers score the reference with the adapters off).
     """
     b = _Builder(cfg.strategy.cpus_per_worker, gpus_per_worker)
-    b.on(b.group((policy_role,), cfg.train.num_workers), policy_role, cfg.train.num_workers)
+    sp = cfg.strategy.sequence_parallel_size  # every trainer role: its data-parallel ranks x sp (one per rank)
+    n = cfg.train.num_workers * sp
+    b.on(b.group((policy_role,), n), policy_role, n)
     if reference_ranks:
-        b.on(b.group(("reference",), reference_ranks), "reference", reference_ranks)
+        b.on(b.group(("reference",), reference_ranks * sp), "reference", reference_ranks * sp)
     return b.build()
 
 
@@ -218,20 +220,22 @@ def rl_plan(cfg: RLRunConfig, gpus_per_worker: float, reference: bool) -> Resour
     """
     t, r, c = cfg.train, cfg.rollout, cfg.colocate
     b = _Builder(cfg.strategy.cpus_per_worker, gpus_per_worker)
-    policy_side = b.group(policy_side_roles(c), t.num_workers)
-    b.on(policy_side, "policy", t.num_workers)
+    sp = cfg.strategy.sequence_parallel_size  # every trainer role: its data-parallel ranks x sp (one per rank)
+    ranks = t.num_workers * sp
+    policy_side = b.group(policy_side_roles(c), ranks)
+    b.on(policy_side, "policy", ranks)
     if c.hybrid_engine:
         b.on(policy_side, ROLLOUT, r.num_engines)
     else:
         b.own(ROLLOUT, r.num_engines, r.cpus_per_engine, engine_gpus(r.tensor_parallel_size, gpus_per_worker))
     if reference:
-        b.on(policy_side if c.policy_reference else b.group(("reference",), t.num_workers), "reference", t.num_workers)
-    critic_side = b.group(("critic", "reward_model"), cfg.critic.num_workers) if c.critic_reward else None
+        b.on(policy_side if c.policy_reference else b.group(("reference",), ranks), "reference", ranks)
+    critic_side = b.group(("critic", "reward_model"), cfg.critic.num_workers * sp) if c.critic_reward else None
     if cfg.algo.needs_critic:
-        n = cfg.critic.num_workers
+        n = cfg.critic.num_workers * sp
         b.on(critic_side or b.group(("critic",), n), "critic", n)
     if cfg.reward.model_path:
-        n = cfg.reward.model_num_workers
+        n = cfg.reward.model_num_workers * sp
         b.on(critic_side or b.group(("reward_model",), n), "reward_model", n)
     if cfg.env.spec:
         b.own(ENVIRONMENT, cfg.env.num_actors, cfg.env.cpus_per_actor, 0.0)

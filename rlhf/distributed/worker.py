@@ -24,6 +24,7 @@ from rlhf.distributed.rendezvous import arrive, connect_store, host_store
 from rlhf.models.loading import ModelSpec, load_model
 from rlhf.models.lora import LoraSpec, apply_lora, merged_named_tensors, save_adapter, save_merged
 from rlhf.models.packing import packed_attention
+from rlhf.models.sequence_parallel import enable_sequence_parallel, new_sequence_group
 from rlhf.objectives.base import Objective, ScoreFn, Sums, add_sums
 from rlhf.ops.losses import normalize
 from rlhf.utils.device import resolve_attn_implementation
@@ -71,6 +72,7 @@ class TrainerWorker:
         self.perf = PerfMeter()  # seconds, model FLOPs and real tokens of train_step / score (perf/* metrics)
         self.model_flops: Optional[ModelFlops] = None
         self.peak_tflops: Optional[float] = None
+        self.sequence_parallel_size = 1  # ranks sharing each row (build() reads it from the engine spec)
 
     def __repr__(self) -> str:
         # Ray prefixes the output it forwards from this actor with its repr: "(policy rank 0 pid=..., ip=...)"
@@ -150,6 +152,12 @@ class TrainerWorker:
             # engine partitions them like any parameter
             module = apply_lora(module, model.lora, model.kind, seed=model.seed)
             self.lora = model.lora
+        self.sequence_parallel_size = engine.sequence_parallel_size
+        if self.sequence_parallel_size > 1:  # collective: every rank makes every sequence group
+            sequence = new_sequence_group(
+                self.rank, self.world_size, self.sequence_parallel_size, model.attn_implementation
+            )
+            enable_sequence_parallel(module, sequence)
         if optim is not None:
             self.engine = TrainEngine(module, engine=engine, optim=optim, world_size=self.world_size)
             self.engine.train()
@@ -247,10 +255,14 @@ class TrainerWorker:
         return out
 
     def _account(self, kind: str, batches: List[Batch], counted: List[bool], seconds: float) -> None:
-        """Add a pass over ``batches`` (those ``counted``) to :attr:`perf`: its seconds, model FLOPs, real tokens."""
+        """Add a pass over ``batches`` (those ``counted``) to :attr:`perf`: its seconds, model FLOPs, real tokens
+        (this rank's share of them under sequence parallelism, where each rank of a group runs a share of the
+        positions of the same rows)."""
         assert self.model_flops is not None, "build() sets the model's FLOP count"
         lengths = [n for b, keep in zip(batches, counted) if keep for n in b.row_lengths()]
-        self.perf.add(kind, seconds, self.model_flops.flops(lengths, training=kind == "train"), sum(lengths))
+        share = 1 / self.sequence_parallel_size
+        flops = self.model_flops.flops(lengths, training=kind == "train")
+        self.perf.add(kind, seconds, flops * share, sum(lengths) * share)
 
     def take_perf(self) -> Dict[str, Any]:
         """This rank's work since the last call (:class:`rlhf.utils.flops.PerfMeter`) and its device's peak."""

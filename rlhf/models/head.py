@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional, Tuple
 
 import torch
 
-from rlhf.models.packing import lm_logits
+from rlhf.models.forward import lm_logits
 from rlhf.ops.logprobs import SamplingFilter, head_token_logprobs, tempered_entropy, token_logprobs
 
 Tensor = torch.Tensor
@@ -73,17 +73,22 @@ def token_logprobs_and_entropy(
         with _head_off(model) as head:
             out = lm_logits(model, input_ids, attention_mask, packing)  # .logits: the last hidden states
         logps, ent = head_token_logprobs(
-            out.logits, head.weight, head.bias, out.input_ids, temperature, sampling_filter
+            out.logits, head.weight, head.bias, out.input_ids, temperature, sampling_filter, next_ids=out.next_ids
         )
         if entropy == "value":
             ent = ent.detach()
         return out.per_token(logps), None if entropy == "none" else out.per_token(ent)
     out = lm_logits(model, input_ids, attention_mask, packing)
-    logps = out.per_token(token_logprobs(out.logits, out.input_ids, temperature, sampling_filter))
+    logps = out.per_token(
+        token_logprobs(out.logits, out.input_ids, temperature, sampling_filter, next_ids=out.next_ids)
+    )
     if entropy == "none":
         return logps, None
     if entropy == "grad":
-        return logps, out.per_token(tempered_entropy(out.logits, temperature, sampling_filter, out.input_ids))
+        ent = tempered_entropy(out.logits, temperature, sampling_filter, out.input_ids, next_ids=out.next_ids)
+        return logps, out.per_token(ent)
     with torch.no_grad():
-        value = tempered_entropy(out.logits.detach(), temperature, sampling_filter, out.input_ids)
+        value = tempered_entropy(
+            out.logits.detach(), temperature, sampling_filter, out.input_ids, next_ids=out.next_ids
+        )
     return logps, out.per_token(value)

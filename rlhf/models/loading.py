@@ -16,9 +16,9 @@ from typing import Any, Dict, Optional, Set
 import torch
 
 from rlhf.hub import model_dir
+from rlhf.models.forward import hidden_forward
 from rlhf.models.head import enable_tiled_head
 from rlhf.models.lora import LoraSpec
-from rlhf.models.packing import packed_forward, runs_packed
 from rlhf.ops.logprobs import at_least_float32
 from rlhf.utils.device import torch_dtype
 
@@ -196,7 +196,7 @@ def scalar_head_values(
     model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, packing: Optional[bool] = None
 ) -> torch.Tensor:
     """Per-token scalar outputs of a sequence-classification model, ``(B, T)`` float32 (float64 for a float64 model);
-    the forward runs on the packed rows per :func:`rlhf.models.packing.runs_packed` (0 at padding then).
+    the forward is laid out by :func:`rlhf.models.forward.hidden_forward` (packed: 0 at padding).
 
     ``model`` may be the HF module or a DeepSpeed engine around it. The forward goes through the engine so its
     backward bookkeeping (ZeRO hooks) sees an output the loss depends on (the final hidden states); the score head
@@ -204,11 +204,7 @@ def scalar_head_values(
     token with :func:`last_token_values`).
     """
     head = getattr(model, "module", model).score
-    if not runs_packed(model, packing):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-        return at_least_float32(head(out.hidden_states[-1]).squeeze(-1))
-    out, rows = packed_forward(model, input_ids, attention_mask, output_hidden_states=True)
-    return at_least_float32(rows.unpack(head(out.hidden_states[-1]).squeeze(-1), token_aligned=False))
+    return at_least_float32(hidden_forward(model, input_ids, attention_mask, head, packing).squeeze(-1))
 
 
 def last_token_values(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,8 @@ Tensor = torch.Tensor
 VARLEN_TORCH = "rlhf_varlen"  # transformers attn_implementation name of torch's varlen kernel and its CPU twin
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", VARLEN_TORCH)  # implementations that honour cu_seqlens
 _HALF = (torch.bfloat16, torch.float16)
+# set on an HF module whose attention wraps another (rlhf.models.sequence_parallel): the implementation it wraps
+CORE_ATTENTION = "_rlhf_core_attention"
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,12 @@ class PackedRows:
 
 
 def attention_of(model: Any) -> Optional[str]:
-    """The attention implementation ``model`` (an HF module or a DeepSpeed engine around one) runs."""
-    return getattr(getattr(getattr(model, "module", model), "config", None), "_attn_implementation", None)
+    """The attention implementation ``model`` (an HF module or a DeepSpeed engine around one) runs (under sequence
+    parallelism, the one its sharded attention wraps)."""
+    module = getattr(model, "module", model)
+    return getattr(module, CORE_ATTENTION, None) or getattr(
+        getattr(module, "config", None), "_attn_implementation", None
+    )
 
 
 def runs_packed(model: Any, packing: Optional[bool]) -> bool:
@@ -293,31 +299,3 @@ def _flash_varlen(
     longest = int(max_length) if max_length is not None else int((cu[1:] - cu[:-1]).max())
     out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **extra)
     return out.unsqueeze(0)
-
-
-@dataclass(frozen=True)
-class LMLogits:
-    """A causal LM's logits over a batch and the ids they score, padded or packed.
-
-    Attributes:
-        logits: ``(B, T, V)``, or ``(1, N, V)`` packed.
-        input_ids: the ids in the same layout, ``(B, T)`` or ``(1, N)``.
-        packed: how the rows were packed (``None``: the padded layout).
-    """
-
-    logits: Tensor
-    input_ids: Tensor
-    packed: Optional[PackedRows] = None
-
-    def per_token(self, values: Tensor) -> Tensor:
-        """Token-aligned values computed on :attr:`logits` (``(B, T)`` or ``(1, N)``, e.g. by
-        :func:`rlhf.ops.logprobs.token_logprobs`) in the padded ``(B, T)`` layout, column 0 = 0."""
-        return values if self.packed is None else self.packed.unpack(values, token_aligned=True)
-
-
-def lm_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, packing: Optional[bool] = None) -> LMLogits:
-    """A causal LM's forward over ``(B, T)`` right-padded rows, packed per :func:`runs_packed`."""
-    if not runs_packed(model, packing):
-        return LMLogits(model(input_ids=input_ids, attention_mask=attention_mask).logits, input_ids)
-    out, rows = packed_forward(model, input_ids, attention_mask)
-    return LMLogits(out.logits, rows.input_ids, rows)

@@ -148,7 +148,13 @@ def _kept_edges(
     return edges
 
 
-def next_token_edges(logits: Tensor, input_ids: Tensor, temperature: float, sampling_filter: SamplingFilter) -> Tensor:
+def next_token_edges(
+    logits: Tensor,
+    input_ids: Tensor,
+    temperature: float,
+    sampling_filter: SamplingFilter,
+    next_ids: Optional[Tensor] = None,
+) -> Tensor:
     """Per position, the smallest value of ``logits / temperature`` in the set the next token was drawn from.
 
     ``out[b, t]`` is :class:`SamplingFilter`'s edge of the distribution at position ``t`` (the one
@@ -169,6 +175,8 @@ def next_token_edges(logits: Tensor, input_ids: Tensor, temperature: float, samp
         input_ids: ``(B, T)`` token ids.
         temperature: the sampling temperature.
         sampling_filter: the sampler's top-k / top-p.
+        next_ids: the token each position predicts (default: the next of ``input_ids``), as in
+            :func:`token_logprobs`.
 
     Returns:
         ``(B, T)`` float32 (float64 for float64 logits) edges indexed by position (not shifted like
@@ -176,8 +184,8 @@ def next_token_edges(logits: Tensor, input_ids: Tensor, temperature: float, samp
     """
     _check_logits(logits, input_ids)
     batch, length, vocab = logits.shape
-    next_ids = input_ids.roll(-1, dims=1).reshape(-1).long()
-    return _kept_edges(logits.reshape(-1, vocab), next_ids, float(temperature), sampling_filter).view(batch, length)
+    targets = (input_ids.roll(-1, dims=1) if next_ids is None else next_ids).reshape(-1).long()
+    return _kept_edges(logits.reshape(-1, vocab), targets, float(temperature), sampling_filter).view(batch, length)
 
 
 def drop_below(x: Tensor, edges: Tensor) -> Tensor:
@@ -365,6 +373,8 @@ def head_token_logprobs(
     input_ids: Tensor,
     temperature: float = 1.0,
     sampling_filter: Optional[SamplingFilter] = None,
+    *,
+    next_ids: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """:func:`token_logprobs` and the entropy of the same distribution from a causal LM's last hidden states and
     its LM head, without the ``(B, T, V)`` logits: the head runs on tiles of tokens (``_CHUNK_ELEMENTS`` floats of
@@ -376,6 +386,9 @@ def head_token_logprobs(
         input_ids: ``(B, T)`` token ids.
         temperature: the sampling temperature; ``sampling_filter``: the sampler's top-k / top-p
             (:class:`SamplingFilter`), replayed on each tile as :func:`next_token_edges` does.
+        next_ids: the token each position predicts, ``(B, T)``, for a sequence shard whose last position
+            predicts the next shard's first token (:mod:`rlhf.models.sequence_parallel`); given, the result is per
+            prediction position, not shifted onto the tokens (:func:`align_to_tokens` shifts it).
 
     Returns:
         ``(logps, entropy)``, each ``(B, T)`` float32 (float64 for float64 weights), aligned like
@@ -388,9 +401,12 @@ def head_token_logprobs(
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
     batch, length, width = hidden.shape
     active = sampling_filter if sampling_filter is not None and sampling_filter.active(weight.shape[0]) else None
-    next_ids = input_ids.roll(-1, dims=1).reshape(-1).long()
-    logps, entropy = _HeadLogProbs.apply(hidden.reshape(-1, width), weight, bias, next_ids, float(temperature), active)
-    return _align(logps.view(batch, length)), _align(entropy.view(batch, length))
+    targets = (input_ids.roll(-1, dims=1) if next_ids is None else next_ids).reshape(-1).long()
+    logps, entropy = _HeadLogProbs.apply(hidden.reshape(-1, width), weight, bias, targets, float(temperature), active)
+    logps, entropy = logps.view(batch, length), entropy.view(batch, length)
+    if next_ids is not None:
+        return logps, entropy
+    return align_to_tokens(logps), align_to_tokens(entropy)
 
 
 def _expected(p: Tensor, x: Tensor) -> Tensor:
@@ -405,13 +421,18 @@ def _check_logits(logits: Tensor, input_ids: Optional[Tensor] = None) -> None:
         raise ValueError(f"input_ids shape {tuple(input_ids.shape)} != logits (B, T) {tuple(logits.shape[:2])}")
 
 
-def _align(per_position: Tensor) -> Tensor:
+def align_to_tokens(per_position: Tensor) -> Tensor:
     """Shift ``(B, T)`` values computed at prediction positions onto the tokens they predict; column 0 = 0."""
     return torch.nn.functional.pad(per_position[:, :-1], (1, 0))
 
 
 def token_logprobs(
-    logits: Tensor, input_ids: Tensor, temperature: float = 1.0, sampling_filter: Optional[SamplingFilter] = None
+    logits: Tensor,
+    input_ids: Tensor,
+    temperature: float = 1.0,
+    sampling_filter: Optional[SamplingFilter] = None,
+    *,
+    next_ids: Optional[Tensor] = None,
 ) -> Tensor:
     """Log-probability of each token under the distribution predicted at the previous position.
 
@@ -431,6 +452,9 @@ def token_logprobs(
         input_ids: ``(B, T)`` token ids (padding must still be a valid id; it is masked later by ``loss_mask``).
         temperature: the sampling temperature; the logits are divided by it, as the sampler did.
         sampling_filter: the sampler's top-k / top-p (:class:`SamplingFilter`); ``None``: the full vocabulary.
+        next_ids: the token each position predicts, ``(B, T)``, for a sequence shard whose last position
+            predicts the next shard's first token (:mod:`rlhf.models.sequence_parallel`); given, the result is per
+            prediction position, not shifted onto the tokens (:func:`align_to_tokens` shifts it).
 
     Returns:
         ``(B, T)`` float32 (float64 for float64 logits) per-token log-probs, not summed; columns at padding hold
@@ -441,17 +465,18 @@ def token_logprobs(
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
     batch, length, vocab = logits.shape
     # Pair position t with token t + 1 on the flat (B*T, V) view. The last position gets a dummy (valid) target;
-    # its value is dropped by ``_align`` and so receives a zero upstream gradient.
-    next_ids = input_ids.roll(-1, dims=1)
+    # its value is dropped by ``align_to_tokens`` and so receives a zero upstream gradient.
+    targets = input_ids.roll(-1, dims=1) if next_ids is None else next_ids
     if sampling_filter is None or not sampling_filter.active(vocab):
-        flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), next_ids.reshape(-1).long(), float(temperature))
+        flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), targets.reshape(-1).long(), float(temperature))
     else:
-        edges = next_token_edges(logits, input_ids, temperature, sampling_filter).reshape(-1)
-        flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), next_ids.reshape(-1).long(), float(temperature), edges)
-    return _align(flat.view(batch, length))
+        edges = next_token_edges(logits, input_ids, temperature, sampling_filter, targets).reshape(-1)
+        flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), targets.reshape(-1).long(), float(temperature), edges)
+    per_position = flat.view(batch, length)
+    return per_position if next_ids is not None else align_to_tokens(per_position)
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
+def entropy_from_logits(logits: Tensor, aligned: bool = True) -> Tensor:
     """Entropy of the next-token distribution, aligned like :func:`token_logprobs`.
 
     ``out[:, t] = H(softmax(logits[:, t - 1]))`` for ``t >= 1`` and ``out[:, 0] = 0``, in nats, in (at least)
@@ -462,12 +487,13 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
         logits: ``(B, T, V)`` causal-LM logits, any floating dtype.
 
     Returns:
-        ``(B, T)`` float32 (float64 for float64 logits) per-token entropies (not summed).
+        ``(B, T)`` float32 (float64 for float64 logits) per-token entropies (not summed); per prediction position,
+        not shifted, unless ``aligned``.
     """
     _check_logits(logits)
     batch, length, vocab = logits.shape
-    flat = _Entropy.apply(logits.reshape(-1, vocab))
-    return _align(flat.view(batch, length))
+    flat = _Entropy.apply(logits.reshape(-1, vocab)).view(batch, length)
+    return align_to_tokens(flat) if aligned else flat
 
 
 def tempered_entropy(
@@ -475,6 +501,8 @@ def tempered_entropy(
     temperature: float,
     sampling_filter: Optional[SamplingFilter] = None,
     input_ids: Optional[Tensor] = None,
+    *,
+    next_ids: Optional[Tensor] = None,
 ) -> Tensor:
     """Entropy ``(B, T)`` of ``softmax(logits / temperature)``, aligned like :func:`token_logprobs`: the entropy
     of the distribution actually sampled from.
@@ -488,21 +516,23 @@ def tempered_entropy(
     With an active ``sampling_filter`` (top-k / top-p) it is the entropy of the renormalised kept set, the same
     set as :func:`token_logprobs` uses (:func:`next_token_edges`, which needs ``input_ids``
     ``(B, T)`` for the sampled tokens it always keeps); under autograd each row's kept-set mask is kept too.
+    ``next_ids``: as in :func:`token_logprobs` (the result per prediction position).
     """
     vocab = logits.shape[-1]
     filtered = sampling_filter is not None and sampling_filter.active(vocab)
+    aligned = next_ids is None
     if temperature == 1.0 and not filtered:
-        return entropy_from_logits(logits)
+        return entropy_from_logits(logits, aligned)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     if not filtered:
-        rows = [entropy_from_logits(logits[i : i + 1].to(dtype) / temperature) for i in range(logits.shape[0])]
+        rows = [entropy_from_logits(logits[i : i + 1].to(dtype) / temperature, aligned) for i in range(logits.shape[0])]
         return torch.cat(rows, dim=0)
     if input_ids is None:
         raise ValueError("tempered_entropy with a sampling filter needs input_ids (the sampled tokens it keeps)")
     assert sampling_filter is not None  # filtered
-    edges = next_token_edges(logits, input_ids, temperature, sampling_filter)
+    edges = next_token_edges(logits, input_ids, temperature, sampling_filter, next_ids)
     rows = [
-        entropy_from_logits(drop_below(logits[i : i + 1].to(dtype) / temperature, edges[i : i + 1]))
+        entropy_from_logits(drop_below(logits[i : i + 1].to(dtype) / temperature, edges[i : i + 1]), aligned)
         for i in range(logits.shape[0])
     ]
     return torch.cat(rows, dim=0)

@@ -108,8 +108,10 @@ class RunContext:
     def engine_spec(self, num_workers: int, trainable: bool = True) -> EngineSpec:
         """A group of ``num_workers`` ranks: trainable, its optimizer step takes ``train.global_batch_size`` rows cut
         by ``train.micro_batch_size`` or ``train.max_tokens_per_micro_batch``; frozen, it scores in chunks of the
-        same micro-batch size or token budget."""
+        same micro-batch size or token budget. Under ``strategy.sequence_parallel_size = n`` the batch is cut over
+        ``num_workers / n`` data-parallel ranks (sequence groups)."""
         s, t = self.cfg.strategy, self.cfg.train
+        ranks = num_workers // s.sequence_parallel_size
         common = dict(
             zero_stage=s.zero_stage,
             precision=self.precision,
@@ -117,13 +119,14 @@ class RunContext:
             user_config=self.user_ds_config,
             packing=t.packing,
             peak_tflops=s.peak_tflops,
+            sequence_parallel_size=s.sequence_parallel_size,
         )
         if t.max_tokens_per_micro_batch:
-            rows = t.global_batch_size if trainable else num_workers  # frozen: no accumulation window
-            return EngineSpec.for_token_budget(rows, t.max_tokens_per_micro_batch, num_workers, **common)
+            rows = t.global_batch_size if trainable else ranks  # frozen: no accumulation window
+            return EngineSpec.for_token_budget(rows, t.max_tokens_per_micro_batch, ranks, **common)
         if not trainable:
             return EngineSpec(micro_batch_size=t.micro_batch_size, grad_accum_steps=1, **common)
-        return EngineSpec.for_global_batch(t.global_batch_size, t.micro_batch_size, num_workers, **common)
+        return EngineSpec.for_global_batch(t.global_batch_size, t.micro_batch_size, ranks, **common)
 
     def group_of(self, actors: ActorPlan, placement: Optional[Placement] = None) -> WorkerGroup:
         """A worker group of ``actors.count`` ranks of ``actors.role``: on ``placement`` (a shared placement group,

@@ -22,6 +22,7 @@ functions, each refusing bad input with its file and row (:mod:`rlhf.trainers.of
 
 from __future__ import annotations
 
+import json
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -40,6 +41,7 @@ from rlhf.hub import (
     model_dir,
     offline,
 )
+from rlhf.models.sequence_parallel import check_heads
 from rlhf.trainers.descriptor import Row, TrainerKind
 from rlhf.trainers.output_dir import output_dir_status
 
@@ -60,6 +62,7 @@ def preflight(cfg: RunConfig, kind: TrainerKind, here: bool = True, precision: O
         ConfigError: Naming the key of the first setting a run would refuse.
     """
     rows = [(key, path, model_status(key, path, here)) for key, path in _values(cfg, kind.model_keys) if path]
+    _check_sequence_parallel(cfg, [(key, path) for key, path in _values(cfg, kind.model_keys) if path], here)
     own = kind.checks(cfg, here)  # before the data is read: a refusal costs nothing here (online RL: its engines)
     rows += [
         (key, path, _path_status(key, path, repo_type, here))
@@ -209,6 +212,24 @@ def readable(ref: str, here: bool) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- code and models
+
+
+def _check_sequence_parallel(cfg: RunConfig, models: Sequence[Tuple[str, str]], here: bool) -> None:
+    """``strategy.sequence_parallel_size`` against the attention heads of each model the trainer roles load (those
+    whose ``config.json`` can be read here), :func:`rlhf.models.sequence_parallel.check_heads`."""
+    size = cfg.strategy.sequence_parallel_size
+    if size == 1:
+        return
+    for key, path in models:
+        if not readable(path, here):
+            continue
+        with open(os.path.join(model_dir(path), "config.json")) as f:
+            config = json.load(f)
+        text = config.get("text_config", config)
+        heads = int(text.get("num_attention_heads", 0))
+        why = check_heads(heads, int(text.get("num_key_value_heads") or heads), size)
+        if why:
+            raise ConfigError(f"strategy.sequence_parallel_size={size}: {why} ({key}={path!r})")
 
 
 def _check_lora(cfg: RunConfig, kind: TrainerKind, here: bool) -> None:

@@ -117,7 +117,7 @@ class PerfMeter:
     def __init__(self) -> None:
         self.totals: Dict[str, List[float]] = {}
 
-    def add(self, kind: str, seconds: float, flops: float, tokens: int) -> None:
+    def add(self, kind: str, seconds: float, flops: float, tokens: float) -> None:
         total = self.totals.setdefault(kind, [0.0, 0.0, 0.0])
         total[0] += seconds
         total[1] += flops
