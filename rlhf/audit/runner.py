@@ -96,7 +96,11 @@ def split_overrides(cfg: RunConfig, f: Factorization) -> List[str]:
     ranks follow (a critic with as many ranks, a colocated reward model, hybrid-engine vLLM engines). Under a token
     budget (``train.max_tokens_per_micro_batch``) the configured run keeps it and the others cut by rows: the
     budget's cut must train as the row cuts do."""
-    out = [f"train.micro_batch_size={f.micro}", f"train.num_workers={f.ranks}"]
+    out = [
+        f"train.micro_batch_size={f.micro}",
+        f"train.num_workers={f.ranks}",
+        f"strategy.sequence_parallel_size={f.sequence}",
+    ]
     if cfg.train.max_tokens_per_micro_batch and f.why != "configured":
         out.append("train.max_tokens_per_micro_batch=0")
     return out + kind_of(cfg).audit_overrides(cfg, f.micro, f.ranks)  # the trainer's groups tied to the ranks

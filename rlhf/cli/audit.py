@@ -205,7 +205,13 @@ def _run_and_compare(trainer, cfg: RunConfig, user_ds, args) -> int:
     t = cfg.train
     fits = split_fits(cfg)
     # under a token budget the configured run is 1 row a micro-batch to DeepSpeed (rlhf.audit.runner.split_overrides)
-    splits = factorizations(t.global_batch_size, t.engine_micro_batch_size, t.num_workers, fits=fits)
+    splits = factorizations(
+        t.global_batch_size,
+        t.engine_micro_batch_size,
+        t.num_workers,
+        fits=fits,
+        sequence=cfg.strategy.sequence_parallel_size,
+    )
     if args.factorizations:
         try:
             splits = with_configured(splits[0], parse_factorizations(args.factorizations, t.global_batch_size, fits))

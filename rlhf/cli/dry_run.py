@@ -168,7 +168,8 @@ def _devices_line(cfg: RunConfig, devices: Devices) -> str:
     auto = " (auto)" if s.gpus_per_worker < 0 else ""
     extras = ", gradient checkpointing" if cfg.model.gradient_checkpointing else ""
     extras += ", optimizer offloaded to CPU" if s.offload_optimizer else ""
-    if effective_zero_stage(s.zero_stage, 1, s.offload_optimizer) != s.zero_stage:
+    one_rank_groups = s.sequence_parallel_size == 1  # a sequence group is at least 2 ranks
+    if one_rank_groups and effective_zero_stage(s.zero_stage, 1, s.offload_optimizer) != s.zero_stage:
         extras += " (ZeRO-1 on a one-rank group: nothing to partition)"
     return (
         f"devices: {gpus}{auto}; {devices.precision} (strategy.precision={s.precision}), "
@@ -243,6 +244,17 @@ def batch_lines(cfg: RunConfig) -> List[str]:
     optimizer steps it makes (the trainer's ``batch_lines``)."""
     t, lora, kind = cfg.train, cfg.model.lora, kind_of(cfg)
     lines = [f"  train.global_batch_size {t.global_batch_size} = {t.describe_batching()} (samples per optimizer step)"]
+    sp = cfg.strategy.sequence_parallel_size
+    if sp > 1:
+        budget = (
+            f"; a micro-batch holds up to {sp} x {t.max_tokens_per_micro_batch} tokens"
+            if t.max_tokens_per_micro_batch
+            else ""
+        )
+        lines.append(
+            f"  sequence parallel {sp}: each data-parallel rank is {sp} ranks sharing every row (1/{sp} of its "
+            f"positions each, attention heads split {sp} ways); every trainer role starts its ranks x {sp}{budget}"
+        )
     if lora.enabled:
         lines.append(
             f"  LoRA: r {lora.r}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}"

@@ -147,7 +147,7 @@ def check_user_config(cfg: RunConfig, precision: Optional[str] = None) -> Option
         zero_stage=s.zero_stage,
         micro_batch_size=t.engine_micro_batch_size,
         grad_accum_steps=t.grad_accum_steps,
-        world_size=t.num_workers,
+        world_size=t.num_workers * s.sequence_parallel_size,  # DeepSpeed counts every rank of a sequence group
         max_grad_norm=t.max_grad_norm,
         precision=precision,
     )

@@ -797,8 +797,9 @@ class RLRunConfig(RunConfig):
             check_setting(
                 self.strategy.sequence_parallel_size == 1,
                 "colocate.hybrid_engine",
-                f"needs strategy.sequence_parallel_size=1 (got {self.strategy.sequence_parallel_size}): one engine "
-                f"per policy rank, and a sequence group's ranks hold one copy of the policy between them",
+                f"needs strategy.sequence_parallel_size=1 (got {self.strategy.sequence_parallel_size}): the hybrid "
+                f"engine puts one engine on each policy rank's device, and sequence parallelism multiplies the "
+                f"policy's ranks (not supported together yet)",
             )
             check_setting(
                 r.tensor_parallel_size == 1,

@@ -106,7 +106,7 @@ def enable_sequence_parallel(module: torch.nn.Module, sequence: SequenceGroup) -
     Raises:
         ValueError: heads that do not divide (:func:`check_heads`).
     """
-    text = module.config.get_text_config()  # type: ignore[operator]
+    text = module.config.get_text_config()  # type: ignore[union-attr, operator]
     why = check_heads(text.num_attention_heads, text.num_key_value_heads, sequence.size)
     if why:
         raise ValueError(f"strategy.sequence_parallel_size={sequence.size}: {why}")
@@ -153,14 +153,14 @@ class _GatherPositions(torch.autograd.Function):
     gradient, not a sum, because every rank of the group computes the same loss of the gathered values."""
 
     @staticmethod
-    def forward(ctx: Any, local: Tensor, sequence: SequenceGroup) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, local: Tensor, sequence: SequenceGroup) -> Tensor:
         parts = [torch.empty_like(local) for _ in range(sequence.size)]
         torch.distributed.all_gather(parts, local.contiguous(), group=sequence.group)
         ctx.start, ctx.length = sequence.rank * local.shape[1], local.shape[1]
         return torch.cat(parts, dim=1)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
         return grad[:, ctx.start : ctx.start + ctx.length].contiguous(), None
 
 
@@ -205,25 +205,22 @@ def shard_inputs(sequence: SequenceGroup, input_ids: Tensor, attention_mask: Ten
     Raises:
         ValueError: rows that are not right-padded (the causal core attention would let real tokens see pads).
     """
-    rows: Optional[PackedRows] = PackedRows.from_padded(input_ids, attention_mask)  # checks the right padding
-    assert rows is not None
-    if packed:
-        ids, positions = rows.input_ids, rows.position_ids
-    else:
-        ids = input_ids
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    rows = PackedRows.from_padded(input_ids, attention_mask)  # checks the right padding either way
+    ids = rows.input_ids if packed else input_ids
     width = ids.shape[1]
     length = max(1, math.ceil(width / sequence.size))
     extra = length * sequence.size - width
     ids = torch.nn.functional.pad(ids, (0, extra))
-    positions = torch.cat([positions, torch.arange(extra, device=ids.device).expand(ids.shape[0], extra)], dim=1)
+    if packed:  # the padding is one more packed row, positions from 0
+        positions = torch.cat([rows.position_ids, torch.arange(extra, device=ids.device)[None]], dim=1)
+    else:  # padded rows: the columns' positions, as an unsharded forward numbers them
+        positions = torch.arange(width + extra, device=ids.device).expand_as(ids)
     next_ids = ids.roll(-1, dims=1)
     take = slice(sequence.rank * length, (sequence.rank + 1) * length)
     model_inputs: Dict[str, Any] = dict(
         input_ids=ids[:, take], position_ids=positions[:, take], **{SEQUENCE_KWARG: sequence}
     )
     if packed:
-        assert rows is not None
         bounds: List[int] = rows.cu_seqlens.tolist() + ([width + extra] if extra else [])
         cu = torch.tensor(bounds, dtype=torch.int32, device=ids.device)
         longest = max(rows.max_length, extra)

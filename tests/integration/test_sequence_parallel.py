@@ -89,17 +89,26 @@ def batches(model_path):
         input_ids=sft.input_ids,
         attention_mask=sft.attention_mask,
         loss_mask=sft.loss_mask,
-        advantages=advantage * sft.loss_mask.double(),
+        advantages=advantage * sft.attention_mask.double(),  # the objective masks the response itself
         ref_logps=ref_logps,
     )
     return {"sft": sft, "dpo": pairs, "rl": rl}
 
 
 def _spec(ranks: int, sp: int, micro: int, packing: bool) -> EngineSpec:
-    common = dict(zero_stage=0, precision="fp64", packing=packing, sequence_parallel_size=sp)
     if not micro:
-        return EngineSpec.for_token_budget(GLOBAL_BATCH, BUDGET, ranks // sp, **common)
-    return EngineSpec.for_global_batch(GLOBAL_BATCH, micro, ranks // sp, **common)
+        return EngineSpec.for_token_budget(
+            GLOBAL_BATCH,
+            BUDGET,
+            ranks // sp,
+            zero_stage=0,
+            precision="fp64",
+            packing=packing,
+            sequence_parallel_size=sp,
+        )
+    return EngineSpec.for_global_batch(
+        GLOBAL_BATCH, micro, ranks // sp, zero_stage=0, precision="fp64", packing=packing, sequence_parallel_size=sp
+    )
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +143,7 @@ def trained(groups, batches, tmp_path_factory):
     from rlhf.objectives.sft import SFTObjective
     from rlhf.ops.policy_loss import PolicyLossConfig
 
-    rows = {name: [] for name in groups}
+    rows: dict = {name: [] for name in groups}
 
     def step_all(make_objective, batch):
         at = len(rows["whole"])  # the lockstep's step: every group's LR position
@@ -219,3 +228,71 @@ def test_the_weights_after_every_step_are_the_unsharded_ones(trained, name):
         assert ref[key].dtype == torch.float64
         diff = (ref[key] - got[key]).norm() / max(ref[key].norm().item(), 1e-300)
         assert diff <= FP64_RTOL, (key, float(diff))
+
+
+# ------------------------------------------------------------------------------------------- through the CLI
+
+
+def _sft_config(tmp_path, model: str, data: str, extra: str = "") -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        f"defaults: [sft_tiny]\nmodel:\n  path: {model}\ndata:\n  train_path: {data}\n"
+        f"train:\n  global_batch_size: 8\n  micro_batch_size: 2\n  num_workers: 1\n  packing: true\n"
+        f"  output_dir: {tmp_path / 'outputs' / 'sft'}\nstrategy:\n  sequence_parallel_size: 2\n{extra}"
+    )
+    return str(path)
+
+
+def test_the_audit_compares_the_sharded_run_with_the_unsharded_one(model_path, sft_data, tmp_path, capsys, monkeypatch):
+    """``rlhf.cli.audit`` of a sequence-parallel SFT config in float64: the configured split (rows shared by 2
+    ranks), the same split unsharded, and micro-batch 1 sharded, through the CLI's own runs."""
+    from shared_helpers import run_main
+
+    (tmp_path / "outputs").mkdir()
+    argv = ["--config", _sft_config(tmp_path, model_path, sft_data), "--steps", "2", "--precision", "fp64"]
+    rc, out, err = run_main("rlhf.cli.audit", argv, tmp_path, capsys, monkeypatch)
+    assert rc == 0, out + err
+    assert "2x4x1xsp2 (the configured split), 2x4x1 (sp 1), 1x8x1xsp2 (micro 1)" in out, out
+    assert out.rstrip().splitlines()[-1].startswith("VERDICT: contract kept: 3 factorisations agree on 2 step(s)")
+
+
+def test_dry_run_tells_the_sequence_groups_and_the_ranks_they_start(
+    model_path, sft_data, tmp_path, capsys, monkeypatch
+):
+    from shared_helpers import run_main
+
+    rc, out, err = run_main(
+        "rlhf.cli.train_sft",
+        ["--config", _sft_config(tmp_path, model_path, sft_data), "--dry-run"],
+        tmp_path,
+        capsys,
+        monkeypatch,
+    )
+    assert rc == 0, out + err
+    assert "sequence parallel 2: each data-parallel rank is 2 ranks sharing every row" in out
+    assert "policy  2 ranks" in out and "policy: 2 bundles" in out  # 1 data-parallel rank x 2
+    assert "ZeRO-1 on a one-rank group" not in out  # the group has 2 ranks: ZeRO-2 partitions over them
+
+
+@pytest.mark.parametrize(
+    "size, why",
+    [
+        (3, "the model's 4 attention heads do not divide by 3"),
+        (8, "the model's 4 attention heads do not divide by 8"),
+    ],
+)
+def test_a_size_the_heads_do_not_divide_is_refused_by_key_before_ray_starts(
+    model_path, sft_data, tmp_path, capsys, monkeypatch, size, why
+):
+    from shared_helpers import run_main
+
+    import rlhf.trainers.context as context
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was joined before the refusal")
+
+    monkeypatch.setattr(context, "init_ray", no_ray)
+    argv = ["--config", _sft_config(tmp_path, model_path, sft_data), f"strategy.sequence_parallel_size={size}"]
+    rc, out, err = run_main("rlhf.cli.train_sft", argv, tmp_path, capsys, monkeypatch)
+    assert rc == 2, out + err
+    assert f"strategy.sequence_parallel_size={size}: {why}" in out + err
