@@ -10,8 +10,11 @@ Four worker groups train the same global batches from the same weights in float6
 
 Every group takes the same steps: two SFT steps, a DPO step (reference log-probs in the batch), and an RL step
 whose objective has every sequence-level term the issue names: GSPO's sequence ratio, a seq-mean aggregation,
-the entropy bonus and the KL loss (PPO's old log-probs scored by each group itself, compared first). Each step's
-loss and grad norm, and the final weights, must agree with ``whole`` to float64 rounding.
+the entropy bonus and the KL loss (PPO's old log-probs scored by each group itself, compared first). Then every
+group is rebuilt with a scalar head and takes a reward-model step (scores at each row's last token, which lies on
+one rank of a group) and a critic step (per-token values against returns, value clipping around each group's own
+scored values). Each step's loss and grad norm, and the causal LM's final weights, must agree with ``whole`` to
+float64 rounding.
 """
 
 from __future__ import annotations
@@ -111,21 +114,27 @@ def _spec(ranks: int, sp: int, micro: int, packing: bool) -> EngineSpec:
     )
 
 
+def _build(group, model_path: str, kind: str, ranks: int, sp: int, micro: int, packing: bool) -> None:
+    from rlhf.models.loading import ModelSpec
+
+    group.build(
+        # packing: the variable-length attention, which runs padded forwards too (the objective picks)
+        ModelSpec(path=model_path, kind=kind, precision="fp64", packing=True, seed=5),
+        _spec(ranks, sp, micro, packing),
+        OptimSpec(lr=1e-3, total_steps=4, scheduler="constant", betas=(0.9, 0.99)),
+    )
+
+
 @pytest.fixture(scope="module")
 def groups(model_path):
-    """name -> (WorkerGroup, packing), built side by side; shut down at the end of the file."""
+    """name -> (WorkerGroup, packing), built side by side with the causal LM; shut down at the end of the file."""
     from rlhf.distributed.cluster import actor_env
     from rlhf.distributed.group import GroupResources, WorkerGroup
-    from rlhf.models.loading import ModelSpec
+    from rlhf.models.loading import CAUSAL_LM
 
     def start(ranks, sp, micro, packing):
         group = WorkerGroup("policy", GroupResources(ranks, cpus_per_worker=0.5, env_vars=actor_env(0)), "gloo")
-        group.build(
-            # packing: the variable-length attention, which runs padded forwards too (the objective picks)
-            ModelSpec(path=model_path, precision="fp64", packing=True, seed=5),
-            _spec(ranks, sp, micro, packing),
-            OptimSpec(lr=1e-3, total_steps=4, scheduler="constant", betas=(0.9, 0.99)),
-        )
+        _build(group, model_path, CAUSAL_LM, ranks, sp, micro, packing)
         return group, packing
 
     started = in_parallel({name: (lambda layout=layout: start(*layout)) for name, layout in LAYOUTS.items()})
@@ -135,11 +144,13 @@ def groups(model_path):
 
 
 @pytest.fixture(scope="module")
-def trained(groups, batches, tmp_path_factory):
+def trained(groups, batches, tmp_path_factory, model_path):
     """Every group's steps in lockstep -> ``{"rows": name -> [step metrics], "old_logps": name -> (B, T),
-    "dirs": name -> saved weights}``."""
-    from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps
+    "values": name -> (B, T), "dirs": name -> the causal LM's saved weights}``."""
+    from rlhf.models.loading import SCALAR_HEAD
+    from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps, TokenValues, ValueObjective
     from rlhf.objectives.dpo import DPOObjective
+    from rlhf.objectives.reward import RewardObjective
     from rlhf.objectives.sft import SFTObjective
     from rlhf.ops.policy_loss import PolicyLossConfig
 
@@ -180,7 +191,21 @@ def trained(groups, batches, tmp_path_factory):
     root = tmp_path_factory.mktemp("sp-weights")
     dirs = {name: str(root / name) for name in groups}
     in_parallel({name: (lambda g=g, d=dirs[name]: g.save_pretrained(d)) for name, (g, _) in groups.items()})
-    return {"rows": rows, "old_logps": old_logps, "dirs": dirs}
+
+    in_parallel(
+        {name: (lambda g=g, n=name: _build(g, model_path, SCALAR_HEAD, *LAYOUTS[n])) for name, (g, _) in groups.items()}
+    )
+    step_all(lambda p: RewardObjective(packing=p), batches["dpo"])
+    values = in_parallel(
+        {
+            name: (lambda g=g, p=p: g.score_batch(batches["rl"], TokenValues(packing=p)))
+            for name, (g, p) in groups.items()
+        }
+    )
+    returns = torch.randn(rl.input_ids.shape, generator=torch.Generator().manual_seed(24), dtype=torch.float64)
+    critic = rl.replace(values=values["whole"], returns=returns * rl.attention_mask)
+    step_all(lambda p: ValueObjective(clip=0.05, packing=p), critic)
+    return {"rows": rows, "old_logps": old_logps, "values": values, "dirs": dirs}
 
 
 def _rel(a: float, b: float) -> float:
@@ -190,11 +215,12 @@ def _rel(a: float, b: float) -> float:
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "whole"])
 def test_every_step_logs_the_loss_and_grad_norm_of_the_unsharded_batch(trained, name):
     whole, sharded = trained["rows"]["whole"], trained["rows"][name]
-    assert len(whole) == len(sharded) == 4
+    assert len(whole) == len(sharded) == 6  # SFT, SFT, DPO, GSPO; reward model, critic
     for step, (ref, got) in enumerate(zip(whole, sharded), start=1):
         assert got.normalizer == ref.normalizer and got.num_samples == ref.num_samples == GLOBAL_BATCH
         assert ref.grad_norm is not None and ref.grad_norm > 1e-3  # a real gradient, not two vanishing ones
-        for key in ("loss", *(k for k in ("kl", "entropy", "clip_frac") if k in ref.metrics)):
+        assert set(got.metrics) == set(ref.metrics)
+        for key in ref.metrics:  # loss, kl, entropy, clip fractions, scores, values ...
             print(f"[{name} step {step}] {key}: whole {ref.metrics[key]:.17g} sharded {got.metrics[key]:.17g}")
             assert _rel(got.metrics[key], ref.metrics[key]) <= FP64_RTOL or abs(got.metrics[key]) < 1e-14, key
         assert _rel(got.grad_norm, ref.grad_norm) <= FP64_RTOL, (step, got.grad_norm, ref.grad_norm)
@@ -207,10 +233,12 @@ def test_the_token_budget_layout_ran_several_micro_batches_and_fillers(trained):
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "whole"])
-def test_sharded_scoring_gives_the_unsharded_log_probs(trained, batches, name):
+@pytest.mark.parametrize("scored", ["old_logps", "values"])
+def test_sharded_scoring_gives_the_unsharded_log_probs_and_values(trained, batches, name, scored):
     mask = batches["rl"].attention_mask.bool()
-    mask[:, 0] = False  # column 0 predicts nothing
-    ref, got = trained["old_logps"]["whole"], trained["old_logps"][name]
+    if scored == "old_logps":
+        mask[:, 0] = False  # column 0 predicts nothing
+    ref, got = trained[scored]["whole"], trained[scored][name]
     assert ref.dtype == got.dtype == torch.float64 and ref.shape == got.shape
     assert (got[mask] - ref[mask]).abs().max() <= FP64_RTOL * ref[mask].abs().max()
 
