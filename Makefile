@@ -122,6 +122,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_async.py
 	$(PY) bench/bench_packing.py
 	$(PY) bench/bench_packing.py --uniform
+	$(PY) bench/long_rows.py --lengths 1024,2048,4096,8192 --sp 1,2,4 --budget-mb 100
 
 # ruff's lint (the rules in pyproject.toml's [tool.ruff.lint]) and format check; make test runs both too
 # (tests/unit/test_lint.py). `make format` applies the layout and the import order.

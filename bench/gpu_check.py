@@ -3,7 +3,7 @@
     python bench/gpu_check.py [--device cuda|cpu] [--precision bf16|fp32] [--zero-stage 0-3]
                               [--model PATH | --size 0.5b|1.5b]
 
-Needs only torch, transformers, peft and deepspeed (no Ray, no vLLM: nothing here imports them). Five checks, each
+Needs only torch, transformers, peft and deepspeed (no Ray, no vLLM: nothing here imports them). Six checks, each
 with the project's own code, one process plus one receiver process:
 
 1. engine        ``TrainerWorker`` (the rank a Ray actor hosts, built here in-process on a one-rank process group:
@@ -19,6 +19,10 @@ with the project's own code, one process plus one receiver process:
                  receiver process running the vLLM worker extension's load path; every tensor's SHA-256 is compared.
 5. sync group    the weight-sync group's backend (NCCL on CUDA, gloo on CPU) forms and broadcasts, and a member that
                  never arrives is named after the arrival bound instead of a hang.
+6. sequence      two ranks share every row (``strategy.sequence_parallel_size=2``, two processes, one device each:
+   parallel      NCCL on 2 GPUs, gloo on CPU): per-token log-probs and the gradient of the sharded forward against
+                 the unsharded one. On a machine with one GPU it is reported SKIP (NCCL cannot put two ranks on one
+                 device); the CPU twin is the same code on gloo.
 
 Prints one table and exits 1 if any check fails. ``--device cpu`` is the CPU twin (tests/unit/test_gpu_check.py).
 ``--perturb-normalizer F`` multiplies the split runs' normalizer by F: a mis-normalised gradient, which the sft/dpo
@@ -416,6 +420,93 @@ def check_sync_group() -> tuple:
     )
 
 
+def _sequence_rank(rank: int, port: int, cuda: bool, model_path: str, precision: str, vocab: int, out) -> None:
+    """One rank of the sequence-parallel check (a spawned process): the unsharded and the sharded forward and
+    backward of the same rows; rank 0 puts ``(max log-prob difference, max log-prob, gradient difference norm,
+    gradient norm)`` on ``out``."""
+    import deepspeed
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.models.head import token_logprobs_and_entropy
+    from rlhf.models.sequence_parallel import enable_sequence_parallel, new_sequence_group
+    from rlhf.utils.device import torch_dtype
+
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False)
+    batch = random_rows(4, 16, 200, vocab, seed=5)
+    ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(6)).to(device) * mask
+    results = []
+    for sharded in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch_dtype(precision), attn_implementation="sdpa"
+        ).to(device)
+        if sharded:
+            enable_sequence_parallel(model, new_sequence_group(rank, 2, 2, "sdpa"))
+        logps, _ = token_logprobs_and_entropy(model, ids, mask)
+        (logps.float() * weights).sum().backward()
+        grad = torch.cat([p.grad.float().reshape(-1) for p in model.parameters()])
+        if sharded:  # each rank holds its positions' share of the gradient
+            torch.distributed.all_reduce(grad)
+        results.append((logps.detach().float(), grad))
+    (ref_logps, ref_grad), (sp_logps, sp_grad) = results
+    real = mask.bool()
+    real[:, 0] = False
+    if rank == 0:
+        out.put(
+            (
+                float((sp_logps - ref_logps)[real].abs().max()),
+                float(ref_logps[real].abs().max()),
+                float((sp_grad - ref_grad).norm()),
+                float(ref_grad.norm()),
+            )
+        )
+    torch.distributed.destroy_process_group()
+
+
+def check_sequence_parallel(model_path: str, precision: str, vocab: int) -> tuple:
+    """Check 6 (module docstring): two spawned ranks, one device each."""
+    import multiprocessing
+
+    import torch
+
+    name = "sequence parallel 2"
+    if DEVICE.type == "cuda" and torch.cuda.device_count() < 2:
+        return (name, None, "one GPU: NCCL cannot put two ranks on one device (CPU twin: --device cpu)", "")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    ranks = [
+        context.Process(
+            target=_sequence_rank, args=(rank, port, DEVICE.type == "cuda", model_path, precision, vocab, out)
+        )
+        for rank in (0, 1)
+    ]
+    for process in ranks:
+        process.start()
+    try:
+        logp_diff, logp_max, grad_diff, grad_norm = out.get(timeout=300)
+    finally:
+        for process in ranks:
+            process.join(timeout=60)
+    bound = 1e-5 if precision == "fp32" else 5e-2  # fp32: rounding of differently shaped matmuls; bf16: 8 bits
+    logp_rel, grad_rel = logp_diff / logp_max, grad_diff / grad_norm
+    return (
+        name,
+        logp_rel <= bound and grad_rel <= bound,
+        f"log-probs {within('', logp_rel, bound).strip()}, gradient {within('', grad_rel, bound).strip()}",
+        "",
+    )
+
+
 # ----------------------------------------------------------------------------------------------- main
 def print_table(rows) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
@@ -461,6 +552,7 @@ def run(args) -> int:
         "packing": lambda: [check_packing(model_path, precision, vocab)],
         "ipc": lambda: [check_ipc(model_path, precision)],
         "sync group": lambda: [check_sync_group()],
+        "sequence parallel": lambda: [check_sequence_parallel(model_path, precision, vocab)],
     }
     rows = []
     for name, check in checks.items():
@@ -471,13 +563,15 @@ def run(args) -> int:
             rows.append((name, False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}", ""))
         release()
     table = [("check", "result", "relative differences (<= bound)", "tokens/s | throughput")]
-    table += [(name, "PASS" if ok else "FAIL", detail, speed) for name, ok, detail, speed in rows]
+    table += [
+        (name, "SKIP" if ok is None else "PASS" if ok else "FAIL", detail, speed) for name, ok, detail, speed in rows
+    ]
     print(
         f"\nrlhf one-GPU check on {torch.cuda.get_device_name(0) if DEVICE.type == 'cuda' else 'cpu'}, "
         f"{args.precision}, model {model_path}, {time.perf_counter() - STARTED:.0f} s"
     )
     print_table(table)
-    failed = [r[0] for r in rows if not r[1]]
+    failed = [r[0] for r in rows if r[1] is False]
     torch.distributed.destroy_process_group()  # NCCL warns at exit otherwise
     print(f"\n{'FAILED: ' + ', '.join(failed) if failed else 'ALL PASSED'}")
     return 1 if failed else 0

@@ -10,9 +10,9 @@ per rank, its DeepSpeed engine, gloo on CPU). For each length it trains one opti
 tokens through ``WorkerGroup.train_batch`` and reads, on every rank, the step's peak memory above the memory held
 before it:
 
-* CPU: the process's peak resident set (``VmHWM``), reset right before the step (``/proc/self/clear_refs``), minus
-  the resident set at that moment: what the step itself added (activations, logits, gradients, the optimizer's
-  first state on step 1, which is why every length runs one warm-up step first).
+* CPU: the process's peak resident set (``VmHWM``), reset right before the step (``/proc/self/clear_refs``, after
+  handing freed blocks back to the system with ``malloc_trim``), minus the resident set at that moment: what the
+  step itself added (activations, logits, gradients; the optimizer's state is made by a warm-up step first).
 * CUDA: ``torch.cuda.max_memory_allocated`` above the allocated memory before the step.
 
 Reported: per length and size, the largest rank's peak (MB) and the step's seconds; with ``--budget-mb M`` the
@@ -51,6 +51,11 @@ def _memory_probe(reset: bool):
             torch.cuda.synchronize()
             return torch.tensor([torch.cuda.max_memory_allocated() / 2**20])
         if reset:
+            import ctypes
+            import gc
+
+            gc.collect()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed blocks back to the system: the step's own peak shows
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # the peak resident set starts again from the current one
         status = open("/proc/self/status").read()

@@ -349,6 +349,7 @@ def test_grpo_with_gspo_through_vllm_keeps_the_contract_at_sp_1_2_and_4(
         f"data.train_path={rl_prompts}",
         f"reward.functions=[rlhf.synthetic.arithmetic:reward,{rl_shaping}]",
         "strategy.sequence_parallel_size=2",
+        "strategy.cpus_per_worker=0.5",  # sp 4: 4 policy and 4 reference ranks within the session's 8 CPUs
         "rollout.prompts_per_step=4",
         "rollout.n_samples_per_prompt=4",
         "rollout.max_new_tokens=6",

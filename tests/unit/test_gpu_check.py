@@ -19,6 +19,7 @@ ROWS = (
     "packing: sdpa per row",
     "ipc: shared memory",
     "sync group: gloo, arrival bound",
+    "sequence parallel 2",
 )
 
 

@@ -159,3 +159,35 @@ def test_the_audit_parses_a_chosen_sharded_split():
     ]
     with pytest.raises(ValueError, match="MICROxACCUMxRANKS"):
         parse_factorizations("2x2x2xq4", 8)
+
+
+@pytest.mark.parametrize("positions, refused", [(131072, False), (32768, True)])
+def test_a_64k_response_budget_is_taken_when_the_model_holds_it_and_refused_by_key_when_not(
+    tmp_path, positions, refused
+):
+    """The rollout side of long rows: a 64k-token response limit is no special case; the engines' context (prompt
+    + response) is checked against the policy's positions before Ray starts."""
+    import json
+
+    from rlhf.config.rl_schema import RLRunConfig
+    from rlhf.trainers.online.checks import check_engine_context
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": positions}))
+    cfg = load_config(
+        RLRunConfig,
+        "grpo_tiny",
+        [
+            f"model.path={tmp_path}",
+            "data.train_path=/data/train.jsonl",
+            "reward.functions=[m:f]",
+            "rollout.max_prompt_length=1024",
+            "rollout.max_new_tokens=65536",
+            "strategy.sequence_parallel_size=4",
+        ],
+    )
+    assert cfg.engine_context == 1024 + 65536
+    if not refused:
+        check_engine_context(cfg)
+        return
+    with pytest.raises(ConfigError, match=r"rollout.max_prompt_length \+ rollout.max_new_tokens \(1024 \+ 65536"):
+        check_engine_context(cfg)
