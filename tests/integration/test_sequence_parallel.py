@@ -3,8 +3,10 @@
 Four worker groups train the same global batches from the same weights in float64, each cut differently:
 
 * ``whole``: one rank, the global batch as one padded micro-batch (the reference);
-* ``sp2``: two ranks sharing every row (sequence parallel 2), two micro-batches of accumulation, padded;
-* ``sp4-packed``: four ranks sharing every row, four micro-batches, packed;
+* ``sp2``: two ranks sharing every row (sequence parallel 2), two micro-batches of accumulation, padded, with
+  activation checkpointing (each layer's forward, all-to-alls included, runs again in the backward) and the LM head
+  in token tiles (``model.tiled_head``: the per-position log-probs of a shard from its hidden states);
+* ``sp4-packed``: four ranks sharing every row, four micro-batches, packed, the LM head in tiles;
 * ``sp2-dp2-budget``: four ranks as two sequence groups of two, cut by a token budget, packed (zero-weight fillers
   keep the groups in lockstep).
 
@@ -114,12 +116,17 @@ def _spec(ranks: int, sp: int, micro: int, packing: bool) -> EngineSpec:
     )
 
 
-def _build(group, model_path: str, kind: str, ranks: int, sp: int, micro: int, packing: bool) -> None:
+# name: the model's memory options (model.gradient_checkpointing, model.tiled_head)
+MEMORY = {"sp2": dict(gradient_checkpointing=True, tiled_head=True), "sp4-packed": dict(tiled_head=True)}
+
+
+def _build(group, model_path: str, kind: str, name: str) -> None:
     from rlhf.models.loading import ModelSpec
 
+    ranks, sp, micro, packing = LAYOUTS[name]
     group.build(
         # packing: the variable-length attention, which runs padded forwards too (the objective picks)
-        ModelSpec(path=model_path, kind=kind, precision="fp64", packing=True, seed=5),
+        ModelSpec(path=model_path, kind=kind, precision="fp64", packing=True, seed=5, **MEMORY.get(name, {})),
         _spec(ranks, sp, micro, packing),
         OptimSpec(lr=1e-3, total_steps=4, scheduler="constant", betas=(0.9, 0.99)),
     )
@@ -132,12 +139,13 @@ def groups(model_path):
     from rlhf.distributed.group import GroupResources, WorkerGroup
     from rlhf.models.loading import CAUSAL_LM
 
-    def start(ranks, sp, micro, packing):
+    def start(name):
+        ranks, _, _, packing = LAYOUTS[name]
         group = WorkerGroup("policy", GroupResources(ranks, cpus_per_worker=0.5, env_vars=actor_env(0)), "gloo")
-        _build(group, model_path, CAUSAL_LM, ranks, sp, micro, packing)
+        _build(group, model_path, CAUSAL_LM, name)
         return group, packing
 
-    started = in_parallel({name: (lambda layout=layout: start(*layout)) for name, layout in LAYOUTS.items()})
+    started = in_parallel({name: (lambda n=name: start(n)) for name in LAYOUTS})
     yield started
     for group, _ in started.values():
         group.shutdown()
@@ -192,9 +200,7 @@ def trained(groups, batches, tmp_path_factory, model_path):
     dirs = {name: str(root / name) for name in groups}
     in_parallel({name: (lambda g=g, d=dirs[name]: g.save_pretrained(d)) for name, (g, _) in groups.items()})
 
-    in_parallel(
-        {name: (lambda g=g, n=name: _build(g, model_path, SCALAR_HEAD, *LAYOUTS[n])) for name, (g, _) in groups.items()}
-    )
+    in_parallel({name: (lambda g=g, n=name: _build(g, model_path, SCALAR_HEAD, n)) for name, (g, _) in groups.items()})
     step_all(lambda p: RewardObjective(packing=p), batches["dpo"])
     values = in_parallel(
         {
