@@ -47,6 +47,30 @@ def uneven_pair_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def uneven_sft_batch(tokenizer, n: int, seed: int, max_length: int = 64):
+    """:func:`uneven_sft_rows` tokenized and collated as the SFT trainer does: one ``(n, T)`` batch."""
+    from rlhf.data.tokenize import collate_sft, tokenize_sft
+
+    rows = uneven_sft_rows(n, seed=seed)
+    examples = tokenize_sft(rows, tokenizer, max_length=max_length, prompt_key="prompt", response_key="response")
+    return collate_sft(examples.examples, tokenizer.pad_token_id)
+
+
+def uneven_pair_batch(tokenizer, n: int, seed: int, max_length: int = 64):
+    """:func:`uneven_pair_rows` tokenized and collated as the DPO trainer does: one ``(n, 2, T)`` batch."""
+    from rlhf.data.tokenize import collate_pairs, tokenize_pairs
+
+    examples = tokenize_pairs(
+        uneven_pair_rows(n, seed=seed),
+        tokenizer,
+        max_length=max_length,
+        prompt_key="prompt",
+        chosen_key="chosen",
+        rejected_key="rejected",
+    )
+    return collate_pairs(examples.examples, tokenizer.pad_token_id)
+
+
 def kill_an_actor_once(checkpoint_dir: str, title: str, while_saving: bool = False):
     """A thread that SIGKILLs one live actor process titled ``title...`` (Ray names an actor's process
     ``ray::<Class>``) once ``checkpoint_dir`` exists (``while_saving``: once its ``.tmp`` is being written): a real

@@ -20,11 +20,10 @@ import torch
 from precision_helpers import in_parallel as _in_parallel
 from precision_helpers import started_groups
 from precision_helpers import step as _step
-from shared_helpers import uneven_pair_rows, uneven_sft_rows
+from shared_helpers import uneven_pair_batch, uneven_sft_batch
 
 from rlhf.batch import Batch
 from rlhf.config.schema import ConfigError
-from rlhf.data.tokenize import collate_pairs, collate_sft, tokenize_pairs, tokenize_sft
 from rlhf.distributed.engine import EngineSpec, OptimSpec, build_ds_config
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -75,27 +74,8 @@ def batches(tiny_model):
     from rlhf.objectives.dpo import ReferenceLogps
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    sft = collate_sft(
-        tokenize_sft(
-            uneven_sft_rows(GLOBAL_BATCH, seed=11),
-            tokenizer,
-            max_length=64,
-            prompt_key="prompt",
-            response_key="response",
-        ).examples,
-        tokenizer.pad_token_id,
-    )
-    pairs = collate_pairs(
-        tokenize_pairs(
-            uneven_pair_rows(GLOBAL_BATCH, seed=12),
-            tokenizer,
-            max_length=64,
-            prompt_key="prompt",
-            chosen_key="chosen",
-            rejected_key="rejected",
-        ).examples,
-        tokenizer.pad_token_id,
-    )
+    sft = uneven_sft_batch(tokenizer, GLOBAL_BATCH, seed=11)
+    pairs = uneven_pair_batch(tokenizer, GLOBAL_BATCH, seed=12)
     with torch.no_grad():
         pairs = pairs.replace(ref_logps=ReferenceLogps()(_plain_model(tiny_model), pairs))
     advantage = torch.randn(GLOBAL_BATCH, 1, generator=torch.Generator().manual_seed(13))

@@ -26,10 +26,9 @@ import os
 import pytest
 import torch
 from precision_helpers import in_parallel
-from shared_helpers import uneven_pair_rows, uneven_sft_rows
+from shared_helpers import uneven_pair_batch, uneven_sft_batch
 
 from rlhf.batch import Batch
-from rlhf.data.tokenize import collate_pairs, collate_sft, tokenize_pairs, tokenize_sft
 from rlhf.distributed.engine import EngineSpec, OptimSpec
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -64,27 +63,8 @@ def batches(model_path):
     from rlhf.objectives.dpo import ReferenceLogps
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    sft = collate_sft(
-        tokenize_sft(
-            uneven_sft_rows(GLOBAL_BATCH, seed=21),
-            tokenizer,
-            max_length=64,
-            prompt_key="prompt",
-            response_key="response",
-        ).examples,
-        tokenizer.pad_token_id,
-    )
-    pairs = collate_pairs(
-        tokenize_pairs(
-            uneven_pair_rows(GLOBAL_BATCH, seed=22),
-            tokenizer,
-            max_length=64,
-            prompt_key="prompt",
-            chosen_key="chosen",
-            rejected_key="rejected",
-        ).examples,
-        tokenizer.pad_token_id,
-    )
+    sft = uneven_sft_batch(tokenizer, GLOBAL_BATCH, seed=21)
+    pairs = uneven_pair_batch(tokenizer, GLOBAL_BATCH, seed=22)
     reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64).eval()
     with torch.no_grad():
         pairs = pairs.replace(ref_logps=ReferenceLogps()(reference, pairs))
