@@ -1,7 +1,7 @@
 """Long rows: the peak memory per rank of one SFT step on a single row, by row length and sequence-parallel size.
 
     python bench/long_rows.py [--lengths 1024,2048,4096,8192] [--sp 1,2,4] [--budget-mb 0]
-        [--gradient-checkpointing] [--tiled-head] [--precision fp32|bf16] [--heads 4] [--kv-heads 2]
+        [--gradient-checkpointing] [--tiled-head] [--tiled-mlp] [--precision fp32|bf16] [--heads 4] [--kv-heads 2]
         [--hidden 128] [--layers 2] [--vocab 512] [--device cpu|cuda] [--json PATH]
 
 Each sequence-parallel size ``n`` gets a worker group of ``n`` ranks (one sequence group: every rank holds ``1/n``
@@ -106,6 +106,7 @@ def measure(args: argparse.Namespace, model_path: str, sp: int, lengths: List[in
                 precision=args.precision,
                 gradient_checkpointing=args.gradient_checkpointing,
                 tiled_head=args.tiled_head,
+                tiled_mlp=args.tiled_mlp,
             ),
             EngineSpec(
                 zero_stage=0,
@@ -139,6 +140,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-mb", type=float, default=0.0)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--tiled-head", action="store_true")
+    parser.add_argument("--tiled-mlp", action="store_true")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
@@ -170,6 +172,7 @@ def main(argv=None) -> int:
             f"({args.kv_heads} KV), vocab {args.vocab}, {args.precision} on {args.device}"
             + (", gradient checkpointing" if args.gradient_checkpointing else "")
             + (", tiled head" if args.tiled_head else "")
+            + (", tiled MLP" if args.tiled_mlp else "")
         )
         rows = [r for sp in sizes for r in measure(args, model_path, sp, lengths)]
     finally:

@@ -74,6 +74,9 @@ class ModelConfig:
     # Log-probs and entropies from the LM head applied to tiles of tokens, so a micro-batch's (tokens, vocabulary)
     # logits never exist whole (rlhf/models/head.py): the same numbers to rounding, less memory.
     tiled_head: bool = False
+    # The gated MLP of each layer in tiles of positions, recomputed in the backward (rlhf/models/tiled_mlp.py,
+    # DeepSpeed's TiledMLP): the same numbers, its (T, intermediate) activations never whole; for long rows.
+    tiled_mlp: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
@@ -481,6 +484,13 @@ class RunConfig:
             not self.model.tiled_head or self.strategy.zero_stage != 3,
             "model.tiled_head",
             "needs the LM head's whole weight on each rank, which ZeRO 3 partitions: use strategy.zero_stage 0-2",
+        )
+        check_setting(
+            not self.model.tiled_mlp or self.strategy.zero_stage != 3,
+            "model.tiled_mlp",
+            "runs each MLP in a number of tiles that depends on the row length, which ZeRO 3 cannot take: every "
+            "tile gathers the MLP's weights on every rank, so ranks with different lengths would wait on each "
+            "other; use strategy.zero_stage 0-2",
         )
         check_setting(
             not self.model.tiled_head or not self.model.lora.enabled,

@@ -19,6 +19,7 @@ from rlhf.hub import model_dir
 from rlhf.models.forward import hidden_forward
 from rlhf.models.head import enable_tiled_head
 from rlhf.models.lora import LoraSpec
+from rlhf.models.tiled_mlp import enable_tiled_mlp
 from rlhf.ops.logprobs import at_least_float32
 from rlhf.utils.device import torch_dtype
 
@@ -40,6 +41,7 @@ class ModelSpec:
     seed: int = 0  # seeds freshly initialised heads identically on every rank
     packing: bool = False  # load a variable-length attention so forwards can run padding-free (train.packing)
     tiled_head: bool = False  # log-probs from the LM head in token tiles (model.tiled_head, rlhf.models.head)
+    tiled_mlp: bool = False  # each gated MLP in tiles of positions (model.tiled_mlp, rlhf.models.tiled_mlp)
     lora: Optional[LoraSpec] = None  # adapters for a trainable build (model.lora.*); frozen builds ignore it
 
 
@@ -70,6 +72,8 @@ def load_model(spec: ModelSpec, zero3_config: Optional[Dict[str, Any]] = None) -
     model.config.use_cache = False
     if spec.tiled_head and spec.kind == CAUSAL_LM:
         enable_tiled_head(model)
+    if spec.tiled_mlp:
+        enable_tiled_mlp(model)
     return model
 
 

@@ -102,6 +102,7 @@ class RunContext:
             seed=self.cfg.train.seed,
             packing=self.cfg.train.packing,
             tiled_head=m.tiled_head,
+            tiled_mlp=m.tiled_mlp,
             lora=lora_spec(self.cfg),
         )
 
