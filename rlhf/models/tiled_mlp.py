@@ -36,7 +36,7 @@ def enable_tiled_mlp(module: torch.nn.Module) -> int:
             "model.tiled_mlp needs gated MLPs (gate_proj, up_proj, down_proj, act_fn): this model has none"
         )
     for mlp in mlps:
-        mlp.forward = types.MethodType(_tiled_forward, mlp)  # type: ignore[method-assign]
+        mlp.forward = types.MethodType(_tiled_forward, mlp)
     return len(mlps)
 
 
