@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from rlhf.models.packing import CORE_ATTENTION, PackedRows, register_varlen_attention
+from rlhf.models.packing import CORE_ATTENTION, VARLEN_TORCH, PackedRows, register_varlen_attention
 
 Tensor = torch.Tensor
 
@@ -111,7 +111,7 @@ def enable_sequence_parallel(module: torch.nn.Module, sequence: SequenceGroup) -
     if why:
         raise ValueError(f"strategy.sequence_parallel_size={sequence.size}: {why}")
     register_ulysses_attention()
-    if sequence.core not in ("sdpa", "flash_attention_2", "flash_attention_3"):
+    if sequence.core == VARLEN_TORCH:
         register_varlen_attention()
     setattr(module, CORE_ATTENTION, sequence.core)
     setattr(module, _GROUP_ATTR, sequence)
@@ -132,6 +132,18 @@ def register_ulysses_attention() -> None:
     AttentionMaskInterface.register(ULYSSES, _no_mask)
 
 
+def window_problem(core: str, window: Optional[int], length: int, attention_kwargs: Dict[str, Any]) -> Optional[str]:
+    """Why a sharded forward of ``length`` positions cannot keep a layer's sliding ``window``, or None. The window
+    lives in the mask, which a sharded forward of padded rows has not: flash-attention applies it itself, and packed
+    rows go to ``rlhf_varlen``, which refuses a row longer than the window on its own."""
+    if window is None or length <= window or core.startswith("flash") or "cu_seq_lens_q" in attention_kwargs:
+        return None
+    return (
+        f"{ULYSSES} over {core} has no sliding window: a {length}-position row exceeds the model's {window}-token "
+        f"window (use flash_attention_2, which applies it, or shorter rows)"
+    )
+
+
 def _no_mask(*args: Any, **kwargs: Any) -> None:
     """No mask: a shard's mask would be ``(T/N, T/N)``; the core attention is causal on whole right-padded rows, or
     kept within packed rows by their boundaries."""
@@ -145,6 +157,9 @@ def _ulysses_attention(
     sequence: Optional[SequenceGroup] = kwargs.pop(SEQUENCE_KWARG, None)
     if sequence is None:
         raise RuntimeError(f"{ULYSSES} attention called outside a sharded forward (rlhf.models.forward)")
+    why = window_problem(sequence.core, kwargs.get("sliding_window"), query.shape[2] * sequence.size, kwargs)
+    if why:
+        raise NotImplementedError(why)
     return sequence.exchange(query.shape[0], module.config)(module, query, key, value, None, **kwargs)
 
 

@@ -191,3 +191,16 @@ def test_a_64k_response_budget_is_taken_when_the_model_holds_it_and_refused_by_k
         return
     with pytest.raises(ConfigError, match=r"rollout.max_prompt_length \+ rollout.max_new_tokens \(1024 \+ 65536"):
         check_engine_context(cfg)
+
+
+def test_a_sliding_window_a_padded_sharded_forward_would_drop_is_refused():
+    from rlhf.models.sequence_parallel import window_problem
+
+    assert window_problem("sdpa", None, 8192, {}) is None  # no window
+    assert window_problem("sdpa", 4096, 4096, {}) is None  # within it
+    assert window_problem("flash_attention_2", 4096, 8192, {}) is None  # flash applies it
+    assert window_problem("rlhf_varlen", 4096, 8192, {"cu_seq_lens_q": None}) is None  # packed: rlhf_varlen checks
+    assert window_problem("rlhf_varlen", 4096, 8192, {}) == (
+        "rlhf_ulysses over rlhf_varlen has no sliding window: a 8192-position row exceeds the model's 4096-token "
+        "window (use flash_attention_2, which applies it, or shorter rows)"
+    )
