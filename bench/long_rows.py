@@ -2,7 +2,7 @@
 
     python bench/long_rows.py [--lengths 1024,2048,4096,8192] [--sp 1,2,4] [--budget-mb 0]
         [--gradient-checkpointing] [--tiled-head] [--tiled-mlp] [--precision fp32|bf16] [--heads 4] [--kv-heads 2]
-        [--hidden 128] [--layers 2] [--vocab 512] [--device cpu|cuda] [--json PATH]
+        [--hidden 128] [--layers 2] [--vocab 512] [--size 0.5b|1.5b|...] [--device cpu|cuda] [--json PATH]
 
 Each sequence-parallel size ``n`` gets a worker group of ``n`` ranks (one sequence group: every rank holds ``1/n``
 of the row's positions, :mod:`rlhf.models.sequence_parallel`), built as a run builds its policy (a real Ray actor
@@ -17,7 +17,10 @@ before it:
 
 Reported: per length and size, the largest rank's peak (MB) and the step's seconds; with ``--budget-mb M`` the
 longest listed length whose peak fits ``M`` at each size. The model is the project's tiny Qwen2 (random weights)
-with ``--heads`` query and ``--kv-heads`` key/value heads (both must split over the sizes asked for).
+with ``--heads`` query and ``--kv-heads`` key/value heads (both must split over the sizes asked for), or with
+``--size`` a random Qwen2 of that size (:mod:`rlhf.models.sizes`; on a GPU:
+``--device cuda --size 1.5b --precision bf16 --sp 1 --lengths 8192,16384,32768 --tiled-head --tiled-mlp
+--gradient-checkpointing``).
 """
 
 from __future__ import annotations
@@ -147,6 +150,7 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--size", default="", help="a rlhf.models.sizes size instead of the tiny model")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
@@ -156,15 +160,24 @@ def main(argv=None) -> int:
 
     lengths = [int(x) for x in args.lengths.split(",")]
     sizes = [int(x) for x in args.sp.split(",")]
-    model_path = build_tiny_model(
-        os.path.join(tempfile.mkdtemp(prefix="long-rows-"), "model"),
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        vocab_size=args.vocab,
-        max_position_embeddings=max(lengths),
-    )
+    where = os.path.join(tempfile.mkdtemp(prefix="long-rows-"), "model")
+    if args.size:
+        from rlhf.models.sizes import MODEL_SIZES, build_sized_model
+
+        model_path = build_sized_model(where, args.size, max_positions=max(lengths), device=args.device)
+        shape = MODEL_SIZES[args.size]
+        args.hidden, args.layers, args.vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
+        args.heads, args.kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    else:
+        model_path = build_tiny_model(
+            where,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            vocab_size=args.vocab,
+            max_position_embeddings=max(lengths),
+        )
     ray.init(address="local", num_cpus=max(sizes), include_dashboard=False, log_to_driver=False)
     try:
         print(

@@ -21,6 +21,7 @@ float64 rounding.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -121,9 +122,10 @@ def _build(group, model_path: str, kind: str, name: str) -> None:
     )
 
 
-@pytest.fixture(scope="module")
-def groups(model_path):
-    """name -> (WorkerGroup, packing), built side by side with the causal LM; shut down at the end of the file."""
+@contextlib.contextmanager
+def _started_groups(model_path):
+    """name -> (WorkerGroup, packing), built side by side with the causal LM; shut down on exit, so that the CLI
+    tests below find the session's CPUs free."""
     from rlhf.distributed.cluster import actor_env
     from rlhf.distributed.group import GroupResources, WorkerGroup
     from rlhf.models.loading import CAUSAL_LM
@@ -135,15 +137,22 @@ def groups(model_path):
         return group, packing
 
     started = in_parallel({name: (lambda n=name: start(n)) for name in LAYOUTS})
-    yield started
-    for group, _ in started.values():
-        group.shutdown()
+    try:
+        yield started
+    finally:
+        for group, _ in started.values():
+            group.shutdown()
 
 
 @pytest.fixture(scope="module")
-def trained(groups, batches, tmp_path_factory, model_path):
+def trained(batches, tmp_path_factory, model_path):
     """Every group's steps in lockstep -> ``{"rows": name -> [step metrics], "old_logps": name -> (B, T),
-    "values": name -> (B, T), "dirs": name -> the causal LM's saved weights}``."""
+    "values": name -> (B, T), "dirs": name -> the causal LM's saved weights}``; the groups are gone after."""
+    with _started_groups(model_path) as groups:
+        return _train_in_lockstep(groups, batches, tmp_path_factory, model_path)
+
+
+def _train_in_lockstep(groups, batches, tmp_path_factory, model_path) -> dict:
     from rlhf.models.loading import SCALAR_HEAD
     from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps, TokenValues, ValueObjective
     from rlhf.objectives.dpo import DPOObjective
