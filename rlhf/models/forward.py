@@ -1,8 +1,9 @@
 """One forward of a model over ``(B, T)`` right-padded rows, in whichever layout the worker runs it: padded, packed
 (:mod:`rlhf.models.packing`) or sharded across a sequence group (:mod:`rlhf.models.sequence_parallel`).
 
-Every per-position result goes back to the padded ``(B, T)`` layout through :class:`LMLogits` or
-:func:`hidden_forward`, so the objectives never see the layout.
+One function runs the forward (:func:`_run`) and one puts every per-position result back into the padded ``(B, T)``
+layout (:meth:`Layout.restore`), for the LM's log-probs (:class:`LMLogits`) and a scalar head's values
+(:func:`hidden_forward`) alike, so the objectives never see the layout.
 """
 
 from __future__ import annotations
@@ -20,60 +21,70 @@ Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
+class Layout:
+    """How a forward laid out ``(B, T)`` right-padded rows: padded, packed (``packed``) and/or this rank's positions
+    of a sequence group (``shard``)."""
+
+    packed: Optional[PackedRows] = None
+    shard: Optional[SequenceShard] = None
+
+    def restore(self, per_position: Tensor, token_aligned: bool) -> Tensor:
+        """Per-position results of the forward in the padded ``(B, T, ...)`` layout: the group's shards gathered
+        (differentiably), then with ``token_aligned`` shifted onto the tokens they predict (column 0 = 0), then
+        unpacked (0 at padding)."""
+        whole = per_position if self.shard is None else self.shard.gather(per_position)
+        if token_aligned:
+            whole = align_to_tokens(whole)
+        return whole if self.packed is None else self.packed.unpack(whole, token_aligned=token_aligned)
+
+
+def _run(model: Any, input_ids: Tensor, attention_mask: Tensor, packing: Optional[bool], **kwargs: Any):
+    """The model's forward over ``(B, T)`` right-padded rows, packed per :func:`rlhf.models.packing.runs_packed`,
+    sharded when the model runs across a sequence group -> ``(output, ids in its layout, the token each position
+    predicts, Layout)``; at the very last position that token is a dummy whose value :meth:`Layout.restore` drops."""
+    packed = runs_packed(model, packing)
+    sequence = sequence_group_of(model)
+    if sequence is not None:
+        inputs = shard_inputs(sequence, input_ids, attention_mask, packed)
+        out = model(**inputs.model_inputs, **kwargs)
+        return out, inputs.input_ids, inputs.next_ids, Layout(inputs.packed, inputs.shard)
+    if not packed:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        return out, input_ids, input_ids.roll(-1, dims=1), Layout()
+    out, rows = packed_forward(model, input_ids, attention_mask, **kwargs)
+    return out, rows.input_ids, rows.input_ids.roll(-1, dims=1), Layout(rows)
+
+
+@dataclass(frozen=True)
 class LMLogits:
     """A causal LM's logits over a batch and the ids they score, in the forward's layout.
 
     Attributes:
         logits: ``(B, T, V)``; ``(1, N, V)`` packed; this rank's ``(R, T/n, V)`` positions sharded.
-        input_ids: the ids in the same layout; ``next_ids``: the token each position predicts (the next one; at
-            the very last position a dummy whose value :meth:`per_token` drops).
-        packed: how the rows were packed (``None``: the padded layout); ``shard``: this rank's positions when
-            sharded across a sequence group.
+        input_ids: the ids in the same layout; ``next_ids``: the token each position predicts.
+        layout: how the rows were laid out.
     """
 
     logits: Tensor
     input_ids: Tensor
     next_ids: Tensor
-    packed: Optional[PackedRows] = None
-    shard: Optional[SequenceShard] = None
+    layout: Layout
 
     def per_token(self, per_position: Tensor) -> Tensor:
         """Values computed at the prediction positions of :attr:`logits` (``next_ids=`` of
         :func:`rlhf.ops.logprobs.token_logprobs`) on the tokens they predict, in the padded ``(B, T)`` layout,
-        column 0 = 0 (the group's shards gathered first, differentiably)."""
-        whole = per_position if self.shard is None else self.shard.gather(per_position)
-        aligned = align_to_tokens(whole)
-        return aligned if self.packed is None else self.packed.unpack(aligned, token_aligned=True)
+        column 0 = 0."""
+        return self.layout.restore(per_position, token_aligned=True)
 
 
 def lm_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, packing: Optional[bool] = None) -> LMLogits:
-    """A causal LM's forward over ``(B, T)`` right-padded rows, packed per
-    :func:`rlhf.models.packing.runs_packed`, sharded when the model runs across a sequence group."""
-    packed = runs_packed(model, packing)
-    sequence = sequence_group_of(model)
-    if sequence is not None:
-        inputs = shard_inputs(sequence, input_ids, attention_mask, packed)
-        logits = model(**inputs.model_inputs).logits
-        return LMLogits(logits, inputs.input_ids, inputs.next_ids, inputs.packed, inputs.shard)
-    if not packed:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-        return LMLogits(logits, input_ids, input_ids.roll(-1, dims=1))
-    out, rows = packed_forward(model, input_ids, attention_mask)
-    return LMLogits(out.logits, rows.input_ids, rows.input_ids.roll(-1, dims=1), rows)
+    """A causal LM's forward over ``(B, T)`` right-padded rows, laid out as :func:`_run` lays it out."""
+    out, ids, next_ids, layout = _run(model, input_ids, attention_mask, packing)
+    return LMLogits(out.logits, ids, next_ids, layout)
 
 
 def hidden_forward(model: Any, input_ids: Tensor, attention_mask: Tensor, head: Any, packing: Optional[bool]) -> Tensor:
     """``head`` on the model's last hidden states at every position of ``(B, T)`` right-padded rows -> ``(B, T,
-    ...)`` in the padded layout (0 at padding when packed), laid out as :func:`lm_logits` lays out its forward."""
-    packed = runs_packed(model, packing)
-    sequence = sequence_group_of(model)
-    if sequence is not None:
-        inputs = shard_inputs(sequence, input_ids, attention_mask, packed)
-        out = model(**inputs.model_inputs, output_hidden_states=True)
-        whole = inputs.shard.gather(head(out.hidden_states[-1]))
-        return whole if inputs.packed is None else inputs.packed.unpack(whole, token_aligned=False)
-    if not packed:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-        return head(out.hidden_states[-1])
-    out, rows = packed_forward(model, input_ids, attention_mask, output_hidden_states=True)
-    return rows.unpack(head(out.hidden_states[-1]), token_aligned=False)
+    ...)`` in the padded layout (0 at padding when packed)."""
+    out, _, _, layout = _run(model, input_ids, attention_mask, packing, output_hidden_states=True)
+    return layout.restore(head(out.hidden_states[-1]), token_aligned=False)
