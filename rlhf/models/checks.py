@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple, TypeGuard
 
 from rlhf.config.schema import ConfigError
 
@@ -81,9 +81,7 @@ def model_positions(folder: str) -> Optional[Positions]:
     config = _read_json(os.path.join(folder, "config.json"))
     if config is None:
         return None
-    text, prefix = (
-        (config["text_config"], "text_config.") if isinstance(config.get("text_config"), dict) else (config, "")
-    )
+    text, prefix = _text_config(config)
     found = [(text[key], key) for key in _LENGTH_KEYS if _is_count(text.get(key))]
     if not found:
         return None
@@ -116,7 +114,28 @@ def _rope_factor(config: dict) -> float:
     return factor
 
 
-def _is_count(value) -> bool:
+def model_heads(folder: str) -> Optional[Tuple[int, int]]:
+    """``(attention heads, key/value heads)`` of the model in ``folder`` from its ``config.json`` (its
+    ``text_config`` for a multimodal model; key/value heads default to the attention heads), or ``None`` when the
+    file cannot be read or names no head count."""
+    config = _read_json(os.path.join(folder, "config.json"))
+    if config is None:
+        return None
+    text, _ = _text_config(config)
+    heads, kv_heads = text.get("num_attention_heads"), text.get("num_key_value_heads")
+    if not _is_count(heads):
+        return None
+    return heads, kv_heads if _is_count(kv_heads) else heads
+
+
+def _text_config(config: dict) -> Tuple[dict, str]:
+    """The language model's part of a ``config.json`` and its key prefix (``text_config.`` for a multimodal one)."""
+    if isinstance(config.get("text_config"), dict):
+        return config["text_config"], "text_config."
+    return config, ""
+
+
+def _is_count(value) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 

@@ -22,7 +22,6 @@ functions, each refusing bad input with its file and row (:mod:`rlhf.trainers.of
 
 from __future__ import annotations
 
-import json
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -41,6 +40,7 @@ from rlhf.hub import (
     model_dir,
     offline,
 )
+from rlhf.models.checks import model_heads
 from rlhf.models.sequence_parallel import check_heads
 from rlhf.trainers.descriptor import Row, TrainerKind
 from rlhf.trainers.output_dir import output_dir_status
@@ -61,8 +61,9 @@ def preflight(cfg: RunConfig, kind: TrainerKind, here: bool = True, precision: O
     Raises:
         ConfigError: Naming the key of the first setting a run would refuse.
     """
-    rows = [(key, path, model_status(key, path, here)) for key, path in _values(cfg, kind.model_keys) if path]
-    _check_sequence_parallel(cfg, [(key, path) for key, path in _values(cfg, kind.model_keys) if path], here)
+    models = [(key, path) for key, path in _values(cfg, kind.model_keys) if path]
+    rows = [(key, path, model_status(key, path, here)) for key, path in models]
+    _check_sequence_parallel(cfg, models, here)
     own = kind.checks(cfg, here)  # before the data is read: a refusal costs nothing here (online RL: its engines)
     rows += [
         (key, path, _path_status(key, path, repo_type, here))
@@ -221,13 +222,8 @@ def _check_sequence_parallel(cfg: RunConfig, models: Sequence[Tuple[str, str]], 
     if size == 1:
         return
     for key, path in models:
-        if not readable(path, here):
-            continue
-        with open(os.path.join(model_dir(path), "config.json")) as f:
-            config = json.load(f)
-        text = config.get("text_config", config)
-        heads = int(text.get("num_attention_heads", 0))
-        why = check_heads(heads, int(text.get("num_key_value_heads") or heads), size)
+        heads = model_heads(model_dir(path)) if readable(path, here) else None
+        why = check_heads(heads[0], heads[1], size) if heads else None
         if why:
             raise ConfigError(f"strategy.sequence_parallel_size={size}: {why} ({key}={path!r})")
 
