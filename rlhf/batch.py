@@ -43,6 +43,9 @@ class Batch:
         values: ``(B, T)`` critic values before the update (PPO value clipping, GAE).
         advantages: ``(B, T)`` per-token advantages (0 outside ``loss_mask``).
         returns: ``(B, T)`` per-token value targets.
+        desirable: ``(B,)`` bool, unpaired preference rows (KTO): whether the row's completion is desirable.
+        kl_baseline: ``(B,)`` KTO's reference point ``z_0``, the KL estimate of the whole global batch repeated on
+            every row (so any cut of the batch carries it), detached.
     """
 
     input_ids: Tensor
@@ -56,6 +59,8 @@ class Batch:
     values: Optional[Tensor] = None
     advantages: Optional[Tensor] = None
     returns: Optional[Tensor] = None
+    desirable: Optional[Tensor] = None
+    kl_baseline: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         n = self.input_ids.shape[0]

@@ -47,6 +47,19 @@ def uneven_pair_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def uneven_unpaired_rows(n: int, seed: int) -> list[dict]:
+    """KTO rows (TRL's unpaired layout): a sum prompt, a right (desirable) or wrong (undesirable) answer of uneven
+    length; about 3 in 5 desirable."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randrange(30), rng.randrange(30)
+        good = rng.random() < 0.6
+        answer = a + b if good else a + b + rng.randint(1, 5)
+        rows.append({"prompt": f"{a}+{b}=", "completion": f"{answer} {_digits(rng, 0, 16)}".strip(), "label": good})
+    return rows
+
+
 def uneven_sft_batch(tokenizer, n: int, seed: int, max_length: int = 64):
     """:func:`uneven_sft_rows` tokenized and collated as the SFT trainer does: one ``(n, T)`` batch."""
     from rlhf.data.tokenize import collate_sft, tokenize_sft

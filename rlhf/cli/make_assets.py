@@ -6,11 +6,11 @@ Usage::
         [--num-prompts 512] [--num-eval-prompts 128] [--max-operand 20] [--force]
 
 Writes under ``--out`` the files of :data:`WRITES` (what ``--help`` lists): ``model/`` (tiny Qwen2 + tokenizer
-with a ChatML chat template), ``sft.jsonl``, ``preference.jsonl``, ``prompts.jsonl`` and ``eval_prompts.jsonl``,
-the conversational forms of the training files (``sft_chat.jsonl``, ``preference_chat.jsonl``,
-``prompts_chat.jsonl``), and ``tools.jinja``: the model's ChatML with tools
-(:data:`rlhf.models.tiny.SHORT_TOOLS_CHAT_TEMPLATE`; its own template drops them), for an agent run's
-``env.chat_template`` and a tool-calling warm-up's ``data.chat_template``. Anything that already exists is kept
+with a ChatML chat template), ``sft.jsonl``, ``preference.jsonl``, ``unpaired.jsonl`` (its pairs as KTO's
+thumbs-up / down rows), ``prompts.jsonl`` and ``eval_prompts.jsonl``, the conversational forms of the training
+files (``sft_chat.jsonl``, ``preference_chat.jsonl``, ``prompts_chat.jsonl``), and ``tools.jinja``: the model's
+ChatML with tools (:data:`rlhf.models.tiny.SHORT_TOOLS_CHAT_TEMPLATE`; its own template drops them), for an agent
+run's ``env.chat_template`` and a tool-calling warm-up's ``data.chat_template``. Anything that already exists is kept
 unless ``--force``; every output appears atomically, so an existing path is always a complete one.
 """
 
@@ -37,6 +37,11 @@ WRITES = (
     (
         "preference.jsonl",
         "--num-pref pairs {prompt, chosen, rejected, margin}: DPO (dpo_tiny), reward models (rm_tiny)",
+    ),
+    (
+        "unpaired.jsonl",
+        "preference.jsonl as thumbs-up / thumbs-down rows {prompt, completion, label}, two per pair: KTO "
+        "(dpo_tiny with dpo.loss_type=kto)",
     ),
     ("prompts.jsonl", "--num-prompts RL prompts {prompt, answer}: online RL (grpo_tiny)"),
     ("eval_prompts.jsonl", "--num-eval-prompts held-out RL prompts, another draw: data.eval_path"),
@@ -113,7 +118,7 @@ def make_assets(
         log: Called with one line per output (e.g. ``print``); silent if None.
 
     Returns:
-        Paths keyed ``model``, ``sft``, ``preference``, ``prompts``, ``eval_prompts``, ``sft_chat``,
+        Paths keyed ``model``, ``sft``, ``preference``, ``unpaired``, ``prompts``, ``eval_prompts``, ``sft_chat``,
         ``preference_chat``, ``prompts_chat``, ``tools_template``.
     """
     say = log or (lambda _msg: None)
@@ -122,6 +127,7 @@ def make_assets(
         "model": os.path.join(out, "model"),
         "sft": os.path.join(out, "sft.jsonl"),
         "preference": os.path.join(out, "preference.jsonl"),
+        "unpaired": os.path.join(out, "unpaired.jsonl"),
         "prompts": os.path.join(out, "prompts.jsonl"),
         "eval_prompts": os.path.join(out, "eval_prompts.jsonl"),
         "sft_chat": os.path.join(out, "sft_chat.jsonl"),
@@ -137,6 +143,7 @@ def make_assets(
         # The same draws as conversations (the chat template of the tiny tokenizer renders them).
         "sft_chat": lambda: arithmetic.to_chat_sft(makers["sft"]()),
         "preference_chat": lambda: arithmetic.to_chat_preference(makers["preference"]()),
+        "unpaired": lambda: arithmetic.to_unpaired(makers["preference"]()),
         "prompts_chat": lambda: arithmetic.to_chat_prompts(makers["prompts"]()),
     }
 

@@ -117,6 +117,8 @@ class DataConfig:
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     margin_key: str = "margin"  # optional per-pair margin for the reward model
+    completion_key: str = "completion"  # unpaired preference rows (dpo.loss_type=kto): the one answer
+    label_key: str = "label"  # unpaired preference rows: true = desirable answer, false = undesirable
     add_eos: bool = True  # plain-text rows: append the tokenizer's EOS to every completion
     # Conversational rows are rendered with a chat template (docs/your_model_and_data.md); plain text never is.
     chat_template: str = "auto"  # auto (the tokenizer's own) | none (conversational rows refused) | a .jinja file
@@ -422,11 +424,16 @@ class DPOConfig:
     """Direct Preference Optimization (Rafailov et al. 2023) and variants; see rlhf/ops/preference.py."""
 
     beta: float = 0.1
-    loss_type: str = "sigmoid"  # a name in rlhf.ops.preference.DPO_LOSSES
+    # a name in rlhf.ops.preference.DPO_LOSSES (preference pairs) or UNPAIRED_LOSSES (kto: prompt, completion, label)
+    loss_type: str = "sigmoid"
     label_smoothing: float = 0.0  # cDPO: assumed probability that a preference label is flipped
     nll_coef: float = 0.0  # RPO: + coef x token-averaged NLL of the chosen completion (keeps its likelihood up)
     ref_mode: str = "precompute"  # precompute: score every row once before training; online: every step
     ref_num_workers: int = 1  # reference workers (precompute and online)
+    # KTO (Ethayarajh et al. 2024): lambda_D and lambda_U, the weights of desirable and undesirable rows; the paper
+    # advises lambda_D n_D / (lambda_U n_U) in [1, 4/3] (n: rows of each label), the run logs the ratio it reads
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
 
     def __post_init__(self) -> None:
         check_setting(self.beta > 0, "dpo.beta", f"must be > 0, got {self.beta}")
@@ -436,10 +443,23 @@ class DPOConfig:
         check_setting(self.nll_coef >= 0, "dpo.nll_coef", f"must be >= 0, got {self.nll_coef}")
         check_choice(self.ref_mode, "dpo.ref_mode", ("precompute", "online"))
         check_setting(self.ref_num_workers >= 1, "dpo.ref_num_workers", f"must be >= 1, got {self.ref_num_workers}")
-        from rlhf.ops.preference import DPO_LOSSES  # imports torch; keeps `import rlhf.config` light
+        for key in ("desirable_weight", "undesirable_weight"):
+            check_setting(getattr(self, key) > 0, f"dpo.{key}", f"must be > 0, got {getattr(self, key)}")
+        if self.unpaired:
+            for key in ("label_smoothing", "nll_coef"):
+                check_setting(
+                    not getattr(self, key),
+                    f"dpo.{key}",
+                    f"is not used by dpo.loss_type={self.loss_type} (unpaired rows); set it to 0",
+                )
+
+    @property
+    def unpaired(self) -> bool:
+        """Whether the loss reads unpaired rows (prompt, completion, label) instead of preference pairs."""
+        from rlhf.ops.preference import preference_rows  # imports torch; keeps `import rlhf.config` light
 
         try:
-            DPO_LOSSES.get(self.loss_type)
+            return preference_rows(self.loss_type) == "unpaired"
         except KeyError as e:  # UnknownNameError lists the valid names
             raise ConfigError(f"dpo.loss_type: {e}") from None
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from rlhf.data.chat import ChatFormatter, ChatTemplateError, check_messages, load_template, row_tools
 from rlhf.data.io import DataError, FieldsError, read_rows
-from rlhf.data.layouts import COMPLETION, pair_parts, sft_parts
+from rlhf.data.layouts import COMPLETION, pair_parts, sft_parts, unpaired_parts
 from rlhf.data.tokenize import RowError
 
 _TEXT_OR_MESSAGES = (str, list)
@@ -71,6 +71,18 @@ def pair_fields(
         (margin_key,) if margin_key else ()
     )
     return _fields(keys, check, {margin_key: (int, float)} if margin_key else None)
+
+
+def unpaired_fields(prompt_key: str, completion_key: str, label_key: str, tools_key: str = "tools") -> Dict[str, Any]:
+    """Unpaired preference rows (KTO) in any layout of :func:`rlhf.data.layouts.unpaired_parts`: a prompt and one
+    completion, text or messages, and a boolean label. ``tools_key``: the row's tool schemas, when it has them."""
+
+    def check(row: dict) -> None:
+        unpaired_parts(row, prompt_key, completion_key, label_key)
+        row_tools(row, tools_key)
+
+    keys = tuple(k for k in (prompt_key, completion_key, tools_key) if k)
+    return _fields(keys, check, optional=(label_key,))
 
 
 def prompt_fields(

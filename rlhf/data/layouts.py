@@ -16,6 +16,10 @@ Preference pairs (:func:`pair_parts`, TRL's layouts plus two that people downloa
   shared prefix; other text: the prompt is the shared prefix cut before its last whitespace, the answers start with
   that whitespace (TRL's ``extract_prompt`` cuts the same way).
 
+Unpaired preference rows (:func:`unpaired_parts`, TRL's unpaired layout, for KTO): ``prompt`` + ``completion`` +
+``label`` (true: a desirable answer), prompt and completion both text or both messages (the completion: assistant
+messages), or a ``prompt`` string before assistant messages (the string is one user turn).
+
 SFT rows (:func:`sft_parts`): ``messages``; ``prompt`` + ``response`` (or TRL's ``completion`` when the row has no
 ``response`` field), both text or both messages; a plain ``text`` column trained on whole.
 """
@@ -145,3 +149,32 @@ def sft_parts(row: dict, prompt_key: str, response_key: str, messages_key: str, 
         missing=(messages_key, prompt_key, response_key, text_key),
         advice="Set data.messages_key, data.prompt_key and data.response_key, or data.text_key to the row's fields.",
     )
+
+
+def unpaired_parts(row: dict, prompt_key: str, completion_key: str, label_key: str) -> Tuple[Any, Any, bool]:
+    """``(prompt, completion, desirable)`` of an unpaired preference row (module docstring): two texts or two lists
+    of messages, and the label.
+
+    Raises:
+        FieldsError: A field is missing (the message names the key to set).
+        ValueError: The label is not a boolean (or 0 / 1), the fields mix text and messages, or a message is
+            malformed.
+    """
+    for key, name, what in (
+        (prompt_key, "prompt", "prompt"),
+        (completion_key, "completion", "answer"),
+        (label_key, "label", "label (true: desirable answer)"),
+    ):
+        _require(row, key, "an unpaired preference row", f"Set data.{name}_key to the field that holds the {what}.")
+    label = row[label_key]
+    if not isinstance(label, (bool, int)) or label not in (0, 1):  # 0 / 1 read as false / true
+        raise ValueError(f"field {label_key!r} must be true or false (desirable or not), got {label!r}")
+    prompt, completion = row[prompt_key], row[completion_key]
+    if isinstance(completion, str):
+        if not isinstance(prompt, str):
+            raise _mixed(row, prompt_key, completion_key)
+        return prompt, completion, bool(label)
+    check_messages(completion, completion_key, assistant_only=True)
+    if isinstance(prompt, str):  # a prompt string before assistant messages: one user turn
+        return [{"role": "user", "content": prompt}], completion, bool(label)
+    return check_messages(prompt, prompt_key), completion, bool(label)

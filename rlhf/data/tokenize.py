@@ -22,7 +22,7 @@ import torch
 
 from rlhf.batch import Batch, pad_sequences
 from rlhf.data.chat import row_tools, sft_turns
-from rlhf.data.layouts import pair_parts, sft_parts
+from rlhf.data.layouts import pair_parts, sft_parts, unpaired_parts
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,23 @@ class PairExample:
     margin: Optional[float] = None
 
 
+@dataclass(frozen=True)
+class UnpairedExample:
+    """An unpaired preference row (KTO): its completion, the mismatched sequence of its prompt with another row's
+    completion (for the KL reference point), and its label."""
+
+    completion: Example
+    mismatched: Example
+    desirable: bool
+
+
 def example_lengths(example) -> Tuple[int, ...]:
-    """The token lengths of an example's sequences: ``(L,)``, or ``(L_chosen, L_rejected)`` for a pair."""
+    """The token lengths of an example's sequences: ``(L,)``, or two lengths for a pair or an unpaired row (its
+    completion and its mismatched sequence)."""
     if isinstance(example, PairExample):
         return (len(example.chosen.input_ids), len(example.rejected.input_ids))
+    if isinstance(example, UnpairedExample):
+        return (len(example.completion.input_ids), len(example.mismatched.input_ids))
     return (len(example.input_ids),)
 
 
@@ -221,6 +234,72 @@ def tokenize_pairs(
     return Tokenized(examples, skipped)
 
 
+def tokenize_unpaired(
+    rows: Sequence[dict],
+    tokenizer,
+    *,
+    max_length: int,
+    prompt_key: str,
+    completion_key: str,
+    label_key: str,
+    add_eos: bool = True,
+    chat=None,
+    tools_key: str = "tools",
+) -> Tokenized:
+    """Unpaired preference rows (:func:`rlhf.data.layouts.unpaired_parts`) -> :class:`UnpairedExample`: plain rows
+    tokenized as plain SFT rows, conversational ones rendered with ``chat``; a row left without a target is skipped.
+
+    The mismatched sequence of the ``k``-th of ``n`` kept rows of a kind (plain or conversational) is its prompt
+    with the completion of the kept row ``(k + n // 2) mod n`` of that kind. TRL shifts completions by one row
+    instead, which pairs a prompt with its own other answer in data unpaired from pairs (each pair's two rows side
+    by side); half a dataset away, the two rows of a pair are never each other's mismatch. It is cut at
+    ``max_length`` like any row (a conversation whose prompt then leaves no target keeps no target: it adds 0 to
+    the KL estimate).
+
+    Raises:
+        RowError: The one kept row of its kind: a row cannot be mismatched with itself.
+    """
+    parts = {}
+    for i, row in enumerate(rows):
+        with row_errors(i):
+            parts[i] = unpaired_parts(row, prompt_key, completion_key, label_key)
+    plain = [i for i, p in parts.items() if isinstance(p[1], str)]
+    prompt_ids = dict(zip(plain, _encode(tokenizer, [parts[i][0] for i in plain], special=True)))
+    answer_ids = dict(zip(plain, _completions(tokenizer, [parts[i][1] for i in plain], add_eos)))
+
+    def sequence(i: int, j: int, keep_untrained: bool = False) -> Optional[Example]:
+        """The prompt of row ``i`` with the completion of row ``j``; None without a target unless kept."""
+        if i in prompt_ids:  # a plain prompt that fits one completion token fits any (completions are non-empty)
+            return _join(prompt_ids[i], answer_ids[j], max_length)
+        prompt, completion = parts[i][0], parts[j][1]
+        with row_errors(i):
+            encoded = chat.encode(
+                prompt + completion, range(len(prompt), len(prompt) + len(completion)), row_tools(rows[i], tools_key)
+            )
+        if keep_untrained:
+            return _truncated(encoded, max_length) or Example(
+                tuple(encoded.input_ids[:max_length]), (0,) * min(len(encoded.input_ids), max_length)
+            )
+        return _truncated(encoded, max_length)
+
+    own = {i: sequence(i, i) for i in range(len(rows))}
+    kept = [i for i in range(len(rows)) if own[i] is not None]
+    mismatched: dict = {}
+    for group in ([i for i in kept if i in prompt_ids], [i for i in kept if i not in prompt_ids]):
+        if len(group) == 1:
+            kind = "plain-text" if group[0] in prompt_ids else "conversational"
+            raise RowError(
+                group[0],
+                f"the only {kind} row: KTO's KL estimate pairs each row's prompt with another row's completion of "
+                f"the same kind, so it needs at least two",
+            )
+        for k, i in enumerate(group):
+            j = group[(k + len(group) // 2) % len(group)]
+            mismatched[i] = sequence(i, j, keep_untrained=True)
+    examples = [UnpairedExample(cast(Example, own[i]), mismatched[i], parts[i][2]) for i in kept]
+    return Tokenized(examples, [i for i in range(len(rows)) if own[i] is None])
+
+
 def collate_sft(examples: Sequence[Example], pad_id: int, indices: Optional[Sequence[int]] = None) -> Batch:
     """Right-pad to the longest example of this batch -> ``(B, T)`` fields."""
     ids = pad_sequences([e.input_ids for e in examples], pad_id)
@@ -230,6 +309,19 @@ def collate_sft(examples: Sequence[Example], pad_id: int, indices: Optional[Sequ
         loss_mask=pad_sequences([e.loss_mask for e in examples], 0, ids.shape[1]),
         sample_index=None if indices is None else torch.tensor(list(indices), dtype=torch.long),
     )
+
+
+def collate_unpaired(
+    examples: Sequence[UnpairedExample],
+    pad_id: int,
+    indices: Optional[Sequence[int]] = None,
+    ref_logps: Optional[torch.Tensor] = None,
+) -> Batch:
+    """Unpaired rows -> ``(B, 2, T)`` fields in the pair layout (index 0: the row's completion, 1: its mismatched
+    sequence) and ``desirable`` ``(B,)``."""
+    pairs = [PairExample(e.completion, e.mismatched) for e in examples]
+    batch = collate_pairs(pairs, pad_id, indices, ref_logps)
+    return batch.replace(desirable=torch.tensor([e.desirable for e in examples], dtype=torch.bool))
 
 
 def collate_pairs(

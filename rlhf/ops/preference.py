@@ -1,4 +1,4 @@
-"""Pairwise preference losses: DPO and its variants, Bradley-Terry reward modelling, pair accuracy.
+"""Preference losses: DPO and its variants, KTO on unpaired rows, Bradley-Terry reward modelling, pair accuracy.
 
 Every function returns per-pair values ``(B,)`` or a count; none averages over the micro-batch. The caller sums
 them and divides once by the number of pairs in the global batch (:func:`rlhf.ops.losses.normalize`).
@@ -11,13 +11,14 @@ count of their completion first.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from rlhf.registry import Registry
+from rlhf.registry import Registry, UnknownNameError
 
 Tensor = torch.Tensor
 
@@ -113,6 +114,117 @@ DPO_LOSSES.register("sigmoid")(DPOLoss(_sigmoid, False, "Rafailov et al. 2023, D
 DPO_LOSSES.register("ipo")(DPOLoss(_ipo, True, "Azar et al. 2023, IPO (per-token averaged log-probs)"))
 DPO_LOSSES.register("hinge")(DPOLoss(_hinge, False, "Zhao et al. 2023, SLiC-HF (reference-normalized as in RSO)"))
 DPO_LOSSES.register("robust")(DPOLoss(_robust, False, "Chowdhury et al. 2024, Provably Robust DPO"))
+
+
+@dataclass(frozen=True)
+class UnpairedLoss:
+    """A preference loss on unpaired rows (one completion with a desirable / undesirable label).
+
+    Attributes:
+        fn: ``fn(logratio (B,), kl_baseline (B,), desirable (B,) bool, beta, desirable_weight,
+            undesirable_weight) -> (B,)`` per-row losses.
+        paper: the reference the formula follows.
+    """
+
+    fn: Callable[[Tensor, Tensor, Tensor, float, float, float], Tensor]
+    paper: str
+
+
+UNPAIRED_LOSSES = Registry[UnpairedLoss]("unpaired preference loss type")
+
+
+def _kto(
+    logratio: Tensor,
+    kl_baseline: Tensor,
+    desirable: Tensor,
+    beta: float,
+    desirable_weight: float,
+    undesirable_weight: float,
+) -> Tensor:
+    """KTO (Ethayarajh et al. 2024, eq. 7): ``lambda_y - v(x, y)`` per row, with the value
+    ``v = lambda_D sigmoid(beta (r - z_0))`` for a desirable completion and ``lambda_U sigmoid(beta (z_0 - r))`` for
+    an undesirable one, ``r = log pi(y|x) - log pi_ref(y|x)`` summed over the completion and ``z_0`` the detached
+    KL reference point (:func:`kto_kl_baseline`). Summed log-probs, as in the paper and TRL."""
+    _check_beta(beta)
+    if not (desirable_weight > 0 and undesirable_weight > 0):
+        raise ValueError(f"KTO weights must be > 0, got {desirable_weight}, {undesirable_weight}")
+    z = beta * (logratio - kl_baseline)
+    good = desirable.to(torch.bool)
+    value = torch.where(good, desirable_weight * torch.sigmoid(z), undesirable_weight * torch.sigmoid(-z))
+    weight = torch.where(good, z.new_tensor(desirable_weight), z.new_tensor(undesirable_weight))
+    return weight - value
+
+
+UNPAIRED_LOSSES.register("kto")(UnpairedLoss(_kto, "Ethayarajh et al. 2024, KTO (eq. 7; z_0 from mismatched pairs)"))
+
+
+def preference_rows(loss_type: str) -> str:
+    """What a DPO-family loss reads: ``"pairs"`` (:data:`DPO_LOSSES`) or ``"unpaired"`` (:data:`UNPAIRED_LOSSES`).
+
+    Raises:
+        UnknownNameError: For a name in neither registry, listing the valid names of both.
+    """
+    if loss_type in DPO_LOSSES:
+        return "pairs"
+    if loss_type in UNPAIRED_LOSSES:
+        return "unpaired"
+    names = sorted(DPO_LOSSES.names() + UNPAIRED_LOSSES.names())
+    close = difflib.get_close_matches(loss_type, names, n=3)
+    hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+    raise UnknownNameError(f"unknown DPO loss type {loss_type!r}.{hint} Valid names: {', '.join(names)}")
+
+
+def kto_kl_baseline(policy_logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """KTO's reference point ``z_0 = max(0, mean_i [log pi(y_j|x_i) - log pi_ref(y_j|x_i)])`` (Ethayarajh et al.
+    2024, section 4.1): the policy's KL from the reference estimated on mismatched pairs, the prompt of row ``i``
+    with the completion of another row ``j``.
+
+    Args:
+        policy_logps: ``(N,)`` policy log-probs of the mismatched completions, summed over their target tokens.
+        ref_logps: ``(N,)`` reference log-probs of the same, same layout.
+
+    Returns:
+        0-dim detached tensor. Departure: the paper (and TRL, per process) averages over the micro-batch; here the
+        mean runs over the whole global batch, computed before the step, so ``z_0`` (and the loss) does not depend
+        on how the batch is cut into micro-batches and ranks.
+    """
+    if policy_logps.shape != ref_logps.shape or policy_logps.dim() != 1 or not len(policy_logps):
+        shapes = f"{tuple(policy_logps.shape)}, {tuple(ref_logps.shape)}"
+        raise ValueError(f"expected two equal (N,) tensors, N > 0; got {shapes}")
+    return (policy_logps - ref_logps).mean().clamp(min=0).detach()
+
+
+def unpaired_losses(
+    loss_type: str,
+    policy_logps: Tensor,
+    ref_logps: Tensor,
+    kl_baseline: Tensor,
+    desirable: Tensor,
+    beta: float,
+    desirable_weight: float,
+    undesirable_weight: float,
+) -> Tuple[Tensor, Tensor]:
+    """Per-row unpaired preference losses and implicit rewards.
+
+    Args:
+        loss_type: a name in :data:`UNPAIRED_LOSSES`.
+        policy_logps: ``(B,)`` policy log-probs of each row's completion, summed over its target tokens.
+        ref_logps: ``(B,)`` reference log-probs, same layout.
+        kl_baseline: ``(B,)`` the global batch's ``z_0`` on every row (:func:`kto_kl_baseline`).
+        desirable: ``(B,)`` bool labels.
+        beta, desirable_weight, undesirable_weight: the loss's settings (> 0).
+
+    Returns:
+        ``(losses, rewards)``, each ``(B,)``: per-row losses (not averaged; the caller divides the global sum by
+        the global number of rows) and the detached implicit rewards ``beta * (policy - ref)``.
+    """
+    spec = UNPAIRED_LOSSES.get(loss_type)
+    for name, x in (("ref_logps", ref_logps), ("kl_baseline", kl_baseline), ("desirable", desirable)):
+        if x.shape != policy_logps.shape or policy_logps.dim() != 1:
+            raise ValueError(f"{name} shape {tuple(x.shape)} != policy_logps {tuple(policy_logps.shape)}, (B,)")
+    logratio = policy_logps - ref_logps
+    losses = spec.fn(logratio, kl_baseline.to(logratio.dtype), desirable, beta, desirable_weight, undesirable_weight)
+    return losses, (beta * logratio).detach()
 
 
 def _check_pairs(name: str, x: Tensor) -> None:

@@ -101,6 +101,16 @@ def make_preference_rows(n: int, seed: int, max_operand: int = DEFAULT_MAX_OPERA
     return rows
 
 
+def to_unpaired(rows: list[dict]) -> list[dict]:
+    """Preference pairs as thumbs-up / thumbs-down rows (TRL's unpaired layout, for KTO): each pair gives
+    ``{"prompt", "completion": chosen, "label": True}`` and ``{"prompt", "completion": rejected, "label": False}``."""
+    return [
+        {"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+        for r in rows
+        for side in ("chosen", "rejected")
+    ]
+
+
 def make_rl_prompts(n: int, seed: int, max_operand: int = DEFAULT_MAX_OPERAND) -> list[dict]:
     """Prompts for online RL with their reference answers.
 

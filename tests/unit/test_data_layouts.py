@@ -15,7 +15,7 @@ from rlhf.config.rl_schema import RLRunConfig
 from rlhf.data.chat import ChatFormatter
 from rlhf.data.formats import text_prompts_note
 from rlhf.data.io import DataError
-from rlhf.trainers.offline import dpo, reward_model, sft
+from rlhf.trainers.offline import dpo, kto, reward_model, sft
 from rlhf.trainers.online import prompts as rl_prompts
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "your_model_and_data.md"
@@ -23,9 +23,16 @@ READERS = {
     "sft": (SFTRunConfig, "sft_tiny", sft._read),
     "dpo": (DPORunConfig, "dpo_tiny", dpo._read),
     "rm": (RewardModelRunConfig, "rm_tiny", reward_model._read),
+    "kto": (DPORunConfig, "dpo_tiny", kto._read),  # with dpo.loss_type=kto (the table's settings)
     "rl": (RLRunConfig, "grpo_tiny", None),
 }
-TRAINERS = {"SFT": ("sft",), "DPO, reward model": ("dpo", "rm"), "reward model": ("rm",), "RL": ("rl",)}
+TRAINERS = {
+    "SFT": ("sft",),
+    "DPO, reward model": ("dpo", "rm"),
+    "reward model": ("rm",),
+    "KTO": ("kto",),
+    "RL": ("rl",),
+}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +73,8 @@ def _documented_layouts():
 
 def test_the_docs_table_lists_each_trainers_layouts():
     layouts = {(t, name) for t, name, _, _ in _documented_layouts()}
-    assert len(layouts) == 20
+    assert len(layouts) == 24
+    assert ("KTO", "unpaired, conversational (TRL)") in layouts
     assert ("SFT", "conversation with tool calls (TRL / OpenAI)") in layouts
     assert ("DPO, reward model", "conversational with tool calls") in layouts
     assert ("RL", "conversational prompt with tools") in layouts
@@ -89,6 +97,10 @@ def test_every_documented_layout_reads_through_its_trainer(
         example = out.examples[0]
         if kind == "sft":
             assert example.num_targets > 0
+        elif kind == "kto":  # two copies of the row: each is the other's mismatch
+            assert example.completion.num_targets > 0 and example.mismatched == example.completion
+            label = row.get("label", row.get("thumbs_up"))
+            assert [e.desirable for e in out.examples] == [label, label]
         else:
             assert example.chosen.num_targets > 0 and example.rejected.num_targets > 0
             assert example.chosen.input_ids != example.rejected.input_ids

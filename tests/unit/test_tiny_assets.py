@@ -270,6 +270,7 @@ def test_make_assets_writes_skips_and_forces(tmp_path, capsys) -> None:
         "model",
         "sft",
         "preference",
+        "unpaired",
         "prompts",
         "eval_prompts",
         "sft_chat",
@@ -303,6 +304,13 @@ def test_make_assets_writes_skips_and_forces(tmp_path, capsys) -> None:
         types={k: (list,) for k in ("prompt", "chosen", "rejected")},
     )
     assert [r["chosen"][0]["content"] for r in chat_pref] == [r["chosen"] for r in pref]
+    # KTO's thumbs-up / down rows: each pair's chosen answer desirable, its rejected one not
+    unpaired = read_rows(paths["unpaired"], ["prompt", "completion"], ["label"])
+    assert [(r["completion"], r["label"]) for r in unpaired[:2]] == [
+        (pref[0]["chosen"], True),
+        (pref[0]["rejected"], False),
+    ]
+    assert len(unpaired) == 60 and sum(r["label"] for r in unpaired) == 30
 
     # Existing outputs are kept (even with other sizes) ...
     before = _read(paths["sft"])

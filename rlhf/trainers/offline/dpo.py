@@ -1,50 +1,32 @@
-"""DPO-family training against a frozen reference (Rafailov et al. 2023; variants in rlhf.ops.preference).
+"""DPO-family training against a frozen reference (Rafailov et al. 2023; variants in rlhf.ops.preference): pairs,
+or with ``dpo.loss_type=kto`` unpaired rows (rlhf.trainers.offline.kto).
 
 Reference log-probs come from the reference model on its own worker group, either once for the whole dataset
 before training (``dpo.ref_mode=precompute``, the reference group is then released) or for every step's
-global batch (``online``, for datasets too large to score up front). Both give the same numbers.
+global batch (``online``, for datasets too large to score up front); see rlhf.trainers.offline.reference.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List
 
-import torch
-
-from rlhf.batch import Batch
 from rlhf.config.schema import DPORunConfig
 from rlhf.data.formats import pair_fields, read_formatted
 from rlhf.data.tokenize import Tokenized, collate_pairs, tokenize_pairs
-from rlhf.distributed.group import WorkerGroup
-from rlhf.models.lora import OnBaseModel
-from rlhf.objectives.base import ScoreFn
-from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
-from rlhf.trainers.context import RunContext
+from rlhf.objectives.dpo import DPOObjective
 from rlhf.trainers.descriptor import TrainerKind
+from rlhf.trainers.offline.kto import build_kto_task, kto_row_fields
 from rlhf.trainers.offline.loop import OfflineTask, batch_lines, data_summary, read_train_and_eval, run_offline
+from rlhf.trainers.offline.reference import ReferenceScored, attach_reference
 from rlhf.trainers.run import RunResult
-from rlhf.utils.log import get_logger
-
-log = get_logger(__name__)
-
-REF_BATCH_SIZE = 16  # pairs per reference forward when precomputing
-
-
-class _PairData:
-    """Tokenized pairs plus, once computed, their reference log-probs ``(N, 2)``."""
-
-    def __init__(self, examples: list, pad_id: int) -> None:
-        self.examples, self.pad_id = examples, pad_id
-        self.ref_logps: torch.Tensor | None = None
-
-    def collate(self, rows: Sequence[int]) -> Batch:
-        ref = None if self.ref_logps is None else self.ref_logps[torch.tensor(rows, dtype=torch.long)]
-        return collate_pairs([self.examples[i] for i in rows], self.pad_id, rows, ref_logps=ref)
 
 
 def row_fields(cfg: DPORunConfig) -> Dict[str, Any]:
-    """What a preference row holds (``rlhf.data.io.read_rows`` arguments; the descriptor's ``row_fields``)."""
+    """What a preference row holds (``rlhf.data.io.read_rows`` arguments; the descriptor's ``row_fields``): a pair,
+    or for an unpaired loss (KTO) a prompt, a completion and a label."""
     d = cfg.data
+    if cfg.dpo.unpaired:
+        return kto_row_fields(cfg)
     return pair_fields(d.prompt_key, d.chosen_key, d.rejected_key, tools_key=d.tools_key)
 
 
@@ -66,9 +48,11 @@ def _read(cfg: DPORunConfig, tokenizer, path: str, split: str) -> Tokenized:
 
 def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
     p = cfg.dpo
+    if p.unpaired:
+        return build_kto_task(cfg, tokenizer)
     train, held_out_examples = read_train_and_eval(cfg, tokenizer, _read)
-    data = _PairData(train.examples, tokenizer.pad_token_id)
-    held_out = _PairData(held_out_examples, tokenizer.pad_token_id)
+    data = ReferenceScored(train.examples, tokenizer.pad_token_id, collate_pairs)
+    held_out = ReferenceScored(held_out_examples, tokenizer.pad_token_id, collate_pairs)
     objective = DPOObjective(loss_type=p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing, nll_coef=p.nll_coef)
     task = OfflineTask(
         objective=objective,
@@ -87,48 +71,6 @@ def read_data(cfg: DPORunConfig, tokenizer) -> str:
     return data_summary(cfg, tokenizer, build_dpo_task)
 
 
-def attach_reference(
-    task: OfflineTask, ctx: RunContext, policy: WorkerGroup, reference: Optional[WorkerGroup], datasets: List[_PairData]
-) -> None:
-    """Score the reference: its group of the plan (``model.ref_path``, else the initial policy), or without one
-    (LoRA) the policy's frozen base, the policy's workers with the adapters off. Every pair's log-probs are
-    precomputed now (train and held-out data; the reference group is released after), or each step's global batch
-    is scored."""
-    cfg: DPORunConfig = ctx.cfg
-    fn: ScoreFn  # on the base: OnBaseModel(ReferenceLogps()); on a group of its own: ReferenceLogps()
-    if reference is None:
-        scorer, fn = policy, OnBaseModel(ReferenceLogps())
-    else:
-        scorer, fn = reference, ReferenceLogps()
-    if cfg.dpo.ref_mode == "online":
-        task.prepare = lambda batch: batch.replace(ref_logps=scorer.score_batch(batch, fn))
-        return
-    for data in datasets:
-        data.ref_logps = precompute_reference(scorer, data, fn)
-    pairs = sum(len(d.examples) for d in datasets)
-    if scorer is policy:
-        log.info(f"[dpo] reference log-probs precomputed for {pairs} pairs on the policy's frozen base (LoRA)")
-        return
-    scorer.shutdown()
-    ctx.groups.remove(scorer)
-    log.info(f"[dpo] reference log-probs precomputed for {pairs} pairs; reference workers released")
-
-
-def precompute_reference(ref: WorkerGroup, data: _PairData, fn: ScoreFn) -> torch.Tensor:
-    """``(N, 2)`` summed reference log-probs of every pair: on a frozen group ``REF_BATCH_SIZE`` pairs per forward,
-    on the trained one (LoRA's base) its micro-batch size, under ``train.max_tokens_per_micro_batch`` as many as
-    the budget holds."""
-    n = len(data.examples)
-    window = REF_BATCH_SIZE * ref.size * 8  # collated a window at a time: a padded copy of the whole set is not kept
-    assert ref.engine_spec is not None, "the reference group was built before it scores"
-    rows = None if ref.engine_spec.max_tokens_per_micro_batch or ref.trainable else REF_BATCH_SIZE
-    parts = [
-        ref.score_batch(data.collate(list(range(i, min(i + window, n)))), fn, rows_per_forward=rows)
-        for i in range(0, n, window)
-    ]
-    return torch.cat(parts) if parts else torch.zeros(0, 2)
-
-
 def train_dpo(cfg: DPORunConfig) -> RunResult:
     return run_offline(cfg, DPO, build_dpo_task)
 
@@ -141,6 +83,12 @@ def dpo_batch_lines(cfg: DPORunConfig, lines: List[str]) -> List[str]:
         lines = lines + [
             f"  reference: {d.ref_num_workers} ranks, dpo.ref_mode={d.ref_mode}"
             + (" (scores every pair once, then released)" if d.ref_mode == "precompute" else "")
+        ]
+    if cfg.dpo.unpaired:
+        lines = lines + [
+            f"  dpo.loss_type={cfg.dpo.loss_type}: unpaired rows ({cfg.data.prompt_key}, {cfg.data.completion_key}, "
+            f"{cfg.data.label_key}); each step the policy first scores the global batch's mismatched sequences "
+            f"for the KL reference point z_0 (a forward without gradient)"
         ]
     return batch_lines(cfg, lines)
 

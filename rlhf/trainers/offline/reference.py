@@ -1,0 +1,86 @@
+"""The frozen reference of the DPO family (pairs and KTO's unpaired rows): its log-probs precomputed for the whole
+dataset before training (``dpo.ref_mode=precompute``, the reference group is then released) or scored for every
+step's global batch (``online``). Both give the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from rlhf.batch import Batch
+from rlhf.config.schema import DPORunConfig
+from rlhf.distributed.group import WorkerGroup
+from rlhf.models.lora import OnBaseModel
+from rlhf.objectives.base import ScoreFn
+from rlhf.objectives.dpo import ReferenceLogps
+from rlhf.trainers.context import RunContext
+from rlhf.trainers.offline.loop import OfflineTask
+from rlhf.utils.log import get_logger
+
+log = get_logger(__name__)
+
+REF_BATCH_SIZE = 16  # rows per reference forward when precomputing
+
+# (examples, pad id, dataset row indices, reference log-probs or None) -> Batch
+Collate = Callable[[list, int, Sequence[int], Optional[torch.Tensor]], Batch]
+
+
+class ReferenceScored:
+    """Tokenized rows in the pair layout (pairs, or unpaired rows with their mismatched sequences) plus, once
+    computed, their reference log-probs ``(N, 2)``."""
+
+    def __init__(self, examples: list, pad_id: int, collate: Collate) -> None:
+        self.examples, self.pad_id, self._collate = examples, pad_id, collate
+        self.ref_logps: torch.Tensor | None = None
+
+    def collate(self, rows: Sequence[int]) -> Batch:
+        ref = None if self.ref_logps is None else self.ref_logps[torch.tensor(rows, dtype=torch.long)]
+        return self._collate([self.examples[i] for i in rows], self.pad_id, rows, ref)
+
+
+def attach_reference(
+    task: OfflineTask,
+    ctx: RunContext,
+    policy: WorkerGroup,
+    reference: Optional[WorkerGroup],
+    datasets: List[ReferenceScored],
+) -> None:
+    """Score the reference: its group of the plan (``model.ref_path``, else the initial policy), or without one
+    (LoRA) the policy's frozen base, the policy's workers with the adapters off. Every row's log-probs are
+    precomputed now (train and held-out data; the reference group is released after), or each step's global batch
+    is scored (``task.prepare``)."""
+    cfg: DPORunConfig = ctx.cfg
+    fn: ScoreFn  # on the base: OnBaseModel(ReferenceLogps()); on a group of its own: ReferenceLogps()
+    if reference is None:
+        scorer, fn = policy, OnBaseModel(ReferenceLogps())
+    else:
+        scorer, fn = reference, ReferenceLogps()
+    if cfg.dpo.ref_mode == "online":
+        task.prepare = lambda batch: batch.replace(ref_logps=scorer.score_batch(batch, fn))
+        return
+    for data in datasets:
+        data.ref_logps = precompute_reference(scorer, data, fn)
+    rows = sum(len(d.examples) for d in datasets)
+    if scorer is policy:
+        log.info(f"[dpo] reference log-probs precomputed for {rows} rows on the policy's frozen base (LoRA)")
+        return
+    scorer.shutdown()
+    ctx.groups.remove(scorer)
+    log.info(f"[dpo] reference log-probs precomputed for {rows} rows; reference workers released")
+
+
+def precompute_reference(ref: WorkerGroup, data: ReferenceScored, fn: ScoreFn) -> torch.Tensor:
+    """``(N, 2)`` summed reference log-probs of every row: on a frozen group ``REF_BATCH_SIZE`` rows per forward,
+    on the trained one (LoRA's base) its micro-batch size, under ``train.max_tokens_per_micro_batch`` as many as
+    the budget holds."""
+    n = len(data.examples)
+    window = REF_BATCH_SIZE * ref.size * 8  # collated a window at a time: a padded copy of the whole set is not kept
+    assert ref.engine_spec is not None, "the reference group was built before it scores"
+    rows = None if ref.engine_spec.max_tokens_per_micro_batch or ref.trainable else REF_BATCH_SIZE
+    parts = [
+        ref.score_batch(data.collate(list(range(i, min(i + window, n)))), fn, rows_per_forward=rows)
+        for i in range(0, n, window)
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0, 2)
