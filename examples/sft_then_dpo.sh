@@ -21,7 +21,7 @@ $PY -m rlhf.cli.train_dpo --config dpo_tiny \
     train.output_dir="$WORK/dpo" train.overwrite=true dpo.loss_type=sigmoid dpo.label_smoothing=0.1
 $PY -m rlhf.cli.train_dpo --config dpo_tiny \
     model.path="$WORK/sft/final" data.train_path="$WORK/assets/unpaired.jsonl" \
-    train.output_dir="$WORK/kto" train.overwrite=true dpo.loss_type=kto
+    train.output_dir="$WORK/kto" train.overwrite=true dpo.loss_type=kto train.lr=1e-4
 $PY -m rlhf.cli.train_rm --config rm_tiny \
     model.path="$WORK/sft/final" data.train_path="$WORK/assets/preference.jsonl" \
     train.output_dir="$WORK/rm" train.overwrite=true rm.use_margin=true
