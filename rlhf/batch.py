@@ -43,6 +43,8 @@ class Batch:
         values: ``(B, T)`` critic values before the update (PPO value clipping, GAE).
         advantages: ``(B, T)`` per-token advantages (0 outside ``loss_mask``).
         returns: ``(B, T)`` per-token value targets.
+        teacher_logps: ``(B, T)`` per-token log-probs of the sampled tokens under a distillation teacher (RL,
+            ``algo.teacher.path``), scored like ``ref_logps``.
         desirable: ``(B,)`` bool, unpaired preference rows (KTO): whether the row's completion is desirable.
         kl_baseline: ``(B,)`` KTO's reference point ``z_0``, the KL estimate of the whole global batch repeated on
             every row (so any cut of the batch carries it), detached.
@@ -59,6 +61,7 @@ class Batch:
     values: Optional[Tensor] = None
     advantages: Optional[Tensor] = None
     returns: Optional[Tensor] = None
+    teacher_logps: Optional[Tensor] = None
     desirable: Optional[Tensor] = None
     kl_baseline: Optional[Tensor] = None
 

@@ -22,7 +22,7 @@ import dataclasses
 import os
 import re
 import socket
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from rlhf.config.schema import ConfigError, RunConfig, RunConfigT
 from rlhf.utils.log import get_logger
@@ -169,11 +169,10 @@ def pin_run_sources(cfg: RunConfigT, model_keys: Sequence[str] = RUN_MODEL_KEYS)
     recorded = _pins_of_resumed_run(cfg, model_keys)
     config_name = cfg.data.config_name
     snapshots: Dict[Tuple[str, str], str] = {}  # (repo type, reference) -> snapshot, when two keys share one
-    changes: Dict[str, Dict[str, str]] = {}
+    changes: Dict[str, str] = {}  # key -> pinned reference
     for keys, repo_type in ((tuple(model_keys) + TOKENIZER_KEYS, MODEL), (DATA_KEYS, DATASET)):
         for key in keys:
-            section, name = key.split(".")
-            ref = getattr(getattr(cfg, section), name)
+            ref = config_value(cfg, key)
             if not is_hub_ref(ref, repo_type):
                 continue
             ref = _keep_recorded_pin(key, ref, recorded.get(key, ""))
@@ -188,12 +187,24 @@ def pin_run_sources(cfg: RunConfigT, model_keys: Sequence[str] = RUN_MODEL_KEYS)
             _check_snapshot(key, ref, snapshot)
             pinned = f"{parse_ref(ref)[0]}@{os.path.basename(snapshot)}"
             log.info(f"[hub] {key}: {ref} -> {pinned} ({snapshot})")
-            changes.setdefault(section, {})[name] = pinned
-    if not changes:
-        return cfg
-    return dataclasses.replace(
-        cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields) for section, fields in changes.items()}
-    )
+            changes[key] = pinned
+    for key, pinned in changes.items():
+        cfg = with_value(cfg, key, pinned)
+    return cfg
+
+
+def config_value(cfg: Any, key: str) -> Any:
+    """The setting a dotted key names (``model.path``, ``algo.teacher.path``)."""
+    for name in key.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
+
+
+def with_value(cfg: Any, key: str, value: Any) -> Any:
+    """A copy of the frozen config ``cfg`` with the dotted ``key`` set to ``value`` (nested sections replaced)."""
+    head, _, rest = key.partition(".")
+    inner = with_value(getattr(cfg, head), rest, value) if rest else value
+    return dataclasses.replace(cfg, **{head: inner})
 
 
 def _check_snapshot(key: str, ref: str, snapshot: str) -> None:
@@ -243,10 +254,9 @@ def _pins_of_resumed_run(cfg: RunConfig, model_keys: Sequence[str]) -> Dict[str,
         return {}  # the runner's own reading of the output directory reports a broken one
     out = {}
     for key in tuple(model_keys) + TOKENIZER_KEYS + DATA_KEYS:
-        section, name = key.split(".")
-        value = (
-            tree.get(section, {}).get(name) if isinstance(tree, dict) and isinstance(tree.get(section), dict) else None
-        )
+        value: Any = tree
+        for name in key.split("."):
+            value = value.get(name) if isinstance(value, dict) else None
         if isinstance(value, str) and is_hub_ref(value) and is_pinned(value):
             out[key] = value
     return out

@@ -24,6 +24,11 @@ the policy's sampled tokens carry loss (rlhf/rollout/episodes.py). ``encode`` is
 or ``ChatObservations(chat, role)`` (a chat template's observation turns; a reset observation is rendered onto
 the episode's own prompt: pass ``prompt_messages=``, and ``prompt_tools=`` for prompts rendered with tools, aligned
 with ``prompt_ids``), or any ``text -> ids`` function.
+
+On-policy distillation (docs/algorithms/distillation.md): ``batch.replace(teacher_logps=teacher.score_batch(batch,
+TokenLogps()))`` with a frozen teacher group, then either ``advantages_for(..., distill_coef=c)`` (a per-token
+penalty in the reward) or ``PolicyObjective(distill_coef=c)`` (a term of the loss); ``teacher_divergence`` is the
+per-token estimate both use.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
 from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS
 from rlhf.ops.batch_advantages import advantages_for
+from rlhf.ops.distill import teacher_divergence
 from rlhf.ops.logprobs import SamplingFilter
 from rlhf.ops.mismatch import logp_mismatch, logp_mismatch_max
 from rlhf.ops.policy_loss import PolicyLossConfig
@@ -61,6 +67,7 @@ __all__ = [
     "VLLMSpec",
     "ValueObjective",
     "advantages_for",
+    "teacher_divergence",
     "episode_metrics",
     "episodes_batch",
     "turn_reward_tokens",

@@ -42,6 +42,17 @@ def logps_and_entropy(model, samples, temperature: float) -> Tuple[Ragged, Ragge
     return logps, entropies
 
 
+def padded_logps(model, ids: Tensor, lengths: Sequence[Tuple[int, int]], temperature: float) -> Tensor:
+    """``(B, T)`` float64 log-probs of each row's response tokens (0 elsewhere), rows ``(prompt, response)`` long,
+    right-padded in ``ids``: the policy's own log-probs, from which a test problem draws ``pi_old``."""
+    samples = [(ids[i, :p].tolist(), ids[i, p : p + r].tolist()) for i, (p, r) in enumerate(lengths)]
+    out = torch.zeros(ids.shape, dtype=torch.float64)
+    with torch.no_grad():
+        for i, (lp, (p, r)) in enumerate(zip(logps_and_entropy(model, samples, temperature)[0], lengths)):
+            out[i, p : p + r] = lp
+    return out
+
+
 def values(critic, samples) -> Ragged:
     """``V_j``: the scalar head on the final hidden state at position ``len(prompt) + j - 1``, the state in which
     response token ``j`` is emitted (docs/algorithms/ppo.md, "the value of the state before response token t is

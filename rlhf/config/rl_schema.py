@@ -320,6 +320,40 @@ class EnvConfig:
 
 
 @dataclass(frozen=True)
+class TeacherConfig:
+    """On-policy distillation from a frozen teacher (docs/algorithms/distillation.md); off unless ``algo.teacher.path``
+    is set. The teacher scores every sampled token; the policy learns the per-token reverse KL to it."""
+
+    path: str = ""  # the teacher model: a local HF directory or a hub id; its tokenizer must equal the policy's
+    # reward: -coef x the reverse KL in the token rewards (gae, the reinforce_pp family) | loss: + coef x the reverse
+    # KL in each response token's policy loss (every estimator)
+    mode: str = "reward"
+    coef: float = 1.0  # the distillation term's weight against the task reward (> 0)
+    estimator: str = "auto"  # auto (reward: k1; loss: k2) | k1 | k2 | k3; k1 is refused as a loss
+    num_workers: int = 0  # teacher ranks; 0 = train.num_workers (each x strategy.sequence_parallel_size)
+
+    def __post_init__(self) -> None:
+        from rlhf.ops.distill import DISTILL_MODES, resolve_estimator  # imports torch
+
+        check_choice(self.mode, "algo.teacher.mode", DISTILL_MODES)
+        check_setting(
+            self.coef > 0 and math.isfinite(self.coef), "algo.teacher.coef", f"must be > 0 and finite, got {self.coef}"
+        )
+        check_setting(self.num_workers >= 0, "algo.teacher.num_workers", f"must be >= 0, got {self.num_workers}")
+        try:
+            resolve_estimator(self.estimator, self.mode)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"algo.teacher.estimator: {e}") from None
+
+    @property
+    def resolved_estimator(self) -> str:
+        """The KL estimator of the distillation term (``auto`` resolved for the mode)."""
+        from rlhf.ops.distill import resolve_estimator  # imports torch
+
+        return resolve_estimator(self.estimator, self.mode)
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     """Advantages, policy loss and regularisers; see docs/algorithms/."""
 
@@ -355,6 +389,7 @@ class AlgorithmConfig:
     # that turn's last policy token; the score's other sources stay at the last token, group baselines use the whole
     # episode's score)
     turn_credit: str = "episode"
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # on-policy distillation (algo.teacher.path)
 
     def __post_init__(self) -> None:
         # The registries live with their torch code; imported here to keep `import rlhf.config` free of torch.
@@ -392,14 +427,22 @@ class AlgorithmConfig:
         check_choice(self.whiten_advantages, "algo.whiten_advantages", ("none", "whiten", "scale"))
         check_setting(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "and algo.lam must be in [0, 1]")
         check_choice(self.turn_credit, "algo.turn_credit", ("episode", "turn"))
-        if self.turn_credit == "turn":
-            from rlhf.ops.advantages import TOKEN_REWARDS  # imports torch; keeps `import rlhf.config` light
+        from rlhf.ops.advantages import TOKEN_REWARDS  # imports torch; keeps `import rlhf.config` light
 
+        if self.turn_credit == "turn":
             check_setting(
                 TOKEN_REWARDS in self.estimator.reads,
                 "algo.turn_credit",
                 f"(turn) places rewards on tokens, which algo.advantage_estimator={self.advantage_estimator} does not "
                 f"read (it reads the episode's score only); use gae or the reinforce_pp family, or turn_credit=episode",
+            )
+        if self.teacher.path and self.teacher.mode == "reward":
+            check_setting(
+                TOKEN_REWARDS in self.estimator.reads,
+                "algo.teacher.mode",
+                f"(reward) places the distillation penalty on tokens, which algo.advantage_estimator="
+                f"{self.advantage_estimator} does not read (it reads sequence scores only); use gae or the "
+                f"reinforce_pp family, or algo.teacher.mode=loss",
             )
         for key, message in combination_problems(
             estimator_name=self.advantage_estimator,
@@ -537,6 +580,7 @@ class ColocateConfig:
     """
 
     policy_reference: bool = False  # reference rank r on policy rank r's bundle (needs algo.kl_coef > 0)
+    policy_teacher: bool = False  # teacher rank r on policy rank r's bundle (needs algo.teacher.path)
     critic_reward: bool = False  # reward-model rank r on critic rank r's bundle (needs both)
     hybrid_engine: bool = False  # vLLM engine e on policy rank e's bundle (num_engines = train.num_workers)
     # auto (on for the hybrid engine on GPUs) | on | off: vLLM sleep mode, level 2 (weights and KV cache discarded
@@ -563,10 +607,11 @@ class RLRunConfig(RunConfig):
         super().__post_init__()
         check_setting(
             bool(self.reward.functions or self.reward.model_path or self.reward.http or self.reward.judge.path)
-            or self.multi_turn,
+            or self.multi_turn
+            or self.distills_alone,
             "reward.functions",
-            "is required unless reward.model_path, reward.http, reward.judge.path or env.spec (an environment's "
-            "rewards) is set: RL needs a reward",
+            "is required unless reward.model_path, reward.http, reward.judge.path, env.spec (an environment's "
+            "rewards) or algo.teacher.path (distillation alone) is set: RL needs a reward",
         )
         self._check_episodes()
         budget = self.train.max_tokens_per_micro_batch
@@ -678,6 +723,17 @@ class RLRunConfig(RunConfig):
     def multi_turn(self) -> bool:
         return bool(self.env.spec)
 
+    @property
+    def has_task_reward(self) -> bool:
+        """Whether any reward source scores the samples (a run distilling alone has none)."""
+        r = self.reward
+        return bool(r.functions or r.model_path or r.http or r.judge.path) or self.multi_turn
+
+    @property
+    def distills_alone(self) -> bool:
+        """On-policy distillation with no task reward: the teacher's term is the whole signal."""
+        return bool(self.algo.teacher.path) and not self.has_task_reward
+
     def describe_schedule(self) -> str:
         """When each step's samples are generated and by which weights (``rollout.max_staleness``), with the
         correction of the behaviour policy and DAPO's dynamic sampling when set (``--dry-run``, the run's first
@@ -768,6 +824,15 @@ class RLRunConfig(RunConfig):
                 "colocate.policy_reference",
                 "has nothing to colocate: with model.lora.r > 0 the reference is the policy's own frozen base, "
                 "scored by the policy's workers with the adapters off",
+            )
+        if c.policy_teacher:
+            t = self.algo.teacher
+            check_setting(bool(t.path), "colocate.policy_teacher", "needs a teacher (algo.teacher.path)")
+            check_setting(
+                t.num_workers in (0, self.train.num_workers),
+                "colocate.policy_teacher",
+                f"needs algo.teacher.num_workers ({t.num_workers}) == train.num_workers ({self.train.num_workers}), "
+                f"or 0",
             )
         if c.critic_reward:
             check_setting(

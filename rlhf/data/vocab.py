@@ -91,3 +91,39 @@ def load_tokenizer(cfg: RunConfig):
     if template is not None:
         tokenizer.chat_template = template
     return check_tokenizer(tokenizer, key, ref, config_vocab_size(model_dir(cfg.model.path)))
+
+
+def check_same_tokenizer(policy_ref: str, teacher_ref: str, key: str) -> int:
+    """Refuse a model whose tokenizer reads token ids otherwise than the policy's: on-policy distillation scores the
+    policy's token ids with it, so both must map every id to the same token. Compares the whole vocabularies (added
+    tokens included), not config.json ``vocab_size``: models of one family share a tokenizer with different
+    embedding rows.
+
+    Args:
+        policy_ref: the policy's tokenizer (``model.tokenizer_path`` or ``model.path``): a directory or hub id.
+        teacher_ref: the other model (``key``'s value).
+        key: the config key of the other model, for messages.
+
+    Returns:
+        The shared vocabulary's size.
+
+    Raises:
+        ConfigError: The vocabularies differ (the message names the first id read differently), or ids of the
+            tokenizer lie past the other model's embedding rows.
+    """
+    from transformers import AutoTokenizer  # lazy: transformers is heavy
+
+    ours = AutoTokenizer.from_pretrained(model_dir(policy_ref)).get_vocab()
+    theirs = AutoTokenizer.from_pretrained(model_dir(teacher_ref)).get_vocab()
+    if ours != theirs:
+        by_id, other_by_id = ({i: t for t, i in v.items()} for v in (ours, theirs))
+        first = min(i for i in set(by_id) | set(other_by_id) if by_id.get(i) != other_by_id.get(i))
+        raise ConfigError(
+            f"{key}: the tokenizer of {teacher_ref!r} reads id {first} as {other_by_id.get(first)!r}, the policy's "
+            f"({policy_ref!r}) as {by_id.get(first)!r} ({len(theirs)} vs {len(ours)} tokens); distillation scores "
+            f"the policy's token ids with this model, so both must read every id alike"
+        )
+    rows = config_vocab_size(model_dir(teacher_ref))
+    if rows is not None and len(ours) > rows:
+        raise ConfigError(f"{key}: {teacher_ref!r} has {rows} embedding rows for the tokenizer's {len(ours)} ids")
+    return len(ours)

@@ -19,6 +19,7 @@ ROLLOUT = "rollout"  # the vLLM engines' role name in plans and shared placement
 ENVIRONMENT = "environment"  # the multi-turn environment pool's actors (rlhf.envs.EnvironmentPool)
 REWARD_POOL = "reward_pool"  # the reward-function actors (rlhf.rewards.pool.RewardPool, reward.num_workers)
 JUDGE = "judge"  # the LLM judge's vLLM engines (reward.judge.*)
+TEACHER = "teacher"  # an on-policy distillation teacher's frozen group (algo.teacher.path)
 
 
 @dataclass(frozen=True)
@@ -199,10 +200,12 @@ def offline_plan(
 
 
 def policy_side_roles(colocate: ColocateConfig) -> Tuple[str, ...]:
-    """The roles sharing the policy's bundles: ``policy`` plus a colocated reference and hybrid-engine engines."""
+    """The roles sharing the policy's bundles: ``policy`` plus a colocated reference, distillation teacher and
+    hybrid-engine engines."""
     return (
         ("policy",)
         + (("reference",) if colocate.policy_reference else ())
+        + ((TEACHER,) if colocate.policy_teacher else ())
         + ((ROLLOUT,) if colocate.hybrid_engine else ())
     )
 
@@ -230,6 +233,9 @@ def rl_plan(cfg: RLRunConfig, gpus_per_worker: float, reference: bool) -> Resour
         b.own(ROLLOUT, r.num_engines, r.cpus_per_engine, engine_gpus(r.tensor_parallel_size, gpus_per_worker))
     if reference:
         b.on(policy_side if c.policy_reference else b.group(("reference",), ranks), "reference", ranks)
+    if cfg.algo.teacher.path:  # on-policy distillation: a frozen teacher, scored like the reference
+        n = (cfg.algo.teacher.num_workers or t.num_workers) * sp
+        b.on(policy_side if c.policy_teacher else b.group((TEACHER,), n), TEACHER, n)
     critic_side = b.group(("critic", "reward_model"), cfg.critic.num_workers * sp) if c.critic_reward else None
     if cfg.algo.needs_critic:
         n = cfg.critic.num_workers * sp

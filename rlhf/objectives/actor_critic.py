@@ -31,6 +31,7 @@ from rlhf.models.head import token_logprobs_and_entropy
 from rlhf.models.loading import last_token_values, scalar_head_values
 from rlhf.objectives.base import Sums
 from rlhf.ops.aggregation import LOSS_AGGREGATIONS, aggregate_count, aggregate_sum
+from rlhf.ops.distill import resolve_estimator, teacher_divergence
 from rlhf.ops.kl import KL_ESTIMATORS, kl_estimate
 from rlhf.ops.logprobs import SamplingFilter, at_least_float32
 from rlhf.ops.policy_loss import POLICY_LOSSES, PolicyLossConfig, policy_loss, value_loss
@@ -101,7 +102,9 @@ class PolicyObjective:
     :mod:`rlhf.ops.off_policy`) of ``batch.rollout_logps`` when ``correct_off_policy``), ``H_t`` the entropy of the
     tempered next-token distribution and ``KL_t`` the ``kl_estimator`` estimate of KL(policy || reference) from
     ``batch.ref_logps`` (GRPO-style KL loss; each token's value kept within ``+-KL_VALUE_BOUND``, as OpenRLHF and verl
-    bound it). The per-token total is reduced with ``agg_mode``.
+    bound it), plus ``distill_coef * D_t`` with ``D_t`` the ``distill_estimator`` reverse KL of the policy from a
+    distillation teacher on the sampled tokens (``batch.teacher_logps``, :mod:`rlhf.ops.distill`). The per-token
+    total is reduced with ``agg_mode``, once: every term is normalised over the whole global batch.
 
     Attributes:
         loss_type: a name in ``POLICY_LOSSES`` (``ppo``, ``gspo``).
@@ -120,6 +123,8 @@ class PolicyObjective:
             denominator: ``count`` depends on the response mask only.
         packing: run the forward padding-free (None: as the model was built, ``train.packing``); every per-token
             quantity is the same either way.
+        distill_coef: weight of the distillation loss (``algo.teacher.mode=loss``; needs ``batch.teacher_logps``).
+        distill_estimator: ``k2`` (its expected gradient is the reverse KL's) or ``k3``; ``k1`` is refused.
     """
 
     loss_type: str = "ppo"
@@ -133,9 +138,15 @@ class PolicyObjective:
     kl_estimator: str = "k3"
     correct_off_policy: bool = False
     packing: Optional[bool] = None
+    distill_coef: float = 0.0  # > 0: on-policy distillation as a loss (rlhf.ops.distill), reads batch.teacher_logps
+    distill_estimator: str = "k2"
 
     def __post_init__(self) -> None:
         POLICY_LOSSES.get(self.loss_type)
+        if not (self.distill_coef >= 0 and math.isfinite(self.distill_coef)):
+            raise ValueError(f"distill_coef must be a finite number >= 0, got {self.distill_coef}")
+        if self.distill_coef:
+            resolve_estimator(self.distill_estimator, "loss")  # k1 refused: no gradient in expectation
         _check_agg_mode(self.agg_mode, self.agg_length)
         KL_ESTIMATORS.get(self.kl_estimator)
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
@@ -178,6 +189,8 @@ class PolicyObjective:
             _require(batch, "rollout_logps", why="correct_off_policy needs the behaviour (rollout engine) log-probs")
         if self.kl_loss_coef:
             _require(batch, "ref_logps", why="kl_loss_coef > 0 needs reference log-probs")
+        if self.distill_coef:
+            _require(batch, "teacher_logps", why="distill_coef > 0 needs the teacher's log-probs")
         if batch.ref_logps is not None and batch.ref_logps.shape != batch.input_ids.shape:
             raise ValueError(
                 f"RL ref_logps must be per-token {tuple(batch.input_ids.shape)}, got {tuple(batch.ref_logps.shape)}"
@@ -221,6 +234,11 @@ class PolicyObjective:
             else:
                 kl = kl_estimate(self.kl_estimator, logps.detach(), ref, bounded=True)
 
+        distill = None
+        if self.distill_coef:  # before the one aggregation: normalised with the rest over the global batch
+            distill = teacher_divergence(self.distill_estimator, logps, cast(Tensor, batch.teacher_logps), mask)
+            per_token = per_token + self.distill_coef * distill
+
         total = aggregate_sum(mode, per_token, mask, length)
         sums: Sums = {
             "loss_sum": total.item(),
@@ -232,6 +250,8 @@ class PolicyObjective:
         }
         if kl is not None:
             sums["kl_sum"] = _agg(mode, kl, mask, length)
+        if distill is not None:
+            sums["distill_sum"] = _agg(mode, distill, mask, length)
         if self.clip.dual_clip is not None and "dual_clipped" in stats:
             sums["dual_clipfrac_sum"] = _agg(mode, stats["dual_clipped"], mask, length)
         if "tis_weight" in stats:
@@ -263,6 +283,7 @@ class PolicyObjective:
         }
         optional = {
             "kl_sum": "kl",
+            "distill_sum": "distill",  # not "kl": health.max_kl watches the KL to the reference
             "logp_mismatch_sum": "logp_mismatch",
             "dual_clipfrac_sum": "dual_clip_frac",
             "tis_weight_sum": "tis_weight",

@@ -11,6 +11,7 @@ import torch
 
 from rlhf.batch import Batch
 from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS, TOKEN_REWARDS, AdvantageInputs, token_level_rewards, whiten
+from rlhf.ops.distill import distill_reward_penalty, teacher_kl
 from rlhf.ops.failures import rows_out
 from rlhf.ops.kl import kl_estimate
 
@@ -29,6 +30,8 @@ def advantages_for(
     whiten_advantages: str = "none",
     turn_rewards: Optional[torch.Tensor] = None,
     failed: Optional[torch.Tensor] = None,
+    distill_coef: float = 0.0,
+    distill_estimator: str = "k1",
 ) -> Tuple[Batch, dict]:
     """Attach ``advantages`` and ``returns`` (``(B, T)``) to the whole rollout batch; returns it with KL stats.
 
@@ -55,6 +58,9 @@ def advantages_for(
             failed under ``on_error=drop``). They, and for a group estimator their whole groups, are out of the step
             (:mod:`rlhf.ops.failures`): the estimator runs on the other rows alone, the rows out get advantage,
             return and loss mask 0, and their ``scores`` are never read (any value, NaN included, gives the same).
+        distill_coef: > 0: on-policy distillation in the reward (``algo.teacher.mode=reward``), the per-token penalty
+            ``distill_coef x`` the ``distill_estimator`` reverse KL of ``old_logps`` from ``batch.teacher_logps``
+            (:mod:`rlhf.ops.distill`), for estimators that read token rewards.
 
     Returns:
         The batch with ``advantages`` and ``returns`` (and, with ``failed``, the rows out of the step masked), and
@@ -81,6 +87,7 @@ def advantages_for(
     mask = batch.loss_mask.to(torch.float64 if fp64 else torch.float32)
     kept = _Rows(keep, len(batch))
     kept_mask = kept.take(mask)
+    distill = _distill(batch, kept, kept_mask, distill_coef, distill_estimator)
     advantages, returns, penalty = _estimate(
         entry,
         kept_mask,
@@ -93,6 +100,7 @@ def advantages_for(
         gamma=gamma,
         lam=lam,
         kl=(kl_coef, kl_estimator) if kl_in_reward and kl_coef > 0 else None,
+        distill=distill,
     )
     if whiten_advantages != "none" and bool(kept_mask.any()):
         advantages = whiten(advantages, kept_mask, shift_mean=whiten_advantages == "whiten")
@@ -100,10 +108,30 @@ def advantages_for(
         "reward_kl_penalty": float(penalty.sum() / kept_mask.sum().clamp(min=1)) if penalty is not None else 0.0,
         "failed/rows_out": 0 if out is None else int(out.sum()),
     }
+    if batch.teacher_logps is not None:
+        assert batch.old_logps is not None, "the teacher is compared with the policy that sampled"
+        stats["distill/teacher_kl"] = teacher_kl(
+            kept.take(batch.old_logps), kept.take(batch.teacher_logps), kept_mask != 0
+        )
+    if distill is not None:
+        stats["distill/reward_penalty"] = float(distill.sum() / kept_mask.sum().clamp(min=1))
     fields = {"advantages": kept.put(advantages, mask), "returns": kept.put(returns, mask)}
     if out is not None:
         fields["loss_mask"] = batch.loss_mask * (~out).to(batch.loss_mask.dtype)[:, None]
     return batch.replace(**fields), stats
+
+
+def _distill(
+    batch: Batch, kept: "_Rows", kept_mask: torch.Tensor, coef: float, estimator: str
+) -> Optional[torch.Tensor]:
+    """The kept rows' per-token distillation penalty ``(B', T)`` (reward mode), or None without one."""
+    if not coef:
+        return None
+    if batch.teacher_logps is None or batch.old_logps is None:
+        raise ValueError("distillation in the reward needs batch.old_logps and batch.teacher_logps (the teacher's)")
+    return distill_reward_penalty(
+        coef, estimator, kept.take(batch.old_logps), kept.take(batch.teacher_logps), kept_mask != 0
+    )
 
 
 class _Rows:
@@ -145,9 +173,11 @@ def _estimate(
     gamma: float,
     lam: float,
     kl: Optional[Tuple[float, str]],
+    distill: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The estimator ``entry`` on the rows given (``(B', T)`` each): ``(advantages, returns, KL penalty or None)``;
-    ``kl`` is ``(kl_coef, kl_estimator)`` for a KL penalty in the reward. No row (every sample out): zeros."""
+    ``kl`` is ``(kl_coef, kl_estimator)`` for a KL penalty in the reward, ``distill`` a per-token distillation
+    penalty (for estimators that read token rewards). No row (every sample out): zeros."""
     penalty = None
     if not len(mask):
         return torch.zeros_like(mask), torch.zeros_like(mask), None
@@ -160,8 +190,13 @@ def _estimate(
     per_token = penalty is not None and entry.kl_in_reward == "per token"
     if penalty is not None and not per_token:
         scores = scores - penalty.sum(-1).to(scores.dtype)
+    token_penalty = penalty if per_token else None
+    if distill is not None:
+        if TOKEN_REWARDS not in entry.reads:
+            raise ValueError("a distillation penalty in the reward needs an estimator that reads token rewards")
+        token_penalty = distill if token_penalty is None else token_penalty + distill
     placed = None if turn_rewards is None else turn_rewards.to(scores.dtype)
-    rewards = token_level_rewards(scores, mask, penalty if per_token else None, 1.0, placed)
+    rewards = token_level_rewards(scores, mask, token_penalty, 1.0, placed)
     inputs = AdvantageInputs(
         token_rewards=rewards,
         scores=scores,

@@ -35,6 +35,7 @@ from rlhf.hub import (
     HubError,
     cache_dir,
     check_model_folder,
+    config_value,
     is_hub_ref,
     locate,
     model_dir,
@@ -95,7 +96,7 @@ def preflight(cfg: RunConfig, kind: TrainerKind, here: bool = True, precision: O
 
 
 def _values(cfg: RunConfig, keys: Sequence[str]) -> List[Tuple[str, str]]:
-    return [(key, getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])) for key in keys]
+    return [(key, config_value(cfg, key)) for key in keys]
 
 
 # ------------------------------------------------------------------------------------------------------ paths

@@ -3,8 +3,9 @@
 Three worker groups hold the same weights and train the same global batches of 4 in lockstep, each cut its own way:
 1 rank x micro-batch 4, 2 ranks x micro-batch 1 x accumulation 2, and 2 ranks x micro-batch 2. On the causal LM they
 take 4 SFT steps, 4 DPO steps (reference log-probs precomputed, as ``dpo.ref_mode=precompute`` does) and 4 GRPO-style
-policy steps (one rollout batch of 4 prompts x 4 samples, group advantages, KL loss to the reference,
-``seq-mean-token-mean``, old log-probs scored by each layout itself before the first of the 4 updates); then a
+policy steps (one rollout batch of 4 prompts x 4 samples, group advantages, KL loss to the reference, an
+on-policy distillation loss against a teacher's log-probs, ``seq-mean-token-mean``, old log-probs scored by each
+layout itself before the first of the 4 updates); then a
 scalar-head model takes 4 reward-model steps. In fp64 every step's loss and grad norm agree to 1e-10 relative (the
 issue's bound) and the weights stay together; the same run in fp32 drifts well past 1e-10 after step 1, which is what
 makes the fp64 comparison a test at all. The figures are printed for docs/concepts.md ("Precision").
@@ -110,11 +111,14 @@ def data(tiny_model):
             ),
         )
         assert ref_logps.dtype == advantages.dtype == dpo[0].ref_logps.dtype == dtype
+        # a distillation teacher's log-probs: the reference's, moved token by token (data, as the driver ships them)
+        shift = torch.randn(ref_logps.shape, generator=torch.Generator().manual_seed(42), dtype=torch.float64)
+        teacher_logps = ref_logps + (0.5 * shift).to(dtype) * mask
         out[precision] = {
             "sft": sft,
             "dpo": dpo,
             "rm": pairs,
-            "rl": rollout.replace(ref_logps=ref_logps, advantages=advantages),
+            "rl": rollout.replace(ref_logps=ref_logps, advantages=advantages, teacher_logps=teacher_logps),
         }
     return out
 
@@ -193,7 +197,9 @@ def _train(groups: dict, batches: dict, tiny_model: str, tiny_reward_model: str,
     rollout = batches["rl"]
     old = in_parallel({name: (lambda g=g: score_rows(*g, rollout, TokenLogps())) for name, g in groups.items()})
     assert all(o.dtype == DTYPES[precision] for o in old.values())
-    grpo = PolicyObjective(agg_mode="seq-mean-token-mean", kl_loss_coef=0.04, kl_estimator="k3")
+    grpo = PolicyObjective(
+        agg_mode="seq-mean-token-mean", kl_loss_coef=0.04, kl_estimator="k3", distill_coef=0.3, distill_estimator="k2"
+    )
     for k in range(STEPS):
         rows_k = list(range(GLOBAL_BATCH * k, GLOBAL_BATCH * (k + 1)))
         step_all("rl", grpo, lambda name, r=rows_k: rollout.replace(old_logps=old[name]).select(r).trim())

@@ -10,9 +10,10 @@ Four worker groups train the same global batches from the same weights in float6
 * ``sp2-dp2-budget``: four ranks as two sequence groups of two, cut by a token budget, packed (zero-weight fillers
   keep the groups in lockstep).
 
-Every group takes the same steps: two SFT steps, a DPO step (reference log-probs in the batch), and an RL step
+Every group takes the same steps: two SFT steps, a DPO step (reference log-probs in the batch), an RL step
 whose objective has every sequence-level term the issue names: GSPO's sequence ratio, a seq-mean aggregation,
-the entropy bonus and the KL loss (PPO's old log-probs scored by each group itself, compared first). Then every
+the entropy bonus and the KL loss (PPO's old log-probs scored by each group itself, compared first), and an
+on-policy distillation step (PPO with the k2 reverse KL to another model's log-probs as a loss, token-mean). Then every
 group is rebuilt with a scalar head and takes a reward-model step (scores at each row's last token, which lies on
 one rank of a group) and a critic step (per-token values against returns, value clipping around each group's own
 scored values). Each step's loss and grad norm, and the causal LM's final weights, must agree with ``whole`` to
@@ -57,7 +58,15 @@ def model_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def batches(model_path):
+def teacher_path(tmp_path_factory) -> str:
+    """A distillation teacher: the same architecture and tokenizer, other weights."""
+    from rlhf.models.tiny import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("sp") / "teacher"), seed=4, num_heads=4, num_kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def batches(model_path, teacher_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf.objectives.actor_critic import TokenLogps
@@ -70,6 +79,8 @@ def batches(model_path):
     with torch.no_grad():
         pairs = pairs.replace(ref_logps=ReferenceLogps()(reference, pairs))
         ref_logps = TokenLogps()(reference, sft)
+        teacher = AutoModelForCausalLM.from_pretrained(teacher_path, dtype=torch.float64).eval()
+        teacher_logps = TokenLogps()(teacher, sft)
     advantage = torch.randn(GLOBAL_BATCH, 1, generator=torch.Generator().manual_seed(23), dtype=torch.float64)
     rl = Batch(
         input_ids=sft.input_ids,
@@ -77,6 +88,7 @@ def batches(model_path):
         loss_mask=sft.loss_mask,
         advantages=advantage * sft.attention_mask.double(),  # the objective masks the response itself
         ref_logps=ref_logps,
+        teacher_logps=teacher_logps,
     )
     return {"sft": sft, "dpo": pairs, "rl": rl}
 
@@ -118,7 +130,7 @@ def _build(group, model_path: str, kind: str, name: str) -> None:
             tiled_head=tiled,
         ),
         _spec(ranks, sp, micro, packing),
-        OptimSpec(lr=1e-3, total_steps=4, scheduler="constant", betas=(0.9, 0.99)),
+        OptimSpec(lr=1e-3, total_steps=5, scheduler="constant", betas=(0.9, 0.99)),
     )
 
 
@@ -194,6 +206,7 @@ def _train_in_lockstep(groups, batches, tmp_path_factory, model_path) -> dict:
         ),
         rl,
     )
+    step_all(lambda p: PolicyObjective(agg_mode="token-mean", distill_coef=0.5, distill_estimator="k2", packing=p), rl)
     root = tmp_path_factory.mktemp("sp-weights")
     dirs = {name: str(root / name) for name in groups}
     in_parallel({name: (lambda g=g, d=dirs[name]: g.save_pretrained(d)) for name, (g, _) in groups.items()})
@@ -219,7 +232,8 @@ def _rel(a: float, b: float) -> float:
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "whole"])
 def test_every_step_logs_the_loss_and_grad_norm_of_the_unsharded_batch(trained, name):
     whole, sharded = trained["rows"]["whole"], trained["rows"][name]
-    assert len(whole) == len(sharded) == 6  # SFT, SFT, DPO, GSPO; reward model, critic
+    assert len(whole) == len(sharded) == 7  # SFT, SFT, DPO, GSPO, distillation; reward model, critic
+    assert whole[4].metrics["distill"] > 1e-3  # the teacher is another model
     for step, (ref, got) in enumerate(zip(whole, sharded), start=1):
         assert got.normalizer == ref.normalizer and got.num_samples == ref.num_samples == GLOBAL_BATCH
         assert ref.grad_norm is not None and ref.grad_norm > 1e-3  # a real gradient, not two vanishing ones

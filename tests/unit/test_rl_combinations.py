@@ -103,10 +103,7 @@ def problem(policy):
     """The rollout batch with pi_old, reference log-probs and values as data (float64)."""
     gen = torch.Generator().manual_seed(7)
     ids, attn, loss_mask = padded_rows(LENGTHS, VOCAB, gen)
-    now = torch.zeros(ids.shape, dtype=torch.float64)
-    with torch.no_grad():
-        for i, (lp, s) in enumerate(zip(ref.logps_and_entropy(policy, _samples(ids), TEMPERATURE)[0], _spans())):
-            now[i, s] = lp
+    now = ref.padded_logps(policy, ids, LENGTHS, TEMPERATURE)
     noise = 0.3 * torch.randn(ids.shape, generator=gen, dtype=torch.float64)
     noise[0] = 0.0  # row 0's ratio is exactly 1: GSPO's tiny clip range leaves it a gradient
     old = (now + noise) * loss_mask

@@ -47,7 +47,7 @@ def test_the_descriptors_facts():
         ("policy", CAUSAL_LM, "rl"),
     ]
     assert "vllm" not in sft.packages and "vllm" in ppo.packages and ppo.online and not dpo.online
-    assert ppo.model_keys == ("model.path", "model.ref_path", "critic.path", "reward.model_path")
+    assert ppo.model_keys == ("model.path", "model.ref_path", "critic.path", "reward.model_path", "algo.teacher.path")
     assert sft.model_keys == rm.model_keys == dpo.model_keys == ("model.path", "model.ref_path")
 
 

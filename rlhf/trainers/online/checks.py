@@ -12,6 +12,7 @@ from typing import List, Optional
 
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
+from rlhf.data.vocab import check_same_tokenizer
 from rlhf.distributed.resource_plan import ROLLOUT, Devices, ResourcePlan, engine_gpus, engine_sleep
 from rlhf.envs import EnvError, load_environment
 from rlhf.hub import cached_model_dir, model_dir
@@ -44,11 +45,22 @@ def start_up_checks(cfg: RLRunConfig, here: bool) -> List[Row]:
         _check_judge_context(cfg)
         path = cfg.reward.judge.path
         rows.append(("reward.judge.path", path, model_status("reward.judge.path", path, here)))
+    if cfg.algo.teacher.path:
+        rows.append(("algo.teacher.path", "(its tokenizer)", _teacher_tokenizer(cfg, here)))
     if cfg.reward.model_path and readable(cfg.reward.model_path, here):
         check_scalar_head(model_dir(cfg.reward.model_path), "reward.model_path", cfg.reward.model_path)
     if cfg.critic_batch_problem():
         raise ConfigError(cfg.critic_batch_problem())
     return rows
+
+
+def _teacher_tokenizer(cfg: RLRunConfig, here: bool) -> str:
+    """The distillation teacher's tokenizer, compared with the policy's when both models' files are on this machine
+    (refused by key when they read an id differently); its folder is checked with the run's models."""
+    teacher, policy = cfg.algo.teacher.path, cfg.model.tokenizer_path or cfg.model.path
+    if not (readable(teacher, here) and readable(policy, here)):
+        return "compared with the policy's by the run"
+    return f"equal to the policy's ({check_same_tokenizer(policy, teacher, 'algo.teacher.path')} tokens)"
 
 
 def policy_positions(cfg: RLRunConfig) -> Optional[Positions]:
@@ -227,7 +239,24 @@ def batch_lines(cfg: RLRunConfig, lines: List[str]) -> List[str]:
     lines.append(f"  clip: {a.describe_clip()}")
     algorithm = describe_algorithm(a.advantage_estimator, a.policy_loss, a.kl_mode, a.kl_estimator, a.kl_coef)
     lines += [f"  {line}" for line in algorithm]
+    if a.teacher.path:
+        lines.append(f"  {describe_distillation(cfg)}")
     return lines
+
+
+def describe_distillation(cfg: RLRunConfig) -> str:
+    """One line on the on-policy distillation term (``--dry-run``, the run's first lines)."""
+    t, a = cfg.algo.teacher, cfg.algo
+    where = (
+        f"-{t.coef:g} x it in the token rewards, read by {a.advantage_estimator}"
+        if t.mode == "reward"
+        else f"+{t.coef:g} x it in each response token's policy loss, aggregated with it ({a.describe_aggregation()})"
+    )
+    alone = "alone (no task reward)" if cfg.distills_alone else "with the task reward"
+    return (
+        f"distillation: reverse KL of the policy from algo.teacher.path on the sampled tokens "
+        f"({t.resolved_estimator}), {where}; {alone}"
+    )
 
 
 # -------------------------------------------------------------------------------------------------------- audit

@@ -24,6 +24,7 @@ CONSOLE_KEYS = (
     "reward_mean",
     "accuracy",
     "kl",
+    "distill/teacher_kl",  # on-policy distillation: the policy's reverse KL from its teacher
     "policy_loss",
     "value_loss",
     "entropy",

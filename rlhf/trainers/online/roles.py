@@ -20,6 +20,7 @@ from rlhf.distributed.resource_plan import (
     JUDGE,
     REWARD_POOL,
     ROLLOUT,
+    TEACHER,
     ActorPlan,
     ResourcePlan,
     engine_gpus,
@@ -247,6 +248,7 @@ def start_roles(cfg: RLRunConfig, ctx: RunContext, plan: ResourcePlan, total_opt
         "policy": trained_group(ctx, m.path, CAUSAL_LM, optim),
         ROLLOUT: lambda engines, placement: _start_engines(cfg, ctx, engines, placement),
         "reference": frozen_group(ctx, m.ref_path or m.path, CAUSAL_LM),
+        TEACHER: frozen_group(ctx, cfg.algo.teacher.path, CAUSAL_LM),
         "critic": trained_group(
             ctx, cfg.critic.path or m.path, SCALAR_HEAD, dataclasses.replace(optim, lr=cfg.critic.lr)
         ),
@@ -266,6 +268,7 @@ def rl_actors(started: Dict[str, Any], reference_is_base: bool) -> RLActors:
         engines=as_backend(started[ROLLOUT]),
         reference=started.get("reference"),
         reference_is_base=reference_is_base,
+        teacher=started.get(TEACHER),
         critic=started.get("critic"),
         reward_model=started.get("reward_model"),
     )

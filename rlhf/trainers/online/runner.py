@@ -67,6 +67,8 @@ def build_objectives(cfg: RLRunConfig) -> Tuple[PolicyObjective, ValueObjective]
         kl_loss_coef=a.kl_coef if a.kl_mode == "loss" else 0.0,
         kl_estimator=a.kl_estimator,
         correct_off_policy=clip.correction is not None,
+        distill_coef=a.teacher.coef if a.teacher.path and a.teacher.mode == "loss" else 0.0,
+        distill_estimator=a.teacher.resolved_estimator,
     )
     value = ValueObjective(clip=cfg.critic.value_clip or None, agg_mode=a.aggregation, agg_length=length)
     return policy, value
@@ -81,6 +83,7 @@ def _identity(cfg: RLRunConfig, plan: EpochPlan) -> dict:
         "rollout.n_samples_per_prompt": r.n_samples_per_prompt,
         "algo.ppo_epochs": cfg.algo.ppo_epochs,
         "critic.num_workers": cfg.critic.num_workers if cfg.algo.needs_critic else 0,
+        **({"algo.teacher.path": cfg.algo.teacher.path} if cfg.algo.teacher.path else {}),
         **({"env.spec": cfg.env.spec, "rollout.max_turns": r.max_turns} if cfg.multi_turn else {}),
         **({"rollout.max_staleness": r.max_staleness} if r.max_staleness else {}),
     }
@@ -118,6 +121,8 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
         f"{cfg.algo.describe_clip()}"
     )
     log.info(f"[rl] {cfg.describe_schedule()}")
+    if cfg.algo.teacher.path:
+        log.info(f"[rl] {checks.describe_distillation(cfg)}")
     if cfg.multi_turn:
         e = cfg.env
         log.info(
@@ -184,7 +189,7 @@ PPO = TrainerKind(
     sections=("rollout", "reward", "algo", "critic", "colocate"),
     preset_prefixes=("ppo", "grpo"),
     has_reference=lambda cfg: cfg.algo.kl_coef > 0,
-    model_keys=RUN_MODEL_KEYS + ("critic.path", "reward.model_path"),
+    model_keys=RUN_MODEL_KEYS + ("critic.path", "reward.model_path", "algo.teacher.path"),
     extra_packages=("vllm",),
     resource_plan=rl_plan,
     extra_trained=_critic,

@@ -70,13 +70,18 @@ class RLActors:
     engines: RolloutBackend  # the vLLM engine actors (rlhf.rollout.vllm.engines.RolloutEngines)
     reference: Optional[WorkerGroup] = None  # frozen, when a KL term is used
     reference_is_base: bool = False  # LoRA: the KL reference is the policy's own frozen base (no reference group)
+    teacher: Optional[WorkerGroup] = None  # frozen, for on-policy distillation (algo.teacher.path)
     critic: Optional[WorkerGroup] = None  # trainable, for GAE
     reward_model: Optional[WorkerGroup] = None  # frozen scalar head
 
     def perf_metrics(self) -> Dict[str, float]:
         """Every trainer group's ``perf/<role>/...`` metrics since the last call (WorkerGroup.perf_metrics)."""
-        groups = (self.policy, self.reference, self.critic, self.reward_model)
-        return {k: v for group in groups if group is not None for k, v in group.perf_metrics().items()}
+        return {k: v for group in self.trainer_groups() for k, v in group.perf_metrics().items()}
+
+    def trainer_groups(self) -> Tuple[WorkerGroup, ...]:
+        """The trainer-side groups the run holds (policy, reference, teacher, critic, reward model)."""
+        groups = (self.policy, self.reference, self.teacher, self.critic, self.reward_model)
+        return tuple(group for group in groups if group is not None)
 
 
 class RLTrainer:
@@ -87,7 +92,7 @@ class RLTrainer:
     zero_loss_key = None
     # KL to the reference, and the trainer / engine log-prob gap (the behaviour / proximal gap when asynchronous)
     ceilings = ("kl", "logp_mismatch")
-    flat_key = "reward_std"  # every sample of the step scored the same: no advantage anywhere
+    flat_key: Optional[str] = "reward_std"  # every sample of the step scored the same: no advantage anywhere
     eval_console_keys = EVAL_CONSOLE_KEYS
     evaluates_start = True  # the starting point, on the same held-out samples as every later evaluation
 
@@ -109,6 +114,8 @@ class RLTrainer:
         # the step's reward: the environment's, the reward functions' (driver or actors), HTTP, the judge, the reward
         # model's, then shaping and limits (rlhf.trainers.online.scoring)
         self.scoring = StepScoring(cfg, reward_sources(cfg, reward_scorers(scorer), actors.reward_model))
+        if cfg.distills_alone:  # no task reward: every score is 0 by design, the teacher's term is the signal
+            self.flat_key = None
         # where the samples come from (env.spec: an environment's or an agent's episodes); None: single-turn
         self.source: RolloutSource = source if source is not None else SingleTurnRollout(tokenizer)
         self.policy_objective, self.value_objective = policy_objective, value_objective
@@ -267,7 +274,8 @@ class RLTrainer:
         return self.scoring.score(rollout, prompt_set)
 
     def annotate(self, batch: Batch) -> Batch:
-        """Per-token log-probs of the policy that generated the batch (pi_old), of the reference, and values:
+        """Per-token log-probs of the policy that generated the batch (pi_old), of the reference and the
+        distillation teacher, and values:
         ``(B, T)`` each, float32 (float64 from an fp64 run's models). Every group scores in chunks of its build's
         micro-batch size, ``train.micro_batch_size`` for each (rlhf.trainers.online.roles.start_roles)."""
         a = self.actors
@@ -279,6 +287,8 @@ class RLTrainer:
             batch = batch.replace(ref_logps=a.reference.score_batch(batch, logps))
         elif a.reference_is_base:  # LoRA: the policy's frozen base, adapters off
             batch = batch.replace(ref_logps=a.policy.score_batch(batch, OnBaseModel(logps)))
+        if a.teacher is not None:  # distillation: the teacher scores the sampled tokens as the reference does
+            batch = batch.replace(teacher_logps=a.teacher.score_batch(batch, logps))
         if a.critic is not None:
             batch = batch.replace(values=a.critic.score_batch(batch, TokenValues()))
         return batch
@@ -294,6 +304,7 @@ class RLTrainer:
         """Advantages over the whole rollout batch (:func:`rlhf.ops.batch_advantages.advantages_for`); the ``failed``
         samples and, for a group estimator, their groups are out of the step: no advantage, no loss, in no statistic."""
         a = self.cfg.algo
+        distill = a.teacher.path and a.teacher.mode == "reward"
         return advantages_for(
             batch,
             scores,
@@ -307,6 +318,8 @@ class RLTrainer:
             kl_in_reward=a.kl_mode == "reward",
             whiten_advantages=a.whiten_advantages,
             failed=failed,
+            distill_coef=a.teacher.coef if distill else 0.0,
+            distill_estimator=a.teacher.resolved_estimator,
         )
 
     def update(self, batch: Batch, rl_step: int) -> dict:
@@ -360,9 +373,8 @@ class RLTrainer:
         """
         a = self.actors
         if a.engines.sleeps:
-            for group in (a.policy, a.reference, a.critic, a.reward_model):
-                if group is not None:
-                    group.release_cached_memory()
+            for group in a.trainer_groups():
+                group.release_cached_memory()
         a.engines.wake_weights()
         sync = a.policy.push_weights(version)
         a.engines.wake_kv_cache()

