@@ -138,6 +138,7 @@ def test_multi_turn_episodes_distil_on_the_policy_tokens(tiny_model, teacher, tm
         "train.global_batch_size=8",
         "train.micro_batch_size=8",
         "train.max_steps=2",
+        "health.flat_reward_steps=1",  # the environment's reward is 0 throughout: the guard is off with a teacher
     )
     assert result.final_dir and len(rows) == 2
     for row in rows:

@@ -81,7 +81,7 @@ def build_kto_task(cfg: DPORunConfig, tokenizer) -> tuple:
     )
 
     def attach(task: OfflineTask, ctx: RunContext, policy: WorkerGroup, reference: Optional[WorkerGroup]) -> None:
-        attach_reference(task, ctx, policy, reference, [data, held_out])
+        attach_reference(task, ctx, policy, reference, [data, held_out], unit="rows")
         task.prepare = _with_kl_baseline(task.prepare, policy)
 
     task = OfflineTask(

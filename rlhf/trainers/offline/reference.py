@@ -46,11 +46,12 @@ def attach_reference(
     policy: WorkerGroup,
     reference: Optional[WorkerGroup],
     datasets: List[ReferenceScored],
+    unit: str = "pairs",
 ) -> None:
     """Score the reference: its group of the plan (``model.ref_path``, else the initial policy), or without one
     (LoRA) the policy's frozen base, the policy's workers with the adapters off. Every row's log-probs are
     precomputed now (train and held-out data; the reference group is released after), or each step's global batch
-    is scored (``task.prepare``)."""
+    is scored (``task.prepare``). ``unit``: what a row is, for the log (``pairs``; KTO's ``rows``)."""
     cfg: DPORunConfig = ctx.cfg
     fn: ScoreFn  # on the base: OnBaseModel(ReferenceLogps()); on a group of its own: ReferenceLogps()
     if reference is None:
@@ -64,11 +65,11 @@ def attach_reference(
         data.ref_logps = precompute_reference(scorer, data, fn)
     rows = sum(len(d.examples) for d in datasets)
     if scorer is policy:
-        log.info(f"[dpo] reference log-probs precomputed for {rows} rows on the policy's frozen base (LoRA)")
+        log.info(f"[dpo] reference log-probs precomputed for {rows} {unit} on the policy's frozen base (LoRA)")
         return
     scorer.shutdown()
     ctx.groups.remove(scorer)
-    log.info(f"[dpo] reference log-probs precomputed for {rows} rows; reference workers released")
+    log.info(f"[dpo] reference log-probs precomputed for {rows} {unit}; reference workers released")
 
 
 def precompute_reference(ref: WorkerGroup, data: ReferenceScored, fn: ScoreFn) -> torch.Tensor:

@@ -114,7 +114,7 @@ class RLTrainer:
         # the step's reward: the environment's, the reward functions' (driver or actors), HTTP, the judge, the reward
         # model's, then shaping and limits (rlhf.trainers.online.scoring)
         self.scoring = StepScoring(cfg, reward_sources(cfg, reward_scorers(scorer), actors.reward_model))
-        if cfg.distills_alone:  # no task reward: every score is 0 by design, the teacher's term is the signal
+        if cfg.algo.teacher.path:  # tied scores still leave the teacher's term to learn from (alone: every score 0)
             self.flat_key = None
         # where the samples come from (env.spec: an environment's or an agent's episodes); None: single-turn
         self.source: RolloutSource = source if source is not None else SingleTurnRollout(tokenizer)
