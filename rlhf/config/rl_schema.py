@@ -345,6 +345,11 @@ class TeacherConfig:
         except (KeyError, ValueError) as e:
             raise ConfigError(f"algo.teacher.estimator: {e}") from None
 
+    def coef_in(self, mode: str) -> float:
+        """The term's weight where ``mode`` puts it (``reward`` or ``loss``): ``coef`` for the configured mode of a
+        configured teacher, else 0."""
+        return self.coef if self.path and self.mode == mode else 0.0
+
     @property
     def resolved_estimator(self) -> str:
         """The KL estimator of the distillation term (``auto`` resolved for the mode)."""
@@ -436,7 +441,7 @@ class AlgorithmConfig:
                 f"(turn) places rewards on tokens, which algo.advantage_estimator={self.advantage_estimator} does not "
                 f"read (it reads the episode's score only); use gae or the reinforce_pp family, or turn_credit=episode",
             )
-        if self.teacher.path and self.teacher.mode == "reward":
+        if self.teacher.coef_in("reward"):
             check_setting(
                 TOKEN_REWARDS in self.estimator.reads,
                 "algo.teacher.mode",
@@ -606,9 +611,7 @@ class RLRunConfig(RunConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_setting(
-            bool(self.reward.functions or self.reward.model_path or self.reward.http or self.reward.judge.path)
-            or self.multi_turn
-            or self.distills_alone,
+            self.has_task_reward or bool(self.algo.teacher.path),
             "reward.functions",
             "is required unless reward.model_path, reward.http, reward.judge.path, env.spec (an environment's "
             "rewards) or algo.teacher.path (distillation alone) is set: RL needs a reward",

@@ -67,7 +67,7 @@ def build_objectives(cfg: RLRunConfig) -> Tuple[PolicyObjective, ValueObjective]
         kl_loss_coef=a.kl_coef if a.kl_mode == "loss" else 0.0,
         kl_estimator=a.kl_estimator,
         correct_off_policy=clip.correction is not None,
-        distill_coef=a.teacher.coef if a.teacher.path and a.teacher.mode == "loss" else 0.0,
+        distill_coef=a.teacher.coef_in("loss"),
         distill_estimator=a.teacher.resolved_estimator,
     )
     value = ValueObjective(clip=cfg.critic.value_clip or None, agg_mode=a.aggregation, agg_length=length)

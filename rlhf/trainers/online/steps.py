@@ -304,7 +304,6 @@ class RLTrainer:
         """Advantages over the whole rollout batch (:func:`rlhf.ops.batch_advantages.advantages_for`); the ``failed``
         samples and, for a group estimator, their groups are out of the step: no advantage, no loss, in no statistic."""
         a = self.cfg.algo
-        distill = a.teacher.path and a.teacher.mode == "reward"
         return advantages_for(
             batch,
             scores,
@@ -318,7 +317,7 @@ class RLTrainer:
             kl_in_reward=a.kl_mode == "reward",
             whiten_advantages=a.whiten_advantages,
             failed=failed,
-            distill_coef=a.teacher.coef if distill else 0.0,
+            distill_coef=a.teacher.coef_in("reward"),
             distill_estimator=a.teacher.resolved_estimator,
         )
 
