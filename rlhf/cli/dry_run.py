@@ -263,6 +263,11 @@ def batch_lines(cfg: RunConfig) -> List[str]:
                 if kind.reference_on_policy(cfg)
                 else ""
             )
+            + (
+                "; RL weight syncs send the adapter alone (model.lora.sync=adapter)"
+                if lora.sync == "adapter" and hasattr(cfg, "rollout")
+                else ""
+            )
         )
     return kind.batch_lines(cfg, lines)  # the trainer's own: DPO's reference, RL's rollout batch and algorithm
 

@@ -28,6 +28,12 @@ def check_choice(value: str, key: str, choices: Tuple[str, ...]) -> None:
     check_setting(value in choices, key, f"must be one of {', '.join(choices)}; got {value!r}")
 
 
+LORA_SYNCS = ("merged", "adapter")
+# vLLM's max_lora_rank choices (vllm.config.lora): an adapter-serving engine takes the smallest that holds
+# model.lora.r (rlhf.rollout.vllm.engine.engine_lora_rank), so model.lora.r must not pass the largest
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     """LoRA adapters (Hu et al. 2021) through PEFT on the trained model (and RL's critic): the base stays frozen,
@@ -39,6 +45,9 @@ class LoraConfig:
     # module-name suffixes (q_proj, v_proj, ...) or all-linear (every Linear layer but the output head)
     target_modules: Tuple[str, ...] = ("all-linear",)
     save_merged: bool = True  # final/ holds the merged full model plus final/adapter/; false: the adapter only
+    # RL weight sync into the vLLM engines: merged (W + (alpha / r) B A under the base's names, every tensor) |
+    # adapter (A and B only; the engines serve the base plus the adapter: docs/lora_sync.md)
+    sync: str = "merged"
 
     def __post_init__(self) -> None:
         # the form of target_modules is checked with the model's layers, before any actor starts
@@ -54,6 +63,13 @@ class LoraConfig:
             bool(self.target_modules),
             "model.lora.target_modules",
             "must name modules (e.g. [q_proj, v_proj]) or be [all-linear]",
+        )
+        check_choice(self.sync, "model.lora.sync", LORA_SYNCS)
+        check_setting(
+            self.sync != "adapter" or 0 < self.r <= VLLM_LORA_RANKS[-1],
+            "model.lora.sync",
+            f"is adapter, which needs LoRA on with a rank vLLM serves (0 < model.lora.r <= {VLLM_LORA_RANKS[-1]}); "
+            f"model.lora.r is {self.r}",
         )
 
     @property

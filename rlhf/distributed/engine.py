@@ -19,7 +19,7 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, overload
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, overload
 
 import torch
 
@@ -490,36 +490,45 @@ def float64_sum_of_squares(
 
 _CPU = torch.device("cpu")
 GATHER_BYTES = 64 << 20  # ZeRO-3: full parameters gathered at once for a weight sync or an export
+Keep = Callable[[str], bool]  # which state-dict entries to yield, by name
 
 
 # Typed per device: a device yields tensors, ``device=None`` yields ``None`` for each.
 @overload
 def iter_full_state(
-    module: torch.nn.Module, zero_stage: int, device: torch.device = _CPU
+    module: torch.nn.Module, zero_stage: int, device: torch.device = _CPU, *, keep: Optional[Keep] = None
 ) -> Iterator[Tuple[str, torch.Tensor]]: ...
 
 
 @overload
-def iter_full_state(module: torch.nn.Module, zero_stage: int, device: None) -> Iterator[Tuple[str, None]]: ...
+def iter_full_state(
+    module: torch.nn.Module, zero_stage: int, device: None, *, keep: Optional[Keep] = None
+) -> Iterator[Tuple[str, None]]: ...
 
 
 @overload
 def iter_full_state(
-    module: torch.nn.Module, zero_stage: int, device: Optional[torch.device] = _CPU
+    module: torch.nn.Module, zero_stage: int, device: Optional[torch.device] = _CPU, *, keep: Optional[Keep] = None
 ) -> Iterator[Tuple[str, Optional[torch.Tensor]]]: ...
 
 
 def iter_full_state(
-    module: torch.nn.Module, zero_stage: int, device: Optional[torch.device] = _CPU, gather_bytes: int = GATHER_BYTES
+    module: torch.nn.Module,
+    zero_stage: int,
+    device: Optional[torch.device] = _CPU,
+    gather_bytes: int = GATHER_BYTES,
+    *,
+    keep: Optional[Keep] = None,
 ) -> Iterator[Tuple[str, Optional[torch.Tensor]]]:
-    """Yield ``(name, full tensor on device)`` for every entry of the module's state dict, gathering ZeRO-3 shards.
+    """Yield ``(name, full tensor on device)`` for every entry of the module's state dict (those whose name ``keep``
+    accepts, when given: the others are never gathered), gathering ZeRO-3 shards.
 
     ``device=None`` yields ``(name, None)``: the caller only takes part in the gathers. Collective under ZeRO-3:
     every rank of the group must iterate in lockstep. ZeRO-3 gathers the parameters of consecutive entries together,
     about ``gather_bytes`` of full parameters at a time (:func:`gather_chunks`): one all-gather per chunk instead of
     one per tensor, and memory bounded by the chunk.
     """
-    entries = list(module.state_dict(keep_vars=True).items())
+    entries = [(n, v) for n, v in module.state_dict(keep_vars=True).items() if keep is None or keep(n)]
     if zero_stage != 3:
         for name, value in entries:
             yield name, None if device is None else value.detach().to(device)

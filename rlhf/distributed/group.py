@@ -324,22 +324,24 @@ class WorkerGroup:
         cut = lambda xs: self._to_ranks([xs[g * per_group : (g + 1) * per_group] for g in range(groups)])  # noqa: E731
         return cut(padded), cut(counted)
 
-    def attach_weight_senders(self, senders: Sequence[Any]) -> List[Any]:
-        """Give rank r ``senders[r]`` (a ``WeightSender`` or ``None``); returns what each one's ``listen`` gave."""
+    def attach_weight_senders(self, senders: Sequence[Any], adapter_only: bool = False) -> List[Any]:
+        """Give rank r ``senders[r]`` (a ``WeightSender`` or ``None``); returns what each one's ``listen`` gave.
+        ``adapter_only``: every sync sends the LoRA adapter alone (``model.lora.sync=adapter``)."""
         if len(senders) != self.size:
             raise ValueError(f"{self.role}: {len(senders)} weight senders for {self.size} workers")
         return self._gather(
-            [w.attach_weight_sender.remote(s) for w, s in zip(self.workers, senders)], "attach_weight_sender"
+            [w.attach_weight_sender.remote(s, adapter_only) for w, s in zip(self.workers, senders)],
+            "attach_weight_sender",
         )
 
     def connect_weight_senders_async(self) -> List[Any]:
         """Start every rank's ``connect``; the caller gathers the refs after telling the peers to join."""
         return [w.connect_weight_sender.remote() for w in self.workers]
 
-    def push_weights(self, version: Optional[int] = None) -> Dict[str, float]:
-        """Full weights -> the rollout engines through the attached senders, as weight ``version`` (checked on
-        arrival: :func:`rlhf.rollout.weights.senders.check_delivery`); the sending ranks' stats merged (bytes and
-        tensors per engine as rank 0 saw them, seconds of the slowest rank)."""
+    def push_weights(self, version: Optional[int] = None) -> Dict[str, Any]:
+        """Full weights (or the LoRA adapter alone) -> the rollout engines through the attached senders, as weight
+        ``version`` (checked on arrival: :func:`rlhf.rollout.weights.senders.check_delivery`); the sending ranks'
+        stats merged (bytes and tensors per engine as rank 0 saw them, seconds of the slowest rank)."""
         refs = [w.push_weights.remote(version) for w in self.workers]
         stats = [s for s in self._gather(refs, "push_weights") if s]
         if not stats:

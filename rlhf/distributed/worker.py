@@ -22,7 +22,16 @@ from rlhf.distributed.cluster import actor_placement, load_cpu_comm_op
 from rlhf.distributed.engine import EngineSpec, OptimSpec, TrainEngine, build_ds_config, iter_full_state
 from rlhf.distributed.rendezvous import arrive, connect_store, host_store
 from rlhf.models.loading import ModelSpec, load_model
-from rlhf.models.lora import LoraSpec, apply_lora, merged_named_tensors, save_adapter, save_merged
+from rlhf.models.lora import (
+    LoraSpec,
+    adapter_named_tensors,
+    adapter_sync_config,
+    apply_lora,
+    is_adapter_tensor,
+    merged_named_tensors,
+    save_adapter,
+    save_merged,
+)
 from rlhf.models.packing import packed_attention
 from rlhf.models.sequence_parallel import enable_sequence_parallel, new_sequence_group
 from rlhf.objectives.base import Objective, ScoreFn, Sums, add_sums
@@ -36,7 +45,7 @@ class WeightSender(Protocol):
 
     ``listen`` runs when the sender is attached to its rank (it may host a rendezvous and return its address),
     ``connect`` once the peers were told that address, ``send`` at every sync with the full named tensors on
-    ``device``.
+    ``device``: the model's, or a LoRA adapter's alone with its PEFT config (``adapter``, adapter-only sync).
     """
 
     device: torch.device
@@ -45,7 +54,12 @@ class WeightSender(Protocol):
 
     def connect(self) -> None: ...
 
-    def send(self, named: Iterator[Tuple[str, torch.Tensor]], version: Optional[int] = None) -> Dict[str, float]: ...
+    def send(
+        self,
+        named: Iterator[Tuple[str, torch.Tensor]],
+        version: Optional[int] = None,
+        adapter: Optional[Dict[str, Any]] = None,
+    ) -> Dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -66,6 +80,7 @@ class TrainerWorker:
         self.zero_stage = 0
         self.device = torch.device("cpu")
         self.weight_sender: Optional[WeightSender] = None
+        self.adapter_only = False  # model.lora.sync=adapter: a sync sends the LoRA adapter alone
         self._store = None  # the process group's rendezvous store (rank 0 hosts it; kept alive with the group)
         self.spec: Optional[ModelSpec] = None
         self.lora: Optional[LoraSpec] = None  # the adapters this trainable rank trains (model.lora.*)
@@ -314,10 +329,13 @@ class TrainerWorker:
             torch.distributed.barrier()
 
     # ------------------------------------------------------------------ weight sync
-    def attach_weight_sender(self, sender: Optional[WeightSender]) -> Optional[object]:
+    def attach_weight_sender(self, sender: Optional[WeightSender], adapter_only: bool = False) -> Optional[object]:
         """Keep this rank's sender (``None``: the rank only takes part in ZeRO-3 gathers); returns the address
-        its peers join at, if it hosts a group."""
-        self.weight_sender = sender
+        its peers join at, if it hosts a group. ``adapter_only`` (``model.lora.sync=adapter``, every rank alike:
+        the ZeRO-3 gathers run in lockstep): each sync sends the LoRA adapter's tensors, not the merged model."""
+        if adapter_only and self.lora is None:
+            raise ValueError("an adapter-only weight sync needs a LoRA policy (model.lora.r > 0)")
+        self.weight_sender, self.adapter_only = sender, adapter_only
         return sender.listen() if sender is not None else None
 
     def connect_weight_sender(self) -> None:
@@ -331,14 +349,19 @@ class TrainerWorker:
         Collective under ZeRO-3: every rank gathers each parameter in lockstep, whether or not it sends.
         """
         assert self.model is not None, "build() sets the model before any call that uses it"
-        sender = self.weight_sender
+        sender, keep = self.weight_sender, is_adapter_tensor if self.adapter_only else None
         if sender is None:
-            for _ in iter_full_state(self.model, self.zero_stage, device=None):
+            for _ in iter_full_state(self.model, self.zero_stage, device=None, keep=keep):
                 pass
             return {}
-        named = iter_full_state(self.model, self.zero_stage, device=sender.device)
-        # LoRA: the engines hold the base architecture; they get W + (alpha / r) B A under the base's names
-        return sender.send(named if self.lora is None else merged_named_tensors(named, self.lora), version)
+        named = iter_full_state(self.model, self.zero_stage, device=sender.device, keep=keep)
+        if self.lora is None:
+            return sender.send(named, version)
+        if self.adapter_only:  # the engines keep the base and serve A, B (PEFT's saved names) as a LoRA adapter
+            config = adapter_sync_config(self.lora, self.model.state_dict(keep_vars=True))
+            return sender.send(adapter_named_tensors(named), version, adapter=config)
+        # the engines hold the base architecture; they get W + (alpha / r) B A under the base's names
+        return sender.send(merged_named_tensors(named, self.lora), version)
 
     def release_cached_memory(self) -> None:
         """Hand the CUDA caching allocator's free blocks back to the driver (a no-op on CPU), so that a rollout

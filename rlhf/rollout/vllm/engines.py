@@ -140,10 +140,17 @@ class RolloutEngines:
             self._gather([h.wake_kv_cache.remote() for h in self.handles], "wake_kv_cache")
 
     def connect_weight_sync(
-        self, policy, method: str, bucket_bytes: int, backend: str, timeouts: Optional[SyncTimeouts] = None
+        self,
+        policy,
+        method: str,
+        bucket_bytes: int,
+        backend: str,
+        timeouts: Optional[SyncTimeouts] = None,
+        adapter_only: bool = False,
     ) -> None:
         """Attach a sender per policy rank (``policy``: the trainable ``WorkerGroup``) and connect it to these
-        engines by ``method`` (``broadcast`` | ``ipc`` | ``object_store``, already resolved); for a broadcast,
+        engines by ``method`` (``broadcast`` | ``ipc`` | ``object_store``, already resolved); ``adapter_only``:
+        every sync sends the policy's LoRA adapter alone (engines started with a ``max_lora_rank``); for a broadcast,
         the policy's rank 0 and every engine worker form the weight-sync process group here, within
         ``timeouts.connect_s`` (default: ``rollout.weight_sync_connect_timeout_s``'s and ``weight_sync_timeout_s``'s
         defaults).
@@ -154,7 +161,7 @@ class RolloutEngines:
         timeouts = timeouts or SyncTimeouts.of()
         workers = [self.tensor_parallel_size] * self.size
         senders = make_senders(method, self.handles, workers, policy.size, bucket_bytes, backend, timeouts)
-        addresses = policy.attach_weight_senders(senders)
+        addresses = policy.attach_weight_senders(senders, adapter_only)
         joins = []
         if method == "broadcast":
             wire = addresses[0].to_wire()

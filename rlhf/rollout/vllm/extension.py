@@ -11,15 +11,19 @@ Three transports carry the same packed buckets (``rlhf.rollout.weights.senders``
 * ipc: :meth:`rlhf_load_shared_bucket` opens the colocated policy rank's bucket by CUDA-IPC handle (shared
   memory on CPU);
 * object store: :meth:`rlhf_load_bucket` gets the bucket's bytes through ``LLM.collective_rpc``.
+
+An update carries the whole model, or (``model.lora.sync=adapter``) a LoRA adapter alone, which the worker installs
+as its one adapter (:mod:`rlhf.rollout.vllm.adapters`) and the engine then names in every request.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from rlhf.rollout.vllm.adapters import install_adapter
 from rlhf.rollout.weights.group import GroupAddress, SyncGroup
 from rlhf.rollout.weights.ipc import open_shared
 from rlhf.rollout.weights.sync import bucket_checksum, bucket_from_bytes, metas_from_wire, unpack_bucket
@@ -58,28 +62,57 @@ class WeightSyncExtension:
     _rlhf_opened: Dict[bytes, torch.Tensor]  # IPC handle -> the tensor it opened, during one update
     _rlhf_group: SyncGroup  # the broadcast transport's group (rlhf_join_weight_group)
     _rlhf_update: Dict[str, Any]  # the update in progress: its version, the bytes loaded and their checksum
+    _rlhf_adapter: Optional[Tuple[dict, Dict[str, torch.Tensor]]]  # an adapter update: its config, tensors so far
+    _rlhf_lora_id: int  # the LoRA id of the adapter installed last (0: none yet)
 
-    def rlhf_begin_weight_update(self, version: Optional[int] = None) -> None:
-        """Start the update to weight ``version`` (the RL step whose weights these are; None: not numbered)."""
-        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+    def rlhf_begin_weight_update(self, version: Optional[int] = None, adapter: Optional[dict] = None) -> None:
+        """Start the update to weight ``version`` (the RL step whose weights these are; None: not numbered).
 
-        _quiet_buffer_only_layers()
+        ``adapter`` (a PEFT config, ``model.lora.sync=adapter``): the buckets carry a LoRA adapter, collected
+        until :meth:`rlhf_finish_weight_update` installs it; the base weights are not touched."""
         self._rlhf_opened = {}  # IPC handles opened during this update (a failed earlier update's are dropped)
         self._rlhf_start_record(version)
-        initialize_layerwise_reload(self.model_runner.model)
+        self._rlhf_adapter = (adapter, {}) if adapter is not None else None
+        if adapter is None:
+            from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
-    def rlhf_finish_weight_update(self) -> Dict[str, Any]:
+            _quiet_buffer_only_layers()
+            initialize_layerwise_reload(self.model_runner.model)
+
+    def rlhf_finish_weight_update(self, expected: Optional[list] = None) -> Dict[str, Any]:
         """End the update; returns what this worker received (``version``, ``bytes``, ``checksum``: the sum of
         :func:`~rlhf.rollout.weights.sync.bucket_checksum` over its buckets), which the sender compares with what it
-        sent (:func:`rlhf.rollout.weights.senders.check_delivery`)."""
+        sent (:func:`rlhf.rollout.weights.senders.check_delivery`).
+
+        An adapter update is installed only when ``expected`` (the ``[bytes, checksum]`` sent) is what arrived;
+        the record then adds the adapter's LoRA id (``lora_id``), this worker's read-back of it (``resident``) and
+        ``tensor_parallel_size``. An incomplete adapter is dropped: the worker keeps serving the last one."""
+        adapter = getattr(self, "_rlhf_adapter", None)
+        self._rlhf_adapter = None
+        if adapter is not None:
+            self._rlhf_opened = {}
+            record = self._rlhf_record()
+            if [record["bytes"], record["checksum"]] != list(expected or ()):
+                return record
+            return {**record, **self._rlhf_install_adapter(*adapter)}
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model_runner.model, self.model_runner.vllm_config.model_config)
         self._rlhf_opened = {}  # closes the IPC handles: each gives its one reference back to the sender
+        # reset_lora_state drops any adapter too: a LoRA engine takes adapter syncs only (VLLMEngine)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
         return self._rlhf_record()
+
+    def _rlhf_install_adapter(self, config: dict, tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+        """The collected adapter becomes this worker's one adapter, under the next LoRA id (every worker of an
+        engine counts its adapter updates in lockstep, so they agree on it)."""
+        lora_id = getattr(self, "_rlhf_lora_id", 0) + 1
+        resident = install_adapter(self.model_runner, lora_id, tensors, config)
+        self._rlhf_lora_id = lora_id  # only once installed: a failed adapter leaves the last one and its id
+        parallel = self.model_runner.vllm_config.parallel_config.tensor_parallel_size
+        return {"lora_id": lora_id, "resident": resident, "tensor_parallel_size": parallel}
 
     # The record of an update (also kept by bench/gpu_check.py's stand-in for a worker, which has no vLLM reload).
     def _rlhf_start_record(self, version: Optional[int]) -> None:
@@ -123,6 +156,10 @@ class WeightSyncExtension:
         if update is not None:  # counted as received, before anything of it is loaded
             update["bytes"] += data.numel()
             update["checksum"] += bucket_checksum(data, data.numel())
+        adapter = getattr(self, "_rlhf_adapter", None)
+        if adapter is not None:  # views of this update's own buffer (never the sender's): vLLM scales B in place
+            adapter[1].update(unpack_bucket(metas_from_wire(metas), data))
+            return len(metas)
         device = self.model_runner.device  # not the parameters' device: mid-reload they live on "meta"
         weights = [(name, tensor.to(device)) for name, tensor in unpack_bucket(metas_from_wire(metas), data)]
         self.model_runner.model.load_weights(weights=weights)

@@ -19,8 +19,9 @@ broadcast has delivered its bytes before it returns, so its sender reuses one bu
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Iterable, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -58,23 +59,35 @@ class _Sender:
     def connect(self) -> None:
         pass
 
-    def send(self, named: Named, version: Optional[int] = None) -> dict:
+    def send(self, named: Named, version: Optional[int] = None, adapter: Optional[Dict[str, Any]] = None) -> dict:
         """Stream ``named`` into the engines as weight ``version`` (the RL step they come from; None: not
         numbered). Every engine worker then echoes the version and a checksum of the bytes it received, compared
         with what was sent (:func:`check_delivery`): an update that did not fully arrive stops the run, naming the
-        engine."""
+        engine.
+
+        ``adapter``: ``named`` is a LoRA adapter (PEFT's saved names) with this PEFT config
+        (:func:`rlhf.models.lora.adapter_sync_config`); the engines keep their base weights and serve it as their
+        new adapter. Each engine worker also reads back what it will compute with, checked against what was sent
+        (:func:`check_adapter_residence`)."""
         started, sent, tensors, buckets, checksum = time.perf_counter(), 0, 0, 0, 0
-        self._all("begin_weight_update", [e.begin_weight_update.remote(version) for e in self.engines])
+        totals = AdapterTotals(adapter["lora_alpha"] / adapter["r"]) if adapter is not None else None
+        begin = (version,) if adapter is None else (version, adapter)  # a full update's call is as it always was
+        self._all("begin_weight_update", [e.begin_weight_update.remote(*begin) for e in self.engines])
         pending: list = []
-        for group in bucket_groups(_engine_dtypes(named), self.bucket_bytes):
+        streamed = _engine_dtypes(named)
+        for group in bucket_groups(totals.count(streamed) if totals else streamed, self.bucket_bytes):
             bucket = pack_bucket(group, out=self._buffer(group))  # packed while the engines load the last one
             checksum += bucket_checksum(bucket.data, bucket.nbytes)
             self._all("load_weights", pending)
             pending = self._ship(bucket)
             sent, tensors, buckets = sent + bucket.nbytes, tensors + len(bucket.metas), buckets + 1
         self._all("load_weights", pending)
-        received = self._all("finish_weight_update", [e.finish_weight_update.remote() for e in self.engines])
+        # an adapter is installed only if all of it arrived (the engine keeps serving the last one otherwise)
+        finish = () if adapter is None else ([sent, checksum],)
+        received = self._all("finish_weight_update", [e.finish_weight_update.remote(*finish) for e in self.engines])
         check_delivery(self.names, received, version, sent, checksum)
+        if totals is not None:
+            check_adapter_residence(self.names, received, version, totals)
         return {
             "bytes": float(sent),
             "tensors": float(tensors),
@@ -82,6 +95,7 @@ class _Sender:
             "seconds": time.perf_counter() - started,
             "method": self.method,
             **({"version": float(version)} if version is not None else {}),
+            **({"adapter": 1.0} if adapter is not None else {}),
         }
 
     def _buffer(self, group) -> Optional[torch.Tensor]:
@@ -185,10 +199,10 @@ class IpcSender(_Sender):
         self._shared[self._turn] = buffer
         return buffer
 
-    def send(self, named: Named, version: Optional[int] = None) -> dict:
+    def send(self, named: Named, version: Optional[int] = None, adapter: Optional[Dict[str, Any]] = None) -> dict:
         self._handles = [None, None]
         try:
-            return super().send(named, version)
+            return super().send(named, version, adapter)
         finally:
             self._handles = [None, None]  # the engine closed them at finish_weight_update (or begins afresh)
             if self.device.type == "cuda":
@@ -227,6 +241,58 @@ def check_delivery(
                     f"{got.get('version')}, {got.get('bytes')} bytes with checksum {got.get('checksum')}; "
                     f"{sent} bytes with checksum {checksum} were sent"
                 )
+
+
+#: A resident adapter's read-back agrees with what was sent to this relative difference: both sides sum the same
+#: values (vLLM copies A and B and scales B exactly as :class:`AdapterTotals` does) in float64, in other orders.
+#: Any adapter module missing or stale moves a sum by far more (one module of a 2-layer model: a few percent).
+RESIDENCE_RTOL = 1e-6
+
+
+class AdapterTotals:
+    """What an engine computes with once it holds the adapter being sent: ``sum_a`` = sum |A|, ``sum_b`` =
+    sum |scaling * B|, in float64 over every adapter tensor, as the engine's LoRA layers hold them (vLLM multiplies
+    B by ``scaling = alpha / r`` in B's dtype when it builds the adapter). Absolute values: a plain sum of
+    Kaiming-initialised A can cancel to near zero, where a relative comparison means nothing."""
+
+    def __init__(self, scaling: float) -> None:
+        self.scaling = scaling
+        self.sum_a = self.sum_b = 0.0
+
+    def count(self, named: Named) -> Named:
+        """``named`` passed through, counted on the way."""
+        for name, tensor in named:
+            if name.endswith(".lora_A.weight"):
+                self.sum_a += float(tensor.detach().abs().sum(dtype=torch.float64))
+            elif name.endswith(".lora_B.weight"):  # on the CPU, as vLLM scales it: the same rounding in bf16
+                self.sum_b += float((tensor.detach().cpu() * self.scaling).abs().sum(dtype=torch.float64))
+            yield name, tensor
+
+
+def check_adapter_residence(
+    names: Sequence[str], received: Sequence[Sequence[dict]], version: Optional[int], totals: AdapterTotals
+) -> None:
+    """Every engine worker serves the adapter just sent: its read-back of the LoRA buffers it will compute with
+    (``resident``, :func:`rlhf.rollout.vllm.adapters.install_adapter`) equals :class:`AdapterTotals`. A worker of
+    a tensor-parallel engine holds a slice of each module, so only its receipt (:func:`check_delivery`) is checked.
+
+    Raises:
+        WorkerError: naming the first engine worker that holds no adapter, or another one.
+    """
+    for name, workers in zip(names, received):
+        for w, got in enumerate(workers):
+            resident = got.get("resident")
+            if resident is None:
+                raise WorkerError(f"{name} worker {w} installed no adapter for version {version}")
+            if got.get("tensor_parallel_size", 1) != 1:
+                continue
+            for key, want in (("sum_a", totals.sum_a), ("sum_b", totals.sum_b)):
+                if not math.isclose(resident[key], want, rel_tol=RESIDENCE_RTOL):
+                    raise WorkerError(
+                        f"{name} worker {w} does not serve the adapter of version {version}: its LoRA buffers sum "
+                        f"to {key}={resident[key]!r}, the adapter sent to {want!r} ({resident.get('modules')} "
+                        f"modules resident)"
+                    )
 
 
 def _engine_dtypes(named: Named) -> Named:

@@ -93,6 +93,7 @@ def step_row(
         "sync_mismatch": mismatch if sync_mismatch is None else sync_mismatch,
         "num_samples": len(batch),
         **{f"time/{k}": round(v, 4) for k, v in timer.seconds.items()},
+        "sync_mb": sync.get("bytes", 0.0) / 2**20,  # the merged model, or the adapter alone (model.lora.sync)
         "sync_mb_per_s": sync.get("bytes", 0.0) / 2**20 / max(sync.get("seconds", 0.0), 1e-9),
         "samples_per_s": len(batch) / max(total_s, 1e-9),
         "prompts_skipped": prompts.skipped,

@@ -36,7 +36,7 @@ from rlhf.rollout.multi_turn import TurnLimits
 from rlhf.rollout.prompts import PromptSet
 from rlhf.rollout.sources import EpisodeRollout, RolloutSource, SingleTurnRollout, observation_format
 from rlhf.rollout.types import SamplingSpec
-from rlhf.rollout.vllm.engine import VLLMSpec
+from rlhf.rollout.vllm.engine import VLLMSpec, engine_lora_rank
 from rlhf.rollout.vllm.engines import RolloutEngines, as_backend
 from rlhf.rollout.weights.group import SyncTimeouts
 from rlhf.rollout.weights.sync import resolve_weight_sync
@@ -78,6 +78,7 @@ def _start_vllm_engines(
         gpu_memory_utilization=r.gpu_memory_utilization,
         kv_cache_gib=r.kv_cache_gib,
         enable_sleep_mode=sleep,
+        max_lora_rank=engine_lora_rank(cfg.model.lora.r) if cfg.model.lora.sync == "adapter" else 0,
     )
     started = RolloutEngines(
         spec,
@@ -211,8 +212,9 @@ def connect_weight_sync(cfg: RLRunConfig, ctx, actors: RLActors) -> None:
     if method == "broadcast" and cfg.colocate.hybrid_engine and backend == "nccl":  # known only now (auto GPUs)
         raise ConfigError(f"rollout.weight_sync {HYBRID_BROADCAST_ON_GPUS}")
     timeouts = SyncTimeouts.of(r)
+    adapter_only = cfg.model.lora.sync == "adapter"
     try:
-        actors.engines.connect_weight_sync(actors.policy, method, bucket_bytes, backend, timeouts)
+        actors.engines.connect_weight_sync(actors.policy, method, bucket_bytes, backend, timeouts, adapter_only)
     except WorkerError as exc:
         # not a transport that cannot form: the run's actors are gone, or one is stuck (a fallback would queue
         # behind its call)
@@ -227,10 +229,11 @@ def connect_weight_sync(cfg: RLRunConfig, ctx, actors: RLActors) -> None:
             f"(rollout.weight_sync=auto)"
         )
         method = "object_store"
-        actors.engines.connect_weight_sync(actors.policy, method, bucket_bytes, backend, timeouts)
+        actors.engines.connect_weight_sync(actors.policy, method, bucket_bytes, backend, timeouts, adapter_only)
     log.info(
         f"[rl] weight sync: {method} in {r.weight_sync_bucket_mb} MB buckets"
         + (f" ({backend})" if method == "broadcast" else "")
+        + (", the LoRA adapter alone (model.lora.sync=adapter)" if adapter_only else "")
     )
 
 
