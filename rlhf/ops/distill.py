@@ -27,6 +27,8 @@ mode the student's log-prob is the trainer's ``pi_old`` (as for the KL penalty),
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlhf.ops.kl import KL_ESTIMATORS, kl_estimate
@@ -90,3 +92,77 @@ def teacher_kl(old_logps: Tensor, teacher_logps: Tensor, mask: Tensor) -> float:
     (``distill/teacher_kl``), whatever the mode and estimator."""
     k1 = teacher_divergence("k1", old_logps, teacher_logps, mask)
     return float(k1.sum() / mask.sum().clamp(min=1))
+
+
+# ---------------------------------------------------------------------------------------------------- GKD divergences
+# Agarwal et al. 2024 (GKD), section 3 and eq. 1: divergences between the teacher's and the student's whole
+# next-token distributions, on the teacher's top-k tokens plus one bucket for the rest of the vocabulary (both
+# distributions coarse-grained alike: a divergence >= 0, <= the full one by the data-processing inequality, exact
+# when k covers the vocabulary). Not yet wired into a run: the teacher's top-k ids and log-probs must cross the actors
+# as (B, T, K) fields first.
+
+#: A tail bucket's mass is floored here before its log: a top-k that holds (numerically) all of the mass leaves a
+#: bucket of ~0, whose log must stay finite for the gradient.
+TAIL_FLOOR = 1e-30
+
+
+def with_tail(topk_logps: Tensor) -> Tensor:
+    """``(..., K)`` log-probs of K distinct tokens -> ``(..., K + 1)``: the same, then the log of the mass of every
+    other token, ``log(1 - sum exp)``, floored at ``log(TAIL_FLOOR)``."""
+    kept = torch.logsumexp(topk_logps, dim=-1, keepdim=True).clamp(max=0.0)
+    tail = torch.log((-torch.expm1(kept)).clamp(min=TAIL_FLOOR))
+    return torch.cat([topk_logps, tail], dim=-1)
+
+
+def forward_kl(student_logps: Tensor, teacher_logps: Tensor) -> Tensor:
+    """``KL(p || q) = sum_v p(v) (log p(v) - log q(v))`` over the last dim, ``p`` the teacher's, ``q`` the student's
+    (log-probs of the same outcomes, each summing to 1); ``0 log 0 = 0``. ``(..., V) -> (...)``."""
+    p = teacher_logps.exp()
+    return torch.where(p > 0, p * (teacher_logps - student_logps), torch.zeros((), dtype=p.dtype)).sum(-1)
+
+
+def generalized_jsd(student_logps: Tensor, teacher_logps: Tensor, beta: float) -> Tensor:
+    """GKD eq. 1: ``beta KL(p || m) + (1 - beta) KL(q || m)`` with ``m = beta p + (1 - beta) q``, ``p`` the
+    teacher's, ``q`` the student's distribution over the last dim. ``(..., V) -> (...)``.
+
+    ``beta`` must be in ``(0, 1)``: at the ends the value is 0 (``JSD(beta) = beta KL(p || q) + O(beta^2)``); TRL's
+    convention of reading ``beta = 0`` / ``1`` as the forward / reverse KL is a different objective, named as such.
+    """
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"beta must be in (0, 1) (0 and 1 give 0: use the forward or reverse KL), got {beta}")
+    log_m = torch.logsumexp(torch.stack([teacher_logps + math.log(beta), student_logps + math.log1p(-beta)]), dim=0)
+    return beta * forward_kl(log_m, teacher_logps) + (1.0 - beta) * forward_kl(log_m, student_logps)
+
+
+def topk_divergence(
+    name: str, student_topk_logps: Tensor, teacher_topk_logps: Tensor, mask: Tensor, beta: float = 0.5
+) -> Tensor:
+    """Per-token divergence of the student's next-token distribution from the teacher's, on the teacher's top-k
+    tokens plus a tail bucket (:func:`with_tail` on both sides), 0 off the mask.
+
+    Args:
+        name: ``forward_kl`` (``KL(teacher || student)``) or ``jsd`` (:func:`generalized_jsd` with ``beta``).
+        student_topk_logps: ``(B, T, K)`` the student's log-probs of the teacher's top-k tokens at each position
+            (differentiable).
+        teacher_topk_logps: ``(B, T, K)`` the teacher's log-probs of its top-k tokens.
+        mask: ``(B, T)`` bool, the response tokens whose predicting distributions are compared.
+
+    Returns:
+        ``(B, T)`` in the student's dtype. Off the mask both sides are replaced by a fixed distribution before the
+        divergence (so whatever the padding holds reaches neither value nor gradient).
+    """
+    if student_topk_logps.shape != teacher_topk_logps.shape or student_topk_logps.shape[:-1] != mask.shape:
+        shapes = f"{tuple(student_topk_logps.shape)}, {tuple(teacher_topk_logps.shape)}, {tuple(mask.shape)}"
+        raise ValueError(f"student and teacher top-k log-probs must be (B, T, K) over a (B, T) mask; got {shapes}")
+    keep = mask.to(torch.bool)[..., None]
+    uniform = torch.full((), -math.log(student_topk_logps.shape[-1] + 1), dtype=student_topk_logps.dtype)
+    student = torch.where(keep, student_topk_logps, uniform)
+    teacher = torch.where(keep, teacher_topk_logps.detach().to(student.dtype), uniform)
+    student, teacher = with_tail(student), with_tail(teacher)
+    if name == "forward_kl":
+        divergence = forward_kl(student, teacher)
+    elif name == "jsd":
+        divergence = generalized_jsd(student, teacher, beta)
+    else:
+        raise ValueError(f"unknown distribution divergence {name!r}; valid: forward_kl, jsd")
+    return torch.where(mask.to(torch.bool), divergence, torch.zeros((), dtype=divergence.dtype))
