@@ -231,9 +231,15 @@ def _check_sequence_parallel(cfg: RunConfig, models: Sequence[Tuple[str, str]], 
 
 def _check_lora(cfg: RunConfig, kind: TrainerKind, here: bool) -> None:
     """``model.lora.target_modules`` against the layers of each model LoRA wraps (under ``--dry-run``, those whose
-    config can be read here; the paths table says why not otherwise)."""
+    config can be read here; the paths table says why not otherwise), and an adapter sync only where there are
+    engines to sync."""
     if not cfg.model.lora.enabled:
         return
+    if cfg.model.lora.sync == "adapter" and not kind.online:
+        raise ConfigError(
+            f"model.lora.sync is adapter, but {kind.cli_module} has no rollout engines to sync weights into "
+            f"(online RL only); leave it at merged"
+        )
     from rlhf.trainers.context import check_lora_targets  # lazy: torch and transformers, only when LoRA is asked for
 
     trained = kind.trained_models(cfg)

@@ -146,3 +146,17 @@ def test_dry_run_says_an_rl_run_syncs_the_adapter_alone(tiny_model, rl_prompts, 
         dry_run(cfg, "train_ppo", cluster="1x4cpu")
         said = "RL weight syncs send the adapter alone (model.lora.sync=adapter)" in capsys.readouterr().out
         assert said == (sync == "adapter")
+
+
+def test_an_adapter_sync_is_refused_where_there_are_no_engines(tiny_model, tmp_path):
+    from shared_helpers import uneven_pair_rows, write_jsonl
+
+    from rlhf.config import DPORunConfig
+    from rlhf.trainers.kinds import kind_of
+    from rlhf.trainers.preflight import preflight
+
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", uneven_pair_rows(4, seed=0))
+    overrides = [f"model.path={tiny_model}", f"data.train_path={pairs}", "model.lora.r=8", "model.lora.sync=adapter"]
+    cfg = load_config(DPORunConfig, None, overrides)
+    with pytest.raises(ConfigError, match=r"^model.lora.sync is adapter, but rlhf.cli.train_dpo has no rollout"):
+        preflight(cfg, kind_of(cfg), here=True)
