@@ -265,7 +265,7 @@ def batch_lines(cfg: RunConfig) -> List[str]:
             )
             + (
                 "; RL weight syncs send the adapter alone (model.lora.sync=adapter)"
-                if lora.sync == "adapter" and kind.online
+                if lora.adapter_only and kind.online
                 else ""
             )
         )

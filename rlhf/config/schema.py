@@ -66,7 +66,7 @@ class LoraConfig:
         )
         check_choice(self.sync, "model.lora.sync", LORA_SYNCS)
         check_setting(
-            self.sync != "adapter" or 0 < self.r <= VLLM_LORA_RANKS[-1],
+            not self.adapter_only or 0 < self.r <= VLLM_LORA_RANKS[-1],
             "model.lora.sync",
             f"is adapter, which needs LoRA on with a rank vLLM serves (0 < model.lora.r <= {VLLM_LORA_RANKS[-1]}); "
             f"model.lora.r is {self.r}",
@@ -75,6 +75,11 @@ class LoraConfig:
     @property
     def enabled(self) -> bool:
         return self.r > 0
+
+    @property
+    def adapter_only(self) -> bool:
+        """RL weight syncs send the adapter alone (``sync=adapter``)."""
+        return self.sync == "adapter"
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,8 @@ class TrainerWorker:
         self.zero_stage = 0
         self.device = torch.device("cpu")
         self.weight_sender: Optional[WeightSender] = None
-        self.adapter_only = False  # model.lora.sync=adapter: a sync sends the LoRA adapter alone
+        # model.lora.sync=adapter: a sync sends the LoRA adapter alone, with this PEFT config (None: the whole model)
+        self.adapter_config: Optional[Dict[str, Any]] = None
         self._store = None  # the process group's rendezvous store (rank 0 hosts it; kept alive with the group)
         self.spec: Optional[ModelSpec] = None
         self.lora: Optional[LoraSpec] = None  # the adapters this trainable rank trains (model.lora.*)
@@ -333,9 +334,11 @@ class TrainerWorker:
         """Keep this rank's sender (``None``: the rank only takes part in ZeRO-3 gathers); returns the address
         its peers join at, if it hosts a group. ``adapter_only`` (``model.lora.sync=adapter``, every rank alike:
         the ZeRO-3 gathers run in lockstep): each sync sends the LoRA adapter's tensors, not the merged model."""
-        if adapter_only and self.lora is None:
-            raise ValueError("an adapter-only weight sync needs a LoRA policy (model.lora.r > 0)")
-        self.weight_sender, self.adapter_only = sender, adapter_only
+        self.weight_sender, self.adapter_config = sender, None
+        if adapter_only:  # the adapter's names never change: its PEFT config is read once, not at every sync
+            if self.lora is None or self.model is None:
+                raise ValueError("an adapter-only weight sync needs a built LoRA policy (model.lora.r > 0)")
+            self.adapter_config = adapter_sync_config(self.lora, self.model.state_dict(keep_vars=True))
         return sender.listen() if sender is not None else None
 
     def connect_weight_sender(self) -> None:
@@ -349,7 +352,7 @@ class TrainerWorker:
         Collective under ZeRO-3: every rank gathers each parameter in lockstep, whether or not it sends.
         """
         assert self.model is not None, "build() sets the model before any call that uses it"
-        sender, keep = self.weight_sender, is_adapter_tensor if self.adapter_only else None
+        sender, keep = self.weight_sender, is_adapter_tensor if self.adapter_config else None
         if sender is None:
             for _ in iter_full_state(self.model, self.zero_stage, device=None, keep=keep):
                 pass
@@ -357,9 +360,8 @@ class TrainerWorker:
         named = iter_full_state(self.model, self.zero_stage, device=sender.device, keep=keep)
         if self.lora is None:
             return sender.send(named, version)
-        if self.adapter_only:  # the engines keep the base and serve A, B (PEFT's saved names) as a LoRA adapter
-            config = adapter_sync_config(self.lora, self.model.state_dict(keep_vars=True))
-            return sender.send(adapter_named_tensors(named), version, adapter=config)
+        if self.adapter_config:  # the engines keep the base and serve A, B (PEFT's saved names) as a LoRA adapter
+            return sender.send(adapter_named_tensors(named), version, adapter=self.adapter_config)
         # the engines hold the base architecture; they get W + (alpha / r) B A under the base's names
         return sender.send(merged_named_tensors(named, self.lora), version)
 

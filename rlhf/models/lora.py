@@ -498,13 +498,21 @@ def is_adapter_tensor(name: str) -> bool:
     return bool(_LORA.match(name) or _SAVED_COPY.match(name))
 
 
+_LORA_A = re.compile(r"(?:^|\.)(?P<suffix>[^.]+)\.lora_A(?:\.[^.]+)?\.weight$")
+
+
+def wrapped_module_suffixes(names: Iterable[str]) -> List[str]:
+    """The last name part (``q_proj``, ...) of every module an adapter wraps, sorted, from its ``A`` tensors' names:
+    a PEFT model's (``...q_proj.lora_A.default.weight``) or as saved (``...q_proj.lora_A.weight``)."""
+    return sorted({m["suffix"] for m in map(_LORA_A.search, names) if m})
+
+
 def adapter_sync_config(spec: LoraSpec, names: Iterable[str]) -> Dict[str, Any]:
     """The PEFT ``adapter_config`` fields a rollout engine needs to serve the adapter of a model whose state-dict
     names are ``names`` (a PEFT model's): plain types only, for an RPC.
 
     ``target_modules`` lists the wrapped modules' suffixes (``q_proj``, ...), as :func:`save_adapter` writes them."""
-    matches = (_LORA.match(_strip_prefix(n)) for n in names)
-    suffixes = sorted({m["module"].rsplit(".", 1)[-1] for m in matches if m and m["ab"] == "A"})
+    suffixes = wrapped_module_suffixes(names)
     if not suffixes:
         raise ValueError("no LoRA A tensors among the adapter's names: is the model wrapped with apply_lora?")
     return {"r": spec.r, "lora_alpha": spec.alpha, "target_modules": suffixes, "bias": "none", "use_rslora": False}
@@ -547,9 +555,7 @@ def save_adapter(
     if spec.all_linear:
         # The wrapped modules' suffixes: the same set as the shorthand ("all-linear" leaves only the head out) in
         # the plain form every loader reads. PEFT's own save writes every full path instead.
-        config.target_modules = sorted(
-            {n[: -len(".lora_A.weight")].rsplit(".", 1)[-1] for n in tensors if n.endswith(".lora_A.weight")}
-        )
+        config.target_modules = wrapped_module_suffixes(tensors)
     config.save_pretrained(directory)
     save_file(tensors, os.path.join(directory, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return directory

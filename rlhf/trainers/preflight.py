@@ -235,7 +235,7 @@ def _check_lora(cfg: RunConfig, kind: TrainerKind, here: bool) -> None:
     engines to sync."""
     if not cfg.model.lora.enabled:
         return
-    if cfg.model.lora.sync == "adapter" and not kind.online:
+    if cfg.model.lora.adapter_only and not kind.online:
         raise ConfigError(
             f"model.lora.sync is adapter, but {kind.cli_module} has no rollout engines to sync weights into "
             f"(online RL only); leave it at merged"

@@ -78,7 +78,7 @@ def _start_vllm_engines(
         gpu_memory_utilization=r.gpu_memory_utilization,
         kv_cache_gib=r.kv_cache_gib,
         enable_sleep_mode=sleep,
-        max_lora_rank=engine_lora_rank(cfg.model.lora.r) if cfg.model.lora.sync == "adapter" else 0,
+        max_lora_rank=engine_lora_rank(cfg.model.lora.r) if cfg.model.lora.adapter_only else 0,
     )
     started = RolloutEngines(
         spec,
@@ -212,7 +212,7 @@ def connect_weight_sync(cfg: RLRunConfig, ctx, actors: RLActors) -> None:
     if method == "broadcast" and cfg.colocate.hybrid_engine and backend == "nccl":  # known only now (auto GPUs)
         raise ConfigError(f"rollout.weight_sync {HYBRID_BROADCAST_ON_GPUS}")
     timeouts = SyncTimeouts.of(r)
-    adapter_only = cfg.model.lora.sync == "adapter"
+    adapter_only = cfg.model.lora.adapter_only
     try:
         actors.engines.connect_weight_sync(actors.policy, method, bucket_bytes, backend, timeouts, adapter_only)
     except WorkerError as exc:
