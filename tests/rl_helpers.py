@@ -12,6 +12,16 @@ import torch
 from rlhf.config.loader import load_config
 from rlhf.config.rl_schema import RLRunConfig
 
+#: Row keys measured on the clock: they differ between any two runs, so an exactness test leaves them out.
+CLOCK = ("samples_per_s", "sync_mb_per_s", "async/waited_s", "async/generated_ahead_s")
+
+
+def untimed(row: dict) -> dict:
+    """A metrics row without its clock-measured keys (``time/``, ``perf/``, :data:`CLOCK`): what two runs that train
+    identically must log identically."""
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/")) and k not in CLOCK}
+
+
 STEP_KEYS = (
     "step",
     "epoch",

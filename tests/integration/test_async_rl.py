@@ -23,20 +23,15 @@ import os
 
 import pytest
 from resume_helpers import _weights
-from rl_helpers import run_rl
+from rl_helpers import run_rl, untimed
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 STEPS = 4
 ASYNC = ("rollout.max_staleness=1", f"train.max_steps={STEPS}")
+
+
 # wall-clock measurements: they differ between any two runs
-CLOCK = ("samples_per_s", "sync_mb_per_s", "async/waited_s", "async/generated_ahead_s")
-
-
-def _exact(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/")) and k not in CLOCK}
-
-
 @pytest.fixture(scope="module")
 def runs(tiny_model, rl_prompts, rl_shaping, tmp_path_factory):
     base = tmp_path_factory.mktemp("async")
@@ -80,7 +75,7 @@ def test_partial_rollouts_span_two_versions_and_resume_exactly(partial):
     for r in whole[1:]:
         assert 0.0 < r["async/version_span"] <= 1.0 and r["async/staleness_max"] == 1.0
         assert 0.0 < r["async/staleness_mean"] < 1.0  # some tokens by the proximal weights themselves
-    assert [_exact(r) for r in resumed] == [_exact(r) for r in whole]
+    assert [untimed(r) for r in resumed] == [untimed(r) for r in whole]
     a, b = _weights(whole_result.final_dir), _weights(resumed_result.final_dir)
     assert a and set(a) == set(b) and all(bool((a[k] == b[k]).all()) for k in a)
 
@@ -101,8 +96,8 @@ def test_dynamic_sampling_draws_on_the_engines_and_keeps_the_batch_size(dynamic)
 def test_step_one_of_the_async_run_is_the_synchronous_step(runs):
     (sync, _), (whole, _), _ = runs
     # sync_mismatch: the k = 1 run's probe after the push, the synchronous run's own samples (another measurement)
-    first = {k: v for k, v in _exact(whole[0]).items() if not k.startswith("async/") and k != "sync_mismatch"}
-    assert first == {k: v for k, v in _exact(sync[0]).items() if k != "sync_mismatch"}
+    first = {k: v for k, v in untimed(whole[0]).items() if not k.startswith("async/") and k != "sync_mismatch"}
+    assert first == {k: v for k, v in untimed(sync[0]).items() if k != "sync_mismatch"}
     assert whole[0]["grad_norm"] > 0
 
 
@@ -125,7 +120,7 @@ def test_each_step_trains_on_samples_one_update_old(runs):
 
 def test_a_stopped_async_run_resumes_exactly(runs):
     _, (whole, whole_result), (resumed, resumed_result) = runs
-    assert [_exact(r) for r in resumed] == [_exact(r) for r in whole]
+    assert [untimed(r) for r in resumed] == [untimed(r) for r in whole]
     a, b = _weights(whole_result.final_dir), _weights(resumed_result.final_dir)
     assert a and set(a) == set(b) and all(bool((a[k] == b[k]).all()) for k in a)
     assert os.path.isfile(os.path.join(os.path.dirname(resumed_result.final_dir), "metrics.jsonl"))

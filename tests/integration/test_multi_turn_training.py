@@ -22,6 +22,7 @@ import re
 import pytest
 import torch
 from resume_helpers import _weights
+from rl_helpers import untimed
 from shared_helpers import kill_an_actor_once, tee_stdout
 
 from rlhf.config.loader import load_config
@@ -114,11 +115,8 @@ def _rows(out):
         return [json.loads(line) for line in f]
 
 
-CLOCK = ("samples_per_s", "sync_mb_per_s", "async/waited_s", "async/generated_ahead_s")
-
-
 def _untimed(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/")) and k not in CLOCK} for r in rows]
+    return [untimed(r) for r in rows]
 
 
 @pytest.fixture(scope="module")
