@@ -3,7 +3,7 @@
     python bench/bench_step.py [--device cuda|cpu] [--size 1.5b | --model PATH] [--trainers sft,dpo,rl,logprob]
         [--zero-stage 0,1,2,3] [--packing] [--rows uniform|longtail] [--seq 1024] [--micro 4] [--ga 4]
         [--steps 8] [--rounds 1] [--precision bf16|fp32] [--plain autocast,bf16] [--peak-tflops X] [--json PATH]
-        [--tiled-head] [--ds JSON] [--profile NAME]
+        [--tiled-head] [--compile] [--max-tokens N] [--ds JSON] [--profile NAME]
 
 What runs, per trainer (``sft``, ``dpo``, ``rl`` = the PPO policy update, ``logprob`` = the forward-only reference /
 old-policy pass):
@@ -14,9 +14,11 @@ old-policy pass):
   the whole logits, the global normaliser), on the padded rows.
 * ``rlhf-zeroK``: the project's trainer rank (``TrainerWorker`` and its DeepSpeed engine, as a Ray actor hosts it,
   built here in-process on a one-rank group: nccl on CUDA, gloo on CPU) at ZeRO stage K, the batch cut and
-  normalised as ``WorkerGroup.train_batch`` does; ``--packing`` runs it padding-free, ``--tiled-head`` with the
-  LM head in token tiles (``model.tiled_head``: compare the peak memory). ``rlhf-ref`` is the frozen
-  reference worker's ``score`` pass.
+  normalised as ``WorkerGroup.train_batch`` does; ``--packing`` runs it padding-free, ``--max-tokens`` cuts its
+  micro-batches by a token budget (``train.max_tokens_per_micro_batch``), ``--tiled-head`` applies the LM head in
+  token tiles (``model.tiled_head``: compare the peak memory), ``--compile`` compiles each decoder layer
+  (``model.compile``; the warm-up steps take the compile). On one rank ZeRO 2 and 3 build ZeRO 1
+  (``rlhf.distributed.engine.effective_zero_stage``). ``rlhf-ref`` is the frozen reference worker's ``score`` pass.
 
 Each step's rows are fresh random token ids (``--rows uniform``: every row ``--seq`` long; ``longtail``: lengths
 ``seq * u^3``, mean ~seq/4, as chat and RL data are); every system sees the same rows. Reported per system: the
@@ -183,7 +185,8 @@ def plain_system(trainer: str, weights: str, args, device) -> System:
 
 def rlhf_system(trainer: str, zero: int, args, device) -> System:
     from rlhf.distributed.engine import EngineSpec, OptimSpec
-    from rlhf.distributed.micro_batches import cut_by_rows
+    from rlhf.distributed.group import row_lengths
+    from rlhf.distributed.micro_batches import cut_by_rows, cut_by_tokens
     from rlhf.distributed.worker import TrainerWorker
     from rlhf.models.loading import ModelSpec
     from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps
@@ -195,6 +198,8 @@ def rlhf_system(trainer: str, zero: int, args, device) -> System:
     state: dict = {}
     rows = args.micro * args.ga
 
+    engine = dict(zero_stage=zero, precision=args.precision, user_config=args.ds or None)
+
     def setup():
         worker = TrainerWorker(f"bench-{trainer}", 0, 1, num_threads=os.cpu_count() or 1)
         worker.device = device
@@ -205,9 +210,12 @@ def rlhf_system(trainer: str, zero: int, args, device) -> System:
                 attn_implementation="auto",
                 packing=args.packing,
                 tiled_head=args.tiled_head,
+                compile=args.compile,
             ),
-            EngineSpec.for_global_batch(
-                rows, args.micro, 1, zero_stage=zero, precision=args.precision, user_config=args.ds or None
+            (
+                EngineSpec.for_token_budget(rows, args.max_tokens, 1, packing=args.packing, **engine)
+                if args.max_tokens
+                else EngineSpec.for_global_batch(rows, args.micro, 1, **engine)
             ),
             None if trainer == "logprob" else OptimSpec(lr=1e-5, total_steps=10**6, max_grad_norm=1.0),
         )
@@ -215,7 +223,10 @@ def rlhf_system(trainer: str, zero: int, args, device) -> System:
 
     def step(batch):
         worker = state["worker"]
-        shard = cut_by_rows(len(batch), 1, args.micro).micro_batches[0]
+        if args.max_tokens:  # as WorkerGroup.train_batch cuts under train.max_tokens_per_micro_batch
+            shard = cut_by_tokens(row_lengths(batch), 1, args.max_tokens, args.packing).micro_batches[0]
+        else:
+            shard = cut_by_rows(len(batch), 1, args.micro).micro_batches[0]
         micro = [batch.select(r).trim().contiguous() for r in shard]  # as WorkerGroup.train_batch cuts
         if trainer == "logprob":
             worker.score(micro, TokenLogps())
@@ -225,9 +236,11 @@ def rlhf_system(trainer: str, zero: int, args, device) -> System:
     def close():
         state.clear()
 
-    name = "rlhf-ref" + ("-zero3" if zero == 3 else "") if trainer == "logprob" else f"rlhf-zero{zero}"
+    name = "rlhf-ref" if trainer == "logprob" else f"rlhf-zero{zero}"
     name += "-packed" if args.packing else ""
-    return System(name + ("-tiled" if args.tiled_head else ""), setup, step, close, state)
+    name += f"-tok{args.max_tokens}" if args.max_tokens else ""
+    name += "-tiled" if args.tiled_head else ""
+    return System(name + ("-compiled" if args.compile else ""), setup, step, close, state)
 
 
 # ----------------------------------------------------------------------------------------------- measuring
@@ -296,9 +309,8 @@ def profile_step(system: System, batch, device) -> None:
 
 def systems_for(trainer: str, args, device) -> List[System]:
     plain = [plain_system(trainer, w, args, device) for w in args.plain]
-    if trainer == "logprob":  # frozen: ZeRO 0-2 load the same plain module, ZeRO 3 a partitioned one
-        stages = sorted({3 if z == 3 else 0 for z in args.zero_stage})
-        return plain + [rlhf_system(trainer, z, args, device) for z in stages]
+    if trainer == "logprob":  # frozen, on one rank: every stage loads the same plain module (effective_zero_stage)
+        return plain + [rlhf_system(trainer, 0, args, device)]
     return plain + [rlhf_system(trainer, z, args, device) for z in args.zero_stage]
 
 
@@ -381,6 +393,14 @@ def main(argv=None) -> int:
     parser.add_argument("--trainers", default="sft,dpo,rl,logprob")
     parser.add_argument("--zero-stage", default="0,1,2,3", help="comma list of ZeRO stages for the rlhf rows")
     parser.add_argument("--packing", action="store_true", help="the rlhf rows run padding-free")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="the rlhf rows cut micro-batches by this token budget (train."
+        "max_tokens_per_micro_batch; --micro stays the plain loops' cut)",
+    )
+    parser.add_argument("--compile", action="store_true", help="the rlhf rows compile each decoder layer")
     parser.add_argument("--tiled-head", action="store_true", help="the rlhf rows apply the LM head in token tiles")
     parser.add_argument("--rows", choices=("uniform", "longtail"), default="uniform")
     parser.add_argument("--seq", type=int, default=1024)
@@ -434,9 +454,10 @@ def main(argv=None) -> int:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     TrainerWorker("bench", 0, 1).init_process_group("127.0.0.1", port, "nccl" if cuda else "gloo", timeout_s=60)
+    budget = f" (rlhf: <= {args.max_tokens} tokens)" if args.max_tokens else ""
     print(
         f"bench_step on {name}: model {args.model}, {args.precision}, rows {args.rows} <= {args.seq} tokens, "
-        f"micro {args.micro} x GA {args.ga}, {args.steps} steps x {args.rounds} rounds, peak "
+        f"micro {args.micro} x GA {args.ga}{budget}, {args.steps} steps x {args.rounds} rounds, peak "
         f"{args.peak_tflops or '-'} TFLOP/s"
     )
     print("MFU = sum_rows (c*N*S + 2c*L*A*S^2) / s / peak; c = 6 (train) or 2 (forward); N = matmul parameters, "

@@ -556,12 +556,16 @@ def run(args) -> int:
     }
     rows = []
     for name, check in checks.items():
+        done = len(rows)
         try:
             rows += check()
         except Exception as exc:  # noqa: BLE001 - a check that cannot run is a failed row, the others still run
             traceback.print_exc()
             rows.append((name, False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}", ""))
         release()
+        for row, ok, detail, speed in rows[done:]:  # as each check ends: a run cut short still shows its rows
+            verdict = "SKIP" if ok is None else "PASS" if ok else "FAIL"
+            print(f"CHECK {row}: {verdict}  {detail}  {speed}  ({time.perf_counter() - STARTED:.0f} s)", flush=True)
     table = [("check", "result", "relative differences (<= bound)", "tokens/s | throughput")]
     table += [
         (name, "SKIP" if ok is None else "PASS" if ok else "FAIL", detail, speed) for name, ok, detail, speed in rows

@@ -167,6 +167,7 @@ def _devices_line(cfg: RunConfig, devices: Devices) -> str:
     gpus = f"{devices.gpus_per_worker:g} GPU per rank" if devices.gpus_per_worker else "CPU ranks"
     auto = " (auto)" if s.gpus_per_worker < 0 else ""
     extras = ", gradient checkpointing" if cfg.model.gradient_checkpointing else ""
+    extras += ", compiled decoder layers" if cfg.model.compile else ""
     extras += ", optimizer offloaded to CPU" if s.offload_optimizer else ""
     one_rank_groups = s.sequence_parallel_size == 1  # a sequence group is at least 2 ranks
     if one_rank_groups and effective_zero_stage(s.zero_stage, 1, s.offload_optimizer) != s.zero_stage:

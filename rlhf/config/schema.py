@@ -98,6 +98,9 @@ class ModelConfig:
     # The gated MLP of each layer in tiles of positions, recomputed in the backward (rlhf/models/tiled_mlp.py,
     # DeepSpeed's TiledMLP): the same numbers, its (T, intermediate) activations never whole; for long rows.
     tiled_mlp: bool = False
+    # torch.compile on each decoder layer (rlhf/models/compiled.py): fused norms, rotary and activations, the same
+    # numbers to rounding; the first steps pay the compile. Measured in docs/performance.md.
+    compile: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
@@ -539,6 +542,19 @@ class RunConfig:
             "is not supported with LoRA (model.lora.r > 0) yet: the head is swapped inside the PEFT wrapper's model, "
             "which no test covers",
         )
+        for other, on in (
+            ("strategy.zero_stage=3", self.strategy.zero_stage == 3),
+            ("strategy.sequence_parallel_size > 1", self.strategy.sequence_parallel_size > 1),
+            ("model.tiled_mlp", self.model.tiled_mlp),
+            ("model.gradient_checkpointing", self.model.gradient_checkpointing),
+            ("LoRA (model.lora.r > 0)", self.model.lora.enabled),
+        ):
+            check_setting(
+                not (self.model.compile and on),
+                "model.compile",
+                f"is not supported with {other}: each hooks into the layers a compile traces (ZeRO 3's gathers, "
+                f"the sequence group's all-to-all, tiles, recomputation, adapters) and no test covers the pair yet",
+            )
         check_setting(
             self.strategy.precision != "fp64" or self.model.attn_implementation != "eager",
             "model.attn_implementation",

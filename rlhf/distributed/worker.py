@@ -19,7 +19,14 @@ import torch
 
 from rlhf.batch import Batch
 from rlhf.distributed.cluster import actor_placement, load_cpu_comm_op
-from rlhf.distributed.engine import EngineSpec, OptimSpec, TrainEngine, build_ds_config, iter_full_state
+from rlhf.distributed.engine import (
+    EngineSpec,
+    OptimSpec,
+    TrainEngine,
+    build_ds_config,
+    built_spec,
+    iter_full_state,
+)
 from rlhf.distributed.rendezvous import arrive, connect_store, host_store
 from rlhf.models.loading import ModelSpec, load_model
 from rlhf.models.lora import (
@@ -158,6 +165,7 @@ class TrainerWorker:
         model = dataclasses.replace(
             model, attn_implementation=packed_attention(attention) if model.packing else attention
         )
+        engine = built_spec(engine, self.world_size)  # a one-rank group builds ZeRO 1 for 2 and 3
         zero3 = None
         if engine.zero_stage == 3:  # load straight into partitions, and reuse the config for a frozen engine
             zero3 = build_ds_config(engine, self.world_size, 0.0, trainable=optim is not None)

@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional, Set
 import torch
 
 from rlhf.hub import model_dir
+from rlhf.models.compiled import compile_layers
 from rlhf.models.forward import hidden_forward
 from rlhf.models.head import enable_tiled_head
 from rlhf.models.lora import LoraSpec
@@ -42,6 +43,7 @@ class ModelSpec:
     packing: bool = False  # load a variable-length attention so forwards can run padding-free (train.packing)
     tiled_head: bool = False  # log-probs from the LM head in token tiles (model.tiled_head, rlhf.models.head)
     tiled_mlp: bool = False  # each gated MLP in tiles of positions (model.tiled_mlp, rlhf.models.tiled_mlp)
+    compile: bool = False  # torch.compile on each decoder layer (model.compile, rlhf.models.compiled)
     lora: Optional[LoraSpec] = None  # adapters for a trainable build (model.lora.*); frozen builds ignore it
 
 
@@ -74,6 +76,8 @@ def load_model(spec: ModelSpec, zero3_config: Optional[Dict[str, Any]] = None) -
         enable_tiled_head(model)
     if spec.tiled_mlp:
         enable_tiled_mlp(model)
+    if spec.compile:
+        compile_layers(model)
     return model
 
 

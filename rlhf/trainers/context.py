@@ -103,6 +103,7 @@ class RunContext:
             packing=self.cfg.train.packing,
             tiled_head=m.tiled_head,
             tiled_mlp=m.tiled_mlp,
+            compile=m.compile,
             lora=lora_spec(self.cfg),
         )
 

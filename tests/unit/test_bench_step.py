@@ -49,3 +49,21 @@ def test_cpu_twin(tiny_model, tmp_path):
     first = {r["trainer"]: r for r in rows if r["system"] == "plain-fp32"}
     for row in rows:
         assert row["vs_plain"] == pytest.approx(first[row["trainer"]]["s_per_step"] / row["s_per_step"])
+
+
+def test_cpu_twin_packed_under_a_token_budget(tiny_model, tmp_path):
+    """``--packing --max-tokens``: the trainer rank cuts each step as a run under train.max_tokens_per_micro_batch
+    does; long-tailed rows count their real tokens only, the same for the plain loop and the rank."""
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    args = ["--device", "cpu", "--model", tiny_model, "--seq", "64", "--micro", "4", "--ga", "2", "--steps", "1"]
+    args += ["--trainers", "sft", "--zero-stage", "1", "--rows", "longtail", "--packing", "--max-tokens", "96"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_step.py"), *args, "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    plain, rank = json.loads(out.read_text())
+    assert (plain["system"], rank["system"]) == ("plain-fp32", "rlhf-zero1-packed-tok96")
+    assert rank["tokens_per_s"] * rank["s_per_step"] == pytest.approx(plain["tokens_per_s"] * plain["s_per_step"])
+    assert rank["tokens_per_s"] * rank["s_per_step"] < 8 * 64  # long-tailed: fewer real tokens than 8 full rows

@@ -1,8 +1,9 @@
-"""A one-rank group asked for ZeRO 2 builds ZeRO 1 (rlhf.distributed.engine.effective_zero_stage): nothing to
-partition, none of stage 2's per-parameter bucket hooks, and the weights of a real one-rank ZeRO 2 engine: bit for bit
-in fp32; in bf16 the same fp32 gradient sum (the one-rank ZeRO 1 skips DeepSpeed's cast of it to bf16 for an
-all-reduce over one rank), clipped by a norm each optimizer sums in its own order (~2e-7 apart), so a weight may land
-one bf16 step away. The engines run in a subprocess with its own one-rank gloo group."""
+"""A one-rank group asked for ZeRO 2 or 3 builds ZeRO 1 (rlhf.distributed.engine.effective_zero_stage): nothing to
+partition, none of stage 2's per-parameter bucket hooks or stage 3's per-module gathers, and the weights of a real
+one-rank ZeRO 2 (or 3) engine: bit for bit in fp32 for ZeRO 2; in bf16 the same fp32 gradient sum (the one-rank
+ZeRO 1 skips DeepSpeed's cast of it to bf16 for an all-reduce over one rank), clipped by a norm each optimizer sums
+in its own order (~2e-7 apart), so a weight may land one bf16 step away. The engines run in a subprocess with its
+own one-rank gloo group."""
 
 from __future__ import annotations
 
@@ -12,21 +13,21 @@ from shared_helpers import saved_by_subprocess
 
 from rlhf.distributed.engine import effective_zero_stage
 
-STEPS, ROWS, MICRO = 3, 4, 2
+STEPS, ROWS, MICRO, LR = 3, 4, 2, 1e-3
 
 
 def test_effective_stage():
     assert effective_zero_stage(2, 1) == 1
     assert [effective_zero_stage(s, 2) for s in (0, 1, 2, 3)] == [0, 1, 2, 3]
-    assert [effective_zero_stage(s, 1) for s in (0, 1, 3)] == [0, 1, 3]
-    assert effective_zero_stage(2, 1, offload_optimizer=True) == 2
+    assert [effective_zero_stage(s, 1) for s in (0, 1, 3)] == [0, 1, 1]
+    assert [effective_zero_stage(s, 1, offload_optimizer=True) for s in (2, 3)] == [2, 3]
 
 
 def _train(model_path: str, out_path: str, port: int) -> None:
     """In the subprocess: per precision, a one-rank group asked for ZeRO 2 (built as ZeRO 1) and a real one-rank
     ZeRO 2 (the mapping switched off), each 3 optimizer steps of 2 micro-batches; saves weights, norms, losses and
-    the optimizer each built; in fp32 also the asked-for ZeRO 2 with ``model.tiled_head`` (the LM head in token
-    tiles, rlhf.models.head) on the real engine."""
+    the optimizer each built; in fp32 also the same for ZeRO 3, a frozen ZeRO-3 worker's build, and the asked-for
+    ZeRO 2 with ``model.tiled_head`` (the LM head in token tiles, rlhf.models.head) on the real engine."""
     import rlhf.distributed.engine as engine_module
     from rlhf.batch import Batch
     from rlhf.distributed.engine import EngineSpec, OptimSpec, iter_full_state
@@ -39,18 +40,20 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     results = {}
     real = lambda stage, *_: stage  # noqa: E731 - the mapping switched off
     cases = [
-        (p, label, stage_of, False)
+        (p, 2, label, stage_of, False)
         for p in ("fp32", "bf16")
         for label, stage_of in (("asked 2", mapped), ("real 2", real))
     ]
-    cases.append(("fp32", "tiled", mapped, True))
-    for precision, label, mapping, tiled in cases:
+    cases += [("fp32", 3, "asked 3", mapped, False), ("fp32", 3, "real 3", real, False)]
+    cases.append(("fp32", 2, "tiled", mapped, True))
+    for precision, stage, label, mapping, tiled in cases:
         engine_module.effective_zero_stage = mapping
+        spec = EngineSpec(zero_stage=stage, precision=precision, micro_batch_size=MICRO, grad_accum_steps=ROWS // MICRO)
         worker = TrainerWorker(label, 0, 1)
         worker.build(
             ModelSpec(path=model_path, precision=precision, tiled_head=tiled),
-            EngineSpec(zero_stage=2, precision=precision, micro_batch_size=MICRO, grad_accum_steps=ROWS // MICRO),
-            OptimSpec(lr=1e-3, total_steps=STEPS, max_grad_norm=1.0),
+            spec,
+            OptimSpec(lr=LR, total_steps=STEPS, max_grad_norm=1.0),
         )
         gen, trace, tokens = torch.Generator().manual_seed(0), [], 0
         for _ in range(STEPS):
@@ -66,13 +69,23 @@ def _train(model_path: str, out_path: str, port: int) -> None:
         results[precision, label] = {
             "stage": worker.engine.spec.zero_stage,
             "optimizer": type(worker.engine.engine.optimizer).__name__,
-            "weights": {n: t.clone() for n, t in iter_full_state(worker.model, 1)},
+            "weights": {n: t.clone() for n, t in iter_full_state(worker.model, worker.zero_stage)},
+            "partitioned": any(hasattr(p, "ds_numel") for p in worker.model.parameters()),
             "trace": trace,
             "perf": worker.take_perf(),
             "perf_again": worker.take_perf(),
             "tokens": tokens,
             "matmul_params": worker.model_flops.matmul_params,
         }
+    engine_module.effective_zero_stage = mapped
+    frozen = TrainerWorker("frozen 3", 0, 1)
+    frozen.build(ModelSpec(path=model_path), EngineSpec(zero_stage=3, precision="fp32", micro_batch_size=1,
+                                                         grad_accum_steps=1), None)  # fmt: skip
+    results["frozen 3"] = {
+        "stage": frozen.zero_stage,
+        "partitioned": any(hasattr(p, "ds_numel") for p in frozen.model.parameters()),
+        "engine": type(frozen.model).__name__,
+    }
     torch.save(results, out_path)
 
 
@@ -104,6 +117,29 @@ def test_asked_zero2_builds_zero1_with_the_weights_of_a_real_zero2(trained, prec
             assert loss_a == pytest.approx(loss_r, rel=1e-5)
         # the norm is each optimizer's own float32 sum of squares (a different order): a few float32 roundings
         assert norm_a == pytest.approx(norm_r, rel=1e-6)
+
+
+def test_asked_zero3_builds_zero1_with_the_weights_of_a_real_zero3(trained):
+    """fp32: the one-rank ZeRO 1 a ZeRO-3 request builds takes the steps of a real one-rank ZeRO 3 (its weights
+    gathered whole): the same losses at every step. The norms are each optimizer's own float32 sum of squares (a
+    few roundings apart, measured 3e-8), so the clipping coefficients differ in the last bits: Adam carries that
+    into weights whose gradient is ~0 (k_proj biases, whose gradient softmax cancels) as up to lr per step (measured
+    4.6e-6), and into the others as rounding (measured <= 2.5e-6 after 3 steps of lr 1e-3)."""
+    asked, real = trained["fp32", "asked 3"], trained["fp32", "real 3"]
+    assert (asked["stage"], real["stage"]) == (1, 3) and (asked["partitioned"], real["partitioned"]) == (False, True)
+    assert asked["weights"].keys() == real["weights"].keys()
+    for (norm_a, loss_a), (norm_r, loss_r) in zip(asked["trace"], real["trace"]):
+        assert loss_a == loss_r and norm_a == pytest.approx(norm_r, rel=1e-6)
+    for name, weight in real["weights"].items():
+        torch.testing.assert_close(asked["weights"][name], weight, rtol=0, atol=STEPS * LR, msg=name)
+
+
+def test_a_frozen_one_rank_zero3_worker_holds_a_plain_module(trained):
+    """A frozen role (the reference, the reward model) asked for ZeRO 3 on one rank: nothing to partition, so the
+    plain module of ZeRO 0-2, not a DeepSpeed engine gathering each module at every forward."""
+    frozen = trained["frozen 3"]
+    assert (frozen["stage"], frozen["partitioned"]) == (1, False)
+    assert frozen["engine"] != "DeepSpeedEngine"
 
 
 def test_the_worker_accounts_its_steps_for_perf_metrics(trained):

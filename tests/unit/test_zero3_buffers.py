@@ -56,13 +56,16 @@ def _forward(kind: str):
 
 def _probe(model_path: str, out_path: str, port: int) -> None:
     """Run in the subprocess: every case built on ZeRO 0 and ZeRO 3; saves ``{(case, stage): {"buffers": {name:
-    tensor}, "out": forward}}`` to ``out_path``."""
+    tensor}, "out": forward}}`` to ``out_path``. A one-rank group would build ZeRO 1 for ZeRO 3 (nothing to
+    partition, rlhf.distributed.engine.effective_zero_stage): switched off here, the builds are real ZeRO-3 ones."""
+    import rlhf.distributed.engine as engine_module
     from rlhf.distributed.engine import EngineSpec, OptimSpec
     from rlhf.distributed.worker import TrainerWorker
     from rlhf.models.loading import ModelSpec
     from rlhf.models.lora import LoraSpec
 
     TrainerWorker("probe", 0, 1).init_process_group("127.0.0.1", port, "gloo", timeout_s=60)
+    engine_module.effective_zero_stage = lambda stage, *_: stage
     batch, results = _batch(), {}
     for case, (kind, trainable, rank, precision) in CASES.items():
         for stage in (0, 3):
@@ -74,6 +77,7 @@ def _probe(model_path: str, out_path: str, port: int) -> None:
                 EngineSpec(zero_stage=stage, precision=precision, micro_batch_size=ROWS, grad_accum_steps=1),
                 OptimSpec(lr=1e-3, total_steps=1) if trainable else None,
             )
+            assert worker.zero_stage == stage
             out = worker.score([batch], _forward(kind))[0]
             results[case, stage] = {
                 "buffers": {n: b.detach().clone() for n, b in worker.model.named_buffers()},
