@@ -75,7 +75,7 @@ def dry_run(cfg: RunConfig, prog: str, cluster: str = "") -> None:
     ]
     lines += [f"  node {i}: {n.describe()}" for i, n in enumerate(nodes)]
     lines += ["", "paths:"] + _table(paths)
-    lines += ["", _devices_line(cfg, devices)] + rollout
+    lines += ["", _devices_line(cfg, devices, plan)] + rollout
     lines += ["", "placement groups (Ray PACK, in the order the runner creates them):"] + placement_lines(packing)
     lines += ["", "actors:"] + actor_lines(plan)
     lines += ["", "shared devices: " + _sharing(plan, packing)]
@@ -162,16 +162,17 @@ def _ranges(values: Sequence[int]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
 
 
-def _devices_line(cfg: RunConfig, devices: Devices) -> str:
+def _devices_line(cfg: RunConfig, devices: Devices, plan: ResourcePlan) -> str:
     s = cfg.strategy
     gpus = f"{devices.gpus_per_worker:g} GPU per rank" if devices.gpus_per_worker else "CPU ranks"
     auto = " (auto)" if s.gpus_per_worker < 0 else ""
     extras = ", gradient checkpointing" if cfg.model.gradient_checkpointing else ""
     extras += ", compiled decoder layers" if cfg.model.compile else ""
     extras += ", optimizer offloaded to CPU" if s.offload_optimizer else ""
-    one_rank_groups = s.sequence_parallel_size == 1  # a sequence group is at least 2 ranks
-    if one_rank_groups and effective_zero_stage(s.zero_stage, 1, s.offload_optimizer) != s.zero_stage:
-        extras += " (ZeRO-1 on a one-rank group: nothing to partition)"
+    # a sequence group is at least 2 ranks
+    single = [g.name for g in plan.groups if g.num_bundles == 1] if s.sequence_parallel_size == 1 else []
+    if single and effective_zero_stage(s.zero_stage, 1, s.offload_optimizer) != s.zero_stage:
+        extras += f" (ZeRO-1 on the one-rank {', '.join(single)}: nothing to partition)"
     return (
         f"devices: {gpus}{auto}; {devices.precision} (strategy.precision={s.precision}), "
         f"{devices.backend} (strategy.backend={s.backend}); DeepSpeed ZeRO-{s.zero_stage}{extras}"

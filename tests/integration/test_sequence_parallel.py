@@ -317,7 +317,7 @@ def test_dry_run_tells_the_sequence_groups_and_the_ranks_they_start(
     assert rc == 0, out + err
     assert "sequence parallel 2: each data-parallel rank is 2 ranks sharing every row" in out
     assert "policy  2 ranks" in out and "policy: 2 bundles" in out  # 1 data-parallel rank x 2
-    assert "ZeRO-1 on a one-rank group" not in out  # the group has 2 ranks: ZeRO-2 partitions over them
+    assert "ZeRO-1 on the one-rank" not in out  # the group has 2 ranks: ZeRO-2 partitions over them
 
 
 @pytest.mark.parametrize(

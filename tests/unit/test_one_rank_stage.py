@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shared_helpers import saved_by_subprocess
+from shared_helpers import run_main, saved_by_subprocess
 
 from rlhf.distributed.engine import effective_zero_stage
 
@@ -161,3 +161,12 @@ def test_a_tiled_head_trains_on_the_real_engine_as_the_whole_logits(trained):
         assert loss_t == pytest.approx(loss_w, rel=1e-6) and norm_t == pytest.approx(norm_w, rel=1e-5)
     for name, weight in whole["weights"].items():  # Adam turns rounding into lr-sized steps where a gradient is ~0
         torch.testing.assert_close(tiled["weights"][name], weight, rtol=0, atol=3e-3, msg=name)
+
+
+@pytest.mark.parametrize("workers, shown", [(1, True), (2, False)])
+def test_the_dry_run_names_the_one_rank_groups_that_build_zero1(workers, shown, tmp_path, capsys, monkeypatch):
+    argv = ["--config", "sft_tiny", "--dry-run", "model.path=/m", "data.train_path=/d.jsonl"]
+    argv += ["strategy.zero_stage=3", f"train.num_workers={workers}", "train.global_batch_size=8"]
+    rc, out, err = run_main("rlhf.cli.train_sft", argv, tmp_path, capsys, monkeypatch)
+    assert rc == 0, err
+    assert ("DeepSpeed ZeRO-3 (ZeRO-1 on the one-rank policy: nothing to partition)" in out) == shown, out
