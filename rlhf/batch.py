@@ -45,6 +45,9 @@ class Batch:
         returns: ``(B, T)`` per-token value targets.
         teacher_logps: ``(B, T)`` per-token log-probs of the sampled tokens under a distillation teacher (RL,
             ``algo.teacher.path``), scored like ``ref_logps``.
+        teacher_topk_logps: ``(B, T, K)`` the teacher's log-probs of the K most likely tokens of the distribution
+            that predicts each token (``algo.teacher.divergence`` forward_kl / jsd); ``teacher_topk_ids``: ``(B, T,
+            K)`` int64, those tokens. Per-token fields with a trailing axis: the time axis is dim 1.
         desirable: ``(B,)`` bool, unpaired preference rows (KTO): whether the row's completion is desirable.
         kl_baseline: ``(B,)`` KTO's reference point ``z_0``, the KL estimate of the whole global batch repeated on
             every row (so any cut of the batch carries it), detached.
@@ -62,6 +65,8 @@ class Batch:
     advantages: Optional[Tensor] = None
     returns: Optional[Tensor] = None
     teacher_logps: Optional[Tensor] = None
+    teacher_topk_logps: Optional[Tensor] = None
+    teacher_topk_ids: Optional[Tensor] = None
     desirable: Optional[Tensor] = None
     kl_baseline: Optional[Tensor] = None
 
@@ -74,6 +79,11 @@ class Batch:
             value = getattr(self, name)
             if value is not None and value.shape != self.input_ids.shape:
                 raise ValueError(f"Batch.{name} shape {tuple(value.shape)} != input_ids {tuple(self.input_ids.shape)}")
+        for name in _TOKEN_TRAILING:
+            value = getattr(self, name)
+            if value is not None and (value.dim() != 3 or value.shape[:2] != self.input_ids.shape):
+                over = tuple(self.input_ids.shape)
+                raise ValueError(f"Batch.{name} must be (B, T, K) over input_ids {over}, got {tuple(value.shape)}")
 
     # ------------------------------------------------------------------ views
     def present(self) -> dict[str, Tensor]:
@@ -122,7 +132,14 @@ class Batch:
     def trim(self) -> "Batch":
         """Drop trailing columns that are padding in every row (keeps at least one column)."""
         length = int(self.attention_mask.reshape(-1, self.attention_mask.shape[-1]).sum(-1).max().clamp(min=1))
-        return Batch(**{k: v[..., :length] if self._is_sequence_field(v) else v for k, v in self.present().items()})
+        out = {}
+        for name, value in self.present().items():
+            if name in _TOKEN_TRAILING:
+                value = value[:, :length]
+            elif self._is_sequence_field(value):
+                value = value[..., :length]
+            out[name] = value
+        return Batch(**out)
 
     def _is_sequence_field(self, value: Tensor) -> bool:
         """Per-token fields share ``input_ids``' rank and last dimension; per-sample ones do not."""
@@ -150,11 +167,24 @@ class Batch:
         out = {}
         for name in names:
             parts = [getattr(b, name) for b in batches]
-            if batches[0]._is_sequence_field(parts[0]):
+            if name in _TOKEN_TRAILING:
+                parts = [_pad_time(p, width) for p in parts]
+            elif batches[0]._is_sequence_field(parts[0]):
                 fill = pad_id if name == "input_ids" else 0
                 parts = [_pad_last(p, width, fill) for p in parts]
             out[name] = torch.cat(parts, dim=0)
         return Batch(**out)
+
+
+#: per-token fields with a trailing axis, ``(B, T, K)``: cut and padded along dim 1, not the last
+_TOKEN_TRAILING = ("teacher_topk_logps", "teacher_topk_ids")
+
+
+def _pad_time(x: Tensor, width: int) -> Tensor:
+    """``(B, T, K)`` right-padded with zeros along dim 1 to ``width``."""
+    if x.shape[1] == width:
+        return x
+    return torch.cat([x, x.new_zeros((x.shape[0], width - x.shape[1], *x.shape[2:]))], dim=1)
 
 
 def _pad_last(x: Tensor, width: int, value: float) -> Tensor:

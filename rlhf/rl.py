@@ -28,12 +28,22 @@ with ``prompt_ids``), or any ``text -> ids`` function.
 On-policy distillation (docs/algorithms/distillation.md): ``batch.replace(teacher_logps=teacher.score_batch(batch,
 TokenLogps()))`` with a frozen teacher group, then either ``advantages_for(..., distill_coef=c)`` (a per-token
 penalty in the reward) or ``PolicyObjective(distill_coef=c)`` (a term of the loss); ``teacher_divergence`` is the
-per-token estimate both use.
+per-token estimate both use. GKD's whole-distribution divergences: ``logps, ids =
+split_teacher_topk(teacher.score_batch(batch, TeacherTopK(k)))``, ``batch.replace(teacher_topk_logps=logps,
+teacher_topk_ids=ids)`` and ``PolicyObjective(distill_coef=c, distill_divergence="jsd", distill_beta=b)``.
 """
 
 from __future__ import annotations
 
-from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
+from rlhf.objectives.actor_critic import (
+    PolicyObjective,
+    SequenceScores,
+    TeacherTopK,
+    TokenLogps,
+    TokenValues,
+    ValueObjective,
+    split_teacher_topk,
+)
 from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS
 from rlhf.ops.batch_advantages import advantages_for
 from rlhf.ops.distill import teacher_divergence
@@ -60,6 +70,7 @@ __all__ = [
     "SamplingFilter",
     "SamplingSpec",
     "SequenceScores",
+    "TeacherTopK",
     "TextObservations",
     "TokenLogps",
     "TokenValues",
@@ -68,6 +79,7 @@ __all__ = [
     "ValueObjective",
     "advantages_for",
     "teacher_divergence",
+    "split_teacher_topk",
     "episode_metrics",
     "episodes_batch",
     "turn_reward_tokens",

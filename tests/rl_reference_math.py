@@ -431,3 +431,24 @@ def turn_token_rewards(
             placed += reward
     r[-1] = r[-1] + (score - placed)
     return r
+
+
+# ------------------------------------------------------------------------------------------------ checking
+def objective_metrics_matching(policy, objective, batch, expected: Tensor) -> Dict[str, float]:
+    """Check ``objective``'s loss over ``batch`` (its sum over its count) against ``expected``, a reference loss of
+    the same ``policy`` parameters: the value to 1e-11 and the gradient to 1e-10 relative (float64; the gradient
+    must not vanish). Returns the objective's finalized metrics, for the caller's own checks."""
+    total, sums = objective.loss(policy, batch)
+    ours = total / objective.count(batch)
+    value, reference = float(ours.detach()), float(expected.detach())
+    assert abs(value - reference) <= 1e-11 * abs(reference), (value, reference)
+    grads = []
+    for loss in (ours, expected):
+        policy.zero_grad(set_to_none=True)
+        loss.backward()
+        grads.append(torch.cat([q.grad.reshape(-1) for q in policy.parameters() if q.grad is not None]))
+    policy.zero_grad(set_to_none=True)
+    ours_grad, expected_grad = grads
+    assert float(expected_grad.norm()) > 1e-6
+    assert float((ours_grad - expected_grad).norm()) <= 1e-10 * float(expected_grad.norm())
+    return objective.finalize(sums, objective.count(batch))

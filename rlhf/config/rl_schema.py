@@ -331,11 +331,29 @@ class TeacherConfig:
     coef: float = 1.0  # the distillation term's weight against the task reward (> 0)
     estimator: str = "auto"  # auto (reward: k1; loss: k2) | k1 | k2 | k3; k1 is refused as a loss
     num_workers: int = 0  # teacher ranks; 0 = train.num_workers (each x strategy.sequence_parallel_size)
+    # reverse_kl: on the sampled tokens (algo.teacher.estimator) | forward_kl | jsd: GKD's divergences of the whole
+    # next-token distributions, on the teacher's top_k tokens plus a tail bucket (mode=loss only)
+    divergence: str = "reverse_kl"
+    beta: float = 0.5  # jsd: GKD eq. 1's beta, in (0, 1)
+    top_k: int = 64  # forward_kl / jsd: the teacher's tokens per position sent to the policy; >= vocabulary: exact
 
     def __post_init__(self) -> None:
-        from rlhf.ops.distill import DISTILL_MODES, resolve_estimator  # imports torch
+        from rlhf.ops.distill import DISTILL_MODES, check_divergence, resolve_estimator  # imports torch
 
         check_choice(self.mode, "algo.teacher.mode", DISTILL_MODES)
+        try:
+            entry = check_divergence(self.divergence, self.beta)
+        except KeyError as e:
+            raise ConfigError(f"algo.teacher.divergence: {e}") from None
+        except ValueError as e:
+            raise ConfigError(f"algo.teacher.beta: {e}") from None
+        check_setting(
+            entry.sampled or self.mode == "loss",
+            "algo.teacher.divergence",
+            f"is {self.divergence}, which compares whole next-token distributions: a loss term only (a per-token "
+            f"reward reads one number per sampled token); set algo.teacher.mode=loss",
+        )
+        check_setting(self.top_k >= 1, "algo.teacher.top_k", f"must be >= 1, got {self.top_k}")
         check_setting(
             self.coef > 0 and math.isfinite(self.coef), "algo.teacher.coef", f"must be > 0 and finite, got {self.coef}"
         )
@@ -344,6 +362,13 @@ class TeacherConfig:
             resolve_estimator(self.estimator, self.mode)
         except (KeyError, ValueError) as e:
             raise ConfigError(f"algo.teacher.estimator: {e}") from None
+
+    @property
+    def on_distributions(self) -> bool:
+        """The divergence compares whole next-token distributions (the teacher's top-k crosses the actors)."""
+        from rlhf.ops.distill import DIVERGENCES  # imports torch
+
+        return bool(self.path) and not DIVERGENCES.get(self.divergence).sampled
 
     def coef_in(self, mode: str) -> float:
         """The term's weight where ``mode`` puts it (``reward`` or ``loss``): ``coef`` for the configured mode of a
@@ -617,6 +642,7 @@ class RLRunConfig(RunConfig):
             "rewards) or algo.teacher.path (distillation alone) is set: RL needs a reward",
         )
         self._check_episodes()
+        self._check_distribution_distillation()
         budget = self.train.max_tokens_per_micro_batch
         check_setting(
             not budget or budget >= self.max_sequence_length,
@@ -731,6 +757,33 @@ class RLRunConfig(RunConfig):
         """Whether any reward source scores the samples (a run distilling alone has none)."""
         r = self.reward
         return bool(r.functions or r.model_path or r.http or r.judge.path) or self.multi_turn
+
+    def _check_distribution_distillation(self) -> None:
+        """forward_kl / jsd compare the whole next-token distributions: the trainer needs the whole softmax of its
+        logits at the teacher's tokens, on one rank's whole rows."""
+        t = self.algo.teacher
+        if not t.on_distributions:
+            return
+        for key, problem in (
+            ("rollout.top_k", self.rollout.top_k > 0),
+            ("rollout.top_p", self.rollout.top_p < 1),
+        ):
+            check_setting(
+                not problem,
+                key,
+                f"cuts the sampling distribution to a kept set, where algo.teacher.divergence={t.divergence} "
+                "compares whole distributions (the teacher's top-k is mostly outside the kept set: infinite KL); "
+                "sample from the whole vocabulary or use algo.teacher.divergence=reverse_kl",
+            )
+        for key, problem, why in (
+            ("model.tiled_head", self.model.tiled_head, "the head in tiles gives no log-probs at other ids yet"),
+            (
+                "strategy.sequence_parallel_size",
+                self.strategy.sequence_parallel_size > 1,
+                "the teacher's top-k is not placed on sequence shards yet",
+            ),
+        ):
+            check_setting(not problem, key, f"is not supported with algo.teacher.divergence={t.divergence}: {why}")
 
     @property
     def distills_alone(self) -> bool:

@@ -264,16 +264,18 @@ class WorkerGroup:
         """``fn`` over ``batch`` in chunks of ``rows_per_forward`` rows (default: the build's micro-batch size),
         each trimmed to its own longest row, spread over the ranks -> one ``(B, ...)`` tensor.
 
-        Per-token results (``(B, T)``, or ``(B, 2, T)`` for pairs) are right-padded with zeros back to the batch's
-        width ``T``; per-row results (``(B,)``, ``(B, 2)``) are concatenated. Floating results are at least
-        float32 (float64 stays float64: an fp64 run's models score in float64).
+        Per-token results (``(B, T)``, ``(B, 2, T)`` for pairs, or with trailing axes ``(B, T, ...)``) are
+        right-padded with zeros along the time axis back to the batch's width ``T``; per-row results (``(B,)``,
+        ``(B, 2)``) are concatenated. Floating results are at least float32 (float64 stays float64: an fp64 run's
+        models score in float64).
         """
         if not len(batch):
             raise ValueError(f"{self.role}: score_batch of an empty batch")
         parts = self.score(self._chunks(batch, rows_per_forward, "score_batch"), fn)
-        width = batch.input_ids.shape[-1]
-        per_token = [p.dim() == batch.input_ids.dim() for p in parts]
-        out = torch.cat([_pad_to(p, width) if token else p for p, token in zip(parts, per_token)])
+        width, time_axis = batch.input_ids.shape[-1], batch.input_ids.dim() - 1
+        # per-token results have input_ids' rank, or more (a trailing axis: a teacher's top-k, (B, T, K, 2))
+        per_token = [p.dim() >= batch.input_ids.dim() for p in parts]
+        out = torch.cat([_pad_to(p, width, time_axis) if token else p for p, token in zip(parts, per_token)])
         return out.float() if out.is_floating_point() and out.dtype != torch.float64 else out
 
     def evaluate_batch(self, batch: Batch, objective: Objective, rows_per_forward: Optional[int] = None) -> Totals:
@@ -428,6 +430,7 @@ def _with_sample(err: ValueError, batch: Batch) -> str:
     return f"row {row} (sample {int(batch.sample_index[row])})" + text[len(f"row {row}") :]
 
 
-def _pad_to(part: torch.Tensor, width: int) -> torch.Tensor:
-    """Right-pad the last dimension of a per-token result with zeros to ``width``."""
-    return torch.nn.functional.pad(part, (0, width - part.shape[-1]))
+def _pad_to(part: torch.Tensor, width: int, axis: int) -> torch.Tensor:
+    """Right-pad the time axis ``axis`` of a per-token result with zeros to ``width``."""
+    trailing = (0, 0) * (part.dim() - 1 - axis)
+    return torch.nn.functional.pad(part, (*trailing, 0, width - part.shape[axis]))

@@ -37,6 +37,22 @@ class Layout:
             whole = align_to_tokens(whole)
         return whole if self.packed is None else self.packed.unpack(whole, token_aligned=token_aligned)
 
+    def place(self, per_token: Tensor) -> Tensor:
+        """The inverse of :meth:`restore` for token-aligned values: ``(B, T, ...)`` values of the tokens (column t
+        belongs to token t) -> the forward's layout, at the positions that predict them (``(B, T, ...)`` padded,
+        ``(1, N, ...)`` packed). A row's last position (padded: also its padding) gets some other token's value,
+        which :meth:`restore` drops again.
+
+        Raises:
+            NotImplementedError: a sequence-sharded layout (each rank would need its shard's positions only).
+        """
+        if self.shard is not None:
+            raise NotImplementedError("placing per-token values on a sequence shard")
+        if self.packed is not None:
+            rows, width = per_token.shape[:2]
+            per_token = per_token.reshape(rows * width, *per_token.shape[2:])[self.packed.index][None]
+        return per_token.roll(-1, dims=1)
+
 
 def _run(model: Any, input_ids: Tensor, attention_mask: Tensor, packing: Optional[bool], **kwargs: Any):
     """The model's forward over ``(B, T)`` right-padded rows, packed per :func:`rlhf.models.packing.runs_packed`,

@@ -16,12 +16,13 @@ LoRA on it; refused too).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Tuple
 
 import torch
 
 from rlhf.models.forward import lm_logits
-from rlhf.ops.logprobs import SamplingFilter, head_token_logprobs, tempered_entropy, token_logprobs
+from rlhf.ops.logprobs import SamplingFilter, head_token_logprobs, logprobs_at, tempered_entropy, token_logprobs
 
 Tensor = torch.Tensor
 _FLAG = "_rlhf_tiled_head"  # set on the HF module a worker loaded with ModelSpec.tiled_head
@@ -54,7 +55,33 @@ def _head_off(model: Any) -> Iterator[torch.nn.Linear]:
         module.set_output_embeddings(head)
 
 
-def token_logprobs_and_entropy(
+def token_logprobs_and_entropy(model: Any, *args: Any, **kwargs: Any) -> Tuple[Tensor, Optional[Tensor]]:
+    """Per-token log-probs ``(B, T)`` of ``input_ids`` (column 0 is 0) at ``temperature`` over the sampler's kept
+    set, and with ``entropy`` ``"value"`` (no gradient) or ``"grad"`` the entropy ``(B, T)`` of the same
+    distribution (else ``None``); packed per :func:`rlhf.models.packing.runs_packed`, tiled per
+    :func:`uses_tiled_head`. The arguments are :func:`token_outputs`' (``input_ids, attention_mask, packing=None,
+    temperature=1.0, sampling_filter=None, entropy="none"``)."""
+    out = token_outputs(model, *args, **kwargs)
+    return out.logps, out.entropy
+
+
+@dataclass(frozen=True)
+class TokenOutputs:
+    """What one forward of a causal LM gives per token, in the padded layout (column 0 is 0).
+
+    Attributes:
+        logps: ``(B, T)`` log-probs of the tokens.
+        entropy: ``(B, T)`` entropy of each token's predicting distribution, or ``None``.
+        at_ids: ``(B, T, K)`` log-probs of K given tokens under each token's predicting distribution (a
+            distillation teacher's top-k, :mod:`rlhf.ops.distill`), or ``None``.
+    """
+
+    logps: Tensor
+    entropy: Optional[Tensor] = None
+    at_ids: Optional[Tensor] = None
+
+
+def token_outputs(
     model: Any,
     input_ids: Tensor,
     attention_mask: Tensor,
@@ -62,33 +89,49 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     sampling_filter: Optional[SamplingFilter] = None,
     entropy: str = "none",
-) -> Tuple[Tensor, Optional[Tensor]]:
-    """Per-token log-probs ``(B, T)`` of ``input_ids`` (column 0 is 0) at ``temperature`` over the sampler's kept
-    set, and with ``entropy`` ``"value"`` (no gradient) or ``"grad"`` the entropy ``(B, T)`` of the same
-    distribution (else ``None``); packed per :func:`rlhf.models.packing.runs_packed`, tiled per
-    :func:`uses_tiled_head`."""
+    at_ids: Optional[Tensor] = None,
+) -> TokenOutputs:
+    """:func:`token_logprobs_and_entropy`, and with ``at_ids`` (``(B, T, K)`` token ids per token, aligned like the
+    tokens: column t holds ids of the distribution that predicts token t) the log-probs ``(B, T, K)`` of those ids
+    under the same tempered distribution, from the same forward.
+
+    Raises:
+        ValueError: ``at_ids`` with the head in tiles or with an active sampling filter (the kept set of the
+            sampler holds none of the other ids: refused by key, ``algo.teacher.divergence``).
+    """
     if entropy not in ENTROPY_MODES:
         raise ValueError(f"entropy must be one of {ENTROPY_MODES}, got {entropy!r}")
+    if at_ids is not None and uses_tiled_head(model):
+        raise ValueError("log-probs at given ids need the whole logits: not with model.tiled_head")
     if uses_tiled_head(model):
         with _head_off(model) as head:
-            out = lm_logits(model, input_ids, attention_mask, packing)  # .logits: the last hidden states
+            hidden = lm_logits(model, input_ids, attention_mask, packing)  # .logits: the last hidden states
         logps, ent = head_token_logprobs(
-            out.logits, head.weight, head.bias, out.input_ids, temperature, sampling_filter, next_ids=out.next_ids
+            hidden.logits,
+            head.weight,
+            head.bias,
+            hidden.input_ids,
+            temperature,
+            sampling_filter,
+            next_ids=hidden.next_ids,
         )
         if entropy == "value":
             ent = ent.detach()
-        return out.per_token(logps), None if entropy == "none" else out.per_token(ent)
+        return TokenOutputs(hidden.per_token(logps), None if entropy == "none" else hidden.per_token(ent))
     out = lm_logits(model, input_ids, attention_mask, packing)
+    if at_ids is not None and sampling_filter is not None and sampling_filter.active(out.logits.shape[-1]):
+        raise ValueError("log-probs at given ids are of the whole vocabulary's softmax: not with a sampling filter")
     logps = out.per_token(
         token_logprobs(out.logits, out.input_ids, temperature, sampling_filter, next_ids=out.next_ids)
     )
+    at = None if at_ids is None else out.per_token(logprobs_at(out.logits, out.layout.place(at_ids), temperature))
     if entropy == "none":
-        return logps, None
+        return TokenOutputs(logps, None, at)
     if entropy == "grad":
         ent = tempered_entropy(out.logits, temperature, sampling_filter, out.input_ids, next_ids=out.next_ids)
-        return logps, out.per_token(ent)
+        return TokenOutputs(logps, out.per_token(ent), at)
     with torch.no_grad():
         value = tempered_entropy(
             out.logits.detach(), temperature, sampling_filter, out.input_ids, next_ids=out.next_ids
         )
-    return logps, out.per_token(value)
+    return TokenOutputs(logps, out.per_token(value), at)

@@ -27,13 +27,14 @@ from typing import Dict, Optional, Tuple, cast
 import torch
 
 from rlhf.batch import Batch
-from rlhf.models.head import token_logprobs_and_entropy
+from rlhf.models.forward import lm_logits
+from rlhf.models.head import token_logprobs_and_entropy, token_outputs
 from rlhf.models.loading import last_token_values, scalar_head_values
 from rlhf.objectives.base import Sums
 from rlhf.ops.aggregation import LOSS_AGGREGATIONS, aggregate_count, aggregate_sum
-from rlhf.ops.distill import resolve_estimator, teacher_divergence
+from rlhf.ops.distill import SAMPLED, check_divergence, resolve_estimator, teacher_divergence, topk_divergence
 from rlhf.ops.kl import KL_ESTIMATORS, kl_estimate
-from rlhf.ops.logprobs import SamplingFilter, at_least_float32
+from rlhf.ops.logprobs import SamplingFilter, at_least_float32, topk_logprobs
 from rlhf.ops.policy_loss import POLICY_LOSSES, PolicyLossConfig, policy_loss, value_loss
 
 Tensor = torch.Tensor
@@ -123,8 +124,13 @@ class PolicyObjective:
             denominator: ``count`` depends on the response mask only.
         packing: run the forward padding-free (None: as the model was built, ``train.packing``); every per-token
             quantity is the same either way.
-        distill_coef: weight of the distillation loss (``algo.teacher.mode=loss``; needs ``batch.teacher_logps``).
+        distill_coef: weight of the distillation loss (``algo.teacher.mode=loss``; needs ``batch.teacher_logps``,
+            or for the full-distribution divergences ``batch.teacher_topk_logps`` and ``batch.teacher_topk_ids``).
         distill_estimator: ``k2`` (its expected gradient is the reverse KL's) or ``k3``; ``k1`` is refused.
+        distill_divergence: ``reverse_kl`` (on the sampled tokens, ``distill_estimator``), or ``forward_kl`` /
+            ``jsd`` (GKD: the whole next-token distributions on the teacher's top-k plus a tail,
+            :func:`rlhf.ops.distill.topk_divergence`; no sampling filter).
+        distill_beta: the generalised JSD's ``beta`` in ``(0, 1)``.
     """
 
     loss_type: str = "ppo"
@@ -140,12 +146,15 @@ class PolicyObjective:
     packing: Optional[bool] = None
     distill_coef: float = 0.0  # > 0: on-policy distillation as a loss (rlhf.ops.distill), reads batch.teacher_logps
     distill_estimator: str = "k2"
+    distill_divergence: str = SAMPLED
+    distill_beta: float = 0.5
 
     def __post_init__(self) -> None:
         POLICY_LOSSES.get(self.loss_type)
+        check_divergence(self.distill_divergence, self.distill_beta)
         if not (self.distill_coef >= 0 and math.isfinite(self.distill_coef)):
             raise ValueError(f"distill_coef must be a finite number >= 0, got {self.distill_coef}")
-        if self.distill_coef:
+        if self.distill_coef and self.distill_divergence == SAMPLED:
             resolve_estimator(self.distill_estimator, "loss")  # k1 refused: no gradient in expectation
         _check_agg_mode(self.agg_mode, self.agg_length)
         KL_ESTIMATORS.get(self.kl_estimator)
@@ -189,8 +198,12 @@ class PolicyObjective:
             _require(batch, "rollout_logps", why="correct_off_policy needs the behaviour (rollout engine) log-probs")
         if self.kl_loss_coef:
             _require(batch, "ref_logps", why="kl_loss_coef > 0 needs reference log-probs")
-        if self.distill_coef:
+        topk = bool(self.distill_coef) and self.distill_divergence != SAMPLED
+        if self.distill_coef and not topk:
             _require(batch, "teacher_logps", why="distill_coef > 0 needs the teacher's log-probs")
+        if topk:
+            why = f"{self.distill_divergence} needs the teacher's top-k (TeacherTopK)"
+            _require(batch, "teacher_topk_logps", "teacher_topk_ids", why=why)
         if batch.ref_logps is not None and batch.ref_logps.shape != batch.input_ids.shape:
             raise ValueError(
                 f"RL ref_logps must be per-token {tuple(batch.input_ids.shape)}, got {tuple(batch.ref_logps.shape)}"
@@ -198,7 +211,7 @@ class PolicyObjective:
         mask = response_mask(batch)
         mode, length = self.agg_mode, self.agg_length
 
-        logps, entropy = token_logprobs_and_entropy(
+        outputs = token_outputs(
             model,
             batch.input_ids,
             batch.attention_mask,
@@ -206,7 +219,9 @@ class PolicyObjective:
             self.temperature,
             self.sampling_filter,
             entropy="grad" if self.entropy_coef else "value",  # only reported without a bonus: no gradient
+            at_ids=batch.teacher_topk_ids if topk else None,
         )
+        logps, entropy = outputs.logps, outputs.entropy
         assert entropy is not None, "asked for"
         # cast: _require above raised unless both are set
         pg, stats = policy_loss(
@@ -235,8 +250,14 @@ class PolicyObjective:
                 kl = kl_estimate(self.kl_estimator, logps.detach(), ref, bounded=True)
 
         distill = None
-        if self.distill_coef:  # before the one aggregation: normalised with the rest over the global batch
+        if topk:  # the student's log-probs at the teacher's top-k tokens, from the same forward
+            teacher = cast(Tensor, batch.teacher_topk_logps)
+            distill = topk_divergence(
+                self.distill_divergence, cast(Tensor, outputs.at_ids), teacher, mask, self.distill_beta
+            )
+        elif self.distill_coef:
             distill = teacher_divergence(self.distill_estimator, logps, cast(Tensor, batch.teacher_logps), mask)
+        if distill is not None:  # before the one aggregation: normalised with the rest over the global batch
             per_token = per_token + self.distill_coef * distill
 
         total = aggregate_sum(mode, per_token, mask, length)
@@ -386,6 +407,40 @@ class TokenLogps:
             model, batch.input_ids, batch.attention_mask, self.packing, self.temperature, self.sampling_filter
         )
         return at_least_float32(logps)
+
+
+@dataclass(frozen=True)
+class TeacherTopK:
+    """Score function of a distillation teacher for the full-distribution divergences (``algo.teacher.divergence``
+    ``forward_kl`` / ``jsd``, :func:`rlhf.ops.distill.topk_divergence`): at every token, the ``k`` most likely tokens
+    of the distribution that predicts it, at ``temperature``, and their log-probs.
+
+    Returns one ``(B, T, K, 2)`` tensor (a score function returns one tensor): ``[..., 0]`` the log-probs (float32,
+    float64 in an fp64 run), ``[..., 1]`` the token ids as numbers of the same dtype (exact: ids below 2**24 in
+    float32, refused above). Aligned like :class:`TokenLogps` (column t: the distribution of token t; column 0 and
+    padding 0). :func:`split_teacher_topk` makes it the two :class:`~rlhf.batch.Batch` fields."""
+
+    k: int
+    temperature: float = 1.0
+    packing: Optional[bool] = None  # padding-free forward; None: as the model was built (train.packing)
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"k must be >= 1, got {self.k}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a positive finite number, got {self.temperature}")
+
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
+        out = lm_logits(model, batch.input_ids, batch.attention_mask, self.packing)
+        values, ids = topk_logprobs(out.logits, self.k, self.temperature)
+        if values.dtype == torch.float32 and out.logits.shape[-1] > 2**24:
+            raise ValueError(f"a vocabulary of {out.logits.shape[-1]} ids is not exact in float32 (2**24 at most)")
+        return torch.stack([out.per_token(values), out.per_token(ids.to(values.dtype))], dim=-1)
+
+
+def split_teacher_topk(scored: Tensor) -> Tuple[Tensor, Tensor]:
+    """:class:`TeacherTopK`'s ``(B, T, K, 2)`` -> the ``(B, T, K)`` log-probs and the ``(B, T, K)`` int64 ids."""
+    return scored[..., 0].contiguous(), scored[..., 1].round().long()
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,12 @@ mode the student's log-prob is the trainer's ``pi_old`` (as for the KL penalty),
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from rlhf.ops.kl import KL_ESTIMATORS, kl_estimate
+from rlhf.registry import Registry
 
 Tensor = torch.Tensor
 
@@ -98,8 +100,48 @@ def teacher_kl(old_logps: Tensor, teacher_logps: Tensor, mask: Tensor) -> float:
 # Agarwal et al. 2024 (GKD), section 3 and eq. 1: divergences between the teacher's and the student's whole
 # next-token distributions, on the teacher's top-k tokens plus one bucket for the rest of the vocabulary (both
 # distributions coarse-grained alike: a divergence >= 0, <= the full one by the data-processing inequality, exact
-# when k covers the vocabulary). Not yet wired into a run: the teacher's top-k ids and log-probs must cross the actors
-# as (B, T, K) fields first.
+# when k covers the vocabulary). The teacher's top-k crosses the actors as (B, T, K) fields (TeacherTopK in
+# rlhf.objectives.actor_critic); the student's log-probs at those ids come from its own forward
+# (rlhf.models.head.token_outputs).
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """What a distillation divergence (``algo.teacher.divergence``) compares and needs.
+
+    Attributes:
+        sampled: on the sampled tokens alone (the teacher's ``(B, T)`` log-probs; a KL estimator), else on the
+            whole next-token distributions (the teacher's ``(B, T, K)`` top-k; loss mode only, no sampling filter).
+        beta: reads ``algo.teacher.beta``.
+        paper: where it comes from.
+    """
+
+    sampled: bool
+    beta: bool
+    paper: str
+
+
+DIVERGENCES = Registry[Divergence]("distillation divergence")
+DIVERGENCES.register("reverse_kl")(
+    Divergence(sampled=True, beta=False, paper="GKD section 3; on-policy distillation (TM 2025): KL(student||teacher)")
+)
+DIVERGENCES.register("forward_kl")(Divergence(sampled=False, beta=False, paper="GKD section 3: KL(teacher||student)"))
+DIVERGENCES.register("jsd")(Divergence(sampled=False, beta=True, paper="GKD eq. 1: the generalised JSD with beta"))
+#: the divergence on the sampled tokens (the default)
+SAMPLED = "reverse_kl"
+
+
+def check_divergence(name: str, beta: float) -> Divergence:
+    """The registry entry of ``name``, with ``beta`` checked where it is read.
+
+    Raises:
+        UnknownNameError: an unknown name (the valid ones listed); ValueError: ``beta`` outside ``(0, 1)``.
+    """
+    entry = DIVERGENCES.get(name)
+    if entry.beta and not 0.0 < beta < 1.0:
+        raise ValueError(f"beta must be in (0, 1) (0 and 1 give 0: use forward_kl or reverse_kl), got {beta}")
+    return entry
+
 
 #: A tail bucket's mass is floored here before its log: a top-k that holds (numerically) all of the mass leaves a
 #: bucket of ~0, whose log must stay finite for the gradient.

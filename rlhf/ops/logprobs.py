@@ -211,9 +211,10 @@ def sampling_mask(logits: Tensor, sampling_filter: SamplingFilter) -> Tensor:
 
 
 class _TargetLogProbs(torch.autograd.Function):
-    """``log softmax(logits / temperature)[target]`` row by row for ``(N, V)`` logits; float32 (float64 for
-    float64 logits) ``(N,)`` out. With ``edges`` (``(N,)``, from :func:`_kept_edges`) the softmax is over the kept
-    set ``logits / temperature >= edges`` only: dropped logits get ``-inf``, hence probability and gradient 0."""
+    """``log softmax(logits / temperature)[target]`` row by row for ``(N, V)`` logits and ``(N,)`` targets, or
+    ``(N, K)`` targets (K tokens per row, e.g. a teacher's top-k); float32 (float64 for float64 logits) out, shaped
+    like the targets. With ``edges`` (``(N,)``, from :func:`_kept_edges`) the softmax is over the kept set ``logits /
+    temperature >= edges`` only: dropped logits get ``-inf``, hence probability and gradient 0."""
 
     @staticmethod
     def forward(
@@ -225,33 +226,35 @@ class _TargetLogProbs(torch.autograd.Function):
     ) -> Tensor:
         n, vocab = logits.shape
         dtype = _compute_dtype(logits.dtype)
-        out = torch.empty(n, dtype=dtype, device=logits.device)
+        columns = targets.view(n, -1)  # (N, K), K = 1 for one target a row
+        out = torch.empty(columns.shape, dtype=dtype, device=logits.device)
         lse = torch.empty(n, dtype=dtype, device=logits.device)
         for start, stop in _chunks(n, vocab):
             x = _scaled_upcast(logits[start:stop], temperature)
             if edges is not None:
                 x = drop_below(x, edges[start:stop])
             lse[start:stop] = torch.logsumexp(x, dim=-1)
-            # Gather-minus-logsumexp: only the target column of log-softmax is ever formed.
-            out[start:stop] = x.gather(-1, targets[start:stop, None]).squeeze(-1) - lse[start:stop]
-        ctx.save_for_backward(logits, targets, lse, edges)
+            # Gather-minus-logsumexp: only the target columns of log-softmax are ever formed.
+            out[start:stop] = x.gather(-1, columns[start:stop]) - lse[start:stop, None]
+        ctx.save_for_backward(logits, columns, lse, edges)
         ctx.temperature = temperature
-        return out
+        return out.view(targets.shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
-        logits, targets, lse, edges = ctx.saved_tensors
+        logits, columns, lse, edges = ctx.saved_tensors
         grad = torch.empty_like(logits)
         n, vocab = logits.shape
+        grad_columns = grad_out.reshape(columns.shape)
         for start, stop in _chunks(n, vocab):
             x = _scaled_upcast(logits[start:stop], ctx.temperature)
             if edges is not None:
                 x = drop_below(x, edges[start:stop])  # the kept set is piecewise constant: no gradient of its own
-            g = grad_out[start:stop].to(x.dtype)[:, None]
-            # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z), and z = logits / temperature.
-            chunk = torch.exp(x - lse[start:stop, None]).mul_(-g)
-            chunk.scatter_add_(-1, targets[start:stop, None], g)
+            g = grad_columns[start:stop].to(x.dtype)
+            # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z) for each target y of the row, and z = logits / T.
+            chunk = torch.exp(x - lse[start:stop, None]).mul_(-g.sum(-1, keepdim=True))
+            chunk.scatter_add_(-1, columns[start:stop], g)
             grad[start:stop] = chunk.div_(ctx.temperature)
         return grad, None, None, None
 
@@ -422,8 +425,63 @@ def _check_logits(logits: Tensor, input_ids: Optional[Tensor] = None) -> None:
 
 
 def align_to_tokens(per_position: Tensor) -> Tensor:
-    """Shift ``(B, T)`` values computed at prediction positions onto the tokens they predict; column 0 = 0."""
-    return torch.nn.functional.pad(per_position[:, :-1], (1, 0))
+    """Shift ``(B, T, ...)`` values computed at prediction positions onto the tokens they predict (along dim 1);
+    column 0 = 0."""
+    trailing = (0, 0) * (per_position.dim() - 2)
+    return torch.nn.functional.pad(per_position[:, :-1], (*trailing, 1, 0))
+
+
+def logprobs_at(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """``log softmax(logits / temperature)`` at ``K`` given tokens of every position, per prediction position.
+
+    Args:
+        logits: ``(B, T, V)`` causal-LM logits, any floating dtype.
+        ids: ``(B, T, K)`` token ids per position (e.g. a teacher's top-k of the distribution that position predicts,
+            placed by :meth:`rlhf.models.forward.Layout.place`).
+        temperature: the logits are divided by it.
+
+    Returns:
+        ``(B, T, K)`` float32 (float64 for float64 logits), differentiable with respect to ``logits`` (chunked like
+        :func:`token_logprobs`: one float per position kept for the backward).
+    """
+    _check_logits(logits)
+    if ids.shape[:2] != logits.shape[:2] or ids.dim() != 3:
+        raise ValueError(f"ids must be (B, T, K) over logits {tuple(logits.shape)}, got {tuple(ids.shape)}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    vocab = logits.shape[-1]
+    flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), ids.reshape(-1, ids.shape[-1]).long(), float(temperature))
+    return flat.view(ids.shape)
+
+
+def topk_logprobs(logits: Tensor, k: int, temperature: float = 1.0) -> Tuple[Tensor, Tensor]:
+    """The ``k`` most likely tokens of ``softmax(logits / temperature)`` at every position, with their log-probs,
+    per prediction position (no gradient: a frozen teacher's). Chunked like :func:`token_logprobs`.
+
+    Args:
+        logits: ``(B, T, V)`` causal-LM logits, any floating dtype.
+        k: tokens per position, ``1 <= k``; more than ``V`` keeps all ``V``.
+
+    Returns:
+        ``(B, T, K)`` log-probs in float32 (float64 for float64 logits), most likely first, and their ``(B, T, K)``
+        int64 token ids; ``K = min(k, V)``.
+    """
+    _check_logits(logits)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    batch, length, vocab = logits.shape
+    keep = min(k, vocab)
+    flat = logits.detach().reshape(-1, vocab)
+    values = torch.empty(flat.shape[0], keep, dtype=_compute_dtype(logits.dtype), device=logits.device)
+    ids = torch.empty(flat.shape[0], keep, dtype=torch.long, device=logits.device)
+    for start, stop in _chunks(flat.shape[0], vocab, copies=2):
+        x = _scaled_upcast(flat[start:stop], temperature)
+        top = torch.topk(x, keep, dim=-1)
+        values[start:stop] = top.values - torch.logsumexp(x, dim=-1, keepdim=True)
+        ids[start:stop] = top.indices
+    return values.view(batch, length, keep), ids.view(batch, length, keep)
 
 
 def token_logprobs(

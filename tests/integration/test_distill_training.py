@@ -7,6 +7,8 @@ The teacher is the tiny architecture and tokenizer with other weights, on a froz
   teacher's reverse KL, and with ``k1`` at coef 1 the mean per-token penalty is that KL.
 * Loss mode alone (no reward source): every score is 0, so GRPO's policy loss is exactly 0 and the run trains on
   the distillation loss alone (``loss == distill``); the flat-reward health guard is off for it.
+* GKD's generalised JSD (``algo.teacher.divergence=jsd``) alone, packed under a token budget: the teacher's top-k
+  crosses the actors as ``(B, T, K)`` fields and the run trains on the divergence alone (``loss == distill``).
 * Multi-turn: a tool environment's episodes, the teacher scoring the whole row (observations included) and the
   distillation term on the policy's tokens only.
 
@@ -25,6 +27,20 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 STEPS = 4
 REWARD_MODE = ("algo.advantage_estimator=reinforce_pp", "algo.teacher.mode=reward", "rollout.max_staleness=1")
+# distillation alone in loss mode on small rollouts (no reward source: the flat-reward guard would stop step 1 if
+# it watched the all-zero reward)
+ALONE = (
+    "reward.functions=[]",
+    "algo.teacher.mode=loss",
+    "algo.kl_coef=0",
+    "rollout.prompts_per_step=4",
+    "rollout.n_samples_per_prompt=4",
+    "rollout.max_new_tokens=4",
+    "rollout.max_prompt_length=16",
+    "train.global_batch_size=8",
+    "train.lr=1e-3",
+    "health.flat_reward_steps=1",
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +83,10 @@ def alone(tiny_model, teacher, rl_prompts, tmp_path_factory):
         tiny_model,
         rl_prompts,
         out,
-        "reward.functions=[]",
+        *ALONE,
         f"algo.teacher.path={teacher}",
-        "algo.teacher.mode=loss",
-        "algo.kl_coef=0",
-        "rollout.prompts_per_step=4",
-        "rollout.n_samples_per_prompt=4",
-        "rollout.max_new_tokens=4",
-        "rollout.max_prompt_length=16",
-        "train.global_batch_size=8",
         "train.micro_batch_size=4",
         "train.max_steps=3",
-        "train.lr=1e-3",
-        "health.flat_reward_steps=1",  # would stop the run at step 1 if it watched the (all-zero) reward
     )
     return rows, result
 
@@ -89,6 +96,28 @@ def test_loss_mode_alone_trains_on_the_distillation_loss_only(alone):
     assert len(rows) == 3 and result.final_dir
     for row in rows:
         assert row["reward_std"] == 0.0 and row["policy_loss"] == 0.0  # no task reward: tied groups, no advantage
+        assert row["distill"] > 1e-3 and row["loss"] == pytest.approx(row["distill"], rel=1e-12)
+        assert row["grad_norm"] > 1e-3
+
+
+def test_gkd_jsd_alone_trains_packed_under_a_token_budget(tiny_model, teacher, rl_prompts, tmp_path):
+    rows, result = train_rl(
+        tiny_model,
+        rl_prompts,
+        str(tmp_path / "run"),
+        *ALONE,
+        f"algo.teacher.path={teacher}",
+        "algo.teacher.divergence=jsd",
+        "algo.teacher.beta=0.3",
+        "algo.teacher.top_k=16",
+        "train.num_workers=2",
+        "train.packing=true",
+        "train.max_tokens_per_micro_batch=48",
+        "train.max_steps=2",
+    )
+    assert len(rows) == 2 and result.final_dir
+    for row in rows:
+        assert row["policy_loss"] == 0.0 and "distill/teacher_kl" not in row  # no sampled-token reverse KL here
         assert row["distill"] > 1e-3 and row["loss"] == pytest.approx(row["distill"], rel=1e-12)
         assert row["grad_norm"] > 1e-3
 

@@ -5,7 +5,8 @@ Three worker groups hold the same weights and train the same global batches of 4
 take 4 SFT steps, 4 DPO steps (reference log-probs precomputed, as ``dpo.ref_mode=precompute`` does) and 4 GRPO-style
 policy steps (one rollout batch of 4 prompts x 4 samples, group advantages, KL loss to the reference, an
 on-policy distillation loss against a teacher's log-probs, ``seq-mean-token-mean``, old log-probs scored by each
-layout itself before the first of the 4 updates); then a
+layout itself before the first of the 4 updates), then 4 more on the same rollout with GKD's generalised JSD to a
+teacher's top-8 distributions as the loss (``token-mean``; the teacher: the initial model at temperature 0.7); then a
 scalar-head model takes 4 reward-model steps. In fp64 every step's loss and grad norm agree to 1e-10 relative (the
 issue's bound) and the weights stay together; the same run in fp32 drifts well past 1e-10 after step 1, which is what
 makes the fp64 comparison a test at all. The figures are printed for docs/concepts.md ("Precision").
@@ -56,7 +57,7 @@ def data(tiny_model):
     of random scores and the reference's per-token log-probs (old log-probs are each layout's own, later)."""
     from transformers import AutoTokenizer
 
-    from rlhf.objectives.actor_critic import TokenLogps
+    from rlhf.objectives.actor_critic import TeacherTopK, TokenLogps, split_teacher_topk
     from rlhf.objectives.dpo import ReferenceLogps
     from rlhf.ops.advantages import AdvantageInputs, compute_advantages
 
@@ -100,6 +101,7 @@ def data(tiny_model):
         with torch.no_grad():
             dpo = [b.replace(ref_logps=ReferenceLogps()(model, b)) for b in pairs]
             ref_logps = TokenLogps()(model, rollout)
+            topk_logps, topk_ids = split_teacher_topk(TeacherTopK(k=8, temperature=0.7)(model, rollout))
         mask = rollout.loss_mask.to(dtype)
         advantages, _ = compute_advantages(
             "grpo",
@@ -118,7 +120,13 @@ def data(tiny_model):
             "sft": sft,
             "dpo": dpo,
             "rm": pairs,
-            "rl": rollout.replace(ref_logps=ref_logps, advantages=advantages, teacher_logps=teacher_logps),
+            "rl": rollout.replace(
+                ref_logps=ref_logps,
+                advantages=advantages,
+                teacher_logps=teacher_logps,
+                teacher_topk_logps=topk_logps,
+                teacher_topk_ids=topk_ids,
+            ),
         }
     return out
 
@@ -142,7 +150,7 @@ def _build(groups: dict, path: str, kind: str, precision: str) -> None:
                 micro_batch_size=micro,
                 grad_accum_steps=GLOBAL_BATCH // (ranks * micro),
             ),
-            OptimSpec(lr=1e-3, total_steps=3 * STEPS),
+            OptimSpec(lr=1e-3, total_steps=4 * STEPS),
         )
 
     in_parallel({name: (lambda g=g: build(*g)) for name, g in groups.items()})
@@ -175,7 +183,7 @@ def _train(groups: dict, batches: dict, tiny_model: str, tiny_reward_model: str,
     from rlhf.objectives.reward import RewardObjective
     from rlhf.objectives.sft import SFTObjective
 
-    rows = {key: {name: [] for name in groups} for key in ("sft", "dpo", "rl", "rm")}
+    rows = {key: {name: [] for name in groups} for key in ("sft", "dpo", "rl", "gkd", "rm")}
     probes = {}
 
     def step_all(key, objective, batch_of):
@@ -203,6 +211,10 @@ def _train(groups: dict, batches: dict, tiny_model: str, tiny_reward_model: str,
     for k in range(STEPS):
         rows_k = list(range(GLOBAL_BATCH * k, GLOBAL_BATCH * (k + 1)))
         step_all("rl", grpo, lambda name, r=rows_k: rollout.replace(old_logps=old[name]).select(r).trim())
+    gkd = PolicyObjective(agg_mode="token-mean", distill_coef=0.3, distill_divergence="jsd", distill_beta=0.3)
+    for k in range(STEPS):
+        rows_k = list(range(GLOBAL_BATCH * k, GLOBAL_BATCH * (k + 1)))
+        step_all("gkd", gkd, lambda name, r=rows_k: rollout.replace(old_logps=old[name]).select(r).trim())
     probes["causal_lm"] = probe_all()
 
     _build(groups, tiny_reward_model, "scalar_head", precision)
@@ -264,7 +276,7 @@ def test_fp64_factorisations_agree_at_every_step_and_fp32_does_not(runs):
     print(f"[fp64] weights max |diff|: {gap64} | fp32: {gap32}")
 
     # Really fp64 on the workers: float64 weights and Adam moments, a float64 all-reduce, one Adam step per step.
-    for model, steps in (("causal_lm", 3 * STEPS), ("scalar_head", STEPS)):
+    for model, steps in (("causal_lm", 4 * STEPS), ("scalar_head", STEPS)):
         for name, probe in probes64[model].items():
             assert probe[-4:].tolist() == [1.0, 1.0, steps, steps], (model, name, probe[-4:])
     for key, by_layout in rows64.items():

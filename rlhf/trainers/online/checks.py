@@ -253,10 +253,15 @@ def describe_distillation(cfg: RLRunConfig) -> str:
         else f"+{t.coef:g} x it in each response token's policy loss, aggregated with it ({a.describe_aggregation()})"
     )
     alone = "alone (no task reward)" if cfg.distills_alone else "with the task reward"
-    return (
-        f"distillation: reverse KL of the policy from algo.teacher.path on the sampled tokens "
-        f"({t.resolved_estimator}), {where}; {alone}"
-    )
+    if t.on_distributions:
+        name = "forward KL" if t.divergence == "forward_kl" else f"generalised JSD (beta {t.beta:g})"
+        what = (
+            f"{name} of the policy's next-token distributions from algo.teacher.path's, on the teacher's top "
+            f"{t.top_k} tokens and a tail"
+        )
+    else:
+        what = f"reverse KL of the policy from algo.teacher.path on the sampled tokens ({t.resolved_estimator})"
+    return f"distillation: {what}, {where}; {alone}"
 
 
 # -------------------------------------------------------------------------------------------------------- audit

@@ -69,6 +69,8 @@ def build_objectives(cfg: RLRunConfig) -> Tuple[PolicyObjective, ValueObjective]
         correct_off_policy=clip.correction is not None,
         distill_coef=a.teacher.coef_in("loss"),
         distill_estimator=a.teacher.resolved_estimator,
+        distill_divergence=a.teacher.divergence,
+        distill_beta=a.teacher.beta,
     )
     value = ValueObjective(clip=cfg.critic.value_clip or None, agg_mode=a.aggregation, agg_length=length)
     return policy, value

@@ -30,7 +30,14 @@ from rlhf.config.rl_schema import RLRunConfig
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.distributed.group import WorkerGroup
 from rlhf.models.lora import OnBaseModel
-from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps, TokenValues, ValueObjective
+from rlhf.objectives.actor_critic import (
+    PolicyObjective,
+    TeacherTopK,
+    TokenLogps,
+    TokenValues,
+    ValueObjective,
+    split_teacher_topk,
+)
 from rlhf.ops.batch_advantages import advantages_for
 from rlhf.ops.mismatch import logp_mismatch
 from rlhf.rewards.scoring import reward_scorers
@@ -287,7 +294,12 @@ class RLTrainer:
             batch = batch.replace(ref_logps=a.reference.score_batch(batch, logps))
         elif a.reference_is_base:  # LoRA: the policy's frozen base, adapters off
             batch = batch.replace(ref_logps=a.policy.score_batch(batch, OnBaseModel(logps)))
-        if a.teacher is not None:  # distillation: the teacher scores the sampled tokens as the reference does
+        teacher = self.cfg.algo.teacher
+        if a.teacher is not None and teacher.on_distributions:  # GKD: its top-k of every predicting distribution
+            scored = a.teacher.score_batch(batch, TeacherTopK(teacher.top_k, r.temperature))
+            topk_logps, topk_ids = split_teacher_topk(scored)
+            batch = batch.replace(teacher_topk_logps=topk_logps, teacher_topk_ids=topk_ids)
+        elif a.teacher is not None:  # distillation: the teacher scores the sampled tokens as the reference does
             batch = batch.replace(teacher_logps=a.teacher.score_batch(batch, logps))
         if a.critic is not None:
             batch = batch.replace(values=a.critic.score_batch(batch, TokenValues()))
