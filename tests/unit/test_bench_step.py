@@ -67,3 +67,18 @@ def test_cpu_twin_packed_under_a_token_budget(tiny_model, tmp_path):
     assert (plain["system"], rank["system"]) == ("plain-fp32", "rlhf-zero1-packed-tok96")
     assert rank["tokens_per_s"] * rank["s_per_step"] == pytest.approx(plain["tokens_per_s"] * plain["s_per_step"])
     assert rank["tokens_per_s"] * rank["s_per_step"] < 8 * 64  # long-tailed: fewer real tokens than 8 full rows
+
+
+def test_the_gpu_session_script_is_valid_bash_and_asks_only_for_existing_options():
+    """``bench/gpu_session.sh`` runs on a lent GPU, where a typo costs device time: every ``--option`` it passes is
+    one that ``bench_step.py`` or ``gpu_check.py`` defines."""
+    import re
+
+    script = ROOT / "bench" / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    defined = set()
+    for name in ("bench_step.py", "gpu_check.py"):
+        defined |= set(re.findall(r'add_argument\(\s*"(--[a-z-]+)"', (ROOT / "bench" / name).read_text()))
+    used = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", script.read_text()))
+    pip_flags = {"--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade", "--target"}
+    assert used - pip_flags and used - pip_flags <= defined, sorted(used - pip_flags - defined)
