@@ -134,16 +134,18 @@ class Batch:
         length = int(self.attention_mask.reshape(-1, self.attention_mask.shape[-1]).sum(-1).max().clamp(min=1))
         out = {}
         for name, value in self.present().items():
-            if name in _TOKEN_TRAILING:
-                value = value[:, :length]
-            elif self._is_sequence_field(value):
-                value = value[..., :length]
-            out[name] = value
+            axis = self._time_axis(name, value)
+            out[name] = value if axis is None else value.narrow(axis, 0, length)
         return Batch(**out)
 
-    def _is_sequence_field(self, value: Tensor) -> bool:
-        """Per-token fields share ``input_ids``' rank and last dimension; per-sample ones do not."""
-        return value.dim() == self.input_ids.dim() and value.shape[-1] == self.input_ids.shape[-1]
+    def _time_axis(self, name: str, value: Tensor) -> Optional[int]:
+        """The axis a per-token field runs along time on: dim 1 for the ``(B, T, K)`` fields, the last for fields of
+        ``input_ids``' rank and last dimension; ``None`` for per-sample fields."""
+        if name in _TOKEN_TRAILING:
+            return 1
+        if value.dim() == self.input_ids.dim() and value.shape[-1] == self.input_ids.shape[-1]:
+            return value.dim() - 1
+        return None
 
     def contiguous(self) -> "Batch":
         """Every field in its own compact memory: a slice or a trimmed view would otherwise carry (and send to
@@ -167,11 +169,10 @@ class Batch:
         out = {}
         for name in names:
             parts = [getattr(b, name) for b in batches]
-            if name in _TOKEN_TRAILING:
-                parts = [_pad_time(p, width) for p in parts]
-            elif batches[0]._is_sequence_field(parts[0]):
+            axis = batches[0]._time_axis(name, parts[0])
+            if axis is not None:
                 fill = pad_id if name == "input_ids" else 0
-                parts = [_pad_last(p, width, fill) for p in parts]
+                parts = [pad_along(p, width, axis, fill) for p in parts]
             out[name] = torch.cat(parts, dim=0)
         return Batch(**out)
 
@@ -180,18 +181,13 @@ class Batch:
 _TOKEN_TRAILING = ("teacher_topk_logps", "teacher_topk_ids")
 
 
-def _pad_time(x: Tensor, width: int) -> Tensor:
-    """``(B, T, K)`` right-padded with zeros along dim 1 to ``width``."""
-    if x.shape[1] == width:
+def pad_along(x: Tensor, width: int, axis: int, value: float = 0) -> Tensor:
+    """``x`` right-padded with ``value`` along ``axis`` to ``width`` (a per-token tensor's time axis)."""
+    if x.shape[axis] == width:
         return x
-    return torch.cat([x, x.new_zeros((x.shape[0], width - x.shape[1], *x.shape[2:]))], dim=1)
-
-
-def _pad_last(x: Tensor, width: int, value: float) -> Tensor:
-    if x.shape[-1] == width:
-        return x
-    pad = x.new_full((*x.shape[:-1], width - x.shape[-1]), value)
-    return torch.cat([x, pad], dim=-1)
+    shape = list(x.shape)
+    shape[axis] = width - x.shape[axis]
+    return torch.cat([x, x.new_full(shape, value)], dim=axis)
 
 
 def pad_sequences(seqs: Iterable[Sequence[int]], pad_value: int, width: Optional[int] = None) -> Tensor:

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
-from rlhf.batch import Batch
+from rlhf.batch import Batch, pad_along
 from rlhf.config.schema import StrategyConfig
 from rlhf.distributed.engine import EngineSpec, OptimSpec
 from rlhf.distributed.errors import WorkerError, gather
@@ -275,7 +275,7 @@ class WorkerGroup:
         width, time_axis = batch.input_ids.shape[-1], batch.input_ids.dim() - 1
         # per-token results have input_ids' rank, or more (a trailing axis: a teacher's top-k, (B, T, K, 2))
         per_token = [p.dim() >= batch.input_ids.dim() for p in parts]
-        out = torch.cat([_pad_to(p, width, time_axis) if token else p for p, token in zip(parts, per_token)])
+        out = torch.cat([pad_along(p, width, time_axis) if token else p for p, token in zip(parts, per_token)])
         return out.float() if out.is_floating_point() and out.dtype != torch.float64 else out
 
     def evaluate_batch(self, batch: Batch, objective: Objective, rows_per_forward: Optional[int] = None) -> Totals:
@@ -428,9 +428,3 @@ def _with_sample(err: ValueError, batch: Batch) -> str:
         return text
     row = int(text.split()[1])
     return f"row {row} (sample {int(batch.sample_index[row])})" + text[len(f"row {row}") :]
-
-
-def _pad_to(part: torch.Tensor, width: int, axis: int) -> torch.Tensor:
-    """Right-pad the time axis ``axis`` of a per-token result with zeros to ``width``."""
-    trailing = (0, 0) * (part.dim() - 1 - axis)
-    return torch.nn.functional.pad(part, (*trailing, 0, width - part.shape[axis]))

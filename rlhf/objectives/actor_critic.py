@@ -32,9 +32,16 @@ from rlhf.models.head import token_logprobs_and_entropy, token_outputs
 from rlhf.models.loading import last_token_values, scalar_head_values
 from rlhf.objectives.base import Sums
 from rlhf.ops.aggregation import LOSS_AGGREGATIONS, aggregate_count, aggregate_sum
-from rlhf.ops.distill import SAMPLED, check_divergence, resolve_estimator, teacher_divergence, topk_divergence
+from rlhf.ops.distill import (
+    DIVERGENCES,
+    SAMPLED,
+    check_divergence,
+    resolve_estimator,
+    teacher_divergence,
+    topk_divergence,
+)
 from rlhf.ops.kl import KL_ESTIMATORS, kl_estimate
-from rlhf.ops.logprobs import SamplingFilter, at_least_float32, topk_logprobs
+from rlhf.ops.logprobs import SamplingFilter, at_least_float32, check_temperature, topk_logprobs
 from rlhf.ops.policy_loss import POLICY_LOSSES, PolicyLossConfig, policy_loss, value_loss
 
 Tensor = torch.Tensor
@@ -151,15 +158,14 @@ class PolicyObjective:
 
     def __post_init__(self) -> None:
         POLICY_LOSSES.get(self.loss_type)
-        check_divergence(self.distill_divergence, self.distill_beta)
+        sampled = check_divergence(self.distill_divergence, self.distill_beta).sampled
         if not (self.distill_coef >= 0 and math.isfinite(self.distill_coef)):
             raise ValueError(f"distill_coef must be a finite number >= 0, got {self.distill_coef}")
-        if self.distill_coef and self.distill_divergence == SAMPLED:
+        if self.distill_coef and sampled:
             resolve_estimator(self.distill_estimator, "loss")  # k1 refused: no gradient in expectation
         _check_agg_mode(self.agg_mode, self.agg_length)
         KL_ESTIMATORS.get(self.kl_estimator)
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a positive finite number, got {self.temperature}")
+        check_temperature(self.temperature)
         _check_sampling_filter(self.sampling_filter)
         if not math.isfinite(self.entropy_coef):
             raise ValueError(f"entropy_coef must be finite, got {self.entropy_coef}")
@@ -198,7 +204,7 @@ class PolicyObjective:
             _require(batch, "rollout_logps", why="correct_off_policy needs the behaviour (rollout engine) log-probs")
         if self.kl_loss_coef:
             _require(batch, "ref_logps", why="kl_loss_coef > 0 needs reference log-probs")
-        topk = bool(self.distill_coef) and self.distill_divergence != SAMPLED
+        topk = bool(self.distill_coef) and not DIVERGENCES.get(self.distill_divergence).sampled
         if self.distill_coef and not topk:
             _require(batch, "teacher_logps", why="distill_coef > 0 needs the teacher's log-probs")
         if topk:
@@ -398,8 +404,7 @@ class TokenLogps:
     packing: Optional[bool] = None  # padding-free forward; None: as the model was built (train.packing)
 
     def __post_init__(self) -> None:
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a positive finite number, got {self.temperature}")
+        check_temperature(self.temperature)
         _check_sampling_filter(self.sampling_filter)
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
@@ -427,8 +432,7 @@ class TeacherTopK:
     def __post_init__(self) -> None:
         if self.k < 1:
             raise ValueError(f"k must be >= 1, got {self.k}")
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a positive finite number, got {self.temperature}")
+        check_temperature(self.temperature)
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
         out = lm_logits(model, batch.input_ids, batch.attention_mask, self.packing)

@@ -110,12 +110,14 @@ class Divergence:
     """What a distillation divergence (``algo.teacher.divergence``) compares and needs.
 
     Attributes:
+        title: its name in prose (the dry run's line).
         sampled: on the sampled tokens alone (the teacher's ``(B, T)`` log-probs; a KL estimator), else on the
             whole next-token distributions (the teacher's ``(B, T, K)`` top-k; loss mode only, no sampling filter).
         beta: reads ``algo.teacher.beta``.
         paper: where it comes from.
     """
 
+    title: str
     sampled: bool
     beta: bool
     paper: str
@@ -123,10 +125,19 @@ class Divergence:
 
 DIVERGENCES = Registry[Divergence]("distillation divergence")
 DIVERGENCES.register("reverse_kl")(
-    Divergence(sampled=True, beta=False, paper="GKD section 3; on-policy distillation (TM 2025): KL(student||teacher)")
+    Divergence(
+        "reverse KL",
+        sampled=True,
+        beta=False,
+        paper="GKD section 3; on-policy distillation (TM 2025): KL(student || teacher)",
+    )
 )
-DIVERGENCES.register("forward_kl")(Divergence(sampled=False, beta=False, paper="GKD section 3: KL(teacher||student)"))
-DIVERGENCES.register("jsd")(Divergence(sampled=False, beta=True, paper="GKD eq. 1: the generalised JSD with beta"))
+DIVERGENCES.register("forward_kl")(
+    Divergence("forward KL", sampled=False, beta=False, paper="GKD section 3: KL(teacher || student)")
+)
+DIVERGENCES.register("jsd")(
+    Divergence("generalised JSD", sampled=False, beta=True, paper="GKD eq. 1: the generalised JSD with beta")
+)
 #: the divergence on the sampled tokens (the default)
 SAMPLED = "reverse_kl"
 

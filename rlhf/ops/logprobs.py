@@ -400,8 +400,7 @@ def head_token_logprobs(
     """
     if hidden.dim() != 3 or input_ids.shape != hidden.shape[:2]:
         raise ValueError(f"hidden must be (B, T, H) over input_ids (B, T), got {tuple(hidden.shape)}")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    check_temperature(temperature)
     batch, length, width = hidden.shape
     active = sampling_filter if sampling_filter is not None and sampling_filter.active(weight.shape[0]) else None
     targets = (input_ids.roll(-1, dims=1) if next_ids is None else next_ids).reshape(-1).long()
@@ -422,6 +421,12 @@ def _check_logits(logits: Tensor, input_ids: Optional[Tensor] = None) -> None:
         raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
     if input_ids is not None and input_ids.shape != logits.shape[:2]:
         raise ValueError(f"input_ids shape {tuple(input_ids.shape)} != logits (B, T) {tuple(logits.shape[:2])}")
+
+
+def check_temperature(temperature: float) -> None:
+    """Refuse a sampling temperature the logits cannot be divided by (0, negative, inf, NaN)."""
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
 
 
 def align_to_tokens(per_position: Tensor) -> Tensor:
@@ -447,8 +452,7 @@ def logprobs_at(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Tensor
     _check_logits(logits)
     if ids.shape[:2] != logits.shape[:2] or ids.dim() != 3:
         raise ValueError(f"ids must be (B, T, K) over logits {tuple(logits.shape)}, got {tuple(ids.shape)}")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    check_temperature(temperature)
     vocab = logits.shape[-1]
     flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), ids.reshape(-1, ids.shape[-1]).long(), float(temperature))
     return flat.view(ids.shape)
@@ -469,8 +473,7 @@ def topk_logprobs(logits: Tensor, k: int, temperature: float = 1.0) -> Tuple[Ten
     _check_logits(logits)
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    check_temperature(temperature)
     batch, length, vocab = logits.shape
     keep = min(k, vocab)
     flat = logits.detach().reshape(-1, vocab)
@@ -519,8 +522,7 @@ def token_logprobs(
         meaningless values for ``loss_mask`` to drop.
     """
     _check_logits(logits, input_ids)
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    check_temperature(temperature)
     batch, length, vocab = logits.shape
     # Pair position t with token t + 1 on the flat (B*T, V) view. The last position gets a dummy (valid) target;
     # its value is dropped by ``align_to_tokens`` and so receives a zero upstream gradient.

@@ -19,6 +19,7 @@ from rlhf.hub import cached_model_dir, model_dir
 from rlhf.models.checks import Positions, check_scalar_head, model_positions
 from rlhf.ops.algorithms import describe as describe_algorithm
 from rlhf.ops.algorithms import needs_length
+from rlhf.ops.distill import DIVERGENCES
 from rlhf.trainers.descriptor import Row
 from rlhf.trainers.findings import ERROR, WARNING, Finding, epoch_findings
 from rlhf.trainers.preflight import NOT_HERE, model_status, readable
@@ -254,7 +255,8 @@ def describe_distillation(cfg: RLRunConfig) -> str:
     )
     alone = "alone (no task reward)" if cfg.distills_alone else "with the task reward"
     if t.on_distributions:
-        name = "forward KL" if t.divergence == "forward_kl" else f"generalised JSD (beta {t.beta:g})"
+        entry = DIVERGENCES.get(t.divergence)
+        name = entry.title + (f" (beta {t.beta:g})" if entry.beta else "")
         what = (
             f"{name} of the policy's next-token distributions from algo.teacher.path's, on the teacher's top "
             f"{t.top_k} tokens and a tail"
