@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import torch
 
 from rlhf.config.deepspeed_check import grad_accum_dtype
+from rlhf.distributed.flat_grads import FlatLowPrecisionGrads
 from rlhf.utils.schedule import lr_multiplier
 
 
@@ -338,6 +339,8 @@ class TrainEngine:
         _undo_construction_step(self.engine.optimizer)
         if engine.precision == "fp64":
             _train_in_fp64(self.engine)
+        if _is_bf16_optimizer(self.engine.optimizer) and FlatLowPrecisionGrads.applies_to(self.engine.optimizer):
+            FlatLowPrecisionGrads(self.engine.optimizer)  # one add a group, not a Python loop a parameter
         if world_size == 1 and (engine.zero_stage == 0 or _is_bf16_optimizer(self.engine.optimizer)):
             # One rank, whole gradients: DeepSpeed's all-reduce at the boundary (ZeRO 0, and bf16's BF16_Optimizer
             # on ZeRO 1) would flatten every gradient into a new buffer, all-reduce it over a group of one and copy
