@@ -25,6 +25,7 @@ import torch
 
 from rlhf.config.deepspeed_check import grad_accum_dtype
 from rlhf.distributed.flat_grads import FlatLowPrecisionGrads
+from rlhf.distributed.overflow_check import check_overflow_in_one_read
 from rlhf.utils.schedule import lr_multiplier
 
 
@@ -268,6 +269,13 @@ def _is_bf16_optimizer(optimizer) -> bool:
     return isinstance(optimizer, BF16_Optimizer)
 
 
+def _is_unfused_bf16_optimizer(optimizer) -> bool:
+    """DeepSpeed's wrapper for bf16 weights on ZeRO 0 (fp16, its other use, is refused by the config)."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    return isinstance(optimizer, FP16_UnfusedOptimizer)
+
+
 def _undo_construction_step(optimizer) -> None:
     """Make DeepSpeed's ZeRO-0 bf16 optimizer start where every other stage starts.
 
@@ -341,6 +349,8 @@ class TrainEngine:
             _train_in_fp64(self.engine)
         if _is_bf16_optimizer(self.engine.optimizer) and FlatLowPrecisionGrads.applies_to(self.engine.optimizer):
             FlatLowPrecisionGrads(self.engine.optimizer)  # one add a group, not a Python loop a parameter
+        if _is_unfused_bf16_optimizer(self.engine.optimizer):
+            check_overflow_in_one_read(self.engine.optimizer)  # one device sync a step, not one a parameter
         if world_size == 1 and (engine.zero_stage == 0 or _is_bf16_optimizer(self.engine.optimizer)):
             # One rank, whole gradients: DeepSpeed's all-reduce at the boundary (ZeRO 0, and bf16's BF16_Optimizer
             # on ZeRO 1) would flatten every gradient into a new buffer, all-reduce it over a group of one and copy

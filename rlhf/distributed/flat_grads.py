@@ -10,7 +10,8 @@ bounds (docs/performance.md).
 Here each group's bf16 gradients are views of one flat bf16 buffer laid out as the float32 one (the same parameters in
 the same order, its alignment padding at the end). Autograd adds a micro-batch's gradient into its view in place, as
 it does into any existing ``.grad``, and moving the micro-batch into the float32 sums is one ``add_`` per group (the
-cast happens inside the kernel), clearing it one ``zero_``. Every element sees the operations it saw before (a bf16
+cast happens inside the kernel), clearing it one ``zero_``; the step's clipping multiplies one flat tensor a group
+too. Every element sees the operations it saw before (a bf16
 gradient summed onto zero, widened to float32, added to its running sum): the sums, the norm and the weights are the
 same bits (tests/unit/test_flat_grads.py). The flat buffers live from a step's first backward to its ``zero_grad``, as
 the per-parameter gradients they replace did.
@@ -24,8 +25,9 @@ import torch
 
 
 class FlatLowPrecisionGrads:
-    """Installs itself on a ``BF16_Optimizer``: its ``clear_lp_grads`` (the backward prologue, and ``zero_grad``) and
-    ``update_hp_grads`` (the backward epilogue) become the flat versions below."""
+    """Installs itself on a ``BF16_Optimizer``: its ``clear_lp_grads`` (the backward prologue, and ``zero_grad``),
+    ``update_hp_grads`` (the backward epilogue) and ``get_grads_for_norm`` (what the step clips) become the flat
+    versions below."""
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
@@ -35,8 +37,10 @@ class FlatLowPrecisionGrads:
         for group, hp_grads in zip(self.groups, optimizer.fp32_groups_gradients):
             for lp, hp in zip(group, hp_grads):
                 lp._hp_grad = hp  # what DeepSpeed's loop sets at every update (tensor_fragment's full-grad API)
+        self._grads_for_norm = optimizer.get_grads_for_norm
         optimizer.clear_lp_grads = self.clear_lp_grads
         optimizer.update_hp_grads = self.update_hp_grads
+        optimizer.get_grads_for_norm = self.get_grads_for_norm
 
     @staticmethod
     def applies_to(optimizer: Any) -> bool:
@@ -46,6 +50,7 @@ class FlatLowPrecisionGrads:
             not optimizer.immediate_grad_update
             and optimizer.grad_acc_dtype == torch.float32
             and getattr(optimizer, "autoep_folding_tp_group", None) is None
+            and not optimizer.has_moe_layers
         )
 
     @torch.no_grad()
@@ -84,3 +89,11 @@ class FlatLowPrecisionGrads:
             optimizer.fp32_groups_has_gradients[i] = [True] * len(self.groups[i])
             if clear_lp_grads:
                 lp_flat.zero_()
+
+    def get_grads_for_norm(self, for_clipping: bool = False) -> Any:
+        """What the step clips: the float32 sums as one flat tensor per group (one multiply each instead of one per
+        parameter; the same factor on the same elements, the alignment padding zero). The norm itself is still taken
+        per parameter, as DeepSpeed sums it."""
+        if for_clipping and self.flats is not None:
+            return list(self.optimizer.fp32_groups_gradients_flat)
+        return self._grads_for_norm(for_clipping=for_clipping)

@@ -1,7 +1,7 @@
 """bf16 on ZeRO 1 (DeepSpeed's BF16_Optimizer, what a one-GPU bf16 run builds): the micro-batch gradients are views of
-one flat bf16 buffer per group and reach the float32 sums in one add per group (rlhf.distributed.flat_grads), with
-the norms, losses, float32 masters and weights of DeepSpeed's own per-parameter loop, bit for bit. The engines run in
-a subprocess with its own one-rank gloo group."""
+one flat bf16 buffer per group and reach the float32 sums in one add per group, clipped in one multiply per group
+(rlhf.distributed.flat_grads), with the norms, losses, float32 masters and weights of DeepSpeed's own per-parameter
+loop, bit for bit. The engines run in a subprocess with its own one-rank gloo group."""
 
 from __future__ import annotations
 
@@ -86,6 +86,7 @@ def test_flat_gradients_take_the_steps_of_deepspeeds_loop_bit_for_bit(trained):
     flat, loop = trained["flat"], trained["loop"]
     assert flat["optimizer"] == loop["optimizer"] == "BF16_Optimizer"
     assert flat["trace"] == loop["trace"]  # the same losses and pre-clip norms, as Python floats
+    assert all(norm > 1.0 for norm, _ in flat["trace"])  # max_grad_norm 1.0: every step clips
     assert flat["weights"].keys() == loop["weights"].keys()
     for name, weight in loop["weights"].items():
         assert torch.equal(flat["weights"][name], weight), name
