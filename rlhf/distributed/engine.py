@@ -64,6 +64,9 @@ class EngineSpec:
     peak_tflops: float = 0.0  # the device's dense peak for the perf/*/mfu metrics; 0: rlhf.utils.flops's table
     # ranks sharing each row (rlhf.models.sequence_parallel): a group of W ranks has W / this data-parallel ranks
     sequence_parallel_size: int = 1
+    # ZeRO 3: parameters of at most this many elements stay whole on every rank (DeepSpeed's
+    # stage3_param_persistence_threshold); the worker sets the model's largest 1-D parameter (persistent_numel)
+    persist_numel: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_micro_batch < 0:
@@ -146,9 +149,11 @@ def build_ds_config(spec: EngineSpec, world_size: int, max_grad_norm: float, tra
     if spec.offload_optimizer and trainable:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if spec.zero_stage == 3:
-        # Gather the full parameter for every use rather than caching partial prefetches: the tiny and the huge
-        # models then behave the same, and saving / weight sync see complete tensors.
-        zero.setdefault("stage3_param_persistence_threshold", 0)
+        # Matrices are gathered for every use, whatever their size, so the tiny test models partition as the huge ones
+        # do; the vectors (norms, biases: spec.persist_numel) stay whole on every rank, where gathering each at every
+        # use would cost a collective for a few kilobytes. DeepSpeed's own default (1e5 elements) would keep a tiny
+        # model whole and partition nothing.
+        zero.setdefault("stage3_param_persistence_threshold", spec.persist_numel)
     config["zero_optimization"] = zero
     config["train_micro_batch_size_per_gpu"] = spec.micro_batch_size
     config["gradient_accumulation_steps"] = spec.grad_accum_steps

@@ -28,7 +28,7 @@ from rlhf.distributed.engine import (
     iter_full_state,
 )
 from rlhf.distributed.rendezvous import arrive, connect_store, host_store
-from rlhf.models.loading import ModelSpec, load_model
+from rlhf.models.loading import ModelSpec, load_model, persistent_numel
 from rlhf.models.lora import (
     LoraSpec,
     adapter_named_tensors,
@@ -168,6 +168,7 @@ class TrainerWorker:
         engine = built_spec(engine, self.world_size)  # a one-rank group builds ZeRO 1 for 2 and 3
         zero3 = None
         if engine.zero_stage == 3:  # load straight into partitions, and reuse the config for a frozen engine
+            engine = dataclasses.replace(engine, persist_numel=persistent_numel(model))
             zero3 = build_ds_config(engine, self.world_size, 0.0, trainable=optim is not None)
         module = load_model(model, zero3_config=zero3)
         self.zero_stage, self.spec = engine.zero_stage, model

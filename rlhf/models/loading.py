@@ -103,6 +103,15 @@ def _skeleton(auto_class: Any, path: str, kwargs: Dict[str, Any], extra: Dict[st
         return auto_class.from_config(config, **kwargs)
 
 
+def persistent_numel(spec: ModelSpec) -> int:
+    """The size of ``spec``'s largest 1-D parameter (a norm's or a bias's: the width), 0 if it has none: under ZeRO 3
+    the parameters up to this size stay whole on every rank (``rlhf.distributed.engine.build_ds_config``). Read off
+    the model built on the meta device, so no weight is loaded."""
+    auto_class, extra = _auto_class(spec.kind)
+    skeleton = _skeleton(auto_class, model_dir(spec.path), {"dtype": torch_dtype(spec.precision)}, extra)
+    return max((p.numel() for p in skeleton.parameters() if p.dim() == 1), default=0)
+
+
 def zero3_buffer_dtypes(skeleton: torch.nn.Module, zero3_config: Dict[str, Any]) -> Dict[str, torch.dtype]:
     """``name -> dtype`` every floating buffer of ``skeleton`` (:func:`_skeleton`, half-precision weights) must have
     after a ZeRO-3 build: float32 where the ordinary build has it, or where DeepSpeed's own

@@ -92,3 +92,19 @@ def test_zero3_ranks_with_different_micro_batch_counts_train_like_the_row_cut(ze
             assert norm == pytest.approx(ref_norm, rel=1e-5), name
     _assert_same_weights(dirs)
     assert reference[1][0] < reference[0][0]  # it trained
+
+
+def test_zero3_partitions_every_matrix_and_keeps_every_vector_whole(zero3_group):
+    """Each rank's ZeRO-3 parameters: the 1-D ones (norms, biases) stay whole (DeepSpeed's ``ds_persist``: no gather at
+    each use), every matrix is partitioned, however small (the tiny model's would all fit DeepSpeed's default)."""
+    # a lambda goes to the ranks by value; per parameter (persistent, rank of its full shape)
+    kinds = lambda engine, batch: torch.tensor(  # noqa: E731
+        [[[float(p.ds_persist), len(p.ds_shape)] for p in engine.module.parameters()]]
+    )
+    batch = _batch(512)
+    per_rank = zero3_group.score([batch.select([0]), batch.select([1])], kinds)
+    assert len(per_rank) == 2
+    for kinds_of_rank in per_rank:
+        persistent, ndim = kinds_of_rank[0].unbind(-1)
+        assert (ndim == 1).any() and (ndim == 2).any()
+        assert torch.equal(persistent.bool(), ndim == 1)

@@ -77,3 +77,22 @@ def test_the_gradient_norm_scratch_gives_the_bits_of_fresh_float64_copies():
     grown, bigger = float64_sum_of_squares([torch.ones(40000)], scratch)
     assert grown == 40000.0 and bigger.numel() == 40000
     assert float64_sum_of_squares([], scratch) == (0.0, scratch)
+
+
+def test_zero3_keeps_the_vectors_whole_and_partitions_every_matrix(tiny_model):
+    """ZeRO 3's persistence threshold is the model's largest 1-D parameter (its width: norms and biases stay whole on
+    every rank), not DeepSpeed's 1e5 elements, under which the tiny model would partition nothing; a user's DeepSpeed
+    JSON still decides."""
+    import json
+    import os
+
+    from rlhf.models.loading import ModelSpec, persistent_numel
+
+    with open(os.path.join(tiny_model, "config.json")) as f:
+        width = json.load(f)["hidden_size"]
+    assert persistent_numel(ModelSpec(path=tiny_model)) == width
+    spec = EngineSpec(zero_stage=3, precision="fp32", micro_batch_size=1, grad_accum_steps=1, persist_numel=width)
+    assert build_ds_config(spec, 2, 1.0)["zero_optimization"]["stage3_param_persistence_threshold"] == width
+    user = {"zero_optimization": {"stage3_param_persistence_threshold": 10**5}}
+    mine = EngineSpec(zero_stage=3, precision="fp32", micro_batch_size=1, grad_accum_steps=1, user_config=user)
+    assert build_ds_config(mine, 2, 1.0)["zero_optimization"]["stage3_param_persistence_threshold"] == 10**5
