@@ -3,7 +3,7 @@
     python bench/bench_step.py [--device cuda|cpu] [--size 1.5b | --model PATH] [--trainers sft,dpo,rl,logprob]
         [--zero-stage 0,1,2,3] [--packing] [--rows uniform|longtail] [--seq 1024] [--micro 4] [--ga 4]
         [--steps 8] [--rounds 1] [--precision bf16|fp32] [--plain autocast,bf16] [--peak-tflops X] [--json PATH]
-        [--tiled-head] [--compile] [--max-tokens N] [--ds JSON] [--profile NAME]
+        [--tiled-head] [--compile] [--max-tokens N] [--ds JSON] [--profile NAME,...]
 
 What runs, per trainer (``sft``, ``dpo``, ``rl`` = the PPO policy update, ``logprob`` = the forward-only reference /
 old-policy pass):
@@ -277,7 +277,7 @@ def measure(system: System, batches: list, device) -> dict:
             cpus.append(time.process_time() - cpu)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     flops = system.state["flops"]
-    if PROFILE and PROFILE in system.name:
+    if any(part and part in system.name for part in PROFILE.split(",")):
         profile_step(system, batches[-1], device)
     system.close()
     release(device)
@@ -296,8 +296,14 @@ def profile_step(system: System, batch, device) -> None:
     with profile(activities=activities) as prof:
         system.step(batch)
         sync(device)
+    events = prof.key_averages()
+    counts = {e.key: e.count for e in events}
+    launches = sum(n for key, n in counts.items() if "LaunchKernel" in key)
+    syncs = sum(n for key, n in counts.items() if "Synchronize" in key)
+    ops = sum(n for key, n in counts.items() if key.startswith("aten::"))
+    print(f"PROFILE {system.name}: {launches} kernel launches, {syncs} device synchronisations, {ops} aten ops a step")
     print(f"PROFILE {system.name}: ops by self CPU time")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=50))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=50))
     python = cProfile.Profile()
     python.enable()
     system.step(batch)
@@ -413,7 +419,9 @@ def main(argv=None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense peak (default: known)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     parser.add_argument("--ds", default="", help="a JSON object merged into the rlhf rows' DeepSpeed config")
-    parser.add_argument("--profile", default="", help="profile one more step of the systems whose name has this")
+    parser.add_argument(
+        "--profile", default="", help="profile one more step of the systems whose name has one of these (comma list)"
+    )
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     args.precision = args.precision or ("bf16" if cuda else "fp32")
