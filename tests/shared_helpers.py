@@ -343,3 +343,21 @@ def preflight(cfg, *args, **kwargs):
     from rlhf.trainers.preflight import preflight as run_preflight
 
     return run_preflight(cfg, kind_of(cfg), *args, **kwargs)
+
+
+def random_sft_step(worker, generator, rows: int, micro: int, width: int = 16, vocab: int = 500):
+    """One optimizer step of ``worker`` (a built ``TrainerWorker``) on ``rows`` random right-padded SFT rows of 3 to
+    ``width`` tokens, every real token a target, cut into micro-batches of ``micro`` rows (each trimmed to its longest
+    row) -> ``(RankStepResult, micro-batches)``."""
+    import torch
+
+    from rlhf.batch import Batch
+    from rlhf.objectives.sft import SFTObjective
+
+    lengths = torch.randint(3, width + 1, (rows,), generator=generator)
+    mask = (torch.arange(width) < lengths[:, None]).long()
+    ids = torch.randint(4, vocab, (rows, width), generator=generator) * mask
+    batch = Batch(input_ids=ids, attention_mask=mask, loss_mask=mask)
+    cut = [batch.select(range(i, i + micro)).trim() for i in range(0, rows, micro)]
+    objective = SFTObjective()
+    return worker.train_step(cut, objective, sum(objective.count(m) for m in cut)), cut

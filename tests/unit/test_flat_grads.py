@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shared_helpers import saved_by_subprocess
+from shared_helpers import random_sft_step, saved_by_subprocess
 
 STEPS, ROWS, MICRO, LR = 3, 6, 2, 1e-3
 
@@ -18,7 +18,6 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     masters, how many times DeepSpeed's per-parameter update ran, and where each ``.grad`` lives mid-window."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-    from rlhf.batch import Batch
     from rlhf.distributed.engine import EngineSpec, OptimSpec, iter_full_state
     from rlhf.distributed.flat_grads import FlatLowPrecisionGrads
     from rlhf.distributed.worker import TrainerWorker, normalize
@@ -48,12 +47,7 @@ def _train(model_path: str, out_path: str, port: int) -> None:
         optimizer = worker.engine.engine.optimizer
         gen, trace, objective = torch.Generator().manual_seed(0), [], SFTObjective()
         for _ in range(STEPS):
-            lengths = torch.randint(3, 17, (ROWS,), generator=gen)
-            mask = (torch.arange(16) < lengths[:, None]).long()
-            ids = torch.randint(4, 500, (ROWS, 16), generator=gen) * mask
-            batch = Batch(input_ids=ids, attention_mask=mask, loss_mask=mask)
-            micro = [batch.select(range(i, i + MICRO)).trim() for i in range(0, ROWS, MICRO)]
-            result = worker.train_step(micro, objective, sum(objective.count(m) for m in micro))
+            result, micro = random_sft_step(worker, gen, ROWS, MICRO)
             trace.append((result.grad_norm, result.sums["loss_sum"]))
         results[label] = {
             "optimizer": type(optimizer).__name__,

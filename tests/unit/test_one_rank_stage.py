@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from shared_helpers import run_main, saved_by_subprocess
+from shared_helpers import random_sft_step, run_main, saved_by_subprocess
 
 from rlhf.distributed.engine import effective_zero_stage
 
@@ -31,11 +31,9 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     the optimizer each built; in fp32 also the same for ZeRO 3, a frozen ZeRO-3 worker's build, and the asked-for
     ZeRO 2 with ``model.tiled_head`` (the LM head in token tiles, rlhf.models.head) on the real engine."""
     import rlhf.distributed.engine as engine_module
-    from rlhf.batch import Batch
     from rlhf.distributed.engine import EngineSpec, OptimSpec, iter_full_state
     from rlhf.distributed.worker import TrainerWorker
     from rlhf.models.loading import ModelSpec
-    from rlhf.objectives.sft import SFTObjective
 
     TrainerWorker("probe", 0, 1).init_process_group("127.0.0.1", port, "gloo", timeout_s=60)
     mapped = engine_module.effective_zero_stage
@@ -59,14 +57,8 @@ def _train(model_path: str, out_path: str, port: int) -> None:
         )
         gen, trace, tokens = torch.Generator().manual_seed(0), [], 0
         for _ in range(STEPS):
-            lengths = torch.randint(3, 17, (ROWS,), generator=gen)
-            mask = (torch.arange(16) < lengths[:, None]).long()
-            ids = torch.randint(4, 500, (ROWS, 16), generator=gen) * mask
-            batch = Batch(input_ids=ids, attention_mask=mask, loss_mask=mask)
-            tokens += int(lengths.sum())
-            micro = [batch.select(range(i, i + MICRO)).trim() for i in range(0, ROWS, MICRO)]
-            objective = SFTObjective()
-            result = worker.train_step(micro, objective, sum(objective.count(m) for m in micro))
+            result, micro = random_sft_step(worker, gen, ROWS, MICRO)
+            tokens += sum(int(m.attention_mask.sum()) for m in micro)
             trace.append((result.grad_norm, result.sums["loss_sum"]))
             if len(trace) == 1:
                 first = {n: t.clone() for n, t in iter_full_state(worker.model, worker.zero_stage)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shared_helpers import saved_by_subprocess
+from shared_helpers import random_sft_step, saved_by_subprocess
 from torch.overrides import TorchFunctionMode
 
 STEPS, ROWS, MICRO = 3, 4, 2
@@ -29,9 +29,7 @@ class _HostReads(TorchFunctionMode):
 def _run(worker, steps: int) -> dict:
     """``steps`` clean steps of 2 micro-batches, then one whose gradient of a single weight is NaN: the traces, the
     weights after the clean steps and after the poisoned one, and the tensors the overflow test read back per step."""
-    from rlhf.batch import Batch
     from rlhf.distributed.engine import iter_full_state
-    from rlhf.objectives.sft import SFTObjective
 
     checker = worker.engine.engine.optimizer.overflow_checker
     reads, has_overflow = [], checker.has_overflow
@@ -43,18 +41,13 @@ def _run(worker, steps: int) -> dict:
         return answer
 
     checker.has_overflow = counted
-    gen, trace, objective = torch.Generator().manual_seed(0), [], SFTObjective()
+    gen, trace = torch.Generator().manual_seed(0), []
     for poisoned in [False] * steps + [True]:
         if poisoned:
             clean = {n: t.clone() for n, t in iter_full_state(worker.model, worker.zero_stage)}
             weight = worker.model.get_parameter("model.layers.1.mlp.down_proj.weight")
             hook = weight.register_hook(lambda grad: grad * float("nan"))
-        lengths = torch.randint(3, 17, (ROWS,), generator=gen)
-        mask = (torch.arange(16) < lengths[:, None]).long()
-        ids = torch.randint(4, 500, (ROWS, 16), generator=gen) * mask
-        batch = Batch(input_ids=ids, attention_mask=mask, loss_mask=mask)
-        micro = [batch.select(range(i, i + MICRO)).trim() for i in range(0, ROWS, MICRO)]
-        result = worker.train_step(micro, objective, sum(objective.count(m) for m in micro))
+        result, _ = random_sft_step(worker, gen, ROWS, MICRO)
         trace.append((result.grad_norm, result.sums["loss_sum"], worker.engine.last_step_applied))
     hook.remove()
     return {
