@@ -149,10 +149,10 @@ def build_ds_config(spec: EngineSpec, world_size: int, max_grad_norm: float, tra
     if spec.offload_optimizer and trainable:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if spec.zero_stage == 3:
-        # Matrices are gathered for every use, whatever their size, so the tiny test models partition as the huge ones
-        # do; the vectors (norms, biases: spec.persist_numel) stay whole on every rank, where gathering each at every
-        # use would cost a collective for a few kilobytes. DeepSpeed's own default (1e5 elements) would keep a tiny
-        # model whole and partition nothing.
+        # Tensors larger than the width are gathered for every use, whatever their size, so the tiny test models
+        # partition as the huge ones do; the vectors (norms, biases: up to spec.persist_numel elements) stay whole on
+        # every rank, where gathering each at every use would cost a collective for a few kilobytes. DeepSpeed's own
+        # default (1e5 elements) would keep a tiny model whole and partition nothing.
         zero.setdefault("stage3_param_persistence_threshold", spec.persist_numel)
     config["zero_optimization"] = zero
     config["train_micro_batch_size_per_gpu"] = spec.micro_batch_size

@@ -11,10 +11,9 @@ Here each group's bf16 gradients are views of one flat bf16 buffer laid out as t
 the same order, its alignment padding at the end). Autograd adds a micro-batch's gradient into its view in place, as
 it does into any existing ``.grad``, and moving the micro-batch into the float32 sums is one ``add_`` per group (the
 cast happens inside the kernel), clearing it one ``zero_``; the step's clipping multiplies one flat tensor a group
-too. Every element sees the operations it saw before (a bf16
-gradient summed onto zero, widened to float32, added to its running sum): the sums, the norm and the weights are the
-same bits (tests/unit/test_flat_grads.py). The flat buffers live from a step's first backward to its ``zero_grad``, as
-the per-parameter gradients they replace did.
+too. Every element sees the operations it saw before (a bf16 gradient summed onto zero, widened to float32, added to
+its running sum): the sums, the norm and the weights are the same bits (tests/unit/test_flat_grads.py). The flat
+buffers live from a step's first backward to its ``zero_grad``, as the per-parameter gradients they replace did.
 """
 
 from __future__ import annotations
