@@ -50,6 +50,7 @@ if REPO not in sys.path:
 
 WARMUP_STEPS = 2
 PROFILE = ""  # --profile
+PROFILED: set = set()  # the systems profiled so far
 PROMPT_TOKENS = 16  # RL and DPO rows: the first tokens are the prompt, the rest the response (the targets)
 DPO_BETA, CLIP = 0.1, 0.2
 
@@ -277,7 +278,8 @@ def measure(system: System, batches: list, device) -> dict:
             cpus.append(time.process_time() - cpu)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     flops = system.state["flops"]
-    if any(part and part in system.name for part in PROFILE.split(",")):
+    if system.name not in PROFILED and any(part and part in system.name for part in PROFILE.split(",")):
+        PROFILED.add(system.name)  # once, in the first round
         profile_step(system, batches[-1], device)
     system.close()
     release(device)

@@ -2,9 +2,10 @@
 
 The shapes are Qwen2.5's published configurations (0.5B, 1.5B, 7B: widths, depths, heads, KV heads, the 151,936-token
 vocabulary, tied embeddings below 7B), so step times, memory and MFU measured on them are those of the real models;
-the weights are random (transformers' own initialisation), which changes no timing. ``tiny`` and ``small`` are CPU
-sizes: the first for tests, the second a CPU-bound step of many small parameters, where per-parameter host work
-(hooks, copies, launches) shows as it does on a GPU.
+the weights are random (transformers' own initialisation), which changes no timing. ``tiny``, ``small`` and ``narrow``
+are CPU sizes: the first for tests, the second a compute-bound CPU step, the third a step bound by per-parameter host
+work (48 layers of width 64: 580 tensors, each of a few thousand elements), where hooks, copies and launches show as
+they do on a GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ MODEL_SIZES: Dict[str, Dict[str, Any]] = {
         num_key_value_heads=2,
         vocab_size=4096,
         tie_word_embeddings=True,
+    ),  # fmt: skip
+    "narrow": dict(
+        hidden_size=64,
+        intermediate_size=384,
+        num_hidden_layers=48,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=512,
+        tie_word_embeddings=False,
     ),  # fmt: skip
     "0.5b": dict(
         hidden_size=896,
