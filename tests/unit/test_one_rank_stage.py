@@ -94,7 +94,10 @@ def trained(tiny_model, tmp_path_factory):
 def test_asked_zero2_builds_zero1_with_the_weights_of_a_real_zero2_in_fp32(trained):
     asked, real = trained["fp32", "asked 2"], trained["fp32", "real 2"]
     assert asked["stage"] == 1 and real["stage"] == 2 and asked["optimizer"] == "DeepSpeedZeroOptimizer"
-    assert asked["trace"] == real["trace"]
+    numel = sum(w.numel() for w in real["weights"].values())
+    for (norm_a, loss_a), (norm_r, loss_r) in zip(asked["trace"], real["trace"]):
+        # the same weights: the same losses; the norms are each stage's float32 sum of squares, maybe in its own order
+        assert loss_a == loss_r and abs(norm_a - norm_r) <= 2 * math.log2(numel) * 2**-24 * norm_r
     assert asked["weights"].keys() == real["weights"].keys()
     for name, weight in real["weights"].items():
         assert torch.equal(asked["weights"][name], weight), name
