@@ -287,12 +287,15 @@ def measure(system: System, batches: list, device) -> dict:
 
 
 def profile_step(system: System, batch, device) -> None:
-    """One more step under torch's profiler (ops by self CPU time: the host's share) and cProfile (the Python
-    functions behind it)."""
+    """One more step under torch's profiler (ops by self CPU time: the host's share), one counting its host reads of
+    tensor data (:mod:`rlhf.utils.host_reads`: on a CPU too, what would make a GPU's host wait) and one under
+    cProfile (the Python functions behind it)."""
     import cProfile
     import pstats
 
     from torch.profiler import ProfilerActivity, profile
+
+    from rlhf.utils.host_reads import HostReads
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -304,6 +307,10 @@ def profile_step(system: System, batch, device) -> None:
     syncs = sum(n for key, n in counts.items() if "Synchronize" in key)
     ops = sum(n for key, n in counts.items() if key.startswith("aten::"))
     print(f"PROFILE {system.name}: {launches} kernel launches, {syncs} device synchronisations, {ops} aten ops a step")
+    with HostReads() as reads:  # countable on a CPU too: each one a device synchronisation on a GPU
+        system.step(batch)
+        sync(device)
+    print(f"PROFILE {system.name}: {reads.total} host reads of tensor data a step {reads.by_op}")
     print(f"PROFILE {system.name}: ops by self CPU time")
     print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=50))
     python = cProfile.Profile()

@@ -41,17 +41,19 @@ class MeanLogpPreference:
     def count(self, batch) -> int:
         return len(batch)  # pairs; the group adds this over the whole global batch
 
-    def loss(self, model: torch.nn.Module, batch) -> Tuple[torch.Tensor, Dict[str, float]]:
+    def loss(self, model: torch.nn.Module, batch) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         summed, lengths = pair_sequence_logps(model, batch)  # (B, 2): column 0 chosen, 1 rejected
         mean = summed / lengths.clamp(min=1)
         margin = self.beta * (mean[:, 0] - mean[:, 1])
         losses = -torch.nn.functional.logsigmoid(margin - self.gamma)
         total = losses.sum()  # a SUM over the micro-batch's pairs: the group divides by the global count
+        # sums, never means; detached tensors stay on the device and are read back once a step (an .item()
+        # here would make the GPU wait at every micro-batch)
         return total, {
-            "loss_sum": total.item(),
-            "margin_sum": margin.sum().item(),
-            "correct": (margin > 0).sum().item(),
-            "chosen_logp_sum": mean[:, 0].sum().item(),
+            "loss_sum": total.detach(),
+            "margin_sum": margin.detach().sum(),
+            "correct": (margin > 0).sum(),
+            "chosen_logp_sum": mean[:, 0].detach().sum(),
         }
 
     def finalize(self, sums: Dict[str, float], normalizer: int) -> Dict[str, float]:

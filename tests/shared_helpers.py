@@ -361,3 +361,31 @@ def random_sft_step(worker, generator, rows: int, micro: int, width: int = 16, v
     cut = [batch.select(range(i, i + micro)).trim() for i in range(0, rows, micro)]
     objective = SFTObjective()
     return worker.train_step(cut, objective, sum(objective.count(m) for m in cut)), cut
+
+
+def host_reads_outside_modules(model, fn: Callable[[], Any]) -> Tuple[Any, int]:
+    """``fn()`` and how many host reads (``rlhf.utils.host_reads``) it made outside every forward of ``model``'s
+    modules: the reads an objective adds around the model (transformers' mask code reads inside the forward)."""
+    from rlhf.utils.host_reads import HostReads
+
+    inside, depth, entered = [0], [0], [0]
+
+    def before(module, args):
+        if depth[0] == 0:
+            entered[0] = reads.total
+        depth[0] += 1
+
+    def after(module, args, output):
+        depth[0] -= 1
+        if depth[0] == 0:
+            inside[0] += reads.total - entered[0]
+
+    hooks = [m.register_forward_pre_hook(before) for m in model.modules()]
+    hooks += [m.register_forward_hook(after) for m in model.modules()]
+    try:
+        with HostReads() as reads:
+            out = fn()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return out, reads.total - inside[0]

@@ -41,7 +41,7 @@ from rlhf.models.lora import (
 )
 from rlhf.models.packing import packed_attention
 from rlhf.models.sequence_parallel import enable_sequence_parallel, new_sequence_group
-from rlhf.objectives.base import Objective, ScoreFn, Sums, add_sums
+from rlhf.objectives.base import DeviceSums, Objective, ScoreFn, Sums
 from rlhf.ops.losses import normalize
 from rlhf.utils.device import resolve_attn_implementation
 from rlhf.utils.flops import ModelFlops, PerfMeter, peak_tflops
@@ -251,18 +251,19 @@ class TrainerWorker:
         if schedule_step is not None:
             self.engine.position_schedule(schedule_step)
         lr = self.engine.current_lr()
-        sums: Sums = {}
+        sums = DeviceSums()  # the metrics stay on the device until the step's end: no host read per micro-batch
         last = len(micro_batches) - 1
         for i, (micro, keep) in enumerate(zip(micro_batches, counted)):
             loss_sum, micro_sums = objective.loss(self.engine, micro.to(self.device))
-            if not keep:
+            if keep:
+                sums.add(micro_sums)
+            else:
                 loss_sum = loss_sum * 0.0  # a filler: the collectives run, the gradient gains exactly nothing
             self.engine.micro_step(normalize(loss_sum, normalizer, self.world_size), is_last=i == last)
-            if keep:
-                sums = add_sums(sums, micro_sums)
-        # the step ended with the gradient norm read back from the device: the clock has the device's work
+        host = sums.read()
+        # the step ended with the gradient norm and the metrics read back from the device: the clock has its work
         self._account("train", micro_batches, counted, time.perf_counter() - started)
-        return RankStepResult(sums=sums, grad_norm=self.engine.last_grad_norm, lr=lr)
+        return RankStepResult(sums=host, grad_norm=self.engine.last_grad_norm, lr=lr)
 
     @torch.no_grad()
     def score(self, batches: List[Batch], fn: ScoreFn) -> List[torch.Tensor]:
@@ -300,15 +301,15 @@ class TrainerWorker:
         model = self.engine if self.engine is not None else self.model
         was_training = self.model.training
         self.model.eval()
-        sums: Sums = {}
+        sums = DeviceSums()
         try:
             for batch, keep in zip(batches, counted):
                 _, micro_sums = objective.loss(model, batch.to(self.device))
                 if keep:
-                    sums = add_sums(sums, micro_sums)
+                    sums.add(micro_sums)
         finally:
             self.model.train(was_training)
-        return sums
+        return sums.read()
 
     def save_pretrained(self, path: str, merged: bool = True) -> None:
         """Write the model as an HF directory (safetensors). Collective: call on every rank; rank 0 writes.

@@ -77,20 +77,33 @@ class PackedRows:
                 f"packing takes (B, T) ids and mask, got {tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
             )
         rows, width = input_ids.shape
+        device = input_ids.device
         lengths = attention_mask.long().sum(-1)
-        columns = torch.arange(width, device=input_ids.device)
-        prefix = columns[None, :] < lengths[:, None]
-        if not torch.equal(prefix, attention_mask.bool()):
+        prefix = torch.arange(width, device=device)[None, :] < lengths[:, None]
+        holes = (prefix != attention_mask.bool()).sum()
+        # The one host read of a packed forward: the row lengths size everything below, and the layout check
+        # rides along (separate reads for the check, the index, the row starts and the longest row each made
+        # the GPU wait).
+        *host_lengths, bad = torch.cat([lengths, holes[None]]).tolist()
+        if bad:
             raise ValueError("packing needs right-padded rows (attention_mask 1 on a prefix of each row)")
-        index = prefix.reshape(-1).nonzero().squeeze(-1)
-        positions = columns.expand(rows, width).reshape(-1)[index]
-        nonempty = lengths[lengths > 0]
-        cu_seqlens = torch.nn.functional.pad(nonempty.cumsum(0), (1, 0)).to(torch.int32)
+        total = sum(host_lengths)
+        starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))[:-1]  # each row's offset in the packed run
+        # per packed token, its row's offset in the packed run and in the padded layout; output_size: no host read
+        row_offset = torch.repeat_interleave(starts, lengths, output_size=total)
+        row_base = torch.repeat_interleave(torch.arange(rows, device=device) * width, lengths, output_size=total)
+        positions = torch.arange(total, device=device) - row_offset
+        index = row_base + positions
+        bounds = [0]
+        for length in host_lengths:
+            if length:
+                bounds.append(bounds[-1] + length)
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True)  # a copy in, no wait
         return cls(
             input_ids=input_ids.reshape(-1)[index][None],
             position_ids=positions[None],
             cu_seqlens=cu_seqlens,
-            max_length=int(lengths.max()) if rows else 0,
+            max_length=max(host_lengths, default=0),
             rows=rows,
             width=width,
             index=index,
@@ -251,7 +264,9 @@ def _varlen_attention(
     kwargs.pop("position_ids", None)
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if query.shape[0] != 1 or (cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_q, cu_seq_lens_k)):
+    # PackedRows hands the same tensor for both: compared only when they differ (torch.equal reads to the host)
+    same = cu_seq_lens_k is None or cu_seq_lens_k is cu_seq_lens_q or torch.equal(cu_seq_lens_q, cu_seq_lens_k)
+    if query.shape[0] != 1 or not same:
         raise ValueError("varlen sdpa takes one packed sequence with the same row boundaries for queries and keys")
     window = kwargs.get("sliding_window")
     if window is not None and max_length_q is not None and max_length_q > window:

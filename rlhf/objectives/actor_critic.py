@@ -30,7 +30,7 @@ from rlhf.batch import Batch
 from rlhf.models.forward import lm_logits
 from rlhf.models.head import token_logprobs_and_entropy, token_outputs
 from rlhf.models.loading import last_token_values, scalar_head_values
-from rlhf.objectives.base import Sums
+from rlhf.objectives.base import MicroSums, host_sums
 from rlhf.ops.aggregation import LOSS_AGGREGATIONS, aggregate_count, aggregate_sum
 from rlhf.ops.distill import (
     DIVERGENCES,
@@ -93,10 +93,10 @@ def token_values(model: torch.nn.Module, batch: Batch, packing: Optional[bool] =
     return torch.nn.functional.pad(raw[:, :-1], (1, 0))
 
 
-def _agg(mode: str, per_token: Tensor, mask: Tensor, length: Optional[int]) -> float:
-    """A metric numerator (detached), as a Python float."""
+def _agg(mode: str, per_token: Tensor, mask: Tensor, length: Optional[int]) -> Tensor:
+    """A metric numerator, detached and 0-dim on the batch's device (read back once a step, with the others)."""
     with torch.no_grad():
-        return aggregate_sum(mode, per_token.detach(), mask, length).item()
+        return aggregate_sum(mode, per_token.detach(), mask, length)
 
 
 # ------------------------------------------------------------------------------------------------ actor
@@ -198,7 +198,7 @@ class PolicyObjective:
     def count(self, batch: Batch) -> int:
         return aggregate_count(self.agg_mode, response_mask(batch))
 
-    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[Tensor, Sums]:
+    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[Tensor, MicroSums]:
         _require(batch, "old_logps", "advantages", why="the experience batch must be built before the update")
         if self.correct_off_policy:
             _require(batch, "rollout_logps", why="correct_off_policy needs the behaviour (rollout engine) log-probs")
@@ -267,13 +267,13 @@ class PolicyObjective:
             per_token = per_token + self.distill_coef * distill
 
         total = aggregate_sum(mode, per_token, mask, length)
-        sums: Sums = {
-            "loss_sum": total.item(),
+        sums: Dict[str, Tensor] = {
+            "loss_sum": total.detach(),
             "policy_loss_sum": _agg(mode, pg, mask, length),
             "entropy_sum": _agg(mode, entropy, mask, length),
             "clipfrac_sum": _agg(mode, stats["clipped"], mask, length),
             "approx_kl_sum": _agg(mode, stats["approx_kl"], mask, length),
-            "num_tokens": float(mask.sum().item()),
+            "num_tokens": mask.sum(),
         }
         if kl is not None:
             sums["kl_sum"] = _agg(mode, kl, mask, length)
@@ -294,11 +294,12 @@ class PolicyObjective:
             sums["logp_mismatch_sum"] = _agg(mode, gap, mask, length)
         return total, sums
 
-    def finalize(self, sums: Sums, normalizer: int) -> Dict[str, float]:
+    def finalize(self, sums: MicroSums, normalizer: int) -> Dict[str, float]:
         """Metrics of the global batch. ``kl`` only when reference log-probs were present, ``logp_mismatch``
         (mean |old_logps - rollout_logps|) only when rollout log-probs were, ``dual_clip_frac`` / ``tis_weight`` /
         ``tis_capped_frac`` (TIS) / ``is_weight`` / ``is_masked_frac`` (a masking behaviour correction) only when
         those corrections are on."""
+        sums = host_sums(sums)
         n = normalizer
         out = {
             "loss": sums["loss_sum"] / n,
@@ -345,7 +346,7 @@ class ValueObjective:
     def count(self, batch: Batch) -> int:
         return aggregate_count(self.agg_mode, response_mask(batch))
 
-    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[Tensor, Sums]:
+    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[Tensor, MicroSums]:
         _require(batch, "returns", why="value targets must be computed before the critic update")
         if self.clip is not None:
             _require(batch, "values", why="value clipping needs the critic's values at rollout time")
@@ -356,11 +357,11 @@ class ValueObjective:
         returns = cast(Tensor, batch.returns)  # _require above raised unless it is set
         per_token = value_loss(values, old, returns, self.clip, mask)
         total = aggregate_sum(mode, per_token, mask, length)
-        sums: Sums = {
-            "value_loss_sum": total.item(),
+        sums = {
+            "value_loss_sum": total.detach(),
             "value_clipfrac_sum": _agg(mode, self._clipped(values.detach(), old, returns, mask), mask, length),
             "values_sum": _agg(mode, values, mask, length),
-            "num_tokens": float(mask.sum().item()),
+            "num_tokens": mask.sum(),
         }
         return total, sums
 
@@ -376,7 +377,8 @@ class ValueObjective:
         clipped = (v_old + (v - v_old).clamp(-self.clip, self.clip) - ret).square()
         return ((clipped > unclipped) & mask).to(work)
 
-    def finalize(self, sums: Sums, normalizer: int) -> Dict[str, float]:
+    def finalize(self, sums: MicroSums, normalizer: int) -> Dict[str, float]:
+        sums = host_sums(sums)
         n = normalizer
         return {
             "value_loss": sums["value_loss_sum"] / n,

@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from rlhf.batch import Batch
-from rlhf.objectives.base import Sums, target_count
+from rlhf.objectives.base import MicroSums, host_sums, target_tokens
 from rlhf.objectives.sft import causal_lm_token_logps
 from rlhf.ops.logprobs import at_least_float32, sequence_logprobs
 from rlhf.ops.preference import DPO_LOSSES, chosen_nll, dpo_pair_losses
@@ -58,36 +58,55 @@ class DPOObjective:
         DPO_LOSSES.get(self.loss_type)  # fail on the driver, with the valid names, not inside a worker
 
     def count(self, batch: Batch) -> int:
+        self._check_targets(batch)
         return len(batch)
 
-    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, Sums]:
+    def _check_targets(self, batch: Batch) -> None:
+        """A loss that averages log-probs per token needs a target token in both completions of every pair, RPO's
+        NLL one in the chosen. Checked here, on the driver, where the batch is on the host and every micro-batch
+        of the step passes before the first backward: on the device each check would make a GPU wait."""
+        averages = DPO_LOSSES.get(self.loss_type).average_logps
+        columns = [0, 1] if averages else [0] if self.nll_coef else []
+        if not columns or batch.loss_mask is None:
+            return
+        empty = (batch.loss_mask[..., 1:].sum(-1)[:, columns] <= 0).any(-1)
+        if bool(empty.any()):
+            rows = empty.nonzero().flatten().tolist()
+            where = rows if batch.sample_index is None else [int(batch.sample_index[r]) for r in rows]
+            which = "a completion" if averages else "a chosen completion"
+            why = f"loss {self.loss_type!r} averages log-probs per token" if averages else "nll_coef > 0 (RPO)"
+            label = "pairs" if batch.sample_index is None else "data rows"
+            raise ValueError(f"DPO {why}: {label} {where[:8]} have {which} with no target token")
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, MicroSums]:
         if batch.ref_logps is None:
             raise ValueError("DPO micro-batch has no ref_logps: reference log-probs must be computed first")
         policy, lengths = pair_sequence_logps(model, batch, self.packing)
         losses, chosen_rewards, rejected_rewards = dpo_pair_losses(
             self.loss_type, policy, batch.ref_logps.to(policy.dtype), self.beta, self.label_smoothing, lengths
         )
-        sums = {}
+        sums: Dict[str, torch.Tensor] = {}  # detached 0-dim tensors: read back once a step, not here
         if self.nll_coef:
             nll = chosen_nll(policy[:, 0], lengths[:, 0])
             losses = losses + self.nll_coef * nll
-            sums["chosen_nll_sum"] = nll.detach().sum().item()
+            sums["chosen_nll_sum"] = nll.detach().sum()
         total = losses.sum()
         assert batch.loss_mask is not None, "a pair batch carries its loss mask (pair_sequence_logps read it)"
         sums.update(
             {
-                "loss_sum": total.item(),
-                "chosen_reward_sum": chosen_rewards.sum().item(),
-                "rejected_reward_sum": rejected_rewards.sum().item(),
-                "correct_pairs": (chosen_rewards > rejected_rewards).sum().item(),
-                "chosen_logp_sum": policy[:, 0].detach().sum().item(),
-                "rejected_logp_sum": policy[:, 1].detach().sum().item(),
-                "num_tokens": float(target_count(batch.loss_mask)),
+                "loss_sum": total.detach(),
+                "chosen_reward_sum": chosen_rewards.detach().sum(),
+                "rejected_reward_sum": rejected_rewards.detach().sum(),
+                "correct_pairs": (chosen_rewards > rejected_rewards).sum(),
+                "chosen_logp_sum": policy[:, 0].detach().sum(),
+                "rejected_logp_sum": policy[:, 1].detach().sum(),
+                "num_tokens": target_tokens(batch.loss_mask),
             }
         )
         return total, sums
 
-    def finalize(self, sums: Sums, normalizer: int) -> Dict[str, float]:
+    def finalize(self, sums: MicroSums, normalizer: int) -> Dict[str, float]:
+        sums = host_sums(sums)
         pairs = normalizer
         chosen, rejected = sums["chosen_reward_sum"] / pairs, sums["rejected_reward_sum"] / pairs
         extra = {"nll/chosen": sums["chosen_nll_sum"] / pairs} if "chosen_nll_sum" in sums else {}

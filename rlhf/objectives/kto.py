@@ -21,7 +21,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from rlhf.batch import Batch
-from rlhf.objectives.base import Sums, target_count
+from rlhf.objectives.base import MicroSums, host_sums, target_tokens
 from rlhf.objectives.sft import causal_lm_token_logps
 from rlhf.ops.logprobs import at_least_float32, sequence_logprobs
 from rlhf.ops.preference import UNPAIRED_LOSSES, kto_kl_baseline, unpaired_losses
@@ -79,7 +79,7 @@ class KTOObjective:
     def count(self, batch: Batch) -> int:
         return len(batch)
 
-    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, Sums]:
+    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, MicroSums]:
         if batch.ref_logps is None or batch.kl_baseline is None or batch.desirable is None:
             raise ValueError("KTO micro-batch needs ref_logps, kl_baseline and desirable: score it first")
         policy = column_logps(model, batch, OWN, self.packing)
@@ -96,21 +96,24 @@ class KTOObjective:
         total = losses.sum()
         good = batch.desirable.to(torch.bool)
         assert batch.loss_mask is not None, "an unpaired batch carries its loss mask (column_logps read it)"
-        logps = policy.detach()
+        logps, rewards = policy.detach(), rewards.detach()
+        # detached 0-dim tensors, read back once a step; a masked_fill, not x[good], whose size is data the
+        # host would have to wait for
         sums = {
-            "loss_sum": total.item(),
-            "desirable_rows": float(good.sum()),
-            "undesirable_rows": float((~good).sum()),
-            "desirable_reward_sum": rewards[good].sum().item(),
-            "undesirable_reward_sum": rewards[~good].sum().item(),
-            "desirable_logp_sum": logps[good].sum().item(),
-            "undesirable_logp_sum": logps[~good].sum().item(),
-            "kl_sum": batch.kl_baseline.sum().item(),
-            "num_tokens": float(target_count(batch.loss_mask[:, OWN])),
+            "loss_sum": total.detach(),
+            "desirable_rows": good.sum(),
+            "undesirable_rows": (~good).sum(),
+            "desirable_reward_sum": rewards.masked_fill(~good, 0).sum(),
+            "undesirable_reward_sum": rewards.masked_fill(good, 0).sum(),
+            "desirable_logp_sum": logps.masked_fill(~good, 0).sum(),
+            "undesirable_logp_sum": logps.masked_fill(good, 0).sum(),
+            "kl_sum": batch.kl_baseline.sum(),
+            "num_tokens": target_tokens(batch.loss_mask[:, OWN]),
         }
         return total, sums
 
-    def finalize(self, sums: Sums, normalizer: int) -> Dict[str, float]:
+    def finalize(self, sums: MicroSums, normalizer: int) -> Dict[str, float]:
+        sums = host_sums(sums)
         rows = normalizer
         out = {"loss": sums["loss_sum"] / rows, "kl": sums["kl_sum"] / rows, "num_tokens": int(sums["num_tokens"])}
         for label in ("desirable", "undesirable"):

@@ -10,7 +10,7 @@ import torch
 
 from rlhf.batch import Batch
 from rlhf.models.loading import last_token_values, scalar_head_values
-from rlhf.objectives.base import Sums, target_count
+from rlhf.objectives.base import MicroSums, host_sums, target_tokens
 from rlhf.ops.preference import bradley_terry_losses, pair_accuracy_count
 
 
@@ -31,7 +31,7 @@ class RewardObjective:
     def count(self, batch: Batch) -> int:
         return len(batch)
 
-    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, Sums]:
+    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, MicroSums]:
         if self.use_margin and batch.margin is None:
             raise ValueError("rm.use_margin=true but the batch carries no margins (data.margin_key missing?)")
         scores = pair_scores(model, batch, self.packing)
@@ -42,15 +42,16 @@ class RewardObjective:
         detached = scores.detach()
         assert batch.loss_mask is not None, "a pair batch carries its loss mask"
         sums = {
-            "loss_sum": total.item(),
-            "correct_pairs": float(pair_accuracy_count(detached[:, 0], detached[:, 1])),
-            "chosen_score_sum": detached[:, 0].sum().item(),
-            "rejected_score_sum": detached[:, 1].sum().item(),
-            "num_tokens": float(target_count(batch.loss_mask)),
+            "loss_sum": total.detach(),
+            "correct_pairs": pair_accuracy_count(detached[:, 0], detached[:, 1]),
+            "chosen_score_sum": detached[:, 0].sum(),
+            "rejected_score_sum": detached[:, 1].sum(),
+            "num_tokens": target_tokens(batch.loss_mask),
         }
         return total, sums
 
-    def finalize(self, sums: Sums, normalizer: int) -> Dict[str, float]:
+    def finalize(self, sums: MicroSums, normalizer: int) -> Dict[str, float]:
+        sums = host_sums(sums)
         pairs = normalizer
         return {
             "loss": sums["loss_sum"] / pairs,

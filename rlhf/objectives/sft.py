@@ -10,7 +10,7 @@ import torch
 
 from rlhf.batch import Batch
 from rlhf.models.head import token_logprobs_and_entropy
-from rlhf.objectives.base import Sums, target_count
+from rlhf.objectives.base import MicroSums, host_sums, target_count, target_tokens
 from rlhf.ops.losses import sft_nll_sum
 
 
@@ -34,12 +34,13 @@ class SFTObjective:
         assert batch.loss_mask is not None, "an SFT batch carries its loss mask"
         return target_count(batch.loss_mask)
 
-    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, Sums]:
+    def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, MicroSums]:
         logps = causal_lm_token_logps(model, batch.input_ids, batch.attention_mask, self.packing)
         assert batch.loss_mask is not None, "an SFT batch carries its loss mask"
         nll = sft_nll_sum(logps, batch.loss_mask.to(logps.dtype))
-        return nll, {"loss_sum": nll.item(), "num_tokens": float(self.count(batch))}
+        return nll, {"loss_sum": nll.detach(), "num_tokens": target_tokens(batch.loss_mask)}
 
-    def finalize(self, sums: Sums, normalizer: int) -> Dict[str, float]:
+    def finalize(self, sums: MicroSums, normalizer: int) -> Dict[str, float]:
+        sums = host_sums(sums)
         loss = sums["loss_sum"] / normalizer
         return {"loss": loss, "num_tokens": int(sums["num_tokens"])}

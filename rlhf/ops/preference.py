@@ -249,7 +249,8 @@ def dpo_pair_losses(
         beta: the KL-regularization strength (> 0).
         label_smoothing: assumed label-flip probability for losses that model it, else must be 0.
         lengths: ``(B, 2)`` target-token counts of each completion; required (and > 0) when the loss averages
-            log-probs per token, ignored otherwise.
+            log-probs per token, ignored otherwise. Not read back here to check (a 0 gives an infinite average):
+            :class:`rlhf.objectives.dpo.DPOObjective` checks the counts on the host, in ``count``.
 
     Returns:
         ``(losses, chosen_rewards, rejected_rewards)``, each ``(B,)``: per-pair losses (not averaged; the caller
@@ -273,8 +274,6 @@ def _token_counts(loss_type: str, lengths: Optional[Tensor], shape: torch.Size) 
         raise ValueError(f"DPO loss {loss_type!r} averages log-probs per token: pass lengths (B, 2)")
     if lengths.shape != shape:
         raise ValueError(f"lengths shape {tuple(lengths.shape)} != log-probs shape {tuple(shape)}")
-    if bool((lengths <= 0).any()):
-        raise ValueError("lengths must be > 0: a completion without target tokens has no average log-prob")
     return lengths
 
 
@@ -285,14 +284,13 @@ def chosen_nll(chosen_logps: Tensor, chosen_lengths: Tensor) -> Tensor:
 
     Args:
         chosen_logps: ``(B,)`` policy log-probs summed over the chosen completion's target tokens.
-        chosen_lengths: ``(B,)`` target-token counts (> 0).
+        chosen_lengths: ``(B,)`` target-token counts (> 0; not read back here to check, as for
+            :func:`dpo_pair_losses`'s ``lengths``).
 
     Departure: the paper normalizes by the chosen tokens of the batch; averaging per sequence makes the term a
     per-pair quantity, so it is normalized with the DPO loss by the number of pairs in the global batch and is
     independent of how the batch is split.
     """
-    if bool((chosen_lengths <= 0).any()):
-        raise ValueError("chosen_lengths must be > 0")
     return -chosen_logps / chosen_lengths.to(chosen_logps.dtype)
 
 

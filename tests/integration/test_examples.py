@@ -42,6 +42,7 @@ def test_custom_preference_loop_logs_global_metrics(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf.data.tokenize import collate_pairs
+    from rlhf.objectives.base import host_sums
 
     example = _load_example("custom_loop")
     out = example.main(steps=2, num_workers=2, micro_batch_size=4, grad_accum_steps=2, work_dir=str(tmp_path))
@@ -57,7 +58,7 @@ def test_custom_preference_loop_logs_global_metrics(tmp_path):
     with torch.no_grad():
         for logged, batch in ((history[0], first), (before, held_out)):
             _, sums = objective.loss(model, batch)
-            want = objective.finalize(sums, objective.count(batch))
+            want = objective.finalize(host_sums(sums), objective.count(batch))
             # margin = beta (mean logp_c - mean logp_r) cancels: float32 rounding (the run's forwards are batched
             # differently from this one) moves it by up to beta x the rounding of both mean log-probs (the error model
             # of offline_helpers), whatever its size, and the loss (softplus(gamma - margin), slope <= 1) as much;

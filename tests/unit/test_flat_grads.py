@@ -23,6 +23,7 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     from rlhf.distributed.worker import TrainerWorker, normalize
     from rlhf.models.loading import ModelSpec
     from rlhf.objectives.sft import SFTObjective
+    from rlhf.utils.host_reads import HostReads
 
     TrainerWorker("probe", 0, 1).init_process_group("127.0.0.1", port, "gloo", timeout_s=60)
     loop_calls = [0]
@@ -59,7 +60,10 @@ def _train(model_path: str, out_path: str, port: int) -> None:
         }
         # one backward of a new window, not its last: where each parameter's gradient now lives
         loss, _ = objective.loss(worker.engine, micro[0])
-        worker.engine.micro_step(normalize(loss, objective.count(micro[0]), 1), is_last=False)
+        loss = normalize(loss, objective.count(micro[0]), 1)  # the count: the driver's, from the host batch
+        with HostReads() as reads:  # a backward that is not the window's last: nothing for the host to wait for
+            worker.engine.micro_step(loss, is_last=False)
+        results[label]["micro_step_reads"] = reads.by_op
         flats = getattr(optimizer.update_hp_grads, "__self__", None)
         spans = [(f.data_ptr(), f.data_ptr() + f.numel() * f.element_size()) for f in getattr(flats, "flats", [])]
         results[label]["grads_in_flat"] = [
@@ -97,3 +101,9 @@ def test_flat_gradients_replace_the_per_parameter_loop(trained):
     assert flat["loop_calls"] == 0
     assert all(flat["grads_in_flat"]) and not any(loop["grads_in_flat"])
     assert all(flat["grads_after_step"]) and all(loop["grads_after_step"])  # nothing held between steps
+
+
+def test_a_backward_inside_the_window_reads_nothing_back(trained):
+    """No host read in a micro-batch's backward (the loss's own metrics: tests/unit/test_packing.py), so a step's
+    waits for the device do not grow with its micro-batches."""
+    assert trained["flat"]["micro_step_reads"] == trained["loop"]["micro_step_reads"] == {}

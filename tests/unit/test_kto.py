@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from shared_helpers import uneven_unpaired_rows
+from shared_helpers import host_reads_outside_modules, uneven_unpaired_rows
 
 from rlhf.batch import Batch
 from rlhf.config.loader import load_config
@@ -17,6 +17,7 @@ from rlhf.config.schema import ConfigError, DPORunConfig
 from rlhf.data.formats import chat_formatter, unpaired_fields
 from rlhf.data.io import DataError, read_rows
 from rlhf.data.tokenize import RowError, collate_unpaired, tokenize_unpaired
+from rlhf.objectives.base import add_sums, host_sums
 from rlhf.objectives.kto import KTOObjective, MismatchedLogps, with_kl_baseline
 from rlhf.ops.preference import kto_kl_baseline, preference_rows, unpaired_losses
 from rlhf.registry import UnknownNameError
@@ -187,7 +188,16 @@ def test_objective_whole_batch_equals_its_micro_batches_in_float64(tiny_model, t
     assert abs(split_loss - whole_loss) <= 1e-13 * abs(whole_loss)
     assert float((split_grad - whole_grad).abs().max()) <= 1e-12 * float(whole_grad.abs().max())
     assert float(whole_grad.abs().max()) > 1e-3
-    metrics = objective.finalize(objective.loss(policy, batch)[1], len(batch))
+    (_, sums), reads = host_reads_outside_modules(policy, lambda: objective.loss(policy, batch))
+    assert reads == 0  # the per-label sums are masked sums on the device, not x[label] (sized by the data)
+    split = {}
+    for part in (batch.slice(0, 3), batch.slice(3, 4), batch.slice(4, 7).trim()):
+        split = add_sums(split, objective.loss(policy, part)[1])
+    whole = host_sums(sums)
+    assert split.keys() == whole.keys()
+    for key, value in whole.items():  # float64 sums of float64 terms, in another order
+        assert split[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+    metrics = objective.finalize(sums, len(batch))
     assert metrics["kl"] == pytest.approx(float(batch.kl_baseline[0]), rel=1e-15)
     assert metrics["loss"] == pytest.approx(whole_loss, rel=1e-13)
     assert set(metrics) >= {"rewards/desirable", "rewards/undesirable", "rewards/margin", "num_tokens"}

@@ -5,11 +5,12 @@ into micro-batches with each one; and the config keys (algo.off_policy_*) with t
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
-from shared_helpers import padded_rows, tiny_float64_policy
+from shared_helpers import host_reads_outside_modules, padded_rows, tiny_float64_policy
 
 from rlhf.batch import Batch
 from rlhf.config.rl_schema import AlgorithmConfig, RewardConfig, RLRunConfig, RolloutConfig
@@ -238,7 +239,8 @@ def _run(policy, obj, parts):
     policy.zero_grad(set_to_none=True)
     sums, total = {}, 0.0
     for part in parts:
-        loss, part_sums = obj.loss(policy, part)
+        (loss, part_sums), reads = host_reads_outside_modules(policy, functools.partial(obj.loss, policy, part))
+        assert reads == 0  # the corrections and metrics wait for nothing: every metric stays a device tensor
         (loss / count).backward()
         total += loss.item()
         sums = add_sums(sums, part_sums)

@@ -357,8 +357,11 @@ def test_dpo_pair_losses_ipo_averages_per_token():
     assert chosen_r.tolist() == pytest.approx([0.5]) and rejected_r.tolist() == pytest.approx([-0.5])
     with pytest.raises(ValueError, match="lengths"):
         dpo_pair_losses("ipo", policy, ref, BETA, 0.0)
-    with pytest.raises(ValueError, match="lengths"):
-        dpo_pair_losses("ipo", policy, ref, BETA, 0.0, lengths=torch.tensor([[2, 0]]))
+    with pytest.raises(ValueError, match="lengths shape"):
+        dpo_pair_losses("ipo", policy, ref, BETA, 0.0, lengths=torch.tensor([2, 3]))
+    # a 0 count is not read back here (DPOObjective.count refuses it on the host): the average is infinite
+    losses, _, _ = dpo_pair_losses("ipo", policy, ref, BETA, 0.0, lengths=torch.tensor([[2, 0]]))
+    assert not torch.isfinite(losses).all()
 
 
 def test_dpo_pair_losses_shape_check():
@@ -388,5 +391,27 @@ def test_chosen_nll_is_per_pair_token_average():
 
     out = chosen_nll(torch.tensor([-6.0, -1.5]), torch.tensor([3, 1]))
     assert out.tolist() == pytest.approx([2.0, 1.5])
-    with pytest.raises(ValueError, match="chosen_lengths must be > 0"):
-        chosen_nll(torch.tensor([-1.0]), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("loss_type,nll_coef", [("ipo", 0.0), ("sigmoid", 0.5)])
+def test_dpo_refuses_a_completion_without_targets_on_the_driver(loss_type, nll_coef):
+    """A per-token average (IPO) or RPO's NLL divides by a completion's target count: DPOObjective.count, which the
+    group runs on the host over every micro-batch before the first backward, names the pairs with none."""
+    from rlhf.batch import Batch
+    from rlhf.objectives.dpo import DPOObjective
+
+    mask = torch.ones(3, 2, 5, dtype=torch.long)
+    loss_mask = mask.clone()
+    loss_mask[:, :, :2] = 0
+    loss_mask[1, 1, :] = 0  # pair 1's rejected completion has no target token
+    batch = Batch(input_ids=mask, attention_mask=mask, loss_mask=loss_mask, sample_index=torch.tensor([7, 8, 9]))
+    objective = DPOObjective(loss_type=loss_type, nll_coef=nll_coef)
+    if loss_type == "ipo":
+        with pytest.raises(ValueError, match=r"DPO loss 'ipo' averages log-probs per token: data rows \[8\]"):
+            objective.count(batch)
+    else:  # the NLL needs the chosen completion's targets only
+        assert objective.count(batch) == 3
+    loss_mask[2, 0, :] = 0  # pair 2's chosen completion has none
+    with pytest.raises(ValueError, match=r"\[9\]|\[8, 9\]"):
+        objective.count(batch)
+    assert DPOObjective().count(batch) == 3  # the sigmoid loss sums log-probs: nothing to divide by

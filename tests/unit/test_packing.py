@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from shared_helpers import host_reads_outside_modules
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf.batch import Batch
 from rlhf.models.packing import VARLEN_TORCH, PackedRows, packed_attention, packed_forward
 from rlhf.objectives.actor_critic import PolicyObjective, SequenceScores, TokenLogps, TokenValues, ValueObjective
+from rlhf.objectives.base import host_sums
 from rlhf.objectives.dpo import DPOObjective, ReferenceLogps
 from rlhf.objectives.reward import RewardObjective
 from rlhf.objectives.sft import SFTObjective
+from rlhf.utils.host_reads import HostReads
 
 LENGTHS = (7, 1, 13, 4, 10, 2)  # uneven, with a one-token row
 
@@ -90,15 +93,18 @@ def _pair_batch(vocab, seed=0):
 
 def _loss_and_grad(model, objective, batch):
     model.zero_grad(set_to_none=True)
-    loss, sums = objective.loss(model, batch)
+    (loss, sums), reads = host_reads_outside_modules(model, lambda: objective.loss(model, batch))
     loss.backward()
     grad = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
-    return loss.detach(), sums, grad
+    return loss.detach(), host_sums(sums), grad, reads
 
 
 def _assert_same(model, unpacked, packed, batch):
-    loss_u, sums_u, grad_u = _loss_and_grad(model, unpacked, batch)
-    loss_p, sums_p, grad_p = _loss_and_grad(model, packed, batch)
+    loss_u, sums_u, grad_u, reads_u = _loss_and_grad(model, unpacked, batch)
+    loss_p, sums_p, grad_p, reads_p = _loss_and_grad(model, packed, batch)
+    # Around the model's forward the loss reads nothing back to the host (its metrics stay tensors), packed once:
+    # the row lengths that size the packed layout.
+    assert (reads_u, reads_p) == (0, 1)
     torch.testing.assert_close(loss_p, loss_u, rtol=2e-6, atol=1e-6)
     # the whole gradient vector, relative to its size (single elements near 0 carry cancellation noise)
     assert (grad_p - grad_u).norm() <= 1e-5 * grad_u.norm(), float((grad_p - grad_u).norm() / grad_u.norm())
@@ -110,16 +116,31 @@ def _assert_same(model, unpacked, packed, batch):
 
 def test_pack_and_unpack_place_every_token_and_zero_the_rest():
     ids, mask, _ = _rows(LENGTHS, 50)
-    rows = PackedRows.from_padded(ids, mask)
+    with HostReads() as reads:
+        rows = PackedRows.from_padded(ids, mask)
+    assert reads.by_op == {"tolist": 1}  # the row lengths, with the layout check: one wait for a GPU, not four
     assert rows.input_ids.shape == (1, sum(LENGTHS)) and rows.max_length == max(LENGTHS)
     assert rows.cu_seqlens.tolist() == [0, 7, 8, 21, 25, 35, 37] and rows.cu_seqlens.dtype == torch.int32
     assert rows.position_ids[0].tolist() == [t for n in LENGTHS for t in range(n)]
+    flat = mask.reshape(-1).nonzero().squeeze(-1)  # the layout written the plain way
+    assert torch.equal(rows.index, flat) and torch.equal(rows.input_ids[0], ids.reshape(-1)[flat])
+    assert rows.row_start.tolist() == [t == 0 for n in LENGTHS for t in range(n)]
     back = rows.unpack(rows.input_ids[..., None].float(), token_aligned=False)[..., 0]
     assert torch.equal(back.long(), ids * mask)
     aligned = rows.unpack(torch.ones(1, rows.num_tokens), token_aligned=True)
     expected = mask.float().clone()
     expected[:, 0] = 0  # each row's first token has no prediction
     assert torch.equal(aligned, expected)
+
+
+def test_empty_rows_take_no_place_in_the_packed_run():
+    ids, mask, _ = _rows((3, 0, 2, 0), 50)
+    rows = PackedRows.from_padded(ids, mask)
+    assert rows.cu_seqlens.tolist() == [0, 3, 5] and rows.max_length == 3
+    assert rows.index.tolist() == [0, 1, 2, 2 * ids.shape[1], 2 * ids.shape[1] + 1]
+    assert rows.position_ids[0].tolist() == [0, 1, 2, 0, 1]
+    none = PackedRows.from_padded(ids[:0], mask[:0])
+    assert none.num_tokens == 0 and none.cu_seqlens.tolist() == [0] and none.max_length == 0
 
 
 def test_rows_with_holes_or_left_padding_are_refused():

@@ -4,9 +4,11 @@ sampler's kept-set replay and packing; within float32 rounding in float32; refus
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-from shared_helpers import tiny_float64_policy
+from shared_helpers import host_reads_outside_modules, tiny_float64_policy
 
 import rlhf.ops.logprobs as logprobs
 from rlhf.batch import Batch
@@ -126,7 +128,9 @@ def test_objectives_on_a_tiled_model_equal_the_whole_one(policies, packing):
         policy = PolicyObjective(temperature=0.8, sampling_filter=SamplingFilter(top_p=0.9), entropy_coef=0.05)
         objectives = [(policy, "loss"), (SFTObjective(), "loss")]
         for objective, _ in objectives:
-            (loss_w, sums_w), (loss_t, sums_t) = objective.loss(whole, batch), objective.loss(tiled, batch)
+            loss_w, sums_w = objective.loss(whole, batch)
+            (loss_t, sums_t), reads = host_reads_outside_modules(tiled, functools.partial(objective.loss, tiled, batch))
+            assert reads == int(packing)  # the tiles, the replay and the metrics wait for nothing (packed: lengths)
             loss_w.backward(), loss_t.backward()
             assert float(loss_t.detach()) == pytest.approx(float(loss_w.detach()), rel=1e-12, abs=1e-13)
             for key, value in sums_w.items():
