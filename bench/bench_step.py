@@ -307,7 +307,8 @@ def profile_step(system: System, batch, device) -> None:
     syncs = sum(n for key, n in counts.items() if "Synchronize" in key)
     ops = sum(n for key, n in counts.items() if key.startswith("aten::"))
     print(f"PROFILE {system.name}: {launches} kernel launches, {syncs} device synchronisations, {ops} aten ops a step")
-    with HostReads() as reads:  # countable on a CPU too: each one a device synchronisation on a GPU
+    # on a GPU the reads of device tensors (each a synchronisation); on the CPU twin every read, the host's included
+    with HostReads(None if device.type == "cpu" else device.type) as reads:
         system.step(batch)
         sync(device)
     print(f"PROFILE {system.name}: {reads.total} host reads of tensor data a step {reads.by_op}")

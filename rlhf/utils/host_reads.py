@@ -14,7 +14,7 @@ test can hold the count of a training step constant whatever its number of micro
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -35,6 +35,14 @@ _READING_OPS = {
 _READING_METHODS = {"tolist", "cpu", "numpy"}
 
 
+def _on(device_type: Optional[str], args: tuple) -> bool:
+    """Whether the op's first tensor argument lives on ``device_type`` (None: any device)."""
+    if device_type is None:
+        return True
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return first is not None and first.device.type == device_type
+
+
 def _bool_mask_index(func: Any, args: tuple) -> bool:
     """``x[mask]`` with a boolean mask: an output sized by the data (a nonzero inside the kernel)."""
     if func.name() != "aten::index.Tensor" or len(args) < 2:
@@ -43,27 +51,28 @@ def _bool_mask_index(func: Any, args: tuple) -> bool:
 
 
 class _Ops(TorchDispatchMode):
-    def __init__(self, counts: Counter) -> None:
+    def __init__(self, counts: Counter, device_type: Optional[str]) -> None:
         super().__init__()
-        self.counts = counts
+        self.counts, self.device_type = counts, device_type
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name()
-        if name in _READING_OPS:
-            self.counts[name.removeprefix("aten::")] += 1
-        elif _bool_mask_index(func, args):
-            self.counts["bool-mask index"] += 1
+        if _on(self.device_type, args):
+            if name in _READING_OPS:
+                self.counts[name.removeprefix("aten::")] += 1
+            elif _bool_mask_index(func, args):
+                self.counts["bool-mask index"] += 1
         return func(*args, **(kwargs or {}))
 
 
 class _Methods(TorchFunctionMode):
-    def __init__(self, counts: Counter) -> None:
+    def __init__(self, counts: Counter, device_type: Optional[str]) -> None:
         super().__init__()
-        self.counts = counts
+        self.counts, self.device_type = counts, device_type
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in _READING_METHODS:
+        if name in _READING_METHODS and _on(self.device_type, args):
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -73,12 +82,14 @@ class HostReads:
 
     Counts what the calls inside it would synchronise on an accelerator: each ``.item()`` / ``float()`` /
     ``bool()`` of a tensor is one ``_local_scalar_dense``, each ``.tolist()`` / ``.cpu()`` one read whatever its
-    size. Slow (every op passes through Python): for tests and benchmarks, never a training run.
+    size. ``device_type`` (e.g. ``"cuda"``) counts only reads of tensors on that kind of device: on a GPU, a read of
+    a host tensor (an optimizer's step counter, a batch not yet moved) waits for nothing. Slow (every op passes
+    through Python): for tests and benchmarks, never a training run.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: Optional[str] = None) -> None:
         self.counts: Counter = Counter()
-        self._modes = (_Methods(self.counts), _Ops(self.counts))
+        self._modes = (_Methods(self.counts, device_type), _Ops(self.counts, device_type))
 
     def __enter__(self) -> "HostReads":
         for mode in self._modes:

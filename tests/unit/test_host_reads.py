@@ -81,3 +81,16 @@ def test_host_sums_read_each_device_once_and_refuse_a_tensor_of_many_numbers():
     assert reads.by_op == {"tolist": 1}
     with pytest.raises(ValueError, match=r"a metric sum is one number, got a tensor of shape \(2,\)"):
         DeviceSums().add({"loss_sum": torch.ones(2)})
+
+
+def test_a_device_filter_counts_only_reads_of_that_device():
+    x = torch.arange(4.0)
+    with HostReads("cuda") as reads:  # a host tensor's read waits for no device
+        x.sum().item()
+        x.tolist()
+        x[x > 1]
+    assert reads.total == 0
+    with HostReads("cpu") as reads:
+        x.sum().item()
+        x.tolist()
+    assert reads.by_op == {"_local_scalar_dense": 1, "tolist": 1}
