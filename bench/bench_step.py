@@ -346,9 +346,11 @@ def run(args, device) -> List[dict]:
         tokens = statistics.mean(sum(x) for x in lengths)
         systems = systems_for(trainer, args, device)
         rounds: Dict[str, List[dict]] = {s.name: [] for s in systems}
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             for system in systems:
                 rounds[system.name].append(measure(system, batches, device))
+                run = rounds[system.name][-1]  # as it comes: a run cut short by a time limit still says something
+                print(f"ROUND {round_ + 1} {trainer} {system.name} {run['wall']:.4f} s/step", flush=True)
         base = None
         for system in systems:
             runs = rounds[system.name]
