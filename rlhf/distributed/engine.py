@@ -26,6 +26,7 @@ import torch
 from rlhf.config.deepspeed_check import grad_accum_dtype
 from rlhf.distributed.flat_grads import FlatLowPrecisionGrads
 from rlhf.distributed.overflow_check import check_overflow_in_one_read
+from rlhf.distributed.unfused_step import install_unfused_step, unfused_step_applies
 from rlhf.utils.schedule import lr_multiplier
 
 
@@ -354,7 +355,11 @@ class TrainEngine:
             _train_in_fp64(self.engine)
         if _is_bf16_optimizer(self.engine.optimizer) and FlatLowPrecisionGrads.applies_to(self.engine.optimizer):
             FlatLowPrecisionGrads(self.engine.optimizer)  # one add a group, not a Python loop a parameter
-        if _is_unfused_bf16_optimizer(self.engine.optimizer):
+        # ZeRO 0 in bf16: DeepSpeed's per-parameter step in a few multi-tensor operations, its norm the one logged
+        self._unfused_step = unfused_step_applies(self.engine.optimizer)
+        if self._unfused_step:
+            install_unfused_step(self.engine.optimizer)
+        elif _is_unfused_bf16_optimizer(self.engine.optimizer):
             check_overflow_in_one_read(self.engine.optimizer)  # one device sync a step, not one a parameter
         if world_size == 1 and (engine.zero_stage == 0 or _is_bf16_optimizer(self.engine.optimizer)):
             # One rank, whole gradients: DeepSpeed's all-reduce at the boundary (ZeRO 0, and bf16's BF16_Optimizer
@@ -479,11 +484,12 @@ class TrainEngine:
             torch.cuda.set_rng_state_all(client["rng"]["cuda"])
 
     def _measures_norm_itself(self) -> bool:
-        # ZeRO 0 keeps whole, already all-reduced gradients in `.grad`, so the norm is taken here for every
-        # precision: fp32 wraps a torch optimizer that computes none, and DeepSpeed's bf16 wrapper at stage 0
-        # (FP16_UnfusedOptimizer in bf16 mode) reports its norm through a loss-scale path. ZeRO 1-3 partition the
-        # gradients: DeepSpeed's norm is used (BF16_Optimizer and the ZeRO optimizers reduce it over ranks, in fp32).
-        return self.spec.zero_stage == 0
+        # ZeRO 0 keeps whole, already all-reduced gradients in `.grad`, so the norm is taken here, in float64: fp32 and
+        # fp64 wrap a torch optimizer that computes none. In bf16 the multi-tensor step (rlhf.distributed.unfused_step)
+        # takes DeepSpeed's float32 norm, the one it clips with, and that is the one reported, as at ZeRO 1-3 in bf16
+        # (BF16_Optimizer and the ZeRO optimizers reduce theirs over ranks, in fp32): a second pass over every
+        # gradient would cost what the multi-tensor step saves. DeepSpeed's own bf16 step reports no usable norm.
+        return self.spec.zero_stage == 0 and not self._unfused_step
 
     def _local_grad_norm(self) -> float:
         grads = [p.grad.detach() for p in self.engine.module.parameters() if p.grad is not None]

@@ -1,7 +1,8 @@
-"""bf16 on ZeRO 0 (DeepSpeed's FP16_UnfusedOptimizer): the overflow test before each step reads its per-parameter
-answers back once (rlhf.distributed.overflow_check), and decides what DeepSpeed's loop decides: clean steps the same
-bits, a step with one non-finite gradient skipped. The engines run in a subprocess with its own one-rank gloo
-group."""
+"""bf16 on ZeRO 0 where DeepSpeed's own step is kept (FP16_UnfusedOptimizer with expert parameters or model
+parallelism; the multi-tensor step, tests/unit/test_unfused_step.py, is switched off here): the overflow test before
+each step reads its per-parameter answers back once (rlhf.distributed.overflow_check), and decides what DeepSpeed's
+loop decides: clean steps the same bits, a step with one non-finite gradient skipped. The engines run in a subprocess
+with its own one-rank gloo group."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     from rlhf.models.loading import ModelSpec
 
     TrainerWorker("probe", 0, 1).init_process_group("127.0.0.1", port, "gloo", timeout_s=60)
-    one_read = engine_module.check_overflow_in_one_read
+    one_read, multi_tensor = engine_module.check_overflow_in_one_read, engine_module.unfused_step_applies
+    engine_module.unfused_step_applies = lambda optimizer: False  # DeepSpeed's step, the one this test is about
     results = {}
     for label in ("one read", "loop"):
         engine_module.check_overflow_in_one_read = one_read if label == "one read" else lambda optimizer: None
@@ -80,6 +82,7 @@ def _train(model_path: str, out_path: str, port: int) -> None:
         )
         results[label] = _run(worker, STEPS)
     engine_module.check_overflow_in_one_read = one_read
+    engine_module.unfused_step_applies = multi_tensor
     torch.save(results, out_path)
 
 

@@ -1,0 +1,146 @@
+"""bf16 on ZeRO 0 (DeepSpeed's FP16_UnfusedOptimizer): the multi-tensor step (rlhf.distributed.unfused_step) takes
+DeepSpeed's steps bit for bit (norms, float32 masters, bf16 weights; clipping and not), skips a step with a
+non-finite gradient as DeepSpeed does, reports DeepSpeed's norm, and dispatches a few multi-tensor operations where
+DeepSpeed walks every parameter. The engines run in a subprocess with its own one-rank gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from shared_helpers import random_sft_step, saved_by_subprocess
+
+STEPS, ROWS, MICRO = 4, 4, 2  # steps 1-2 clip (max_grad_norm 1.0), 3-4 do not; then one poisoned step
+
+
+def _counting_modes():
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC2701 (torch exports it nowhere else)
+
+    from rlhf.utils.host_reads import HostReads
+
+    class Ops(TorchDispatchMode):
+        """aten operations that compute (views and detaches only relabel memory), dispatched from Python: a
+        multi-tensor one counts once, as it is one launch on a GPU."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    return Ops(), HostReads()
+
+
+def _run(worker) -> dict:
+    from rlhf.distributed.engine import iter_full_state
+
+    optimizer = worker.engine.engine.optimizer
+    wrapper_step, adamw_step, counts, adamw_ops = optimizer.step, optimizer.optimizer.step, [], []
+
+    def counted(*args, **kwargs):  # the wrapper's step, less the AdamW step inside it (unfused, on a CPU)
+        ops, reads = _counting_modes()
+        with ops, reads:
+            out = wrapper_step(*args, **kwargs)
+        adamw = adamw_ops.pop() if adamw_ops else (0, 0)
+        counts.append((ops.count - adamw[0], reads.total - adamw[1]))
+        return out
+
+    def adamw_counted(*args, **kwargs):
+        ops, reads = _counting_modes()
+        with ops, reads:
+            out = adamw_step(*args, **kwargs)
+        adamw_ops.append((ops.count, reads.total))
+        return out
+
+    optimizer.step, optimizer.optimizer.step = counted, adamw_counted
+    gen, trace = torch.Generator().manual_seed(0), []
+    for step in range(STEPS + 1):
+        if step == STEPS // 2:
+            optimizer.clip_grad = 1e9  # from here nothing clips
+        if step == STEPS:
+            clean = {n: t.clone() for n, t in iter_full_state(worker.model, worker.zero_stage)}
+            masters = [t.detach().clone() for group in optimizer.fp32_groups for t in group]
+            weight = worker.model.get_parameter("model.layers.1.mlp.down_proj.weight")
+            hook = weight.register_hook(lambda grad: grad * float("nan"))
+        result, _ = random_sft_step(worker, gen, ROWS, MICRO)
+        trace.append((optimizer._global_grad_norm, result.grad_norm, result.sums["loss_sum"]))
+        trace[-1] += (worker.engine.last_step_applied,)
+    hook.remove()
+    return {
+        "trace": trace,
+        "clean": clean,
+        "masters": masters,
+        "after_poisoned_step": {n: t.clone() for n, t in iter_full_state(worker.model, worker.zero_stage)},
+        "counts": counts,
+        "parameters": sum(1 for p in worker.model.parameters() if p.requires_grad),
+        "groups": len(optimizer.fp16_groups),
+        "optimizer": type(optimizer).__name__,
+    }
+
+
+def _train(model_path: str, out_path: str, port: int) -> None:
+    """In the subprocess: :func:`_run` with the multi-tensor step and with DeepSpeed's own."""
+    import rlhf.distributed.engine as engine_module
+    from rlhf.distributed.engine import EngineSpec, OptimSpec
+    from rlhf.distributed.worker import TrainerWorker
+    from rlhf.models.loading import ModelSpec
+
+    TrainerWorker("probe", 0, 1).init_process_group("127.0.0.1", port, "gloo", timeout_s=60)
+    applies = engine_module.unfused_step_applies
+    results = {}
+    for label in ("multi-tensor", "deepspeed"):
+        engine_module.unfused_step_applies = applies if label == "multi-tensor" else lambda optimizer: False
+        worker = TrainerWorker(label, 0, 1)
+        worker.build(
+            ModelSpec(path=model_path, precision="bf16"),
+            EngineSpec(zero_stage=0, precision="bf16", micro_batch_size=MICRO, grad_accum_steps=ROWS // MICRO),
+            OptimSpec(lr=1e-3, total_steps=STEPS + 1, max_grad_norm=1.0),
+        )
+        results[label] = _run(worker)
+    engine_module.unfused_step_applies = applies
+    torch.save(results, out_path)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, tmp_path_factory):
+    return saved_by_subprocess(__file__, "_train", tiny_model, tmp_path_factory.mktemp("unfused") / "results.pt")
+
+
+def test_the_multi_tensor_step_takes_deepspeeds_steps_bit_for_bit(trained):
+    mine, theirs = trained["multi-tensor"], trained["deepspeed"]
+    assert mine["optimizer"] == theirs["optimizer"] == "FP16_UnfusedOptimizer"
+    clean_steps = STEPS
+    # DeepSpeed's norm (the one that clips) and the losses, as Python floats, step by step
+    assert [t[0] for t in mine["trace"][:clean_steps]] == [t[0] for t in theirs["trace"][:clean_steps]]
+    assert [t[2] for t in mine["trace"]] == [t[2] for t in theirs["trace"]]
+    norms = [t[0] for t in mine["trace"][:clean_steps]]
+    assert all(n > 1.0 for n in norms[: STEPS // 2])  # the first steps clip (max_grad_norm 1.0)
+    for name, weight in theirs["clean"].items():
+        assert torch.equal(mine["clean"][name], weight), name
+    for a, b in zip(mine["masters"], theirs["masters"]):
+        assert torch.equal(a, b)
+
+
+def test_the_reported_norm_is_the_one_that_clips(trained):
+    mine = trained["multi-tensor"]
+    assert all(deepspeed == reported for deepspeed, reported, _, _ in mine["trace"][:STEPS])
+
+
+def test_a_non_finite_gradient_skips_the_step_as_deepspeed_does(trained):
+    for run in trained.values():
+        assert [applied for *_, applied in run["trace"]] == [True] * STEPS + [False]
+        assert run["trace"][-1][1] == float("inf")
+        for name, weight in run["clean"].items():
+            assert torch.equal(run["after_poisoned_step"][name], weight), name
+
+
+def test_the_step_walks_no_parameter_list_in_python_ops(trained):
+    mine, theirs = trained["multi-tensor"], trained["deepspeed"]
+    parameters, groups = mine["parameters"], mine["groups"]
+    for (ops, reads), (their_ops, their_reads) in zip(mine["counts"][:STEPS], theirs["counts"][:STEPS]):
+        # per group a handful of multi-tensor operations, and one add per parameter: the norms' ordered sum
+        assert ops <= parameters + 16 * groups, ops
+        assert their_ops >= 5 * parameters, their_ops  # a copy, a norm, its square, a sum, a multiply, a copy back
+        assert reads == groups  # each group's norm, read once
+        assert their_reads > reads
