@@ -311,6 +311,24 @@ class Service:
         self.httpd.server_close()
 
 
+def bf16_one_rank_worker(
+    label: str, model_path: str, zero_stage: int, rows: int, micro: int, total_steps: int, lr: float
+):
+    """A built one-rank bf16 ``TrainerWorker`` (in a :func:`saved_by_subprocess` process, after its process group):
+    ``rows`` rows a step in micro-batches of ``micro``, AdamW at ``lr``, clipping at 1.0."""
+    from rlhf.distributed.engine import EngineSpec, OptimSpec
+    from rlhf.distributed.worker import TrainerWorker
+    from rlhf.models.loading import ModelSpec
+
+    worker = TrainerWorker(label, 0, 1)
+    worker.build(
+        ModelSpec(path=model_path, precision="bf16"),
+        EngineSpec(zero_stage=zero_stage, precision="bf16", micro_batch_size=micro, grad_accum_steps=rows // micro),
+        OptimSpec(lr=lr, total_steps=total_steps, max_grad_norm=1.0),
+    )
+    return worker
+
+
 def saved_by_subprocess(test_file: str, function: str, model: str, out, timeout_s: float = 600):
     """``function(model, out, port)`` of the test module ``test_file`` run in a fresh Python process (its own
     one-rank process group on a free ``port``: a test process may already have one), then what it saved to ``out``

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shared_helpers import random_sft_step, saved_by_subprocess
+from shared_helpers import bf16_one_rank_worker, random_sft_step, saved_by_subprocess
 
 STEPS, ROWS, MICRO, LR = 3, 6, 2, 1e-3
 
@@ -18,10 +18,9 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     masters, how many times DeepSpeed's per-parameter update ran, and where each ``.grad`` lives mid-window."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-    from rlhf.distributed.engine import EngineSpec, OptimSpec, iter_full_state
+    from rlhf.distributed.engine import iter_full_state
     from rlhf.distributed.flat_grads import FlatLowPrecisionGrads
     from rlhf.distributed.worker import TrainerWorker, normalize
-    from rlhf.models.loading import ModelSpec
     from rlhf.objectives.sft import SFTObjective
     from rlhf.utils.host_reads import HostReads
 
@@ -39,12 +38,7 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     for label in ("flat", "loop"):
         FlatLowPrecisionGrads.applies_to = staticmethod(applies if label == "flat" else lambda optimizer: False)
         loop_calls[0] = 0
-        worker = TrainerWorker(label, 0, 1)
-        worker.build(
-            ModelSpec(path=model_path, precision="bf16"),
-            EngineSpec(zero_stage=1, precision="bf16", micro_batch_size=MICRO, grad_accum_steps=ROWS // MICRO),
-            OptimSpec(lr=LR, total_steps=STEPS, max_grad_norm=1.0),
-        )
+        worker = bf16_one_rank_worker(label, model_path, 1, ROWS, MICRO, STEPS, LR)
         optimizer = worker.engine.engine.optimizer
         gen, trace, objective = torch.Generator().manual_seed(0), [], SFTObjective()
         for _ in range(STEPS):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shared_helpers import random_sft_step, saved_by_subprocess
+from shared_helpers import bf16_one_rank_worker, random_sft_step, saved_by_subprocess
 from torch.overrides import TorchFunctionMode
 
 STEPS, ROWS, MICRO = 3, 4, 2
@@ -64,9 +64,7 @@ def _run(worker, steps: int) -> dict:
 def _train(model_path: str, out_path: str, port: int) -> None:
     """In the subprocess: :func:`_run` with the one-read test and with DeepSpeed's loop."""
     import rlhf.distributed.engine as engine_module
-    from rlhf.distributed.engine import EngineSpec, OptimSpec
     from rlhf.distributed.worker import TrainerWorker
-    from rlhf.models.loading import ModelSpec
 
     TrainerWorker("probe", 0, 1).init_process_group("127.0.0.1", port, "gloo", timeout_s=60)
     one_read, multi_tensor = engine_module.check_overflow_in_one_read, engine_module.unfused_step_applies
@@ -74,12 +72,7 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     results = {}
     for label in ("one read", "loop"):
         engine_module.check_overflow_in_one_read = one_read if label == "one read" else lambda optimizer: None
-        worker = TrainerWorker(label, 0, 1)
-        worker.build(
-            ModelSpec(path=model_path, precision="bf16"),
-            EngineSpec(zero_stage=0, precision="bf16", micro_batch_size=MICRO, grad_accum_steps=ROWS // MICRO),
-            OptimSpec(lr=1e-3, total_steps=STEPS + 1, max_grad_norm=1.0),
-        )
+        worker = bf16_one_rank_worker(label, model_path, 0, ROWS, MICRO, STEPS + 1, 1e-3)
         results[label] = _run(worker, STEPS)
     engine_module.check_overflow_in_one_read = one_read
     engine_module.unfused_step_applies = multi_tensor

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shared_helpers import random_sft_step, saved_by_subprocess
+from shared_helpers import bf16_one_rank_worker, random_sft_step, saved_by_subprocess
 
 STEPS, ROWS, MICRO = 4, 4, 2  # steps 1-2 clip (max_grad_norm 1.0), 3-4 do not; then one poisoned step
 
@@ -82,21 +82,14 @@ def _run(worker) -> dict:
 def _train(model_path: str, out_path: str, port: int) -> None:
     """In the subprocess: :func:`_run` with the multi-tensor step and with DeepSpeed's own."""
     import rlhf.distributed.engine as engine_module
-    from rlhf.distributed.engine import EngineSpec, OptimSpec
     from rlhf.distributed.worker import TrainerWorker
-    from rlhf.models.loading import ModelSpec
 
     TrainerWorker("probe", 0, 1).init_process_group("127.0.0.1", port, "gloo", timeout_s=60)
     applies = engine_module.unfused_step_applies
     results = {}
     for label in ("multi-tensor", "deepspeed"):
         engine_module.unfused_step_applies = applies if label == "multi-tensor" else lambda optimizer: False
-        worker = TrainerWorker(label, 0, 1)
-        worker.build(
-            ModelSpec(path=model_path, precision="bf16"),
-            EngineSpec(zero_stage=0, precision="bf16", micro_batch_size=MICRO, grad_accum_steps=ROWS // MICRO),
-            OptimSpec(lr=1e-3, total_steps=STEPS + 1, max_grad_norm=1.0),
-        )
+        worker = bf16_one_rank_worker(label, model_path, 0, ROWS, MICRO, STEPS + 1, 1e-3)
         results[label] = _run(worker)
     engine_module.unfused_step_applies = applies
     torch.save(results, out_path)
