@@ -23,7 +23,7 @@ step already skips on a non-finite norm, reporting it infinite, as the test woul
 from __future__ import annotations
 
 import math
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import torch
 
@@ -51,8 +51,8 @@ def install_unfused_step(optimizer: Any) -> None:
         if closure is not None:
             raise NotImplementedError(f"{type(optimizer).__name__} does not support closure.")
         optimizer.overflow = False
-        buffers = _float32_gradients(optimizer)
-        norms = [_group_norm(m, w) for m, w in zip(optimizer.fp32_groups, optimizer.fp16_groups)]
+        buffers, views = _float32_gradients(optimizer)
+        norms = [_group_norm(v, w) for v, w in zip(views, optimizer.fp16_groups)]
         optimizer._global_grad_norm = _global_norm(norms)
         if not math.isfinite(optimizer._global_grad_norm):  # a NaN or an infinity in some gradient
             return optimizer._skip_invalid_grad_norm()
@@ -72,10 +72,11 @@ def install_unfused_step(optimizer: Any) -> None:
     optimizer.step = step
 
 
-def _float32_gradients(optimizer: Any) -> List[torch.Tensor]:
+def _float32_gradients(optimizer: Any) -> Tuple[List[torch.Tensor], List[List[torch.Tensor]]]:
     """Each group's bf16 gradients widened into one new float32 buffer (zeros where a parameter has none), the masters'
-    ``.grad`` views of it: what DeepSpeed's ``fp16_param.grad.to(float32)`` per parameter makes, in one copy."""
-    buffers = []
+    ``.grad`` views of it: what DeepSpeed's ``fp16_param.grad.to(float32)`` per parameter makes, in one copy.
+    Returns the buffers and, per group, the views."""
+    buffers, all_views = [], []
     for masters, weights in zip(optimizer.fp32_groups, optimizer.fp16_groups):
         sizes = [m.numel() for m in masters]
         device = masters[0].device if masters else torch.device("cpu")
@@ -90,15 +91,16 @@ def _float32_gradients(optimizer: Any) -> List[torch.Tensor]:
         for master, view in zip(masters, views):
             master.grad = view
         buffers.append(buffer)
-    return buffers
+        all_views.append(views)
+    return buffers, all_views
 
 
-def _group_norm(masters: List[torch.Tensor], weights: List[torch.nn.Parameter]) -> float:
+def _group_norm(views: List[torch.Tensor], weights: List[torch.nn.Parameter]) -> float:
     """DeepSpeed's ``get_weight_norm`` of a group's gradients (those of the weights that have one): each one's float32
     2-norm, squared and added in order onto ``0.``, read back as a float, its square root; -1 when that is not
-    finite (DeepSpeed's mark). Taken from the float32 masters' new ``.grad``: the very values DeepSpeed's
-    ``grad.float()`` makes, without making them again."""
-    widened = [m.grad for m, w in zip(masters, weights) if w.grad is not None]
+    finite (DeepSpeed's mark). Taken from the float32 copies (``views``, the masters' new ``.grad``): the very values
+    DeepSpeed's ``grad.float()`` makes, without making them again."""
+    widened = [view for view, w in zip(views, weights) if w.grad is not None]
     if not widened:
         return 0.0
     total: Any = 0.0
