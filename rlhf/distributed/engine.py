@@ -355,12 +355,14 @@ class TrainEngine:
             _train_in_fp64(self.engine)
         if _is_bf16_optimizer(self.engine.optimizer) and FlatLowPrecisionGrads.applies_to(self.engine.optimizer):
             FlatLowPrecisionGrads(self.engine.optimizer)  # one add a group, not a Python loop a parameter
-        # ZeRO 0 in bf16: DeepSpeed's per-parameter step in a few multi-tensor operations, its norm the one logged
-        self._unfused_step = unfused_step_applies(self.engine.optimizer)
+        # ZeRO 0 in bf16: DeepSpeed's per-parameter step in a few multi-tensor operations, its norm the one logged;
+        # where that step does not fit, DeepSpeed's own, its NaN test read back once a step, not once a parameter
+        unfused = _is_unfused_bf16_optimizer(self.engine.optimizer)
+        self._unfused_step = unfused and unfused_step_applies(self.engine.optimizer)
         if self._unfused_step:
             install_unfused_step(self.engine.optimizer)
-        elif _is_unfused_bf16_optimizer(self.engine.optimizer):
-            check_overflow_in_one_read(self.engine.optimizer)  # one device sync a step, not one a parameter
+        elif unfused:
+            check_overflow_in_one_read(self.engine.optimizer)
         if world_size == 1 and (engine.zero_stage == 0 or _is_bf16_optimizer(self.engine.optimizer)):
             # One rank, whole gradients: DeepSpeed's all-reduce at the boundary (ZeRO 0, and bf16's BF16_Optimizer
             # on ZeRO 1) would flatten every gradient into a new buffer, all-reduce it over a group of one and copy

@@ -29,14 +29,12 @@ import torch
 
 
 def unfused_step_applies(optimizer: Any) -> bool:
-    """Whether ``optimizer`` is a bf16 ``FP16_UnfusedOptimizer`` whose step this reproduces: no fused LAMB, no model
+    """Whether ``optimizer`` (an ``FP16_UnfusedOptimizer``) takes a step this reproduces: bf16, no fused LAMB, no model
     parallelism (its norm would be reduced over a model-parallel group) and no expert (MoE) parameters."""
     from deepspeed.moe.utils import is_moe_param
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
     return (
-        isinstance(optimizer, FP16_UnfusedOptimizer)
-        and optimizer.low_precision_dtype == torch.bfloat16
+        optimizer.low_precision_dtype == torch.bfloat16
         and not optimizer.fused_lamb_legacy
         and optimizer.mpu is None
         and not any(is_moe_param(p) for group in optimizer.fp16_groups for p in group)

@@ -9,36 +9,23 @@ from __future__ import annotations
 import pytest
 import torch
 from shared_helpers import bf16_one_rank_worker, random_sft_step, saved_by_subprocess
-from torch.overrides import TorchFunctionMode
 
 STEPS, ROWS, MICRO = 3, 4, 2
-
-
-class _HostReads(TorchFunctionMode):
-    """Counts the tensors read back to the host (``bool(t)``, ``t.item()``): a device synchronisation each on a GPU."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.__bool__, torch.Tensor.item):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _run(worker, steps: int) -> dict:
     """``steps`` clean steps of 2 micro-batches, then one whose gradient of a single weight is NaN: the traces, the
     weights after the clean steps and after the poisoned one, and the tensors the overflow test read back per step."""
     from rlhf.distributed.engine import iter_full_state
+    from rlhf.utils.host_reads import HostReads
 
     checker = worker.engine.engine.optimizer.overflow_checker
     reads, has_overflow = [], checker.has_overflow
 
     def counted(params, has_moe_params=None):
-        with _HostReads() as mode:
+        with HostReads() as mode:  # each a device synchronisation on a GPU
             answer = has_overflow(params, has_moe_params)
-        reads.append(mode.count)
+        reads.append(mode.total)
         return answer
 
     checker.has_overflow = counted
