@@ -407,3 +407,86 @@ def host_reads_outside_modules(model, fn: Callable[[], Any]) -> Tuple[Any, int]:
         for hook in hooks:
             hook.remove()
     return out, reads.total - inside[0]
+
+
+def count_wrapper_steps(optimizer) -> List[Tuple[int, int]]:
+    """Wrap ``optimizer.step`` (a DeepSpeed bf16 wrapper's) so that each call appends ``(ops, host reads)`` to the list
+    returned: the aten operations that compute (views and detaches only relabel memory; a multi-tensor one counts once,
+    as it is one launch on a GPU) and the host reads (``rlhf.utils.host_reads``) of the wrapper's step, less those of
+    the torch optimizer's step inside it (unfused on a CPU: a Python loop of its own)."""
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC2701 (torch exports it nowhere else)
+
+    from rlhf.utils.host_reads import HostReads
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    def counting(step, out: List[Tuple[int, int]]):
+        def counted(*args, **kwargs):
+            ops, reads = Ops(), HostReads()
+            with ops, reads:
+                result = step(*args, **kwargs)
+            out.append((ops.count, reads.total))
+            return result
+
+        return counted
+
+    counts: List[Tuple[int, int]] = []
+    inner: List[Tuple[int, int]] = []
+    wrapper_step = optimizer.step
+    optimizer.optimizer.step = counting(optimizer.optimizer.step, inner)
+
+    def less_inner(*args, **kwargs):
+        before = len(counts)
+        result = counting(wrapper_step, counts)(*args, **kwargs)
+        ops, reads = counts[before]
+        inner_ops, inner_reads = inner.pop() if inner else (0, 0)  # a skipped step runs no inner step
+        counts[before] = (ops - inner_ops, reads - inner_reads)
+        return result
+
+    optimizer.step = less_inner
+    return counts
+
+
+def bf16_step_trace(worker, steps: int, rows: int, micro: int, masters: Callable[[Any], List[Any]]) -> Dict[str, Any]:
+    """``steps`` random SFT steps of ``worker`` (a built one-rank bf16 ``TrainerWorker``, max_grad_norm 1.0), the
+    first half clipping and the rest not (its ``clip_grad`` raised), then one step whose gradient holds a NaN. Returns
+    per step ``(the optimizer's norm, the norm logged, the loss sum, whether the step was applied)``, the weights and
+    float32 masters (``masters(optimizer)``) before the poisoned step and the weights after it, per step the ops
+    and host reads of the wrapper's step (:func:`count_wrapper_steps`), and the last step's micro-batches
+    (``last_micro``: not for ``torch.save``)."""
+    import torch
+
+    from rlhf.distributed.engine import iter_full_state
+
+    optimizer = worker.engine.engine.optimizer
+    counts = count_wrapper_steps(optimizer)
+    gen, trace = torch.Generator().manual_seed(0), []
+    for step in range(steps + 1):
+        if step == steps // 2:
+            optimizer.clip_grad = 1e9  # from here nothing clips
+        if step == steps:
+            clean = {n: t.clone() for n, t in iter_full_state(worker.model, worker.zero_stage)}
+            clean_masters = [t.detach().clone() for t in masters(optimizer)]
+            weight = worker.model.get_parameter("model.layers.1.mlp.down_proj.weight")
+            hook = weight.register_hook(lambda grad: grad * float("nan"))
+        result, last_micro = random_sft_step(worker, gen, rows, micro)
+        norm = optimizer._global_grad_norm
+        trace.append((float(norm), result.grad_norm, result.sums["loss_sum"], worker.engine.last_step_applied))
+    hook.remove()
+    return {
+        "trace": trace,
+        "clean": clean,
+        "masters": clean_masters,
+        "after_poisoned_step": {n: t.clone() for n, t in iter_full_state(worker.model, worker.zero_stage)},
+        "counts": counts,
+        "parameters": sum(1 for p in worker.model.parameters() if p.requires_grad),
+        "optimizer": type(optimizer).__name__,
+        "last_micro": last_micro,
+    }

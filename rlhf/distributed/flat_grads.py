@@ -14,10 +14,20 @@ cast happens inside the kernel), clearing it one ``zero_``; the step's clipping 
 too. Every element sees the operations it saw before (a bf16 gradient summed onto zero, widened to float32, added to
 its running sum): the sums, the norm and the weights are the same bits (tests/unit/test_flat_grads.py). The flat
 buffers live from a step's first backward to its ``zero_grad``, as the per-parameter gradients they replace did.
+
+The step (:meth:`FlatLowPrecisionGrads.step`, without model parallelism or Muon) is DeepSpeed's with its clipping norm
+taken in one multi-tensor operation and read back once. DeepSpeed's takes a norm per parameter in a Python loop (338
+launches at 1.5B), marks a non-finite total with a ``-1`` it copies from the host (a blocking copy: on a GPU the host
+waits for the device), reads the total back to test it, and reads the clip coefficient back to decide whether to
+multiply. Here ``_foreach_norm`` takes the same per-parameter float32 norms (the per-tensor kernels on a CPU: the same
+bits), squared, summed and rooted as DeepSpeed does; the total is read back once, which decides the skip and is the
+norm the engine logs; the coefficient, DeepSpeed's expression, is clamped at 1 and always multiplied (by exactly 1.0
+when nothing clips: the same bits), so nothing else waits.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, List, Optional
 
 import torch
@@ -26,7 +36,7 @@ import torch
 class FlatLowPrecisionGrads:
     """Installs itself on a ``BF16_Optimizer``: its ``clear_lp_grads`` (the backward prologue, and ``zero_grad``),
     ``update_hp_grads`` (the backward epilogue) and ``get_grads_for_norm`` (what the step clips) become the flat
-    versions below."""
+    versions below, and its ``step`` the one below where :meth:`step_applies_to` says it fits."""
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
@@ -40,6 +50,8 @@ class FlatLowPrecisionGrads:
         optimizer.clear_lp_grads = self.clear_lp_grads
         optimizer.update_hp_grads = self.update_hp_grads
         optimizer.get_grads_for_norm = self.get_grads_for_norm
+        if self.step_applies_to(optimizer):
+            optimizer.step = self.step
 
     @staticmethod
     def applies_to(optimizer: Any) -> bool:
@@ -51,6 +63,12 @@ class FlatLowPrecisionGrads:
             and getattr(optimizer, "autoep_folding_tp_group", None) is None
             and not optimizer.has_moe_layers
         )
+
+    @staticmethod
+    def step_applies_to(optimizer: Any) -> bool:
+        """Whether :meth:`step` reproduces ``optimizer``'s: no model parallelism (its norm would be reduced over the
+        model-parallel group, its duplicates skipped) and no Muon (its orthogonalised updates)."""
+        return optimizer.mpu is None and not optimizer._uses_muon
 
     @torch.no_grad()
     def clear_lp_grads(self, set_to_none: bool = False) -> None:
@@ -96,3 +114,40 @@ class FlatLowPrecisionGrads:
         if for_clipping and self.flats is not None:
             return list(self.optimizer.fp32_groups_gradients_flat)
         return self._grads_for_norm(for_clipping=for_clipping)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """``BF16_Optimizer.step`` (DeepSpeed 0.19.8) for a group of no model parallelism, experts or Muon, with the
+        clipping norm in one multi-tensor operation and one host read (the module docstring)."""
+        optimizer = self.optimizer
+        if closure is not None:
+            raise NotImplementedError(f"{type(optimizer).__name__} does not support closure.")
+        optimizer.overflow = False
+        grads, _ = self._grads_for_norm()  # DeepSpeed's choice: each parameter's float32 sum, if it has one
+        total = _global_norm(grads) if grads else torch.zeros((), device=optimizer.fp32_groups_flat_partition[0].device)
+        norm = float(total)  # the step's one read: the skip below, and the norm the engine logs
+        if not math.isfinite(norm):  # a NaN or an infinity in some gradient: DeepSpeed skips the step
+            optimizer.overflow = True
+            optimizer._global_grad_norm = float("inf")
+            optimizer.clear_hp_grads()
+            optimizer.clear_lp_grads()
+            return
+        optimizer._global_grad_norm = norm
+        if optimizer.clip_grad > 0.0:
+            coefficient = optimizer.clip_grad / (total + 1e-6)  # DeepSpeed's expression, in float32 on the device
+            coefficient.clamp_(max=1.0)  # DeepSpeed multiplies only below 1; times 1.0 changes no bit
+            for flat in self.get_grads_for_norm(for_clipping=True):
+                flat.mul_(coefficient)
+        for partition, grad in zip(optimizer.fp32_groups_flat_partition, optimizer.fp32_groups_gradient_flat_partition):
+            partition.grad = grad  # the float32 sums (applies_to: grad_acc_dtype is float32)
+        optimizer.optimizer.step()
+        optimizer._lazy_init_hp_params_optimizer_state()
+        optimizer.update_lp_params()
+        optimizer.clear_hp_grads()
+
+
+def _global_norm(grads: List[torch.Tensor]) -> torch.Tensor:
+    """DeepSpeed's ``get_global_norm_of_tensors`` (2-norm, no model parallelism) of float32 ``grads``: each one's
+    norm, stacked, squared, summed and rooted on the device, the per-tensor norms taken in one ``_foreach_norm``
+    (DeepSpeed's loop takes ``t.float().norm(2.0)`` one tensor at a time). Not finite if any gradient is not."""
+    return torch.stack(torch._foreach_norm(grads, 2.0)).pow(2.0).sum().pow(1.0 / 2.0)

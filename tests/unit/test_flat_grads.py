@@ -1,24 +1,25 @@
 """bf16 on ZeRO 1 (DeepSpeed's BF16_Optimizer, what a one-GPU bf16 run builds): the micro-batch gradients are views of
-one flat bf16 buffer per group and reach the float32 sums in one add per group, clipped in one multiply per group
-(rlhf.distributed.flat_grads), with the norms, losses, float32 masters and weights of DeepSpeed's own per-parameter
-loop, bit for bit. The engines run in a subprocess with its own one-rank gloo group."""
+one flat bf16 buffer per group and reach the float32 sums in one add per group, and the step takes its clipping norm
+in one multi-tensor operation, read back once, and clips one flat tensor per group (rlhf.distributed.flat_grads),
+with the norms, losses, float32 masters and weights of DeepSpeed's own per-parameter loops, bit for bit, clipping and
+not, and the same skip of a step whose gradient is not finite. The engines run in a subprocess with its own one-rank
+gloo group."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from shared_helpers import bf16_one_rank_worker, random_sft_step, saved_by_subprocess
+from shared_helpers import bf16_one_rank_worker, bf16_step_trace, saved_by_subprocess
 
-STEPS, ROWS, MICRO, LR = 3, 6, 2, 1e-3
+STEPS, ROWS, MICRO, LR = 4, 6, 2, 1e-3  # steps 1-2 clip (max_grad_norm 1.0), 3-4 do not; then one poisoned step
 
 
 def _train(model_path: str, out_path: str, port: int) -> None:
-    """In the subprocess: the same 3 steps of 3 uneven micro-batches on a bf16 ZeRO-1 engine with the flat gradients
-    and with DeepSpeed's loop (the flat path switched off); per run the step trace, the weights, the float32
-    masters, how many times DeepSpeed's per-parameter update ran, and where each ``.grad`` lives mid-window."""
+    """In the subprocess: the same steps of 3 uneven micro-batches (:func:`shared_helpers.bf16_step_trace`) on a
+    bf16 ZeRO-1 engine with the flat gradients and step, and with DeepSpeed's loops (the flat path switched off); per
+    run also how many times DeepSpeed's per-parameter update ran, and where each ``.grad`` lives mid-window."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-    from rlhf.distributed.engine import iter_full_state
     from rlhf.distributed.flat_grads import FlatLowPrecisionGrads
     from rlhf.distributed.worker import TrainerWorker, normalize
     from rlhf.objectives.sft import SFTObjective
@@ -38,32 +39,27 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     for label in ("flat", "loop"):
         FlatLowPrecisionGrads.applies_to = staticmethod(applies if label == "flat" else lambda optimizer: False)
         loop_calls[0] = 0
-        worker = bf16_one_rank_worker(label, model_path, 1, ROWS, MICRO, STEPS, LR)
+        worker = bf16_one_rank_worker(label, model_path, 1, ROWS, MICRO, STEPS + 1, LR)
         optimizer = worker.engine.engine.optimizer
-        gen, trace, objective = torch.Generator().manual_seed(0), [], SFTObjective()
-        for _ in range(STEPS):
-            result, micro = random_sft_step(worker, gen, ROWS, MICRO)
-            trace.append((result.grad_norm, result.sums["loss_sum"]))
-        results[label] = {
-            "optimizer": type(optimizer).__name__,
-            "trace": trace,
-            "weights": {n: t.clone() for n, t in iter_full_state(worker.model, worker.zero_stage)},
-            "masters": [t.detach().clone() for t in optimizer.fp32_groups_flat_partition],
-            "loop_calls": loop_calls[0],
-            "grads_after_step": [p.grad is None for p in worker.model.parameters()],
-        }
+        run = bf16_step_trace(worker, STEPS, ROWS, MICRO, lambda o: o.fp32_groups_flat_partition)
+        micro = run.pop("last_micro")
+        run["loop_calls"] = loop_calls[0]
+        run["grads_after_step"] = [p.grad is None for p in worker.model.parameters()]
+        run["groups"] = len(optimizer.bf16_groups)
         # one backward of a new window, not its last: where each parameter's gradient now lives
+        objective = SFTObjective()
         loss, _ = objective.loss(worker.engine, micro[0])
         loss = normalize(loss, objective.count(micro[0]), 1)  # the count: the driver's, from the host batch
         with HostReads() as reads:  # a backward that is not the window's last: nothing for the host to wait for
             worker.engine.micro_step(loss, is_last=False)
-        results[label]["micro_step_reads"] = reads.by_op
+        run["micro_step_reads"] = reads.by_op
         flats = getattr(optimizer.update_hp_grads, "__self__", None)
         spans = [(f.data_ptr(), f.data_ptr() + f.numel() * f.element_size()) for f in getattr(flats, "flats", [])]
-        results[label]["grads_in_flat"] = [
+        run["grads_in_flat"] = [
             any(lo <= p.grad.data_ptr() < hi for lo, hi in spans) for p in worker.model.parameters()
         ]
-        results[label]["hp_sum"] = [g.detach().clone() for g in optimizer.fp32_groups_gradients_flat]
+        run["hp_sum"] = [g.detach().clone() for g in optimizer.fp32_groups_gradients_flat]
+        results[label] = run
     FlatLowPrecisionGrads.applies_to = applies
     BF16_Optimizer._update_hp_grad = per_parameter
     torch.save(results, out_path)
@@ -77,24 +73,49 @@ def trained(tiny_model, tmp_path_factory):
 def test_flat_gradients_take_the_steps_of_deepspeeds_loop_bit_for_bit(trained):
     flat, loop = trained["flat"], trained["loop"]
     assert flat["optimizer"] == loop["optimizer"] == "BF16_Optimizer"
-    assert flat["trace"] == loop["trace"]  # the same losses and pre-clip norms, as Python floats
-    assert all(norm > 1.0 for norm, _ in flat["trace"])  # max_grad_norm 1.0: every step clips
-    assert flat["weights"].keys() == loop["weights"].keys()
-    for name, weight in loop["weights"].items():
-        assert torch.equal(flat["weights"][name], weight), name
+    # the optimizer's norm, the logged norm and the loss of every step, as Python floats, and which steps applied
+    assert flat["trace"] == loop["trace"]
+    norms = [norm for norm, *_ in flat["trace"][:STEPS]]
+    assert all(n > 1.0 for n in norms)  # steps 1-2 clip at 1.0; 3-4 would have, their clip_grad raised
+    assert flat["clean"].keys() == loop["clean"].keys()
+    for name, weight in loop["clean"].items():
+        assert torch.equal(flat["clean"][name], weight), name
     for mine, theirs in zip(flat["masters"], loop["masters"]):
         assert torch.equal(mine, theirs)
     for mine, theirs in zip(flat["hp_sum"], loop["hp_sum"]):  # a window's first micro-batch, mid-window
         assert torch.equal(mine, theirs)
 
 
+def test_a_non_finite_gradient_skips_the_step_as_deepspeed_does(trained):
+    for run in trained.values():
+        assert [applied for *_, applied in run["trace"]] == [True] * STEPS + [False]
+        assert run["trace"][-1][1] == float("inf")
+        for name, weight in run["clean"].items():
+            assert torch.equal(run["after_poisoned_step"][name], weight), name
+
+
 def test_flat_gradients_replace_the_per_parameter_loop(trained):
     flat, loop = trained["flat"], trained["loop"]
     parameters = len(flat["grads_in_flat"])
-    assert loop["loop_calls"] == STEPS * (ROWS // MICRO) * parameters  # DeepSpeed's: every parameter, every backward
+    backwards = (STEPS + 1) * (ROWS // MICRO)
+    assert loop["loop_calls"] == backwards * parameters  # DeepSpeed's: every parameter, every backward
     assert flat["loop_calls"] == 0
     assert all(flat["grads_in_flat"]) and not any(loop["grads_in_flat"])
     assert all(flat["grads_after_step"]) and all(loop["grads_after_step"])  # nothing held between steps
+
+
+def test_the_step_reads_back_once_and_walks_no_parameter_list(trained):
+    """DeepSpeed's step takes a norm per parameter and reads twice (the total's validity, the clip coefficient);
+    the flat step's operations do not grow with the parameters, and its one read is the norm."""
+    flat, loop = trained["flat"], trained["loop"]
+    parameters, groups = flat["parameters"], flat["groups"]
+    for (ops, reads), (their_ops, their_reads) in zip(flat["counts"][:STEPS], loop["counts"][:STEPS]):
+        assert reads == 1
+        assert their_reads >= 2
+        # a stack, a square, a sum and a root of the norms, the coefficient, a multiply a group, the partitions'
+        # copy into the bf16 weights, the sums' zeroing: a fixed handful (one multi-tensor norm counts once)
+        assert ops <= 12 + 4 * groups, ops
+        assert their_ops >= parameters, their_ops  # a norm per parameter
 
 
 def test_a_backward_inside_the_window_reads_nothing_back(trained):

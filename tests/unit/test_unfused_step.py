@@ -7,76 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shared_helpers import bf16_one_rank_worker, random_sft_step, saved_by_subprocess
+from shared_helpers import bf16_one_rank_worker, bf16_step_trace, saved_by_subprocess
 
 STEPS, ROWS, MICRO = 4, 4, 2  # steps 1-2 clip (max_grad_norm 1.0), 3-4 do not; then one poisoned step
 
 
-def _counting_modes():
-    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC2701 (torch exports it nowhere else)
-
-    from rlhf.utils.host_reads import HostReads
-
-    class Ops(TorchDispatchMode):
-        """aten operations that compute (views and detaches only relabel memory), dispatched from Python: a
-        multi-tensor one counts once, as it is one launch on a GPU."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += not func.is_view
-            return func(*args, **(kwargs or {}))
-
-    return Ops(), HostReads()
-
-
 def _run(worker) -> dict:
-    from rlhf.distributed.engine import iter_full_state
-
     optimizer = worker.engine.engine.optimizer
-    wrapper_step, adamw_step, counts, adamw_ops = optimizer.step, optimizer.optimizer.step, [], []
-
-    def counted(*args, **kwargs):  # the wrapper's step, less the AdamW step inside it (unfused, on a CPU)
-        ops, reads = _counting_modes()
-        with ops, reads:
-            out = wrapper_step(*args, **kwargs)
-        adamw = adamw_ops.pop() if adamw_ops else (0, 0)
-        counts.append((ops.count - adamw[0], reads.total - adamw[1]))
-        return out
-
-    def adamw_counted(*args, **kwargs):
-        ops, reads = _counting_modes()
-        with ops, reads:
-            out = adamw_step(*args, **kwargs)
-        adamw_ops.append((ops.count, reads.total))
-        return out
-
-    optimizer.step, optimizer.optimizer.step = counted, adamw_counted
-    gen, trace = torch.Generator().manual_seed(0), []
-    for step in range(STEPS + 1):
-        if step == STEPS // 2:
-            optimizer.clip_grad = 1e9  # from here nothing clips
-        if step == STEPS:
-            clean = {n: t.clone() for n, t in iter_full_state(worker.model, worker.zero_stage)}
-            masters = [t.detach().clone() for group in optimizer.fp32_groups for t in group]
-            weight = worker.model.get_parameter("model.layers.1.mlp.down_proj.weight")
-            hook = weight.register_hook(lambda grad: grad * float("nan"))
-        result, _ = random_sft_step(worker, gen, ROWS, MICRO)
-        trace.append((optimizer._global_grad_norm, result.grad_norm, result.sums["loss_sum"]))
-        trace[-1] += (worker.engine.last_step_applied,)
-    hook.remove()
-    return {
-        "trace": trace,
-        "clean": clean,
-        "masters": masters,
-        "after_poisoned_step": {n: t.clone() for n, t in iter_full_state(worker.model, worker.zero_stage)},
-        "counts": counts,
-        "parameters": sum(1 for p in worker.model.parameters() if p.requires_grad),
-        "groups": len(optimizer.fp16_groups),
-        "optimizer": type(optimizer).__name__,
-    }
+    run = bf16_step_trace(worker, STEPS, ROWS, MICRO, lambda o: [t for group in o.fp32_groups for t in group])
+    run["groups"] = len(optimizer.fp16_groups)
+    del run["last_micro"]
+    return run
 
 
 def _train(model_path: str, out_path: str, port: int) -> None:
