@@ -28,6 +28,7 @@ from rlhf.distributed.engine import (
     iter_full_state,
 )
 from rlhf.distributed.rendezvous import arrive, connect_store, host_store
+from rlhf.models.host_layout import remember_row_lengths
 from rlhf.models.loading import ModelSpec, load_model, persistent_numel
 from rlhf.models.lora import (
     LoraSpec,
@@ -253,8 +254,8 @@ class TrainerWorker:
         lr = self.engine.current_lr()
         sums = DeviceSums()  # the metrics stay on the device until the step's end: no host read per micro-batch
         last = len(micro_batches) - 1
-        for i, (micro, keep) in enumerate(zip(micro_batches, counted)):
-            loss_sum, micro_sums = objective.loss(self.engine, micro.to(self.device))
+        for i, (micro, keep) in enumerate(zip(self._upload(micro_batches), counted)):
+            loss_sum, micro_sums = objective.loss(self.engine, micro)
             if keep:
                 sums.add(micro_sums)
             else:
@@ -274,11 +275,28 @@ class TrainerWorker:
         self.model.eval()
         started = time.perf_counter()
         try:
-            out = [fn(model, b.to(self.device)).cpu() for b in batches]  # .cpu(): the device's work is done
+            scores = [fn(model, b) for b in self._upload(batches)]
+            out = [s.cpu() for s in scores]  # the first read waits for every pass; the others are ready by then
         finally:
             self.model.train(was_training)
         self._account("forward", batches, [True] * len(batches), time.perf_counter() - started)
         return out
+
+    def _upload(self, batches: List[Batch]) -> List[Batch]:
+        """``batches`` on this rank's device, every one copied before the caller runs its first pass.
+
+        A copy from (pageable) host memory is a synchronous one: on a GPU it waits until the device has run all it
+        was given. Copied one before each pass, a batch would hold the host back until the previous backward had run,
+        and the device would then idle while the host queued the next forward's first kernels; copied together at
+        the start, when nothing is queued yet, the host queues the whole step ahead of the device. The batches are a
+        few integer and float fields a token: small beside one pass's activations. Each copy's mask is told its row
+        lengths from the host (:mod:`rlhf.models.host_layout`), so the forwards need not read them back either.
+        Copies are compact (as a device copy is; on the CPU twin a trimmed micro-batch is a view until here).
+        """
+        copies = [b.to(self.device).contiguous() for b in batches]
+        for host, copy in zip(batches, copies):
+            remember_row_lengths(copy.attention_mask, host.attention_mask)
+        return copies
 
     def _account(self, kind: str, batches: List[Batch], counted: List[bool], seconds: float) -> None:
         """Add a pass over ``batches`` (those ``counted``) to :attr:`perf`: its seconds, model FLOPs, real tokens
@@ -303,8 +321,8 @@ class TrainerWorker:
         self.model.eval()
         sums = DeviceSums()
         try:
-            for batch, keep in zip(batches, counted):
-                _, micro_sums = objective.loss(model, batch.to(self.device))
+            for batch, keep in zip(self._upload(batches), counted):
+                _, micro_sums = objective.loss(model, batch)
                 if keep:
                     sums.add(micro_sums)
         finally:

@@ -9,11 +9,12 @@ layout (:meth:`Layout.restore`), for the LM's log-probs (:class:`LMLogits`) and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 
-from rlhf.models.packing import PackedRows, packed_forward, runs_packed
+from rlhf.models.host_layout import row_lengths
+from rlhf.models.packing import VARLEN_TORCH, PackedRows, attention_of, packed_forward, runs_packed
 from rlhf.models.sequence_parallel import SequenceShard, sequence_group_of, shard_inputs
 from rlhf.ops.logprobs import align_to_tokens
 
@@ -64,11 +65,44 @@ def _run(model: Any, input_ids: Tensor, attention_mask: Tensor, packing: Optiona
         inputs = shard_inputs(sequence, input_ids, attention_mask, packed)
         out = model(**inputs.model_inputs, **kwargs)
         return out, inputs.input_ids, inputs.next_ids, Layout(inputs.packed, inputs.shard)
+    lengths = row_lengths(attention_mask)  # from the host, when the batch was copied in by a trainer rank
     if not packed:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        out = model(input_ids=input_ids, attention_mask=_mask_argument(model, attention_mask, lengths), **kwargs)
         return out, input_ids, input_ids.roll(-1, dims=1), Layout()
-    out, rows = packed_forward(model, input_ids, attention_mask, **kwargs)
+    out, rows = packed_forward(model, input_ids, attention_mask, host_lengths=lengths, **kwargs)
     return out, rows.input_ids, rows.input_ids.roll(-1, dims=1), Layout(rows)
+
+
+# Attention implementations whose padding mask transformers builds with ``sdpa_mask``: a boolean (B, 1, T, T) mask,
+# True where a query may attend to a key.
+_BOOLEAN_MASKS = ("sdpa", VARLEN_TORCH)
+
+
+def _mask_argument(model: Any, attention_mask: Tensor, lengths: Optional[List[int]]) -> Tensor:
+    """The attention mask the padded forward hands the model. transformers reads a 2-D mask back twice when a row
+    is padded (to find that it cannot use the causal kernel alone); with the row lengths known on the host
+    (rlhf.models.host_layout), an implementation that takes a boolean mask, and a model of causal layers only, the
+    mask it would then build (causal, no key in a row's padding) is built here, without a read. Unpadded rows keep
+    the 2-D mask: transformers reads it once and picks the causal kernel, which a ready-made mask would forgo (and
+    no mask at all makes it read the position ids twice instead, looking for packed rows)."""
+    width = attention_mask.shape[-1]
+    if lengths is None or all(n == width for n in lengths):
+        return attention_mask
+    if attention_of(model) not in _BOOLEAN_MASKS or not _causal_layers_only(model):
+        return attention_mask
+    causal = torch.ones(width, width, dtype=torch.bool, device=attention_mask.device).tril()
+    return causal[None, None] & attention_mask.bool()[:, None, None, :]
+
+
+def _causal_layers_only(model: Any) -> bool:
+    """Whether every attention layer of ``model`` is full causal attention: a prepared mask would replace the
+    sliding-window or chunked mask transformers builds for the others."""
+    hf_config = getattr(getattr(model, "module", model), "config", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return all(kind == "full_attention" for kind in layer_types)
+    windowed = getattr(hf_config, "sliding_window", None), getattr(hf_config, "attention_chunk_size", None)
+    return windowed == (None, None)
 
 
 @dataclass(frozen=True)

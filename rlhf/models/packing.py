@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -66,8 +66,13 @@ class PackedRows:
     row_start: Tensor
 
     @classmethod
-    def from_padded(cls, input_ids: Tensor, attention_mask: Tensor) -> "PackedRows":
+    def from_padded(
+        cls, input_ids: Tensor, attention_mask: Tensor, host_lengths: Optional[List[int]] = None
+    ) -> "PackedRows":
         """Pack ``(B, T)`` right-padded ids whose ``attention_mask`` is 1 on each row's first ``L_b`` columns.
+
+        ``host_lengths``: the ``L_b``, known on the host (:func:`rlhf.models.host_layout.row_lengths`, which
+        checked the layout there): no read of the device. Without them, the mask is read back once.
 
         Raises:
             ValueError: a mask that is not a prefix of ones (left padding or holes cannot be packed this way).
@@ -79,14 +84,17 @@ class PackedRows:
         rows, width = input_ids.shape
         device = input_ids.device
         lengths = attention_mask.long().sum(-1)
-        prefix = torch.arange(width, device=device)[None, :] < lengths[:, None]
-        holes = (prefix != attention_mask.bool()).sum()
-        # The one host read of a packed forward: the row lengths size everything below, and the layout check
-        # rides along (separate reads for the check, the index, the row starts and the longest row each made
-        # the GPU wait).
-        *host_lengths, bad = torch.cat([lengths, holes[None]]).tolist()
-        if bad:
-            raise ValueError("packing needs right-padded rows (attention_mask 1 on a prefix of each row)")
+        if host_lengths is None:
+            prefix = torch.arange(width, device=device)[None, :] < lengths[:, None]
+            holes = (prefix != attention_mask.bool()).sum()
+            # The one host read of a packed forward: the row lengths size everything below, and the layout check
+            # rides along (separate reads for the check, the index, the row starts and the longest row each made
+            # the GPU wait).
+            *host_lengths, bad = torch.cat([lengths, holes[None]]).tolist()
+            if bad:
+                raise ValueError("packing needs right-padded rows (attention_mask 1 on a prefix of each row)")
+        elif len(host_lengths) != rows:
+            raise ValueError(f"{len(host_lengths)} host row lengths for {rows} rows")
         total = sum(host_lengths)
         starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))[:-1]  # each row's offset in the packed run
         # per packed token, its row's offset in the packed run and in the padded layout; output_size: no host read
@@ -164,8 +172,11 @@ def runs_packed(model: Any, packing: Optional[bool]) -> bool:
     return attention_of(model) in VARLEN_ATTENTION if packing is None else packing
 
 
-def packed_forward(model: Any, input_ids: Tensor, attention_mask: Tensor, **kwargs: Any):
-    """``model`` (an HF module or a DeepSpeed engine around one) on the packed rows -> ``(output, PackedRows)``.
+def packed_forward(
+    model: Any, input_ids: Tensor, attention_mask: Tensor, host_lengths: Optional[List[int]] = None, **kwargs: Any
+):
+    """``model`` (an HF module or a DeepSpeed engine around one) on the packed rows -> ``(output, PackedRows)``;
+    ``host_lengths`` as :meth:`PackedRows.from_padded` takes them.
 
     Raises:
         RuntimeError: the model's attention cannot keep packed rows apart (it was loaded without
@@ -177,7 +188,12 @@ def packed_forward(model: Any, input_ids: Tensor, attention_mask: Tensor, **kwar
             f"a packed forward needs a variable-length attention ({', '.join(VARLEN_ATTENTION)}); "
             f"this model runs {implementation!r} (built without packing)"
         )
-    rows = PackedRows.from_padded(input_ids, attention_mask)
+    rows = PackedRows.from_padded(input_ids, attention_mask, host_lengths)
+    if implementation == VARLEN_TORCH:
+        # Given no mask, transformers reads the position ids back (twice) to look for packed rows, for a mask that
+        # rlhf_varlen would not use: a 4-D mask is taken as ready-made, unread, and the row bounds keep the rows
+        # apart. flash_attention_2 would read a mask it is handed: it gets none.
+        kwargs["attention_mask"] = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device)
     return model(**rows.model_inputs(), **kwargs), rows
 
 

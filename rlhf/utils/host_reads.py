@@ -13,8 +13,10 @@ test can hold the count of a training step constant whatever its number of micro
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import Counter
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -35,8 +37,26 @@ _READING_OPS = {
 _READING_METHODS = {"tolist", "cpu", "numpy"}
 
 
+_host_side = threading.local()
+
+
+@contextlib.contextmanager
+def host_side() -> Iterator[None]:
+    """Reads inside this context are of host memory on every device (a batch's host original, before or beside its
+    copy on the device): they wait for no device, and :class:`HostReads` does not count them, on the CPU twin
+    either, where host and device memory are one."""
+    depth = getattr(_host_side, "depth", 0)
+    _host_side.depth = depth + 1
+    try:
+        yield
+    finally:
+        _host_side.depth = depth
+
+
 def _on(device_type: Optional[str], args: tuple) -> bool:
-    """Whether the op's first tensor argument lives on ``device_type`` (None: any device)."""
+    """Whether the op's first tensor argument lives on ``device_type`` (None: any device), outside :func:`host_side`."""
+    if getattr(_host_side, "depth", 0):
+        return False
     if device_type is None:
         return True
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
