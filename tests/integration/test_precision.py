@@ -3,17 +3,16 @@
 Per ZeRO stage two worker groups train in bf16 from the same weights: "whole" (1 rank, the global batch as one
 micro-batch) and "split" (2 ranks x 2 micro-batches of accumulation). Both take the same three optimizer steps --
 SFT, DPO (reference log-probs in the batch), one RL policy update (PPO's old log-probs and advantages in the
-batch) -- and must log the same loss and grad norm at every step. They stay in lockstep, so later steps stay
-comparable. The batches are cut and the normalizer counted exactly as the trainers do (``StepPlan.shards``, one
-count over every micro-batch of every rank).
+batch) -- and must log the same loss and grad norm at every step, to within the rounding of bf16 itself, which a
+third group ("fp32", the whole batch in fp32) measures on the machine running the test. They stay in lockstep, so
+later steps stay comparable. The batches are cut and the normalizer counted exactly as the trainers do
+(``StepPlan.shards``, one count over every micro-batch of every rank).
 
-The two groups' actors are started once for the file and rebuilt for each stage (``build`` loads the model and
-a new engine): actor start-up is most of the cost. Tolerances: see ``BF16_RTOL``.
+The groups' actors are started once for the file and rebuilt for each stage (``build`` loads the model and a new
+engine): actor start-up is most of the cost. The bound: see ``BF16_NOISE_CAP``.
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -29,16 +28,22 @@ from rlhf.distributed.engine import EngineSpec, OptimSpec, build_ds_config
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 GLOBAL_BATCH = 8
-LAYOUTS = {"whole": (1, 8), "split": (2, 2)}  # name: (ranks, micro-batch size); accumulation 1 and 2
+# name: (ranks, micro-batch size); accumulation 1 and 2. "fp32" takes the whole batch's steps in fp32: its distance
+# from the bf16 "whole" run is bf16's own rounding noise on this machine, the scale split-vs-whole is held to.
+LAYOUTS = {"whole": (1, 8), "split": (2, 2), "fp32": (1, 8)}
+BF16 = ("whole", "split")
 STEPS = 3  # SFT, DPO, RL
 
-# Split vs whole in bf16, per step: |split - whole| <= BF16_RTOL * |whole| (+ BF16_ATOL for the loss). Measured
-# with this file (ZeRO 0-3, 3 steps each; deterministic on CPU): loss <= 2.6e-4 relative (SFT step 1: 5e-7; DPO at
-# ZeRO 3 the most), the RL loss (~ -0.21) 1.7e-4 absolute; grad norm <= 7.7e-4 relative (ZeRO 2, RL step; step 1:
-# 6e-5 to 1.9e-4). In fp32 the same comparison agrees to <= 2.6e-7: the difference is bf16's 8-bit mantissa in every
-# matmul over differently padded micro-batches, and gradients crossing ranks in bf16. Tolerance ~4x the largest.
-BF16_RTOL = 3e-3
-BF16_ATOL = 5e-4  # for the RL loss, which can be near 0 (a relative bound alone would mean nothing there)
+# Split vs whole in bf16: every step's loss and grad norm of the split run within the bf16 run's own distance from
+# fp32 on this machine, the largest relative |whole - fp32| over the stage's steps and metrics. Why that scale: two
+# bf16 runs of the same batch differ only where some rounding to bf16 came out differently (a matmul over another
+# padded width, a sum in another order, a gradient crossing ranks), while the fp32 run differs at every rounding to
+# bf16 (weights, activations, gradients). Measured on an AMD EPYC (avx512_bf16; ZeRO 0-3, 3 steps each, deterministic
+# on CPU): split-vs-whole at most 1.3e-3 relative (the RL loss at ZeRO 3), the stage's bf16 noise 4.1e-3 (the RL
+# grad norm), a ratio of 0.11 to 0.32 by stage; in fp32 the same comparison agrees to <= 2.6e-7. A CPU with other
+# bf16 kernels moves both together, where a fixed tolerance would not.
+BF16_NOISE_CAP = 2**-5  # 8 units of bf16's rounding: a bf16 run further from fp32 than this is not rounding
+MIN_LOSS = 1e-2  # nor a relative comparison between two vanishing losses (the RL loss here is ~ -0.21)
 MIN_GRAD_NORM = 1e-3  # the comparison must not be between two vanishing gradients
 
 
@@ -96,14 +101,14 @@ def groups():
         yield started
 
 
-def _build(group, ranks: int, micro: int, tiny_model: str, zero_stage: int) -> None:
+def _build(group, ranks: int, micro: int, tiny_model: str, zero_stage: int, precision: str) -> None:
     from rlhf.models.loading import ModelSpec
 
     group.build(
-        ModelSpec(path=tiny_model, precision="bf16", seed=7),
+        ModelSpec(path=tiny_model, precision=precision, seed=7),
         EngineSpec(
             zero_stage=zero_stage,
-            precision="bf16",
+            precision=precision,
             micro_batch_size=micro,
             grad_accum_steps=GLOBAL_BATCH // (ranks * micro),
         ),
@@ -168,12 +173,16 @@ def _plain_fp32_sft_loss(tiny_model: str, batch: Batch) -> float:
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])  # 3 last: a ZeRO-3 engine is never followed by a rebuild
 def test_bf16_split_equals_whole_on_every_zero_stage(zero_stage, groups, tiny_model, batches):
-    _in_parallel({name: (lambda g=g: _build(*g, tiny_model, zero_stage)) for name, g in groups.items()})
+    precision = {name: "bf16" if name in BF16 else "fp32" for name in groups}
+    _in_parallel(
+        {name: (lambda g=g, n=name: _build(*g, tiny_model, zero_stage, precision[n])) for name, g in groups.items()}
+    )
     rows = _train_in_lockstep(groups, batches)
 
     # Trained in bf16: DeepSpeed's bf16 mode, bf16 module weights, fp32 masters and Adam state, and exactly one
     # Adam step per optimizer step (DeepSpeed's ZeRO-0 wrapper would count one more; see _undo_construction_step).
-    for name, (group, ranks, _) in groups.items():
+    for name in BF16:
+        group, ranks, _ = groups[name]
         probes = group.score([batches["sft"]] * ranks, _bf16_probe())
         assert all(p.tolist() == [1.0, 1.0, 1.0, STEPS, STEPS] for p in probes), (name, probes)
     # ... so the forward is bf16's: near the fp32 loss of the same weights, but not equal to it (6.5e-5 relative
@@ -181,20 +190,24 @@ def test_bf16_split_equals_whole_on_every_zero_stage(zero_stage, groups, tiny_mo
     fp32_loss = _plain_fp32_sft_loss(tiny_model, batches["sft"])
     assert 1e-5 < abs(rows["whole"][0]["loss"] - fp32_loss) / fp32_loss < 1e-2, (rows["whole"][0], fp32_loss)
 
-    for step, (whole, split) in enumerate(zip(rows["whole"], rows["split"]), start=1):
-        assert math.isfinite(whole["loss"]) and min(whole["grad_norm"], split["grad_norm"]) > MIN_GRAD_NORM
-        for key in ("loss", "grad_norm"):
+    steps = list(zip(rows["whole"], rows["split"], rows["fp32"]))
+    for whole, split, _ in steps:
+        assert abs(whole["loss"]) > MIN_LOSS and min(whole["grad_norm"], split["grad_norm"]) > MIN_GRAD_NORM
+
+    def relative(a: dict, b: dict, key: str) -> float:
+        return abs(a[key] - b[key]) / abs(b[key])
+
+    keys = ("loss", "grad_norm")
+    noise = max(relative(whole, fp32, key) for whole, _, fp32 in steps for key in keys)
+    assert 0 < noise <= BF16_NOISE_CAP, noise
+    for step, (whole, split, fp32) in enumerate(steps, start=1):
+        for key in keys:
+            off = relative(split, whole, key)
             print(
                 f"[bf16 zero={zero_stage} step={step}] {key}: whole {whole[key]:.7g} split {split[key]:.7g} "
-                f"rel {abs(whole[key] - split[key]) / abs(whole[key]):.2e}"
+                f"fp32 {fp32[key]:.7g}; split vs whole {off:.2e}, bf16 noise {noise:.2e}"
             )
-            assert abs(whole[key] - split[key]) <= BF16_RTOL * abs(whole[key]) + BF16_ATOL * (key == "loss"), (
-                zero_stage,
-                step,
-                key,
-                whole,
-                split,
-            )
+            assert off <= noise, (zero_stage, step, key, whole, split, fp32)
 
 
 # ------------------------------------------------------------------------------------------------ fp16
