@@ -8,6 +8,7 @@ layout (:meth:`Layout.restore`), for the LM's log-probs (:class:`LMLogits`) and 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
@@ -84,7 +85,7 @@ def _mask_argument(model: Any, attention_mask: Tensor, lengths: Optional[List[in
     (rlhf.models.host_layout), an implementation that takes a boolean mask, and a model of causal layers only, the
     mask it would then build (causal, no key in a row's padding) is built here, without a read. Unpadded rows keep
     the 2-D mask: transformers reads it once and picks the causal kernel, which a ready-made mask would forgo (and
-    no mask at all makes it read the position ids twice instead, looking for packed rows)."""
+    no mask at all makes it read the position ids instead, looking for packed rows)."""
     width = attention_mask.shape[-1]
     if lengths is None or all(n == width for n in lengths):
         return attention_mask
@@ -94,15 +95,25 @@ def _mask_argument(model: Any, attention_mask: Tensor, lengths: Optional[List[in
     return causal[None, None] & attention_mask.bool()[:, None, None, :]
 
 
+_CAUSAL_ONLY: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
 def _causal_layers_only(model: Any) -> bool:
-    """Whether every attention layer of ``model`` is full causal attention: a prepared mask would replace the
-    sliding-window or chunked mask transformers builds for the others."""
-    hf_config = getattr(getattr(model, "module", model), "config", None)
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None:
-        return all(kind == "full_attention" for kind in layer_types)
-    windowed = getattr(hf_config, "sliding_window", None), getattr(hf_config, "attention_chunk_size", None)
-    return windowed == (None, None)
+    """Whether every attention layer of ``model`` is full causal attention: a prepared causal mask would replace the
+    sliding-window or chunked mask transformers builds for the others, and would be wrong for a bidirectional one
+    (an attention module whose ``is_causal`` is False). Worked out once per module."""
+    module = getattr(model, "module", model)
+    known = _CAUSAL_ONLY.get(module)
+    if known is None:
+        hf_config = getattr(module, "config", None)
+        layer_types = getattr(hf_config, "layer_types", None)
+        if layer_types is not None:
+            full = all(kind == "full_attention" for kind in layer_types)
+        else:
+            windowed = getattr(hf_config, "sliding_window", None), getattr(hf_config, "attention_chunk_size", None)
+            full = windowed == (None, None)
+        known = _CAUSAL_ONLY[module] = full and all(getattr(m, "is_causal", True) for m in module.modules())
+    return known
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,7 @@ def packed_forward(
         )
     rows = PackedRows.from_padded(input_ids, attention_mask, host_lengths)
     if implementation == VARLEN_TORCH:
-        # Given no mask, transformers reads the position ids back (twice) to look for packed rows, for a mask that
+        # Given no mask, transformers reads the position ids back to look for packed rows, for a mask that
         # rlhf_varlen would not use: a 4-D mask is taken as ready-made, unread, and the row bounds keep the rows
         # apart. flash_attention_2 would read a mask it is handed: it gets none.
         kwargs["attention_mask"] = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device)

@@ -109,7 +109,7 @@ def test_a_forward_with_host_lengths_computes_the_same_bits_without_the_mask_rea
         assert reading.by_op == reads.by_op == {"_local_scalar_dense": 1}
 
 
-def test_models_with_other_than_causal_layers_keep_transformers_mask(models):
+def test_models_with_other_than_full_causal_layers_keep_transformers_mask(models):
     import transformers
 
     config = tiny_qwen_config(VOCAB)
@@ -120,6 +120,9 @@ def test_models_with_other_than_causal_layers_keep_transformers_mask(models):
     windowed.config.use_cache = False
     mask = _recorded(_mask([5, 2], 5))
     assert _mask_argument(windowed, mask, row_lengths(mask)) is mask  # transformers builds its windowed mask
+    bidirectional = transformers.Qwen2ForCausalLM(tiny_qwen_config(VOCAB))
+    bidirectional.model.layers[0].self_attn.is_causal = False  # as an encoder's attention is
+    assert _mask_argument(bidirectional, mask, row_lengths(mask)) is mask
     assert _mask_argument(models["sdpa"], mask, row_lengths(mask)).shape == (2, 1, 5, 5)
     ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2)) * mask
     with torch.no_grad():
