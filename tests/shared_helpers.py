@@ -490,3 +490,14 @@ def bf16_step_trace(worker, steps: int, rows: int, micro: int, masters: Callable
         "optimizer": type(optimizer).__name__,
         "last_micro": last_micro,
     }
+
+
+def assert_the_poisoned_step_was_skipped(run: Dict[str, Any], steps: int) -> None:
+    """For a :func:`bf16_step_trace` run: every clean step applied, the poisoned one skipped with its norm reported
+    infinite, and the weights after it those before it."""
+    import torch
+
+    assert [applied for *_, applied in run["trace"]] == [True] * steps + [False]
+    assert run["trace"][-1][1] == float("inf")
+    for name, weight in run["clean"].items():
+        assert torch.equal(run["after_poisoned_step"][name], weight), name

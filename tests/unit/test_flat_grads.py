@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shared_helpers import bf16_one_rank_worker, bf16_step_trace, saved_by_subprocess
+from shared_helpers import (
+    assert_the_poisoned_step_was_skipped,
+    bf16_one_rank_worker,
+    bf16_step_trace,
+    saved_by_subprocess,
+)
 
 STEPS, ROWS, MICRO, LR = 4, 6, 2, 1e-3  # steps 1-2 clip (max_grad_norm 1.0), 3-4 do not; then one poisoned step
 
@@ -88,10 +93,7 @@ def test_flat_gradients_take_the_steps_of_deepspeeds_loop_bit_for_bit(trained):
 
 def test_a_non_finite_gradient_skips_the_step_as_deepspeed_does(trained):
     for run in trained.values():
-        assert [applied for *_, applied in run["trace"]] == [True] * STEPS + [False]
-        assert run["trace"][-1][1] == float("inf")
-        for name, weight in run["clean"].items():
-            assert torch.equal(run["after_poisoned_step"][name], weight), name
+        assert_the_poisoned_step_was_skipped(run, STEPS)
 
 
 def test_flat_gradients_replace_the_per_parameter_loop(trained):

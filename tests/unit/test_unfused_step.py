@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shared_helpers import bf16_one_rank_worker, bf16_step_trace, saved_by_subprocess
+from shared_helpers import (
+    assert_the_poisoned_step_was_skipped,
+    bf16_one_rank_worker,
+    bf16_step_trace,
+    saved_by_subprocess,
+)
 
 STEPS, ROWS, MICRO = 4, 4, 2  # steps 1-2 clip (max_grad_norm 1.0), 3-4 do not; then one poisoned step
 
@@ -63,10 +68,7 @@ def test_the_reported_norm_is_the_one_that_clips(trained):
 
 def test_a_non_finite_gradient_skips_the_step_as_deepspeed_does(trained):
     for run in trained.values():
-        assert [applied for *_, applied in run["trace"]] == [True] * STEPS + [False]
-        assert run["trace"][-1][1] == float("inf")
-        for name, weight in run["clean"].items():
-            assert torch.equal(run["after_poisoned_step"][name], weight), name
+        assert_the_poisoned_step_was_skipped(run, STEPS)
 
 
 def test_the_step_walks_no_parameter_list_in_python_ops(trained):
