@@ -1,7 +1,8 @@
 """Row lengths known on the host (rlhf.models.host_layout): a trainer rank records them for the masks it copies to
-its device, and a forward then lays out its rows without reading the device: transformers is handed no mask for
-unpadded rows and the boolean mask it would have built for padded ones, a packed forward is sized from them. The
-logits are those of the forward that reads the mask, bit for bit; the reads are gone."""
+its device, and a forward then lays out its rows without reading the device: padded rows get the boolean mask
+transformers would have built, a packed forward is sized from them and hands transformers a mask it never reads,
+unpadded rows keep the 2-D mask and transformers' one read (its causal kernel). The logits are those of the forward
+that reads the mask, bit for bit; the reads are gone."""
 
 from __future__ import annotations
 
