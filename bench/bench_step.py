@@ -202,7 +202,9 @@ def rlhf_system(trainer: str, zero: int, args, device) -> System:
     engine = dict(zero_stage=zero, precision=args.precision, user_config=args.ds or None)
 
     def setup():
-        worker = TrainerWorker(f"bench-{trainer}", 0, 1, num_threads=os.cpu_count() or 1)
+        worker = TrainerWorker(
+            f"bench-{trainer}", 0, 1, num_threads=os.cpu_count() or 1
+        )  # all cores, as the plain loops
         worker.device = device
         worker.build(
             ModelSpec(
@@ -473,7 +475,13 @@ def main(argv=None) -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    TrainerWorker("bench", 0, 1).init_process_group("127.0.0.1", port, "nccl" if cuda else "gloo", timeout_s=60)
+    # Every system runs on all the host's cores: a TrainerWorker sets torch's thread count when it is made (a Ray
+    # actor's share), and made here with its default of one thread it left the first plain loop of a run on one core
+    # (2.3 s a step against 1.28 s on 2 cores), until the first rlhf system set it back.
+    threads = os.cpu_count() or 1
+    TrainerWorker("bench", 0, 1, num_threads=threads).init_process_group(
+        "127.0.0.1", port, "nccl" if cuda else "gloo", timeout_s=60
+    )
     budget = f" (rlhf: <= {args.max_tokens} tokens)" if args.max_tokens else ""
     print(
         f"bench_step on {name}: model {args.model}, {args.precision}, rows {args.rows} <= {args.seq} tokens, "
