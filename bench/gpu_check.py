@@ -1,7 +1,7 @@
 """The one-GPU check: the project's training, packing and weight-sync paths on one device, in under 5 minutes.
 
     python bench/gpu_check.py [--device cuda|cpu] [--precision bf16|fp32] [--zero-stage 0-3]
-                              [--model PATH | --size 0.5b|1.5b]
+                              [--model PATH | --size 0.5b|1.5b] [--checks sft,dpo,packing,ipc,sync,sp]
 
 Needs only torch, transformers, peft and deepspeed (no Ray, no vLLM: nothing here imports them). Six checks, each
 with the project's own code, one process plus one receiver process:
@@ -544,18 +544,22 @@ def run(args) -> int:
     )
 
     precision, perturb = args.precision, args.perturb_normalizer
-    checks = {
-        "engine + sft": lambda: check_split_vs_whole(
-            "sft", model_path, precision, random_rows(GLOBAL_BATCH, 8, 48, vocab, seed=1), SFTObjective(), perturb
+    checks = {  # --checks name: (the row's name if the check cannot run, the check)
+        "sft": (
+            "engine + sft",
+            lambda: check_split_vs_whole(
+                "sft", model_path, precision, random_rows(GLOBAL_BATCH, 8, 48, vocab, seed=1), SFTObjective(), perturb
+            ),
         ),
-        "dpo": lambda: check_dpo(model_path, precision, vocab, perturb),
-        "packing": lambda: [check_packing(model_path, precision, vocab)],
-        "ipc": lambda: [check_ipc(model_path, precision)],
-        "sync group": lambda: [check_sync_group()],
-        "sequence parallel": lambda: [check_sequence_parallel(model_path, precision, vocab)],
+        "dpo": ("dpo", lambda: check_dpo(model_path, precision, vocab, perturb)),
+        "packing": ("packing", lambda: [check_packing(model_path, precision, vocab)]),
+        "ipc": ("ipc", lambda: [check_ipc(model_path, precision)]),
+        "sync": ("sync group", lambda: [check_sync_group()]),
+        "sp": ("sequence parallel", lambda: [check_sequence_parallel(model_path, precision, vocab)]),
     }
+    assert tuple(checks) == CHECKS
     rows = []
-    for name, check in checks.items():
+    for name, check in (checks[key] for key in args.checks):
         done = len(rows)
         try:
             rows += check()
@@ -599,8 +603,17 @@ def main(argv=None) -> int:
         default=0,
         help="the engine's ZeRO stage for the engine, sft and dpo rows (runs use 2 by default)",
     )
+    parser.add_argument(
+        "--checks",
+        default=",".join(CHECKS),
+        help=f"the checks to run, comma-separated (default: all of {', '.join(CHECKS)}; sft includes the engine row)",
+    )
     parser.add_argument("--perturb-normalizer", type=float, default=1.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.checks = [name.strip() for name in args.checks.split(",") if name.strip()]
+    unknown = [name for name in args.checks if name not in CHECKS]
+    if unknown or not args.checks:
+        parser.error(f"--checks: unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(CHECKS)}")
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
     if args.device == "cpu":  # the CPU twin, also on a GPU machine: DeepSpeed's CPU accelerator, no CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -620,6 +633,7 @@ def main(argv=None) -> int:
     return run(args)
 
 
+CHECKS = ("sft", "dpo", "packing", "ipc", "sync", "sp")  # --checks names, in the order the checks run
 DEVICE = None  # set by main()
 ZERO_STAGE = 0  # set by main()
 

@@ -76,9 +76,16 @@ def test_the_cpu_twin_passes_every_check_without_ray_or_vllm(blocked):
 
 def test_a_mis_normalised_gradient_fails_the_split_rows_and_the_run(blocked):
     """The split runs' normaliser x1.5 (the class of bug the check exists for: a gradient normalised by the wrong
-    count) moves their grad norm by 1/3: both split-vs-whole rows fail, the others still pass, exit code 1."""
-    done = _run(blocked, "--perturb-normalizer", "1.5")
+    count) moves their grad norm by 1/3: both split-vs-whole rows fail, the engine row still passes, exit code 1.
+    Only the checks the perturbation reaches run (``--checks``): the others are the test above's."""
+    done = _run(blocked, "--perturb-normalizer", "1.5", "--checks", "sft,dpo")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     table = _table(done.stdout)
-    assert table == {**dict.fromkeys(ROWS, "PASS"), ROWS[1]: "FAIL", ROWS[2]: "FAIL"}, done.stdout
+    assert table == {ROWS[0]: "PASS", ROWS[1]: "FAIL", ROWS[2]: "FAIL"}, done.stdout
     assert "FAILED: sft: micro 8xGA1 vs 2xGA4, dpo: micro 8xGA1 vs 2xGA4" in done.stdout
+
+
+def test_an_unknown_check_is_refused_with_the_valid_names(blocked):
+    done = _run(blocked, "--checks", "sft,packed")
+    assert done.returncode == 2
+    assert "--checks: unknown packed; valid: sft, dpo, packing, ipc, sync, sp" in done.stderr
