@@ -20,9 +20,10 @@ taken in one multi-tensor operation and read back once. DeepSpeed's takes a norm
 launches at 1.5B), marks a non-finite total with a ``-1`` it copies from the host (a blocking copy: on a GPU the host
 waits for the device), reads the total back to test it, and reads the clip coefficient back to decide whether to
 multiply. Here ``_foreach_norm`` takes the same per-parameter float32 norms (the per-tensor kernels on a CPU: the same
-bits), squared, summed and rooted as DeepSpeed does; the total is read back once, which decides the skip and is the
-norm the engine logs; the coefficient, DeepSpeed's expression, is clamped at 1 and always multiplied (by exactly 1.0
-when nothing clips: the same bits), so nothing else waits.
+bits; on a GPU its fused kernel may round a norm in its last bit), squared, summed and rooted as DeepSpeed does; the
+total is read back once, which decides the skip and is the norm the engine logs; the coefficient, DeepSpeed's
+expression, is clamped at 1 and always multiplied (by exactly 1.0 when nothing clips: the same bits), so nothing else
+waits.
 """
 
 from __future__ import annotations
