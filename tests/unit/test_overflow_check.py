@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shared_helpers import bf16_one_rank_worker, random_sft_step, saved_by_subprocess
+from shared_helpers import (
+    assert_the_poisoned_step_was_skipped,
+    bf16_one_rank_worker,
+    bf16_step_trace,
+    saved_by_subprocess,
+)
 
-STEPS, ROWS, MICRO = 3, 4, 2
+STEPS, ROWS, MICRO = 3, 4, 2  # step 1 clips (max_grad_norm 1.0), 2-3 do not; then one poisoned step
 
 
 def _run(worker, steps: int) -> dict:
-    """``steps`` clean steps of 2 micro-batches, then one whose gradient of a single weight is NaN: the traces, the
-    weights after the clean steps and after the poisoned one, and the tensors the overflow test read back per step."""
-    from rlhf.distributed.engine import iter_full_state
+    """:func:`shared_helpers.bf16_step_trace` (``steps`` clean steps of 2 micro-batches, then one whose gradient of a
+    single weight is NaN), with the tensors the overflow test read back per step."""
     from rlhf.utils.host_reads import HostReads
 
     checker = worker.engine.engine.optimizer.overflow_checker
@@ -29,23 +33,10 @@ def _run(worker, steps: int) -> dict:
         return answer
 
     checker.has_overflow = counted
-    gen, trace = torch.Generator().manual_seed(0), []
-    for poisoned in [False] * steps + [True]:
-        if poisoned:
-            clean = {n: t.clone() for n, t in iter_full_state(worker.model, worker.zero_stage)}
-            weight = worker.model.get_parameter("model.layers.1.mlp.down_proj.weight")
-            hook = weight.register_hook(lambda grad: grad * float("nan"))
-        result, _ = random_sft_step(worker, gen, ROWS, MICRO)
-        trace.append((result.grad_norm, result.sums["loss_sum"], worker.engine.last_step_applied))
-    hook.remove()
-    return {
-        "trace": trace,
-        "clean": clean,
-        "after_poisoned_step": {n: t.clone() for n, t in iter_full_state(worker.model, worker.zero_stage)},
-        "reads": reads,
-        "optimizer": type(worker.engine.engine.optimizer).__name__,
-        "parameters": sum(1 for p in worker.model.parameters() if p.requires_grad),
-    }
+    run = bf16_step_trace(worker, steps, ROWS, MICRO, lambda o: [t for group in o.fp32_groups for t in group])
+    del run["last_micro"]
+    run["reads"] = reads
+    return run
 
 
 def _train(model_path: str, out_path: str, port: int) -> None:
@@ -78,10 +69,7 @@ def test_one_read_decides_as_deepspeeds_loop(trained):
     for name, weight in theirs["clean"].items():
         assert torch.equal(mine["clean"][name], weight), name
     # the poisoned step is skipped: reported as infinite and not applied, the weights where the clean steps left them
-    assert [applied for _, _, applied in mine["trace"]] == [True] * STEPS + [False]
-    assert mine["trace"][-1][0] == float("inf")
-    for name, weight in mine["clean"].items():
-        assert torch.equal(mine["after_poisoned_step"][name], weight), name
+    assert_the_poisoned_step_was_skipped(mine, STEPS)
 
 
 def test_one_read_reads_once_a_step(trained):
