@@ -311,10 +311,17 @@ class Service:
         self.httpd.server_close()
 
 
-def bf16_one_rank_worker(
-    label: str, model_path: str, zero_stage: int, rows: int, micro: int, total_steps: int, lr: float
+def one_rank_worker(
+    label: str,
+    model_path: str,
+    zero_stage: int,
+    rows: int,
+    micro: int,
+    total_steps: int,
+    lr: float,
+    precision: str = "bf16",
 ):
-    """A built one-rank bf16 ``TrainerWorker`` (in a :func:`saved_by_subprocess` process, after its process group):
+    """A built one-rank ``TrainerWorker`` (in a :func:`saved_by_subprocess` process, after its process group):
     ``rows`` rows a step in micro-batches of ``micro``, AdamW at ``lr``, clipping at 1.0."""
     from rlhf.distributed.engine import EngineSpec, OptimSpec
     from rlhf.distributed.worker import TrainerWorker
@@ -322,8 +329,8 @@ def bf16_one_rank_worker(
 
     worker = TrainerWorker(label, 0, 1)
     worker.build(
-        ModelSpec(path=model_path, precision="bf16"),
-        EngineSpec(zero_stage=zero_stage, precision="bf16", micro_batch_size=micro, grad_accum_steps=rows // micro),
+        ModelSpec(path=model_path, precision=precision),
+        EngineSpec(zero_stage=zero_stage, precision=precision, micro_batch_size=micro, grad_accum_steps=rows // micro),
         OptimSpec(lr=lr, total_steps=total_steps, max_grad_norm=1.0),
     )
     return worker
@@ -409,11 +416,10 @@ def host_reads_outside_modules(model, fn: Callable[[], Any]) -> Tuple[Any, int]:
     return out, reads.total - inside[0]
 
 
-def count_wrapper_steps(optimizer) -> List[Tuple[int, int]]:
-    """Wrap ``optimizer.step`` (a DeepSpeed bf16 wrapper's) so that each call appends ``(ops, host reads)`` to the list
-    returned: the aten operations that compute (views and detaches only relabel memory; a multi-tensor one counts once,
-    as it is one launch on a GPU) and the host reads (``rlhf.utils.host_reads``) of the wrapper's step, less those of
-    the torch optimizer's step inside it (unfused on a CPU: a Python loop of its own)."""
+def counting(fn: Callable[..., Any], out: List[Tuple[int, int]]) -> Callable[..., Any]:
+    """``fn``, appending ``(ops, host reads)`` to ``out`` at each call: the aten operations that compute (views and
+    detaches only relabel memory; a multi-tensor one counts once, as it is one launch on a GPU) and the host reads
+    (``rlhf.utils.host_reads``) it made."""
     from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC2701 (torch exports it nowhere else)
 
     from rlhf.utils.host_reads import HostReads
@@ -427,16 +433,20 @@ def count_wrapper_steps(optimizer) -> List[Tuple[int, int]]:
             self.count += not func.is_view
             return func(*args, **(kwargs or {}))
 
-    def counting(step, out: List[Tuple[int, int]]):
-        def counted(*args, **kwargs):
-            ops, reads = Ops(), HostReads()
-            with ops, reads:
-                result = step(*args, **kwargs)
-            out.append((ops.count, reads.total))
-            return result
+    def counted(*args, **kwargs):
+        ops, reads = Ops(), HostReads()
+        with ops, reads:
+            result = fn(*args, **kwargs)
+        out.append((ops.count, reads.total))
+        return result
 
-        return counted
+    return counted
 
+
+def count_wrapper_steps(optimizer) -> List[Tuple[int, int]]:
+    """Wrap ``optimizer.step`` (a DeepSpeed bf16 wrapper's) so that each call appends ``(ops, host reads)``
+    (:func:`counting`) to the list returned, less those of the torch optimizer's step inside it (unfused on a CPU: a
+    Python loop of its own)."""
     counts: List[Tuple[int, int]] = []
     inner: List[Tuple[int, int]] = []
     wrapper_step = optimizer.step

@@ -11,8 +11,8 @@ import pytest
 import torch
 from shared_helpers import (
     assert_the_poisoned_step_was_skipped,
-    bf16_one_rank_worker,
     bf16_step_trace,
+    one_rank_worker,
     saved_by_subprocess,
 )
 
@@ -44,7 +44,7 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     for label in ("flat", "loop"):
         FlatLowPrecisionGrads.applies_to = staticmethod(applies if label == "flat" else lambda optimizer: False)
         loop_calls[0] = 0
-        worker = bf16_one_rank_worker(label, model_path, 1, ROWS, MICRO, STEPS + 1, LR)
+        worker = one_rank_worker(label, model_path, 1, ROWS, MICRO, STEPS + 1, LR)
         optimizer = worker.engine.engine.optimizer
         run = bf16_step_trace(worker, STEPS, ROWS, MICRO, lambda o: o.fp32_groups_flat_partition)
         micro = run.pop("last_micro")

@@ -28,8 +28,9 @@ def test_effective_stage():
 def _train(model_path: str, out_path: str, port: int) -> None:
     """In the subprocess: per precision, a one-rank group asked for ZeRO 2 (built as ZeRO 1) and a real one-rank
     ZeRO 2 (the mapping switched off), each 3 optimizer steps of 2 micro-batches; saves weights, norms, losses and
-    the optimizer each built; in fp32 also the same for ZeRO 3, a frozen ZeRO-3 worker's build, and the asked-for
-    ZeRO 2 with ``model.tiled_head`` (the LM head in token tiles, rlhf.models.head) on the real engine."""
+    the optimizer each built; in fp32 also the same for ZeRO 3, a frozen ZeRO-3 worker's build, the asked-for ZeRO 2
+    with ``model.tiled_head`` (the LM head in token tiles, rlhf.models.head) on the real engine, and the asked-for
+    ZeRO 2 with DeepSpeed's contiguous gradients (its default, which one rank's fp32 ZeRO 1 turns off)."""
     import rlhf.distributed.engine as engine_module
     from rlhf.distributed.engine import EngineSpec, OptimSpec, iter_full_state
     from rlhf.distributed.worker import TrainerWorker
@@ -46,9 +47,12 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     ]
     cases += [("fp32", 3, "asked 3", mapped, False), ("fp32", 3, "real 3", real, False)]
     cases.append(("fp32", 2, "tiled", mapped, True))
+    cases.append(("fp32", 2, "contiguous", mapped, False))
     for precision, stage, label, mapping, tiled in cases:
         engine_module.effective_zero_stage = mapping
-        spec = EngineSpec(zero_stage=stage, precision=precision, micro_batch_size=MICRO, grad_accum_steps=ROWS // MICRO)
+        user = {"zero_optimization": {"contiguous_gradients": True}} if label == "contiguous" else None
+        spec = EngineSpec(zero_stage=stage, precision=precision, micro_batch_size=MICRO, grad_accum_steps=ROWS // MICRO,
+                          user_config=user)  # fmt: skip
         worker = TrainerWorker(label, 0, 1)
         worker.build(
             ModelSpec(path=model_path, precision=precision, tiled_head=tiled),
@@ -65,6 +69,7 @@ def _train(model_path: str, out_path: str, port: int) -> None:
         results[precision, label] = {
             "stage": worker.engine.spec.zero_stage,
             "optimizer": type(worker.engine.engine.optimizer).__name__,
+            "hooks": len(getattr(worker.engine.engine.optimizer, "_grad_acc_hooks", [])),
             "weights": {n: t.clone() for n, t in iter_full_state(worker.model, worker.zero_stage)},
             "weights_after_step_1": first,
             "partitioned": any(hasattr(p, "ds_numel") for p in worker.model.parameters()),
@@ -124,6 +129,18 @@ def test_asked_zero2_builds_zero1_and_steps_as_a_real_zero2_in_bf16(trained):
             mine, theirs = asked[key][name].double(), weight.double()
             rounding = 2**-7 * torch.maximum(mine.abs(), theirs.abs())
             assert bool(((mine - theirs).abs() <= slack + rounding).all()), (key, name)
+
+
+def test_one_rank_fp32_zero1_takes_no_hook_and_the_steps_of_contiguous_gradients(trained):
+    """DeepSpeed's fp32 ZeRO-1 optimizer hooks every parameter when gradients are kept contiguous; one rank turns
+    that off (rlhf.distributed.engine.build_ds_config) and must take the same steps: the same losses, norms and
+    weights, bit for bit, as the engine with DeepSpeed's default."""
+    ours, default = trained["fp32", "asked 2"], trained["fp32", "contiguous"]
+    assert (ours["stage"], default["stage"]) == (1, 1)
+    assert ours["hooks"] == 0 and default["hooks"] == len(default["weights"])
+    assert ours["trace"] == default["trace"]
+    for name, weight in default["weights"].items():
+        assert torch.equal(ours["weights"][name], weight), name
 
 
 def test_asked_zero3_builds_zero1_with_the_weights_of_a_real_zero3(trained):

@@ -10,8 +10,8 @@ import pytest
 import torch
 from shared_helpers import (
     assert_the_poisoned_step_was_skipped,
-    bf16_one_rank_worker,
     bf16_step_trace,
+    one_rank_worker,
     saved_by_subprocess,
 )
 
@@ -50,7 +50,7 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     results = {}
     for label in ("one read", "loop"):
         engine_module.check_overflow_in_one_read = one_read if label == "one read" else lambda optimizer: None
-        worker = bf16_one_rank_worker(label, model_path, 0, ROWS, MICRO, STEPS + 1, 1e-3)
+        worker = one_rank_worker(label, model_path, 0, ROWS, MICRO, STEPS + 1, 1e-3)
         results[label] = _run(worker, STEPS)
     engine_module.check_overflow_in_one_read = one_read
     engine_module.unfused_step_applies = multi_tensor

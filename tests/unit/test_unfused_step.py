@@ -9,8 +9,8 @@ import pytest
 import torch
 from shared_helpers import (
     assert_the_poisoned_step_was_skipped,
-    bf16_one_rank_worker,
     bf16_step_trace,
+    one_rank_worker,
     saved_by_subprocess,
 )
 
@@ -35,7 +35,7 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     results = {}
     for label in ("multi-tensor", "deepspeed"):
         engine_module.unfused_step_applies = applies if label == "multi-tensor" else lambda optimizer: False
-        worker = bf16_one_rank_worker(label, model_path, 0, ROWS, MICRO, STEPS + 1, 1e-3)
+        worker = one_rank_worker(label, model_path, 0, ROWS, MICRO, STEPS + 1, 1e-3)
         results[label] = _run(worker)
     engine_module.unfused_step_applies = applies
     torch.save(results, out_path)
