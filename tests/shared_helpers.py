@@ -361,6 +361,19 @@ def saved_by_subprocess(test_file: str, function: str, model: str, out, timeout_
     return torch.load(out)
 
 
+def subprocess_fixture(test_file: str, function: str = "_train", name: str = "trained"):
+    """A module-scoped fixture ``name``: what ``function`` of the test module ``test_file`` saved, run once by
+    :func:`saved_by_subprocess` on the session's tiny model. In the module:
+    ``trained = subprocess_fixture(__file__)``."""
+    import pytest
+
+    def fixture(tiny_model, tmp_path_factory):
+        stem = os.path.splitext(os.path.basename(test_file))[0]
+        return saved_by_subprocess(test_file, function, tiny_model, tmp_path_factory.mktemp(stem) / "results.pt")
+
+    return pytest.fixture(scope="module", name=name)(fixture)
+
+
 def preflight(cfg, *args, **kwargs):
     """:func:`rlhf.trainers.preflight.preflight` of ``cfg`` under its trainer's descriptor, looked up by the config's
     class as the command lines do (the core takes the descriptor; only the layer above the trainers looks it up)."""

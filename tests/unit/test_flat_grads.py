@@ -7,13 +7,12 @@ gloo group."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from shared_helpers import (
     assert_the_poisoned_step_was_skipped,
     bf16_step_trace,
     one_rank_worker,
-    saved_by_subprocess,
+    subprocess_fixture,
 )
 
 STEPS, ROWS, MICRO, LR = 4, 6, 2, 1e-3  # steps 1-2 clip (max_grad_norm 1.0), 3-4 do not; then one poisoned step
@@ -70,9 +69,7 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     torch.save(results, out_path)
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_model, tmp_path_factory):
-    return saved_by_subprocess(__file__, "_train", tiny_model, tmp_path_factory.mktemp("flat") / "results.pt")
+trained = subprocess_fixture(__file__)
 
 
 def test_flat_gradients_take_the_steps_of_deepspeeds_loop_bit_for_bit(trained):

@@ -4,9 +4,8 @@ engines run in a subprocess with its own one-rank gloo group."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-from shared_helpers import counting, one_rank_worker, random_sft_step, saved_by_subprocess
+from shared_helpers import counting, one_rank_worker, random_sft_step, subprocess_fixture
 
 STEPS, ROWS, MICRO = 4, 4, 2  # steps 1-2 clip (max_grad_norm 1.0), 3-4 do not
 
@@ -44,9 +43,7 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     torch.save(results, out_path)
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_model, tmp_path_factory):
-    return saved_by_subprocess(__file__, "_train", tiny_model, tmp_path_factory.mktemp("fp32_clip") / "results.pt")
+trained = subprocess_fixture(__file__)
 
 
 def test_the_multi_tensor_clip_takes_deepspeeds_steps_bit_for_bit(trained):

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from shared_helpers import random_sft_step, run_main, saved_by_subprocess
+from shared_helpers import random_sft_step, run_main, subprocess_fixture
 
 from rlhf.distributed.engine import effective_zero_stage
 
@@ -91,9 +91,7 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     torch.save(results, out_path)
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_model, tmp_path_factory):
-    return saved_by_subprocess(__file__, "_train", tiny_model, tmp_path_factory.mktemp("one_rank") / "results.pt")
+trained = subprocess_fixture(__file__)
 
 
 def test_asked_zero2_builds_zero1_with_the_weights_of_a_real_zero2_in_fp32(trained):

@@ -6,13 +6,12 @@ with its own one-rank gloo group."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from shared_helpers import (
     assert_the_poisoned_step_was_skipped,
     bf16_step_trace,
     one_rank_worker,
-    saved_by_subprocess,
+    subprocess_fixture,
 )
 
 STEPS, ROWS, MICRO = 3, 4, 2  # step 1 clips (max_grad_norm 1.0), 2-3 do not; then one poisoned step
@@ -57,9 +56,7 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     torch.save(results, out_path)
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_model, tmp_path_factory):
-    return saved_by_subprocess(__file__, "_train", tiny_model, tmp_path_factory.mktemp("overflow") / "results.pt")
+trained = subprocess_fixture(__file__)
 
 
 def test_one_read_decides_as_deepspeeds_loop(trained):

@@ -5,13 +5,12 @@ DeepSpeed walks every parameter. The engines run in a subprocess with its own on
 
 from __future__ import annotations
 
-import pytest
 import torch
 from shared_helpers import (
     assert_the_poisoned_step_was_skipped,
     bf16_step_trace,
     one_rank_worker,
-    saved_by_subprocess,
+    subprocess_fixture,
 )
 
 STEPS, ROWS, MICRO = 4, 4, 2  # steps 1-2 clip (max_grad_norm 1.0), 3-4 do not; then one poisoned step
@@ -41,9 +40,7 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     torch.save(results, out_path)
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_model, tmp_path_factory):
-    return saved_by_subprocess(__file__, "_train", tiny_model, tmp_path_factory.mktemp("unfused") / "results.pt")
+trained = subprocess_fixture(__file__)
 
 
 def test_the_multi_tensor_step_takes_deepspeeds_steps_bit_for_bit(trained):

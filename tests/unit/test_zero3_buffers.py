@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shared_helpers import saved_by_subprocess
+from shared_helpers import subprocess_fixture
 
 # name: (kind, trainable, lora rank, precision). fp32: zero.Init casts nothing, the config is left as it was.
 CASES = {
@@ -86,9 +86,7 @@ def _probe(model_path: str, out_path: str, port: int) -> None:
     torch.save(results, out_path)
 
 
-@pytest.fixture(scope="module")
-def builds(tiny_model, tmp_path_factory):
-    return saved_by_subprocess(__file__, "_probe", tiny_model, tmp_path_factory.mktemp("zero3") / "builds.pt")
+builds = subprocess_fixture(__file__, "_probe", "builds")
 
 
 @pytest.mark.parametrize("case", list(CASES))
