@@ -247,15 +247,21 @@ class _TargetLogProbs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         n, vocab = logits.shape
         grad_columns = grad_out.reshape(columns.shape)
+        in_place = grad.dtype == _compute_dtype(logits.dtype)  # no cast back: the chunk is built in `grad` itself
         for start, stop in _chunks(n, vocab):
             x = _scaled_upcast(logits[start:stop], ctx.temperature)
             if edges is not None:
                 x = drop_below(x, edges[start:stop])  # the kept set is piecewise constant: no gradient of its own
             g = grad_columns[start:stop].to(x.dtype)
             # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z) for each target y of the row, and z = logits / T.
-            chunk = torch.exp(x - lse[start:stop, None]).mul_(-g.sum(-1, keepdim=True))
-            chunk.scatter_add_(-1, columns[start:stop], g)
-            grad[start:stop] = chunk.div_(ctx.temperature)
+            # Each pass over the (rows, V) chunk is a pass over the step's largest tensor: the chunk is built in place
+            # (in `grad` when no cast is due) and divided only by a temperature other than 1 (x / 1.0 is x).
+            chunk = torch.sub(x, lse[start:stop, None], out=grad[start:stop] if in_place else None).exp_()
+            chunk.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, columns[start:stop], g)
+            if ctx.temperature != 1.0:
+                chunk.div_(ctx.temperature)
+            if not in_place:
+                grad[start:stop] = chunk
         return grad, None, None, None
 
 
@@ -271,7 +277,7 @@ class _Entropy(torch.autograd.Function):
         for start, stop in _chunks(n, vocab):
             x = _scaled_upcast(logits[start:stop], 1.0)
             lse[start:stop] = torch.logsumexp(x, dim=-1)
-            p = torch.exp(x - lse[start:stop, None])
+            p = torch.sub(x, lse[start:stop, None]).exp_()
             out[start:stop] = lse[start:stop] - _expected(p, x)
         ctx.save_for_backward(logits, lse, out)
         return out
@@ -285,7 +291,7 @@ class _Entropy(torch.autograd.Function):
         mean_logit = lse - entropy  # E_p[z] = logsumexp(z) - H
         for start, stop in _chunks(n, vocab):
             x = _scaled_upcast(logits[start:stop], 1.0)
-            p = torch.exp(x - lse[start:stop, None])
+            p = torch.sub(x, lse[start:stop, None]).exp_()
             # dH/dz_i = -p_i (z_i - E_p[z]); where p_i == 0 the term is 0 even if z_i = -inf.
             centred = torch.where(p > 0, x - mean_logit[start:stop, None], 0.0)
             grad[start:stop] = p.mul_(centred).mul_(-grad_out[start:stop].to(x.dtype)[:, None])
@@ -326,7 +332,7 @@ class _HeadLogProbs(torch.autograd.Function):
                 x = drop_below(x, edges[start:stop])
             lse[start:stop] = torch.logsumexp(x, dim=-1)
             logps[start:stop] = target - lse[start:stop]
-            entropy[start:stop] = lse[start:stop] - _expected(torch.exp(x - lse[start:stop, None]), x)
+            entropy[start:stop] = lse[start:stop] - _expected(torch.sub(x, lse[start:stop, None]).exp_(), x)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, edges)
         ctx.temperature = temperature
         return logps, entropy
@@ -345,7 +351,7 @@ class _HeadLogProbs(torch.autograd.Function):
             x = _scaled_upcast(torch.nn.functional.linear(rows, weight, bias), ctx.temperature)
             if edges is not None:
                 x = drop_below(x, edges[start:stop])
-            p = torch.exp(x - lse[start:stop, None])
+            p = torch.sub(x, lse[start:stop, None]).exp_()
             g = grad_logps[start:stop].to(x.dtype)[:, None]
             # d log p_y / dx = onehot(y) - p;  dH / dx_i = -p_i (x_i - E_p[x]) (0 where p_i = 0, x_i = -inf)
             grad_x = p * -g
@@ -353,7 +359,8 @@ class _HeadLogProbs(torch.autograd.Function):
             if grad_entropy is not None:
                 centred = torch.where(p > 0, x - mean_x[start:stop, None], 0.0)
                 grad_x -= p * centred * grad_entropy[start:stop].to(x.dtype)[:, None]
-            grad_logits = grad_x.div_(ctx.temperature)  # x = logits / temperature
+            # x = logits / temperature (x / 1.0 is x: no pass over the tile for it)
+            grad_logits = grad_x.div_(ctx.temperature) if ctx.temperature != 1.0 else grad_x
             low = grad_logits.to(hidden.dtype)  # the gradient the whole-logits path hands the LM head
             grad_hidden[start:stop] = low @ weight
             grad_weight += low.t().to(grad_weight.dtype) @ rows.to(grad_weight.dtype)

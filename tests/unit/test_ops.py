@@ -111,6 +111,47 @@ def test_token_logprobs_chunking_and_gradcheck(monkeypatch):
     assert torch.autograd.gradcheck(lambda z: token_logprobs(z, ids, temperature=0.7), (x,))
 
 
+def test_token_logprobs_gradient_at_temperature_one(monkeypatch):
+    """At temperature 1 the backward skips its division (x / 1.0 is x): the gradient is still exact, chunked or not."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 3, dtype=torch.float64)
+    ids = torch.randint(0, 3, (2, 4))
+    monkeypatch.setattr(lp_mod, "_CHUNK_ELEMENTS", 3)
+    x = logits.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda z: token_logprobs(z, ids), (x,))
+
+
+IN_PLACE = ["sub", "exp_", "mul_", "scatter_add_"]  # exp(z - lse) * -g built where it is kept, the targets added
+
+
+@pytest.mark.parametrize(
+    "dtype, passes", [(torch.float32, IN_PLACE), (torch.bfloat16, ["_to_copy", *IN_PLACE, "copy_"])]
+)
+def test_token_logprobs_backward_makes_no_pass_it_does_not_need(dtype, passes):
+    """The backward's passes over the ``(rows, V)`` logits, at temperature 1: the softmax built where it is kept (in
+    the gradient itself for float32 logits; from bf16, the logits upcast and the result cast once into the
+    gradient), no division by 1, no temporary copy. Each such pass is one over the step's largest tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC2701 (torch exports it nowhere else)
+
+    rows, vocab = 6, 50
+    logits = torch.randn(1, rows + 1, vocab).to(dtype).requires_grad_(True)
+    ids = torch.randint(0, vocab, (1, rows + 1))
+    out = token_logprobs(logits, ids)
+    seen = []
+
+    class Passes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if isinstance(result, torch.Tensor) and result.numel() >= rows * vocab and not func.is_view:
+                seen.append(name) if not name.startswith("empty") else None  # an allocation is no pass
+            return result
+
+    with Passes():
+        out.sum().backward()
+    assert seen == passes
+
+
 def test_token_logprobs_does_not_modify_float32_logits():
     logits = _two_token_logits().requires_grad_(True)
     before = logits.detach().clone()
