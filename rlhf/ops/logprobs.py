@@ -247,12 +247,14 @@ class _TargetLogProbs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         n, vocab = logits.shape
         grad_columns = grad_out.reshape(columns.shape)
-        in_place = grad.dtype == _compute_dtype(logits.dtype)  # no cast back: the chunk is built in `grad` itself
+        in_place = grad.dtype == lse.dtype  # no cast back: the chunk is built in `grad` itself
         for start, stop in _chunks(n, vocab):
-            x = _scaled_upcast(logits[start:stop], ctx.temperature)
+            # At temperature 1 bf16 logits need no upcast copy: the subtraction below widens them as it reads them
+            # (exactly: every bf16 value is a float32 value), into a float32 result.
+            x = logits[start:stop] if ctx.temperature == 1.0 else _scaled_upcast(logits[start:stop], ctx.temperature)
             if edges is not None:
                 x = drop_below(x, edges[start:stop])  # the kept set is piecewise constant: no gradient of its own
-            g = grad_columns[start:stop].to(x.dtype)
+            g = grad_columns[start:stop].to(lse.dtype)
             # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z) for each target y of the row, and z = logits / T.
             # Each pass over the (rows, V) chunk is a pass over the step's largest tensor: the chunk is built in place
             # (in `grad` when no cast is due) and divided only by a temperature other than 1 (x / 1.0 is x).
