@@ -22,7 +22,14 @@ from typing import Any, Iterator, Optional, Tuple
 import torch
 
 from rlhf.models.forward import lm_logits
-from rlhf.ops.logprobs import SamplingFilter, head_token_logprobs, logprobs_at, tempered_entropy, token_logprobs
+from rlhf.ops.logprobs import (
+    SamplingFilter,
+    head_token_logprobs,
+    logprobs_at,
+    tempered_entropy,
+    token_logprobs,
+    token_logprobs_with_entropy_metric,
+)
 
 Tensor = torch.Tensor
 _FLAG = "_rlhf_tiled_head"  # set on the HF module a worker loaded with ModelSpec.tiled_head
@@ -119,12 +126,20 @@ def token_outputs(
             ent = ent.detach()
         return TokenOutputs(hidden.per_token(logps), None if entropy == "none" else hidden.per_token(ent))
     out = lm_logits(model, input_ids, attention_mask, packing)
-    if at_ids is not None and sampling_filter is not None and sampling_filter.active(out.logits.shape[-1]):
+    filtered = sampling_filter is not None and sampling_filter.active(out.logits.shape[-1])
+    if at_ids is not None and filtered:
         raise ValueError("log-probs at given ids are of the whole vocabulary's softmax: not with a sampling filter")
-    logps = out.per_token(
-        token_logprobs(out.logits, out.input_ids, temperature, sampling_filter, next_ids=out.next_ids)
-    )
+    value: Optional[Tensor] = None
+    if entropy == "value" and temperature == 1.0 and not filtered:  # the metric from the log-probs' own pass
+        logps, value = token_logprobs_with_entropy_metric(out.logits, out.input_ids, next_ids=out.next_ids)
+        logps, value = out.per_token(logps), out.per_token(value)
+    else:
+        logps = out.per_token(
+            token_logprobs(out.logits, out.input_ids, temperature, sampling_filter, next_ids=out.next_ids)
+        )
     at = None if at_ids is None else out.per_token(logprobs_at(out.logits, out.layout.place(at_ids), temperature))
+    if value is not None:
+        return TokenOutputs(logps, value, at)
     if entropy == "none":
         return TokenOutputs(logps, None, at)
     if entropy == "grad":

@@ -224,18 +224,8 @@ class _TargetLogProbs(torch.autograd.Function):
         temperature: float,
         edges: Optional[Tensor] = None,
     ) -> Tensor:
-        n, vocab = logits.shape
-        dtype = _compute_dtype(logits.dtype)
-        columns = targets.view(n, -1)  # (N, K), K = 1 for one target a row
-        out = torch.empty(columns.shape, dtype=dtype, device=logits.device)
-        lse = torch.empty(n, dtype=dtype, device=logits.device)
-        for start, stop in _chunks(n, vocab):
-            x = _scaled_upcast(logits[start:stop], temperature)
-            if edges is not None:
-                x = drop_below(x, edges[start:stop])
-            lse[start:stop] = torch.logsumexp(x, dim=-1)
-            # Gather-minus-logsumexp: only the target columns of log-softmax are ever formed.
-            out[start:stop] = x.gather(-1, columns[start:stop]) - lse[start:stop, None]
+        columns = targets.view(logits.shape[0], -1)  # (N, K), K = 1 for one target a row
+        out, lse = _target_logprobs(logits, columns, temperature, edges)
         ctx.save_for_backward(logits, columns, lse, edges)
         ctx.temperature = temperature
         return out.view(targets.shape)
@@ -265,6 +255,50 @@ class _TargetLogProbs(torch.autograd.Function):
             if not in_place:
                 grad[start:stop] = chunk
         return grad, None, None, None
+
+
+def _target_logprobs(
+    logits: Tensor, columns: Tensor, temperature: float, edges: Optional[Tensor], entropy: Optional[Tensor] = None
+) -> Tuple[Tensor, Tensor]:
+    """:class:`_TargetLogProbs`' forward, chunk by chunk: ``(N, K)`` log-probs of ``columns`` and the ``(N,)``
+    logsumexp of ``logits / temperature`` (over the kept set with ``edges``). With ``entropy`` (an ``(N,)`` buffer,
+    temperature 1, no edges) it also holds each row's entropy, from the same upcast chunk and logsumexp,
+    computed as :class:`_Entropy` computes it (the same chunks: the same bits)."""
+    n, vocab = logits.shape
+    dtype = _compute_dtype(logits.dtype)
+    out = torch.empty(columns.shape, dtype=dtype, device=logits.device)
+    lse = torch.empty(n, dtype=dtype, device=logits.device)
+    for start, stop in _chunks(n, vocab):
+        x = _scaled_upcast(logits[start:stop], temperature)
+        if edges is not None:
+            x = drop_below(x, edges[start:stop])
+        lse[start:stop] = torch.logsumexp(x, dim=-1)
+        # Gather-minus-logsumexp: only the target columns of log-softmax are ever formed.
+        out[start:stop] = x.gather(-1, columns[start:stop]) - lse[start:stop, None]
+        if entropy is not None:
+            entropy[start:stop] = lse[start:stop] - _expected(torch.sub(x, lse[start:stop, None]).exp_(), x)
+    return out, lse
+
+
+class _TargetLogProbsAndEntropy(torch.autograd.Function):
+    """:class:`_TargetLogProbs` at temperature 1 over the whole vocabulary, and the entropy of each row's
+    distribution (no gradient) from the same pass: one upcast and one logsumexp a chunk serve both, where
+    :class:`_TargetLogProbs` and :class:`_Entropy` would each make their own. ``(N, V)`` logits and ``(N,)`` targets
+    in; ``(N,)`` log-probs and ``(N,)`` entropies out, float32 (float64 for float64 logits)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor]:
+        columns = targets.view(logits.shape[0], 1)
+        entropy = torch.empty(logits.shape[0], dtype=_compute_dtype(logits.dtype), device=logits.device)
+        out, lse = _target_logprobs(logits, columns, 1.0, None, entropy)
+        ctx.save_for_backward(logits, columns, lse, None)
+        ctx.temperature = 1.0
+        ctx.mark_non_differentiable(entropy)
+        return out.view(targets.shape), entropy
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor, _grad_entropy: Optional[Tensor]):
+        return _TargetLogProbs.backward(ctx, grad_out)[:2]
 
 
 class _Entropy(torch.autograd.Function):
@@ -543,6 +577,30 @@ def token_logprobs(
         flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), targets.reshape(-1).long(), float(temperature), edges)
     per_position = flat.view(batch, length)
     return per_position if next_ids is not None else align_to_tokens(per_position)
+
+
+def token_logprobs_with_entropy_metric(
+    logits: Tensor, input_ids: Tensor, *, next_ids: Optional[Tensor] = None
+) -> Tuple[Tensor, Tensor]:
+    """:func:`token_logprobs` at temperature 1 over the whole vocabulary and :func:`entropy_from_logits` of the same
+    positions, aligned alike, the entropy without a gradient (a metric): the same values as the two calls, from one
+    pass over the logits where the two make one each (each upcasts the logits and takes their logsumexp).
+
+    Args:
+        logits: ``(B, T, V)`` causal-LM logits; ``input_ids``: ``(B, T)``; ``next_ids``: as in
+            :func:`token_logprobs`.
+
+    Returns:
+        ``(logps, entropy)``, each ``(B, T)`` float32 (float64 for float64 logits).
+    """
+    _check_logits(logits, input_ids)
+    batch, length, vocab = logits.shape
+    targets = input_ids.roll(-1, dims=1) if next_ids is None else next_ids
+    flat, entropy = _TargetLogProbsAndEntropy.apply(logits.reshape(-1, vocab), targets.reshape(-1).long())
+    per_position = flat.view(batch, length), entropy.view(batch, length)
+    if next_ids is not None:
+        return per_position
+    return align_to_tokens(per_position[0]), align_to_tokens(per_position[1])
 
 
 def entropy_from_logits(logits: Tensor, aligned: bool = True) -> Tensor:

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from rlhf.ops import logprobs as lp_mod
-from rlhf.ops.logprobs import entropy_from_logits, masked_mean, masked_sum, sequence_logprobs, token_logprobs
+from rlhf.ops.logprobs import (
+    entropy_from_logits,
+    masked_mean,
+    masked_sum,
+    sequence_logprobs,
+    token_logprobs,
+    token_logprobs_with_entropy_metric,
+)
 from rlhf.ops.losses import normalize, sft_nll_sum
 from rlhf.ops.preference import (
     DPO_LOSSES,
@@ -149,6 +156,35 @@ def test_token_logprobs_backward_makes_no_pass_it_does_not_need(dtype, passes):
     with Passes():
         out.sum().backward()
     assert seen == passes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("chunk", [None, 40])
+@pytest.mark.parametrize("shifted", [True, False])
+def test_log_probs_with_the_entropy_metric_are_the_two_calls_bit_for_bit(dtype, chunk, shifted, monkeypatch):
+    """One pass for the log-probs and the entropy metric (the RL update's): the values of :func:`token_logprobs`
+    and :func:`entropy_from_logits`, and the log-probs' gradient, bit for bit; the entropy carries no gradient."""
+    if chunk is not None:  # several chunks of rows (40 elements: 4 rows of V = 10)
+        monkeypatch.setattr(lp_mod, "_CHUNK_ELEMENTS", chunk)
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 5, 10) * 4).to(dtype)
+    ids = torch.randint(0, 10, (3, 5))
+    next_ids = None if shifted else torch.randint(0, 10, (3, 5))
+    weights = torch.randn(3, 5, dtype=torch.float64)
+    results = []
+    for fused in (True, False):
+        x = logits.clone().requires_grad_(True)
+        if fused:
+            logps, entropy = token_logprobs_with_entropy_metric(x, ids, next_ids=next_ids)
+            assert not entropy.requires_grad
+        else:
+            logps = token_logprobs(x, ids, next_ids=next_ids)
+            with torch.no_grad():
+                entropy = entropy_from_logits(x.detach(), aligned=shifted)
+        (logps * weights.to(logps.dtype)).sum().backward()
+        results.append((logps.detach(), entropy, x.grad))
+    for mine, theirs in zip(*results):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
 
 
 def test_token_logprobs_does_not_modify_float32_logits():
