@@ -51,6 +51,7 @@ if REPO not in sys.path:
 WARMUP_STEPS = 2
 PROFILE = ""  # --profile
 PROFILED: set = set()  # the systems profiled so far
+ALL_CORES = os.cpu_count() or 1  # every system's torch threads (main() says why)
 PROMPT_TOKENS = 16  # RL and DPO rows: the first tokens are the prompt, the rest the response (the targets)
 DPO_BETA, CLIP = 0.1, 0.2
 
@@ -202,9 +203,7 @@ def rlhf_system(trainer: str, zero: int, args, device) -> System:
     engine = dict(zero_stage=zero, precision=args.precision, user_config=args.ds or None)
 
     def setup():
-        worker = TrainerWorker(
-            f"bench-{trainer}", 0, 1, num_threads=os.cpu_count() or 1
-        )  # all cores, as the plain loops
+        worker = TrainerWorker(f"bench-{trainer}", 0, 1, num_threads=ALL_CORES)  # as the plain loops
         worker.device = device
         worker.build(
             ModelSpec(
@@ -478,8 +477,7 @@ def main(argv=None) -> int:
     # Every system runs on all the host's cores: a TrainerWorker sets torch's thread count when it is made (a Ray
     # actor's share), and made here with its default of one thread it left the first plain loop of a run on one core
     # (2.3 s a step against 1.28 s on 2 cores), until the first rlhf system set it back.
-    threads = os.cpu_count() or 1
-    TrainerWorker("bench", 0, 1, num_threads=threads).init_process_group(
+    TrainerWorker("bench", 0, 1, num_threads=ALL_CORES).init_process_group(
         "127.0.0.1", port, "nccl" if cuda else "gloo", timeout_s=60
     )
     budget = f" (rlhf: <= {args.max_tokens} tokens)" if args.max_tokens else ""

@@ -125,7 +125,8 @@ class FlatLowPrecisionGrads:
             raise NotImplementedError(f"{type(optimizer).__name__} does not support closure.")
         optimizer.overflow = False
         grads, _ = self._grads_for_norm()  # DeepSpeed's choice: each parameter's float32 sum, if it has one
-        total = _global_norm(grads) if grads else torch.zeros((), device=optimizer.fp32_groups_flat_partition[0].device)
+        device = optimizer.fp32_groups_flat_partition[0].device
+        total = multi_tensor_norm(grads) if grads else torch.zeros((), device=device)
         norm = float(total)  # the step's one read: the skip below, and the norm the engine logs
         if not math.isfinite(norm):  # a NaN or an infinity in some gradient: DeepSpeed skips the step
             optimizer.overflow = True
@@ -147,8 +148,9 @@ class FlatLowPrecisionGrads:
         optimizer.clear_hp_grads()
 
 
-def _global_norm(grads: List[torch.Tensor]) -> torch.Tensor:
-    """DeepSpeed's ``get_global_norm_of_tensors`` (2-norm, no model parallelism) of float32 ``grads``: each one's
-    norm, stacked, squared, summed and rooted on the device, the per-tensor norms taken in one ``_foreach_norm``
-    (DeepSpeed's loop takes ``t.float().norm(2.0)`` one tensor at a time). Not finite if any gradient is not."""
+def multi_tensor_norm(grads: List[torch.Tensor]) -> torch.Tensor:
+    """DeepSpeed's global 2-norm of float32 ``grads`` (``get_global_norm_of_tensors`` without model parallelism, and
+    ``clip_grad_norm_``'s before its mean over ranks): each one's norm, stacked, squared, summed and rooted on the
+    device, the per-tensor norms taken in one ``_foreach_norm`` (DeepSpeed's loops take ``t.float().norm(2.0)`` one
+    tensor at a time). Not finite if any gradient is not."""
     return torch.stack(torch._foreach_norm(grads, 2.0)).pow(2.0).sum().pow(1.0 / 2.0)

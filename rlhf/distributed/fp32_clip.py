@@ -23,6 +23,8 @@ from typing import Any, List
 
 import torch
 
+from rlhf.distributed.flat_grads import multi_tensor_norm
+
 
 def multi_tensor_clip_applies(ds_engine: Any) -> bool:
     """Whether ``ds_engine`` (a DeepSpeed engine) clips with the function this reproduces: fp32 weights without ZeRO
@@ -47,7 +49,7 @@ def install_multi_tensor_clip(ds_engine: Any) -> None:
         grads: List[torch.Tensor] = [p.grad for p in ds_engine.module.parameters() if p.grad is not None]
         if not grads:
             return
-        total = torch.stack(torch._foreach_norm(grads, 2.0)).pow(2.0).sum().pow(1.0 / 2.0)
+        total = multi_tensor_norm(grads)
         group = groups._get_data_parallel_group()
         ranks = dist.get_world_size(group=group)
         if ranks > 1:  # DeepSpeed's mean over ranks of the same norm, rounded as it rounds it

@@ -248,7 +248,7 @@ class _TargetLogProbs(torch.autograd.Function):
             # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z) for each target y of the row, and z = logits / T.
             # Each pass over the (rows, V) chunk is a pass over the step's largest tensor: the chunk is built in place
             # (in `grad` when no cast is due) and divided only by a temperature other than 1 (x / 1.0 is x).
-            chunk = torch.sub(x, lse[start:stop, None], out=grad[start:stop] if in_place else None).exp_()
+            chunk = _probabilities(x, lse[start:stop], out=grad[start:stop] if in_place else None)
             chunk.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, columns[start:stop], g)
             if ctx.temperature != 1.0:
                 chunk.div_(ctx.temperature)
@@ -276,7 +276,7 @@ def _target_logprobs(
         # Gather-minus-logsumexp: only the target columns of log-softmax are ever formed.
         out[start:stop] = x.gather(-1, columns[start:stop]) - lse[start:stop, None]
         if entropy is not None:
-            entropy[start:stop] = lse[start:stop] - _expected(torch.sub(x, lse[start:stop, None]).exp_(), x)
+            entropy[start:stop] = _entropy(x, lse[start:stop])
     return out, lse
 
 
@@ -313,8 +313,7 @@ class _Entropy(torch.autograd.Function):
         for start, stop in _chunks(n, vocab):
             x = _scaled_upcast(logits[start:stop], 1.0)
             lse[start:stop] = torch.logsumexp(x, dim=-1)
-            p = torch.sub(x, lse[start:stop, None]).exp_()
-            out[start:stop] = lse[start:stop] - _expected(p, x)
+            out[start:stop] = _entropy(x, lse[start:stop])
         ctx.save_for_backward(logits, lse, out)
         return out
 
@@ -327,7 +326,7 @@ class _Entropy(torch.autograd.Function):
         mean_logit = lse - entropy  # E_p[z] = logsumexp(z) - H
         for start, stop in _chunks(n, vocab):
             x = _scaled_upcast(logits[start:stop], 1.0)
-            p = torch.sub(x, lse[start:stop, None]).exp_()
+            p = _probabilities(x, lse[start:stop])
             # dH/dz_i = -p_i (z_i - E_p[z]); where p_i == 0 the term is 0 even if z_i = -inf.
             centred = torch.where(p > 0, x - mean_logit[start:stop, None], 0.0)
             grad[start:stop] = p.mul_(centred).mul_(-grad_out[start:stop].to(x.dtype)[:, None])
@@ -368,7 +367,7 @@ class _HeadLogProbs(torch.autograd.Function):
                 x = drop_below(x, edges[start:stop])
             lse[start:stop] = torch.logsumexp(x, dim=-1)
             logps[start:stop] = target - lse[start:stop]
-            entropy[start:stop] = lse[start:stop] - _expected(torch.sub(x, lse[start:stop, None]).exp_(), x)
+            entropy[start:stop] = _entropy(x, lse[start:stop])
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, edges)
         ctx.temperature = temperature
         return logps, entropy
@@ -387,7 +386,7 @@ class _HeadLogProbs(torch.autograd.Function):
             x = _scaled_upcast(torch.nn.functional.linear(rows, weight, bias), ctx.temperature)
             if edges is not None:
                 x = drop_below(x, edges[start:stop])
-            p = torch.sub(x, lse[start:stop, None]).exp_()
+            p = _probabilities(x, lse[start:stop])
             g = grad_logps[start:stop].to(x.dtype)[:, None]
             # d log p_y / dx = onehot(y) - p;  dH / dx_i = -p_i (x_i - E_p[x]) (0 where p_i = 0, x_i = -inf)
             grad_x = p * -g
@@ -452,6 +451,19 @@ def head_token_logprobs(
     if next_ids is not None:
         return logps, entropy
     return align_to_tokens(logps), align_to_tokens(entropy)
+
+
+def _probabilities(x: Tensor, lse: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """``softmax(x)`` of ``(rows, V)`` logits ``x`` (any floating dtype) given their ``(rows,)`` logsumexp ``lse``, as
+    ``exp(x - lse)`` in ``lse``'s dtype, built in place (in ``out`` when given): each pass over the chunk is one over
+    the step's largest tensor."""
+    return torch.sub(x, lse[:, None], out=out).exp_()
+
+
+def _entropy(x: Tensor, lse: Tensor) -> Tensor:
+    """``(rows,)`` entropy of ``softmax(x)`` for ``(rows, V)`` logits ``x`` and their logsumexp ``lse``:
+    ``logsumexp(x) - E_p[x]``."""
+    return lse - _expected(_probabilities(x, lse), x)
 
 
 def _expected(p: Tensor, x: Tensor) -> Tensor:
