@@ -56,15 +56,21 @@ PROMPT_TOKENS = 16  # RL and DPO rows: the first tokens are the prompt, the rest
 DPO_BETA, CLIP = 0.1, 0.2
 
 
+def prompt_tokens(seq: int) -> int:
+    """The prompt length of RL and DPO rows of up to ``seq`` tokens: :data:`PROMPT_TOKENS`, or half a row of fewer
+    than twice that (``--seq 16`` on the host-bound CPU model), so that every row has a response to train on."""
+    return min(PROMPT_TOKENS, seq // 2)
+
+
 # ----------------------------------------------------------------------------------------------- rows
 def row_lengths(kind: str, rows: int, seq: int, generator) -> "torch.Tensor":  # noqa: F821
-    """``(rows,)`` real lengths: all ``seq`` (uniform) or ``seq * u^3`` clamped to [2 * PROMPT_TOKENS, seq]."""
+    """``(rows,)`` real lengths: all ``seq`` (uniform) or ``seq * u^3`` clamped to [2 * prompt_tokens(seq), seq]."""
     import torch
 
     if kind == "uniform":
         return torch.full((rows,), seq, dtype=torch.long)
     u = torch.rand(rows, generator=generator, dtype=torch.float64)
-    return (seq * u**3).long().clamp(2 * PROMPT_TOKENS, seq)
+    return (seq * u**3).long().clamp(2 * prompt_tokens(seq), seq)
 
 
 def make_batch(trainer: str, rows: int, seq: int, vocab: int, kind: str, seed: int):
@@ -81,7 +87,7 @@ def make_batch(trainer: str, rows: int, seq: int, vocab: int, kind: str, seed: i
     columns = torch.arange(width)
     mask = (columns < lengths[..., None]).long()
     ids = torch.randint(4, vocab, (*shape, width), generator=gen) * mask
-    first_target = 1 if trainer in ("sft", "logprob") else PROMPT_TOKENS
+    first_target = 1 if trainer in ("sft", "logprob") else prompt_tokens(seq)
     loss_mask = mask * (columns >= first_target).long()
     if trainer == "dpo":
         return Batch(input_ids=ids, attention_mask=mask, loss_mask=loss_mask, ref_logps=-5.0 * lengths.double())
@@ -436,6 +442,8 @@ def main(argv=None) -> int:
         "--profile", default="", help="profile one more step of the systems whose name has one of these (comma list)"
     )
     args = parser.parse_args(argv)
+    if args.seq < 2:
+        parser.error(f"--seq {args.seq}: a row needs at least 2 tokens (a prompt token and a target)")
     cuda = args.device == "cuda"
     args.precision = args.precision or ("bf16" if cuda else "fp32")
     args.plain = (args.plain or ("autocast,bf16" if cuda else "fp32")).split(",")

@@ -69,6 +69,30 @@ def test_cpu_twin_packed_under_a_token_budget(tiny_model, tmp_path):
     assert rank["tokens_per_s"] * rank["s_per_step"] < 8 * 64  # long-tailed: fewer real tokens than 8 full rows
 
 
+def _bench_step():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_step_module", ROOT / "bench" / "bench_step.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kind", ["uniform", "longtail"])
+def test_every_rl_and_dpo_row_has_a_response_to_train_on_however_short(kind):
+    """The RL and DPO rows' prompt is 16 tokens, or half a row of fewer than 32 (``--seq 16`` on the host-bound CPU
+    model once gave the RL update no target token at all, and DPO a loss of empty responses)."""
+    bench = _bench_step()
+    for seq in (2, 16, 33, 1024):
+        for trainer in ("dpo", "rl"):
+            batch = bench.make_batch(trainer, 8, seq, 50, kind, seed=0)
+            targets = batch.loss_mask[..., 1:].sum(-1)
+            assert (targets > 0).all() and (targets < batch.attention_mask.sum(-1)).all(), (seq, trainer)
+    with pytest.raises(SystemExit):
+        bench.main(["--seq", "1"])
+
+
 def test_the_gpu_session_script_is_valid_bash_and_asks_only_for_existing_options():
     """``bench/gpu_session.sh`` runs on a lent GPU, where a typo costs device time: every ``--option`` it passes is
     one that ``bench_step.py`` or ``gpu_check.py`` defines."""
