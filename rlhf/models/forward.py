@@ -8,9 +8,10 @@ layout (:meth:`Layout.restore`), for the LM's log-probs (:class:`LMLogits`) and 
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -77,19 +78,31 @@ def _run(model: Any, input_ids: Tensor, attention_mask: Tensor, packing: Optiona
 # Attention implementations whose padding mask transformers builds with ``sdpa_mask``: a boolean (B, 1, T, T) mask,
 # True where a query may attend to a key.
 _BOOLEAN_MASKS = ("sdpa", VARLEN_TORCH)
+# Attention implementations that run their causal kernel when a layer is handed no mask (what transformers hands
+# each layer once it has read a 2-D mask of all ones): sdpa's ``is_causal``, rlhf_varlen unpacked (transformers'
+# sdpa), flash-attention's causal flag.
+_CAUSAL_WITHOUT_MASK = ("sdpa", VARLEN_TORCH, "flash_attention_2", "flash_attention_3")
 
 
-def _mask_argument(model: Any, attention_mask: Tensor, lengths: Optional[List[int]]) -> Tensor:
-    """The attention mask the padded forward hands the model. transformers reads a 2-D mask back twice when a row
-    is padded (to find that it cannot use the causal kernel alone); with the row lengths known on the host
-    (rlhf.models.host_layout), an implementation that takes a boolean mask, and a model of causal layers only, the
-    mask it would then build (causal, no key in a row's padding) is built here, without a read. Unpadded rows keep
-    the 2-D mask: transformers reads it once and picks the causal kernel, which a ready-made mask would forgo (and
-    no mask at all makes it read the position ids instead, looking for packed rows)."""
+def _mask_argument(model: Any, attention_mask: Tensor, lengths: Optional[List[int]]) -> Union[Tensor, Dict[str, None]]:
+    """The attention mask the padded forward hands the model, built without reading the device when the row lengths
+    are known on the host (rlhf.models.host_layout) and every attention layer of the model is full causal attention.
+
+    transformers reads a 2-D mask back once when no row is padded (to find that the causal kernel alone will do) and
+    twice when one is. Padded rows, for an implementation that takes a boolean mask: the mask it would then build
+    (causal, no key in a row's padding), built here. Unpadded rows, for a model whose decoder takes its masks
+    ready-made (:func:`_unmasked_layers`): a mapping that hands every layer no mask, as transformers hands them
+    after its read, so the layers run the same causal kernel. Otherwise the 2-D mask, and transformers' reads (a
+    ready-made 4-D mask would forgo the causal kernel; no mask at all makes transformers read the position ids
+    instead, looking for packed rows)."""
     width = attention_mask.shape[-1]
-    if lengths is None or all(n == width for n in lengths):
+    if lengths is None or not _causal_layers_only(model):
         return attention_mask
-    if attention_of(model) not in _BOOLEAN_MASKS or not _causal_layers_only(model):
+    implementation = attention_of(model)
+    if all(n == width for n in lengths):
+        unmasked = _unmasked_layers(model) if implementation in _CAUSAL_WITHOUT_MASK else None
+        return attention_mask if unmasked is None else dict.fromkeys(unmasked)
+    if implementation not in _BOOLEAN_MASKS:
         return attention_mask
     causal = torch.ones(width, width, dtype=torch.bool, device=attention_mask.device).tril()
     return causal[None, None] & attention_mask.bool()[:, None, None, :]
@@ -114,6 +127,27 @@ def _causal_layers_only(model: Any) -> bool:
             full = windowed == (None, None)
         known = _CAUSAL_ONLY[module] = full and all(getattr(m, "is_causal", True) for m in module.modules())
     return known
+
+
+_UNMASKED: "weakref.WeakKeyDictionary[torch.nn.Module, Optional[Tuple[str, ...]]]" = weakref.WeakKeyDictionary()
+
+
+def _unmasked_layers(model: Any) -> Optional[Tuple[str, ...]]:
+    """The kinds of attention layer of ``model`` (``config.layer_types``, else ``full_attention``) when its decoder
+    (``get_decoder()``, through a LoRA wrapper too) takes its masks ready-made, as a mapping of layer kind to mask
+    (as ``generate`` hands them: the decoders of Qwen2, Qwen3, Gemma 2 and 3 and others check for one, named
+    ``causal_mask_mapping``); None for one that builds its masks from whatever it is handed (Llama and Mistral in
+    transformers 5.19, which a mapping would fail). Worked out once per module."""
+    module = getattr(model, "module", model)
+    if module not in _UNMASKED:
+        get_decoder = getattr(module, "get_decoder", None)
+        decoder = get_decoder() if callable(get_decoder) else None
+        forward = getattr(type(decoder), "forward", None)
+        code = getattr(inspect.unwrap(forward), "__code__", None) if callable(forward) else None
+        takes_mapping = code is not None and "causal_mask_mapping" in code.co_varnames
+        kinds = getattr(getattr(module, "config", None), "layer_types", None) or ["full_attention"]
+        _UNMASKED[module] = tuple(dict.fromkeys(kinds)) if takes_mapping else None
+    return _UNMASKED[module]
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Row lengths known on the host (rlhf.models.host_layout): a trainer rank records them for the masks it copies to
 its device, and a forward then lays out its rows without reading the device: padded rows get the boolean mask
 transformers would have built, a packed forward is sized from them and hands transformers a mask it never reads,
-unpadded rows keep the 2-D mask and transformers' one read (its causal kernel). The logits are those of the forward
-that reads the mask, bit for bit; the reads are gone."""
+unpadded rows hand every layer no mask (transformers' causal kernel) where the decoder takes its masks ready-made,
+and keep the 2-D mask and transformers' one read where it does not. The logits are those of the forward that reads
+the mask, bit for bit; the reads are gone."""
 
 from __future__ import annotations
 
@@ -106,8 +107,44 @@ def test_a_forward_with_host_lengths_computes_the_same_bits_without_the_mask_rea
         assert unmasked.by_op == {"tolist": layers, "_local_scalar_dense": 1}
     elif lengths[-1] < 6:  # padded: transformers' two reads of the mask are gone
         assert reading.by_op == {"_local_scalar_dense": 2} and reads.total == 0
-    else:  # unpadded: the 2-D mask, read once, keeps transformers' causal kernel
-        assert reading.by_op == reads.by_op == {"_local_scalar_dense": 1}
+    else:  # unpadded: transformers' one read of the mask, to pick the causal kernel, is gone too
+        assert reading.by_op == {"_local_scalar_dense": 1} and reads.total == 0
+
+
+def _llama(**overrides):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, attn_implementation="sdpa", use_cache=False, **overrides,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_unpadded_rows_hand_no_mask_only_to_a_decoder_that_takes_its_masks_ready_made(models):
+    """A decoder that checks for a mapping of masks (Qwen2's) gets one with no mask in it, through a LoRA wrapper too;
+    one that builds its masks from any argument (Llama's, in this transformers) keeps the 2-D mask and its read, as
+    does an implementation whose layers, handed no mask, would attend to every key (eager)."""
+    import peft
+
+    mask = _recorded(_mask([4, 4], 4))
+    ids = torch.randint(1, VOCAB, (2, 4), generator=torch.Generator().manual_seed(3))
+    wrapped = peft.get_peft_model(models["sdpa"], peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    assert _mask_argument(models["sdpa"], mask, row_lengths(mask)) == {"full_attention": None}
+    assert _mask_argument(wrapped, mask, row_lengths(mask)) == {"full_attention": None}
+    llama, eager = _llama(), _llama()
+    eager.config._attn_implementation = "eager"
+    assert _mask_argument(llama, mask, row_lengths(mask)) is mask
+    assert _mask_argument(eager, mask, row_lengths(mask)) is mask
+    for model, reads_left in ((wrapped, 0), (llama, 1), (eager, 0)):
+        with torch.no_grad():
+            read = lm_logits(model, ids, mask.clone()).logits
+            with HostReads() as reads:
+                told = lm_logits(model, ids, mask).logits
+        assert torch.equal(told, read)
+        assert reads.total == reads_left  # eager's mask code reads nothing: it builds the whole mask
+    wrapped.unload()
 
 
 def test_models_with_other_than_full_causal_layers_keep_transformers_mask(models):
