@@ -122,19 +122,25 @@ def _llama(**overrides):
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def test_unpadded_rows_hand_no_mask_only_to_a_decoder_that_takes_its_masks_ready_made(models):
+def test_unpadded_rows_hand_no_mask_only_to_a_decoder_that_takes_its_masks_ready_made():
     """A decoder that checks for a mapping of masks (Qwen2's) gets one with no mask in it, through a LoRA wrapper too;
     one that builds its masks from any argument (Llama's, in this transformers) keeps the 2-D mask and its read, as
     does an implementation whose layers, handed no mask, would attend to every key (eager)."""
     import peft
+    import transformers
+
+    def qwen(attention: str):
+        torch.manual_seed(0)
+        model = transformers.Qwen2ForCausalLM(tiny_qwen_config(VOCAB)).eval()
+        model.config._attn_implementation, model.config.use_cache = attention, False
+        return model
 
     mask = _recorded(_mask([4, 4], 4))
     ids = torch.randint(1, VOCAB, (2, 4), generator=torch.Generator().manual_seed(3))
-    wrapped = peft.get_peft_model(models["sdpa"], peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
-    assert _mask_argument(models["sdpa"], mask, row_lengths(mask)) == {"full_attention": None}
+    wrapped = peft.get_peft_model(qwen("sdpa"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    llama, eager = _llama(), qwen("eager")
+    assert _mask_argument(qwen("sdpa"), mask, row_lengths(mask)) == {"full_attention": None}
     assert _mask_argument(wrapped, mask, row_lengths(mask)) == {"full_attention": None}
-    llama, eager = _llama(), _llama()
-    eager.config._attn_implementation = "eager"
     assert _mask_argument(llama, mask, row_lengths(mask)) is mask
     assert _mask_argument(eager, mask, row_lengths(mask)) is mask
     for model, reads_left in ((wrapped, 0), (llama, 1), (eager, 0)):
@@ -144,7 +150,6 @@ def test_unpadded_rows_hand_no_mask_only_to_a_decoder_that_takes_its_masks_ready
                 told = lm_logits(model, ids, mask).logits
         assert torch.equal(told, read)
         assert reads.total == reads_left  # eager's mask code reads nothing: it builds the whole mask
-    wrapped.unload()
 
 
 def test_models_with_other_than_full_causal_layers_keep_transformers_mask(models):
