@@ -63,11 +63,11 @@ def _run(model: Any, input_ids: Tensor, attention_mask: Tensor, packing: Optiona
     predicts, Layout)``; at the very last position that token is a dummy whose value :meth:`Layout.restore` drops."""
     packed = runs_packed(model, packing)
     sequence = sequence_group_of(model)
+    lengths = row_lengths(attention_mask)  # from the host, when the batch was copied in by a trainer rank
     if sequence is not None:
-        inputs = shard_inputs(sequence, input_ids, attention_mask, packed)
+        inputs = shard_inputs(sequence, input_ids, attention_mask, packed, lengths)
         out = model(**inputs.model_inputs, **kwargs)
         return out, inputs.input_ids, inputs.next_ids, Layout(inputs.packed, inputs.shard)
-    lengths = row_lengths(attention_mask)  # from the host, when the batch was copied in by a trainer rank
     if not packed:
         out = model(input_ids=input_ids, attention_mask=_mask_argument(model, attention_mask, lengths), **kwargs)
         return out, input_ids, input_ids.roll(-1, dims=1), Layout()

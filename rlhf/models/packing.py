@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -50,6 +50,7 @@ class PackedRows:
         input_ids: ``(1, N)`` the rows' tokens, row after row.
         position_ids: ``(1, N)`` each token's position within its own row (0 at every row's first token).
         cu_seqlens: ``(R + 1,)`` int32 offsets of the ``R`` non-empty rows in the packed sequence (0 first, N last).
+        bounds: the same offsets on the host (what a layout that adds rows of its own extends without a read).
         max_length: the longest row, ``max_b L_b``.
         rows, width: ``B`` and ``T`` of the padded layout.
         index: ``(N,)`` int64 flat index ``b * T + t`` of every packed token in the padded layout.
@@ -59,6 +60,7 @@ class PackedRows:
     input_ids: Tensor
     position_ids: Tensor
     cu_seqlens: Tensor
+    bounds: Tuple[int, ...]
     max_length: int
     rows: int
     width: int
@@ -111,6 +113,7 @@ class PackedRows:
             input_ids=input_ids.reshape(-1)[index][None],
             position_ids=positions[None],
             cu_seqlens=cu_seqlens,
+            bounds=tuple(bounds),
             max_length=max(host_lengths, default=0),
             rows=rows,
             width=width,
@@ -189,12 +192,16 @@ def packed_forward(
             f"this model runs {implementation!r} (built without packing)"
         )
     rows = PackedRows.from_padded(input_ids, attention_mask, host_lengths)
-    if implementation == VARLEN_TORCH:
-        # Given no mask, transformers reads the position ids back to look for packed rows, for a mask that
-        # rlhf_varlen would not use: a 4-D mask is taken as ready-made, unread, and the row bounds keep the rows
-        # apart. flash_attention_2 would read a mask it is handed: it gets none.
-        kwargs["attention_mask"] = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device)
+    if implementation == VARLEN_TORCH:  # the row bounds keep the rows apart; flash_attention_2 would read a mask
+        kwargs["attention_mask"] = unread_mask(input_ids.device)
     return model(**rows.model_inputs(), **kwargs), rows
+
+
+def unread_mask(device: torch.device) -> Tensor:
+    """A placeholder for an attention that needs no mask (rlhf_varlen on packed rows, a sequence-parallel core).
+    Given no mask, transformers reads the position ids back to look for packed rows, for a mask such an attention
+    would not use; a 4-D mask it takes as ready-made, unread, and hands every layer as it is."""
+    return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
 
 
 def packed_attention(resolved: str) -> str:

@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from rlhf.models.packing import CORE_ATTENTION, VARLEN_TORCH, PackedRows, register_varlen_attention
+from rlhf.models.packing import CORE_ATTENTION, VARLEN_TORCH, PackedRows, register_varlen_attention, unread_mask
 
 Tensor = torch.Tensor
 
@@ -214,13 +214,23 @@ class ShardedInputs:
     packed: Optional[PackedRows]
 
 
-def shard_inputs(sequence: SequenceGroup, input_ids: Tensor, attention_mask: Tensor, packed: bool) -> ShardedInputs:
+def shard_inputs(
+    sequence: SequenceGroup,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    packed: bool,
+    host_lengths: Optional[List[int]] = None,
+) -> ShardedInputs:
     """This rank's share of ``(B, T)`` right-padded rows, padded or packed (see the module docstring).
+
+    ``host_lengths``: the rows' lengths known on the host (:func:`rlhf.models.host_layout.row_lengths`): laid out
+    without reading the device. The model is handed a mask it does not read (the core attention takes none).
 
     Raises:
         ValueError: rows that are not right-padded (the causal core attention would let real tokens see pads).
     """
-    rows = PackedRows.from_padded(input_ids, attention_mask)  # checks the right padding either way
+    # right padding checked either way (on the host, where the lengths were recorded)
+    rows = PackedRows.from_padded(input_ids, attention_mask, host_lengths)
     ids = rows.input_ids if packed else input_ids
     width = ids.shape[1]
     length = max(1, math.ceil(width / sequence.size))
@@ -233,10 +243,13 @@ def shard_inputs(sequence: SequenceGroup, input_ids: Tensor, attention_mask: Ten
     next_ids = ids.roll(-1, dims=1)
     take = slice(sequence.rank * length, (sequence.rank + 1) * length)
     model_inputs: Dict[str, Any] = dict(
-        input_ids=ids[:, take], position_ids=positions[:, take], **{SEQUENCE_KWARG: sequence}
+        input_ids=ids[:, take],
+        position_ids=positions[:, take],
+        attention_mask=unread_mask(ids.device),
+        **{SEQUENCE_KWARG: sequence},
     )
     if packed:
-        bounds: List[int] = rows.cu_seqlens.tolist() + ([width + extra] if extra else [])
+        bounds = [*rows.bounds, *([width + extra] if extra else [])]
         cu = torch.tensor(bounds, dtype=torch.int32, device=ids.device)
         longest = max(rows.max_length, extra)
         model_inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)

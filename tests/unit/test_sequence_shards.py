@@ -63,6 +63,40 @@ def test_a_packed_shard_pads_the_packed_sequence_with_one_more_row():
     assert (inputs.shard.width, inputs.shard.length) == (8, 3) and inputs.packed is not None
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_rows_whose_lengths_the_host_knows_are_sharded_as_before_without_a_read(packed):
+    """A trainer rank's micro-batch (its row lengths recorded on the host) is laid out without reading the device,
+    into the same inputs, and hands transformers a mask that it takes as ready-made (the core attention takes none):
+    without one, transformers reads the position ids back, looking for packed rows."""
+    from transformers import Qwen2Config
+    from transformers.masking_utils import create_causal_mask
+
+    from rlhf.utils.host_reads import HostReads
+
+    ids, mask = _rows()
+    group = SequenceGroup(size=3, rank=1, group=None, core="rlhf_varlen" if packed else "sdpa")
+    read = shard_inputs(group, ids, mask, packed)
+    with HostReads() as reads:
+        told = shard_inputs(group, ids, mask, packed, host_lengths=[5, 3])
+    assert reads.total == 0
+    assert told.model_inputs.keys() == read.model_inputs.keys()
+    for key, value in read.model_inputs.items():
+        assert torch.equal(told.model_inputs[key], value) if torch.is_tensor(value) else told.model_inputs[key] == value
+    assert torch.equal(told.next_ids, read.next_ids) and told.shard == read.shard
+    config = Qwen2Config(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
+    config._attn_implementation = "sdpa"
+    positions = told.model_inputs["position_ids"]
+    mask_args = dict(
+        config=config, inputs_embeds=torch.zeros(*positions.shape, 8), past_key_values=None, position_ids=positions
+    )
+    with HostReads() as reads:
+        passed = create_causal_mask(attention_mask=told.model_inputs["attention_mask"], **mask_args)
+    assert passed is told.model_inputs["attention_mask"] and reads.total == 0
+    with HostReads() as reads:
+        create_causal_mask(attention_mask=None, **mask_args)
+    assert reads.total == 1  # what the placeholder spares: the look for packed position ids
+
+
 def test_left_padded_rows_are_refused():
     ids = torch.tensor([[0, 5, 6]])
     with pytest.raises(ValueError, match="right-padded"):
