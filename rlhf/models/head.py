@@ -6,8 +6,9 @@ the model's forward stops at its last hidden states (its LM head is swapped for 
 :func:`rlhf.ops.logprobs.head_token_logprobs` applies the head to tiles of tokens, computing each tile's log-probs,
 kept set (top-k / top-p replay) and entropy, then dropping the tile; its backward recomputes the tiles. Without it
 the forward returns the whole logits and :func:`rlhf.ops.logprobs.token_logprobs` /
-:func:`rlhf.ops.logprobs.tempered_entropy` work on them, as every release before did. The two agree to rounding
-(float64: 1e-12, tests/unit/test_tiled_head.py).
+:func:`rlhf.ops.logprobs.tempered_entropy` work on them, as every release before did (an entropy reported without
+a gradient comes from the log-probs' own pass, :func:`rlhf.ops.logprobs.token_logprobs_with_entropy_metric`). The
+two agree to rounding (float64: 1e-12, tests/unit/test_tiled_head.py).
 
 The head's weight must be whole on the rank (not ZeRO 3; refused by key) and the head a plain ``nn.Linear`` (no
 LoRA on it; refused too).
@@ -130,23 +131,17 @@ def token_outputs(
     if at_ids is not None and filtered:
         raise ValueError("log-probs at given ids are of the whole vocabulary's softmax: not with a sampling filter")
     value: Optional[Tensor] = None
-    if entropy == "value" and temperature == 1.0 and not filtered:  # the metric from the log-probs' own pass
-        logps, value = token_logprobs_with_entropy_metric(out.logits, out.input_ids, next_ids=out.next_ids)
+    if entropy == "value":  # the metric from the log-probs' own pass
+        logps, value = token_logprobs_with_entropy_metric(
+            out.logits, out.input_ids, temperature, sampling_filter, next_ids=out.next_ids
+        )
         logps, value = out.per_token(logps), out.per_token(value)
     else:
         logps = out.per_token(
             token_logprobs(out.logits, out.input_ids, temperature, sampling_filter, next_ids=out.next_ids)
         )
     at = None if at_ids is None else out.per_token(logprobs_at(out.logits, out.layout.place(at_ids), temperature))
-    if value is not None:
+    if entropy != "grad":
         return TokenOutputs(logps, value, at)
-    if entropy == "none":
-        return TokenOutputs(logps, None, at)
-    if entropy == "grad":
-        ent = tempered_entropy(out.logits, temperature, sampling_filter, out.input_ids, next_ids=out.next_ids)
-        return TokenOutputs(logps, out.per_token(ent), at)
-    with torch.no_grad():
-        value = tempered_entropy(
-            out.logits.detach(), temperature, sampling_filter, out.input_ids, next_ids=out.next_ids
-        )
-    return TokenOutputs(logps, out.per_token(value), at)
+    ent = tempered_entropy(out.logits, temperature, sampling_filter, out.input_ids, next_ids=out.next_ids)
+    return TokenOutputs(logps, out.per_token(ent), at)

@@ -261,9 +261,9 @@ def _target_logprobs(
     logits: Tensor, columns: Tensor, temperature: float, edges: Optional[Tensor], entropy: Optional[Tensor] = None
 ) -> Tuple[Tensor, Tensor]:
     """:class:`_TargetLogProbs`' forward, chunk by chunk: ``(N, K)`` log-probs of ``columns`` and the ``(N,)``
-    logsumexp of ``logits / temperature`` (over the kept set with ``edges``). With ``entropy`` (an ``(N,)`` buffer,
-    temperature 1, no edges) it also holds each row's entropy, from the same upcast chunk and logsumexp,
-    computed as :class:`_Entropy` computes it (the same chunks: the same bits)."""
+    logsumexp of ``logits / temperature`` (over the kept set with ``edges``). With ``entropy`` (an ``(N,)`` buffer)
+    it also holds the entropy of each row's distribution (tempered, and over the kept set with ``edges``), from the
+    same upcast chunk and logsumexp, computed as :class:`_Entropy` computes it."""
     n, vocab = logits.shape
     dtype = _compute_dtype(logits.dtype)
     out = torch.empty(columns.shape, dtype=dtype, device=logits.device)
@@ -281,24 +281,27 @@ def _target_logprobs(
 
 
 class _TargetLogProbsAndEntropy(torch.autograd.Function):
-    """:class:`_TargetLogProbs` at temperature 1 over the whole vocabulary, and the entropy of each row's
-    distribution (no gradient) from the same pass: one upcast and one logsumexp a chunk serve both, where
-    :class:`_TargetLogProbs` and :class:`_Entropy` would each make their own. ``(N, V)`` logits and ``(N,)`` targets
-    in; ``(N,)`` log-probs and ``(N,)`` entropies out, float32 (float64 for float64 logits)."""
+    """:class:`_TargetLogProbs`, and the entropy (no gradient) of each row's distribution, the one the log-probs are
+    of (``logits / temperature``, over the kept set with ``edges``), from the same pass: one upcast, division and
+    logsumexp a chunk serve both, where :class:`_TargetLogProbs` and :class:`_Entropy` would each make their own.
+    ``(N, V)`` logits and ``(N,)`` targets in; ``(N,)`` log-probs and ``(N,)`` entropies out, float32 (float64 for
+    float64 logits)."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor]:
+    def forward(
+        ctx, logits: Tensor, targets: Tensor, temperature: float, edges: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Tensor]:
         columns = targets.view(logits.shape[0], 1)
         entropy = torch.empty(logits.shape[0], dtype=_compute_dtype(logits.dtype), device=logits.device)
-        out, lse = _target_logprobs(logits, columns, 1.0, None, entropy)
-        ctx.save_for_backward(logits, columns, lse, None)
-        ctx.temperature = 1.0
+        out, lse = _target_logprobs(logits, columns, temperature, edges, entropy)
+        ctx.save_for_backward(logits, columns, lse, edges)
+        ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
         return out.view(targets.shape), entropy
 
     @staticmethod
     def backward(ctx, grad_out: Tensor, _grad_entropy: Optional[Tensor]):
-        return _TargetLogProbs.backward(ctx, grad_out)[:2]
+        return _TargetLogProbs.backward(ctx, grad_out)
 
 
 class _Entropy(torch.autograd.Function):
@@ -592,23 +595,38 @@ def token_logprobs(
 
 
 def token_logprobs_with_entropy_metric(
-    logits: Tensor, input_ids: Tensor, *, next_ids: Optional[Tensor] = None
+    logits: Tensor,
+    input_ids: Tensor,
+    temperature: float = 1.0,
+    sampling_filter: Optional[SamplingFilter] = None,
+    *,
+    next_ids: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """:func:`token_logprobs` at temperature 1 over the whole vocabulary and :func:`entropy_from_logits` of the same
-    positions, aligned alike, the entropy without a gradient (a metric): the same values as the two calls, from one
-    pass over the logits where the two make one each (each upcasts the logits and takes their logsumexp).
+    """:func:`token_logprobs` and :func:`tempered_entropy` of the same positions, aligned alike, the entropy without
+    a gradient (a metric), from one pass over the logits where the two make one each (each upcasts the logits,
+    divides them by the temperature and takes their logsumexp) and, with an active ``sampling_filter``, one replay
+    of the kept sets where the two make one each (a sort of every row). The log-probs and their gradient are
+    :func:`token_logprobs`' bit for bit; the entropy is the same distribution's, in chunks of rows where
+    :func:`tempered_entropy` away from temperature 1 goes one batch row at a time (at temperature 1 without a
+    filter, the same chunks: bit for bit).
 
     Args:
-        logits: ``(B, T, V)`` causal-LM logits; ``input_ids``: ``(B, T)``; ``next_ids``: as in
-            :func:`token_logprobs`.
+        logits: ``(B, T, V)`` causal-LM logits; ``input_ids``: ``(B, T)``; ``temperature``, ``sampling_filter``,
+            ``next_ids``: as in :func:`token_logprobs`.
 
     Returns:
         ``(logps, entropy)``, each ``(B, T)`` float32 (float64 for float64 logits).
     """
     _check_logits(logits, input_ids)
+    check_temperature(temperature)
     batch, length, vocab = logits.shape
     targets = input_ids.roll(-1, dims=1) if next_ids is None else next_ids
-    flat, entropy = _TargetLogProbsAndEntropy.apply(logits.reshape(-1, vocab), targets.reshape(-1).long())
+    edges = None
+    if sampling_filter is not None and sampling_filter.active(vocab):
+        edges = next_token_edges(logits, input_ids, temperature, sampling_filter, targets).reshape(-1)
+    flat, entropy = _TargetLogProbsAndEntropy.apply(
+        logits.reshape(-1, vocab), targets.reshape(-1).long(), float(temperature), edges
+    )
     per_position = flat.view(batch, length), entropy.view(batch, length)
     if next_ids is not None:
         return per_position
