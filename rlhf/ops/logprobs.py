@@ -582,16 +582,29 @@ def token_logprobs(
     _check_logits(logits, input_ids)
     check_temperature(temperature)
     batch, length, vocab = logits.shape
-    # Pair position t with token t + 1 on the flat (B*T, V) view. The last position gets a dummy (valid) target;
-    # its value is dropped by ``align_to_tokens`` and so receives a zero upstream gradient.
-    targets = input_ids.roll(-1, dims=1) if next_ids is None else next_ids
-    if sampling_filter is None or not sampling_filter.active(vocab):
-        flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), targets.reshape(-1).long(), float(temperature))
-    else:
-        edges = next_token_edges(logits, input_ids, temperature, sampling_filter, targets).reshape(-1)
-        flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), targets.reshape(-1).long(), float(temperature), edges)
+    targets, edges = _targets_and_edges(logits, input_ids, temperature, sampling_filter, next_ids)
+    flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), targets, float(temperature), edges)
     per_position = flat.view(batch, length)
     return per_position if next_ids is not None else align_to_tokens(per_position)
+
+
+def _targets_and_edges(
+    logits: Tensor,
+    input_ids: Tensor,
+    temperature: float,
+    sampling_filter: Optional[SamplingFilter],
+    next_ids: Optional[Tensor],
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(B*T,)`` the token each position of ``(B, T, V)`` logits predicts, and with an active ``sampling_filter``
+    the ``(B*T,)`` edges of the kept sets they were drawn from (:func:`next_token_edges`); None without.
+
+    Position t is paired with token t + 1 on the flat ``(B*T, V)`` view. The last position gets a dummy (valid)
+    target; its value is dropped by :func:`align_to_tokens` and so receives a zero upstream gradient."""
+    targets = input_ids.roll(-1, dims=1) if next_ids is None else next_ids
+    edges = None
+    if sampling_filter is not None and sampling_filter.active(logits.shape[-1]):
+        edges = next_token_edges(logits, input_ids, temperature, sampling_filter, targets).reshape(-1)
+    return targets.reshape(-1).long(), edges
 
 
 def token_logprobs_with_entropy_metric(
@@ -620,13 +633,8 @@ def token_logprobs_with_entropy_metric(
     _check_logits(logits, input_ids)
     check_temperature(temperature)
     batch, length, vocab = logits.shape
-    targets = input_ids.roll(-1, dims=1) if next_ids is None else next_ids
-    edges = None
-    if sampling_filter is not None and sampling_filter.active(vocab):
-        edges = next_token_edges(logits, input_ids, temperature, sampling_filter, targets).reshape(-1)
-    flat, entropy = _TargetLogProbsAndEntropy.apply(
-        logits.reshape(-1, vocab), targets.reshape(-1).long(), float(temperature), edges
-    )
+    targets, edges = _targets_and_edges(logits, input_ids, temperature, sampling_filter, next_ids)
+    flat, entropy = _TargetLogProbsAndEntropy.apply(logits.reshape(-1, vocab), targets, float(temperature), edges)
     per_position = flat.view(batch, length), entropy.view(batch, length)
     if next_ids is not None:
         return per_position
