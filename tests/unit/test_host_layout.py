@@ -111,13 +111,13 @@ def test_a_forward_with_host_lengths_computes_the_same_bits_without_the_mask_rea
         assert reading.by_op == {"_local_scalar_dense": 1} and reads.total == 0
 
 
-def _llama(**overrides):
+def _llama():
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, attn_implementation="sdpa", use_cache=False, **overrides,
+        num_key_value_heads=1, attn_implementation="sdpa", use_cache=False,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config).eval()
 
