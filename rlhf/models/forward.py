@@ -140,8 +140,10 @@ def _unmasked_layers(model: Any) -> Optional[Tuple[str, ...]]:
     transformers 5.19, which a mapping would fail). Worked out once per module."""
     module = getattr(model, "module", model)
     if module not in _UNMASKED:
-        get_decoder = getattr(module, "get_decoder", None)
-        decoder = get_decoder() if callable(get_decoder) else None
+        try:  # transformers' lookup is best-effort: an exotic model may have no rule and raise
+            decoder = module.get_decoder() if callable(getattr(module, "get_decoder", None)) else None
+        except (AttributeError, NotImplementedError, ValueError):
+            decoder = None
         forward = getattr(type(decoder), "forward", None)
         code = getattr(inspect.unwrap(forward), "__code__", None) if callable(forward) else None
         takes_mapping = code is not None and "causal_mask_mapping" in code.co_varnames

@@ -14,7 +14,7 @@ import torch
 from shared_helpers import host_reads_outside_modules, tiny_qwen_config
 
 from rlhf.models import host_layout
-from rlhf.models.forward import _mask_argument, lm_logits
+from rlhf.models.forward import _mask_argument, _unmasked_layers, lm_logits
 from rlhf.models.host_layout import remember_row_lengths, row_lengths
 from rlhf.models.packing import PackedRows, packed_attention
 from rlhf.utils.host_reads import HostReads
@@ -150,6 +150,14 @@ def test_unpadded_rows_hand_no_mask_only_to_a_decoder_that_takes_its_masks_ready
                 told = lm_logits(model, ids, mask).logits
         assert torch.equal(told, read)
         assert reads.total == reads_left  # eager's mask code reads nothing: it builds the whole mask
+
+
+def test_a_model_whose_decoder_transformers_cannot_find_is_handed_its_mask():
+    class Exotic(torch.nn.Module):
+        def get_decoder(self):
+            raise NotImplementedError("no rule for this model")  # transformers' lookup may raise for one
+
+    assert _unmasked_layers(Exotic()) is None and _unmasked_layers(torch.nn.Linear(2, 2)) is None
 
 
 def test_models_with_other_than_full_causal_layers_keep_transformers_mask(models):
