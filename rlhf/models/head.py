@@ -5,10 +5,10 @@ A micro-batch's logits are ``(tokens, vocabulary)``: with a 151,936-token vocabu
 the model's forward stops at its last hidden states (its LM head is swapped for the identity for the call) and
 :func:`rlhf.ops.logprobs.head_token_logprobs` applies the head to tiles of tokens, computing each tile's log-probs,
 kept set (top-k / top-p replay) and entropy, then dropping the tile; its backward recomputes the tiles. Without it
-the forward returns the whole logits and :func:`rlhf.ops.logprobs.token_logprobs` /
-:func:`rlhf.ops.logprobs.tempered_entropy` work on them, as every release before did (an entropy reported without
-a gradient comes from the log-probs' own pass, :func:`rlhf.ops.logprobs.token_logprobs_with_entropy_metric`). The
-two agree to rounding (float64: 1e-12, tests/unit/test_tiled_head.py).
+the forward returns the whole logits and :func:`rlhf.ops.logprobs.token_logprobs` works on them, as every release
+before did; an entropy, a metric or a bonus, comes from the log-probs' own pass
+(:func:`rlhf.ops.logprobs.token_logprobs_with_entropy`). The two agree to rounding (float64: 1e-12,
+tests/unit/test_tiled_head.py).
 
 The head's weight must be whole on the rank (not ZeRO 3; refused by key) and the head a plain ``nn.Linear`` (no
 LoRA on it; refused too).
@@ -27,9 +27,8 @@ from rlhf.ops.logprobs import (
     SamplingFilter,
     head_token_logprobs,
     logprobs_at,
-    tempered_entropy,
     token_logprobs,
-    token_logprobs_with_entropy_metric,
+    token_logprobs_with_entropy,
 )
 
 Tensor = torch.Tensor
@@ -130,18 +129,18 @@ def token_outputs(
     filtered = sampling_filter is not None and sampling_filter.active(out.logits.shape[-1])
     if at_ids is not None and filtered:
         raise ValueError("log-probs at given ids are of the whole vocabulary's softmax: not with a sampling filter")
-    value: Optional[Tensor] = None
-    if entropy == "value":  # the metric from the log-probs' own pass
-        logps, value = token_logprobs_with_entropy_metric(
-            out.logits, out.input_ids, temperature, sampling_filter, next_ids=out.next_ids
-        )
-        logps, value = out.per_token(logps), out.per_token(value)
-    else:
-        logps = out.per_token(
-            token_logprobs(out.logits, out.input_ids, temperature, sampling_filter, next_ids=out.next_ids)
+    if entropy == "none":
+        logps = token_logprobs(out.logits, out.input_ids, temperature, sampling_filter, next_ids=out.next_ids)
+        per_token_entropy: Optional[Tensor] = None
+    else:  # one pass for both, the entropy differentiable for a bonus
+        logps, per_token_entropy = token_logprobs_with_entropy(
+            out.logits,
+            out.input_ids,
+            temperature,
+            sampling_filter,
+            next_ids=out.next_ids,
+            entropy_grad=entropy == "grad",
         )
     at = None if at_ids is None else out.per_token(logprobs_at(out.logits, out.layout.place(at_ids), temperature))
-    if entropy != "grad":
-        return TokenOutputs(logps, value, at)
-    ent = tempered_entropy(out.logits, temperature, sampling_filter, out.input_ids, next_ids=out.next_ids)
-    return TokenOutputs(logps, out.per_token(ent), at)
+    entropies = None if per_token_entropy is None else out.per_token(per_token_entropy)
+    return TokenOutputs(out.per_token(logps), entropies, at)

@@ -234,27 +234,35 @@ class _TargetLogProbs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
         logits, columns, lse, edges = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        n, vocab = logits.shape
-        grad_columns = grad_out.reshape(columns.shape)
-        in_place = grad.dtype == lse.dtype  # no cast back: the chunk is built in `grad` itself
-        for start, stop in _chunks(n, vocab):
-            # At temperature 1 bf16 logits need no upcast copy: the subtraction below widens them as it reads them
-            # (exactly: every bf16 value is a float32 value), into a float32 result.
-            x = logits[start:stop] if ctx.temperature == 1.0 else _scaled_upcast(logits[start:stop], ctx.temperature)
-            if edges is not None:
-                x = drop_below(x, edges[start:stop])  # the kept set is piecewise constant: no gradient of its own
-            g = grad_columns[start:stop].to(lse.dtype)
-            # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z) for each target y of the row, and z = logits / T.
-            # Each pass over the (rows, V) chunk is a pass over the step's largest tensor: the chunk is built in place
-            # (in `grad` when no cast is due) and divided only by a temperature other than 1 (x / 1.0 is x).
-            chunk = _probabilities(x, lse[start:stop], out=grad[start:stop] if in_place else None)
-            chunk.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, columns[start:stop], g)
-            if ctx.temperature != 1.0:
-                chunk.div_(ctx.temperature)
-            if not in_place:
-                grad[start:stop] = chunk
-        return grad, None, None, None
+        return _target_logprobs_grad(logits, columns, lse, edges, ctx.temperature, grad_out), None, None, None
+
+
+def _target_logprobs_grad(
+    logits: Tensor, columns: Tensor, lse: Tensor, edges: Optional[Tensor], temperature: float, grad_out: Tensor
+) -> Tensor:
+    """The gradient ``(N, V)`` (in the logits' dtype) of :class:`_TargetLogProbs`' ``(N, K)`` log-probs of
+    ``columns`` given their upstream gradient ``grad_out`` and the forward's ``(N,)`` logsumexp ``lse``."""
+    grad = torch.empty_like(logits)
+    n, vocab = logits.shape
+    grad_columns = grad_out.reshape(columns.shape)
+    in_place = grad.dtype == lse.dtype  # no cast back: the chunk is built in `grad` itself
+    for start, stop in _chunks(n, vocab):
+        # At temperature 1 bf16 logits need no upcast copy: the subtraction below widens them as it reads them
+        # (exactly: every bf16 value is a float32 value), into a float32 result.
+        x = logits[start:stop] if temperature == 1.0 else _scaled_upcast(logits[start:stop], temperature)
+        if edges is not None:
+            x = drop_below(x, edges[start:stop])  # the kept set is piecewise constant: no gradient of its own
+        g = grad_columns[start:stop].to(lse.dtype)
+        # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z) for each target y of the row, and z = logits / T.
+        # Each pass over the (rows, V) chunk is a pass over the step's largest tensor: the chunk is built in place
+        # (in `grad` when no cast is due) and divided only by a temperature other than 1 (x / 1.0 is x).
+        chunk = _probabilities(x, lse[start:stop], out=grad[start:stop] if in_place else None)
+        chunk.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, columns[start:stop], g)
+        if temperature != 1.0:
+            chunk.div_(temperature)
+        if not in_place:
+            grad[start:stop] = chunk
+    return grad
 
 
 def _target_logprobs(
@@ -281,27 +289,61 @@ def _target_logprobs(
 
 
 class _TargetLogProbsAndEntropy(torch.autograd.Function):
-    """:class:`_TargetLogProbs`, and the entropy (no gradient) of each row's distribution, the one the log-probs are
-    of (``logits / temperature``, over the kept set with ``edges``), from the same pass: one upcast, division and
-    logsumexp a chunk serve both, where :class:`_TargetLogProbs` and :class:`_Entropy` would each make their own.
-    ``(N, V)`` logits and ``(N,)`` targets in; ``(N,)`` log-probs and ``(N,)`` entropies out, float32 (float64 for
-    float64 logits)."""
+    """:class:`_TargetLogProbs`, and the entropy of each row's distribution, the one the log-probs are of (``logits /
+    temperature``, over the kept set with ``edges``), from the same pass: one upcast, division and logsumexp a chunk
+    serve both, where :class:`_TargetLogProbs` and :class:`_Entropy` would each make their own. ``(N, V)`` logits and
+    ``(N,)`` targets in; ``(N,)`` log-probs and ``(N,)`` entropies out, float32 (float64 for float64 logits).
+
+    With ``entropy_grad`` the entropy is differentiable (an entropy bonus) and the backward forms both gradients in
+    one pass over each chunk, from the ``(N,)`` logsumexp and entropy alone: no upcast copy of the logits is kept for
+    it (the tempered entropy's own autograd keeps one, a float32 copy of the whole logits), and the two gradients
+    meet in the compute dtype and are cast once. Without it the entropy is a metric: no gradient, and the backward
+    is :class:`_TargetLogProbs`' bit for bit."""
 
     @staticmethod
     def forward(
-        ctx, logits: Tensor, targets: Tensor, temperature: float, edges: Optional[Tensor] = None
+        ctx,
+        logits: Tensor,
+        targets: Tensor,
+        temperature: float,
+        edges: Optional[Tensor] = None,
+        entropy_grad: bool = False,
     ) -> Tuple[Tensor, Tensor]:
         columns = targets.view(logits.shape[0], 1)
         entropy = torch.empty(logits.shape[0], dtype=_compute_dtype(logits.dtype), device=logits.device)
         out, lse = _target_logprobs(logits, columns, temperature, edges, entropy)
-        ctx.save_for_backward(logits, columns, lse, edges)
+        ctx.save_for_backward(logits, columns, lse, edges, entropy if entropy_grad else None)
         ctx.temperature = temperature
-        ctx.mark_non_differentiable(entropy)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return out.view(targets.shape), entropy
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor, _grad_entropy: Optional[Tensor]):
-        return _TargetLogProbs.backward(ctx, grad_out)
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor, grad_entropy: Optional[Tensor]):
+        logits, columns, lse, edges, entropy = ctx.saved_tensors
+        if entropy is None or grad_entropy is None:  # the metric: the log-probs' gradient alone, bit for bit
+            grad = _target_logprobs_grad(logits, columns, lse, edges, ctx.temperature, grad_out)
+            return grad, None, None, None, None
+        grad = torch.empty_like(logits)
+        n, vocab = logits.shape
+        grad_columns = grad_out.reshape(columns.shape)
+        mean_x = lse - entropy  # E_p[x] = logsumexp(x) - H
+        for start, stop in _chunks(n, vocab):
+            x = _scaled_upcast(logits[start:stop], ctx.temperature)
+            if edges is not None:
+                x = drop_below(x, edges[start:stop])  # the kept set is piecewise constant: no gradient of its own
+            p = _probabilities(x, lse[start:stop])
+            g = grad_columns[start:stop].to(lse.dtype)
+            # d/dx [x_y - logsumexp(x)] = onehot(y) - p for each target y; dH/dx_i = -p_i (x_i - E_p[x]), 0 where
+            # p_i = 0 (a dropped logit, x_i = -inf); x = logits / T. Built in place: two chunk-sized buffers.
+            centred = torch.sub(x, mean_x[start:stop, None]).masked_fill_(p == 0, 0.0)
+            centred.mul_(-grad_entropy[start:stop].to(lse.dtype)[:, None]).sub_(g.sum(-1, keepdim=True))
+            chunk = p.mul_(centred).scatter_add_(-1, columns[start:stop], g)
+            if ctx.temperature != 1.0:
+                chunk.div_(ctx.temperature)
+            grad[start:stop] = chunk
+        return grad, None, None, None, None
 
 
 class _Entropy(torch.autograd.Function):
@@ -607,25 +649,32 @@ def _targets_and_edges(
     return targets.reshape(-1).long(), edges
 
 
-def token_logprobs_with_entropy_metric(
+def token_logprobs_with_entropy(
     logits: Tensor,
     input_ids: Tensor,
     temperature: float = 1.0,
     sampling_filter: Optional[SamplingFilter] = None,
     *,
     next_ids: Optional[Tensor] = None,
+    entropy_grad: bool = False,
 ) -> Tuple[Tensor, Tensor]:
-    """:func:`token_logprobs` and :func:`tempered_entropy` of the same positions, aligned alike, the entropy without
-    a gradient (a metric), from one pass over the logits where the two make one each (each upcasts the logits,
-    divides them by the temperature and takes their logsumexp) and, with an active ``sampling_filter``, one replay
-    of the kept sets where the two make one each (a sort of every row). The log-probs and their gradient are
-    :func:`token_logprobs`' bit for bit; the entropy is the same distribution's, in chunks of rows where
-    :func:`tempered_entropy` away from temperature 1 goes one batch row at a time (at temperature 1 without a
-    filter, the same chunks: bit for bit).
+    """:func:`token_logprobs` and :func:`tempered_entropy` of the same positions, aligned alike, from one pass over
+    the logits where the two make one each (each upcasts the logits, divides them by the temperature and takes their
+    logsumexp) and, with an active ``sampling_filter``, one replay of the kept sets where the two make one each (a
+    sort of every row). The log-probs are :func:`token_logprobs`' bit for bit; the entropy is the same
+    distribution's, in chunks of rows where :func:`tempered_entropy` away from temperature 1 goes one batch row at a
+    time (at temperature 1 without a filter, the same chunks: bit for bit).
+
+    Without ``entropy_grad`` the entropy is a metric (no gradient) and the log-probs' gradient is
+    :func:`token_logprobs`' bit for bit. With it the entropy is differentiable (an entropy bonus): one backward pass
+    forms both gradients, summed in float32 (float64 for float64 logits) and cast once, where the two calls give
+    each its own pass, cast, and (away from temperature 1) a float32 copy of the whole logits kept for the entropy's
+    backward; equal to theirs within the rounding of that sum.
 
     Args:
         logits: ``(B, T, V)`` causal-LM logits; ``input_ids``: ``(B, T)``; ``temperature``, ``sampling_filter``,
             ``next_ids``: as in :func:`token_logprobs`.
+        entropy_grad: whether the entropy carries a gradient.
 
     Returns:
         ``(logps, entropy)``, each ``(B, T)`` float32 (float64 for float64 logits).
@@ -634,7 +683,9 @@ def token_logprobs_with_entropy_metric(
     check_temperature(temperature)
     batch, length, vocab = logits.shape
     targets, edges = _targets_and_edges(logits, input_ids, temperature, sampling_filter, next_ids)
-    flat, entropy = _TargetLogProbsAndEntropy.apply(logits.reshape(-1, vocab), targets, float(temperature), edges)
+    flat, entropy = _TargetLogProbsAndEntropy.apply(
+        logits.reshape(-1, vocab), targets, float(temperature), edges, entropy_grad
+    )
     per_position = flat.view(batch, length), entropy.view(batch, length)
     if next_ids is not None:
         return per_position
