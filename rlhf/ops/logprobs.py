@@ -506,14 +506,12 @@ def _probabilities(x: Tensor, lse: Tensor, out: Optional[Tensor] = None) -> Tens
 
 
 def _entropy(x: Tensor, lse: Tensor) -> Tensor:
-    """``(rows,)`` entropy of ``softmax(x)`` for ``(rows, V)`` logits ``x`` and their logsumexp ``lse``:
-    ``logsumexp(x) - E_p[x]``."""
-    return lse - _expected(_probabilities(x, lse), x)
-
-
-def _expected(p: Tensor, x: Tensor) -> Tensor:
-    """``sum_i p_i x_i`` over the last dim, with ``0 * -inf`` (a masked-out logit) counted as 0."""
-    return torch.where(p > 0, p * x, 0.0).sum(-1)
+    """``(rows,)`` entropy of ``softmax(x)`` for ``(rows, V)`` logits ``x`` (float32 or float64) and their logsumexp
+    ``lse``: ``logsumexp(x) - E_p[x]``. A logit of ``-inf`` (dropped from a kept set, or masked) has ``p = 0`` and
+    adds 0: its product ``0 * -inf`` (NaN) is left out of the sum, which otherwise is the plain sum, bit for bit. Two
+    passes over the chunk besides the probabilities (a product built in their buffer, its sum), where a mask of
+    ``p > 0``, a product and a ``where`` took four (a NaN logit still makes ``lse``, hence the entropy, NaN)."""
+    return lse - _probabilities(x, lse).mul_(x).nansum(-1)
 
 
 def _check_logits(logits: Tensor, input_ids: Optional[Tensor] = None) -> None:

@@ -350,6 +350,15 @@ def test_entropy_alignment_hand_value_and_masked_vocab():
     assert logits.grad[0, 2].tolist() == [0.0, 0.0]  # the last position predicts nothing
 
 
+def test_a_nan_logit_makes_its_entropy_nan_where_a_minus_inf_one_adds_nothing():
+    """The entropy's sum leaves out the NaN of ``0 * -inf`` (a masked logit); a NaN logit is not left out with it:
+    its row's entropy is NaN, in the metric and the bonus alike, the other rows as they were."""
+    logits = t([[[LN3, 0.0], [0.0, float("nan")], [0.0, float("-inf")], [0.0, 0.0]]])
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    for entropy in (entropy_from_logits(logits), token_logprobs_with_entropy(logits, ids, 0.7)[1]):
+        assert entropy[0, 2].isnan() and entropy[0, 3] == 0 and entropy[0, 1].isfinite()
+
+
 def test_entropy_gradcheck_with_chunking(monkeypatch):
     monkeypatch.setattr(lp_mod, "_CHUNK_ELEMENTS", 4)
     torch.manual_seed(1)
