@@ -271,7 +271,7 @@ def _target_logprobs(
     """:class:`_TargetLogProbs`' forward, chunk by chunk: ``(N, K)`` log-probs of ``columns`` and the ``(N,)``
     logsumexp of ``logits / temperature`` (over the kept set with ``edges``). With ``entropy`` (an ``(N,)`` buffer)
     it also holds the entropy of each row's distribution (tempered, and over the kept set with ``edges``), from the
-    same upcast chunk and logsumexp, computed as :class:`_Entropy` computes it."""
+    same upcast chunk and exponentials of the logsumexp (:func:`_logsumexp`), as :class:`_Entropy` computes it."""
     n, vocab = logits.shape
     dtype = _compute_dtype(logits.dtype)
     out = torch.empty(columns.shape, dtype=dtype, device=logits.device)
@@ -280,11 +280,9 @@ def _target_logprobs(
         x = _scaled_upcast(logits[start:stop], temperature)
         if edges is not None:
             x = drop_below(x, edges[start:stop])
-        lse[start:stop] = torch.logsumexp(x, dim=-1)
+        lse[start:stop] = _logsumexp(x, None if entropy is None else entropy[start:stop])
         # Gather-minus-logsumexp: only the target columns of log-softmax are ever formed.
         out[start:stop] = x.gather(-1, columns[start:stop]) - lse[start:stop, None]
-        if entropy is not None:
-            entropy[start:stop] = _entropy(x, lse[start:stop])
     return out, lse
 
 
@@ -357,8 +355,7 @@ class _Entropy(torch.autograd.Function):
         out = torch.empty(n, dtype=dtype, device=logits.device)
         for start, stop in _chunks(n, vocab):
             x = _scaled_upcast(logits[start:stop], 1.0)
-            lse[start:stop] = torch.logsumexp(x, dim=-1)
-            out[start:stop] = _entropy(x, lse[start:stop])
+            lse[start:stop] = _logsumexp(x, out[start:stop])
         ctx.save_for_backward(logits, lse, out)
         return out
 
@@ -410,9 +407,8 @@ class _HeadLogProbs(torch.autograd.Function):
             if edges is not None and sampling_filter is not None:
                 edges[start:stop] = torch.minimum(_sampler_edges(x, sampling_filter), target)
                 x = drop_below(x, edges[start:stop])
-            lse[start:stop] = torch.logsumexp(x, dim=-1)
+            lse[start:stop] = _logsumexp(x, entropy[start:stop])
             logps[start:stop] = target - lse[start:stop]
-            entropy[start:stop] = _entropy(x, lse[start:stop])
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, edges)
         ctx.temperature = temperature
         return logps, entropy
@@ -505,13 +501,22 @@ def _probabilities(x: Tensor, lse: Tensor, out: Optional[Tensor] = None) -> Tens
     return torch.sub(x, lse[:, None], out=out).exp_()
 
 
-def _entropy(x: Tensor, lse: Tensor) -> Tensor:
-    """``(rows,)`` entropy of ``softmax(x)`` for ``(rows, V)`` logits ``x`` (float32 or float64) and their logsumexp
-    ``lse``: ``logsumexp(x) - E_p[x]``. A logit of ``-inf`` (dropped from a kept set, or masked) has ``p = 0`` and
-    adds 0: its product ``0 * -inf`` (NaN) is left out of the sum, which otherwise is the plain sum, bit for bit. Two
-    passes over the chunk besides the probabilities (a product built in their buffer, its sum), where a mask of
-    ``p > 0``, a product and a ``where`` took four (a NaN logit still makes ``lse``, hence the entropy, NaN)."""
-    return lse - _probabilities(x, lse).mul_(x).nansum(-1)
+def _logsumexp(x: Tensor, entropy: Optional[Tensor] = None) -> Tensor:
+    """``(rows,)`` logsumexp of ``(rows, V)`` logits ``x`` (float32 or float64), by the operations of
+    ``torch.logsumexp`` (its value bit for bit: the row maxima, an infinite one taken as 0, the log of the sum of the
+    shifted exponentials plus the maxima); with ``entropy`` (a ``(rows,)`` buffer) it also writes there the entropy of
+    ``softmax(x)`` from the same exponentials ``e = exp(x - max)``: ``logsumexp(x) - sum_i e_i x_i / sum_i e_i``, one
+    product (in the exponentials' own buffer) and one sum more, where the entropy from the logsumexp took its own
+    shift and exponential of the chunk. A logit of ``-inf`` (dropped from a kept set, or masked) has ``e = 0`` and
+    adds 0: its ``0 * -inf`` (NaN) is left out of the sum (a NaN logit still makes the row's logsumexp NaN)."""
+    maxima = torch.amax(x, dim=-1, keepdim=True)
+    maxima.masked_fill_(maxima.abs() == math.inf, 0)
+    shifted = torch.sub(x, maxima).exp_()
+    total = shifted.sum(-1)
+    lse = total.log().add_(maxima.squeeze(-1))
+    if entropy is not None:
+        entropy.copy_(lse - shifted.mul_(x).nansum(-1).div_(total))
+    return lse
 
 
 def _check_logits(logits: Tensor, input_ids: Optional[Tensor] = None) -> None:
