@@ -277,12 +277,14 @@ def _target_logprobs(
     out = torch.empty(columns.shape, dtype=dtype, device=logits.device)
     lse = torch.empty(n, dtype=dtype, device=logits.device)
     for start, stop in _chunks(n, vocab):
-        x = _scaled_upcast(logits[start:stop], temperature)
+        chunk = logits[start:stop]
+        x = _scaled_upcast(chunk, temperature)
         if edges is not None:
             x = drop_below(x, edges[start:stop])
-        lse[start:stop] = _logsumexp(x, None if entropy is None else entropy[start:stop])
         # Gather-minus-logsumexp: only the target columns of log-softmax are ever formed.
-        out[start:stop] = x.gather(-1, columns[start:stop]) - lse[start:stop, None]
+        targets = x.gather(-1, columns[start:stop])
+        lse[start:stop] = _logsumexp(x, None if entropy is None else entropy[start:stop], scratch=x is not chunk)
+        out[start:stop] = targets - lse[start:stop, None]
     return out, lse
 
 
@@ -501,17 +503,20 @@ def _probabilities(x: Tensor, lse: Tensor, out: Optional[Tensor] = None) -> Tens
     return torch.sub(x, lse[:, None], out=out).exp_()
 
 
-def _logsumexp(x: Tensor, entropy: Optional[Tensor] = None) -> Tensor:
+def _logsumexp(x: Tensor, entropy: Optional[Tensor] = None, scratch: bool = False) -> Tensor:
     """``(rows,)`` logsumexp of ``(rows, V)`` logits ``x`` (float32 or float64), by the operations of
     ``torch.logsumexp`` (its value bit for bit: the row maxima, an infinite one taken as 0, the log of the sum of the
     shifted exponentials plus the maxima); with ``entropy`` (a ``(rows,)`` buffer) it also writes there the entropy of
     ``softmax(x)`` from the same exponentials ``e = exp(x - max)``: ``logsumexp(x) - sum_i e_i x_i / sum_i e_i``, one
     product (in the exponentials' own buffer) and one sum more, where the entropy from the logsumexp took its own
     shift and exponential of the chunk. A logit of ``-inf`` (dropped from a kept set, or masked) has ``e = 0`` and
-    adds 0: its ``0 * -inf`` (NaN) is left out of the sum (a NaN logit still makes the row's logsumexp NaN)."""
+    adds 0: its ``0 * -inf`` (NaN) is left out of the sum (a NaN logit still makes the row's logsumexp NaN).
+    ``scratch``: ``x`` is the caller's own copy, no longer needed: without ``entropy`` the exponentials are built in
+    it (no chunk-sized buffer: on a CPU a new one costs more than the subtraction, its pages faulted in one by one).
+    """
     maxima = torch.amax(x, dim=-1, keepdim=True)
     maxima.masked_fill_(maxima.abs() == math.inf, 0)
-    shifted = torch.sub(x, maxima).exp_()
+    shifted = (x.sub_(maxima) if scratch and entropy is None else torch.sub(x, maxima)).exp_()
     total = shifted.sum(-1)
     lse = total.log().add_(maxima.squeeze(-1))
     if entropy is not None:

@@ -362,10 +362,11 @@ def test_a_nan_logit_makes_its_entropy_nan_where_a_minus_inf_one_adds_nothing():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_logsumexp_is_torchs_bit_for_bit_and_its_entropy_within_rounding(dtype):
     """The log-probs' logsumexp (:func:`rlhf.ops.logprobs._logsumexp`) is ``torch.logsumexp``'s value bit for bit,
-    masked (-inf) logits and rows of one kept logit included, so every log-prob is what it was; the entropy it
-    takes from the same exponentials is the float64 entropy within the rounding of its sums: torch sums V terms in
-    a cascade (error about log2(V) eps max|x|: V = 4096 logits up to ~25, 12 x 2^-24 x 25 = 2e-5 in float32), and the
-    logsumexp's own rounding (~35 x 2^-24) adds less: 1e-4 in float32, 1e-12 in float64."""
+    masked (-inf) logits and rows of one kept logit included, built in a scratch copy or not, so every log-prob is
+    what it was; the entropy it takes from the same exponentials is the float64 entropy within the rounding of its
+    sums: torch sums V terms in a cascade (error about log2(V) eps max|x|: V = 4096 logits up to ~25, 12 x 2^-24 x
+    25 = 2e-5 in float32), and the logsumexp's own rounding (~35 x 2^-24) adds less: 1e-4 in float32, 1e-12 in
+    float64."""
     torch.manual_seed(0)
     x = (torch.randn(64, 4096, dtype=torch.float64) * 5).to(dtype)
     x[0, :100] = -math.inf
@@ -373,6 +374,8 @@ def test_the_logsumexp_is_torchs_bit_for_bit_and_its_entropy_within_rounding(dty
     entropy = torch.empty(64, dtype=dtype)
     lse = lp_mod._logsumexp(x, entropy)
     assert torch.equal(lse, torch.logsumexp(x, -1)) and torch.equal(lp_mod._logsumexp(x), lse)
+    scratch = x.clone()  # a copy the caller no longer needs: the exponentials are built in it, the same values
+    assert torch.equal(lp_mod._logsumexp(scratch, scratch=True), lse) and not torch.equal(scratch, x)
     wide = x.double()
     p = torch.softmax(wide, -1)
     exact = -(p * torch.where(p > 0, p.log(), 0.0)).sum(-1)
