@@ -58,9 +58,12 @@ def _scaled_upcast(logits: Tensor, temperature: float) -> Tensor:
     """``logits / temperature`` in at least float32.
 
     For float32 logits and temperature 1 this is the caller's own tensor, so callers must not modify it in place.
+    An upcast copy is divided in place (no second buffer of the chunk's size).
     """
     x = logits.to(_compute_dtype(logits.dtype))
-    return x / temperature if temperature != 1.0 else x
+    if temperature == 1.0:
+        return x
+    return x / temperature if x is logits else x.div_(temperature)
 
 
 @dataclass(frozen=True)
