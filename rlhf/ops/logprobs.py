@@ -252,14 +252,17 @@ def _target_logprobs_grad(
     for start, stop in _chunks(n, vocab):
         # At temperature 1 bf16 logits need no upcast copy: the subtraction below widens them as it reads them
         # (exactly: every bf16 value is a float32 value), into a float32 result.
-        x = logits[start:stop] if temperature == 1.0 else _scaled_upcast(logits[start:stop], temperature)
+        view = logits[start:stop]
+        x = view if temperature == 1.0 else _scaled_upcast(view, temperature)
         if edges is not None:
             x = drop_below(x, edges[start:stop])  # the kept set is piecewise constant: no gradient of its own
         g = grad_columns[start:stop].to(lse.dtype)
         # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z) for each target y of the row, and z = logits / T.
         # Each pass over the (rows, V) chunk is a pass over the step's largest tensor: the chunk is built in place
-        # (in `grad` when no cast is due) and divided only by a temperature other than 1 (x / 1.0 is x).
-        chunk = _probabilities(x, lse[start:stop], out=grad[start:stop] if in_place else None)
+        # (in `grad` when no cast is due, else in a tempered or filtered copy of our own) and divided only by a
+        # temperature other than 1 (x / 1.0 is x).
+        own = x if x is not view and x.dtype == lse.dtype else None
+        chunk = _probabilities(x, lse[start:stop], out=grad[start:stop] if in_place else own)
         chunk.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, columns[start:stop], g)
         if temperature != 1.0:
             chunk.div_(temperature)
@@ -333,14 +336,17 @@ class _TargetLogProbsAndEntropy(torch.autograd.Function):
         grad_columns = grad_out.reshape(columns.shape)
         mean_x = lse - entropy  # E_p[x] = logsumexp(x) - H
         for start, stop in _chunks(n, vocab):
-            x = _scaled_upcast(logits[start:stop], ctx.temperature)
+            view = logits[start:stop]
+            x = _scaled_upcast(view, ctx.temperature)
             if edges is not None:
                 x = drop_below(x, edges[start:stop])  # the kept set is piecewise constant: no gradient of its own
             p = _probabilities(x, lse[start:stop])
             g = grad_columns[start:stop].to(lse.dtype)
             # d/dx [x_y - logsumexp(x)] = onehot(y) - p for each target y; dH/dx_i = -p_i (x_i - E_p[x]), 0 where
-            # p_i = 0 (a dropped logit, x_i = -inf); x = logits / T. Built in place: two chunk-sized buffers.
-            centred = torch.sub(x, mean_x[start:stop, None]).masked_fill_(p == 0, 0.0)
+            # p_i = 0 (a dropped logit, x_i = -inf); x = logits / T. Built in place: in x itself when it is a copy
+            # of our own (upcast, tempered or filtered), else in one more chunk-sized buffer.
+            own = x if x is not view else None
+            centred = torch.sub(x, mean_x[start:stop, None], out=own).masked_fill_(p == 0, 0.0)
             centred.mul_(-grad_entropy[start:stop].to(lse.dtype)[:, None]).sub_(g.sum(-1, keepdim=True))
             chunk = p.mul_(centred).scatter_add_(-1, columns[start:stop], g)
             if ctx.temperature != 1.0:
