@@ -517,9 +517,9 @@ def _logsumexp(x: Tensor, entropy: Optional[Tensor] = None, scratch: bool = Fals
     ``torch.logsumexp`` (its value bit for bit: the row maxima, an infinite one taken as 0, the log of the sum of the
     shifted exponentials plus the maxima); with ``entropy`` (a ``(rows,)`` buffer) it also writes there the entropy of
     ``softmax(x)`` from the same exponentials ``e = exp(x - max)``: ``logsumexp(x) - sum_i e_i x_i / sum_i e_i``, one
-    product (in the exponentials' own buffer) and one sum more, where the entropy from the logsumexp took its own
-    shift and exponential of the chunk. A logit of ``-inf`` (dropped from a kept set, or masked) has ``e = 0`` and
-    adds 0: its ``0 * -inf`` (NaN) is left out of the sum (a NaN logit still makes the row's logsumexp NaN).
+    product (in the exponentials' own buffer) and one sum more. A logit of ``-inf`` (dropped from a kept set, or
+    masked) has ``e = 0`` and adds 0: its ``0 * -inf`` (NaN) is left out of the sum (a NaN logit still makes the
+    row's logsumexp NaN).
     ``scratch``: ``x`` is the caller's own copy, no longer needed: without ``entropy`` the exponentials are built in
     it (no chunk-sized buffer: on a CPU a new one costs more than the subtraction, its pages faulted in one by one).
     """
