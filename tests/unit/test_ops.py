@@ -247,9 +247,10 @@ def test_an_entropy_bonus_takes_one_pass_and_the_gradient_of_the_two_calls(
     backward pass (and one replay of the kept sets where they make two). Both are held to the float64 gradient of the
     same bf16 / fp32 logits, within a bound from the arithmetic: the entropy's gradient centres each logit on the
     distribution's mean (``x - (logsumexp - H)``), whose float32 rounding is that of a V-term sum of logits up to
-    ``max|x|``, so 4 V max|x| 2^-24 times the largest upstream weight; in bf16 the one pass sums its two terms in
-    float32 and casts once (half a bf16 step, 2^-8 relative, more), the two calls round each term into bf16 and add
-    in bf16 (half a step of each term and of their sum). In float64 the two agree to 1e-12."""
+    ``max|x|``, so 4 V max|x| 2^-24 times the largest upstream weights; in bf16 the one pass sums its two terms in
+    float32 and casts once (one more rounding, at most half a bf16 step: 2^-8 relative), the two calls round each
+    term into bf16 and add in bf16 (2^-8 of each term and of their sum, held to twice that). In float64 the two agree
+    to 1e-12."""
     monkeypatch.setattr(lp_mod, "_CHUNK_ELEMENTS", 40)  # several chunks of rows (40 elements: 4 rows of V = 10)
     torch.manual_seed(0)
     logits = (torch.randn(3, 5, 10) * 4).to(dtype)
