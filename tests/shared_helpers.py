@@ -344,7 +344,8 @@ _ENGINE_PROCESSES: List[Any] = []
 def _engine_processes():
     """The ``forkserver`` multiprocessing context whose server imported :data:`_ENGINE_IMPORTS` once: every engine
     run forks from that server, a fresh process (no process group, no DeepSpeed globals set) that skips the ~4 s of
-    imports a new interpreter spends before its first engine. One server per test process, started on first use."""
+    imports a new interpreter spends before its first engine. One server per test process, started on first use:
+    what those modules read from the environment as they are imported is the environment of that moment."""
     import multiprocessing
 
     if not _ENGINE_PROCESSES:
@@ -354,10 +355,15 @@ def _engine_processes():
     return _ENGINE_PROCESSES[0]
 
 
-def _run_in_engine_process(paths: List[str], module: str, function: str, model: str, out: str, port: int, log: str):
-    """In the forked process: its output into ``log``, then ``function(model, out, port)`` of ``module``."""
+def _run_in_engine_process(
+    paths: List[str], module: str, function: str, model: str, out: str, port: int, log: str, environ: Dict[str, str]
+):
+    """In the forked process: the caller's environment (the server has the one it started with), its output into
+    ``log``, then ``function(model, out, port)`` of ``module``."""
     import importlib
 
+    os.environ.clear()
+    os.environ.update(environ)
     written = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(written, 1)
     os.dup2(written, 2)
@@ -380,7 +386,7 @@ def saved_by_subprocess(test_file: str, function: str, model: str, out, timeout_
     paths = [os.path.dirname(os.path.abspath(test_file)), os.path.dirname(os.path.abspath(__file__))]
     log = f"{out}.log"
     process = _engine_processes().Process(
-        target=_run_in_engine_process, args=(paths, name, function, model, str(out), port, log)
+        target=_run_in_engine_process, args=(paths, name, function, model, str(out), port, log, dict(os.environ))
     )
     process.start()
     process.join(timeout_s)
