@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -241,29 +241,47 @@ class _TargetLogProbs(torch.autograd.Function):
 
 
 def _target_logprobs_grad(
-    logits: Tensor, columns: Tensor, lse: Tensor, edges: Optional[Tensor], temperature: float, grad_out: Tensor
+    logits: Tensor,
+    columns: Tensor,
+    lse: Tensor,
+    edges: Optional[Tensor],
+    temperature: float,
+    grad_out: Tensor,
+    bonus: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> Tensor:
     """The gradient ``(N, V)`` (in the logits' dtype) of :class:`_TargetLogProbs`' ``(N, K)`` log-probs of
-    ``columns`` given their upstream gradient ``grad_out`` and the forward's ``(N,)`` logsumexp ``lse``."""
+    ``columns`` given their upstream gradient ``grad_out`` and the forward's ``(N,)`` logsumexp ``lse``; with
+    ``bonus`` = ``(entropy, grad_entropy)``, each ``(N,)``, plus that of the rows' entropies (an entropy bonus), the
+    two summed in the compute dtype and cast once."""
     grad = torch.empty_like(logits)
     n, vocab = logits.shape
     grad_columns = grad_out.reshape(columns.shape)
     in_place = grad.dtype == lse.dtype  # no cast back: the chunk is built in `grad` itself
     for start, stop in _chunks(n, vocab):
-        # At temperature 1 bf16 logits need no upcast copy: the subtraction below widens them as it reads them
-        # (exactly: every bf16 value is a float32 value), into a float32 result.
+        # At temperature 1 bf16 logits need no upcast copy for the log-probs: the subtraction below widens them as
+        # it reads them (exactly: every bf16 value is a float32 value), into a float32 result. The bonus takes the
+        # copy: it centres the logits in it, where it would otherwise widen them into a new buffer a second time.
         view = logits[start:stop]
-        x = view if temperature == 1.0 else _scaled_upcast(view, temperature)
+        x = view if temperature == 1.0 and bonus is None else _scaled_upcast(view, temperature)
         if edges is not None:
             x = drop_below(x, edges[start:stop])  # the kept set is piecewise constant: no gradient of its own
         g = grad_columns[start:stop].to(lse.dtype)
         # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z) for each target y of the row, and z = logits / T.
         # Each pass over the (rows, V) chunk is a pass over the step's largest tensor: the chunk is built in place
-        # (in `grad` when no cast is due, else in a tempered or filtered copy of our own) and divided only by a
-        # temperature other than 1 (x / 1.0 is x).
+        # (in `grad` when no cast is due, else in a tempered or filtered copy of our own when the bonus does not
+        # need it) and divided only by a temperature other than 1 (x / 1.0 is x).
         own = x if x is not view and x.dtype == lse.dtype else None
-        chunk = _probabilities(x, lse[start:stop], out=grad[start:stop] if in_place else own)
-        chunk.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, columns[start:stop], g)
+        out = grad[start:stop] if in_place else (own if bonus is None else None)
+        chunk = _probabilities(x, lse[start:stop], out=out)
+        if bonus is None:
+            chunk.mul_(-g.sum(-1, keepdim=True))
+        else:  # dH/dx_i = -p_i (x_i - E_p[x]), 0 where p_i = 0 (a dropped logit, x_i = -inf); built in x if ours
+            entropy, grad_entropy = bonus
+            mean_x = lse[start:stop] - entropy[start:stop]  # E_p[x] = logsumexp(x) - H
+            centred = torch.sub(x, mean_x[:, None], out=own).masked_fill_(chunk == 0, 0.0)
+            centred.mul_(-grad_entropy[start:stop].to(lse.dtype)[:, None]).sub_(g.sum(-1, keepdim=True))
+            chunk.mul_(centred)
+        chunk.scatter_add_(-1, columns[start:stop], g)
         if temperature != 1.0:
             chunk.div_(temperature)
         if not in_place:
@@ -328,30 +346,9 @@ class _TargetLogProbsAndEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out: Tensor, grad_entropy: Optional[Tensor]):
         logits, columns, lse, edges, entropy = ctx.saved_tensors
-        if entropy is None or grad_entropy is None:  # the metric: the log-probs' gradient alone, bit for bit
-            grad = _target_logprobs_grad(logits, columns, lse, edges, ctx.temperature, grad_out)
-            return grad, None, None, None, None
-        grad = torch.empty_like(logits)
-        n, vocab = logits.shape
-        grad_columns = grad_out.reshape(columns.shape)
-        mean_x = lse - entropy  # E_p[x] = logsumexp(x) - H
-        for start, stop in _chunks(n, vocab):
-            view = logits[start:stop]
-            x = _scaled_upcast(view, ctx.temperature)
-            if edges is not None:
-                x = drop_below(x, edges[start:stop])  # the kept set is piecewise constant: no gradient of its own
-            p = _probabilities(x, lse[start:stop])
-            g = grad_columns[start:stop].to(lse.dtype)
-            # d/dx [x_y - logsumexp(x)] = onehot(y) - p for each target y; dH/dx_i = -p_i (x_i - E_p[x]), 0 where
-            # p_i = 0 (a dropped logit, x_i = -inf); x = logits / T. Built in place: in x itself when it is a copy
-            # of our own (upcast, tempered or filtered), else in one more chunk-sized buffer.
-            own = x if x is not view else None
-            centred = torch.sub(x, mean_x[start:stop, None], out=own).masked_fill_(p == 0, 0.0)
-            centred.mul_(-grad_entropy[start:stop].to(lse.dtype)[:, None]).sub_(g.sum(-1, keepdim=True))
-            chunk = p.mul_(centred).scatter_add_(-1, columns[start:stop], g)
-            if ctx.temperature != 1.0:
-                chunk.div_(ctx.temperature)
-            grad[start:stop] = chunk
+        # without a bonus (the metric) the log-probs' gradient alone, bit for bit
+        bonus = None if entropy is None or grad_entropy is None else (entropy, grad_entropy)
+        grad = _target_logprobs_grad(logits, columns, lse, edges, ctx.temperature, grad_out, bonus)
         return grad, None, None, None, None
 
 
@@ -638,13 +635,29 @@ def token_logprobs(
         ``(B, T)`` float32 (float64 for float64 logits) per-token log-probs, not summed; columns at padding hold
         meaningless values for ``loss_mask`` to drop.
     """
+    (logps,) = _per_token(_TargetLogProbs, logits, input_ids, temperature, sampling_filter, next_ids)
+    return logps
+
+
+def _per_token(
+    function: Any,
+    logits: Tensor,
+    input_ids: Tensor,
+    temperature: float,
+    sampling_filter: Optional[SamplingFilter],
+    next_ids: Optional[Tensor],
+    *extra: Any,
+) -> Tuple[Tensor, ...]:
+    """The autograd ``function`` (:class:`_TargetLogProbs` or :class:`_TargetLogProbsAndEntropy`) over the flat
+    ``(B*T, V)`` logits, each target and kept-set edge from :func:`_targets_and_edges` and ``extra`` -> each of its
+    ``(B*T,)`` outputs as ``(B, T)``, aligned to the tokens (per prediction position with ``next_ids``)."""
     _check_logits(logits, input_ids)
     check_temperature(temperature)
     batch, length, vocab = logits.shape
     targets, edges = _targets_and_edges(logits, input_ids, temperature, sampling_filter, next_ids)
-    flat = _TargetLogProbs.apply(logits.reshape(-1, vocab), targets, float(temperature), edges)
-    per_position = flat.view(batch, length)
-    return per_position if next_ids is not None else align_to_tokens(per_position)
+    outputs = function.apply(logits.reshape(-1, vocab), targets, float(temperature), edges, *extra)
+    per_position = [o.view(batch, length) for o in (outputs if isinstance(outputs, tuple) else (outputs,))]
+    return tuple(p if next_ids is not None else align_to_tokens(p) for p in per_position)
 
 
 def _targets_and_edges(
@@ -696,17 +709,10 @@ def token_logprobs_with_entropy(
     Returns:
         ``(logps, entropy)``, each ``(B, T)`` float32 (float64 for float64 logits).
     """
-    _check_logits(logits, input_ids)
-    check_temperature(temperature)
-    batch, length, vocab = logits.shape
-    targets, edges = _targets_and_edges(logits, input_ids, temperature, sampling_filter, next_ids)
-    flat, entropy = _TargetLogProbsAndEntropy.apply(
-        logits.reshape(-1, vocab), targets, float(temperature), edges, entropy_grad
+    logps, entropy = _per_token(
+        _TargetLogProbsAndEntropy, logits, input_ids, temperature, sampling_filter, next_ids, entropy_grad
     )
-    per_position = flat.view(batch, length), entropy.view(batch, length)
-    if next_ids is not None:
-        return per_position
-    return align_to_tokens(per_position[0]), align_to_tokens(per_position[1])
+    return logps, entropy
 
 
 def entropy_from_logits(logits: Tensor, aligned: bool = True) -> Tensor:
