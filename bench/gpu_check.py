@@ -1,9 +1,9 @@
 """The one-GPU check: the project's training, packing and weight-sync paths on one device, in under 5 minutes.
 
     python bench/gpu_check.py [--device cuda|cpu] [--precision bf16|fp32] [--zero-stage 0-3]
-                              [--model PATH | --size 0.5b|1.5b] [--checks sft,dpo,packing,ipc,sync,sp]
+                              [--model PATH | --size 0.5b|1.5b] [--checks sft,dpo,packing,ipc,sync,sp,head]
 
-Needs only torch, transformers, peft and deepspeed (no Ray, no vLLM: nothing here imports them). Six checks, each
+Needs only torch, transformers, peft and deepspeed (no Ray, no vLLM: nothing here imports them). Seven checks, each
 with the project's own code, one process plus one receiver process:
 
 1. engine        ``TrainerWorker`` (the rank a Ray actor hosts, built here in-process on a one-rank process group:
@@ -23,6 +23,11 @@ with the project's own code, one process plus one receiver process:
    parallel      NCCL on 2 GPUs, gloo on CPU): per-token log-probs and the gradient of the sharded forward against
                  the unsharded one. On a machine with one GPU it is reported SKIP (NCCL cannot put two ranks on one
                  device); the CPU twin is the same code on gloo.
+7. head tiles    the LM head in tiles (``model.tiled_head``, rlhf.ops.logprobs.head_token_logprobs) against the whole
+                 logits at the model's width and vocabulary: log-probs, entropies (a bonus) and the gradients of the
+                 hidden states and the head, without a kept set (the backward in tiles of the vocabulary, whose
+                 half-precision products into float32 use the device's own) and with top-p (tiles of tokens); the
+                 time and peak memory of each.
 
 Prints one table and exits 1 if any check fails. ``--device cpu`` is the CPU twin (tests/unit/test_gpu_check.py).
 ``--perturb-normalizer F`` multiplies the split runs' normalizer by F: a mis-normalised gradient, which the sft/dpo
@@ -259,6 +264,56 @@ def check_packing(model_path: str, precision: str, vocab: int) -> tuple:
     )
     tokens = f"padded {results['padded'][1]:,.0f} / packed {results['packed'][1]:,.0f}"
     return (f"packing: {kernel} vs padded {padded_attn}", diff <= bound, within("logps", diff, bound), tokens)
+
+
+def check_head(model_path: str, precision: str, vocab: int) -> list:
+    """The LM head in tiles against the whole logits, forward and backward, at the model's width and vocabulary."""
+    import torch
+    from transformers import AutoConfig
+
+    from rlhf.ops.logprobs import SamplingFilter, head_token_logprobs, token_logprobs_with_entropy
+    from rlhf.utils.device import torch_dtype
+
+    width, dtype = AutoConfig.from_pretrained(model_path).hidden_size, torch_dtype(precision)
+    tokens = 4096 if DEVICE.type == "cuda" else 256
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(1, tokens, width, generator=gen).to(DEVICE, dtype)
+    weight = (torch.randn(vocab, width, generator=gen) * width**-0.5).to(DEVICE, dtype)
+    ids = torch.randint(0, vocab, (1, tokens), generator=gen).to(DEVICE)
+    coefs = torch.randn(1, tokens, generator=gen).to(DEVICE)
+
+    def whole(h, w, sampling_filter):
+        logits = torch.nn.functional.linear(h, w)
+        return token_logprobs_with_entropy(logits, ids, 1.0, sampling_filter, entropy_grad=True)
+
+    def tiled(h, w, sampling_filter):
+        return head_token_logprobs(h, w, None, ids, 1.0, sampling_filter)
+
+    rows = []
+    for label, sampling_filter in (
+        ("head tiles: vocabulary", None),
+        ("head tiles: tokens, top-p", SamplingFilter(top_p=0.9)),
+    ):
+        results = {}
+        for way, fn in (("whole", whole), ("tiled", tiled)):
+            for _ in range(2):  # the second is timed
+                h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+                release()
+                if DEVICE.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                sync(DEVICE)
+                started = time.perf_counter()
+                logps, entropy = fn(h, w, sampling_filter)
+                ((logps * coefs).sum() + 0.01 * (entropy * coefs).sum()).backward()
+                sync(DEVICE)
+                seconds = time.perf_counter() - started
+            peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if DEVICE.type == "cuda" else ""
+            results[way] = ([logps.detach(), entropy.detach(), h.grad, w.grad], seconds, peak)
+        worst = max(rel(a, b) for a, b in zip(results["tiled"][0], results["whole"][0]))
+        bound = BOUNDS[precision]["loss"]
+        speed = " / ".join(f"{way} {results[way][1] * 1e3:.0f} ms{results[way][2]}" for way in results)
+        rows.append((label, worst <= bound, within("worst of logps, entropy, grads", worst, bound), speed))
+    return rows
 
 
 def digest(tensor) -> str:
@@ -556,6 +611,7 @@ def run(args) -> int:
         "ipc": ("ipc", lambda: [check_ipc(model_path, precision)]),
         "sync": ("sync group", lambda: [check_sync_group()]),
         "sp": ("sequence parallel", lambda: [check_sequence_parallel(model_path, precision, vocab)]),
+        "head": ("head tiles", lambda: check_head(model_path, precision, vocab)),
     }
     assert tuple(checks) == CHECKS
     rows = []
@@ -633,7 +689,7 @@ def main(argv=None) -> int:
     return run(args)
 
 
-CHECKS = ("sft", "dpo", "packing", "ipc", "sync", "sp")  # --checks names, in the order the checks run
+CHECKS = ("sft", "dpo", "packing", "ipc", "sync", "sp", "head")  # --checks names, in the order the checks run
 DEVICE = None  # set by main()
 ZERO_STAGE = 0  # set by main()
 

@@ -92,8 +92,9 @@ class ModelConfig:
     attn_implementation: str = "auto"  # auto: flash_attention_2 on GPU in bf16/fp16 when flash_attn imports, else sdpa
     disable_dropout: bool = True  # dropout breaks split-vs-whole equivalence and RL log-prob ratios
     gradient_checkpointing: bool = False
-    # Log-probs and entropies from the LM head applied to tiles of tokens, so a micro-batch's (tokens, vocabulary)
-    # logits never exist whole (rlhf/models/head.py): the same numbers to rounding, less memory.
+    # Log-probs and entropies from the LM head applied in tiles (of tokens; the backward, without a sampling filter,
+    # of the vocabulary), so a micro-batch's (tokens, vocabulary) logits never exist whole (rlhf/models/head.py): the
+    # same numbers to rounding, less memory.
     tiled_head: bool = False
     # The gated MLP of each layer in tiles of positions, recomputed in the backward (rlhf/models/tiled_mlp.py,
     # DeepSpeed's TiledMLP): the same numbers, its (T, intermediate) activations never whole; for long rows.

@@ -4,7 +4,8 @@ A micro-batch's logits are ``(tokens, vocabulary)``: with a 151,936-token vocabu
 5 GB in bf16 before any float32 copy, which caps the micro-batch and the context length. With ``model.tiled_head``
 the model's forward stops at its last hidden states (its LM head is swapped for the identity for the call) and
 :func:`rlhf.ops.logprobs.head_token_logprobs` applies the head to tiles of tokens, computing each tile's log-probs,
-kept set (top-k / top-p replay) and entropy, then dropping the tile; its backward recomputes the tiles. Without it
+kept set (top-k / top-p replay) and, when asked, entropy, then dropping the tile; its backward recomputes the logits
+in tiles (of the vocabulary, or with a kept set of the tokens again). Without it
 the forward returns the whole logits and :func:`rlhf.ops.logprobs.token_logprobs` works on them, as every release
 before did; an entropy, a metric or a bonus, comes from the log-probs' own pass
 (:func:`rlhf.ops.logprobs.token_logprobs_with_entropy`). The two agree to rounding (float64: 1e-12,
@@ -121,10 +122,11 @@ def token_outputs(
             temperature,
             sampling_filter,
             next_ids=hidden.next_ids,
+            entropy=entropy != "none",
         )
-        if entropy == "value":
-            ent = ent.detach()
-        return TokenOutputs(hidden.per_token(logps), None if entropy == "none" else hidden.per_token(ent))
+        if entropy == "value" and ent is not None:
+            ent = ent.detach()  # a metric: its gradient is never asked for, and the backward makes no pass for it
+        return TokenOutputs(hidden.per_token(logps), None if ent is None else hidden.per_token(ent))
     out = lm_logits(model, input_ids, attention_mask, packing)
     filtered = sampling_filter is not None and sampling_filter.active(out.logits.shape[-1])
     if at_ids is not None and filtered:

@@ -258,35 +258,70 @@ def _target_logprobs_grad(
     grad_columns = grad_out.reshape(columns.shape)
     in_place = grad.dtype == lse.dtype  # no cast back: the chunk is built in `grad` itself
     for start, stop in _chunks(n, vocab):
-        # At temperature 1 bf16 logits need no upcast copy for the log-probs: the subtraction below widens them as
-        # it reads them (exactly: every bf16 value is a float32 value), into a float32 result. The bonus takes the
-        # copy: it centres the logits in it, where it would otherwise widen them into a new buffer a second time.
-        view = logits[start:stop]
-        x = view if temperature == 1.0 and bonus is None else _scaled_upcast(view, temperature)
-        if edges is not None:
-            x = drop_below(x, edges[start:stop])  # the kept set is piecewise constant: no gradient of its own
         g = grad_columns[start:stop].to(lse.dtype)
-        # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z) for each target y of the row, and z = logits / T.
-        # Each pass over the (rows, V) chunk is a pass over the step's largest tensor: the chunk is built in place
-        # (in `grad` when no cast is due, else in a tempered or filtered copy of our own when the bonus does not
-        # need it) and divided only by a temperature other than 1 (x / 1.0 is x).
-        own = x if x is not view and x.dtype == lse.dtype else None
-        out = grad[start:stop] if in_place else (own if bonus is None else None)
-        chunk = _probabilities(x, lse[start:stop], out=out)
-        if bonus is None:
-            chunk.mul_(-g.sum(-1, keepdim=True))
-        else:  # dH/dx_i = -p_i (x_i - E_p[x]), 0 where p_i = 0 (a dropped logit, x_i = -inf); built in x if ours
-            entropy, grad_entropy = bonus
-            mean_x = lse[start:stop] - entropy[start:stop]  # E_p[x] = logsumexp(x) - H
-            centred = torch.sub(x, mean_x[:, None], out=own).masked_fill_(chunk == 0, 0.0)
-            centred.mul_(-grad_entropy[start:stop].to(lse.dtype)[:, None]).sub_(g.sum(-1, keepdim=True))
-            chunk.mul_(centred)
-        chunk.scatter_add_(-1, columns[start:stop], g)
-        if temperature != 1.0:
-            chunk.div_(temperature)
+        rows = slice(start, stop)
+        chunk = _logit_grad_chunk(
+            logits[rows],
+            lse[rows],
+            g.sum(-1, keepdim=True),
+            (columns[rows], g),
+            temperature,
+            None if edges is None else edges[rows],
+            None if bonus is None else (lse[rows] - bonus[0][rows], bonus[1][rows]),  # E_p[x] = logsumexp(x) - H
+            out=grad[rows] if in_place else None,
+        )
         if not in_place:
-            grad[start:stop] = chunk
+            grad[rows] = chunk
     return grad
+
+
+def _logit_grad_chunk(
+    view: Tensor,
+    lse: Tensor,
+    grad_rows: Tensor,
+    targets: Tuple[Tensor, Tensor],
+    temperature: float,
+    edges: Optional[Tensor],
+    bonus: Optional[Tuple[Tensor, Tensor]],
+    out: Optional[Tensor] = None,
+    own_view: bool = False,
+) -> Tensor:
+    """The gradient, in the compute dtype, of a chunk ``view`` of ``(rows, C)`` logits (whole rows, or a tile of the
+    vocabulary's columns) from the rows' log-probs and, with ``bonus``, their entropies.
+
+    Args:
+        view: the logits, any floating dtype; ``lse``: the rows' ``(rows,)`` logsumexp of ``logits / temperature``
+            over the whole vocabulary (its kept set with ``edges``), from the forward.
+        grad_rows: ``(rows, 1)`` the upstream gradients of each row's log-probs, summed (each log-prob's gradient
+            has ``-softmax`` in every column); ``targets``: ``(columns, values)``, each ``(rows, K)``, the one-hot
+            part, ``values`` added at ``columns`` (within the chunk; a target outside a tile given value 0).
+        edges: ``(rows,)`` kept-set edges or None; ``bonus``: ``(E_p[x], grad_entropy)``, each ``(rows,)``, or None.
+        out: where to build the gradient (a buffer of the compute dtype); ``own_view``: ``view`` is the caller's own
+            tensor, free to be overwritten.
+    """
+    # At temperature 1 bf16 logits need no upcast copy for the log-probs: the subtraction below widens them as
+    # it reads them (exactly: every bf16 value is a float32 value), into a float32 result. The bonus takes the
+    # copy: it centres the logits in it, where it would otherwise widen them into a new buffer a second time.
+    x = view if temperature == 1.0 and bonus is None else _scaled_upcast(view, temperature)
+    if edges is not None:
+        x = drop_below(x, edges)  # the kept set is piecewise constant: no gradient of its own
+    # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z) for each target y of the row, and z = logits / T.
+    # Each pass over the (rows, C) chunk is a pass over the step's largest tensor: the chunk is built in place
+    # (in `out` when given, else in a tempered or filtered copy of our own when the bonus does not need it) and
+    # divided only by a temperature other than 1 (x / 1.0 is x).
+    own = x if (x is not view or own_view) and x.dtype == lse.dtype else None
+    chunk = _probabilities(x, lse, out=out if out is not None else (own if bonus is None else None))
+    if bonus is None:
+        chunk.mul_(-grad_rows)
+    else:  # dH/dx_i = -p_i (x_i - E_p[x]), 0 where p_i = 0 (a dropped logit, x_i = -inf); built in x if ours
+        mean_x, grad_entropy = bonus
+        centred = torch.sub(x, mean_x[:, None], out=own).masked_fill_(chunk == 0, 0.0)
+        centred.mul_(-grad_entropy.to(lse.dtype)[:, None]).sub_(grad_rows)
+        chunk.mul_(centred)
+    chunk.scatter_add_(-1, *targets)
+    if temperature != 1.0:
+        chunk.div_(temperature)
+    return chunk
 
 
 def _target_logprobs(
@@ -384,14 +419,26 @@ class _Entropy(torch.autograd.Function):
 
 
 class _HeadLogProbs(torch.autograd.Function):
-    """Per-row log-prob of ``targets`` and entropy of ``softmax((hidden @ weight.T + bias) / temperature)`` (over
-    the sampler's kept set with an active ``sampling_filter``), the LM head applied tile by tile: the ``(N, V)``
-    logits never exist whole, in the forward or the backward (which recomputes each tile's logits).
+    """Per-row log-prob of ``targets`` and, with ``with_entropy``, entropy of ``softmax((hidden @ weight.T + bias) /
+    temperature)`` (over the sampler's kept set with an active ``sampling_filter``), the LM head applied tile by
+    tile: the ``(N, V)`` logits never exist whole, in the forward or the backward (which recomputes them).
 
-    Each tile computes exactly what the whole-logits path computes on it (:class:`_TargetLogProbs`,
-    :class:`_Entropy` and :func:`_kept_edges`): the logits in the weights' dtype, upcast and divided by the
-    temperature in the compute dtype, the edge of the kept set lowered to the target's value. The weight's gradient
-    is summed over the tiles in the compute dtype (float32 for bf16 weights) and cast once.
+    The forward goes through tiles of tokens (a kept set is replayed on a token's whole row) and computes on each
+    exactly what the whole-logits path computes (:class:`_TargetLogProbsAndEntropy`): the logits in the weights'
+    dtype, upcast and divided by the temperature in the compute dtype, the edge of the kept set lowered to the
+    target's value. The backward forms each tile's logit gradient as the whole-logits path does
+    (:func:`_logit_grad_chunk`), cast to the weights' dtype (the gradient that path hands the LM head), and:
+
+    * without a kept set, goes through tiles of the vocabulary: each slice of the head's weight (and bias)
+      gradient is one product over all the tokens in the weights' dtype, as the whole-logits path forms it, and the
+      hidden states' gradient sums the slices' products in the compute dtype (:func:`_add_product`) and is cast
+      once. No accumulator of the head's size: on a GPU that is a ``(V, H)`` float32 read and write per tile;
+    * with one, goes through the forward's own tiles of tokens: the kept set is replayed on the very logits the
+      forward computed (a product of another shape may round differently, and an edge token, whose value is the
+      edge itself, would then fall out of the set), the weight's gradient summed over the tiles in the compute
+      dtype and cast once.
+
+    A gradient asked of neither output (an entropy kept as a metric) costs no pass.
     """
 
     @staticmethod
@@ -403,61 +450,150 @@ class _HeadLogProbs(torch.autograd.Function):
         targets: Tensor,
         temperature: float,
         sampling_filter: Optional[SamplingFilter],
-    ) -> Tuple[Tensor, Tensor]:
+        with_entropy: bool,
+    ) -> Any:
         n, vocab = hidden.shape[0], weight.shape[0]
         dtype = _compute_dtype(hidden.dtype)
-        logps, lse, entropy = (torch.empty(n, dtype=dtype, device=hidden.device) for _ in range(3))
+        logps, lse = (torch.empty(n, dtype=dtype, device=hidden.device) for _ in range(2))
+        entropy = torch.empty(n, dtype=dtype, device=hidden.device) if with_entropy else None
         edges = torch.empty(n, dtype=dtype, device=hidden.device) if sampling_filter is not None else None
         copies = _FILTER_COPIES if sampling_filter is not None else 1
         for start, stop in _chunks(n, vocab, copies):
+            # the tile's logits are a new tensor (the product, or its upcast copy): ours to overwrite
             x = _scaled_upcast(torch.nn.functional.linear(hidden[start:stop], weight, bias), temperature)
             target = x.gather(-1, targets[start:stop, None]).squeeze(-1)
             if edges is not None and sampling_filter is not None:
                 edges[start:stop] = torch.minimum(_sampler_edges(x, sampling_filter), target)
                 x = drop_below(x, edges[start:stop])
-            lse[start:stop] = _logsumexp(x, entropy[start:stop])
+            lse[start:stop] = _logsumexp(x, None if entropy is None else entropy[start:stop], scratch=True)
             logps[start:stop] = target - lse[start:stop]
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, edges)
+        mean_x = None if entropy is None else lse - entropy  # E_p[x] = logsumexp(x) - H, for an entropy's gradient
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_x, edges)
         ctx.temperature = temperature
-        return logps, entropy
+        ctx.set_materialize_grads(False)  # an output no loss used hands None: no pass for it
+        return logps if entropy is None else (logps, entropy)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logps: Tensor, grad_entropy: Tensor):
-        hidden, weight, bias, targets, lse, entropy, edges = ctx.saved_tensors
-        n, vocab = hidden.shape[0], weight.shape[0]
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
-        grad_bias = torch.zeros(vocab, dtype=lse.dtype, device=weight.device) if bias is not None else None
-        mean_x = lse - entropy  # E_p[x] = logsumexp(x) - H
-        for start, stop in _chunks(n, vocab, _FILTER_COPIES if edges is not None else 1):
-            rows = hidden[start:stop]
-            x = _scaled_upcast(torch.nn.functional.linear(rows, weight, bias), ctx.temperature)
-            if edges is not None:
-                x = drop_below(x, edges[start:stop])
-            p = _probabilities(x, lse[start:stop])
-            g = grad_logps[start:stop].to(x.dtype)[:, None]
-            # d log p_y / dx = onehot(y) - p;  dH / dx_i = -p_i (x_i - E_p[x]) (0 where p_i = 0, x_i = -inf)
-            grad_x = p * -g
-            grad_x.scatter_add_(-1, targets[start:stop, None], g)
-            if grad_entropy is not None:
-                centred = torch.where(p > 0, x - mean_x[start:stop, None], 0.0)
-                grad_x -= p * centred * grad_entropy[start:stop].to(x.dtype)[:, None]
-            # x = logits / temperature (x / 1.0 is x: no pass over the tile for it)
-            grad_logits = grad_x.div_(ctx.temperature) if ctx.temperature != 1.0 else grad_x
-            low = grad_logits.to(hidden.dtype)  # the gradient the whole-logits path hands the LM head
-            grad_hidden[start:stop] = low @ weight
-            grad_weight += low.t().to(grad_weight.dtype) @ rows.to(grad_weight.dtype)
-            if grad_bias is not None:
-                grad_bias += low.to(grad_bias.dtype).sum(0)
-        return (
-            grad_hidden,
-            grad_weight.to(weight.dtype),
-            None if grad_bias is None else grad_bias.to(bias.dtype),
-            None,
-            None,
-            None,
+    def backward(ctx, grad_logps: Optional[Tensor], grad_entropy: Optional[Tensor] = None):
+        hidden, weight, bias, targets, lse, mean_x, edges = ctx.saved_tensors
+        asked = ctx.needs_input_grad[:3]
+        if grad_logps is None and grad_entropy is None:
+            return (None,) * 7
+        g = torch.zeros_like(lse) if grad_logps is None else grad_logps.to(lse.dtype)
+        bonus = None if grad_entropy is None else (mean_x, grad_entropy)
+        tiles = _head_grad_by_tokens if edges is not None else _head_grad_by_vocabulary
+        grads = tiles(hidden, weight, bias, targets, lse, g, bonus, edges, ctx.temperature, asked)
+        return (*grads, None, None, None, None)
+
+
+def _head_grad_by_vocabulary(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    targets: Tensor,
+    lse: Tensor,
+    g: Tensor,
+    bonus: Optional[Tuple[Tensor, Tensor]],
+    edges: None,
+    temperature: float,
+    asked: Tuple[bool, ...],
+) -> Tuple[Optional[Tensor], ...]:
+    """:class:`_HeadLogProbs`' gradients ``(hidden, weight, bias)`` (None where not ``asked``), tile by tile of
+    the vocabulary, every token in each: ``(N, H)`` hidden states, ``(V, H)`` weight, ``(V,)`` bias or None,
+    ``(N,)`` targets, logsumexp and upstream gradient ``g``; ``bonus`` = ``(E_p[x], grad_entropy)`` or None."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    grad_hidden = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device) if asked[0] else None
+    grad_weight = torch.empty_like(weight) if asked[1] else None
+    grad_bias = torch.empty_like(bias) if bias is not None and asked[2] else None
+    for first, last in _chunks(vocab, n):  # column ranges: at most _CHUNK_ELEMENTS logits a tile
+        cols = slice(first, last)
+        view = torch.nn.functional.linear(hidden, weight[cols], None if bias is None else bias[cols])
+        local = targets - first
+        inside = (local >= 0) & (local < last - first)  # the rows whose target lies in this tile
+        one_hot = (local.clamp(0, last - first - 1)[:, None], torch.where(inside, g, 0.0)[:, None])
+        chunk = _logit_grad_chunk(view, lse, g[:, None], one_hot, temperature, None, bonus, own_view=True)
+        low = chunk.to(weight.dtype)  # the gradient the whole-logits path hands the LM head
+        if grad_weight is not None:
+            torch.mm(low.t(), hidden, out=grad_weight[cols])
+        if grad_bias is not None:
+            grad_bias[cols] = low.sum(0)
+        if grad_hidden is not None:
+            _add_product(grad_hidden, low, weight[cols], scratch=chunk)
+    return None if grad_hidden is None else grad_hidden.to(hidden.dtype), grad_weight, grad_bias
+
+
+def _head_grad_by_tokens(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    targets: Tensor,
+    lse: Tensor,
+    g: Tensor,
+    bonus: Optional[Tuple[Tensor, Tensor]],
+    edges: Tensor,
+    temperature: float,
+    asked: Tuple[bool, ...],
+) -> Tuple[Optional[Tensor], ...]:
+    """:func:`_head_grad_by_vocabulary`'s gradients with a kept set (``edges``, ``(N,)``), tile by tile of the
+    tokens, the forward's own tiles: the weight's and bias's gradients summed over the tiles in the compute
+    dtype."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    grad_hidden = torch.empty_like(hidden) if asked[0] else None
+    grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if asked[1] else None
+    grad_bias = torch.zeros(vocab, dtype=lse.dtype, device=weight.device) if bias is not None and asked[2] else None
+    for start, stop in _chunks(n, vocab, _FILTER_COPIES):
+        rows = slice(start, stop)
+        view = torch.nn.functional.linear(hidden[rows], weight, bias)
+        one_hot = (targets[rows, None], g[rows, None])
+        row_bonus = None if bonus is None else (bonus[0][rows], bonus[1][rows])
+        chunk = _logit_grad_chunk(
+            view, lse[rows], g[rows, None], one_hot, temperature, edges[rows], row_bonus, own_view=True
         )
+        low = chunk.to(weight.dtype)
+        if grad_hidden is not None:
+            grad_hidden[rows] = low @ weight
+        if grad_weight is not None:
+            _add_product(grad_weight, low.t(), hidden[rows], scratch=chunk.t())
+        if grad_bias is not None:
+            grad_bias += low.sum(0, dtype=grad_bias.dtype)
+    return (
+        grad_hidden,
+        None if grad_weight is None else grad_weight.to(weight.dtype),
+        None if grad_bias is None or bias is None else grad_bias.to(bias.dtype),
+    )
+
+
+def _add_product(total: Tensor, a: Tensor, b: Tensor, scratch: Optional[Tensor] = None) -> None:
+    """``total += a @ b`` with each product exact and the sums in ``total``'s dtype (float32 or float64), for ``a``
+    and ``b`` in any (lower) precision: a sum over tiles that rounds once, at the end, as one product over them all
+    would. Half-precision factors on a device whose matrix product writes float32 (CUDA, torch >= 2.8:
+    ``torch.mm(out_dtype=)``, bf16 tensor cores accumulating in float32) go in as they are; elsewhere (the CPU)
+    they are widened first, exactly, into ``scratch`` when given (a buffer of ``a``'s shape and ``total``'s dtype
+    no longer needed: ``a`` is its rounding)."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+    elif _widening_product(a.device, a.dtype, total.dtype):
+        total.add_(torch.mm(a, b, out_dtype=total.dtype))
+    else:
+        wide = a.to(total.dtype) if scratch is None else scratch.copy_(a)
+        total.addmm_(wide, b.to(total.dtype))
+
+
+_WIDENING: dict = {}
+
+
+def _widening_product(device: torch.device, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=out_dtype)`` runs for ``dtype`` factors on ``device`` (tried once on two
+    1x1 matrices: CUDA has it since torch 2.8 for half precision into float32, the CPU has none)."""
+    key = (device.type, dtype, out_dtype)
+    if key not in _WIDENING:
+        one = torch.ones(1, 1, dtype=dtype, device=device)
+        try:
+            _WIDENING[key] = torch.mm(one, one, out_dtype=out_dtype).dtype == out_dtype
+        except (RuntimeError, NotImplementedError, TypeError):
+            _WIDENING[key] = False
+    return _WIDENING[key]
 
 
 def head_token_logprobs(
@@ -469,10 +605,11 @@ def head_token_logprobs(
     sampling_filter: Optional[SamplingFilter] = None,
     *,
     next_ids: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor]:
+    entropy: bool = True,
+) -> Tuple[Tensor, Optional[Tensor]]:
     """:func:`token_logprobs` and the entropy of the same distribution from a causal LM's last hidden states and
-    its LM head, without the ``(B, T, V)`` logits: the head runs on tiles of tokens (``_CHUNK_ELEMENTS`` floats of
-    logits each) in the forward, and again in the backward.
+    its LM head, without the ``(B, T, V)`` logits: the head runs on tiles (``_CHUNK_ELEMENTS`` floats of logits
+    each) in the forward, and again in the backward (:class:`_HeadLogProbs`).
 
     Args:
         hidden: ``(B, T, H)`` final hidden states (after the model's last norm), the head's input.
@@ -483,6 +620,7 @@ def head_token_logprobs(
         next_ids: the token each position predicts, ``(B, T)``, for a sequence shard whose last position
             predicts the next shard's first token (:mod:`rlhf.models.sequence_parallel`); given, the result is per
             prediction position, not shifted onto the tokens (:func:`align_to_tokens` shifts it).
+        entropy: compute the entropy too (else ``None`` in its place).
 
     Returns:
         ``(logps, entropy)``, each ``(B, T)`` float32 (float64 for float64 weights), aligned like
@@ -495,11 +633,11 @@ def head_token_logprobs(
     batch, length, width = hidden.shape
     active = sampling_filter if sampling_filter is not None and sampling_filter.active(weight.shape[0]) else None
     targets = (input_ids.roll(-1, dims=1) if next_ids is None else next_ids).reshape(-1).long()
-    logps, entropy = _HeadLogProbs.apply(hidden.reshape(-1, width), weight, bias, targets, float(temperature), active)
-    logps, entropy = logps.view(batch, length), entropy.view(batch, length)
-    if next_ids is not None:
-        return logps, entropy
-    return align_to_tokens(logps), align_to_tokens(entropy)
+    out = _HeadLogProbs.apply(hidden.reshape(-1, width), weight, bias, targets, float(temperature), active, entropy)
+    per_position = [o.view(batch, length) for o in (out if entropy else (out,))]
+    if next_ids is None:
+        per_position = [align_to_tokens(o) for o in per_position]
+    return per_position[0], per_position[1] if entropy else None
 
 
 def _probabilities(x: Tensor, lse: Tensor, out: Optional[Tensor] = None) -> Tensor:

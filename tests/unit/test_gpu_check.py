@@ -20,6 +20,8 @@ ROWS = (
     "ipc: shared memory",
     "sync group: gloo, arrival bound",
     "sequence parallel 2",
+    "head tiles: vocabulary",
+    "head tiles: tokens, top-p",
 )
 
 

@@ -86,6 +86,86 @@ def test_float32_within_float32_rounding_and_no_bias():
         torch.testing.assert_close(a, b, rtol=0, atol=2**-14 * float(b.abs().max()))
 
 
+def _bf16_grads(fn, hidden, weight, bias, ids, coefs):
+    leaves = [t.detach().to(torch.bfloat16).requires_grad_() for t in (hidden, weight, bias)]
+    logps, _ = fn(*leaves, ids)
+    (logps * coefs).sum().backward()
+    return [t.grad.double() for t in leaves]
+
+
+def test_bf16_tiles_of_the_vocabulary_give_the_whole_logits_gradients_to_one_rounding(monkeypatch):
+    """bf16 weights, several tiles of the vocabulary: the weight's and bias's gradient slices are each one product
+    over all the tokens, as the whole-logits path forms them, and the hidden states' gradient sums the tiles'
+    products in float32 and rounds once. Each element within one bf16 rounding (2^-8 relative) of the whole path's,
+    where a sum that rounded each tile's product to bf16 is several roundings off (fails this)."""
+    monkeypatch.setattr(logprobs, "_CHUNK_ELEMENTS", 27 * 40)  # 27 tokens: tiles of 40 of the 400 ids
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(3, 9, 64, generator=gen, dtype=torch.float64)
+    weight, bias = torch.randn(400, 64, generator=gen, dtype=torch.float64) * 0.2, torch.randn(400, generator=gen)
+    ids, coefs = torch.randint(0, 400, (3, 9), generator=gen), torch.randn(3, 9, generator=gen)
+    whole = functools.partial(lambda h, w, b, i: (token_logprobs(torch.nn.functional.linear(h, w, b), i), None))
+    want = _bf16_grads(whole, hidden, weight, bias, ids, coefs)
+    got = _bf16_grads(functools.partial(head_token_logprobs, entropy=False), hidden, weight, bias, ids, coefs)
+    for label, a, b in zip(("d hidden", "d weight", "d bias"), got, want):
+        assert bool((b != 0).any()), label
+        torch.testing.assert_close(a, b, rtol=2**-8, atol=1e-30, msg=label)
+
+
+def test_add_product_sums_exact_products_in_float32():
+    """``total += a @ b`` for bf16 factors: the float64 product of the same values within float32's rounding of
+    the k-term sums (k u sum |a b|, u = 2^-24), widened into the scratch buffer or not; float32 factors go straight
+    in. A product rounded to bf16 first is ~2^-9 of it off."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    b = torch.randn(64, 7, generator=gen).to(torch.bfloat16)
+    start = torch.randn(5, 7, generator=gen)
+    want = start.double() + a.double() @ b.double()
+    bound = 64 * 2**-24 * (start.double().abs() + a.double().abs() @ b.double().abs())
+    for scratch in (None, torch.empty(5, 64)):
+        total = start.clone()
+        logprobs._add_product(total, a, b, scratch=scratch)
+        assert bool(((total.double() - want).abs() <= bound).all())
+    total = start.clone()
+    logprobs._add_product(total, a.float(), b.float())
+    assert bool(((total.double() - want).abs() <= bound).all())
+
+
+def test_head_backward_makes_no_pass_for_an_unused_entropy_and_no_head_sized_buffer(monkeypatch):
+    """The backward through tiles of the vocabulary: three matrix products a tile (the logits again, the weight's
+    slice, the hidden states' share) and no float32 buffer of the head's size; an entropy computed but used by no
+    loss (a metric) dispatches exactly what no entropy does."""
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC2701 (torch exports it nowhere else)
+
+    monkeypatch.setattr(logprobs, "_CHUNK_ELEMENTS", 8 * 25)  # 8 positions: two tiles of 25 of the 50 ids
+    hidden, weight, ids = torch.randn(1, 8, 4).bfloat16(), torch.randn(50, 4).bfloat16(), torch.randint(0, 50, (1, 8))
+
+    class Ops(TorchDispatchMode):
+        """Records each tensor-making op the backward dispatches: ``(name, shape, dtype)``."""
+
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if isinstance(result, torch.Tensor) and not func.is_view:
+                self.seen.append((func.overloadpacket.__name__, tuple(result.shape), result.dtype))
+            return result
+
+    dispatched = {}
+    for entropy in (False, True):
+        leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+        logps, _ = head_token_logprobs(*leaves, None, ids, entropy=entropy)
+        logprobs._widening_product(torch.device("cpu"), torch.bfloat16, torch.float32)  # its probe is no pass
+        with Ops() as ops:
+            logps.sum().backward()
+        dispatched[entropy] = ops.seen
+    assert dispatched[True] == dispatched[False]
+    products = [name for name, _, _ in dispatched[False] if name in ("mm", "addmm", "addmm_")]
+    assert len(products) == 3 * 2
+    assert not [op for op in dispatched[False] if op[1] == (50, 4) and op[2] != torch.bfloat16]
+
+
 @pytest.fixture(scope="module")
 def policies():
     whole = tiny_float64_policy(64)
