@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -482,26 +482,31 @@ class _HeadLogProbs(torch.autograd.Function):
             return (None,) * 7
         g = torch.zeros_like(lse) if grad_logps is None else grad_logps.to(lse.dtype)
         bonus = None if grad_entropy is None else (mean_x, grad_entropy)
+        saved = _HeadSaved(hidden, weight, bias, targets, lse, edges, ctx.temperature)
         tiles = _head_grad_by_tokens if edges is not None else _head_grad_by_vocabulary
-        grads = tiles(hidden, weight, bias, targets, lse, g, bonus, edges, ctx.temperature, asked)
-        return (*grads, None, None, None, None)
+        return (*tiles(saved, g, bonus, asked), None, None, None, None)
+
+
+class _HeadSaved(NamedTuple):
+    """What :class:`_HeadLogProbs`' forward keeps for its backward: ``(N, H)`` hidden states, ``(V, H)`` weight,
+    ``(V,)`` bias or None, ``(N,)`` targets and logsumexp, ``(N,)`` kept-set edges or None, the temperature."""
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    targets: Tensor
+    lse: Tensor
+    edges: Optional[Tensor]
+    temperature: float
 
 
 def _head_grad_by_vocabulary(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    targets: Tensor,
-    lse: Tensor,
-    g: Tensor,
-    bonus: Optional[Tuple[Tensor, Tensor]],
-    edges: None,
-    temperature: float,
-    asked: Tuple[bool, ...],
+    saved: _HeadSaved, g: Tensor, bonus: Optional[Tuple[Tensor, Tensor]], asked: Tuple[bool, ...]
 ) -> Tuple[Optional[Tensor], ...]:
-    """:class:`_HeadLogProbs`' gradients ``(hidden, weight, bias)`` (None where not ``asked``), tile by tile of
-    the vocabulary, every token in each: ``(N, H)`` hidden states, ``(V, H)`` weight, ``(V,)`` bias or None,
-    ``(N,)`` targets, logsumexp and upstream gradient ``g``; ``bonus`` = ``(E_p[x], grad_entropy)`` or None."""
+    """:class:`_HeadLogProbs`' gradients ``(hidden, weight, bias)`` (None where not ``asked``) without a kept set,
+    tile by tile of the vocabulary, every token in each, given the ``(N,)`` upstream gradient ``g`` of the log-probs
+    and ``bonus`` = ``(E_p[x], grad_entropy)`` or None."""
+    hidden, weight, bias, targets, lse, _, temperature = saved
     n, vocab = hidden.shape[0], weight.shape[0]
     grad_hidden = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device) if asked[0] else None
     grad_weight = torch.empty_like(weight) if asked[1] else None
@@ -524,20 +529,12 @@ def _head_grad_by_vocabulary(
 
 
 def _head_grad_by_tokens(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    targets: Tensor,
-    lse: Tensor,
-    g: Tensor,
-    bonus: Optional[Tuple[Tensor, Tensor]],
-    edges: Tensor,
-    temperature: float,
-    asked: Tuple[bool, ...],
+    saved: _HeadSaved, g: Tensor, bonus: Optional[Tuple[Tensor, Tensor]], asked: Tuple[bool, ...]
 ) -> Tuple[Optional[Tensor], ...]:
-    """:func:`_head_grad_by_vocabulary`'s gradients with a kept set (``edges``, ``(N,)``), tile by tile of the
-    tokens, the forward's own tiles: the weight's and bias's gradients summed over the tiles in the compute
-    dtype."""
+    """:func:`_head_grad_by_vocabulary`'s gradients with a kept set (``saved.edges``), tile by tile of the tokens,
+    the forward's own tiles: the weight's and bias's gradients summed over the tiles in the compute dtype."""
+    hidden, weight, bias, targets, lse, edges, temperature = saved
+    assert edges is not None, "the backward takes this path only with a kept set"
     n, vocab = hidden.shape[0], weight.shape[0]
     grad_hidden = torch.empty_like(hidden) if asked[0] else None
     grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if asked[1] else None
