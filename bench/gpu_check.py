@@ -24,10 +24,10 @@ with the project's own code, one process plus one receiver process:
                  the unsharded one. On a machine with one GPU it is reported SKIP (NCCL cannot put two ranks on one
                  device); the CPU twin is the same code on gloo.
 7. head tiles    the LM head in tiles (``model.tiled_head``, rlhf.ops.logprobs.head_token_logprobs) against the whole
-                 logits at the model's width and vocabulary: log-probs, entropies (a bonus) and the gradients of the
-                 hidden states and the head, without a kept set (the backward in tiles of the vocabulary, whose
-                 half-precision products into float32 use the device's own) and with top-p (tiles of tokens); the
-                 time and peak memory of each.
+                 logits at the model's width and vocabulary: log-probs, entropies and the gradients of the hidden
+                 states and the head, without a kept set (the backward in tiles of the vocabulary, whose
+                 half-precision products into float32 use the device's own) and with top-p and an entropy bonus
+                 (tiles of tokens); the time and peak memory of each.
 
 Prints one table and exits 1 if any check fails. ``--device cpu`` is the CPU twin (tests/unit/test_gpu_check.py).
 ``--perturb-normalizer F`` multiplies the split runs' normalizer by F: a mis-normalised gradient, which the sft/dpo
@@ -271,7 +271,7 @@ def check_head(model_path: str, precision: str, vocab: int) -> list:
     import torch
     from transformers import AutoConfig
 
-    from rlhf.ops.logprobs import SamplingFilter, head_token_logprobs, token_logprobs_with_entropy
+    from rlhf.ops.logprobs import SamplingFilter, head_token_logprobs, token_logprobs, token_logprobs_with_entropy
     from rlhf.utils.device import torch_dtype
 
     width, dtype = AutoConfig.from_pretrained(model_path).hidden_size, torch_dtype(precision)
@@ -282,17 +282,21 @@ def check_head(model_path: str, precision: str, vocab: int) -> list:
     ids = torch.randint(0, vocab, (1, tokens), generator=gen).to(DEVICE)
     coefs = torch.randn(1, tokens, generator=gen).to(DEVICE)
 
-    def whole(h, w, sampling_filter):
+    def whole(h, w, sampling_filter, bonus):
         logits = torch.nn.functional.linear(h, w)
+        if not bonus:
+            return token_logprobs(logits, ids, 1.0, sampling_filter), None
         return token_logprobs_with_entropy(logits, ids, 1.0, sampling_filter, entropy_grad=True)
 
-    def tiled(h, w, sampling_filter):
-        return head_token_logprobs(h, w, None, ids, 1.0, sampling_filter)
+    def tiled(h, w, sampling_filter, bonus):
+        return head_token_logprobs(h, w, None, ids, 1.0, sampling_filter, entropy=bool(bonus))
 
     rows = []
-    for label, sampling_filter in (
-        ("head tiles: vocabulary", None),
-        ("head tiles: tokens, top-p", SamplingFilter(top_p=0.9)),
+    # SFT's and DPO's case (log-probs alone: the backward in tiles of the vocabulary), and an RL update's with a
+    # top-p sampler and an entropy bonus (tiles of tokens)
+    for label, sampling_filter, bonus in (
+        ("head tiles: vocabulary", None, 0.0),
+        ("head tiles: tokens, top-p", SamplingFilter(top_p=0.9), 0.01),
     ):
         results = {}
         for way, fn in (("whole", whole), ("tiled", tiled)):
@@ -303,16 +307,18 @@ def check_head(model_path: str, precision: str, vocab: int) -> list:
                     torch.cuda.reset_peak_memory_stats()
                 sync(DEVICE)
                 started = time.perf_counter()
-                logps, entropy = fn(h, w, sampling_filter)
-                ((logps * coefs).sum() + 0.01 * (entropy * coefs).sum()).backward()
+                logps, entropy = fn(h, w, sampling_filter, bonus)
+                loss = (logps * coefs).sum()
+                (loss if entropy is None else loss + bonus * (entropy * coefs).sum()).backward()
                 sync(DEVICE)
                 seconds = time.perf_counter() - started
             peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if DEVICE.type == "cuda" else ""
-            results[way] = ([logps.detach(), entropy.detach(), h.grad, w.grad], seconds, peak)
+            outputs = [logps, h.grad, w.grad] + ([] if entropy is None else [entropy])
+            results[way] = ([t.detach() for t in outputs], seconds, peak)
         worst = max(rel(a, b) for a, b in zip(results["tiled"][0], results["whole"][0]))
         bound = BOUNDS[precision]["loss"]
         speed = " / ".join(f"{way} {results[way][1] * 1e3:.0f} ms{results[way][2]}" for way in results)
-        rows.append((label, worst <= bound, within("worst of logps, entropy, grads", worst, bound), speed))
+        rows.append((label, worst <= bound, within("worst of logps, grads, entropy", worst, bound), speed))
     return rows
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -577,7 +577,7 @@ def _add_product(total: Tensor, a: Tensor, b: Tensor, scratch: Optional[Tensor] 
         total.addmm_(wide, b.to(total.dtype))
 
 
-_WIDENING: dict = {}
+_WIDENING: Dict[Tuple[str, torch.dtype, torch.dtype], bool] = {}  # (device type, factors, product) -> runs
 
 
 def _widening_product(device: torch.device, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
