@@ -103,7 +103,10 @@ def test_bf16_tiles_of_the_vocabulary_give_the_whole_logits_gradients_to_one_rou
     hidden = torch.randn(3, 9, 64, generator=gen, dtype=torch.float64)
     weight, bias = torch.randn(400, 64, generator=gen, dtype=torch.float64) * 0.2, torch.randn(400, generator=gen)
     ids, coefs = torch.randint(0, 400, (3, 9), generator=gen), torch.randn(3, 9, generator=gen)
-    whole = functools.partial(lambda h, w, b, i: (token_logprobs(torch.nn.functional.linear(h, w, b), i), None))
+
+    def whole(h, w, b, i):
+        return token_logprobs(torch.nn.functional.linear(h, w, b), i), None
+
     want = _bf16_grads(whole, hidden, weight, bias, ids, coefs)
     got = _bf16_grads(functools.partial(head_token_logprobs, entropy=False), hidden, weight, bias, ids, coefs)
     for label, a, b in zip(("d hidden", "d weight", "d bias"), got, want):
