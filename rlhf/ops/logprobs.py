@@ -17,9 +17,10 @@ the very distribution the tokens were drawn from and a PPO ratio or TIS weight i
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, NamedTuple, Optional, Tuple
+from typing import Any, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -570,27 +571,22 @@ def _add_product(total: Tensor, a: Tensor, b: Tensor, scratch: Optional[Tensor] 
     no longer needed: ``a`` is its rounding)."""
     if a.dtype == total.dtype:
         total.addmm_(a, b)
-    elif _widening_product(a.device, a.dtype, total.dtype):
+    elif _widening_product(a.device.type, a.dtype, total.dtype):
         total.add_(torch.mm(a, b, out_dtype=total.dtype))
     else:
         wide = a.to(total.dtype) if scratch is None else scratch.copy_(a)
         total.addmm_(wide, b.to(total.dtype))
 
 
-_WIDENING: Dict[Tuple[str, torch.dtype, torch.dtype], bool] = {}  # (device type, factors, product) -> runs
-
-
-def _widening_product(device: torch.device, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
-    """Whether ``torch.mm(a, b, out_dtype=out_dtype)`` runs for ``dtype`` factors on ``device`` (tried once on two
-    1x1 matrices: CUDA has it since torch 2.8 for half precision into float32, the CPU has none)."""
-    key = (device.type, dtype, out_dtype)
-    if key not in _WIDENING:
-        one = torch.ones(1, 1, dtype=dtype, device=device)
-        try:
-            _WIDENING[key] = torch.mm(one, one, out_dtype=out_dtype).dtype == out_dtype
-        except (RuntimeError, NotImplementedError, TypeError):
-            _WIDENING[key] = False
-    return _WIDENING[key]
+@functools.lru_cache(maxsize=None)
+def _widening_product(device_type: str, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=out_dtype)`` runs for ``dtype`` factors on a ``device_type`` device (tried
+    once on two 1x1 matrices: CUDA has it since torch 2.8 for half precision into float32, the CPU has none)."""
+    one = torch.ones(1, 1, dtype=dtype, device=device_type)
+    try:
+        return torch.mm(one, one, out_dtype=out_dtype).dtype == out_dtype
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 def head_token_logprobs(

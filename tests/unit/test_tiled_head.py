@@ -159,7 +159,7 @@ def test_head_backward_makes_no_pass_for_an_unused_entropy_and_no_head_sized_buf
     for entropy in (False, True):
         leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
         logps, _ = head_token_logprobs(*leaves, None, ids, entropy=entropy)
-        logprobs._widening_product(torch.device("cpu"), torch.bfloat16, torch.float32)  # its probe is no pass
+        logprobs._widening_product("cpu", torch.bfloat16, torch.float32)  # its probe is no pass
         with Ops() as ops:
             logps.sum().backward()
         dispatched[entropy] = ops.seen
