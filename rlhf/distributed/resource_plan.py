@@ -114,8 +114,10 @@ Request = Union[GroupPlan, ActorPlan]  # what the runner asks Ray for, one after
 class ResourcePlan:
     """Every request of a run in the order the runner makes it, and every role's actors.
 
-    ``requests`` holds the placement groups and the actors with resources of their own (these take cluster
-    resources); ``actors`` lists every role, including those sitting on a placement group's bundles.
+    ``requests`` holds the placement groups, then the actors with resources of their own (these take cluster
+    resources): the runner reserves every placement group before it starts any actor
+    (:func:`rlhf.trainers.actors.start_plan`). ``actors`` lists every role in the order the builder added them,
+    including those sitting on a placement group's bundles.
     """
 
     requests: Tuple[Request, ...]
@@ -172,7 +174,11 @@ class _Builder:
         self.actors.append(actors)
 
     def build(self) -> ResourcePlan:
-        return ResourcePlan(requests=tuple(self.requests), actors=tuple(self.actors))
+        groups = [r for r in self.requests if isinstance(r, GroupPlan)]  # reserved first, in their order
+        return ResourcePlan(
+            requests=tuple(groups + [r for r in self.requests if not isinstance(r, GroupPlan)]),
+            actors=tuple(self.actors),
+        )
 
 
 def offline_plan(

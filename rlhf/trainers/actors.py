@@ -1,11 +1,19 @@
 """A run's actors, started from its resource plan: the plan ``--dry-run`` prints is the object the runners start.
 
-:func:`start_plan` walks a :class:`~rlhf.distributed.resource_plan.ResourcePlan`'s actors in order. A role on a
-placement group that several roles share gets that group (made when its first role starts); a role alone on its
-group, or with resources of its own, gets none (its actors make their own, of the plan's size). Each role is then
-started by the runner's *starter* for it, which reads the count and resources from the plan's
-:class:`~rlhf.distributed.resource_plan.ActorPlan`, never from the config. So the actors a run starts cannot drift
-from the plan, and a role the plan holds but no starter knows is an error before anything starts.
+:func:`start_plan` starts a :class:`~rlhf.distributed.resource_plan.ResourcePlan`. First it reserves every placement
+group of the plan, one after another in the plan's order, as ``--dry-run``'s PACK simulation places them; then it
+starts the roles, each by the runner's *starter* for it, which reads the count and resources from the plan's
+:class:`~rlhf.distributed.resource_plan.ActorPlan`, never from the config, and gets its placement group. So the
+actors a run starts cannot drift from the plan, and a role the plan holds but no starter knows is an error before
+anything starts.
+
+The roles start at the same time, each placement group's from a thread of the driver (Ray's driver calls are
+thread-safe): a run's start-up is its slowest role's (a vLLM engine's, a 7B model's load), not the sum of all of
+them, as OpenRLHF and verl start theirs. Roles that share a placement group share its devices, so they start one
+after another in the plan's order: a vLLM engine sizes its KV cache from the memory free when it starts, which a
+model loading beside it on the same GPU would change under it. The roles with resources of their own (engines
+without the hybrid engine, environment and reward actors, judge engines) start one after another too, in one
+thread of their own, so that Ray places their actors in the plan's order, as the simulation does.
 
 Starters for the model roles (:func:`trained_group`, :func:`frozen_group`) build a
 :class:`~rlhf.distributed.group.WorkerGroup`; the runners add their own for the vLLM engines and the environment
@@ -14,9 +22,12 @@ pool.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
 
 from rlhf.distributed.resource_plan import ActorPlan, ResourcePlan
+from rlhf.utils.log import get_logger
 
 if TYPE_CHECKING:
     from rlhf.distributed.engine import OptimSpec
@@ -24,31 +35,66 @@ if TYPE_CHECKING:
     from rlhf.distributed.placement import Placement
     from rlhf.trainers.context import RunContext
 
-# (the role's actors in the plan, the shared placement group they sit on or None) -> the started role
+log = get_logger(__name__)
+T = TypeVar("T")
+
+# (the role's actors in the plan, their placement group or None for actors with resources of their own) -> the
+# started role
 RoleStarter = Callable[[ActorPlan, Optional["Placement"]], Any]
 
 
 def start_plan(plan: ResourcePlan, ctx: "RunContext", starters: Mapping[str, RoleStarter]) -> Dict[str, Any]:
-    """Start every role of ``plan`` in the plan's order; ``{role: what its starter returned}``.
+    """Start every role of ``plan``; ``{role: what its starter returned}``, in the plan's order.
 
-    Shared placement groups are made through ``ctx`` (removed when the run's context closes).
+    Every placement group of the plan is reserved first through ``ctx``, in the plan's order (removed when the run's
+    context closes); then the roles start as the module docstring says (:func:`start_chains`).
 
     Raises:
         ValueError: The plan holds a role ``starters`` has no entry for (checked before anything starts).
+        Exception: A role's failure to start, once every other role's start has ended (so that whatever did start
+            is registered with ``ctx`` and stopped with it); of several, the failure of the chain whose first role
+            comes first in the plan.
     """
     unknown = [a.role for a in plan.actors if a.role not in starters]
     if unknown:
         raise ValueError(f"no starter for the plan's role(s) {unknown}; starters: {sorted(starters)}")
-    shared: Dict[str, "Placement"] = {}
-    started: Dict[str, Any] = {}
+    placements = {group.name: ctx.place(group) for group in plan.groups}
+    chains: Dict[Optional[str], List[Callable[[], Tuple[str, Any]]]] = {}  # placement group (None: own resources)
     for actors in plan.actors:
-        placement = None
-        if actors.group is not None and plan.group(actors.group).share > 1:
-            if actors.group not in shared:
-                shared[actors.group] = ctx.place(plan.group(actors.group))
-            placement = shared[actors.group]
-        started[actors.role] = starters[actors.role](actors, placement)
-    return started
+        placement = placements[actors.group] if actors.group is not None else None
+        chains.setdefault(actors.group, []).append(
+            functools.partial(_start_role, starters[actors.role], actors, placement)
+        )
+    started = dict(item for results in start_chains(list(chains.values())) for item in results)
+    return {a.role: started[a.role] for a in plan.actors}
+
+
+def _start_role(starter: RoleStarter, actors: ActorPlan, placement: Optional["Placement"]) -> Tuple[str, Any]:
+    return actors.role, starter(actors, placement)
+
+
+def start_chains(chains: Sequence[Sequence[Callable[[], T]]]) -> List[List[T]]:
+    """Run each chain's calls in order, the chains at the same time (one driver thread a chain; the caller's own
+    thread when there is only one); each chain's results, in order.
+
+    Every chain runs to its end or its first failure before anything is raised: a chain's calls start actors, which
+    must be registered for shutdown before the caller unwinds. Then the first chain's failure, in ``chains``'
+    order, is raised (the others are logged).
+    """
+    if len(chains) <= 1:
+        return [[call() for call in chain] for chain in chains]
+
+    def run(chain: Sequence[Callable[[], T]]) -> List[T]:
+        return [call() for call in chain]
+
+    with ThreadPoolExecutor(max_workers=len(chains), thread_name_prefix="rlhf-start") as pool:
+        futures = [pool.submit(run, chain) for chain in chains]
+    failures = [f.exception() for f in futures if f.exception() is not None]
+    for later in failures[1:]:
+        log.error(f"another role also failed to start: {later!r}")
+    if failures:
+        raise cast(BaseException, failures[0])
+    return [f.result() for f in futures]
 
 
 def trained_group(ctx: "RunContext", model_path: str, kind: str, optim: "OptimSpec") -> RoleStarter:

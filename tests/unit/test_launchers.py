@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -373,7 +374,9 @@ class _Recorder:
 
     ``requests``: ``("group", name, bundles, cpus, gpus, share)`` per placement group and ``("own", role, count,
     cpus, gpus)`` per set of actors with their own resources, in creation order; ``actors``: ``(role, count, cpus,
-    gpus, group name or None)``.
+    gpus, group name or None)``, in the order they started. Roles on different placement groups start at the same
+    time, so :meth:`seen` compares the roles' order within each group (and among the actors with resources of
+    their own) only.
     """
 
     def __init__(self, monkeypatch):
@@ -458,7 +461,20 @@ class _Recorder:
         monkeypatch.setattr("rlhf.trainers.online.roles.EnvironmentPool", EnvironmentPool)
 
     @staticmethod
-    def of(plan: ResourcePlan):
+    def _by_group(actors):
+        """``{group name or None: the actors on it, in order}``."""
+        groups = {}
+        for actor in actors:
+            groups.setdefault(actor[4], []).append(actor)
+        return groups
+
+    def seen(self):
+        """The requests in creation order, the roles started on each placement group (or with resources of their
+        own) in order."""
+        return self.requests, self._by_group(self.actors)
+
+    @classmethod
+    def of(cls, plan: ResourcePlan):
         """The same records, from a plan."""
         requests = [
             ("group", r.name, r.num_bundles, r.cpus, r.gpus, r.share)
@@ -466,7 +482,7 @@ class _Recorder:
             else ("own", r.role, r.count, r.cpus, r.gpus)
             for r in plan.requests
         ]
-        return requests, [(a.role, a.count, a.cpus, a.gpus, a.group) for a in plan.actors]
+        return requests, cls._by_group([(a.role, a.count, a.cpus, a.gpus, a.group) for a in plan.actors])
 
 
 RL_VARIANTS = {
@@ -514,7 +530,7 @@ def test_rl_runner_requests_what_the_plan_says(variant, gpus, monkeypatch):
     )
     plan = kind_of(cfg).plan(cfg, gpus)
     start_roles(cfg, ctx, plan, total_optimizer_steps=10)
-    assert (rec.requests, rec.actors) == _Recorder.of(plan)
+    assert rec.seen() == _Recorder.of(plan)
     held = sum(r[2] * r[3] for r in rec.requests)  # bundles (or actors) x CPUs
     assert held == pytest.approx(plan.needed_cpus)
 
@@ -571,7 +587,7 @@ def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, 
         offline._run_offline_once(cfg, kind_of(cfg), getattr(importlib.import_module(module), fn))
     assert kind_of(cfg).policy_role == role
     plan = kind_of(cfg).plan(cfg, 1.0)
-    assert (rec.requests, rec.actors) == _Recorder.of(plan)
+    assert rec.seen() == _Recorder.of(plan)
     assert asked["cpus"] == pytest.approx(plan.needed_cpus) == pytest.approx(1.5 * (2 + 3 * (kind == "dpo")))
 
 
@@ -618,3 +634,54 @@ def test_a_role_without_a_starter_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match=r"no starter for the plan's role\(s\) \['critic'\]"):
         start_plan(plan, None, {"policy": lambda actors, placement: started.append(actors)})
     assert started == []
+
+
+# ------------------------------------------------------------------------ the roles start at the same time
+
+
+def test_chains_run_at_the_same_time_each_in_its_order():
+    """Two chains meet at a barrier only if they run at once; each chain's calls run one after another, in order."""
+    from rlhf.trainers.actors import start_chains
+
+    meet = threading.Barrier(2, timeout=10)
+    done = []
+
+    def call(name, wait=False):
+        def run():
+            if wait:
+                meet.wait()  # a BrokenBarrierError after 10 s if the other chain waits for this one
+            done.append(name)
+            return name
+
+        return run
+
+    results = start_chains([[call("a1", wait=True), call("a2")], [call("b1"), call("b2", wait=True), call("b3")]])
+    assert results == [["a1", "a2"], ["b1", "b2", "b3"]]
+    assert done.index("a1") < done.index("a2") and done.index("b1") < done.index("b2") < done.index("b3")
+
+
+def test_one_chain_runs_in_the_callers_thread():
+    from rlhf.trainers.actors import start_chains
+
+    assert start_chains([[threading.current_thread]]) == [[threading.current_thread()]]
+
+
+def test_a_failed_start_waits_for_the_other_chains_then_raises_the_first_in_order():
+    """The later chain fails first in time; the earlier one's failure is raised, after both chains ended (what
+    started is registered for shutdown before the caller unwinds)."""
+    from rlhf.trainers.actors import start_chains
+
+    ended, later_failed = [], threading.Event()
+
+    def first_chain():
+        later_failed.wait(10)
+        ended.append("first")
+        raise RuntimeError("first chain")
+
+    def later_chain():
+        later_failed.set()
+        raise KeyError("later chain")
+
+    with pytest.raises(RuntimeError, match="first chain"):
+        start_chains([[first_chain], [later_chain, lambda: ended.append("never")]])
+    assert ended == ["first"]
