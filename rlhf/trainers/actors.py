@@ -23,6 +23,7 @@ pool.
 from __future__ import annotations
 
 import functools
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
 
@@ -43,11 +44,14 @@ T = TypeVar("T")
 RoleStarter = Callable[[ActorPlan, Optional["Placement"]], Any]
 
 
-def start_plan(plan: ResourcePlan, ctx: "RunContext", starters: Mapping[str, RoleStarter]) -> Dict[str, Any]:
+def start_plan(
+    plan: ResourcePlan, ctx: "RunContext", starters: Mapping[str, RoleStarter], name: str = "run"
+) -> Dict[str, Any]:
     """Start every role of ``plan``; ``{role: what its starter returned}``, in the plan's order.
 
     Every placement group of the plan is reserved first through ``ctx``, in the plan's order (removed when the run's
-    context closes); then the roles start as the module docstring says (:func:`start_chains`).
+    context closes); then the roles start as the module docstring says (:func:`start_chains`). Logs, under the run's
+    ``name``, the start-up's seconds and each role's.
 
     Raises:
         ValueError: The plan holds a role ``starters`` has no entry for (checked before anything starts).
@@ -58,19 +62,29 @@ def start_plan(plan: ResourcePlan, ctx: "RunContext", starters: Mapping[str, Rol
     unknown = [a.role for a in plan.actors if a.role not in starters]
     if unknown:
         raise ValueError(f"no starter for the plan's role(s) {unknown}; starters: {sorted(starters)}")
+    began = time.perf_counter()
     placements = {group.name: ctx.place(group) for group in plan.groups}
-    chains: Dict[Optional[str], List[Callable[[], Tuple[str, Any]]]] = {}  # placement group (None: own resources)
+    chains: Dict[
+        Optional[str], List[Callable[[], Tuple[str, Any, float]]]
+    ] = {}  # placement group (None: own resources)
     for actors in plan.actors:
         placement = placements[actors.group] if actors.group is not None else None
         chains.setdefault(actors.group, []).append(
             functools.partial(_start_role, starters[actors.role], actors, placement)
         )
-    started = dict(item for results in start_chains(list(chains.values())) for item in results)
-    return {a.role: started[a.role] for a in plan.actors}
+    started = {
+        role: (value, seconds) for results in start_chains(list(chains.values())) for role, value, seconds in results
+    }
+    each = ", ".join(f"{a.role} {started[a.role][1]:.1f} s" for a in plan.actors)
+    log.info(f"[{name}] roles started in {time.perf_counter() - began:.1f} s ({each})")
+    return {a.role: started[a.role][0] for a in plan.actors}
 
 
-def _start_role(starter: RoleStarter, actors: ActorPlan, placement: Optional["Placement"]) -> Tuple[str, Any]:
-    return actors.role, starter(actors, placement)
+def _start_role(starter: RoleStarter, actors: ActorPlan, placement: Optional["Placement"]) -> Tuple[str, Any, float]:
+    """``(role, what its starter returned, seconds it took)``."""
+    began = time.perf_counter()
+    value = starter(actors, placement)
+    return actors.role, value, time.perf_counter() - began
 
 
 def start_chains(chains: Sequence[Sequence[Callable[[], T]]]) -> List[List[T]]:

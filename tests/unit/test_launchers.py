@@ -519,7 +519,7 @@ RL_VARIANTS = {
 
 @pytest.mark.parametrize("gpus", [0.0, 1.0], ids=["cpu", "gpu"])
 @pytest.mark.parametrize("variant", sorted(RL_VARIANTS))
-def test_rl_runner_requests_what_the_plan_says(variant, gpus, monkeypatch):
+def test_rl_runner_requests_what_the_plan_says(variant, gpus, monkeypatch, capsys):
     from rlhf.trainers.context import RunContext
     from rlhf.trainers.online.roles import start_roles
 
@@ -531,6 +531,9 @@ def test_rl_runner_requests_what_the_plan_says(variant, gpus, monkeypatch):
     plan = kind_of(cfg).plan(cfg, gpus)
     start_roles(cfg, ctx, plan, total_optimizer_steps=10)
     assert rec.seen() == _Recorder.of(plan)
+    # the start-up's seconds, then each role's, in the plan's order
+    each = ", ".join(rf"{a.role} \d+\.\d s" for a in plan.actors)
+    assert re.search(rf"^\[rl\] roles started in \d+\.\d s \({each}\)$", capsys.readouterr().out, re.M)
     held = sum(r[2] * r[3] for r in rec.requests)  # bundles (or actors) x CPUs
     assert held == pytest.approx(plan.needed_cpus)
 

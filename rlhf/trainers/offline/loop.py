@@ -230,6 +230,7 @@ def _run_offline_once(cfg: RunConfig, kind: TrainerKind, build_task: TaskBuilder
                 kind.policy_role: trained_group(ctx, cfg.model.path, kind.policy_kind, optim_spec(t, plan.total_steps)),
                 "reference": frozen_group(ctx, cfg.model.ref_path or cfg.model.path, CAUSAL_LM),
             },
+            name=kind.run_name,
         )
         policy = groups[kind.policy_role]
         if task.attach is not None:

@@ -260,7 +260,7 @@ def start_roles(cfg: RLRunConfig, ctx: RunContext, plan: ResourcePlan, total_opt
         REWARD_POOL: lambda pool, _: _start_reward_pool(cfg, ctx, pool),
         JUDGE: lambda engines, _: _start_judge(cfg, ctx, engines),
     }
-    return start_plan(plan, ctx, starters)
+    return start_plan(plan, ctx, starters, name="rl")
 
 
 def rl_actors(started: Dict[str, Any], reference_is_base: bool) -> RLActors:
