@@ -93,7 +93,7 @@ class TrainerKind:
         return f"python -m {self.cli_module} --config {config} train.resume=true"
 
     def plan(self, cfg: RunConfig, gpus_per_worker: float) -> ResourcePlan:
-        """What a run of ``cfg`` asks the cluster for, and the actors its runner starts, in order
+        """What a run of ``cfg`` asks the cluster for, in order, and the actors its runner starts
         (:func:`rlhf.trainers.actors.start_plan`)."""
         if self.resource_plan is not None:
             return self.resource_plan(cfg, gpus_per_worker, self.reference_group(cfg))

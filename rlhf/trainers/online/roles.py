@@ -244,7 +244,8 @@ def _actor_died(exc: BaseException) -> bool:
 
 
 def start_roles(cfg: RLRunConfig, ctx: RunContext, plan: ResourcePlan, total_optimizer_steps: int) -> Dict[str, Any]:
-    """Every role of the run's ``plan`` (``--dry-run`` prints it), in its order; ``{role: started group}``."""
+    """Every role of the run's ``plan`` (``--dry-run`` prints it), started as :func:`start_plan` says;
+    ``{role: started group}`` in the plan's order."""
     m = cfg.model
     optim = optim_spec(cfg.train, total_optimizer_steps)
     starters: Dict[str, RoleStarter] = {
