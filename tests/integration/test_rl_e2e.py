@@ -2,6 +2,7 @@
 
 GRPO (the other algorithm families: test_rl_algorithms.py), a few RL steps, and an equivalence: the same rollout
 batch trained as (micro 8 x 1 rank) and (micro 2 x 2 ranks, ZeRO-3) logs the same step-1 policy loss and grad norm.
+The run's roles (policy, engine, reference) start at the same time: its start-up is shorter than theirs summed.
 Faults (a killed vLLM engine restarts from the checkpoint and the run ends as if nothing happened) are tested on the
 interrupted multi-turn run of test_multi_turn_training.py, which needs an uninterrupted twin anyway: actor start-up
 is most of a run's seconds, and the restart path (``train.on_failure=restart``) is the same for both kinds of run.
@@ -10,9 +11,11 @@ is most of a run's seconds, and the restart path (``train.on_failure=restart``) 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from rl_helpers import check_rows, run_rl
+from shared_helpers import tee_stdout
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -20,7 +23,8 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 @pytest.fixture(scope="module")
 def grpo_pair(tiny_model, rl_prompts, rl_shaping, tmp_path_factory):
     base = tmp_path_factory.mktemp("grpo")
-    one = run_rl(tiny_model, rl_prompts, rl_shaping, str(base / "m8w1"))
+    with tee_stdout() as printed:
+        one = run_rl(tiny_model, rl_prompts, rl_shaping, str(base / "m8w1"))
     two = run_rl(
         tiny_model,
         rl_prompts,
@@ -31,11 +35,11 @@ def grpo_pair(tiny_model, rl_prompts, rl_shaping, tmp_path_factory):
         "strategy.zero_stage=3",
         "rollout.num_engines=2",
     )
-    return one, two
+    return one, two, printed.getvalue()
 
 
 def test_grpo_runs_and_logs_every_stage(grpo_pair):
-    (rows, result), _ = grpo_pair
+    (rows, result), _, _ = grpo_pair
     check_rows(rows, extra_keys=("kl",))
     assert abs(rows[0]["policy_loss"]) > 0 or rows[0]["grad_norm"] > 0
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-3)  # first update starts at the reference
@@ -46,7 +50,7 @@ def test_grpo_runs_and_logs_every_stage(grpo_pair):
 
 
 def test_rl_step_is_invariant_to_micro_batches_ranks_and_engine_count(grpo_pair):
-    (a, _), (b, _) = grpo_pair
+    (a, _), (b, _), _ = grpo_pair
     # same seeds -> the same prompts, the same vLLM samples (whether one engine or two draws them: sample j
     # always gets seed base + j), the same rewards at step 1
     assert a[0]["reward_mean"] == b[0]["reward_mean"] and a[0]["response_length"] == b[0]["response_length"]
@@ -60,3 +64,14 @@ def test_rl_step_is_invariant_to_micro_batches_ranks_and_engine_count(grpo_pair)
     # 0 under any; the grad norm is what checks the split.)
     floor = 2 * 1.5 * 64 * 2.0**-24
     assert abs(a[0]["policy_loss"] - b[0]["policy_loss"]) <= floor, (a[0]["policy_loss"], b[0]["policy_loss"])
+
+
+def test_the_roles_start_at_the_same_time(grpo_pair):
+    """Three placement groups' roles, each from a driver thread: the start-up is about the slowest role's, well
+    under the three summed (each role's own seconds count the wait for the cores the others share)."""
+    *_, printed = grpo_pair
+    line = re.search(r"^\[rl\] roles started in (\S+) s \((.*)\)$", printed, re.M)
+    assert line, printed
+    each = dict(re.fullmatch(r"(\w+) (\S+) s", role).groups() for role in line.group(2).split(", "))
+    assert set(each) == {"policy", "rollout", "reference"}
+    assert float(line.group(1)) < sum(map(float, each.values())) - min(map(float, each.values()))
