@@ -669,7 +669,7 @@ def test_one_chain_runs_in_the_callers_thread():
     assert start_chains([[threading.current_thread]]) == [[threading.current_thread()]]
 
 
-def test_a_failed_start_waits_for_the_other_chains_then_raises_the_first_in_order():
+def test_a_failed_start_waits_for_the_other_chains_then_raises_the_first_in_order(capsys):
     """The later chain fails first in time; the earlier one's failure is raised, after both chains ended (what
     started is registered for shutdown before the caller unwinds)."""
     from rlhf.trainers.actors import start_chains
@@ -688,3 +688,4 @@ def test_a_failed_start_waits_for_the_other_chains_then_raises_the_first_in_orde
     with pytest.raises(RuntimeError, match="first chain"):
         start_chains([[first_chain], [later_chain, lambda: ended.append("never")]])
     assert ended == ["first"]
+    assert "warning: another role failed to start too: 'later chain'" in capsys.readouterr().err
