@@ -2,7 +2,8 @@
 
 GRPO (the other algorithm families: test_rl_algorithms.py), a few RL steps, and an equivalence: the same rollout
 batch trained as (micro 8 x 1 rank) and (micro 2 x 2 ranks, ZeRO-3) logs the same step-1 policy loss and grad norm.
-The run's roles (policy, engine, reference) start at the same time: its start-up is shorter than theirs summed.
+The run's roles (policy, engine, reference) start at the same time: its start-up is shorter than theirs summed;
+and when one of them fails to start, the run stops naming it, with nothing of the others left running.
 Faults (a killed vLLM engine restarts from the checkpoint and the run ends as if nothing happened) are tested on the
 interrupted multi-turn run of test_multi_turn_training.py, which needs an uninterrupted twin anyway: actor start-up
 is most of a run's seconds, and the restart path (``train.on_failure=restart``) is the same for both kinds of run.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import time
 
 import pytest
 from rl_helpers import check_rows, run_rl
@@ -75,3 +78,36 @@ def test_the_roles_start_at_the_same_time(grpo_pair):
     each = dict(re.fullmatch(r"(\w+) (\S+) s", role).groups() for role in line.group(2).split(", "))
     assert set(each) == {"policy", "rollout", "reference"}
     assert float(line.group(1)) < sum(map(float, each.values())) - min(map(float, each.values()))
+
+
+def test_a_role_that_fails_to_start_stops_the_run_and_leaves_nothing_running(
+    tiny_model, rl_prompts, rl_shaping, tmp_path
+):
+    """The reference's weights are unreadable (its config.json is fine, so the checks before Ray pass): its rank
+    fails in build while the policy and the engine start beside it. The run raises naming the role, rank and call,
+    and every actor and placement group it made is gone (those still starting were waited for, then stopped)."""
+    from rlhf.distributed.errors import WorkerError
+
+    broken = str(tmp_path / "broken_reference")
+    shutil.copytree(tiny_model, broken)
+    with open(os.path.join(broken, "model.safetensors"), "r+b") as f:
+        f.truncate(64)
+    actors, groups = _alive_actors(), _placement_groups()
+    with pytest.raises(WorkerError, match=r"^reference rank 0 failed in build: SafetensorError"):
+        run_rl(tiny_model, rl_prompts, rl_shaping, str(tmp_path / "run"), f"model.ref_path={broken}")
+    deadline = time.time() + 60  # ray.kill is asynchronous
+    while _alive_actors() != actors and time.time() < deadline:
+        time.sleep(0.2)
+    assert _alive_actors() == actors and _placement_groups() == groups
+
+
+def _alive_actors() -> set:
+    from ray._private import state
+
+    return {actor_id for actor_id, a in state.actors().items() if a["State"] != "DEAD"}
+
+
+def _placement_groups() -> set:
+    import ray
+
+    return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"}
