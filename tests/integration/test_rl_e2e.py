@@ -70,8 +70,9 @@ def test_rl_step_is_invariant_to_micro_batches_ranks_and_engine_count(grpo_pair)
 
 
 def test_the_roles_start_at_the_same_time(grpo_pair):
-    """Three placement groups' roles, each from a driver thread: the start-up is about the slowest role's, well
-    under the three summed (each role's own seconds count the wait for the cores the others share)."""
+    """The policy's and the reference's placement groups and the engine (resources of its own), each started from
+    a driver thread: the start-up is about the slowest role's, well under the three summed (each role's own seconds
+    count the wait for the cores the others share)."""
     *_, printed = grpo_pair
     line = re.search(r"^\[rl\] roles started in (\S+) s \((.*)\)$", printed, re.M)
     assert line, printed
