@@ -135,6 +135,23 @@ def wait_until_dead(handle, timeout_s: float = 120.0) -> None:
     raise AssertionError("the killed actor still answers")
 
 
+def wait_until(condition, timeout_s: float = 60.0) -> None:
+    """``ray.kill`` is asynchronous: wait for its effect, failing after ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "still not so after the kill"
+        time.sleep(0.2)
+
+
+def live_placement_groups() -> set:
+    """The ids of this Ray cluster's placement groups not removed."""
+    import ray
+
+    return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"}
+
+
 def run_main(module: str, argv, cwd, capsys, monkeypatch):
     """``python -m <module> argv...`` in this process, from ``cwd`` and outside any Ray cluster:
     ``(exit status, stdout, stderr)``."""

@@ -95,15 +95,15 @@ def start_chains(chains: Sequence[Sequence[Callable[[], T]]]) -> List[List[T]]:
     must be registered for shutdown before the caller unwinds. Then the first chain's failure, in ``chains``'
     order, is raised (the others are logged).
     """
-    if len(chains) <= 1:
-        return [[call() for call in chain] for chain in chains]
 
     def run(chain: Sequence[Callable[[], T]]) -> List[T]:
         return [call() for call in chain]
 
+    if len(chains) <= 1:
+        return [run(chain) for chain in chains]
     with ThreadPoolExecutor(max_workers=len(chains), thread_name_prefix="rlhf-start") as pool:
         futures = [pool.submit(run, chain) for chain in chains]
-    failures = [f.exception() for f in futures if f.exception() is not None]
+    failures = [error for error in (f.exception() for f in futures) if error is not None]
     for later in failures[1:]:
         log.warning(f"warning: another role failed to start too: {later}")
     if failures:

@@ -14,11 +14,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import time
 
 import pytest
 from rl_helpers import check_rows, run_rl
-from shared_helpers import tee_stdout
+from shared_helpers import live_placement_groups, tee_stdout, wait_until
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -93,22 +92,14 @@ def test_a_role_that_fails_to_start_stops_the_run_and_leaves_nothing_running(
     shutil.copytree(tiny_model, broken)
     with open(os.path.join(broken, "model.safetensors"), "r+b") as f:
         f.truncate(64)
-    actors, groups = _alive_actors(), _placement_groups()
+    actors, groups = _alive_actors(), live_placement_groups()
     with pytest.raises(WorkerError, match=r"^reference rank 0 failed in build: SafetensorError"):
         run_rl(tiny_model, rl_prompts, rl_shaping, str(tmp_path / "run"), f"model.ref_path={broken}")
-    deadline = time.time() + 60  # ray.kill is asynchronous
-    while _alive_actors() != actors and time.time() < deadline:
-        time.sleep(0.2)
-    assert _alive_actors() == actors and _placement_groups() == groups
+    wait_until(lambda: _alive_actors() == actors)
+    assert live_placement_groups() == groups
 
 
 def _alive_actors() -> set:
     from ray._private import state
 
     return {actor_id for actor_id, a in state.actors().items() if a["State"] != "DEAD"}
-
-
-def _placement_groups() -> set:
-    import ray
-
-    return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"}

@@ -6,7 +6,7 @@ import sys
 import time
 
 import pytest
-from shared_helpers import wait_until_dead
+from shared_helpers import live_placement_groups, wait_until, wait_until_dead
 
 from rlhf.distributed.cluster import actor_env
 from rlhf.distributed.errors import WorkerTimeout, gather
@@ -99,7 +99,7 @@ def test_a_rank_that_never_arrives_is_named_and_nothing_stays_blocked():
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stand-in class travels by value
-    before = _placement_groups()
+    before = live_placement_groups()
     with pytest.raises(
         WorkerError,
         match=r"^policy rank 0 failed in init_process_group: RendezvousTimeout: the "
@@ -111,22 +111,14 @@ def test_a_rank_that_never_arrives_is_named_and_nothing_stays_blocked():
             "gloo",
             init_timeout_s=3.0,
         )
-    assert _placement_groups() == before  # the group's own placement group is gone
-    _wait_until(lambda: {a["State"] for a in _actors("_RankOneNeverArrives")} == {"DEAD"})  # rank 1's call too
+    assert live_placement_groups() == before  # the group's own placement group is gone
+    wait_until(lambda: {a["State"] for a in _actors("_RankOneNeverArrives")} == {"DEAD"})  # rank 1's call too
 
 
 def _actors(class_name: str) -> list:
     from ray._private import state
 
     return [a for a in state.actors().values() if a["ActorClassName"] == class_name]
-
-
-def _wait_until(condition, timeout_s: float = 60.0) -> None:
-    """``ray.kill`` is asynchronous: wait for its effect, failing after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "still not so after the kill"
-        time.sleep(0.2)
 
 
 def test_an_actor_that_does_not_answer_is_named_when_the_call_has_a_bound():
@@ -144,12 +136,6 @@ def test_an_actor_that_does_not_answer_is_named_when_the_call_has_a_bound():
 
 def _sleep(seconds: float) -> None:
     time.sleep(seconds)
-
-
-def _placement_groups() -> set:
-    import ray
-
-    return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"}
 
 
 def test_impossible_placement_fails_naming_the_role():
