@@ -204,6 +204,13 @@ def gspo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, clip_low: float
     return torch.where(clipped > plain, clipped, plain)
 
 
+def cispo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> Tensor:
+    """CISPO (Chen et al. 2025, MiniMax-M1, eq. 4-5) for one sample: ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) A
+    log pi``, the importance weight clipped and detached, every token keeping its gradient."""
+    weight = torch.clamp(torch.exp(logp - old_logp), 1 - clip_low, 1 + clip_high).detach()
+    return -weight * adv * logp
+
+
 def value_token_loss(v: Tensor, v_old: Tensor, ret: Tensor, clip: float) -> Tensor:
     """``0.5 max((V - R)^2, (V_old + clamp(V - V_old, -clip, clip) - R)^2)`` (PPO's value clipping)."""
     plain = (v - ret) ** 2

@@ -388,10 +388,11 @@ class AlgorithmConfig:
     """Advantages, policy loss and regularisers; see docs/algorithms/."""
 
     advantage_estimator: str = "grpo"  # gae (needs the critic) | grpo | dr_grpo | rloo | reinforce_pp | ...
-    policy_loss: str = "ppo"  # ppo | gspo
+    policy_loss: str = "ppo"  # ppo | gspo | cispo
     ppo_epochs: int = 1  # passes over each rollout batch (in train.global_batch_size optimizer steps)
-    clip_low: Optional[float] = None  # ratio clip below: 1 - clip_low; unset: the loss's paper's (ppo 0.2, gspo 3e-4)
-    # ratio clip above: 1 + clip_high (> clip_low: DAPO's clip-higher); unset: the paper's (ppo 0.2, gspo 4e-4)
+    # ratio clip below: 1 - clip_low, in [0, 1] (1: none); unset: the loss's paper's (ppo 0.2, gspo 3e-4, cispo 1)
+    clip_low: Optional[float] = None
+    # ratio clip above: 1 + clip_high (> clip_low: DAPO's clip-higher); unset: the paper's (ppo 0.2, gspo 4e-4, cispo 5)
     clip_high: Optional[float] = None
     dual_clip: float = 0.0  # > 1 enables dual-clip; 0 = off
     tis_cap: float = 0.0  # > 0: truncated importance sampling against the vLLM/trainer mismatch; 0 = off
@@ -411,7 +412,7 @@ class AlgorithmConfig:
     gamma: float = 1.0  # discount (GAE, REINFORCE++ returns)
     lam: float = 1.0  # GAE lambda
     # auto: the paper's (grpo, gspo: seq-mean-token-mean; dr_grpo, rloo: seq-mean-token-sum-norm; gae,
-    # reinforce_pp: token-mean) | token-mean (DAPO's: every token weighs the same) | seq-mean-token-mean |
+    # reinforce_pp, cispo: token-mean) | token-mean (DAPO's: every token weighs the same) | seq-mean-token-mean |
     # seq-mean-token-sum | seq-mean-token-sum-norm (token sums over the generation budget: Dr. GRPO's)
     loss_agg_mode: str = "auto"
     # multi-turn (env.spec): where the environment's per-turn rewards enter the token rewards of gae and the
@@ -444,7 +445,7 @@ class AlgorithmConfig:
         check_setting(self.ppo_epochs >= 1, "algo.ppo_epochs", f"must be >= 1, got {self.ppo_epochs}")
         low, high = self.clip
         check_setting(
-            0 <= low < 1, "algo.clip_low", f"must be in [0, 1) (the ratio's lower bound 1 - clip_low > 0), got {low}"
+            0 <= low <= 1, "algo.clip_low", f"must be in [0, 1] (1: no lower bound, the ratio is positive), got {low}"
         )
         check_setting(high >= 0, "algo.clip_high", f"must be >= 0, got {high}")
         check_setting(

@@ -29,8 +29,9 @@ def loss(name: str) -> PolicyLoss:
 
 
 def paper_aggregation(estimator_name: str, policy_loss: str) -> str:
-    """The aggregation of the papers: the sequence-level loss's when it has one (its objective is a mean over
-    sequences whatever the estimator), else the estimator's. What ``algo.loss_agg_mode=auto`` trains with."""
+    """The aggregation of the papers: the policy loss's when its paper fixes one (GSPO's objective is a mean over
+    sequences, CISPO's a mean over tokens, whatever the estimator), else the estimator's. What
+    ``algo.loss_agg_mode=auto`` trains with."""
     return loss(policy_loss).aggregation or estimator(estimator_name).aggregation
 
 
@@ -61,8 +62,9 @@ def combination_problems(
     What is refused, and why (each rule reads the registry entries, never a list of names):
 
     * a KL *loss* with an estimator whose gradient is zero in expectation (``k1``): it would add noise only;
-    * dual clip, TIS or another behaviour correction (``off_policy_correction``, :mod:`rlhf.ops.off_policy`) with a
-      sequence-level policy loss (GSPO): they are token-level corrections with no sequence-level form in the paper.
+    * dual clip with a policy loss whose entry refuses it (GSPO, CISPO), TIS or another behaviour correction
+      (``off_policy_correction``, :mod:`rlhf.ops.off_policy`) with one whose entry refuses those (GSPO: they are
+      token-level corrections with no sequence-level form in the paper); the message quotes the entry's reason.
     """
     problems = []
     kl = KL_ESTIMATORS.get(kl_estimator)
@@ -76,24 +78,16 @@ def combination_problems(
             )
         )
     entry = loss(policy_loss)
-    if not entry.token_corrections:
-        for key, value in (("algo.dual_clip", dual_clip), ("algo.tis_cap", tis_cap)):
-            if value:
-                problems.append(
-                    (
-                        key,
-                        f"is {value:g}, a token-level correction that policy loss {policy_loss!r} "
-                        f"({entry.paper}) has no form for: its ratio is one number per sequence",
-                    )
-                )
-        if off_policy_correction != "none":
-            problems.append(
-                (
-                    "algo.off_policy_correction",
-                    f"is {off_policy_correction}, a correction of each token's loss that policy loss "
-                    f"{policy_loss!r} ({entry.paper}) has no form for: its ratio is one number per sequence",
-                )
-            )
+    settings = (  # (key, its value as set, whether the policy loss takes it)
+        ("algo.dual_clip", f"{dual_clip:g}", entry.dual_clip),
+        ("algo.tis_cap", f"{tis_cap:g}", entry.behaviour_corrections),
+        ("algo.off_policy_correction", off_policy_correction, entry.behaviour_corrections),
+    )
+    problems += [
+        (key, f"is {value}, which policy loss {policy_loss!r} ({entry.paper}) refuses: {entry.refusal}")
+        for key, value, takes in settings
+        if not takes and value not in ("0", "none")
+    ]
     return problems
 
 
@@ -143,8 +137,9 @@ def facts_table() -> str:
         )
     rows += [
         "",
-        "| policy loss | paper | clip_low / clip_high | ratio | aggregation it imposes | dual clip, TIS |",
-        "|---|---|---|---|---|---|",
+        "| policy loss | paper | clip_low / clip_high | ratio | aggregation it imposes | dual clip | TIS, MIS, IcePop, "
+        "seq_mask |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in POLICY_LOSSES:
         p = loss(name)
@@ -152,7 +147,7 @@ def facts_table() -> str:
         rows.append(
             f"| `{name}` | {p.paper} | {p.clip_low:g} / {p.clip_high:g} | "
             f"{'per sequence' if p.sequence_level else 'per token'} | {imposes} | "
-            f"{'yes' if p.token_corrections else 'refused'} |"
+            f"{'yes' if p.dual_clip else 'refused'} | {'yes' if p.behaviour_corrections else 'refused'} |"
         )
     rows += ["", "| KL estimator | as a loss, its gradient follows | with algo.kl_mode=loss |", "|---|---|---|"]
     for name in KL_ESTIMATORS:

@@ -1,4 +1,4 @@
-"""Per-token policy-gradient losses (PPO clip family, GSPO) and the clipped value loss.
+"""Per-token policy-gradient losses (PPO clip family, GSPO, CISPO) and the clipped value loss.
 
 Every loss here is returned per token, ``(B, T)``, exactly 0 outside the mask, together with per-token statistics
 (also ``(B, T)``, detached, 0 outside the mask). Nothing is averaged: the caller reduces losses and statistics
@@ -31,17 +31,18 @@ class PolicyLossConfig:
     """Settings of the clipped policy losses.
 
     Attributes:
-        clip_low: ``eps_low``: the ratio is clipped below at ``1 - clip_low`` (in ``[0, 1)``).
+        clip_low: ``eps_low``: the ratio is clipped below at ``1 - clip_low`` (in ``[0, 1]``; 1: no lower bound, the
+            ratio being positive).
         clip_high: ``eps_high``: the ratio is clipped above at ``1 + clip_high`` (>= 0). ``clip_high > clip_low``
             is DAPO's "clip-higher" (Yu et al. 2025), which leaves more room for raising unlikely tokens.
         dual_clip: the dual-clip constant ``c > 1`` (Ye et al. 2020), bounding the loss of a token with a negative
-            advantage by ``-c * A``; ``None`` disables it. PPO only.
+            advantage by ``-c * A``; ``None`` disables it. PPO only (the losses whose entry has ``dual_clip``).
         tis_cap: truncated importance sampling cap ``C`` (> 0) for the rollout-engine / trainer log-prob mismatch
             (Yao et al. 2025); shorthand for ``off_policy=BehaviourCorrection("tis", high=tis_cap)``; requires
-            ``rollout_logps``; ``None`` disables it. PPO only.
+            ``rollout_logps``; ``None`` disables it. As ``off_policy``.
         off_policy: the correction of the behaviour policy (:mod:`rlhf.ops.off_policy`: ``tis``, ``mis``,
             ``icepop``, ``seq_mask``); requires ``rollout_logps``; ``None`` disables it; not together with
-            ``tis_cap``. PPO only.
+            ``tis_cap``. The token-level losses only (PPO, CISPO: their entry's ``behaviour_corrections``).
     """
 
     clip_low: float = 0.2
@@ -51,8 +52,8 @@ class PolicyLossConfig:
     off_policy: Optional[BehaviourCorrection] = None
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.clip_low < 1.0):
-            raise ValueError(f"clip_low must be in [0, 1) (lower bound 1 - clip_low > 0), got {self.clip_low}")
+        if not (0.0 <= self.clip_low <= 1.0):
+            raise ValueError(f"clip_low must be in [0, 1] (1: no lower bound: the ratio is > 0), got {self.clip_low}")
         if not (self.clip_high >= 0.0 and math.isfinite(self.clip_high)):
             raise ValueError(f"clip_high must be a finite number >= 0, got {self.clip_high}")
         if self.dual_clip is not None and not (self.dual_clip > 1.0 and math.isfinite(self.dual_clip)):
@@ -89,9 +90,12 @@ class PolicyLoss:
         clip_low, clip_high: the paper's clip range (``algo.clip_low`` / ``algo.clip_high`` unset take these).
         sequence_level: its ratio is one number per sequence; then the paper's objective is a mean over
             sequences whatever the estimator, and ``aggregation`` says which mode reproduces it.
-        aggregation: the aggregation of the paper's objective for a sequence-level loss (``None``: the
-            estimator's paper decides).
-        token_corrections: dual clip and the behaviour corrections (token-level corrections) apply to it.
+        aggregation: the aggregation of the paper's objective when the loss's paper fixes one (GSPO's mean over
+            sequences, CISPO's token mean; ``None``: the estimator's paper decides).
+        dual_clip: dual clip (``algo.dual_clip``) applies to it.
+        behaviour_corrections: the behaviour corrections (``algo.off_policy_correction``, ``algo.tis_cap``: a weight
+            on each token's loss) apply to it.
+        refusal: why it refuses what it refuses (the config's errors quote it).
     """
 
     fn: PolicyLossFn
@@ -100,7 +104,9 @@ class PolicyLoss:
     clip_high: float
     sequence_level: bool = False
     aggregation: Optional[str] = None
-    token_corrections: bool = True
+    dual_clip: bool = True
+    behaviour_corrections: bool = True
+    refusal: str = ""
 
 
 POLICY_LOSSES = Registry[PolicyLoss]("policy loss")
@@ -218,21 +224,8 @@ def ppo_loss(
         bound = -cfg.dual_clip * adv
         dual = (adv < 0) & (loss > bound)
         loss = torch.where(dual, bound, loss)
-    stats: Dict[str, Tensor] = {}
+    loss, stats = _behaviour_weighted(correction, loss, old_logps, rollout_logps, m)
     zero = torch.zeros((), dtype=dtype, device=loss.device)
-    if correction is not None:
-        assert rollout_logps is not None, "_check_correction: a correction without rollout_logps already raised"
-        # in the loss's dtype: float64 whenever any input is, as the ratio is
-        weight, masked, capped = behaviour_weights(
-            correction, old_logps.detach().to(dtype), rollout_logps.detach().to(dtype), m
-        )
-        loss = loss * weight
-        if correction.entry.masks:
-            stats["is_weight"] = torch.where(m, weight, zero)
-            stats["is_masked"] = masked.to(dtype)
-        else:
-            stats["tis_weight"] = torch.where(m, weight, zero)
-            stats["tis_capped"] = capped.to(dtype)
     loss = torch.where(m, loss, zero)
     stats.update(
         clipped=(clipped & m).to(dtype),
@@ -241,6 +234,29 @@ def ppo_loss(
         approx_kl=torch.where(m, _approx_kl(log_ratio.detach()), zero),
     )
     return loss, stats
+
+
+def _behaviour_weighted(
+    correction: Optional[BehaviourCorrection],
+    loss: Tensor,
+    old_logps: Tensor,
+    rollout_logps: Optional[Tensor],
+    m: Tensor,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """``loss (B, T)`` times the detached weight of ``correction`` (``rlhf.ops.off_policy``) of
+    ``rho = exp(old_logps - rollout_logps)``, and its statistics (``tis_weight`` / ``tis_capped``, or ``is_weight`` /
+    ``is_masked`` for a masking correction; 0 outside the mask ``m``); ``loss`` as it is without a correction."""
+    if correction is None:
+        return loss, {}
+    assert rollout_logps is not None, "_check_correction: a correction without rollout_logps already raised"
+    dtype = loss.dtype  # float64 whenever any input is, as the ratio is
+    weight, masked, capped = behaviour_weights(
+        correction, old_logps.detach().to(dtype), rollout_logps.detach().to(dtype), m
+    )
+    zero = torch.zeros((), dtype=dtype, device=loss.device)
+    if correction.entry.masks:
+        return loss * weight, {"is_weight": torch.where(m, weight, zero), "is_masked": masked.to(dtype)}
+    return loss * weight, {"tis_weight": torch.where(m, weight, zero), "tis_capped": capped.to(dtype)}
 
 
 def _check_correction(cfg: PolicyLossConfig, rollout_logps: Optional[Tensor]) -> Optional[BehaviourCorrection]:
@@ -262,7 +278,9 @@ def _check_correction(cfg: PolicyLossConfig, rollout_logps: Optional[Tensor]) ->
     clip_high=4e-4,
     sequence_level=True,
     aggregation="seq-mean-token-mean",
-    token_corrections=False,
+    dual_clip=False,
+    behaviour_corrections=False,
+    refusal="they are token-level corrections and its ratio is one number per sequence",
 )
 def gspo_loss(
     logps: Tensor,
@@ -318,6 +336,66 @@ def gspo_loss(
         "ratio": torch.where(m, ratio.detach(), zero),
         "approx_kl": torch.where(m, _approx_kl(log_ratio.detach()), zero),
     }
+    return torch.where(m, loss, zero), stats
+
+
+@_policy_loss(
+    "cispo",
+    paper="Chen et al. 2025 (MiniMax-M1), sec. 3.1, eq. 4-5",
+    clip_low=1.0,
+    clip_high=5.0,
+    aggregation="token-mean",
+    dual_clip=False,
+    refusal="its loss is a weighted log-prob, with no clipped surrogate for dual clip to bound",
+)
+def cispo_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: PolicyLossConfig,
+    rollout_logps: Optional[Tensor] = None,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """CISPO (Chen et al. 2025, "MiniMax-M1", sec. 3.1, eq. 4-5): the importance weight is clipped and detached, and
+    every token keeps its gradient.
+
+    ``loss = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logps`` with ``r = exp(logps - old_logps)``: REINFORCE
+    weighted by the clipped ratio. Where PPO's clip gives a token whose ratio left the range no gradient at all, CISPO
+    only bounds the size of its weight, so the rare tokens whose probability moves fast (the paper's "However",
+    "Recheck") keep contributing after the first update. On-policy (``r = 1``) its gradient is PPO's.
+
+    Its registry entry carries the paper's range: no lower bound (``clip_low = 1``: the paper sets its lower epsilon
+    large) and an upper bound that the paper tunes without publishing; 5 (a weight of at most 6) is NeMo RL's CISPO
+    recipe's. And the paper's normalisation, over all the batch's tokens (``token-mean``, what
+    ``algo.loss_agg_mode=auto`` trains with). The loss's *value* is the paper's objective, a weighted log-prob, so
+    ``policy_loss`` does not compare with PPO's (``-A r``); its gradient is what trains.
+
+    A behaviour correction (TIS, MIS, IcePop, sequence masking) multiplies each token's loss as for PPO (the clipped
+    weight is of ``pi / pi_old``, the correction's of ``pi_old / pi_rollout``); dual clip is refused: there is no
+    clipped surrogate for it to bound.
+
+    Args and returns as :func:`ppo_loss`; ``stats`` has ``clipped`` (1 where the weight was clipped; the token
+    still has its gradient), ``ratio`` (``r``), ``approx_kl`` and the correction's statistics.
+    """
+    _check_shapes(mask, logps=logps, old_logps=old_logps, advantages=advantages, rollout_logps=rollout_logps)
+    if cfg.dual_clip is not None:
+        raise ValueError("policy loss 'cispo' has no clipped surrogate for dual_clip to bound; unset it")
+    correction = _check_correction(cfg, rollout_logps)
+    m = mask != 0
+    dtype = _dtype(logps, old_logps, advantages, rollout_logps)
+    lp = _on_mask(logps, m, dtype)
+    log_ratio = lp.detach() - _on_mask(old_logps.detach(), m, dtype)
+    ratio = torch.exp(log_ratio)
+    low, high = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+    weight = ratio.clamp(low, high)
+    adv = _on_mask(advantages.detach(), m, dtype)
+    loss, stats = _behaviour_weighted(correction, -weight * adv * lp, old_logps, rollout_logps, m)
+    zero = torch.zeros((), dtype=dtype, device=loss.device)
+    stats.update(
+        clipped=(((ratio < low) | (ratio > high)) & m).to(dtype),
+        ratio=torch.where(m, ratio, zero),
+        approx_kl=torch.where(m, _approx_kl(log_ratio), zero),
+    )
     return torch.where(m, loss, zero), stats
 
 

@@ -4,10 +4,11 @@ The run: the RL driver's own stages (``RLTrainer.annotate`` -> ``advantages`` ->
 policy on 2 ranks with 4 micro-batches of accumulation each, a reference group (2 ranks) for the KL terms, a
 critic group (``critic.num_workers=2``) for GAE; one optimizer step per RL step (``train.global_batch_size`` = the
 rollout batch). Cases: GRPO with ``seq-mean-token-mean`` and with ``token-mean`` (KL loss term k3 / k2, an entropy
-bonus), REINFORCE++ with a k2 KL penalty in the reward and discounting, GAE-PPO with its critic (k1 KL in the reward,
-``seq-mean-token-sum``); each in float64 on ZeRO 0 and in fp32 on ZeRO 2 (policy) / 3 (reference, critic). The
-rollout is fixed instead of sampled by vLLM (an engine start costs ~45 s and adds nothing to the maths checked
-here): responses of varied length sampled from the tiny model in this process, and fixed scores.
+bonus), GRPO with CISPO's loss, REINFORCE++ with a k2 KL penalty in the reward and discounting, GAE-PPO with its
+critic (k1 KL in the reward, ``seq-mean-token-sum``); each in float64 on ZeRO 0 and in fp32 on ZeRO 2 (policy) / 3
+(reference, critic). The rollout is fixed instead of sampled by vLLM (an engine start costs ~45 s and adds nothing
+to the maths checked here): responses of varied length sampled from the tiny model in this process, and fixed
+scores.
 
 The reference: a single process, float64, one unpadded forward per sample, every formula transcribed in
 ``rl_reference_math.py`` (no ``rlhf`` code): old / reference log-probs, values, the estimator's advantages, the
@@ -75,6 +76,14 @@ CASES = {
         "algo.kl_mode=loss",
         "algo.kl_estimator=k2",
         "algo.entropy_coef=0.01",
+    ],
+    "grpo-cispo": [  # CISPO's loss value is a weighted log-prob: the logged policy_loss tells it from PPO's
+        "algo.advantage_estimator=grpo",
+        "algo.policy_loss=cispo",
+        "algo.loss_agg_mode=token-mean",
+        "algo.kl_coef=0.05",
+        "algo.kl_mode=loss",
+        "algo.kl_estimator=k3",
     ],
     "reinforce_pp-kl-in-reward": [
         "algo.advantage_estimator=reinforce_pp",
@@ -381,7 +390,10 @@ def _reference_step(cfg, models, rollout):
     logps, entropy = ref.logps_and_entropy(policy, samples, TEMPERATURE)
     pg, total, kls = [], [], []
     for lp, o, adv, h, i in zip(logps, old, advantages, entropy, range(len(samples))):
-        loss, _ = ref.ppo_token_loss(lp, o, adv, *a.clip)
+        if a.policy_loss == "cispo":
+            loss = ref.cispo_token_loss(lp, o, adv, *a.clip)
+        else:
+            loss, _ = ref.ppo_token_loss(lp, o, adv, *a.clip)
         pg.append(loss)
         per_token = loss - a.entropy_coef * h
         if ref_logps is not None:

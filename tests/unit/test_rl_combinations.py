@@ -18,7 +18,7 @@ with response tokens ``t`` (columns of ``input_ids``; log-probs at column ``t`` 
   subtracts the group mean score at the last token first; GAE (Schulman et al. 2016 eq. 16).
 * PPO clip (Schulman et al. 2017 eq. 7) on ``exp(log pi - log pi_old)`` with 0.2; GSPO (Zheng et al. 2025, eq.
   13-14, GSPO-token) on ``sg[s_i] pi_t / sg[pi_t]``, ``s_i = exp(mean_t log(pi / pi_old))``, clipped at its paper's
-  3e-4 / 4e-4.
+  3e-4 / 4e-4; CISPO (Chen et al. 2025, eq. 4-5) ``-sg(clip(r, 0, 6)) A log pi``.
 * Per token: policy loss ``+ beta k(pi, ref)`` (KL as a loss) ``- c H``; aggregated over the batch as each mode's
   definition (``-norm``: token sums over the generation budget ``L``).
 """
@@ -51,7 +51,9 @@ GROUPS = [1, 0, 1, 0, 0, 1]  # each sample's prompt: two groups of three, interl
 SCORES = [0.875, -0.375, 0.125, 1.25, 0.25, -1.125]  # exact in float32 (the trainer's scores are float32)
 # Tokens whose log-ratio to the reference is extreme (row, response position, log ref - log old): the bound matters.
 FAR_TOKENS = [(2, 1, -40.0), (5, 3, 25.0)]
-PAPER_CLIP = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # Schulman et al. 2017; Zheng et al. 2025 sec. 5.1
+# Schulman et al. 2017; Zheng et al. 2025 sec. 5.1; CISPO: no lower bound, the weight capped at 1 + 5
+PAPER_CLIP = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 5.0)}
+TOKEN_LOSSES = {"ppo": lambda *a: ref.ppo_token_loss(*a)[0], "gspo": ref.gspo_token_loss, "cispo": ref.cispo_token_loss}
 KL_MODES = ("loss", "reward")
 
 
@@ -165,10 +167,7 @@ def _reference_loss(model, combo, p, advantages):
     logps, entropy = ref.logps_and_entropy(model, _samples(p.batch.input_ids), TEMPERATURE)
     per_row = []
     for lp, old, adv, h, r in zip(logps, _ragged(p.old, spans), advantages, entropy, _ragged(p.ref, spans)):
-        if loss_name == "ppo":
-            loss, _ = ref.ppo_token_loss(lp, old, adv, low, high)
-        else:
-            loss = ref.gspo_token_loss(lp, old, adv, low, high)
+        loss = TOKEN_LOSSES[loss_name](lp, old, adv, low, high)
         if kl_mode == "loss":
             loss = loss + KL_COEF * ref.kl(kl_estimator, lp, r)
         per_row.append(loss - ENTROPY_COEF * h)
@@ -245,3 +244,8 @@ def test_refused_combinations_name_their_keys():
         with pytest.raises(ConfigError, match=rf"^{key} .*'gspo'"):
             AlgorithmConfig(policy_loss="gspo", **kwargs)
         AlgorithmConfig(policy_loss="ppo", **kwargs)  # the token-level loss takes them
+    # CISPO takes the behaviour corrections (a weight on each token's loss) but has no surrogate for dual clip to bound
+    with pytest.raises(ConfigError, match=r"^algo\.dual_clip is 2, which policy loss 'cispo' .* no clipped surrogate"):
+        AlgorithmConfig(policy_loss="cispo", dual_clip=2.0)
+    AlgorithmConfig(policy_loss="cispo", tis_cap=2.0)
+    AlgorithmConfig(policy_loss="cispo", off_policy_correction="icepop")

@@ -149,6 +149,8 @@ def test_the_largest_grad_norm_keeps_a_non_finite_one():
         ("grpo", "ppo", "seq-mean-token-mean"),
         ("grpo", "gspo", "seq-mean-token-mean"),
         ("gae", "gspo", "seq-mean-token-mean"),
+        ("grpo", "cispo", "token-mean"),
+        ("dr_grpo", "cispo", "token-mean"),
         ("dr_grpo", "ppo", "seq-mean-token-sum-norm"),
         ("rloo", "ppo", "seq-mean-token-sum-norm"),
         ("gae", "ppo", "token-mean"),

@@ -400,11 +400,77 @@ def test_ppo_truncated_importance_sampling():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"dual_clip": 1.0}, {"dual_clip": 0.5}, {"clip_low": 1.0}, {"clip_high": -0.1}, {"tis_cap": 0.0}]
+    "kwargs", [{"dual_clip": 1.0}, {"dual_clip": 0.5}, {"clip_low": 1.5}, {"clip_high": -0.1}, {"tis_cap": 0.0}]
 )
 def test_policy_loss_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         PolicyLossConfig(**kwargs)
+
+
+def test_clip_low_one_is_no_lower_bound():
+    """``clip_low = 1`` clips the ratio below at 0, which a positive ratio never reaches: PPO's loss for ``A < 0``
+    is then unclipped below (as CISPO's paper sets its weight)."""
+    old = t([[0.0, 0.0]])
+    logps = t([[-3.0, -0.05]]).requires_grad_(True)
+    adv = t([[-1.0, -1.0]])
+    loss, stats = policy_loss("ppo", logps, old, adv, m([[1, 1]]), PolicyLossConfig(clip_low=1.0, clip_high=0.2))
+    assert loss[0].tolist() == pytest.approx([math.exp(-3.0), math.exp(-0.05)])
+    assert stats["clipped"].tolist() == [[0, 0]]
+
+
+# ============================================================================================== CISPO
+def test_cispo_by_hand():
+    """Each token's loss is ``-sg(clip(r, 1 - low, 1 + high)) A log pi``: its gradient ``-w A`` never vanishes,
+    where PPO's clip gives the tokens that left the range none."""
+    mask = m([[1, 1, 1, 0], [1, 1, 0, 0]])
+    old = t([[-1.0, -2.0, -0.5, 0.0], [-1.0, -1.0, 0.0, 0.0]])
+    delta = t([[0.1, 1.0, -1.5, NAN], [-0.3, 0.0, INF, 9.0]])  # garbage in the padding
+    logps = (old + delta).requires_grad_(True)
+    adv = t([[2.0, 2.0, -1.0, 5.0], [-1.0, 0.5, 1.0, 1.0]])
+    cfg = PolicyLossConfig(clip_low=0.5, clip_high=1.0)  # weight in [0.5, 2]
+    loss, stats = policy_loss("cispo", logps, old, adv, mask, cfg)
+    r = [[math.exp(0.1), math.exp(1.0), math.exp(-1.5)], [math.exp(-0.3), 1.0]]
+    w = [[r[0][0], 2.0, 0.5], [r[1][0], 1.0]]  # e^1 = 2.72 capped at 2, e^-1.5 = 0.22 raised to 0.5
+    lp = [[-0.9, -1.0, -2.0], [-1.3, -1.0]]
+    a = [[2.0, 2.0, -1.0], [-1.0, 0.5]]
+    expected = [[-w[i][j] * a[i][j] * lp[i][j] for j in range(len(w[i]))] for i in range(2)]
+    assert loss[0, :3].tolist() == pytest.approx(expected[0]) and loss[1, :2].tolist() == pytest.approx(expected[1])
+    assert loss[0, 3] == 0 and (loss[1, 2:] == 0).all()
+    assert stats["clipped"].tolist() == [[0, 1, 1, 0], [0, 0, 0, 0]]
+    assert stats["ratio"][0, :3].tolist() == pytest.approx(r[0])
+    (grad,) = torch.autograd.grad(loss.sum(), logps)
+    assert grad[0].tolist() == pytest.approx([-w[0][0] * 2.0, -2.0 * 2.0, 0.5, 0.0])
+    assert grad[1].tolist() == pytest.approx([w[1][0], -0.5, 0.0, 0.0])
+    ppo, _ = policy_loss("ppo", logps, old, adv, mask, cfg)
+    (ppo_grad,) = torch.autograd.grad(ppo.sum(), logps)
+    assert ppo_grad[0, 1] == 0 and ppo_grad[0, 2] == 0  # the same two tokens: PPO's clip drops them
+
+
+def test_cispo_on_policy_gradient_is_ppos():
+    """At ``r = 1`` (the first update on fresh samples) CISPO's gradient is PPO's, ``-A grad log pi``."""
+    gen = torch.Generator().manual_seed(3)
+    mask = m(_random_response_mask(random.Random(3), 4, 6))
+    old = -torch.rand(4, 6, generator=gen, dtype=torch.float64)
+    adv = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    grads = []
+    for name in ("cispo", "ppo"):
+        logps = old.clone().requires_grad_(True)
+        loss, _ = policy_loss(name, logps, old, adv, mask, PolicyLossConfig(clip_low=1.0, clip_high=5.0))
+        grads.append(torch.autograd.grad(aggregate_sum("token-mean", loss, mask), logps)[0])
+    assert grads[0].abs().sum() > 0 and torch.equal(grads[0], grads[1])
+
+
+def test_cispo_takes_a_behaviour_correction_and_refuses_dual_clip():
+    old = t([[-1.0, -1.0]])
+    logps = t([[-0.5, -1.0]]).requires_grad_(True)
+    rollout = t([[-1.0, -2.0]])  # rho = 1, e^1 = 2.72 -> TIS at 2
+    adv = t([[1.0, 1.0]])
+    loss, stats = policy_loss("cispo", logps, old, adv, m([[1, 1]]), PolicyLossConfig(tis_cap=2.0), rollout)
+    w = min(math.exp(0.5), 1.2)  # PolicyLossConfig's default range [0.8, 1.2]
+    assert loss[0].tolist() == pytest.approx([w * 0.5, 2.0 * 1.0])
+    assert stats["tis_weight"].tolist() == [[1.0, 2.0]] and stats["tis_capped"].tolist() == [[0, 1]]
+    with pytest.raises(ValueError, match="cispo.*dual_clip"):
+        policy_loss("cispo", logps, old, adv, m([[1, 1]]), PolicyLossConfig(dual_clip=3.0))
 
 
 # ============================================================================================== GSPO
@@ -603,17 +669,22 @@ def test_padding_never_affects_advantages(name):
         assert (adv2[~mask2] == 0).all() and (ret2[~mask2] == 0).all()
 
 
-@pytest.mark.parametrize("name", ["ppo", "gspo"])
+@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo"])
 def test_padding_never_affects_policy_losses_or_gradients(name):
     gen = torch.Generator().manual_seed(4)
     mask = m(_random_response_mask(random.Random(4), 5, 7))
     old = -torch.rand(5, 7, generator=gen, dtype=torch.float64)
     logps = old + 0.3 * torch.randn(5, 7, generator=gen, dtype=torch.float64)
     adv = torch.randn(5, 7, generator=gen, dtype=torch.float64)
+    entry = POLICY_LOSSES.get(name)
     cfg = PolicyLossConfig(
-        clip_low=0.1, clip_high=0.15, dual_clip=2.0 if name == "ppo" else None, tis_cap=1.5 if name == "ppo" else None
+        clip_low=0.1,
+        clip_high=0.15,
+        dual_clip=2.0 if entry.dual_clip else None,
+        tis_cap=1.5 if entry.behaviour_corrections else None,
     )
-    rollout = old + 0.2 * torch.randn(5, 7, generator=gen, dtype=torch.float64) if name == "ppo" else None
+    noise = 0.2 * torch.randn(5, 7, generator=gen, dtype=torch.float64)
+    rollout = old + noise if entry.behaviour_corrections else None
 
     def run(lp, o, a, mk, ro):
         lp = lp.clone().requires_grad_(True)
@@ -656,7 +727,7 @@ def test_padding_never_affects_value_loss_with_a_mask():
     [
         (KL_ESTIMATORS, ["k1", "k2", "k3"]),
         (ADVANTAGE_ESTIMATORS, ["dr_grpo", "gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]),
-        (POLICY_LOSSES, ["gspo", "ppo"]),
+        (POLICY_LOSSES, ["cispo", "gspo", "ppo"]),
         (LOSS_AGGREGATIONS, ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean"]),
     ],
 )

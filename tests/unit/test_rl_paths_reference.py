@@ -56,6 +56,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB, TEMPERATURE, KL_COEF, ENTROPY_COEF, BUDGET = 64, 0.7, 0.3, 0.01, 8
 PPO_CLIP, GSPO_CLIP = (0.2, 0.2), (3e-4, 4e-4)  # Schulman et al. 2017; Zheng et al. 2025 sec. 5.1
+CISPO_CLIP = (1.0, 5.0)  # no lower bound, the weight capped at 6
 PROMPT_LENGTHS = (3, 2)  # one prompt per group
 RESPONSE_LENGTHS = (5, 2, 6, 3, 4, 7)
 GROUPS = [0, 0, 0, 1, 1, 1]  # a prompt's samples are consecutive, as a rollout lays them out
@@ -259,12 +260,17 @@ def _reference_advantages(estimator, scores, groups, old, ref_logps, values, kl_
 
 def _reference_loss(logps, entropy, p, advantages, agg, length, *, loss="ppo", kl_loss=False, correction=None):
     """The aggregated loss over rows: the policy loss (PPO, decoupled with ``correction = (name, low, high)`` on
-    ``p.proximal`` / ``p.behaviour``, or GSPO), ``+ beta k3(pi, ref)`` with ``kl_loss``, ``- c H``."""
+    ``p.proximal`` / ``p.behaviour``, or GSPO, or CISPO times the correction's weight), ``+ beta k3(pi, ref)`` with
+    ``kl_loss``, ``- c H``."""
     name, low, high = correction or (None, None, None)
     per_row = []
     for i, lp in enumerate(logps):
         if loss == "gspo":
             pg = ref.gspo_token_loss(lp, p.proximal[i], advantages[i], *GSPO_CLIP)
+        elif loss == "cispo":
+            pg = ref.cispo_token_loss(lp, p.proximal[i], advantages[i], *CISPO_CLIP)
+            if name:
+                pg = pg * ref.behaviour_weights(name, p.proximal[i], p.behaviour[i], low, high)
         else:
             behaviour = p.behaviour[i] if name else None
             pg = ref.decoupled_ppo_token_loss(lp, p.proximal[i], behaviour, advantages[i], *PPO_CLIP, name, low, high)
@@ -302,14 +308,17 @@ def _assert_step(objective, model, batch, reference):
 @pytest.mark.parametrize("agg", LOSS_AGGREGATIONS.names())
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
 @pytest.mark.parametrize("case", list(CORRECTIONS))
-def test_behaviour_corrections_match_the_papers(policy, problem, case, estimator, agg):
+@pytest.mark.parametrize("loss", ["ppo", "cispo"])
+def test_behaviour_corrections_match_the_papers(policy, problem, loss, case, estimator, agg):
     """One PPO step with each behaviour correction (its paper's bounds, or bounds set through the config): the clipped
     surrogate of ``pi / pi_old`` times the correction's weight of ``pi_old / pi_behav`` (``rollout_logps``), next to
-    an unweighted k3 KL loss and entropy bonus; a zero weight keeps its token in the denominator. The logged
+    an unweighted k3 KL loss and entropy bonus; a zero weight keeps its token in the denominator. CISPO alike, its
+    loss (the clipped weight of ``pi / pi_old`` on ``log pi``) times the correction's weight. The logged
     ``tis_weight`` / ``tis_capped_frac`` or ``is_weight`` / ``is_masked_frac`` are the reference's weights and
     dropped (capped) tokens, aggregated alike."""
     keys, correction = CORRECTIONS[case]
     cfg = _config(
+        policy_loss=loss,
         advantage_estimator=estimator,
         loss_agg_mode=agg,
         kl_coef=KL_COEF,
@@ -330,7 +339,9 @@ def test_behaviour_corrections_match_the_papers(policy, problem, case, estimator
 
     def reference():
         logps, entropy = ref.logps_and_entropy(policy, layout.samples, TEMPERATURE)
-        return _reference_loss(logps, entropy, p, advantages, agg, BUDGET, kl_loss=True, correction=correction)
+        return _reference_loss(
+            logps, entropy, p, advantages, agg, BUDGET, loss=loss, kl_loss=True, correction=correction
+        )
 
     sums = _assert_step(objective, policy, batch, reference)
     metrics = objective.finalize(sums, objective.count(batch))
