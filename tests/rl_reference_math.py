@@ -205,10 +205,21 @@ def gspo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, clip_low: float
 
 
 def cispo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> Tensor:
-    """CISPO (Chen et al. 2025, MiniMax-M1, eq. 4-5) for one sample: ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) A
+    """CISPO (Chen et al. 2025, MiniMax-M1, sec. 3.1) for one sample: ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) A
     log pi``, the importance weight clipped and detached, every token keeping its gradient."""
     weight = torch.clamp(torch.exp(logp - old_logp), 1 - clip_low, 1 + clip_high).detach()
     return -weight * adv * logp
+
+
+def sapo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """SAPO (Gao et al. 2025) for one sample: ``-(4 / tau) sigmoid(tau (r - 1)) A``, ``tau`` the positive
+    advantages' temperature where ``A > 0`` and the negative ones' elsewhere, computed token by token."""
+    out = []
+    for j in range(len(logp)):
+        tau = tau_pos if float(adv[j]) > 0 else tau_neg
+        ratio = torch.exp(logp[j] - old_logp[j])
+        out.append(-(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * adv[j])
+    return torch.stack(out)
 
 
 def value_token_loss(v: Tensor, v_old: Tensor, ret: Tensor, clip: float) -> Tensor:

@@ -383,17 +383,26 @@ class TeacherConfig:
         return resolve_estimator(self.estimator, self.mode)
 
 
+def _as_set_or(paper: Tuple[float, float], as_set: Tuple[Optional[float], Optional[float]]) -> Tuple[float, float]:
+    """Each of a pair as set, or the paper's where unset."""
+    return (paper[0] if as_set[0] is None else as_set[0], paper[1] if as_set[1] is None else as_set[1])
+
+
 @dataclass(frozen=True)
 class AlgorithmConfig:
     """Advantages, policy loss and regularisers; see docs/algorithms/."""
 
     advantage_estimator: str = "grpo"  # gae (needs the critic) | grpo | dr_grpo | rloo | reinforce_pp | ...
-    policy_loss: str = "ppo"  # ppo | gspo | cispo
+    policy_loss: str = "ppo"  # ppo | gspo | cispo | sapo
     ppo_epochs: int = 1  # passes over each rollout batch (in train.global_batch_size optimizer steps)
     # ratio clip below: 1 - clip_low, in [0, 1] (1: none); unset: the loss's paper's (ppo 0.2, gspo 3e-4, cispo 1)
     clip_low: Optional[float] = None
     # ratio clip above: 1 + clip_high (> clip_low: DAPO's clip-higher); unset: the paper's (ppo 0.2, gspo 4e-4, cispo 5)
     clip_high: Optional[float] = None
+    # SAPO's soft gate (policy_loss=sapo, which clips nothing): its temperature for tokens with a positive advantage
+    # and with a negative one (> 0); unset: the paper's (1.0 / 1.05)
+    gate_tau_pos: Optional[float] = None
+    gate_tau_neg: Optional[float] = None
     dual_clip: float = 0.0  # > 1 enables dual-clip; 0 = off
     tis_cap: float = 0.0  # > 0: truncated importance sampling against the vLLM/trainer mismatch; 0 = off
     # correction of the behaviour (vLLM) policy, each token's loss weighted by rho = pi_old / pi_rollout: none | tis
@@ -443,11 +452,7 @@ class AlgorithmConfig:
             except KeyError as exc:
                 raise ConfigError(f"algo.{key}: {exc}" + (", or auto" if key == "loss_agg_mode" else "")) from None
         check_setting(self.ppo_epochs >= 1, "algo.ppo_epochs", f"must be >= 1, got {self.ppo_epochs}")
-        low, high = self.clip
-        check_setting(
-            0 <= low <= 1, "algo.clip_low", f"must be in [0, 1] (1: no lower bound, the ratio is positive), got {low}"
-        )
-        check_setting(high >= 0, "algo.clip_high", f"must be >= 0, got {high}")
+        self._check_trust_region()
         check_setting(
             self.dual_clip == 0 or self.dual_clip > 1, "algo.dual_clip", f"must be 0 (off) or > 1, got {self.dual_clip}"
         )
@@ -486,6 +491,38 @@ class AlgorithmConfig:
             off_policy_correction=self.off_policy_correction,
         ):
             raise ConfigError(f"{key} {message}")
+
+    def _check_trust_region(self) -> None:
+        """The clip range, or a soft gate's temperatures: each key only with a policy loss that has it."""
+        from rlhf.ops.algorithms import paper_clip, paper_gate  # imports torch; keeps `import rlhf.config` light
+
+        name = self.policy_loss
+        if paper_clip(name) is None:
+            for key in ("clip_low", "clip_high"):
+                check_setting(
+                    getattr(self, key) is None,
+                    f"algo.{key}",
+                    f"is set, but policy loss {name} clips nothing (its soft gate's temperatures are algo.gate_tau_pos "
+                    f"/ gate_tau_neg); unset it",
+                )
+        if paper_gate(name) is None:
+            for key in ("gate_tau_pos", "gate_tau_neg"):
+                check_setting(
+                    getattr(self, key) is None,
+                    f"algo.{key}",
+                    f"is set, but policy loss {name} has no soft gate (sapo has); unset it",
+                )
+        for key in ("gate_tau_pos", "gate_tau_neg"):
+            tau = getattr(self, key)
+            check_setting(tau is None or (tau > 0 and math.isfinite(tau)), f"algo.{key}", f"must be > 0, got {tau}")
+        if self.clip is not None:
+            low, high = self.clip
+            check_setting(
+                0 <= low <= 1,
+                "algo.clip_low",
+                f"must be in [0, 1] (1: no lower bound, the ratio is positive), got {low}",
+            )
+            check_setting(high >= 0, "algo.clip_high", f"must be >= 0, got {high}")
 
     def _check_off_policy(self) -> None:
         from rlhf.ops.off_policy import BEHAVIOUR_CORRECTIONS, bound_problems  # imports torch
@@ -526,27 +563,45 @@ class AlgorithmConfig:
         )
 
     @property
-    def clip(self) -> Tuple[float, float]:
-        """``(clip_low, clip_high)`` trained with: each as set, or the policy loss's paper's when unset."""
+    def clip(self) -> Optional[Tuple[float, float]]:
+        """``(clip_low, clip_high)`` trained with: each as set, or the policy loss's paper's when unset; ``None``
+        for a policy loss that clips nothing (SAPO)."""
         from rlhf.ops.algorithms import paper_clip  # imports torch; keeps `import rlhf.config` light
 
-        low, high = paper_clip(self.policy_loss)
-        return (low if self.clip_low is None else self.clip_low, high if self.clip_high is None else self.clip_high)
+        paper = paper_clip(self.policy_loss)
+        return None if paper is None else _as_set_or(paper, (self.clip_low, self.clip_high))
+
+    @property
+    def gate_taus(self) -> Optional[Tuple[float, float]]:
+        """The soft gate's ``(tau_pos, tau_neg)`` trained with: each as set, or the paper's when unset; ``None`` for
+        a policy loss without a gate."""
+        from rlhf.ops.algorithms import paper_gate  # imports torch; keeps `import rlhf.config` light
+
+        paper = paper_gate(self.policy_loss)
+        return None if paper is None else _as_set_or(paper, (self.gate_tau_pos, self.gate_tau_neg))
 
     def describe_clip(self) -> str:
-        """The clip range trained with, saying where it came from."""
-        from rlhf.ops.algorithms import paper_clip  # imports torch; keeps `import rlhf.config` light
+        """The clip range (or the soft gate) trained with, saying where it came from."""
+        from rlhf.ops.algorithms import paper_clip, paper_gate  # imports torch; keeps `import rlhf.config` light
 
-        low, high = self.clip
-        paper = paper_clip(self.policy_loss)
+        clips = self.clip is not None
+        trained = self.clip if clips else self.gate_taus
+        paper = paper_clip(self.policy_loss) if clips else paper_gate(self.policy_loss)
+        assert trained is not None and paper is not None, "a policy loss has a clip range or a soft gate"
+        as_set = (self.clip_low, self.clip_high) if clips else (self.gate_tau_pos, self.gate_tau_neg)
+        keys = "algo.clip_low/clip_high" if clips else "algo.gate_tau_pos/gate_tau_neg"
         source = (
-            "the paper's; algo.clip_low/clip_high unset"
-            if (self.clip_low, self.clip_high) == (None, None)
+            f"the paper's; {keys} unset"
+            if as_set == (None, None)
             else "the paper's"
-            if (low, high) == paper
+            if trained == paper
             else f"the paper's is {paper[0]:g} / {paper[1]:g}"
         )
-        return f"ratio in [1 - {low:g}, 1 + {high:g}] ({source})"
+        low, high = trained
+        what = (
+            f"ratio in [1 - {low:g}, 1 + {high:g}]" if clips else f"soft gate, tau {low:g} (A > 0) / {high:g} (A < 0)"
+        )
+        return f"{what} ({source})"
 
     @property
     def estimator(self):

@@ -115,7 +115,7 @@ class PolicyObjective:
     total is reduced with ``agg_mode``, once: every term is normalised over the whole global batch.
 
     Attributes:
-        loss_type: a name in ``POLICY_LOSSES`` (``ppo``, ``gspo``).
+        loss_type: a name in ``POLICY_LOSSES`` (``ppo``, ``gspo``, ``cispo``, ``sapo``).
         clip: clip ranges, dual clip and the behaviour correction (``tis_cap`` or ``off_policy``).
         agg_mode: a name in :data:`rlhf.ops.aggregation.LOSS_AGGREGATIONS`.
         temperature: the sampling temperature of the rollout (log-probs and entropy are of ``logits / T``).
@@ -287,6 +287,8 @@ class PolicyObjective:
         if "is_weight" in stats:
             sums["is_weight_sum"] = _agg(mode, stats["is_weight"], mask, length)
             sums["is_masked_sum"] = _agg(mode, stats["is_masked"], mask, length)
+        if "gate_grad" in stats:  # the factor a soft gate (SAPO's) puts on each token's gradient
+            sums["gate_grad_sum"] = _agg(mode, stats["gate_grad"], mask, length)
         if batch.rollout_logps is not None:
             zero = torch.zeros((), dtype=torch.float64, device=mask.device)
             old_logps = cast(Tensor, batch.old_logps)  # _require at the top raised unless it is set
@@ -298,7 +300,8 @@ class PolicyObjective:
         """Metrics of the global batch. ``kl`` only when reference log-probs were present, ``logp_mismatch``
         (mean |old_logps - rollout_logps|) only when rollout log-probs were, ``dual_clip_frac`` / ``tis_weight`` /
         ``tis_capped_frac`` (TIS) / ``is_weight`` / ``is_masked_frac`` (a masking behaviour correction) only when
-        those corrections are on."""
+        those corrections are on, ``gate_grad`` (the mean factor a soft gate puts on each token's gradient, 1
+        on-policy) only for a policy loss with one (SAPO)."""
         sums = host_sums(sums)
         n = normalizer
         out = {
@@ -318,6 +321,7 @@ class PolicyObjective:
             "tis_capped_sum": "tis_capped_frac",
             "is_weight_sum": "is_weight",
             "is_masked_sum": "is_masked_frac",
+            "gate_grad_sum": "gate_grad",
         }
         for key, name in optional.items():
             if key in sums:

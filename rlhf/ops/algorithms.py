@@ -10,7 +10,7 @@ docs/algorithms/rl.md call these functions, so adding an estimator is one entry 
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS, Estimator
 from rlhf.ops.aggregation import LOSS_AGGREGATIONS
@@ -35,10 +35,19 @@ def paper_aggregation(estimator_name: str, policy_loss: str) -> str:
     return loss(policy_loss).aggregation or estimator(estimator_name).aggregation
 
 
-def paper_clip(policy_loss: str) -> Tuple[float, float]:
-    """``(clip_low, clip_high)`` of the policy loss's paper: what unset ``algo.clip_low`` / ``clip_high`` take."""
+def paper_clip(policy_loss: str) -> Optional[Tuple[float, float]]:
+    """``(clip_low, clip_high)`` of the policy loss's paper: what unset ``algo.clip_low`` / ``clip_high`` take;
+    ``None`` for a loss that clips nothing (SAPO)."""
     entry = loss(policy_loss)
+    if entry.clip_low is None or entry.clip_high is None:
+        return None
     return entry.clip_low, entry.clip_high
+
+
+def paper_gate(policy_loss: str) -> Optional[Tuple[float, float]]:
+    """The soft gate's temperatures of the policy loss's paper, ``(positive advantages, negative ones)``: what unset
+    ``algo.gate_tau_pos`` / ``gate_tau_neg`` take; ``None`` for a loss without a gate."""
+    return loss(policy_loss).gate_taus
 
 
 def needs_length(aggregation: str) -> bool:
@@ -144,8 +153,13 @@ def facts_table() -> str:
     for name in POLICY_LOSSES:
         p = loss(name)
         imposes = f"`{p.aggregation}`" if p.aggregation else "the estimator's"
+        trust = (
+            f"{p.clip_low:g} / {p.clip_high:g}"
+            if p.clip_low is not None and p.clip_high is not None
+            else "none: a soft gate, tau " + " / ".join(f"{t:g}" for t in p.gate_taus or ())
+        )
         rows.append(
-            f"| `{name}` | {p.paper} | {p.clip_low:g} / {p.clip_high:g} | "
+            f"| `{name}` | {p.paper} | {trust} | "
             f"{'per sequence' if p.sequence_level else 'per token'} | {imposes} | "
             f"{'yes' if p.dual_clip else 'refused'} | {'yes' if p.behaviour_corrections else 'refused'} |"
         )

@@ -1,4 +1,4 @@
-"""Per-token policy-gradient losses (PPO clip family, GSPO, CISPO) and the clipped value loss.
+"""Per-token policy-gradient losses (PPO clip family, GSPO, CISPO, SAPO) and the clipped value loss.
 
 Every loss here is returned per token, ``(B, T)``, exactly 0 outside the mask, together with per-token statistics
 (also ``(B, T)``, detached, 0 outside the mask). Nothing is averaged: the caller reduces losses and statistics
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, cast
 
 import torch
 
@@ -40,6 +40,8 @@ class PolicyLossConfig:
         tis_cap: truncated importance sampling cap ``C`` (> 0) for the rollout-engine / trainer log-prob mismatch
             (Yao et al. 2025); shorthand for ``off_policy=BehaviourCorrection("tis", high=tis_cap)``; requires
             ``rollout_logps``; ``None`` disables it. As ``off_policy``.
+        gate_tau_pos, gate_tau_neg: the temperatures of SAPO's soft gate for tokens with a positive / a negative
+            advantage (> 0); ``None``: its paper's (its registry entry's ``gate_taus``). SAPO only.
         off_policy: the correction of the behaviour policy (:mod:`rlhf.ops.off_policy`: ``tis``, ``mis``,
             ``icepop``, ``seq_mask``); requires ``rollout_logps``; ``None`` disables it; not together with
             ``tis_cap``. The token-level losses only (PPO, CISPO: their entry's ``behaviour_corrections``).
@@ -50,6 +52,8 @@ class PolicyLossConfig:
     dual_clip: Optional[float] = None
     tis_cap: Optional[float] = None
     off_policy: Optional[BehaviourCorrection] = None
+    gate_tau_pos: Optional[float] = None
+    gate_tau_neg: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.clip_low <= 1.0):
@@ -60,6 +64,9 @@ class PolicyLossConfig:
             raise ValueError(f"dual_clip must be a finite number > 1 (or None), got {self.dual_clip}")
         if self.tis_cap is not None and not (self.tis_cap > 0.0 and math.isfinite(self.tis_cap)):
             raise ValueError(f"tis_cap must be a finite number > 0 (or None), got {self.tis_cap}")
+        for name, tau in (("gate_tau_pos", self.gate_tau_pos), ("gate_tau_neg", self.gate_tau_neg)):
+            if tau is not None and not (tau > 0.0 and math.isfinite(tau)):
+                raise ValueError(f"{name} must be a finite number > 0 (or None), got {tau}")
         if self.off_policy is not None and not isinstance(self.off_policy, BehaviourCorrection):
             raise TypeError(f"off_policy must be a rlhf.ops.off_policy.BehaviourCorrection, got {self.off_policy!r}")
         if self.off_policy is not None and self.tis_cap is not None:
@@ -87,7 +94,10 @@ class PolicyLoss:
     Attributes:
         fn: the maths (signature of :func:`ppo_loss`).
         paper: the paper it follows.
-        clip_low, clip_high: the paper's clip range (``algo.clip_low`` / ``algo.clip_high`` unset take these).
+        clip_low, clip_high: the paper's clip range (``algo.clip_low`` / ``algo.clip_high`` unset take these);
+            ``None`` for a loss that clips nothing (SAPO).
+        gate_taus: the paper's temperatures of a soft gate, ``(positive advantages, negative ones)``
+            (``algo.gate_tau_pos`` / ``gate_tau_neg`` unset take these); ``None`` for a loss without one.
         sequence_level: its ratio is one number per sequence; then the paper's objective is a mean over
             sequences whatever the estimator, and ``aggregation`` says which mode reproduces it.
         aggregation: the aggregation of the paper's objective when the loss's paper fixes one (GSPO's mean over
@@ -100,13 +110,19 @@ class PolicyLoss:
 
     fn: PolicyLossFn
     paper: str
-    clip_low: float
-    clip_high: float
+    clip_low: Optional[float]
+    clip_high: Optional[float]
+    gate_taus: Optional[Tuple[float, float]] = None
     sequence_level: bool = False
     aggregation: Optional[str] = None
     dual_clip: bool = True
     behaviour_corrections: bool = True
     refusal: str = ""
+
+    def __post_init__(self) -> None:
+        clips = (self.clip_low is not None, self.clip_high is not None)
+        if clips not in ((True, True), (False, False)) or clips[0] == (self.gate_taus is not None):
+            raise ValueError(f"{self.paper}: a policy loss has a clip range (clip_low and clip_high) or gate_taus")
 
 
 POLICY_LOSSES = Registry[PolicyLoss]("policy loss")
@@ -341,7 +357,7 @@ def gspo_loss(
 
 @_policy_loss(
     "cispo",
-    paper="Chen et al. 2025 (MiniMax-M1), sec. 3.1, eq. 4-5",
+    paper="Chen et al. 2025 (MiniMax-M1, arXiv 2506.13585), sec. 3.1",
     clip_low=1.0,
     clip_high=5.0,
     aggregation="token-mean",
@@ -356,8 +372,8 @@ def cispo_loss(
     cfg: PolicyLossConfig,
     rollout_logps: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """CISPO (Chen et al. 2025, "MiniMax-M1", sec. 3.1, eq. 4-5): the importance weight is clipped and detached, and
-    every token keeps its gradient.
+    """CISPO (Chen et al. 2025, "MiniMax-M1", sec. 3.1): the importance weight is clipped and detached, and every
+    token keeps its gradient.
 
     ``loss = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logps`` with ``r = exp(logps - old_logps)``: REINFORCE
     weighted by the clipped ratio. Where PPO's clip gives a token whose ratio left the range no gradient at all, CISPO
@@ -395,6 +411,69 @@ def cispo_loss(
         clipped=(((ratio < low) | (ratio > high)) & m).to(dtype),
         ratio=torch.where(m, ratio, zero),
         approx_kl=torch.where(m, _approx_kl(log_ratio), zero),
+    )
+    return torch.where(m, loss, zero), stats
+
+
+@_policy_loss(
+    "sapo",
+    paper="Gao et al. 2025 (SAPO, arXiv 2511.20347)",
+    clip_low=None,
+    clip_high=None,
+    gate_taus=(1.0, 1.05),
+    dual_clip=False,
+    refusal="its soft gate bounds each token's loss already (|A| 4 / tau at most), leaving dual clip nothing to cap",
+)
+def sapo_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: PolicyLossConfig,
+    rollout_logps: Optional[Tensor] = None,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): PPO's hard clip replaced by a smooth gate on the
+    ratio, whose temperature depends on the advantage's sign.
+
+    ``loss = -(4 / tau) sigmoid(tau (r - 1)) A`` with ``r = exp(logps - old_logps)`` and ``tau = tau_pos`` where
+    ``A > 0``, ``tau_neg`` elsewhere. Its gradient is ``-4 s (1 - s) r A grad log pi`` with
+    ``s = sigmoid(tau (r - 1))``: at ``r = 1`` exactly PPO's (``4 s (1 - s) = 1``), and falling off smoothly as the
+    ratio leaves 1, where PPO's clip cuts the gradient to 0 at a threshold. ``tau_neg > tau_pos`` (the paper's
+    1.05 / 1.0, its registry entry's ``gate_taus``) damps tokens with a negative advantage faster: pushing a sampled
+    token down raises every other token of the vocabulary, the less stable direction.
+
+    No clip range (``algo.clip_low`` / ``clip_high`` are refused), and no dual clip: the gate bounds each token's
+    loss by ``|A| 4 / tau``. A behaviour correction (TIS, MIS, IcePop, sequence masking) multiplies each token's loss
+    as for PPO.
+
+    Args and returns as :func:`ppo_loss`; ``cfg.gate_tau_pos`` / ``gate_tau_neg`` set the temperatures (``None``:
+    the paper's). ``stats`` has ``clipped`` (0: the gate clips nothing), ``ratio`` (``r``), ``approx_kl``,
+    ``gate_grad`` (``4 s (1 - s) r``, the factor of ``-A grad log pi``: 1 on-policy, near 1 close to it (a little
+    above for ``r`` just over 1), falling toward 0 as the ratio moves away) and the correction's statistics.
+    """
+    _check_shapes(mask, logps=logps, old_logps=old_logps, advantages=advantages, rollout_logps=rollout_logps)
+    if cfg.dual_clip is not None:
+        raise ValueError("policy loss 'sapo' bounds each token's loss with its gate already; unset dual_clip")
+    correction = _check_correction(cfg, rollout_logps)
+    m = mask != 0
+    dtype = _dtype(logps, old_logps, advantages, rollout_logps)
+    log_ratio = _on_mask(logps, m, dtype) - _on_mask(old_logps.detach(), m, dtype)
+    ratio = torch.exp(log_ratio)
+    adv = _on_mask(advantages.detach(), m, dtype)
+    paper_pos, paper_neg = cast(Tuple[float, float], POLICY_LOSSES.get("sapo").gate_taus)
+    tau_pos = paper_pos if cfg.gate_tau_pos is None else cfg.gate_tau_pos
+    tau_neg = paper_neg if cfg.gate_tau_neg is None else cfg.gate_tau_neg
+    tau = torch.full_like(adv, tau_neg).masked_fill(adv > 0, tau_pos)
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    loss, stats = _behaviour_weighted(correction, -(4.0 / tau) * gate * adv, old_logps, rollout_logps, m)
+    zero = torch.zeros((), dtype=dtype, device=loss.device)
+    with torch.no_grad():
+        gate_grad = 4.0 * gate * (1.0 - gate) * ratio
+    stats.update(
+        clipped=torch.zeros_like(loss).detach(),
+        ratio=torch.where(m, ratio.detach(), zero),
+        approx_kl=torch.where(m, _approx_kl(log_ratio.detach()), zero),
+        gate_grad=torch.where(m, gate_grad, zero),
     )
     return torch.where(m, loss, zero), stats
 

@@ -1,12 +1,12 @@
 """One RL step on real Ray actors against the same step written out by hand in plain PyTorch.
 
 The run: the RL driver's own stages (``RLTrainer.annotate`` -> ``advantages`` -> ``update``) on real worker groups:
-policy on 2 ranks with 4 micro-batches of accumulation each, a reference group (2 ranks) for the KL terms, a
-critic group (``critic.num_workers=2``) for GAE; one optimizer step per RL step (``train.global_batch_size`` = the
-rollout batch). Cases: GRPO with ``seq-mean-token-mean`` and with ``token-mean`` (KL loss term k3 / k2, an entropy
-bonus), GRPO with CISPO's loss, REINFORCE++ with a k2 KL penalty in the reward and discounting, GAE-PPO with its
-critic (k1 KL in the reward, ``seq-mean-token-sum``); each in float64 on ZeRO 0 and in fp32 on ZeRO 2 (policy) / 3
-(reference, critic). The rollout is fixed instead of sampled by vLLM (an engine start costs ~45 s and adds nothing
+policy on 2 ranks with 4 micro-batches of accumulation each, a reference group (2 ranks) for the KL terms, a critic
+group (``critic.num_workers=2``) for GAE; one optimizer step per RL step (``train.global_batch_size`` = the rollout
+batch). Cases: GRPO with ``seq-mean-token-mean`` and with ``token-mean`` (KL loss term k3 / k2, an entropy bonus),
+GRPO with CISPO's loss and with SAPO's, REINFORCE++ with a k2 KL penalty in the reward and discounting, GAE-PPO with
+its critic (k1 KL in the reward, ``seq-mean-token-sum``); each in float64 on ZeRO 0 and in fp32 on ZeRO 2 (policy) /
+3 (reference, critic). The rollout is fixed instead of sampled by vLLM (an engine start costs ~45 s and adds nothing
 to the maths checked here): responses of varied length sampled from the tiny model in this process, and fixed
 scores.
 
@@ -81,6 +81,15 @@ CASES = {
         "algo.advantage_estimator=grpo",
         "algo.policy_loss=cispo",
         "algo.loss_agg_mode=token-mean",
+        "algo.kl_coef=0.05",
+        "algo.kl_mode=loss",
+        "algo.kl_estimator=k3",
+    ],
+    "grpo-sapo": [  # SAPO's soft gate, its negative temperature set: the logged policy_loss is -(4 / tau) A / 2
+        "algo.advantage_estimator=grpo",
+        "algo.policy_loss=sapo",
+        "algo.gate_tau_neg=1.5",
+        "algo.loss_agg_mode=seq-mean-token-mean",
         "algo.kl_coef=0.05",
         "algo.kl_mode=loss",
         "algo.kl_estimator=k3",
@@ -392,6 +401,8 @@ def _reference_step(cfg, models, rollout):
     for lp, o, adv, h, i in zip(logps, old, advantages, entropy, range(len(samples))):
         if a.policy_loss == "cispo":
             loss = ref.cispo_token_loss(lp, o, adv, *a.clip)
+        elif a.policy_loss == "sapo":
+            loss = ref.sapo_token_loss(lp, o, adv, *a.gate_taus)
         else:
             loss, _ = ref.ppo_token_loss(lp, o, adv, *a.clip)
         pg.append(loss)

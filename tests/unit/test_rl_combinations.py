@@ -18,13 +18,15 @@ with response tokens ``t`` (columns of ``input_ids``; log-probs at column ``t`` 
   subtracts the group mean score at the last token first; GAE (Schulman et al. 2016 eq. 16).
 * PPO clip (Schulman et al. 2017 eq. 7) on ``exp(log pi - log pi_old)`` with 0.2; GSPO (Zheng et al. 2025, eq.
   13-14, GSPO-token) on ``sg[s_i] pi_t / sg[pi_t]``, ``s_i = exp(mean_t log(pi / pi_old))``, clipped at its paper's
-  3e-4 / 4e-4; CISPO (Chen et al. 2025, eq. 4-5) ``-sg(clip(r, 0, 6)) A log pi``.
+  3e-4 / 4e-4; CISPO (Chen et al. 2025, sec. 3.1) ``-sg(clip(r, 0, 6)) A log pi``; SAPO (Gao et al. 2025)
+  ``-(4 / tau) sigmoid(tau (r - 1)) A`` with tau 1 where ``A > 0``, 1.05 elsewhere.
 * Per token: policy loss ``+ beta k(pi, ref)`` (KL as a loss) ``- c H``; aggregated over the batch as each mode's
   definition (``-norm``: token sums over the generation budget ``L``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -51,9 +53,15 @@ GROUPS = [1, 0, 1, 0, 0, 1]  # each sample's prompt: two groups of three, interl
 SCORES = [0.875, -0.375, 0.125, 1.25, 0.25, -1.125]  # exact in float32 (the trainer's scores are float32)
 # Tokens whose log-ratio to the reference is extreme (row, response position, log ref - log old): the bound matters.
 FAR_TOKENS = [(2, 1, -40.0), (5, 3, 25.0)]
-# Schulman et al. 2017; Zheng et al. 2025 sec. 5.1; CISPO: no lower bound, the weight capped at 1 + 5
-PAPER_CLIP = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 5.0)}
-TOKEN_LOSSES = {"ppo": lambda *a: ref.ppo_token_loss(*a)[0], "gspo": ref.gspo_token_loss, "cispo": ref.cispo_token_loss}
+# Each loss's paper's clip range, or SAPO's gate temperatures: Schulman et al. 2017; Zheng et al. 2025 sec. 5.1;
+# CISPO: no lower bound, the weight capped at 1 + 5; SAPO: tau 1.0 for A > 0, 1.05 for A < 0
+PAPER_TRUST = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 5.0), "sapo": (1.0, 1.05)}
+TOKEN_LOSSES = {
+    "ppo": lambda *a: ref.ppo_token_loss(*a)[0],
+    "gspo": ref.gspo_token_loss,
+    "cispo": ref.cispo_token_loss,
+    "sapo": ref.sapo_token_loss,
+}
 KL_MODES = ("loss", "reward")
 
 
@@ -162,7 +170,7 @@ def _reference_advantages(name, kl_mode, kl_estimator, p):
 
 def _reference_loss(model, combo, p, advantages):
     estimator, loss_name, kl_mode, kl_estimator, agg = combo
-    low, high = PAPER_CLIP[loss_name]
+    low, high = PAPER_TRUST[loss_name]
     spans = _spans()
     logps, entropy = ref.logps_and_entropy(model, _samples(p.batch.input_ids), TEMPERATURE)
     per_row = []
@@ -249,3 +257,40 @@ def test_refused_combinations_name_their_keys():
         AlgorithmConfig(policy_loss="cispo", dual_clip=2.0)
     AlgorithmConfig(policy_loss="cispo", tis_cap=2.0)
     AlgorithmConfig(policy_loss="cispo", off_policy_correction="icepop")
+    AlgorithmConfig(policy_loss="sapo", tis_cap=2.0)
+    with pytest.raises(ConfigError, match=r"^algo\.dual_clip is 2, which policy loss 'sapo' .* soft gate bounds"):
+        AlgorithmConfig(policy_loss="sapo", dual_clip=2.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, key, message",
+    [
+        ({"policy_loss": "sapo", "clip_high": 0.28}, "algo.clip_high", "policy loss sapo clips nothing"),
+        ({"policy_loss": "sapo", "clip_low": 0.2}, "algo.clip_low", "policy loss sapo clips nothing"),
+        ({"policy_loss": "ppo", "gate_tau_pos": 1.0}, "algo.gate_tau_pos", "policy loss ppo has no soft gate"),
+        ({"policy_loss": "cispo", "gate_tau_neg": 1.0}, "algo.gate_tau_neg", "policy loss cispo has no soft gate"),
+        ({"policy_loss": "sapo", "gate_tau_neg": 0.0}, "algo.gate_tau_neg", "must be > 0"),
+        ({"policy_loss": "ppo", "clip_low": 1.5}, "algo.clip_low", r"must be in \[0, 1\]"),
+    ],
+)
+def test_a_trust_region_key_the_loss_has_no_use_for_is_refused(kwargs, key, message):
+    with pytest.raises(ConfigError, match=rf"^{key} .*{message}"):
+        AlgorithmConfig(**kwargs)
+
+
+def test_the_run_says_which_clip_range_or_gate_it_trains_with():
+    assert (
+        AlgorithmConfig().describe_clip() == "ratio in [1 - 0.2, 1 + 0.2] (the paper's; algo.clip_low/clip_high unset)"
+    )
+    assert AlgorithmConfig(policy_loss="gspo", clip_high=0.01).describe_clip() == (
+        "ratio in [1 - 0.0003, 1 + 0.01] (the paper's is 0.0003 / 0.0004)"
+    )
+    assert AlgorithmConfig(policy_loss="sapo").describe_clip() == (
+        "soft gate, tau 1 (A > 0) / 1.05 (A < 0) (the paper's; algo.gate_tau_pos/gate_tau_neg unset)"
+    )
+    sapo = AlgorithmConfig(policy_loss="sapo", gate_tau_neg=2.0)
+    assert sapo.clip is None and sapo.gate_taus == (1.0, 2.0)
+    assert sapo.describe_clip() == "soft gate, tau 1 (A > 0) / 2 (A < 0) (the paper's is 1 / 1.05)"
+    cfg = _config("grpo", "sapo", "loss", "k3", "token-mean")
+    objective, _ = build_objectives(dataclasses.replace(cfg, algo=sapo))
+    assert (objective.loss_type, objective.clip.gate_tau_pos, objective.clip.gate_tau_neg) == ("sapo", 1.0, 2.0)

@@ -23,7 +23,7 @@ from rlhf.ops.advantages import (
 )
 from rlhf.ops.aggregation import LOSS_AGGREGATIONS, aggregate_count, aggregate_sum
 from rlhf.ops.kl import KL_ESTIMATORS, kl_estimate
-from rlhf.ops.policy_loss import POLICY_LOSSES, PolicyLossConfig, policy_loss, value_loss
+from rlhf.ops.policy_loss import POLICY_LOSSES, PolicyLoss, PolicyLossConfig, policy_loss, ppo_loss, value_loss
 from rlhf.registry import UnknownNameError
 
 NAN = float("nan")
@@ -473,6 +473,63 @@ def test_cispo_takes_a_behaviour_correction_and_refuses_dual_clip():
         policy_loss("cispo", logps, old, adv, m([[1, 1]]), PolicyLossConfig(dual_clip=3.0))
 
 
+# ============================================================================================== SAPO
+def test_sapo_by_hand():
+    """``-(4 / tau) sigmoid(tau (r - 1)) A``, tau by the advantage's sign; the gradient ``-4 s (1 - s) r A`` is
+    smaller the further the ratio is from 1, where PPO's clip cuts it to 0 at a threshold."""
+    mask = m([[1, 1, 1, 0], [1, 1, 0, 0]])
+    old = t([[-1.0, -2.0, -0.5, 0.0], [-1.0, -1.0, 0.0, 0.0]])
+    delta = t([[0.0, 1.0, -0.7, NAN], [0.4, 0.0, INF, 9.0]])  # garbage in the padding
+    logps = (old + delta).requires_grad_(True)
+    adv = t([[2.0, 2.0, -1.0, 5.0], [-1.0, 0.0, 1.0, 1.0]])
+    cfg = PolicyLossConfig(gate_tau_pos=2.0, gate_tau_neg=3.0)
+    loss, stats = policy_loss("sapo", logps, old, adv, mask, cfg)
+
+    def sig(x):
+        return 1.0 / (1.0 + math.exp(-x))
+
+    cells = [((0, 0), 0.0, 2.0, 2.0), ((0, 1), 1.0, 2.0, 2.0), ((0, 2), -0.7, -1.0, 3.0), ((1, 0), 0.4, -1.0, 3.0)]
+    (grad,) = torch.autograd.grad(loss.sum(), logps)
+    for (i, j), d, a, tau in cells:
+        r = math.exp(d)
+        s_ = sig(tau * (r - 1.0))
+        assert loss[i, j].item() == pytest.approx(-(4.0 / tau) * s_ * a, rel=1e-12)
+        assert grad[i, j].item() == pytest.approx(-4.0 * s_ * (1.0 - s_) * r * a, rel=1e-12)
+        assert stats["gate_grad"][i, j].item() == pytest.approx(4.0 * s_ * (1.0 - s_) * r, rel=1e-12)
+    assert grad[0, 0].item() == pytest.approx(-2.0, rel=1e-15)  # r = 1: PPO's -A
+    assert 0 < -grad[0, 1].item() < 2.0 * math.exp(1.0) * 0.2  # e^1: PPO's clip gives no gradient, the gate a little
+    assert loss[1, 1] == 0 and grad[1, 1] == 0  # A = 0
+    assert (loss[0, 3] == 0) and (loss[1, 2:] == 0).all() and (grad[0, 3] == 0) and (grad[1, 2:] == 0).all()
+    assert (stats["clipped"] == 0).all()
+
+
+def test_sapo_takes_its_papers_temperatures_and_a_behaviour_correction():
+    old = t([[-1.0, -1.0]])
+    logps = t([[-0.5, -1.5]])
+    rollout = t([[-1.0, -2.0]])  # rho = 1, e^1 -> TIS at 2
+    adv = t([[1.0, -1.0]])
+    loss, stats = policy_loss("sapo", logps, old, adv, m([[1, 1]]), PolicyLossConfig(tis_cap=2.0), rollout)
+    r0, r1 = math.exp(0.5), math.exp(-0.5)
+    expected = [-4.0 / (1 + math.exp(-(r0 - 1))), 2.0 * (4.0 / 1.05) / (1 + math.exp(-1.05 * (r1 - 1)))]
+    assert loss[0].tolist() == pytest.approx(expected, rel=1e-12)  # the paper's tau 1.0 (A > 0), 1.05 (A < 0)
+    assert stats["tis_weight"].tolist() == [[1.0, 2.0]]
+    with pytest.raises(ValueError, match="sapo.*dual_clip"):
+        policy_loss("sapo", logps, old, adv, m([[1, 1]]), PolicyLossConfig(dual_clip=3.0))
+    for bad in (0.0, -1.0, INF):
+        with pytest.raises(ValueError, match="gate_tau_neg"):
+            PolicyLossConfig(gate_tau_neg=bad)
+
+
+def test_every_policy_loss_has_a_clip_range_or_a_gate():
+    for name in POLICY_LOSSES.names():
+        entry = POLICY_LOSSES.get(name)
+        assert (entry.clip_low is None) == (entry.clip_high is None) == (entry.gate_taus is not None), name
+    with pytest.raises(ValueError, match="clip range"):
+        PolicyLoss(fn=ppo_loss, paper="x", clip_low=0.2, clip_high=None)
+    with pytest.raises(ValueError, match="clip range"):
+        PolicyLoss(fn=ppo_loss, paper="x", clip_low=0.2, clip_high=0.2, gate_taus=(1.0, 1.0))
+
+
 # ============================================================================================== GSPO
 def test_gspo_sequence_ratio_by_hand():
     mask = m([[0, 1, 1, 0, 0], [0, 1, 1, 1, 0]])
@@ -669,7 +726,7 @@ def test_padding_never_affects_advantages(name):
         assert (adv2[~mask2] == 0).all() and (ret2[~mask2] == 0).all()
 
 
-@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo"])
+@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo", "sapo"])
 def test_padding_never_affects_policy_losses_or_gradients(name):
     gen = torch.Generator().manual_seed(4)
     mask = m(_random_response_mask(random.Random(4), 5, 7))
@@ -727,7 +784,7 @@ def test_padding_never_affects_value_loss_with_a_mask():
     [
         (KL_ESTIMATORS, ["k1", "k2", "k3"]),
         (ADVANTAGE_ESTIMATORS, ["dr_grpo", "gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]),
-        (POLICY_LOSSES, ["cispo", "gspo", "ppo"]),
+        (POLICY_LOSSES, ["cispo", "gspo", "ppo", "sapo"]),
         (LOSS_AGGREGATIONS, ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean"]),
     ],
 )

@@ -57,6 +57,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 VOCAB, TEMPERATURE, KL_COEF, ENTROPY_COEF, BUDGET = 64, 0.7, 0.3, 0.01, 8
 PPO_CLIP, GSPO_CLIP = (0.2, 0.2), (3e-4, 4e-4)  # Schulman et al. 2017; Zheng et al. 2025 sec. 5.1
 CISPO_CLIP = (1.0, 5.0)  # no lower bound, the weight capped at 6
+SAPO_TAUS = (1.0, 1.05)  # Gao et al. 2025: the gate's temperatures for A > 0, A < 0
 PROMPT_LENGTHS = (3, 2)  # one prompt per group
 RESPONSE_LENGTHS = (5, 2, 6, 3, 4, 7)
 GROUPS = [0, 0, 0, 1, 1, 1]  # a prompt's samples are consecutive, as a rollout lays them out
@@ -260,15 +261,16 @@ def _reference_advantages(estimator, scores, groups, old, ref_logps, values, kl_
 
 def _reference_loss(logps, entropy, p, advantages, agg, length, *, loss="ppo", kl_loss=False, correction=None):
     """The aggregated loss over rows: the policy loss (PPO, decoupled with ``correction = (name, low, high)`` on
-    ``p.proximal`` / ``p.behaviour``, or GSPO, or CISPO times the correction's weight), ``+ beta k3(pi, ref)`` with
-    ``kl_loss``, ``- c H``."""
+    ``p.proximal`` / ``p.behaviour``, or GSPO, or CISPO or SAPO times the correction's weight),
+    ``+ beta k3(pi, ref)`` with ``kl_loss``, ``- c H``."""
     name, low, high = correction or (None, None, None)
     per_row = []
     for i, lp in enumerate(logps):
         if loss == "gspo":
             pg = ref.gspo_token_loss(lp, p.proximal[i], advantages[i], *GSPO_CLIP)
-        elif loss == "cispo":
-            pg = ref.cispo_token_loss(lp, p.proximal[i], advantages[i], *CISPO_CLIP)
+        elif loss in ("cispo", "sapo"):
+            token_loss = ref.cispo_token_loss if loss == "cispo" else ref.sapo_token_loss
+            pg = token_loss(lp, p.proximal[i], advantages[i], *(CISPO_CLIP if loss == "cispo" else SAPO_TAUS))
             if name:
                 pg = pg * ref.behaviour_weights(name, p.proximal[i], p.behaviour[i], low, high)
         else:
@@ -308,12 +310,13 @@ def _assert_step(objective, model, batch, reference):
 @pytest.mark.parametrize("agg", LOSS_AGGREGATIONS.names())
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
 @pytest.mark.parametrize("case", list(CORRECTIONS))
-@pytest.mark.parametrize("loss", ["ppo", "cispo"])
+@pytest.mark.parametrize("loss", ["ppo", "cispo", "sapo"])
 def test_behaviour_corrections_match_the_papers(policy, problem, loss, case, estimator, agg):
     """One PPO step with each behaviour correction (its paper's bounds, or bounds set through the config): the clipped
     surrogate of ``pi / pi_old`` times the correction's weight of ``pi_old / pi_behav`` (``rollout_logps``), next to
     an unweighted k3 KL loss and entropy bonus; a zero weight keeps its token in the denominator. CISPO alike, its
-    loss (the clipped weight of ``pi / pi_old`` on ``log pi``) times the correction's weight. The logged
+    loss (the clipped weight of ``pi / pi_old`` on ``log pi``) and SAPO's (the soft gate of ``pi / pi_old``) times the
+    correction's weight. The logged
     ``tis_weight`` / ``tis_capped_frac`` or ``is_weight`` / ``is_masked_frac`` are the reference's weights and
     dropped (capped) tokens, aggregated alike."""
     keys, correction = CORRECTIONS[case]

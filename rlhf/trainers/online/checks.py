@@ -306,7 +306,8 @@ def _algorithm_findings(cfg: RLRunConfig) -> List[Finding]:
                 f"generation budget, Dr. GRPO's",
             )
         )
-    entry, (low, high) = a.policy_loss_entry, a.clip
+    entry, clip = a.policy_loss_entry, a.clip
+    low, high = clip if clip is not None else (0.0, 0.0)  # a loss that clips nothing has no range to widen
     if entry.sequence_level and max(low / entry.clip_low, high / entry.clip_high) >= 10:
         found.append(
             Finding(

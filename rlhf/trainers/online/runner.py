@@ -47,10 +47,11 @@ def build_objectives(cfg: RLRunConfig) -> Tuple[PolicyObjective, ValueObjective]
     """The run's policy and value objectives from ``algo.*`` (the clip, the off-policy correction, the loss
     aggregation and its length constant, the KL as a loss) and the sampling the trainer's log-probs replay."""
     a = cfg.algo
-    low, high = a.clip
+    clip_range = {} if a.clip is None else dict(zip(("clip_low", "clip_high"), a.clip))
+    gate = {} if a.gate_taus is None else dict(zip(("gate_tau_pos", "gate_tau_neg"), a.gate_taus))
     clip = PolicyLossConfig(
-        clip_low=low,
-        clip_high=high,
+        **clip_range,
+        **gate,
         dual_clip=a.dual_clip or None,
         tis_cap=a.tis_cap or None,
         off_policy=a.behaviour_correction,
