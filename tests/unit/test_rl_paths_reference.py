@@ -397,9 +397,11 @@ def test_gspo_refuses_every_behaviour_correction(case):
 
 # ------------------------------------------------------------------------------------------ asynchronous RL
 def _stale_cases():
-    """``(k, correction, moved, loss)``: PPO with each correction, GSPO (which takes none) uncorrected."""
+    """``(k, correction, moved, loss)``: PPO with each correction, GSPO (which takes none) uncorrected, CISPO and SAPO
+    with TIS and uncorrected (their ratio against the proximal policy, the correction's weight on top)."""
     ppo = [(k, name, moved, "ppo") for k, name, moved in itertools.product((1, 2), STALE_CORRECTIONS, (False, True))]
     cases = ppo + [(k, "none", moved, "gspo") for k, moved in itertools.product((1, 2), (False, True))]
+    cases += list(itertools.product((1, 2), ("none", "tis"), (False, True), ("cispo", "sapo")))
     return [pytest.param(*c, id=f"k{c[0]}-{c[1]}-{'later-update' if c[2] else 'first-update'}-{c[3]}") for c in cases]
 
 

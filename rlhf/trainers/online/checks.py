@@ -307,8 +307,10 @@ def _algorithm_findings(cfg: RLRunConfig) -> List[Finding]:
             )
         )
     entry, clip = a.policy_loss_entry, a.clip
-    low, high = clip if clip is not None else (0.0, 0.0)  # a loss that clips nothing has no range to widen
-    if entry.sequence_level and max(low / entry.clip_low, high / entry.clip_high) >= 10:
+    if not entry.sequence_level or clip is None:  # only a sequence-level ratio's clip range can be too wide
+        return found
+    low, high = clip
+    if max(low / entry.clip_low, high / entry.clip_high) >= 10:
         found.append(
             Finding(
                 WARNING,
