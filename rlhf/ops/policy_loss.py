@@ -28,7 +28,8 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    """Settings of the clipped policy losses.
+    """Settings of the policy losses: the clip range (PPO, GSPO; CISPO clips its weight with it; SAPO, which
+    clips nothing, reads the gate's temperatures instead), dual clip and the behaviour correction.
 
     Attributes:
         clip_low: ``eps_low``: the ratio is clipped below at ``1 - clip_low`` (in ``[0, 1]``; 1: no lower bound, the
@@ -44,7 +45,7 @@ class PolicyLossConfig:
             advantage (> 0); ``None``: its paper's (its registry entry's ``gate_taus``). SAPO only.
         off_policy: the correction of the behaviour policy (:mod:`rlhf.ops.off_policy`: ``tis``, ``mis``,
             ``icepop``, ``seq_mask``); requires ``rollout_logps``; ``None`` disables it; not together with
-            ``tis_cap``. The token-level losses only (PPO, CISPO: their entry's ``behaviour_corrections``).
+            ``tis_cap``. The token-level losses only (PPO, CISPO, SAPO: their entry's ``behaviour_corrections``).
     """
 
     clip_low: float = 0.2
