@@ -399,10 +399,10 @@ class AlgorithmConfig:
     clip_low: Optional[float] = None
     # ratio clip above: 1 + clip_high (> clip_low: DAPO's clip-higher); unset: the paper's (ppo 0.2, gspo 4e-4, cispo 5)
     clip_high: Optional[float] = None
-    # SAPO's soft gate (policy_loss=sapo, which clips nothing): its temperature for tokens with a positive advantage
-    # and with a negative one (> 0); unset: the paper's (1.0 / 1.05)
+    # SAPO's soft gate (policy_loss=sapo, which clips nothing): its temperature (> 0) for tokens with a positive
+    # advantage; unset: the paper's 1.0
     gate_tau_pos: Optional[float] = None
-    gate_tau_neg: Optional[float] = None
+    gate_tau_neg: Optional[float] = None  # the same for a negative advantage; unset: the paper's 1.05
     dual_clip: float = 0.0  # > 1 enables dual-clip; 0 = off
     tis_cap: float = 0.0  # > 0: truncated importance sampling against the vLLM/trainer mismatch; 0 = off
     # correction of the behaviour (vLLM) policy, each token's loss weighted by rho = pi_old / pi_rollout: none | tis
