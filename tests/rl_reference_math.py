@@ -222,6 +222,15 @@ def sapo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, tau_pos: float,
     return torch.stack(out)
 
 
+def policy_token_loss(name: str, logp: Tensor, old_logp: Tensor, adv: Tensor, params: Tuple[float, float]) -> Tensor:
+    """Policy loss ``name`` per token of one sample; ``params`` its clip range ``(clip_low, clip_high)``, or SAPO's
+    gate temperatures ``(tau_pos, tau_neg)``."""
+    if name == "ppo":
+        return ppo_token_loss(logp, old_logp, adv, *params)[0]
+    losses = {"gspo": gspo_token_loss, "cispo": cispo_token_loss, "sapo": sapo_token_loss}
+    return losses[name](logp, old_logp, adv, *params)
+
+
 def value_token_loss(v: Tensor, v_old: Tensor, ret: Tensor, clip: float) -> Tensor:
     """``0.5 max((V - R)^2, (V_old + clamp(V - V_old, -clip, clip) - R)^2)`` (PPO's value clipping)."""
     plain = (v - ret) ** 2

@@ -244,13 +244,19 @@ def ppo_loss(
     loss, stats = _behaviour_weighted(correction, loss, old_logps, rollout_logps, m)
     zero = torch.zeros((), dtype=dtype, device=loss.device)
     loss = torch.where(m, loss, zero)
-    stats.update(
-        clipped=(clipped & m).to(dtype),
-        dual_clipped=(dual & m).to(dtype),
-        ratio=torch.where(m, ratio.detach(), zero),
-        approx_kl=torch.where(m, _approx_kl(log_ratio.detach()), zero),
-    )
+    stats.update(_ratio_stats(clipped, ratio, log_ratio, m), dual_clipped=(dual & m).to(dtype))
     return loss, stats
+
+
+def _ratio_stats(clipped: Tensor, ratio: Tensor, log_ratio: Tensor, m: Tensor) -> Dict[str, Tensor]:
+    """The statistics every policy loss reports, ``(B, T)``, detached, 0 outside the mask ``m``: ``clipped`` (the
+    bool ``clipped`` as 0/1), ``ratio`` and ``approx_kl`` (:func:`_approx_kl` of the per-token ``log_ratio``)."""
+    zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+    return {
+        "clipped": (clipped & m).to(ratio.dtype),
+        "ratio": torch.where(m, ratio.detach(), zero),
+        "approx_kl": torch.where(m, _approx_kl(log_ratio.detach()), zero),
+    }
 
 
 def _behaviour_weighted(
@@ -348,12 +354,7 @@ def gspo_loss(
     adv = _on_mask(advantages.detach(), m, dtype)
     loss, clipped = _clip_surrogate(ratio, adv, cfg)
     zero = torch.zeros((), dtype=dtype, device=loss.device)
-    stats = {
-        "clipped": (clipped & m).to(dtype),
-        "ratio": torch.where(m, ratio.detach(), zero),
-        "approx_kl": torch.where(m, _approx_kl(log_ratio.detach()), zero),
-    }
-    return torch.where(m, loss, zero), stats
+    return torch.where(m, loss, zero), _ratio_stats(clipped, ratio, log_ratio, m)
 
 
 @_policy_loss(
@@ -408,11 +409,7 @@ def cispo_loss(
     adv = _on_mask(advantages.detach(), m, dtype)
     loss, stats = _behaviour_weighted(correction, -weight * adv * lp, old_logps, rollout_logps, m)
     zero = torch.zeros((), dtype=dtype, device=loss.device)
-    stats.update(
-        clipped=(((ratio < low) | (ratio > high)) & m).to(dtype),
-        ratio=torch.where(m, ratio, zero),
-        approx_kl=torch.where(m, _approx_kl(log_ratio), zero),
-    )
+    stats.update(_ratio_stats((ratio < low) | (ratio > high), ratio, log_ratio, m))
     return torch.where(m, loss, zero), stats
 
 
@@ -470,12 +467,7 @@ def sapo_loss(
     zero = torch.zeros((), dtype=dtype, device=loss.device)
     with torch.no_grad():
         gate_grad = 4.0 * gate * (1.0 - gate) * ratio
-    stats.update(
-        clipped=torch.zeros_like(loss).detach(),
-        ratio=torch.where(m, ratio.detach(), zero),
-        approx_kl=torch.where(m, _approx_kl(log_ratio.detach()), zero),
-        gate_grad=torch.where(m, gate_grad, zero),
-    )
+    stats.update(_ratio_stats(torch.zeros_like(m), ratio, log_ratio, m), gate_grad=torch.where(m, gate_grad, zero))
     return torch.where(m, loss, zero), stats
 
 

@@ -399,12 +399,7 @@ def _reference_step(cfg, models, rollout):
     logps, entropy = ref.logps_and_entropy(policy, samples, TEMPERATURE)
     pg, total, kls = [], [], []
     for lp, o, adv, h, i in zip(logps, old, advantages, entropy, range(len(samples))):
-        if a.policy_loss == "cispo":
-            loss = ref.cispo_token_loss(lp, o, adv, *a.clip)
-        elif a.policy_loss == "sapo":
-            loss = ref.sapo_token_loss(lp, o, adv, *a.gate_taus)
-        else:
-            loss, _ = ref.ppo_token_loss(lp, o, adv, *a.clip)
+        loss = ref.policy_token_loss(a.policy_loss, lp, o, adv, a.clip or a.gate_taus)
         pg.append(loss)
         per_token = loss - a.entropy_coef * h
         if ref_logps is not None:

@@ -56,12 +56,6 @@ FAR_TOKENS = [(2, 1, -40.0), (5, 3, 25.0)]
 # Each loss's paper's clip range, or SAPO's gate temperatures: Schulman et al. 2017; Zheng et al. 2025 sec. 5.1;
 # CISPO: no lower bound, the weight capped at 1 + 5; SAPO: tau 1.0 for A > 0, 1.05 for A < 0
 PAPER_TRUST = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 5.0), "sapo": (1.0, 1.05)}
-TOKEN_LOSSES = {
-    "ppo": lambda *a: ref.ppo_token_loss(*a)[0],
-    "gspo": ref.gspo_token_loss,
-    "cispo": ref.cispo_token_loss,
-    "sapo": ref.sapo_token_loss,
-}
 KL_MODES = ("loss", "reward")
 
 
@@ -170,12 +164,11 @@ def _reference_advantages(name, kl_mode, kl_estimator, p):
 
 def _reference_loss(model, combo, p, advantages):
     estimator, loss_name, kl_mode, kl_estimator, agg = combo
-    low, high = PAPER_TRUST[loss_name]
     spans = _spans()
     logps, entropy = ref.logps_and_entropy(model, _samples(p.batch.input_ids), TEMPERATURE)
     per_row = []
     for lp, old, adv, h, r in zip(logps, _ragged(p.old, spans), advantages, entropy, _ragged(p.ref, spans)):
-        loss = TOKEN_LOSSES[loss_name](lp, old, adv, low, high)
+        loss = ref.policy_token_loss(loss_name, lp, old, adv, PAPER_TRUST[loss_name])
         if kl_mode == "loss":
             loss = loss + KL_COEF * ref.kl(kl_estimator, lp, r)
         per_row.append(loss - ENTROPY_COEF * h)

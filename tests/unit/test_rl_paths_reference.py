@@ -269,8 +269,8 @@ def _reference_loss(logps, entropy, p, advantages, agg, length, *, loss="ppo", k
         if loss == "gspo":
             pg = ref.gspo_token_loss(lp, p.proximal[i], advantages[i], *GSPO_CLIP)
         elif loss in ("cispo", "sapo"):
-            token_loss = ref.cispo_token_loss if loss == "cispo" else ref.sapo_token_loss
-            pg = token_loss(lp, p.proximal[i], advantages[i], *(CISPO_CLIP if loss == "cispo" else SAPO_TAUS))
+            params = CISPO_CLIP if loss == "cispo" else SAPO_TAUS
+            pg = ref.policy_token_loss(loss, lp, p.proximal[i], advantages[i], params)
             if name:
                 pg = pg * ref.behaviour_weights(name, p.proximal[i], p.behaviour[i], low, high)
         else:
