@@ -14,6 +14,8 @@ here pairs), ``loss`` (the micro-batch's loss as a *sum*, with metric sums) and 
 numbers). ``WorkerGroup.train_batch`` does the rest: it cuts each global batch of 16 pairs into 2 ranks x 2
 micro-batches of 4 (ZeRO 2), counts the normalizer over all 16 before the first backward and returns the step's
 global metrics, the same whatever the split. docs/custom_loops.md ("Writing an objective") is the contract.
+SimPO itself is built in (``python -m rlhf.cli.train_dpo dpo.loss_type=simpo``, docs/algorithms/dpo.md); the loss
+is written out here to show what an objective is.
 """
 
 from __future__ import annotations

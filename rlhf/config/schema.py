@@ -448,11 +448,16 @@ class HealthConfig:
 class DPOConfig:
     """Direct Preference Optimization (Rafailov et al. 2023) and variants; see rlhf/ops/preference.py."""
 
-    beta: float = 0.1
-    # a name in rlhf.ops.preference.DPO_LOSSES (preference pairs) or UNPAIRED_LOSSES (kto: prompt, completion, label)
+    # unset: the loss's paper's (rlhf.ops.preference: 0.1, SimPO's 2); ORPO's lambda
+    beta: Optional[float] = None
+    # a name in rlhf.ops.preference.DPO_LOSSES (preference pairs) or UNPAIRED_LOSSES (kto: prompt, completion, label);
+    # simpo, cpo and orpo are reference-free: no reference model, no reference workers
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0  # cDPO: assumed probability that a preference label is flipped
-    nll_coef: float = 0.0  # RPO: + coef x token-averaged NLL of the chosen completion (keeps its likelihood up)
+    # + coef x token-averaged NLL of the chosen completion (RPO; CPO's and ORPO's SFT term); unset: the paper's (cpo
+    # and orpo 1, else 0)
+    nll_coef: Optional[float] = None
+    simpo_gamma: Optional[float] = None  # SimPO's target reward margin gamma; unset: 1 (gamma / beta = 0.5)
     ref_mode: str = "precompute"  # precompute: score every row once before training; online: every step
     ref_num_workers: int = 1  # reference workers (precompute and online)
     # KTO (Ethayarajh et al. 2024): lambda_D and lambda_U, the weights of desirable and undesirable rows; the paper
@@ -461,22 +466,38 @@ class DPOConfig:
     undesirable_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        check_setting(self.beta > 0, "dpo.beta", f"must be > 0, got {self.beta}")
+        check_setting(self.beta is None or self.beta > 0, "dpo.beta", f"must be > 0, got {self.beta}")
         check_setting(
             0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}"
         )
-        check_setting(self.nll_coef >= 0, "dpo.nll_coef", f"must be >= 0, got {self.nll_coef}")
+        check_setting(self.nll_coef is None or self.nll_coef >= 0, "dpo.nll_coef", f"must be >= 0, got {self.nll_coef}")
+        check_setting(
+            self.simpo_gamma is None or self.simpo_gamma >= 0,
+            "dpo.simpo_gamma",
+            f"must be >= 0, got {self.simpo_gamma}",
+        )
         check_choice(self.ref_mode, "dpo.ref_mode", ("precompute", "online"))
         check_setting(self.ref_num_workers >= 1, "dpo.ref_num_workers", f"must be >= 1, got {self.ref_num_workers}")
         for key in ("desirable_weight", "undesirable_weight"):
             check_setting(getattr(self, key) > 0, f"dpo.{key}", f"must be > 0, got {getattr(self, key)}")
         if self.unpaired:
-            for key in ("label_smoothing", "nll_coef"):
+            for key in ("label_smoothing", "nll_coef", "simpo_gamma"):
                 check_setting(
                     not getattr(self, key),
                     f"dpo.{key}",
-                    f"is not used by dpo.loss_type={self.loss_type} (unpaired rows); set it to 0",
+                    f"is not used by dpo.loss_type={self.loss_type} (unpaired rows): remove it",
                 )
+            return
+        check_setting(
+            self.simpo_gamma is None or self.loss.margin is not None,
+            "dpo.simpo_gamma",
+            f"is SimPO's target margin; dpo.loss_type={self.loss_type} has none: unset it",
+        )
+        check_setting(
+            not self.label_smoothing or self.loss.label_smoothing,
+            "dpo.label_smoothing",
+            f"is not modelled by dpo.loss_type={self.loss_type}; set it to 0",
+        )
 
     @property
     def unpaired(self) -> bool:
@@ -487,6 +508,52 @@ class DPOConfig:
             return preference_rows(self.loss_type) == "unpaired"
         except KeyError as e:  # UnknownNameError lists the valid names
             raise ConfigError(f"dpo.loss_type: {e}") from None
+
+    @property
+    def loss(self):
+        """The loss's registry entry (:class:`rlhf.ops.preference.DPOLoss` or ``UnpairedLoss``): its paper's facts."""
+        from rlhf.ops.preference import preference_loss  # imports torch; keeps `import rlhf.config` light
+
+        try:
+            return preference_loss(self.loss_type)
+        except KeyError as e:  # UnknownNameError lists the valid names
+            raise ConfigError(f"dpo.loss_type: {e}") from None
+
+    @property
+    def reference_free(self) -> bool:
+        """Whether the loss reads no reference model (SimPO, CPO, ORPO): a run starts no reference workers."""
+        return not self.unpaired and not self.loss.reference
+
+    @property
+    def trained_beta(self) -> float:
+        """``beta`` trained with: as set, or the loss's paper's."""
+        return self.loss.beta if self.beta is None else self.beta
+
+    @property
+    def trained_nll_coef(self) -> float:
+        """The chosen NLL's weight trained with: as set, or the loss's paper's (CPO's and ORPO's 1, else 0)."""
+        if self.nll_coef is not None:
+            return self.nll_coef
+        return 0.0 if self.unpaired else self.loss.nll_coef
+
+    @property
+    def trained_margin(self) -> Optional[float]:
+        """SimPO's target margin trained with (as set, or the paper's); ``None`` for a loss without one."""
+        if self.unpaired or self.loss.margin is None:
+            return None
+        return self.loss.margin if self.simpo_gamma is None else self.simpo_gamma
+
+    def describe_loss(self) -> str:
+        """The loss and the settings trained with, saying which came from its paper (``--dry-run``, the first
+        lines of a run)."""
+        settings = [("beta", self.beta, self.trained_beta)]
+        if self.nll_coef is not None or self.trained_nll_coef:
+            settings.append(("nll_coef", self.nll_coef, self.trained_nll_coef))
+        if self.trained_margin is not None:
+            settings.append(("simpo_gamma", self.simpo_gamma, self.trained_margin))
+        parts = [f"{key} {trained:g}" + (" (the paper's)" if set_ is None else "") for key, set_, trained in settings]
+        reference = "no reference model" if self.reference_free else "against a frozen reference"
+        return f"dpo.loss_type={self.loss_type}: {self.loss.paper}; {reference}; " + ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -583,6 +650,16 @@ class RewardModelRunConfig(RunConfig):
 
 @dataclass(frozen=True)
 class DPORunConfig(RunConfig):
-    """``python -m rlhf.cli.train_dpo``: offline preference optimisation against a frozen reference."""
+    """``python -m rlhf.cli.train_dpo``: offline preference optimisation, against a frozen reference or
+    reference-free (SimPO, CPO, ORPO)."""
 
     dpo: DPOConfig = field(default_factory=DPOConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_setting(
+            not (self.model.ref_path and self.dpo.reference_free),
+            "model.ref_path",
+            f"names a reference model, which dpo.loss_type={self.dpo.loss_type} does not read (reference-free): "
+            "unset it, or choose a loss that reads a reference",
+        )

@@ -80,6 +80,11 @@ FOREIGN_KEYS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "deepspeed": (("strategy.deepspeed_config",), ""),
     # algorithms
     "beta": (("dpo.beta", "algo.kl_coef"), ""),  # TRL / OpenRLHF DPO; TRL GRPO's KL coefficient
+    "rpo_alpha": (("dpo.nll_coef",), ""),  # TRL DPO
+    "cpo_alpha": (("dpo.nll_coef",), "dpo.loss_type=cpo trains with dpo.nll_coef 1 unless set"),  # TRL CPO
+    "nll_loss_coef": (("dpo.nll_coef",), ""),  # OpenRLHF
+    "gamma_beta_ratio": (("dpo.simpo_gamma",), "dpo.simpo_gamma is gamma itself: gamma_beta_ratio x dpo.beta"),
+    "reference_free": (("dpo.loss_type",), "dpo.loss_type=simpo, cpo or orpo read no reference model"),  # TRL DPO
     "init_kl_coef": (("algo.kl_coef",), ""),
     "kl_loss_coef": (("algo.kl_coef",), ""),
     "adv_estimator": (("algo.advantage_estimator",), ""),

@@ -1,4 +1,5 @@
-"""DPO-family objectives (Rafailov et al. 2023 and the variants in :mod:`rlhf.ops.preference`).
+"""DPO-family objectives (Rafailov et al. 2023 and the variants in :mod:`rlhf.ops.preference`, the reference-free
+SimPO, CPO and ORPO among them).
 
 Chosen and rejected completions of a pair are scored in one forward: the ``(B, 2, T)`` pair batch is viewed as
 ``(2B, T)``. The loss is a per-pair quantity normalized by the number of pairs in the global batch, so any split
@@ -48,14 +49,23 @@ class ReferenceLogps:
 
 @dataclass(frozen=True)
 class DPOObjective:
+    """The per-pair loss of :func:`rlhf.ops.preference.dpo_pair_losses` plus ``nll_coef`` x the chosen completion's
+    NLL, summed over a micro-batch's pairs. A reference-free loss (SimPO, CPO, ORPO) reads no ``batch.ref_logps``."""
+
     loss_type: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
-    nll_coef: float = 0.0  # RPO regularizer (see rlhf.ops.preference.chosen_nll)
+    nll_coef: float = 0.0  # RPO's regularizer, CPO's and ORPO's SFT term (rlhf.ops.preference.chosen_nll)
+    margin: Optional[float] = None  # SimPO's target margin gamma (for a loss with one, and only then)
     packing: Optional[bool] = None  # padding-free forward; None: as the model was built (train.packing)
 
     def __post_init__(self) -> None:
         DPO_LOSSES.get(self.loss_type)  # fail on the driver, with the valid names, not inside a worker
+
+    @property
+    def reference_free(self) -> bool:
+        """Whether the loss reads no reference log-probs."""
+        return not DPO_LOSSES.get(self.loss_type).reference
 
     def count(self, batch: Batch) -> int:
         self._check_targets(batch)
@@ -79,11 +89,12 @@ class DPOObjective:
             raise ValueError(f"DPO {why}: {label} {where[:8]} have {which} with no target token")
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> Tuple[torch.Tensor, MicroSums]:
-        if batch.ref_logps is None:
+        if batch.ref_logps is None and not self.reference_free:
             raise ValueError("DPO micro-batch has no ref_logps: reference log-probs must be computed first")
         policy, lengths = pair_sequence_logps(model, batch, self.packing)
+        ref = None if self.reference_free or batch.ref_logps is None else batch.ref_logps.to(policy.dtype)
         losses, chosen_rewards, rejected_rewards = dpo_pair_losses(
-            self.loss_type, policy, batch.ref_logps.to(policy.dtype), self.beta, self.label_smoothing, lengths
+            self.loss_type, policy, ref, self.beta, self.label_smoothing, lengths, self.margin
         )
         sums: Dict[str, torch.Tensor] = {}  # detached 0-dim tensors: read back once a step, not here
         if self.nll_coef:

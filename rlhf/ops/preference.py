@@ -6,14 +6,17 @@ them and divides once by the number of pairs in the global batch (:func:`rlhf.op
 Notation: for a pair, ``chosen_logratio = log pi(y_w|x) - log pi_ref(y_w|x)``, likewise ``rejected_logratio``
 for ``y_l``, and ``h = chosen_logratio - rejected_logratio``. Log-probs are sums over target tokens unless the
 loss sets ``average_logps``, in which case both policy and reference log-probs are divided by the target-token
-count of their completion first.
+count of their completion first. A reference-free loss (SimPO, ORPO, CPO: ``DPOLoss.reference`` false) reads no
+reference model: its ``chosen_logratio`` is ``log pi(y_w|x)`` alone (``log pi_ref = 0``, a reference that gives every
+completion probability 1), and a run of it starts no reference workers.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -25,17 +28,31 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class DPOLoss:
-    """One DPO-style loss.
+    """One loss on preference pairs, and the facts of its paper a run reads.
 
     Attributes:
-        fn: ``fn(chosen_logratio (B,), rejected_logratio (B,), beta, label_smoothing) -> (B,)`` per-pair losses.
+        fn: ``fn(chosen_logratio (B,), rejected_logratio (B,), beta, label_smoothing) -> (B,)`` per-pair losses; a
+            loss with a ``margin`` takes it as a fifth argument.
         average_logps: whether the log-probs are per-token averages instead of sums over the completion.
         paper: the reference the formula follows.
+        reference: whether the loss reads a frozen reference model; without one the log-ratios are the policy's
+            log-probs alone and a run starts no reference workers.
+        beta: the paper's ``beta`` (ORPO's ``lambda``): what an unset ``dpo.beta`` trains with.
+        nll_coef: the paper's weight of the chosen completion's NLL (:func:`chosen_nll`), added to the loss: what an
+            unset ``dpo.nll_coef`` trains with (CPO's and ORPO's SFT term, 1; 0 for the others).
+        margin: the paper's target reward margin (SimPO's ``gamma``): what an unset ``dpo.simpo_gamma`` trains with;
+            ``None`` for a loss without one.
+        label_smoothing: whether the loss models label noise (``dpo.label_smoothing``; refused by the others).
     """
 
-    fn: Callable[[Tensor, Tensor, float, float], Tensor]
+    fn: Callable[..., Tensor]
     average_logps: bool
     paper: str
+    reference: bool = True
+    beta: float = 0.1
+    nll_coef: float = 0.0
+    margin: Optional[float] = None
+    label_smoothing: bool = True
 
 
 DPO_LOSSES = Registry[DPOLoss]("DPO loss type")
@@ -59,16 +76,22 @@ def _reject_label_smoothing(name: str, label_smoothing: float) -> None:
         raise ValueError(f"{name} loss does not use label_smoothing (got {label_smoothing}); set it to 0")
 
 
+def _soft_label_logistic(z: Tensor, label_smoothing: float) -> Tensor:
+    """``-(1 - eps) logsigmoid(z) - eps logsigmoid(-z)``: the cross-entropy of ``sigmoid(z)`` against the soft label
+    ``1 - eps`` (conservative DPO, Mitchell 2023)."""
+    return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+
+
 def _sigmoid(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, label_smoothing: float) -> Tensor:
     """DPO (Rafailov et al. 2023, eq. 7) with conservative-DPO label smoothing ``eps`` (cDPO, Mitchell 2023).
 
     ``-(1 - eps) logsigmoid(beta h) - eps logsigmoid(-beta h)``, i.e. the cross-entropy of the Bradley-Terry
-    implicit-reward model against the soft label ``1 - eps``. Summed log-probs, as in the paper.
+    implicit-reward model against the soft label ``1 - eps``. Summed log-probs, as in the paper. Registered twice:
+    as ``sigmoid`` against the reference, and reference-free as CPO's preference term.
     """
     _check_beta(beta)
     _check_label_smoothing("sigmoid", label_smoothing)
-    z = beta * (chosen_logratio - rejected_logratio)
-    return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+    return _soft_label_logistic(beta * (chosen_logratio - rejected_logratio), label_smoothing)
 
 
 def _ipo(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, label_smoothing: float) -> Tensor:
@@ -110,10 +133,57 @@ def _robust(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, lab
     return ((1 - eps) * -F.logsigmoid(z) - eps * -F.logsigmoid(-z)) / (1 - 2 * eps)
 
 
+def _simpo(
+    chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, label_smoothing: float, margin: float
+) -> Tensor:
+    """SimPO (Meng et al. 2024, eq. 6): ``-logsigmoid(beta / |y_w| log pi(y_w|x) - beta / |y_l| log pi(y_l|x) -
+    gamma)``, reference-free on per-token averaged log-probs, with ``gamma`` (``margin``) the target reward margin.
+    Label smoothing ``eps`` as cDPO's (the SimPO code's and TRL's option; 0 in the paper)."""
+    _check_beta(beta)
+    _check_label_smoothing("simpo", label_smoothing)
+    if not margin >= 0:
+        raise ValueError(f"simpo loss: the target margin gamma must be >= 0, got {margin}")
+    return _soft_label_logistic(beta * (chosen_logratio - rejected_logratio) - margin, label_smoothing)
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """``log(1 - exp(x))`` for ``x < 0``, accurate on both sides of ``-log 2`` (Maechler 2012): ``log(-expm1(x))``
+    near 0, where ``1 - exp(x)`` cancels, ``log1p(-exp(x))`` below. Both branches stay finite for ``x < 0``, so the
+    branch not taken gives no NaN to the gradient."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def log_odds(avg_logps: Tensor) -> Tensor:
+    """``log(P / (1 - P))`` with ``P = exp(avg_logps)``: the log-odds of a completion in ORPO, ``avg_logps`` its
+    per-token average log-prob (< 0; at 0, a model certain of every token, the odds are infinite)."""
+    return avg_logps - _log1mexp(avg_logps)
+
+
+def _orpo(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, label_smoothing: float) -> Tensor:
+    """ORPO's odds-ratio term (Hong et al. 2024, eq. 7): ``lambda * -logsigmoid(log odds(y_w|x) - log odds(y_l|x))``
+    with ``odds(y|x) = P(y|x) / (1 - P(y|x))`` and ``P`` the exponentiated per-token average log-prob; ``beta`` is
+    the paper's ``lambda``. Reference-free. The paper's whole loss (eq. 6) adds its SFT term, the chosen completion's
+    NLL with weight 1: the entry's ``nll_coef``, added by the caller (:func:`chosen_nll`, token-averaged per pair)."""
+    _check_beta(beta)
+    _reject_label_smoothing("orpo", label_smoothing)
+    return -beta * F.logsigmoid(log_odds(chosen_logratio) - log_odds(rejected_logratio))
+
+
 DPO_LOSSES.register("sigmoid")(DPOLoss(_sigmoid, False, "Rafailov et al. 2023, DPO; cDPO label smoothing"))
-DPO_LOSSES.register("ipo")(DPOLoss(_ipo, True, "Azar et al. 2023, IPO (per-token averaged log-probs)"))
-DPO_LOSSES.register("hinge")(DPOLoss(_hinge, False, "Zhao et al. 2023, SLiC-HF (reference-normalized as in RSO)"))
+_IPO = "Azar et al. 2023, IPO (per-token averaged log-probs)"
+DPO_LOSSES.register("ipo")(DPOLoss(_ipo, True, _IPO, label_smoothing=False))
+_HINGE = "Zhao et al. 2023, SLiC-HF (reference-normalized as in RSO)"
+DPO_LOSSES.register("hinge")(DPOLoss(_hinge, False, _HINGE, label_smoothing=False))
 DPO_LOSSES.register("robust")(DPOLoss(_robust, False, "Chowdhury et al. 2024, Provably Robust DPO"))
+# Reference-free. SimPO: beta 2 and gamma 1 (gamma / beta 0.5) are the SimPO authors' base-model configs (the paper
+# sweeps beta 2-2.5, gamma 0.3-1.6). CPO: beta 0.1 and the NLL weight 1 of the paper (TRL's cpo_alpha). ORPO: lambda
+# 0.1 (TRL's ORPOConfig.beta) and the paper's SFT weight 1.
+_SIMPO = "Meng et al. 2024, SimPO (reference-free, length-normalised, target margin)"
+DPO_LOSSES.register("simpo")(DPOLoss(_simpo, True, _SIMPO, reference=False, beta=2.0, margin=1.0))
+_CPO = "Xu et al. 2024, CPO (reference-free DPO + chosen NLL)"
+DPO_LOSSES.register("cpo")(DPOLoss(_sigmoid, False, _CPO, reference=False, nll_coef=1.0))
+_ORPO = "Hong et al. 2024, ORPO (odds ratio + chosen NLL, reference-free)"
+DPO_LOSSES.register("orpo")(DPOLoss(_orpo, True, _ORPO, reference=False, nll_coef=1.0, label_smoothing=False))
 
 
 @dataclass(frozen=True)
@@ -128,6 +198,7 @@ class UnpairedLoss:
 
     fn: Callable[[Tensor, Tensor, Tensor, float, float, float], Tensor]
     paper: str
+    beta: float = 0.1  # the paper's beta: what an unset dpo.beta trains with
 
 
 UNPAIRED_LOSSES = Registry[UnpairedLoss]("unpaired preference loss type")
@@ -172,6 +243,15 @@ def preference_rows(loss_type: str) -> str:
     close = difflib.get_close_matches(loss_type, names, n=3)
     hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
     raise UnknownNameError(f"unknown DPO loss type {loss_type!r}.{hint} Valid names: {', '.join(names)}")
+
+
+def preference_loss(loss_type: str) -> Union[DPOLoss, UnpairedLoss]:
+    """The registry entry of a DPO-family loss, pairs or unpaired rows: its facts (``beta``, ...).
+
+    Raises:
+        UnknownNameError: For a name in neither registry, listing the valid names of both.
+    """
+    return DPO_LOSSES.get(loss_type) if preference_rows(loss_type) == "pairs" else UNPAIRED_LOSSES.get(loss_type)
 
 
 def kto_kl_baseline(policy_logps: Tensor, ref_logps: Tensor) -> Tensor:
@@ -235,36 +315,48 @@ def _check_pairs(name: str, x: Tensor) -> None:
 def dpo_pair_losses(
     loss_type: str,
     policy_logps: Tensor,
-    ref_logps: Tensor,
+    ref_logps: Optional[Tensor],
     beta: float,
     label_smoothing: float,
     lengths: Optional[Tensor] = None,
+    margin: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Per-pair DPO-family losses and implicit rewards.
 
     Args:
         loss_type: a name in :data:`DPO_LOSSES` (an unknown name raises an error listing the valid ones).
         policy_logps: ``(B, 2)`` policy log-probs summed over target tokens (index 0 chosen, 1 rejected).
-        ref_logps: ``(B, 2)`` reference log-probs, same layout.
+        ref_logps: ``(B, 2)`` reference log-probs, same layout; ``None`` for a reference-free loss (and only then).
         beta: the KL-regularization strength (> 0).
         label_smoothing: assumed label-flip probability for losses that model it, else must be 0.
         lengths: ``(B, 2)`` target-token counts of each completion; required (and > 0) when the loss averages
             log-probs per token, ignored otherwise. Not read back here to check (a 0 gives an infinite average):
             :class:`rlhf.objectives.dpo.DPOObjective` checks the counts on the host, in ``count``.
+        margin: the target margin of a loss that has one (SimPO's gamma; required for it), else ``None``.
 
     Returns:
         ``(losses, chosen_rewards, rejected_rewards)``, each ``(B,)``: per-pair losses (not averaged; the caller
         divides the global sum by the global number of pairs), and the detached implicit rewards
-        ``beta * (policy - ref)`` of the log-probs the loss used (per-token averages when it averages).
+        ``beta * (policy - ref)`` of the log-probs the loss used (per-token averages when it averages; the policy's
+        alone for a reference-free loss).
     """
     spec = DPO_LOSSES.get(loss_type)
     _check_pairs("policy_logps", policy_logps)
-    _check_pairs("ref_logps", ref_logps)
-    logratio = policy_logps - ref_logps
+    if spec.reference != (ref_logps is not None):
+        needs = "needs reference log-probs" if spec.reference else "is reference-free: pass no reference log-probs"
+        raise ValueError(f"DPO loss {loss_type!r} {needs}")
+    if (spec.margin is None) != (margin is None):
+        raises = "has no target margin" if spec.margin is None else "needs its target margin"
+        raise ValueError(f"DPO loss {loss_type!r} {raises} (got margin={margin})")
+    logratio = policy_logps
+    if ref_logps is not None:
+        _check_pairs("ref_logps", ref_logps)
+        logratio = policy_logps - ref_logps
     if spec.average_logps:
         logratio = logratio / _token_counts(loss_type, lengths, policy_logps.shape)
     chosen, rejected = logratio[:, 0], logratio[:, 1]
-    losses = spec.fn(chosen, rejected, beta, label_smoothing)
+    extra = () if margin is None else (margin,)
+    losses = spec.fn(chosen, rejected, beta, label_smoothing, *extra)
     return losses, (beta * chosen).detach(), (beta * rejected).detach()
 
 

@@ -110,4 +110,96 @@ def test_dpo_step1_equals_plain_pytorch_whole_batch(dpo_runs, tiny_model, pair_d
     assert rows[0]["grad_norm"] == pytest.approx(_grad_norm(model), rel=LOSS_RTOL)
 
 
+# ----------------------------------------------------------------------------------------- reference-free
+REFERENCE_FREE_RUNS = {  # name: (loss_type, micro, ranks, zero[, overrides]); global batch 4, 4 steps
+    "4x1x1-z2-simpo": ("simpo", 4, 1, 2),
+    # padding-free pairs in micro-batches of <= 80 tokens on ZeRO 3, label smoothing and a tuned gamma
+    "tok80-packed-x2-z3-simpo": ("simpo", 1, 2, 3, ("train.packing=true", "train.max_tokens_per_micro_batch=80")),
+    "2x1x2-z0-orpo": ("orpo", 2, 2, 0),
+}
+
+
+@pytest.fixture(scope="module")
+def reference_free_runs(tiny_model, pair_data, tmp_path_factory):
+    """SimPO whole and split, ORPO split; every run records the roles it started (``start_plan``, observed)."""
+    from rlhf.trainers.offline import loop
+    from rlhf.trainers.offline.dpo import train_dpo
+
+    base = tmp_path_factory.mktemp("reference_free")
+    runs, started = {}, []
+    real_start_plan = loop.start_plan
+
+    def recorded(plan, *args, **kwargs):
+        started.append(sorted({a.role for a in plan.actors}))
+        return real_start_plan(plan, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "start_plan", recorded)
+        for name, (loss_type, mbs, nw, zero, *more) in REFERENCE_FREE_RUNS.items():
+            out = str(base / name)
+            extra = (f"dpo.loss_type={loss_type}", f"data.eval_path={pair_data}", *(more[0] if more else ()))
+            if loss_type == "simpo":
+                extra += ("dpo.label_smoothing=0.1", "dpo.simpo_gamma=0.5")
+            cfg = load_config(
+                DPORunConfig, overrides=_overrides(tiny_model, pair_data, out, 4, mbs, nw, zero, epochs=1, extra=extra)
+            )
+            result = train_dpo(cfg)
+            runs[name] = (_rows(out), result.final_dir, cfg, started[-1])
+    return runs
+
+
+def test_reference_free_runs_start_no_reference_and_split_as_the_whole(reference_free_runs):
+    assert all(roles == ["policy"] for *_, roles in reference_free_runs.values())
+    simpo = {k: v for k, v in reference_free_runs.items() if k.endswith("simpo")}
+    rows = {k: v[0] for k, v in simpo.items()}
+    _assert_same_runs(rows, ("loss", "grad_norm", "rewards/margin", "rewards/accuracy", "logps/chosen"))
+    _assert_ranks_ran_different_counts(rows)
+    assert len(next(iter(rows.values()))) == 19 // 4
+    _assert_same_weights([v[1] for v in simpo.values()])
+    evals = [_read_jsonl(os.path.join(cfg.train.output_dir, "eval.jsonl")) for _, _, cfg, _ in simpo.values()]
+    assert evals[0][0]["loss"] == pytest.approx(evals[1][0]["loss"], rel=1e-3)
+
+
+def _plain_step_one(tiny_model, pair_data, cfg, pair_loss):
+    """Step 1's loss, gradient norm and mean token-averaged chosen NLL in plain PyTorch: ``pair_loss(chosen_sum,
+    rejected_sum, chosen_count, rejected_count)`` over the step's pairs (the EpochPlan's), averaged over the global
+    batch of 4."""
+    from transformers import AutoTokenizer
+
+    plan = EpochPlan(num_samples=19, global_batch_size=4, max_epochs=1, seed=cfg.train.seed)
+    data = _read_jsonl(pair_data)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = _plain_model(tiny_model)
+    total, chosen_nll = 0.0, 0.0
+    for i in plan.step(1).indices:
+        nll_c, n_c = _completion_nll_and_count(model, tokenizer, data[i]["prompt"], data[i]["chosen"])
+        nll_r, n_r = _completion_nll_and_count(model, tokenizer, data[i]["prompt"], data[i]["rejected"])
+        total = total + pair_loss(-nll_c, -nll_r, n_c, n_r)
+        chosen_nll += nll_c.item() / n_c
+    (total / 4).backward()
+    return float(total) / 4, _grad_norm(model), chosen_nll / 4
+
+
+def test_simpo_and_orpo_step_one_are_the_papers_losses_in_plain_pytorch(reference_free_runs, tiny_model, pair_data):
+    logsigmoid = torch.nn.functional.logsigmoid
+
+    def simpo(c, r, n_c, n_r):  # Meng et al. 2024, eq. 6 (beta 2, the paper's), soft label 0.1, gamma 0.5
+        z = 2.0 * c / n_c - 2.0 * r / n_r - 0.5
+        return -0.9 * logsigmoid(z) - 0.1 * logsigmoid(-z)
+
+    def orpo(c, r, n_c, n_r):  # Hong et al. 2024, eq. 6-7: chosen NLL + 0.1 x -log sigmoid(log odds ratio)
+        odds = [a - torch.log(-torch.expm1(a)) for a in (c / n_c, r / n_r)]
+        return -c / n_c - 0.1 * logsigmoid(odds[0] - odds[1])
+
+    for name, pair_loss in (("tok80-packed-x2-z3-simpo", simpo), ("2x1x2-z0-orpo", orpo)):
+        rows, _, cfg, _ = reference_free_runs[name]
+        loss, grad_norm, chosen_nll = _plain_step_one(tiny_model, pair_data, cfg, pair_loss)
+        assert rows[0]["loss"] == pytest.approx(loss, rel=LOSS_RTOL), name
+        assert rows[0]["grad_norm"] == pytest.approx(grad_norm, rel=LOSS_RTOL), name
+        if name.endswith("orpo"):  # its SFT term, logged apart
+            assert rows[0]["nll/chosen"] == pytest.approx(chosen_nll, rel=LOSS_RTOL)
+        else:
+            assert "nll/chosen" not in rows[0]
+
+
 # ---------------------------------------------------------------------------------------------------- RM

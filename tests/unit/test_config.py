@@ -124,7 +124,8 @@ def test_rm_preset():
 
 def test_dpo_preset():
     cfg = load_config(DPORunConfig, "dpo_tiny", REQUIRED)
-    assert cfg.dpo.beta == pytest.approx(0.1) and cfg.dpo.loss_type == "sigmoid"
+    assert cfg.dpo.beta is None and cfg.dpo.trained_beta == 0.1 and cfg.dpo.loss_type == "sigmoid"
+    assert load_config(DPORunConfig, "dpo_tiny", [*REQUIRED, "dpo.loss_type=simpo"]).dpo.trained_beta == 2.0
     assert cfg.train.global_batch_size == 16
 
 
@@ -709,7 +710,7 @@ def test_describe_keys():
 
 def test_describe_keys_sections_and_optionals():
     rows = {key: (type_, default) for key, type_, default, _ in describe_keys(DPORunConfig)}
-    assert rows["dpo.beta"] == ("float", 0.1) and rows["dpo.nll_coef"] == ("float", 0.0)
+    assert rows["dpo.beta"] == ("float | None", None) and rows["dpo.label_smoothing"] == ("float", 0.0)
     rows = {key: (type_name, default) for key, type_name, default, _ in describe_keys(_Outer)}
     assert rows["inner.count"] == ("int | None", None)
     assert rows["sizes"] == ("list[int]", [])

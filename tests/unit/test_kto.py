@@ -58,14 +58,15 @@ def test_kl_baseline_is_the_clamped_mean_and_carries_no_gradient():
 
 def test_loss_type_names_and_refusals():
     assert preference_rows("sigmoid") == "pairs" and preference_rows("kto") == "unpaired"
-    with pytest.raises(UnknownNameError, match="Valid names: hinge, ipo, kto, robust, sigmoid"):
+    with pytest.raises(UnknownNameError, match="Valid names: cpo, hinge, ipo, kto, orpo, robust, sigmoid, simpo"):
         preference_rows("kt0")
     base = ["model.path=m", "data.train_path=d.jsonl", "train.output_dir=o", "dpo.loss_type=kto"]
     assert load_config(DPORunConfig, overrides=base).dpo.unpaired
     with pytest.raises(ConfigError, match="dpo.label_smoothing .*not used by dpo.loss_type=kto"):
         load_config(DPORunConfig, overrides=base + ["dpo.label_smoothing=0.1"])
-    with pytest.raises(ConfigError, match="dpo.nll_coef"):
-        load_config(DPORunConfig, overrides=base + ["dpo.nll_coef=0.5"])
+    for key in ("nll_coef", "simpo_gamma"):
+        with pytest.raises(ConfigError, match=f"dpo.{key} is not used by dpo.loss_type=kto .*remove it"):
+            load_config(DPORunConfig, overrides=base + [f"dpo.{key}=0.5"])
     with pytest.raises(ConfigError, match="dpo.undesirable_weight must be > 0"):
         load_config(DPORunConfig, overrides=base + ["dpo.undesirable_weight=0"])
     with pytest.raises(ConfigError, match="dpo.loss_type: unknown DPO loss type 'kt0'"):

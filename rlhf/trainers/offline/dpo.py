@@ -1,5 +1,6 @@
 """DPO-family training against a frozen reference (Rafailov et al. 2023; variants in rlhf.ops.preference): pairs,
-or with ``dpo.loss_type=kto`` unpaired rows (rlhf.trainers.offline.kto).
+or with ``dpo.loss_type=kto`` unpaired rows (rlhf.trainers.offline.kto); reference-free with ``simpo``, ``cpo`` or
+``orpo`` (no reference group is started).
 
 Reference log-probs come from the reference model on its own worker group, either once for the whole dataset
 before training (``dpo.ref_mode=precompute``, the reference group is then released) or for every step's
@@ -8,7 +9,7 @@ global batch (``online``, for datasets too large to score up front); see rlhf.tr
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 from rlhf.config.schema import DPORunConfig
 from rlhf.data.formats import pair_fields, read_formatted
@@ -19,6 +20,9 @@ from rlhf.trainers.offline.kto import build_kto_task, kto_row_fields
 from rlhf.trainers.offline.loop import OfflineTask, batch_lines, data_summary, read_train_and_eval, run_offline
 from rlhf.trainers.offline.reference import ReferenceScored, attach_reference
 from rlhf.trainers.run import RunResult
+from rlhf.utils.log import get_logger
+
+log = get_logger(__name__)
 
 
 def row_fields(cfg: DPORunConfig) -> Dict[str, Any]:
@@ -53,7 +57,16 @@ def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
     train, held_out_examples = read_train_and_eval(cfg, tokenizer, _read)
     data = ReferenceScored(train.examples, tokenizer.pad_token_id, collate_pairs)
     held_out = ReferenceScored(held_out_examples, tokenizer.pad_token_id, collate_pairs)
-    objective = DPOObjective(loss_type=p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing, nll_coef=p.nll_coef)
+    objective = DPOObjective(
+        loss_type=p.loss_type,
+        beta=p.trained_beta,
+        label_smoothing=p.label_smoothing,
+        nll_coef=p.trained_nll_coef,
+        margin=p.trained_margin,
+    )
+    log.info(f"[dpo] {p.describe_loss()}")
+    # a reference-free loss (SimPO, CPO, ORPO) scores nothing before training: no reference group, no base pass
+    attach = None if p.reference_free else _attach(data, held_out)
     task = OfflineTask(
         objective=objective,
         num_examples=len(train.examples),
@@ -61,9 +74,14 @@ def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
         eval_num_examples=len(held_out.examples),
         eval_collate=held_out.collate,
         console_keys=("loss", "rewards/accuracy", "rewards/margin", "grad_norm", "lr"),
-        attach=lambda task_, ctx, policy, reference: attach_reference(task_, ctx, policy, reference, [data, held_out]),
+        attach=attach,
     )
     return task, train.skipped_rows
+
+
+def _attach(data: ReferenceScored, held_out: ReferenceScored) -> Callable[..., None]:
+    """The task's ``attach`` hook: the reference's log-probs of the train and held-out pairs."""
+    return lambda task, ctx, policy, reference: attach_reference(task, ctx, policy, reference, [data, held_out])
 
 
 def read_data(cfg: DPORunConfig, tokenizer) -> str:
@@ -76,8 +94,9 @@ def train_dpo(cfg: DPORunConfig) -> RunResult:
 
 
 def dpo_batch_lines(cfg: DPORunConfig, lines: List[str]) -> List[str]:
-    """``--dry-run``'s batch lines of DPO (``TrainerKind.batch_lines``): an offline trainer's, with its reference
-    group's ranks and mode when it starts one."""
+    """``--dry-run``'s batch lines of DPO (``TrainerKind.batch_lines``): an offline trainer's, with its loss and
+    settings, and its reference group's ranks and mode when it starts one."""
+    lines = lines + [f"  {cfg.dpo.describe_loss()}"]
     if DPO.reference_group(cfg):
         d = cfg.dpo
         lines = lines + [
@@ -105,6 +124,6 @@ DPO = TrainerKind(
     batch_lines=dpo_batch_lines,
     sections=("dpo",),
     preset_prefixes=("dpo",),
-    has_reference=lambda cfg: True,
+    has_reference=lambda cfg: not cfg.dpo.reference_free,
     reference_ranks=lambda cfg: cfg.dpo.ref_num_workers,
 )

@@ -75,7 +75,7 @@ def build_kto_task(cfg: DPORunConfig, tokenizer) -> tuple:
     held_out = ReferenceScored(held_out_examples, tokenizer.pad_token_id, collate_unpaired)
     objective = KTOObjective(
         loss_type=p.loss_type,
-        beta=p.beta,
+        beta=p.trained_beta,
         desirable_weight=p.desirable_weight,
         undesirable_weight=p.undesirable_weight,
     )
