@@ -176,8 +176,8 @@ _HINGE = "Zhao et al. 2023, SLiC-HF (reference-normalized as in RSO)"
 DPO_LOSSES.register("hinge")(DPOLoss(_hinge, False, _HINGE, label_smoothing=False))
 DPO_LOSSES.register("robust")(DPOLoss(_robust, False, "Chowdhury et al. 2024, Provably Robust DPO"))
 # Reference-free. SimPO: beta 2 and gamma 1 (gamma / beta 0.5) are the SimPO authors' base-model configs (the paper
-# sweeps beta 2-2.5, gamma 0.3-1.6). CPO: beta 0.1 and the NLL weight 1 of the paper (TRL's cpo_alpha). ORPO: lambda
-# 0.1 (TRL's ORPOConfig.beta) and the paper's SFT weight 1.
+# tunes both per model). CPO: beta 0.1 and the NLL weight 1 of the paper (TRL's cpo_alpha). ORPO: lambda 0.1 (TRL's
+# ORPOConfig.beta) and the paper's SFT weight 1.
 _SIMPO = "Meng et al. 2024, SimPO (reference-free, length-normalised, target margin)"
 DPO_LOSSES.register("simpo")(DPOLoss(_simpo, True, _SIMPO, reference=False, beta=2.0, margin=1.0))
 _CPO = "Xu et al. 2024, CPO (reference-free DPO + chosen NLL)"
