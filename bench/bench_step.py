@@ -3,7 +3,7 @@
     python bench/bench_step.py [--device cuda|cpu] [--size 1.5b | --model PATH] [--trainers sft,dpo,rl,logprob]
         [--zero-stage 0,1,2,3] [--packing] [--rows uniform|longtail] [--seq 1024] [--micro 4] [--ga 4]
         [--steps 8] [--rounds 1] [--precision bf16|fp32] [--plain autocast,bf16] [--peak-tflops X] [--json PATH]
-        [--tiled-head] [--compile] [--max-tokens N] [--ds JSON] [--profile NAME,...]
+        [--tiled-head] [--compile] [--max-tokens N] [--ds JSON] [--profile NAME,...] [--threads N]
 
 What runs, per trainer (``sft``, ``dpo``, ``rl`` = the PPO policy update, ``logprob`` = the forward-only reference /
 old-policy pass):
@@ -51,7 +51,7 @@ if REPO not in sys.path:
 WARMUP_STEPS = 2
 PROFILE = ""  # --profile
 PROFILED: set = set()  # the systems profiled so far
-ALL_CORES = os.cpu_count() or 1  # every system's torch threads (main() says why)
+THREADS = os.cpu_count() or 1  # every system's torch threads: all the host's cores (main() says why) or --threads
 PROMPT_TOKENS = 16  # RL and DPO rows: the first tokens are the prompt, the rest the response (the targets)
 DPO_BETA, CLIP = 0.1, 0.2
 
@@ -209,7 +209,7 @@ def rlhf_system(trainer: str, zero: int, args, device) -> System:
     engine = dict(zero_stage=zero, precision=args.precision, user_config=args.ds or None)
 
     def setup():
-        worker = TrainerWorker(f"bench-{trainer}", 0, 1, num_threads=ALL_CORES)  # as the plain loops
+        worker = TrainerWorker(f"bench-{trainer}", 0, 1, num_threads=THREADS)  # as the plain loops
         worker.device = device
         worker.build(
             ModelSpec(
@@ -344,6 +344,11 @@ def run(args, device) -> List[dict]:
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     results: List[dict] = []
+    if device.type == "cpu":
+        # release() collects after every system, and a collection walks every object the imports made (~0.25 s on
+        # the CPU twin, several times its tiny steps): freeze them (none is garbage after this collection).
+        gc.collect()
+        gc.freeze()
     for trainer in args.trainers:
         rows = args.micro * args.ga
         steps = WARMUP_STEPS + args.steps
@@ -377,6 +382,7 @@ def run(args, device) -> List[dict]:
             row["vs_plain"] = base["s_per_step"] / wall
             results.append(row)
             print_row(row, flush=True)
+    gc.unfreeze()  # the interpreter's exit collects everything again
     return results
 
 
@@ -441,6 +447,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--profile", default="", help="profile one more step of the systems whose name has one of these (comma list)"
     )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of every system (default: all cores)")
     args = parser.parse_args(argv)
     if args.seq < 2:
         parser.error(f"--seq {args.seq}: a row needs at least 2 tokens (a prompt token and a target)")
@@ -450,8 +457,8 @@ def main(argv=None) -> int:
     args.trainers = args.trainers.split(",")
     args.zero_stage = [int(z) for z in args.zero_stage.split(",") if z != ""]
     args.ds = json.loads(args.ds) if args.ds else None
-    global PROFILE
-    PROFILE = args.profile
+    global PROFILE, THREADS
+    PROFILE, THREADS = args.profile, args.threads or THREADS
     if not cuda:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ["DS_ACCELERATOR"] = "cpu"
@@ -482,10 +489,10 @@ def main(argv=None) -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    # Every system runs on all the host's cores: a TrainerWorker sets torch's thread count when it is made (a Ray
-    # actor's share), and made here with its default of one thread it left the first plain loop of a run on one core
-    # (2.3 s a step against 1.28 s on 2 cores), until the first rlhf system set it back.
-    TrainerWorker("bench", 0, 1, num_threads=ALL_CORES).init_process_group(
+    # Every system runs on all the host's cores (or --threads): a TrainerWorker sets torch's thread count when it is
+    # made (a Ray actor's share), and made here with its default of one thread it left the first plain loop of a run
+    # on one core (2.3 s a step against 1.28 s on 2 cores), until the first rlhf system set it back.
+    TrainerWorker("bench", 0, 1, num_threads=THREADS).init_process_group(
         "127.0.0.1", port, "nccl" if cuda else "gloo", timeout_s=60
     )
     budget = f" (rlhf: <= {args.max_tokens} tokens)" if args.max_tokens else ""

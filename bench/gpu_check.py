@@ -2,6 +2,7 @@
 
     python bench/gpu_check.py [--device cuda|cpu] [--precision bf16|fp32] [--zero-stage 0-3]
                               [--model PATH | --size 0.5b|1.5b] [--checks sft,dpo,packing,ipc,sync,sp,head]
+                              [--threads N]
 
 Needs only torch, transformers, peft and deepspeed (no Ray, no vLLM: nothing here imports them). Seven checks, each
 with the project's own code, one process plus one receiver process:
@@ -37,6 +38,7 @@ rows must catch (the failure case of the test).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import math
 import os
@@ -123,7 +125,7 @@ def build_worker(role: str, model_path: str, precision: str, micro: int):
     from rlhf.distributed.worker import TrainerWorker
     from rlhf.models.loading import ModelSpec
 
-    worker = TrainerWorker(role, 0, 1, num_threads=os.cpu_count() or 1)
+    worker = TrainerWorker(role, 0, 1, num_threads=THREADS or os.cpu_count() or 1)
     worker.device = DEVICE
     worker.build(
         ModelSpec(path=model_path, precision=precision, attn_implementation="auto"),
@@ -162,13 +164,39 @@ def one_step(worker, batch, objective, perturb: float = 1.0) -> dict:
 
 def release() -> None:
     """Free the engines and models of a finished check before the next one builds its own (``--model`` may be big)."""
-    import gc
-
     import torch
 
     gc.collect()  # DeepSpeed engines hold reference cycles
     if DEVICE.type == "cuda":
         torch.cuda.empty_cache()
+
+
+# What the check's other processes (the IPC receiver, the sequence-parallel ranks) import: on the CPU twin a fork
+# server imports it once and forks each of them from there (processes()).
+CHILD_IMPORTS = [
+    "torch",
+    "deepspeed",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.auto.modeling_auto",
+    "torch.utils.cpp_extension",
+    "rlhf.models.head",
+    "rlhf.models.sequence_parallel",
+    "rlhf.rollout.vllm.extension",
+]
+
+
+def processes():
+    """The multiprocessing context of the check's other processes. On CUDA ``spawn``: CUDA cannot be re-initialised
+    in a forked child. On the CPU twin a fork server that imported :data:`CHILD_IMPORTS` once (started early by
+    :func:`run`): each spawned process spent 2 to 5 s on its own imports."""
+    import multiprocessing
+
+    if DEVICE.type == "cuda":
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(CHILD_IMPORTS)
+    return context
 
 
 def check_split_vs_whole(name, model_path, precision, batch, objective, perturb) -> list:
@@ -396,8 +424,6 @@ class PipeEngine:
 
 def check_ipc(model_path: str, precision: str) -> tuple:
     """The model's weights through ``IpcSender`` (double-buffered buckets) into another process; digests compared."""
-    import multiprocessing
-
     from rlhf.models.loading import ModelSpec, load_model
     from rlhf.rollout.weights.group import SyncTimeouts
     from rlhf.rollout.weights.senders import IpcSender
@@ -410,7 +436,7 @@ def check_ipc(model_path: str, precision: str) -> tuple:
             return self.answers[call]
 
     model = load_model(ModelSpec(path=model_path, precision=precision)).to(DEVICE)
-    context = multiprocessing.get_context("spawn")  # CUDA cannot be re-initialised in a forked child
+    context = processes()
     ours, theirs = context.Pipe()
     receiver = context.Process(target=receive, args=(theirs, DEVICE.type), daemon=True)
     receiver.start()
@@ -450,7 +476,9 @@ def check_sync_group() -> tuple:
     from rlhf.distributed.rendezvous import RendezvousTimeout, host_store
     from rlhf.rollout.weights.group import GroupAddress, SyncGroup, SyncTimeouts
 
-    backend, bound = ("nccl" if DEVICE.type == "cuda" else "gloo"), 2.0
+    # The absent member never comes, so any bound proves the wait ends and names it: the CPU twin (a unit test) waits
+    # less.
+    backend, bound = ("nccl", 2.0) if DEVICE.type == "cuda" else ("gloo", 0.5)
     store = host_store("127.0.0.1", 0, 1, 60.0)
     group = SyncGroup(
         GroupAddress("127.0.0.1", int(store.port), ("policy rank 0",), backend, SyncTimeouts(60.0, 60.0)),
@@ -481,7 +509,9 @@ def check_sync_group() -> tuple:
     )
 
 
-def _sequence_rank(rank: int, port: int, cuda: bool, model_path: str, precision: str, vocab: int, out) -> None:
+def _sequence_rank(
+    rank: int, port: int, cuda: bool, model_path: str, precision: str, vocab: int, out, threads=None
+) -> None:
     """One rank of the sequence-parallel check (a spawned process): the unsharded and the sharded forward and
     backward of the same rows; rank 0 puts ``(max log-prob difference, max log-prob, gradient difference norm,
     gradient norm)`` on ``out``."""
@@ -496,6 +526,8 @@ def _sequence_rank(rank: int, port: int, cuda: bool, model_path: str, precision:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    if threads:
+        torch.set_num_threads(threads)
     torch.distributed.init_process_group(
         "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
     )
@@ -533,8 +565,6 @@ def _sequence_rank(rank: int, port: int, cuda: bool, model_path: str, precision:
 
 def check_sequence_parallel(model_path: str, precision: str, vocab: int) -> tuple:
     """Check 6 (module docstring): two spawned ranks, one device each."""
-    import multiprocessing
-
     import torch
 
     name = "sequence parallel 2"
@@ -543,11 +573,11 @@ def check_sequence_parallel(model_path: str, precision: str, vocab: int) -> tupl
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    context = multiprocessing.get_context("spawn")
+    context = processes()
     out = context.Queue()
     ranks = [
         context.Process(
-            target=_sequence_rank, args=(rank, port, DEVICE.type == "cuda", model_path, precision, vocab, out)
+            target=_sequence_rank, args=(rank, port, DEVICE.type == "cuda", model_path, precision, vocab, out, THREADS)
         )
         for rank in (0, 1)
     ]
@@ -581,6 +611,11 @@ def run(args) -> int:
     from rlhf.distributed.worker import TrainerWorker
     from rlhf.objectives.sft import SFTObjective
 
+    if DEVICE.type == "cpu" and {"ipc", "sp"} & set(args.checks):
+        from multiprocessing import forkserver
+
+        processes()
+        forkserver.ensure_running()  # its imports run while the first checks do
     model_path = args.model
     if model_path is None and args.size:
         from rlhf.models.sizes import build_sized_model
@@ -620,6 +655,11 @@ def run(args) -> int:
         "head": ("head tiles", lambda: check_head(model_path, precision, vocab)),
     }
     assert tuple(checks) == CHECKS
+    if DEVICE.type == "cpu":
+        # The CPU twin calls release() some 20 times, and a collection walks every object the imports made (~0.25 s
+        # each): freeze them (none is garbage after this collection) and release() collects what the checks made.
+        gc.collect()
+        gc.freeze()
     rows = []
     for name, check in (checks[key] for key in args.checks):
         done = len(rows)
@@ -632,6 +672,7 @@ def run(args) -> int:
         for row, ok, detail, speed in rows[done:]:  # as each check ends: a run cut short still shows its rows
             verdict = "SKIP" if ok is None else "PASS" if ok else "FAIL"
             print(f"CHECK {row}: {verdict}  {detail}  {speed}  ({time.perf_counter() - STARTED:.0f} s)", flush=True)
+    gc.unfreeze()  # the interpreter's exit collects everything again
     table = [("check", "result", "relative differences (<= bound)", "tokens/s | throughput")]
     table += [
         (name, "SKIP" if ok is None else "PASS" if ok else "FAIL", detail, speed) for name, ok, detail, speed in rows
@@ -670,6 +711,12 @@ def main(argv=None) -> int:
         default=",".join(CHECKS),
         help=f"the checks to run, comma-separated (default: all of {', '.join(CHECKS)}; sft includes the engine row)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch's threads in each process of the check (default: torch's; the engine rows' worker all cores)",
+    )
     parser.add_argument("--perturb-normalizer", type=float, default=1.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.checks = [name.strip() for name in args.checks.split(",") if name.strip()]
@@ -687,8 +734,10 @@ def main(argv=None) -> int:
     transformers.utils.logging.disable_progress_bar()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --device cpu for the CPU twin")
-    global DEVICE, ZERO_STAGE
-    ZERO_STAGE = args.zero_stage
+    global DEVICE, ZERO_STAGE, THREADS
+    ZERO_STAGE, THREADS = args.zero_stage, args.threads
+    if THREADS:
+        torch.set_num_threads(THREADS)
     DEVICE = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if args.device == "cuda":
         torch.cuda.set_device(0)
@@ -698,6 +747,7 @@ def main(argv=None) -> int:
 CHECKS = ("sft", "dpo", "packing", "ipc", "sync", "sp", "head")  # --checks names, in the order the checks run
 DEVICE = None  # set by main()
 ZERO_STAGE = 0  # set by main()
+THREADS = None  # --threads, set by main()
 
 if __name__ == "__main__":
     sys.exit(main())

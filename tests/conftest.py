@@ -91,6 +91,10 @@ def pytest_configure(config):
     recorded = cache.get(SECONDS_KEY, {}) if cache is not None else {}
     config.stash[_SECONDS] = recorded if isinstance(recorded, dict) else {}
     config.pluginmanager.register(_TestSeconds(config), "rlhf_test_seconds")
+    # pytest-xdist >= 3.6 re-sorts --dist loadfile's files by their number of tests unless told not to
+    # (--loadscope-reorder is on by default): files go out in the collection order made here, longest first.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):

@@ -388,9 +388,15 @@ async def _async_agent(client, row):
     return AgentResult(len(reply.choices[0].message.content), info={"q": row["q"]}) if row["q"] != "bool" else True
 
 
+# Lets the hung thread of _sync_agent go once its test is done: a thread still asleep held its test process's exit
+# (the interpreter joins the agents' pool threads) for up to a minute.
+_RELEASE_HUNG = threading.Event()
+
+
 def _sync_agent(client, row):
     if row["q"] == "hang":
-        time.sleep(60)
+        _RELEASE_HUNG.wait(60)  # hung past any timeout here, until the test releases it
+        return 0.0
     reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["q"]}])
     return float(len(reply.choices[0].message.content))
 
@@ -400,7 +406,11 @@ def test_agents_run_at_once_and_each_failure_names_its_episode(endpoint, agent):
     rows = [{"q": "ok"}, {"q": "hang"}, {"q": "raise"}, {"q": "bool"}, {"q": "fine"}]
     urls = [endpoint.open(index=i, seed=10 * i, budget=400) for i in range(len(rows))]
     started = time.perf_counter()
-    results, stuck = run_agents(agent, "agents.py:run", list(enumerate(zip(urls, rows))), timeout_s=2.0)
+    _RELEASE_HUNG.clear()
+    try:
+        results, stuck = run_agents(agent, "agents.py:run", list(enumerate(zip(urls, rows))), timeout_s=2.0)
+    finally:
+        _RELEASE_HUNG.set()
     assert time.perf_counter() - started < 6  # all at once: one timeout, not one per agent
     words = ["12", "7 + 5", "hello there"]
     assert results[0].reward == len(words[0]) and results[4].reward == len(words[40 % 3])

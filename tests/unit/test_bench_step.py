@@ -18,13 +18,16 @@ from rlhf.utils.flops import ModelFlops
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, MICRO, GA, PEAK = 32, 2, 2, 0.5
+# Next to another busy test process, the twin's tiny steps on two threads (its default: all cores) took up to 100x
+# as long as on one (OpenMP threads waiting on each other): 20 s a run against 5 s.
+ONE_THREAD = ["--threads", "1"]
 
 
 def test_cpu_twin(tiny_model, tmp_path):
     out = tmp_path / "rows.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     args = ["--device", "cpu", "--model", tiny_model, "--seq", str(SEQ), "--micro", str(MICRO), "--ga", str(GA)]
-    args += ["--steps", "1", "--zero-stage", "2", "--peak-tflops", str(PEAK), "--json", str(out)]
+    args += ["--steps", "1", "--zero-stage", "2", "--peak-tflops", str(PEAK), "--json", str(out), *ONE_THREAD]
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_step.py"), *args],
         env=env, capture_output=True, text=True, timeout=300,
@@ -58,6 +61,7 @@ def test_cpu_twin_packed_under_a_token_budget(tiny_model, tmp_path):
     env = dict(os.environ, DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     args = ["--device", "cpu", "--model", tiny_model, "--seq", "64", "--micro", "4", "--ga", "2", "--steps", "1"]
     args += ["--trainers", "sft", "--zero-stage", "1", "--rows", "longtail", "--packing", "--max-tokens", "96"]
+    args += ONE_THREAD
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_step.py"), *args, "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=300,

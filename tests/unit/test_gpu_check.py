@@ -43,8 +43,10 @@ def blocked(tmp_path_factory) -> dict:
 
 
 def _run(env: dict, *args: str) -> subprocess.CompletedProcess:
+    # One torch thread a process: next to another busy test process, two threads on two cores made the twin's tiny
+    # steps several times slower (OpenMP threads waiting on each other).
     return subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", *args],
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--threads", "1", *args],
         env=env,
         capture_output=True,
         text=True,

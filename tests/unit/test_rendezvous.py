@@ -2,12 +2,14 @@
 store, is named after the bound, and every member that waited returns; nothing stays blocked.
 
 Real ``TCPStore`` s and gloo groups across real processes (the CPU twin: the same waits run before NCCL's
-rendezvous on GPUs, which cannot time out on its own). Bounds are a few seconds; every subprocess is waited for
-with a timeout, so a wait that is not bounded fails the test instead of hanging it.
+rendezvous on GPUs, which cannot time out on its own). A bound that only a member that never comes runs out is short
+(0.5 to 1 s); every subprocess is waited for with a timeout, so a wait that is not bounded fails the test instead of
+hanging it.
 """
 
 from __future__ import annotations
 
+import datetime
 import subprocess
 import sys
 import textwrap
@@ -17,9 +19,11 @@ import pytest
 import torch
 
 from rlhf.distributed.rendezvous import RendezvousTimeout, arrive, connect_store, host_store
-from rlhf.rollout.weights.group import GroupAddress, SyncGroup, SyncTimeouts
+from rlhf.rollout.weights.group import _PREFIX, GroupAddress, SyncGroup, SyncTimeouts
 
-BOUND_S = 3.0
+# The arrival bound of the test where a member never comes: rank 0 starts its own wait only once the other member
+# has arrived, so the bound only has to outlast rank 0's arrival after that (milliseconds), and engine 1's absence.
+BOUND_S = 1.0
 MEMBERS = ("policy rank 0", "rollout engine 0 worker 0", "rollout engine 1 worker 0")
 
 _JOINER = textwrap.dedent("""
@@ -53,6 +57,9 @@ def test_a_weight_sync_member_that_never_arrives_is_named_by_every_member_that_w
     address = GroupAddress("127.0.0.1", int(store.port), MEMBERS, "gloo", SyncTimeouts(BOUND_S, 60.0))
     joiner = _joiner(store.port, rank=1)
     assert joiner.stdout.readline().strip() == "started"  # on a loaded machine its imports alone take seconds
+    # engine 0's worker has arrived (its key is in the group's store) before rank 0 starts its clock: however slow
+    # the machine, rank 0's wait ends naming engine 1 alone
+    torch.distributed.PrefixStore(_PREFIX, store).wait(["rlhf-arrived/1"], datetime.timedelta(seconds=60))
     started = time.monotonic()
     with pytest.raises(RendezvousTimeout) as caught:
         SyncGroup(address, rank=0, store=store)
@@ -84,9 +91,9 @@ def test_a_member_that_cannot_reach_the_store_names_the_address_and_its_host():
         with pytest.raises(
             RendezvousTimeout,
             match=rf"^rollout engine 0 worker 0 could not reach the store of "
-            rf"policy rank 0 at 127\.0\.0\.1:{port} within 2 s",
+            rf"policy rank 0 at 127\.0\.0\.1:{port} within 1 s",
         ):
-            connect_store("127.0.0.1", port, 2, 2.0, "rollout engine 0 worker 0", "policy rank 0")
+            connect_store("127.0.0.1", port, 2, 1.0, "rollout engine 0 worker 0", "policy rank 0")
         assert time.monotonic() - started < 30
 
 
@@ -99,9 +106,9 @@ def test_a_trainer_rank_that_never_arrives_is_named_and_no_group_is_left_half_ma
         with pytest.raises(
             RendezvousTimeout,
             match=r"^the reward's process group: reward rank 1 did not arrive "
-            r"within 2 s \(reward rank 0 waited for it\)",
+            r"within 0\.5 s \(reward rank 0 waited for it\)",
         ):
-            TrainerWorker("reward", 0, 2).init_process_group("127.0.0.1", port, "gloo", timeout_s=2.0)
+            TrainerWorker("reward", 0, 2).init_process_group("127.0.0.1", port, "gloo", timeout_s=0.5)
     assert not torch.distributed.is_initialized()
 
 
@@ -112,10 +119,10 @@ def test_arrive_lists_every_missing_member():
     other.set("rlhf-arrived/2", "1")  # rank 2 arrived (as arrive() marks it); ranks 1 and 3 never do
     with pytest.raises(
         RendezvousTimeout,
-        match=r"^g: policy rank 1 and policy rank 3 did not arrive within 1 s "
+        match=r"^g: policy rank 1 and policy rank 3 did not arrive within 0\.5 s "
         r"\(policy rank 0 waited for them\)",
     ):
-        arrive(store, 0, names, 1.0, "g")
+        arrive(store, 0, names, 0.5, "g")
 
 
 class _closed_port:
