@@ -52,6 +52,7 @@ def _read(cfg: DPORunConfig, tokenizer, path: str, split: str) -> Tokenized:
 
 def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
     p = cfg.dpo
+    log.info(f"[dpo] {p.describe_loss()}")
     if p.unpaired:
         return build_kto_task(cfg, tokenizer)
     train, held_out_examples = read_train_and_eval(cfg, tokenizer, _read)
@@ -64,7 +65,6 @@ def build_dpo_task(cfg: DPORunConfig, tokenizer) -> tuple:
         nll_coef=p.trained_nll_coef,
         margin=p.trained_margin,
     )
-    log.info(f"[dpo] {p.describe_loss()}")
     # a reference-free loss (SimPO, CPO, ORPO) scores nothing before training: no reference group, no base pass
     attach = None if p.reference_free else _attach(data, held_out)
     task = OfflineTask(
