@@ -133,6 +133,25 @@ def _robust(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, lab
     return ((1 - eps) * -F.logsigmoid(z) - eps * -F.logsigmoid(-z)) / (1 - 2 * eps)
 
 
+def _apo_zero(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, label_smoothing: float) -> Tensor:
+    """APO-zero (D'Oosterlinck et al. 2024, "Anchored Preference Optimization", eq. 7): ``sigmoid(-beta r_w) +
+    sigmoid(beta r_l)`` with ``r = log pi - log pi_ref``: each completion's log-ratio is anchored at 0, the chosen one
+    pushed up and the rejected one down (``sigmoid(-x)`` for the paper's ``1 - sigmoid(x)``: no cancellation). For
+    chosen answers better than the model's own. Summed log-probs, as in the paper."""
+    _check_beta(beta)
+    _reject_label_smoothing("apo_zero", label_smoothing)
+    return torch.sigmoid(-beta * chosen_logratio) + torch.sigmoid(beta * rejected_logratio)
+
+
+def _apo_down(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, label_smoothing: float) -> Tensor:
+    """APO-down (D'Oosterlinck et al. 2024, eq. 8): ``sigmoid(beta r_w) + sigmoid(-beta (r_w - r_l))``: the chosen
+    log-ratio pushed down, the rejected one further. For chosen answers worse than the model's own. Summed
+    log-probs, as in the paper."""
+    _check_beta(beta)
+    _reject_label_smoothing("apo_down", label_smoothing)
+    return torch.sigmoid(beta * chosen_logratio) + torch.sigmoid(-beta * (chosen_logratio - rejected_logratio))
+
+
 def _simpo(
     chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, label_smoothing: float, margin: float
 ) -> Tensor:
@@ -175,6 +194,9 @@ DPO_LOSSES.register("ipo")(DPOLoss(_ipo, True, _IPO, label_smoothing=False))
 _HINGE = "Zhao et al. 2023, SLiC-HF (reference-normalized as in RSO)"
 DPO_LOSSES.register("hinge")(DPOLoss(_hinge, False, _HINGE, label_smoothing=False))
 DPO_LOSSES.register("robust")(DPOLoss(_robust, False, "Chowdhury et al. 2024, Provably Robust DPO"))
+_APO = "D'Oosterlinck et al. 2024, APO-{} (anchored at the reference)"
+DPO_LOSSES.register("apo_zero")(DPOLoss(_apo_zero, False, _APO.format("zero"), label_smoothing=False))
+DPO_LOSSES.register("apo_down")(DPOLoss(_apo_down, False, _APO.format("down"), label_smoothing=False))
 # Reference-free. SimPO: beta 2 and gamma 1 (gamma / beta 0.5) are the SimPO authors' base-model configs (the paper
 # tunes both per model). CPO: beta 0.1 and the NLL weight 1 of the paper (TRL's cpo_alpha). ORPO: lambda 0.1 (TRL's
 # ORPOConfig.beta) and the paper's SFT weight 1.

@@ -58,7 +58,9 @@ def test_kl_baseline_is_the_clamped_mean_and_carries_no_gradient():
 
 def test_loss_type_names_and_refusals():
     assert preference_rows("sigmoid") == "pairs" and preference_rows("kto") == "unpaired"
-    with pytest.raises(UnknownNameError, match="Valid names: cpo, hinge, ipo, kto, orpo, robust, sigmoid, simpo"):
+    with pytest.raises(
+        UnknownNameError, match="Valid names: apo_down, apo_zero, cpo, hinge, ipo, kto, orpo, robust, sigmoid, simpo"
+    ):
         preference_rows("kt0")
     base = ["model.path=m", "data.train_path=d.jsonl", "train.output_dir=o", "dpo.loss_type=kto"]
     assert load_config(DPORunConfig, overrides=base).dpo.unpaired

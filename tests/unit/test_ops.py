@@ -505,7 +505,7 @@ def _fn(name):
 
 
 def test_registered_dpo_losses():
-    assert set(DPO_LOSSES.names()) >= {"sigmoid", "ipo", "hinge", "robust"}
+    assert set(DPO_LOSSES.names()) >= {"sigmoid", "ipo", "hinge", "robust", "apo_zero", "apo_down"}
     assert DPO_LOSSES.get("ipo").average_logps is True
     assert DPO_LOSSES.get("sigmoid").average_logps is False
     assert "Rafailov" in DPO_LOSSES.get("sigmoid").paper
@@ -551,7 +551,43 @@ def test_robust_loss_hand_values():
         _fn("robust")(t(CHOSEN), t(REJECTED), BETA, 0.5)
 
 
-@pytest.mark.parametrize("name", ["ipo", "hinge"])
+def _logistic(z: float) -> float:
+    return 1 / (1 + math.exp(-z))
+
+
+def test_apo_losses_anchor_each_log_ratio_as_the_paper():
+    """D'Oosterlinck et al. 2024, eq. 7 (zero) and 8 (down), in float64 against ``math``; with the policy equal to
+    the reference every log-ratio is 0 and both losses are 1."""
+    chosen, rejected = t(CHOSEN, torch.float64), t(REJECTED, torch.float64)
+    zero = _fn("apo_zero")(chosen, rejected, BETA, 0.0)
+    down = _fn("apo_down")(chosen, rejected, BETA, 0.0)
+    for i, (c, r) in enumerate(zip(CHOSEN, REJECTED)):
+        assert zero[i].item() == pytest.approx(1 - _logistic(BETA * c) + _logistic(BETA * r), rel=1e-15)
+        assert down[i].item() == pytest.approx(_logistic(BETA * c) + 1 - _logistic(BETA * (c - r)), rel=1e-15)
+    still = torch.zeros(3, dtype=torch.float64)
+    assert _fn("apo_zero")(still, still, BETA, 0.0).tolist() == [1.0] * 3
+    assert _fn("apo_down")(still, still, BETA, 0.0).tolist() == [1.0] * 3
+
+
+def test_apo_gradients_push_the_way_the_paper_says():
+    """APO-zero raises the chosen log-ratio and lowers the rejected one; APO-down lowers both, the rejected more
+    (gradient descent moves each log-ratio against its gradient). The gradients by hand: d s(x) / dx = s (1 - s)."""
+    chosen = t(CHOSEN, torch.float64).requires_grad_(True)
+    rejected = t(REJECTED, torch.float64).requires_grad_(True)
+    _fn("apo_zero")(chosen, rejected, BETA, 0.0).sum().backward()
+    for i, (c, r) in enumerate(zip(CHOSEN, REJECTED)):
+        sc, sr = _logistic(BETA * c), _logistic(BETA * r)
+        assert chosen.grad[i].item() == pytest.approx(-BETA * sc * (1 - sc), rel=1e-14) and chosen.grad[i] < 0
+        assert rejected.grad[i].item() == pytest.approx(BETA * sr * (1 - sr), rel=1e-14) and rejected.grad[i] > 0
+    chosen.grad, rejected.grad = None, None
+    _fn("apo_down")(chosen, rejected, BETA, 0.0).sum().backward()
+    for i, (c, r) in enumerate(zip(CHOSEN, REJECTED)):
+        sc, sh = _logistic(BETA * c), _logistic(BETA * (c - r))
+        assert rejected.grad[i].item() == pytest.approx(BETA * sh * (1 - sh), rel=1e-14) and rejected.grad[i] > 0
+        assert chosen.grad[i].item() == pytest.approx(BETA * sc * (1 - sc) - BETA * sh * (1 - sh), rel=1e-13)
+
+
+@pytest.mark.parametrize("name", ["ipo", "hinge", "apo_zero", "apo_down"])
 def test_label_smoothing_rejected_where_unused(name):
     with pytest.raises(ValueError, match=name):
         _fn(name)(t(CHOSEN), t(REJECTED), BETA, 0.1)

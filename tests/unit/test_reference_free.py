@@ -62,7 +62,7 @@ def test_entries_hold_the_papers_facts():
     assert (cpo.beta, cpo.margin, cpo.nll_coef, cpo.average_logps) == (0.1, None, 1.0, False)
     assert (orpo.beta, orpo.margin, orpo.nll_coef, orpo.average_logps) == (0.1, None, 1.0, True)
     assert not orpo.label_smoothing and simpo.label_smoothing and cpo.label_smoothing
-    assert all(DPO_LOSSES.get(n).reference for n in ("sigmoid", "ipo", "hinge", "robust"))
+    assert all(DPO_LOSSES.get(n).reference for n in ("sigmoid", "ipo", "hinge", "robust", "apo_zero", "apo_down"))
     assert "Meng" in simpo.paper and "Xu" in cpo.paper and "Hong" in orpo.paper
 
 
