@@ -368,8 +368,8 @@ def dpo_pair_losses(
         needs = "needs reference log-probs" if spec.reference else "is reference-free: pass no reference log-probs"
         raise ValueError(f"DPO loss {loss_type!r} {needs}")
     if (spec.margin is None) != (margin is None):
-        raises = "has no target margin" if spec.margin is None else "needs its target margin"
-        raise ValueError(f"DPO loss {loss_type!r} {raises} (got margin={margin})")
+        what = "has no target margin" if spec.margin is None else "needs its target margin"
+        raise ValueError(f"DPO loss {loss_type!r} {what} (got margin={margin})")
     logratio = policy_logps
     if ref_logps is not None:
         _check_pairs("ref_logps", ref_logps)
