@@ -92,8 +92,10 @@ def pytest_configure(config):
     config.stash[_SECONDS] = recorded if isinstance(recorded, dict) else {}
     config.pluginmanager.register(_TestSeconds(config), "rlhf_test_seconds")
     # pytest-xdist >= 3.6 re-sorts --dist loadfile's files by their number of tests unless told not to
-    # (--loadscope-reorder is on by default): files go out in the collection order made here, longest first.
-    if hasattr(config.option, "loadscopereorder"):
+    # (--loadscope-reorder is on by default). With recorded times the files go out in the order made here, longest
+    # first. Without them (a fresh clone, CI) xdist's order stays, the one a fresh clone's make test was measured in
+    # (20:30 of pytest); integration files first, two actor-heavy files at once, measured 22:20 (on a slower day).
+    if config.stash[_SECONDS] and hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
 
 
