@@ -93,8 +93,8 @@ def pytest_configure(config):
     config.pluginmanager.register(_TestSeconds(config), "rlhf_test_seconds")
     # pytest-xdist >= 3.6 re-sorts --dist loadfile's files by their number of tests unless told not to
     # (--loadscope-reorder is on by default). With recorded times the files go out in the order made here, longest
-    # first. Without them (a fresh clone, CI) xdist's order stays, the one a fresh clone's make test was measured in
-    # (20:30 of pytest); integration files first, two actor-heavy files at once, measured 22:20 (on a slower day).
+    # first. Without them (a fresh clone, CI) there is nothing better to order by and xdist's order stays: on a fresh
+    # clone both orders measured alike (22:26 and 22:20 of pytest, the same day).
     if config.stash[_SECONDS] and hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
 
