@@ -91,23 +91,16 @@ def test_dpo_factorisations_and_reference_modes_agree(dpo_runs):
 def test_dpo_step1_equals_plain_pytorch_whole_batch(dpo_runs, tiny_model, pair_data):
     """Policy == reference at step 1, so the cDPO loss is log 2 (up to float32 rounding) and the gradient is
     -(beta/2)(1-2 eps) x mean over pairs of grad(chosen - rejected log-probs); checked against plain PyTorch."""
-    from transformers import AutoTokenizer
-
     rows, _, cfg = dpo_runs["1x2x2-z3-online"]
     assert_dpo_policy_is_the_reference(rows[0], cfg.dpo.beta, cfg.dpo.label_smoothing)
-    plan = EpochPlan(num_samples=19, global_batch_size=4, max_epochs=1, seed=cfg.train.seed)
-    data = _read_jsonl(pair_data)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    model = _plain_model(tiny_model)
     beta, eps = cfg.dpo.beta, cfg.dpo.label_smoothing
-    total = 0.0
-    for i in plan.step(1).indices:
-        nll_c, _ = _completion_nll_and_count(model, tokenizer, data[i]["prompt"], data[i]["chosen"])
-        nll_r, _ = _completion_nll_and_count(model, tokenizer, data[i]["prompt"], data[i]["rejected"])
-        h = beta * ((-nll_c) - (-nll_r) - (-nll_c.detach()) + (-nll_r.detach()))  # ref = policy, value 0
-        total = total - (1 - eps) * torch.nn.functional.logsigmoid(h) - eps * torch.nn.functional.logsigmoid(-h)
-    (total / 4).backward()
-    assert rows[0]["grad_norm"] == pytest.approx(_grad_norm(model), rel=LOSS_RTOL)
+
+    def cdpo(c, r, n_c, n_r):  # ref = policy: the log-ratios' value is 0, their gradient the policy's
+        h = beta * (c - r - c.detach() + r.detach())
+        return -(1 - eps) * torch.nn.functional.logsigmoid(h) - eps * torch.nn.functional.logsigmoid(-h)
+
+    _, grad_norm, _ = _plain_step_one(tiny_model, pair_data, cfg, cdpo)
+    assert rows[0]["grad_norm"] == pytest.approx(grad_norm, rel=LOSS_RTOL)
 
 
 # ----------------------------------------------------------------------------------------- reference-free
