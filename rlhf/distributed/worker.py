@@ -46,6 +46,7 @@ from rlhf.objectives.base import DeviceSums, Objective, ScoreFn, Sums
 from rlhf.ops.losses import normalize
 from rlhf.utils.device import resolve_attn_implementation
 from rlhf.utils.flops import ModelFlops, PerfMeter, peak_tflops
+from rlhf.utils.startup import collector_paused
 
 
 class WeightSender(Protocol):
@@ -112,6 +113,7 @@ class TrainerWorker:
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
+    @collector_paused()  # imports DeepSpeed
     def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> None:
         """Join this role's process group, hosted by rank 0 at ``master_addr:master_port``.
 
@@ -158,6 +160,7 @@ class TrainerWorker:
             load_cpu_comm_op()
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
+    @collector_paused()  # imports transformers, builds the model and its engine
     def build(self, model: ModelSpec, engine: EngineSpec, optim: Optional[OptimSpec]) -> Dict[str, int]:
         """Load the model; with ``optim`` wrap it in a training engine, else keep it frozen for scoring."""
         # Capability is decided where the model runs: flash-attention 2 on a CUDA worker that has it, else sdpa; a

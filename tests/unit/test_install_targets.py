@@ -219,6 +219,7 @@ def test_a_stale_cpu_stamp_never_reinstalls_a_gpu_venv(tmp_path, target):
 def test_the_cpu_venv_and_a_fresh_clone_install_as_before(tmp_path):
     venv = _venv(tmp_path, "cpu", stamps=[".installed"])
     assert _recipe("test", venv) == [
+        f"{venv}/bin/python -m compileall -q -j 0 rlhf tests",
         f"{venv}/bin/python -m pytest -q -ra --durations=20 -n 2 --dist loadfile",
         f"{venv}/bin/python -m mypy",
     ]

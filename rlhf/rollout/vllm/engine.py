@@ -17,6 +17,7 @@ parameter is overwritten by that sync, so nothing the level-2 sleep discarded is
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -26,6 +27,7 @@ from rlhf.distributed.cluster import actor_placement
 from rlhf.hub import model_dir
 from rlhf.rollout.types import Generation, SamplingSpec
 from rlhf.rollout.vllm.adapters import lora_request
+from rlhf.utils.startup import collector_paused
 
 EXTENSION = "rlhf.rollout.vllm.extension.WeightSyncExtension"
 # vLLM sleep level 2 discards the weights with the KV cache. Level 1 would back the weights up to pinned host
@@ -88,8 +90,6 @@ class VLLMEngine:
     """One vLLM engine (a Ray actor); ``index``: its place among the run's engines, named in its output's prefix."""
 
     def __init__(self, spec: VLLMSpec, index: int = 0) -> None:
-        import torch
-
         self.index = index  # first: __repr__ needs it, and Ray calls it once __init__ returns
         self.weight_version: Optional[int] = 0  # the RL step whose weights it holds (0: model.path's)
         # LoRA engines: the LoRARequest of the adapter every generation applies (None: the base alone, which a
@@ -98,13 +98,20 @@ class VLLMEngine:
         self.adapter: Any = None
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
-        if not torch.cuda.is_available():
-            _settle_cpu_process()
-        from vllm import LLM
-
         self.spec = spec
-        # the model: this node's snapshot of the pinned commit, as every trainer loads
-        self.llm = LLM(model=model_dir(spec.model_path), **llm_options(spec, cuda=torch.cuda.is_available()))
+        with collector_paused():  # the imports (torch, its compiler, vLLM) and the engine's start
+            import torch
+
+            if not torch.cuda.is_available():
+                _settle_cpu_process()
+            from vllm import LLM
+
+            # vLLM's start collects garbage several times over (its memory checks), each pass walking every object
+            # the imports made, all of them long-lived: frozen, they are skipped (~1 s less on 2 cores). vLLM
+            # freezes its whole heap once its engine is up anyway.
+            gc.freeze()
+            # the model: this node's snapshot of the pinned commit, as every trainer loads
+            self.llm = LLM(model=model_dir(spec.model_path), **llm_options(spec, cuda=torch.cuda.is_available()))
 
     def __repr__(self) -> str:
         # Ray prefixes the output it forwards from this actor with its repr: "(vllm engine 0 pid=..., ip=...)"

@@ -1,0 +1,76 @@
+"""``rlhf.utils.startup.collector_paused``: no automatic garbage collection inside, the collector as it was after."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from rlhf.utils.startup import collector_paused
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+@pytest.fixture
+def collections():
+    """The generations of every collection that starts while the test runs."""
+    seen = []
+
+    def note(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+
+    gc.callbacks.append(note)
+    yield seen
+    gc.callbacks.remove(note)
+
+
+def _allocate(n=200_000):
+    """Enough tracked objects to trigger many automatic collections (the first generation's threshold is 700)."""
+    return [_Cycle() for _ in range(n)]
+
+
+def test_no_automatic_collection_runs_inside_and_the_collector_is_back_after(collections):
+    assert gc.isenabled()
+    _allocate()
+    assert collections, "the allocations trigger collections when the collector runs"
+    collections.clear()
+    with collector_paused():
+        assert not gc.isenabled()
+        kept = _allocate()
+        inside = list(collections)  # read in the block: once the collector is back, it runs at once
+    assert inside == [] and gc.isenabled()
+    del kept
+    assert gc.collect() >= 200_000  # the cycles made inside are garbage the collector finds
+
+
+def test_as_a_decorator_and_when_the_block_raises(collections):
+    inside = []
+
+    @collector_paused()
+    def start():
+        _allocate()
+        inside.extend(collections)
+        raise RuntimeError("start-up failed")
+
+    with pytest.raises(RuntimeError, match="start-up failed"):
+        start()
+    assert inside == [] and gc.isenabled()
+
+
+def test_nested_blocks_and_a_collector_already_off_are_left_as_they_were():
+    with collector_paused():
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner block leaves it to the outer one
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # off before: stays off
+    finally:
+        gc.enable()
