@@ -102,7 +102,7 @@ demo: $(STAMP)
 # Two test processes, longest files first by the times recorded in .pytest_cache (see tests/conftest.py);
 # PYTEST_ARGS="-n 0" runs the suite in one. tests/unit and tests/integration (Ray actors, all marked `slow`).
 PYTEST_ARGS ?= -n 2 --dist loadfile
-# Each test starts hundreds of processes (Ray actors, CLI runs) that import the package: its bytecode is written
+# The suite starts hundreds of processes (Ray actors, CLI runs) that import the package: its bytecode is written
 # once first (under a PYTHONDONTWRITEBYTECODE environment each would compile every module again; ~0.2 s a process).
 BYTECODE := $(PY) -m compileall -q -j 0 rlhf tests
 test: $(STAMP)

@@ -6,8 +6,9 @@ again, and each of its full passes walks every object made so far, none of which
 start-up and resumed after, it runs when the objects have settled.
 
 Measured on 2 CPU cores (tiny model): a trainer rank's process group and build took 5.1 s of CPU time with the
-collector running and 4.3 s paused; a vLLM engine's start (its import and ``LLM(...)``) 9.3 s and 8.0 s. vLLM
-freezes its own heap once its engine has started, so an engine's later collections skip the start-up's objects.
+collector running and 4.3 s paused; a vLLM engine's start (its import and ``LLM(...)``) 9.3 s and 8.0 s, and 6.5 s
+with what the imports made frozen before vLLM's own start-up collections (``rlhf.rollout.vllm.engine``). vLLM
+freezes its whole heap once its engine has started, so an engine's later collections skip the start-up's objects.
 """
 
 from __future__ import annotations
