@@ -29,6 +29,7 @@ from rlhf.distributed.fp32_clip import install_multi_tensor_clip, multi_tensor_c
 from rlhf.distributed.overflow_check import check_overflow_in_one_read
 from rlhf.distributed.unfused_step import install_unfused_step, unfused_step_applies
 from rlhf.utils.schedule import lr_multiplier
+from rlhf.utils.startup import import_deepspeed_muon_uncompiled
 
 
 @dataclass(frozen=True)
@@ -344,6 +345,7 @@ class TrainEngine:
     def __init__(self, model: torch.nn.Module, *, engine: EngineSpec, optim: OptimSpec, world_size: int) -> None:
         import deepspeed
 
+        import_deepspeed_muon_uncompiled()  # imported by the engine below, for isinstance checks only
         engine = built_spec(engine, world_size)
         self.spec = engine
         self.optim_spec = optim
