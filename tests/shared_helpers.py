@@ -369,7 +369,8 @@ _ENGINE_IMPORTS = [
     "transformers.quantizers.auto",
     "transformers.loss.loss_utils",
     "deepspeed.runtime.engine",
-    "deepspeed.runtime.zero.muon.muon_optimizer",
+    # not deepspeed.runtime.zero.muon: TrainEngine loads it with torch.compile off (rlhf.utils.startup), and that
+    # is what the forks run (tests/unit/test_one_rank_stage.py checks it)
     "deepspeed.module_inject",
 ]
 _ENGINE_PROCESSES: List[Any] = []

@@ -46,26 +46,32 @@ def collector_paused() -> Iterator[None]:
 DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
-def import_deepspeed_muon_uncompiled() -> None:
-    """Import DeepSpeed's Muon optimizer (``DEEPSPEED_MUON``) with ``torch.compile`` a no-op while it loads.
-
-    DeepSpeed's engine imports that module in every build, for ``isinstance`` checks only (its ZeRO and bf16
-    optimizers ask whether the optimizer is Muon), and the module wraps its kernels in ``torch.compile`` at import.
-    Those calls load TorchDynamo's debugging backends, functorch's AOT autograd and networkx, which nothing else in a
-    rank needs: 1.25 s of CPU a trainer rank (0.22 s for all of ``import deepspeed`` and the engine without them).
-    A run never trains with Muon (the optimizer is AdamW; ``rlhf.config.deepspeed_check`` refuses a DeepSpeed
-    ``optimizer`` section), and uncompiled, the kernels would still be right, eager. The switch is
-    ``TORCHDYNAMO_DISABLE``, which each ``torch.compile`` call reads: it is back as it was when the import ends, so
-    every later ``torch.compile`` (``model.compile``) compiles. Once the module is loaded this does nothing.
-    """
-    if DEEPSPEED_MUON in sys.modules:
+def import_uncompiled(module: str) -> None:
+    """Import ``module`` with ``torch.compile`` a no-op while it loads: what it wraps at import stays as written
+    (eager). The switch is ``TORCHDYNAMO_DISABLE``, which each ``torch.compile`` call reads: it is back as it was
+    when the import ends, so every later ``torch.compile`` compiles. Once the module is loaded this does nothing."""
+    if module in sys.modules:
         return
     before = os.environ.get("TORCHDYNAMO_DISABLE")
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     try:
-        importlib.import_module(DEEPSPEED_MUON)
+        importlib.import_module(module)
     finally:
         if before is None:
             del os.environ["TORCHDYNAMO_DISABLE"]
         else:
             os.environ["TORCHDYNAMO_DISABLE"] = before
+
+
+def import_deepspeed_muon_uncompiled() -> None:
+    """DeepSpeed's Muon optimizer module (``DEEPSPEED_MUON``) through :func:`import_uncompiled`.
+
+    DeepSpeed's engine imports that module in every build, for ``isinstance`` checks only (its ZeRO and bf16
+    optimizers ask whether the optimizer is Muon), and the module wraps its kernels in ``torch.compile`` at import.
+    Those calls load TorchDynamo's debugging backends, functorch's AOT autograd and networkx, which nothing else in a
+    rank needs: 1.25 s of CPU a trainer rank on 2 cores (0.22 s for all of ``import deepspeed`` and the engine
+    without them). A run never trains with Muon (the optimizer is AdamW; ``rlhf.config.deepspeed_check`` refuses a
+    DeepSpeed ``optimizer`` section), and uncompiled, its kernels would still be right, eager. ``model.compile``
+    compiles as before: the switch is only off during this import.
+    """
+    import_uncompiled(DEEPSPEED_MUON)

@@ -88,10 +88,27 @@ def _train(model_path: str, out_path: str, port: int) -> None:
         "partitioned": any(hasattr(p, "ds_numel") for p in frozen.model.parameters()),
         "engine": type(frozen.model).__name__,
     }
+    import sys
+
+    from deepspeed.runtime.zero.muon import original_muon
+
+    from rlhf.utils.startup import DEEPSPEED_MUON
+
+    results["muon"] = {  # what the builds above left loaded (rlhf.utils.startup.import_deepspeed_muon_uncompiled)
+        "loaded": DEEPSPEED_MUON in sys.modules,
+        "compiled": hasattr(original_muon.muon_update, "_torchdynamo_orig_callable"),
+        "networkx": "networkx" in sys.modules,
+    }
     torch.save(results, out_path)
 
 
 trained = subprocess_fixture(__file__)
+
+
+def test_the_engines_loaded_deepspeeds_muon_module_without_compiling_it(trained):
+    """DeepSpeed's optimizers import its Muon module in every build; TrainEngine loads it first with
+    ``torch.compile`` off: its kernels as written, and none of the compiler's imports (networkx the largest)."""
+    assert trained["muon"] == {"loaded": True, "compiled": False, "networkx": False}
 
 
 def test_asked_zero2_builds_zero1_with_the_weights_of_a_real_zero2_in_fp32(trained):

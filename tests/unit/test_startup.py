@@ -1,17 +1,17 @@
 """``rlhf.utils.startup``: ``collector_paused`` (no automatic garbage collection inside, the collector as it was
-after) and ``import_deepspeed_muon_uncompiled`` (DeepSpeed's Muon module loaded without ``torch.compile``'s imports,
-which compiles again afterwards)."""
+after) and ``import_uncompiled`` (a module's import-time ``torch.compile`` calls left out, ``torch.compile`` as it was
+after; tests/unit/test_one_rank_stage.py checks that a built engine loaded DeepSpeed's Muon module this way)."""
 
 from __future__ import annotations
 
 import gc
-import subprocess
+import os
 import sys
 import weakref
 
 import pytest
 
-from rlhf.utils.startup import collector_paused
+from rlhf.utils.startup import collector_paused, import_uncompiled
 
 
 class _Cycle:
@@ -85,36 +85,38 @@ def test_nested_blocks_and_a_collector_already_off_are_left_as_they_were():
         gc.enable()
 
 
-# In a fresh interpreter (the test process may have loaded DeepSpeed's Muon already), after torch and transformers'
-# model classes, as a trainer rank has them when its engine is built.
-MUON_PROBE = """
-import os, sys
-import torch, transformers.models.auto.auto_factory
-from rlhf.utils.startup import DEEPSPEED_MUON, import_deepspeed_muon_uncompiled
-os.environ["TORCHDYNAMO_DISABLE"] = "0"
-import_deepspeed_muon_uncompiled()
-from deepspeed.runtime.zero.muon import original_muon
-heavy = sorted(m for m in ("networkx", "torch._functorch.aot_autograd", "torch._dynamo.repro.after_dynamo")
-               if m in sys.modules)
-print(DEEPSPEED_MUON in sys.modules, heavy, os.environ["TORCHDYNAMO_DISABLE"])
-print(hasattr(original_muon.muon_update, "_torchdynamo_orig_callable"))
-print(hasattr(torch.compile(lambda x: x + 1), "_torchdynamo_orig_callable"))
+COMPILED_AT_IMPORT = """
+import torch
+
+
+@torch.compile
+def kernel(x):
+    return x + 1
 """
 
 
-def test_deepspeeds_muon_loads_uncompiled_and_torch_compile_compiles_after():
-    done = subprocess.run(
-        [sys.executable, "-c", MUON_PROBE], capture_output=True, text=True, timeout=300, env=_cpu_env()
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    loaded, muon_compiled, compiled_after = done.stdout.strip().splitlines()
-    # loaded, without the compiler's imports, and the switch as the caller had it ("0", not removed or "1")
-    assert loaded == "True [] 0"
-    assert muon_compiled == "False"  # Muon's kernels as written (eager); a run never trains with Muon
-    assert compiled_after == "True"  # a later torch.compile (model.compile) compiles
+@pytest.mark.parametrize("before", [None, "0"])
+def test_what_a_module_compiles_at_import_stays_eager_and_torch_compile_compiles_after(before, tmp_path, monkeypatch):
+    """A module that wraps a function in ``torch.compile`` at import, as DeepSpeed's Muon module does: imported
+    through ``import_uncompiled``, the function is the one written; the switch is back as the caller had it (unset,
+    or ``"0"``), and a later ``torch.compile`` compiles."""
+    import torch
 
+    name = f"compiles_at_import_{before}"
+    (tmp_path / f"{name}.py").write_text(COMPILED_AT_IMPORT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    if before is None:
+        monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    else:
+        monkeypatch.setenv("TORCHDYNAMO_DISABLE", before)
+    monkeypatch.delitem(sys.modules, name, raising=False)
 
-def _cpu_env() -> dict:
-    import os
+    import_uncompiled(name)
+    module = sys.modules[name]
+    assert not hasattr(module.kernel, "_torchdynamo_orig_callable")  # as written
+    assert os.environ.get("TORCHDYNAMO_DISABLE") == before
+    assert hasattr(torch.compile(lambda x: x - 1), "_torchdynamo_orig_callable")  # compiles again
 
-    return dict(os.environ, DS_ACCELERATOR="cpu")
+    import_uncompiled(name)  # loaded: nothing happens
+    assert sys.modules[name] is module and os.environ.get("TORCHDYNAMO_DISABLE") == before
+    monkeypatch.delitem(sys.modules, name)
