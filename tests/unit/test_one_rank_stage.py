@@ -30,7 +30,8 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     ZeRO 2 (the mapping switched off), each 3 optimizer steps of 2 micro-batches; saves weights, norms, losses and
     the optimizer each built; in fp32 also the same for ZeRO 3, a frozen ZeRO-3 worker's build, the asked-for ZeRO 2
     with ``model.tiled_head`` (the LM head in token tiles, rlhf.models.head) on the real engine, and the asked-for
-    ZeRO 2 with DeepSpeed's contiguous gradients (its default, which one rank's fp32 ZeRO 1 turns off)."""
+    ZeRO 2 with DeepSpeed's contiguous gradients (its default, which one rank's fp32 ZeRO 1 turns off); last, how the
+    builds left DeepSpeed's Muon module (loaded, compiled or not) and whether networkx was imported."""
     import rlhf.distributed.engine as engine_module
     from rlhf.distributed.engine import EngineSpec, OptimSpec, iter_full_state
     from rlhf.distributed.worker import TrainerWorker
