@@ -69,9 +69,10 @@ def import_deepspeed_muon_uncompiled() -> None:
     DeepSpeed's engine imports that module in every build, for ``isinstance`` checks only (its ZeRO and bf16
     optimizers ask whether the optimizer is Muon), and the module wraps its kernels in ``torch.compile`` at import.
     Those calls load TorchDynamo's debugging backends, functorch's AOT autograd and networkx, which nothing else in a
-    rank needs: 1.25 s of CPU a trainer rank on 2 cores (0.22 s for all of ``import deepspeed`` and the engine
-    without them). A run never trains with Muon (the optimizer is AdamW; ``rlhf.config.deepspeed_check`` refuses a
-    DeepSpeed ``optimizer`` section), and uncompiled, its kernels would still be right, eager. ``model.compile``
-    compiles as before: the switch is only off during this import.
+    rank needs: on 2 cores, ``import deepspeed`` with its engine and Muon takes 1.47 s of CPU with them and 0.22 s
+    without, and a trainer rank's whole start a median of 5.3 s and 4.6 s (docs/performance.md). A run never trains
+    with Muon (the optimizer is AdamW; ``rlhf.config.deepspeed_check`` refuses a DeepSpeed ``optimizer`` section),
+    and uncompiled, its kernels would still be right, eager. ``model.compile`` compiles as before: the switch is only
+    off during this import.
     """
     import_uncompiled(DEEPSPEED_MUON)
