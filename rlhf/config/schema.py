@@ -118,10 +118,15 @@ class ModelConfig:
         )
 
     @property
+    def reference_is_start(self) -> bool:
+        """No other ``ref_path``: the DPO / RL reference is the model training starts from."""
+        return self.ref_path in ("", self.path)
+
+    @property
     def reference_is_base(self) -> bool:
         """With LoRA and no other ``ref_path``, the DPO / RL reference is the policy's own frozen base, scored with
         the adapters off: no reference workers, no second copy of the weights."""
-        return self.lora.enabled and self.ref_path in ("", self.path)
+        return self.lora.enabled and self.reference_is_start
 
 
 @dataclass(frozen=True)
@@ -458,8 +463,9 @@ class DPOConfig:
     # and orpo 1, else 0)
     nll_coef: Optional[float] = None
     simpo_gamma: Optional[float] = None  # SimPO's target reward margin gamma; unset: 1 (gamma / beta = 0.5)
-    ref_mode: str = "precompute"  # precompute: score every row once before training; online: every step
-    ref_num_workers: int = 1  # reference workers (precompute and online)
+    # precompute: score every row once before training (the starting policy: on the policy's ranks); online: every step
+    ref_mode: str = "precompute"
+    ref_num_workers: int = 1  # reference workers: online, or another model.ref_path (LoRA's base: none)
     # KTO (Ethayarajh et al. 2024): lambda_D and lambda_U, the weights of desirable and undesirable rows; the paper
     # advises lambda_D n_D / (lambda_U n_U) in [1, 4/3] (n: rows of each label), the run logs the ratio it reads
     desirable_weight: float = 1.0

@@ -187,14 +187,15 @@ def offline_plan(
     """SFT, reward model and DPO: the trained model's group, then (DPO) the reference's.
 
     Both groups hold their resources at once, even with ``dpo.ref_mode=precompute``, whose reference group is
-    released after scoring, before the first step (``rlhf.trainers.offline.dpo.attach_reference``).
+    released after scoring, before the first step (``rlhf.trainers.offline.reference.attach_reference``).
 
     Args:
         cfg: An SFT / reward-model / DPO run config.
         gpus_per_worker: Resolved GPUs per rank (:func:`resolve_devices`).
         policy_role: The trained model's role name (``policy``; ``reward_model`` for reward modelling).
         reference_ranks: The frozen reference's ranks (DPO's ``dpo.ref_num_workers``); 0 for none (SFT, reward
-            modelling, or LoRA, where the policy's workers score the reference with the adapters off).
+            modelling, or a reference the policy's workers score: LoRA's base with the adapters off, or the
+            starting policy precomputed before the first step).
     """
     b = _Builder(cfg.strategy.cpus_per_worker, gpus_per_worker)
     sp = cfg.strategy.sequence_parallel_size  # every trainer role: its data-parallel ranks x sp (one per rank)

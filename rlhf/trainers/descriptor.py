@@ -68,6 +68,9 @@ class TrainerKind:
     # whether a run scores against a frozen reference model (with LoRA, the base under the adapters)
     has_reference: Callable[[Any], bool] = lambda cfg: False
     reference_ranks: Callable[[Any], int] = lambda cfg: 0  # offline: the reference group's ranks
+    # whether the reference is the starting policy, scored once before the first step (DPO's precompute without
+    # another model.ref_path): the policy's ranks score it with their starting weights, no reference group starts
+    reference_is_initial_policy: Callable[[Any], bool] = lambda cfg: False
     model_keys: Tuple[str, ...] = RUN_MODEL_KEYS  # the config keys naming models it loads (hub ids pinned)
     extra_packages: Tuple[str, ...] = ()  # libraries beyond DeepSpeed's stack (online RL: vllm)
     # (cfg, gpus per worker, reference group?) -> its plan; None: the offline plan (policy + reference ranks)
@@ -102,12 +105,13 @@ class TrainerKind:
 
     def reference_group(self, cfg: RunConfig) -> bool:
         """Whether a run of ``cfg`` starts a frozen reference group of its own."""
-        return self.has_reference(cfg) and not cfg.model.reference_is_base
+        return self.has_reference(cfg) and not self.reference_on_policy(cfg)
 
     def reference_on_policy(self, cfg: RunConfig) -> bool:
-        """Whether the reference is the policy's own frozen base (LoRA with the adapters off): the policy's workers
-        score it, and no reference group is started."""
-        return self.has_reference(cfg) and cfg.model.reference_is_base
+        """Whether the policy's workers score the reference, and no reference group is started: the policy's own
+        frozen base (LoRA with the adapters off), or the starting policy itself scored before the first step
+        (``reference_is_initial_policy``)."""
+        return self.has_reference(cfg) and (cfg.model.reference_is_base or self.reference_is_initial_policy(cfg))
 
     def trained_models(self, cfg: RunConfig) -> List[Tuple[str, str]]:
         """``(path, kind)`` of every model a run of ``cfg`` trains, and so wraps with LoRA when ``model.lora`` is on:

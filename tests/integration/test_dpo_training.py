@@ -1,11 +1,15 @@
 """DPO end to end on real Ray actors + real DeepSpeed engines: one global batch split as (micro x GA x ranks)
-under different ZeRO stages and reference modes (precomputed / online) logs the same numbers and ends with the
-same weights; step 1 equals a plain PyTorch computation over the whole batch. (SFT: test_offline_training.py.)
+under different ZeRO stages and reference modes (precomputed by the policy's own ranks or by a group of its own,
+scored online by a group of 1 or 2 ranks) logs the same numbers and ends with the same weights; step 1 equals a
+plain PyTorch computation over the whole batch. (SFT: test_offline_training.py.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+from typing import List
 
 import pytest
 import torch
@@ -30,14 +34,33 @@ from rlhf.data.plan import EpochPlan
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
-DPO_FACTORISATIONS = {  # name: (micro, ranks, zero, ref_mode[, overrides]); global batch 4
-    "4x1x1-z2-pre": (4, 1, 2, "precompute"),
-    "1x2x2-z3-online": (1, 2, 3, "online"),
-    "2x1x2-z0-pre": (2, 2, 0, "precompute"),
+DPO_FACTORISATIONS = {  # name: (micro, ranks, zero, ref_mode, reference ranks[, overrides]); global batch 4
+    # the starting policy precomputed: its own ranks score it, no reference group (0 ranks)
+    "4x1x1-z2-pre": (4, 1, 2, "precompute", 0),
+    "1x2x2-z3-online": (1, 2, 3, "online", 1),
+    # another model.ref_path (a copy of the same weights): precomputed on 2 reference ranks, then released
+    "2x1x2-z0-pre": (2, 2, 0, "precompute", 2),
     # padding-free pairs (chosen + rejected) in micro-batches of <= 80 tokens, the reference scored the same way;
     # in step 4 one rank needs a micro-batch fewer than the other (a lockstep filler)
-    "tok80-packed-x2-z3-online": (1, 2, 3, "online", ("train.packing=true", "train.max_tokens_per_micro_batch=80")),
+    "tok80-packed-x2-z3-online": (1, 2, 3, "online", 2, ("train.packing=true", "train.max_tokens_per_micro_batch=80")),
 }
+
+
+@contextlib.contextmanager
+def recording_roles():
+    """The roles of every plan the offline runs start (``start_plan``, observed), one sorted list a run."""
+    from rlhf.trainers.offline import loop
+
+    started: List[List[str]] = []
+    real_start_plan = loop.start_plan
+
+    def recorded(plan, *args, **kwargs):
+        started.append(sorted({a.role for a in plan.actors}))
+        return real_start_plan(plan, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "start_plan", recorded)
+        yield started
 
 
 @pytest.fixture(scope="module")
@@ -45,33 +68,44 @@ def dpo_runs(tiny_model, pair_data, tmp_path_factory):
     from rlhf.trainers.offline.dpo import train_dpo
 
     base = tmp_path_factory.mktemp("dpo")
+    reference_copy = shutil.copytree(tiny_model, base / "reference")  # another path, the same weights
     runs = {}
-    for name, (mbs, nw, zero, mode, *more) in DPO_FACTORISATIONS.items():
-        out = str(base / name)
-        extra = (
-            f"dpo.ref_mode={mode}",
-            "dpo.beta=0.5",
-            "dpo.label_smoothing=0.1",
-            "dpo.ref_num_workers=2",
-            f"data.eval_path={pair_data}",
-            *(more[0] if more else ()),
-        )
-        cfg = load_config(
-            DPORunConfig, overrides=_overrides(tiny_model, pair_data, out, 4, mbs, nw, zero, epochs=1, extra=extra)
-        )
-        result = train_dpo(cfg)
-        runs[name] = (_rows(out), result.final_dir, cfg)
+    with recording_roles() as started:
+        for name, (mbs, nw, zero, mode, ref_ranks, *more) in DPO_FACTORISATIONS.items():
+            out = str(base / name)
+            reference = (f"dpo.ref_num_workers={ref_ranks}",) if ref_ranks else ()
+            if mode == "precompute" and ref_ranks:
+                reference += (f"model.ref_path={reference_copy}",)
+            extra = (
+                f"dpo.ref_mode={mode}",
+                "dpo.beta=0.5",
+                "dpo.label_smoothing=0.1",
+                *reference,
+                f"data.eval_path={pair_data}",
+                *(more[0] if more else ()),
+            )
+            cfg = load_config(
+                DPORunConfig,
+                overrides=_overrides(tiny_model, pair_data, out, 4, mbs, nw, zero, epochs=1, extra=extra),
+            )
+            result = train_dpo(cfg)
+            runs[name] = (_rows(out), result.final_dir, cfg, started[-1])
     return runs
 
 
 def test_dpo_factorisations_and_reference_modes_agree(dpo_runs):
+    roles = {name: v[3] for name, v in dpo_runs.items()}
+    assert roles == {
+        name: ["policy", "reference"] if ref_ranks else ["policy"]
+        for name, (_, _, _, _, ref_ranks, *_) in DPO_FACTORISATIONS.items()
+    }
     rows = {k: v[0] for k, v in dpo_runs.items()}
     _assert_same_runs(rows, ("loss", "grad_norm", "rewards/margin", "rewards/accuracy"), dpo_beta=0.5)
     _assert_ranks_ran_different_counts(rows)
     assert len(next(iter(rows.values()))) == 19 // 4  # drop_last at global-batch granularity
     _assert_same_weights([v[1] for v in dpo_runs.values()])
     # Held-out evaluation after the last step: reference log-probs precomputed or scored online, same numbers.
-    evals = [_read_jsonl(os.path.join(cfg.train.output_dir, "eval.jsonl")) for _, _, cfg in dpo_runs.values()]
+    evals = [_read_jsonl(os.path.join(cfg.train.output_dir, "eval.jsonl")) for _, _, cfg, _ in dpo_runs.values()]
     assert all([e["step"] for e in ev] == [4] for ev in evals)
     for ev in evals[1:]:
         assert ev[0]["loss"] == pytest.approx(evals[0][0]["loss"], rel=1e-3)  # weights agree to ~1e-4
@@ -91,8 +125,11 @@ def test_dpo_factorisations_and_reference_modes_agree(dpo_runs):
 def test_dpo_step1_equals_plain_pytorch_whole_batch(dpo_runs, tiny_model, pair_data):
     """Policy == reference at step 1, so the cDPO loss is log 2 (up to float32 rounding) and the gradient is
     -(beta/2)(1-2 eps) x mean over pairs of grad(chosen - rejected log-probs); checked against plain PyTorch."""
-    rows, _, cfg = dpo_runs["1x2x2-z3-online"]
+    rows, _, cfg, _ = dpo_runs["1x2x2-z3-online"]
     assert_dpo_policy_is_the_reference(rows[0], cfg.dpo.beta, cfg.dpo.label_smoothing)
+    # the starting policy's own ranks scored the reference before the first step: its weights, to rounding
+    precomputed_on_policy = dpo_runs["4x1x1-z2-pre"][0][0]
+    assert_dpo_policy_is_the_reference(precomputed_on_policy, cfg.dpo.beta, cfg.dpo.label_smoothing)
     beta, eps = cfg.dpo.beta, cfg.dpo.label_smoothing
 
     def cdpo(c, r, n_c, n_r):  # ref = policy: the log-ratios' value is 0, their gradient the policy's
@@ -114,20 +151,12 @@ REFERENCE_FREE_RUNS = {  # name: (loss_type, micro, ranks, zero[, overrides]); g
 
 @pytest.fixture(scope="module")
 def reference_free_runs(tiny_model, pair_data, tmp_path_factory):
-    """SimPO whole and split, ORPO split; every run records the roles it started (``start_plan``, observed)."""
-    from rlhf.trainers.offline import loop
+    """SimPO whole and split, ORPO split; every run records the roles it started."""
     from rlhf.trainers.offline.dpo import train_dpo
 
     base = tmp_path_factory.mktemp("reference_free")
-    runs, started = {}, []
-    real_start_plan = loop.start_plan
-
-    def recorded(plan, *args, **kwargs):
-        started.append(sorted({a.role for a in plan.actors}))
-        return real_start_plan(plan, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(loop, "start_plan", recorded)
+    runs = {}
+    with recording_roles() as started:
         for name, (loss_type, mbs, nw, zero, *more) in REFERENCE_FREE_RUNS.items():
             out = str(base / name)
             extra = (f"dpo.loss_type={loss_type}", f"data.eval_path={pair_data}", *(more[0] if more else ()))

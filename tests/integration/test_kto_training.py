@@ -1,9 +1,10 @@
 """KTO (``train_dpo`` with ``dpo.loss_type=kto``) end to end on real Ray actors and DeepSpeed engines, in float64.
 
 One global batch split as (micro x GA x ranks), or packed under a token budget, with the reference precomputed or
-scored online, logs the same numbers to 1e-10 at every step (loss, the KL reference point z_0, grad norm, rewards)
-and ends with the same weights; step 1 equals a float64 computation written from the paper, with z_0 averaged over
-the whole global batch. The reference is another tiny model, so r and z_0 are not 0 from the first step.
+scored online on 1 or 2 reference ranks, logs the same numbers to 1e-10 at every step (loss, the KL reference point
+z_0, grad norm, rewards) and ends with the same weights; step 1 equals a float64 computation written from the paper,
+with z_0 averaged over the whole global batch. The reference is another tiny model, so r and z_0 are not 0 from the
+first step.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ ROWS, GLOBAL_BATCH, BETA, UNDESIRABLE_WEIGHT = 19, 4, 0.5, 2.0
 FP64_RTOL = 1e-10
 FP64_WEIGHT_ATOL = 1e-12  # max |w - w_first| after 4 AdamW steps (weights O(0.02-1))
 
-KTO_FACTORISATIONS = {  # name: (micro, ranks, ref_mode, overrides); global batch 4
-    "4x1x1-pre": (4, 1, "precompute", ()),
-    "1x2x2-online": (1, 2, "online", ()),
-    "2x1x2-pre": (2, 2, "precompute", ()),
+KTO_FACTORISATIONS = {  # name: (micro, ranks, ref_mode, reference ranks, overrides); global batch 4
+    "4x1x1-pre": (4, 1, "precompute", 1, ()),
+    "1x2x2-online": (1, 2, "online", 1, ()),
+    "2x1x2-pre": (2, 2, "precompute", 2, ()),
     # both sequences of a row (its own, its mismatched) packed, <= 72 tokens a micro-batch (rows hold 24-60):
     # in steps 2 and 3 one rank needs a micro-batch more than the other, a lockstep filler runs
-    "tok72-packed-x2-online": (1, 2, "online", ("train.packing=true", "train.max_tokens_per_micro_batch=72")),
+    "tok72-packed-x2-online": (1, 2, "online", 2, ("train.packing=true", "train.max_tokens_per_micro_batch=72")),
 }
 
 
@@ -58,7 +59,7 @@ def kto_runs(tiny_model, other_tiny_model, kto_data, tmp_path_factory):
 
     base, (train, held_out) = tmp_path_factory.mktemp("kto"), kto_data
     runs = {}
-    for name, (micro, ranks, mode, more) in KTO_FACTORISATIONS.items():
+    for name, (micro, ranks, mode, ref_ranks, more) in KTO_FACTORISATIONS.items():
         out = str(base / name)
         overrides = [
             f"model.path={tiny_model}",
@@ -80,7 +81,7 @@ def kto_runs(tiny_model, other_tiny_model, kto_data, tmp_path_factory):
             f"dpo.beta={BETA}",
             f"dpo.undesirable_weight={UNDESIRABLE_WEIGHT}",
             f"dpo.ref_mode={mode}",
-            "dpo.ref_num_workers=2",
+            f"dpo.ref_num_workers={ref_ranks}",
             *more,
         ]
         cfg = load_config(DPORunConfig, overrides=overrides)

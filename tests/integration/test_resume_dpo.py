@@ -1,5 +1,7 @@
 """Exact resume of DPO with held-out evaluation: stopped at step 7 (mid-epoch) and resumed, it ends with the
-uninterrupted run's metrics.jsonl, eval.jsonl and bit-identical weights. (SFT and faults: test_resume.py.)"""
+uninterrupted run's metrics.jsonl, eval.jsonl and bit-identical weights. The reference is the starting policy,
+precomputed by the policy's own ranks: the resumed run scores it again before its checkpoint is restored, so it
+gets the same log-probs. (SFT and faults: test_resume.py.)"""
 
 from __future__ import annotations
 

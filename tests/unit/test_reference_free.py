@@ -266,7 +266,8 @@ def test_a_reference_free_run_plans_no_reference_and_says_so(lora):
     lines = "\n".join(dpo_batch_lines(cfg, []))
     assert "dpo.loss_type=simpo: Meng et al. 2024" in lines and "no reference model" in lines
     assert "beta 2 (the paper's), simpo_gamma 1 (the paper's)" in lines and "reference: " not in lines
-    with_reference = _cfg(*extra)  # the default loss, sigmoid: a group of its own, or with LoRA the policy's base
+    # the default loss, sigmoid, scored online: a group of its own, or with LoRA the policy's base
+    with_reference = _cfg(*extra, "dpo.ref_mode=online")
     assert kind.reference_group(with_reference) is not lora and kind.reference_on_policy(with_reference) is lora
     assert ("reference" in [a.role for a in kind.plan(with_reference, 0.0).actors]) is not lora
     assert "against a frozen reference" in "\n".join(dpo_batch_lines(with_reference, []))

@@ -126,7 +126,7 @@ def test_every_trainer_role_starts_its_ranks_times_the_size():
     cfg = load_config(
         DPORunConfig,
         None,
-        [*REQUIRED, "train.num_workers=2", "strategy.sequence_parallel_size=2", "dpo.ref_num_workers=1"],
+        [*REQUIRED, "train.num_workers=2", "strategy.sequence_parallel_size=2", "dpo.ref_mode=online"],
     )
     plan = kind_of(cfg).plan(cfg, 0.0)
     assert [(a.role, a.count) for a in plan.actors] == [("policy", 4), ("reference", 2)]

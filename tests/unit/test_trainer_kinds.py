@@ -53,7 +53,7 @@ def test_the_descriptors_facts():
 
 def test_a_plan_comes_from_the_descriptor():
     """DPO's reference group, or none with LoRA (the policy's workers score the base); the reward model's role."""
-    dpo = _cfg(DPORunConfig, "dpo_tiny", "dpo.ref_num_workers=3")
+    dpo = _cfg(DPORunConfig, "dpo_tiny", "dpo.ref_num_workers=3", "dpo.ref_mode=online")
     assert [(a.role, a.count) for a in kind_of(dpo).plan(dpo, 0.0).actors] == [("policy", 1), ("reference", 3)]
     lora = _cfg(DPORunConfig, "dpo_tiny", "model.lora.r=8")
     assert [a.role for a in kind_of(lora).plan(lora, 0.0).actors] == ["policy"]
@@ -62,6 +62,36 @@ def test_a_plan_comes_from_the_descriptor():
     gae = _cfg(RLRunConfig, "grpo_tiny", "algo.advantage_estimator=gae", "reward.functions=[m:f]")
     assert "critic" in [a.role for a in kind_of(gae).plan(gae, 0.0).actors]
     assert kind_of(gae).trained_models(gae) == [("/m", CAUSAL_LM), ("/m", SCALAR_HEAD)]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_dpo_scores_the_starting_policy_on_the_policys_ranks_and_any_other_reference_on_its_own(lora):
+    """Precomputed, the reference the run starts from needs no group: the policy's ranks score it before the first
+    step (with LoRA: its base, at every step too). Another ``model.ref_path``, or an online reference without
+    LoRA, is a frozen group of ``dpo.ref_num_workers`` ranks; the dry run says which."""
+    extra = ("model.lora.r=8",) if lora else ()
+    for overrides, group in (
+        ((), False),
+        (("model.ref_path=/m",), False),  # the policy's own path: the same model
+        (("dpo.ref_mode=online",), not lora),
+        (("model.ref_path=/other",), True),
+        (("model.ref_path=/other", "dpo.ref_mode=online"), True),
+    ):
+        cfg = _cfg(DPORunConfig, "dpo_tiny", "model.path=/m", "dpo.ref_num_workers=2", *extra, *overrides)
+        kind = kind_of(cfg)
+        assert kind.reference_group(cfg) is group and kind.reference_on_policy(cfg) is not group, overrides
+        roles = [(a.role, a.count) for a in kind.plan(cfg, 0.0).actors]
+        assert roles == [("policy", 1)] + ([("reference", 2)] if group else []), overrides
+        said = [line for line in kind.batch_lines(cfg, []) if line.startswith("  reference: ")]
+        if group:
+            assert said and said[0].startswith("  reference: 2 ranks"), overrides
+        elif not lora:
+            assert said == [
+                "  reference: the starting policy, dpo.ref_mode=precompute: the policy's ranks score every pair "
+                "once before the first step (no reference workers; dpo.ref_num_workers unused)"
+            ]
+        else:  # the LoRA line of the dry run says the base is the reference
+            assert said == []
 
 
 def test_the_command_lines_parse_the_descriptors_config_class(capsys):
@@ -166,7 +196,7 @@ def test_the_hooks_reach_the_generic_rooms():
     sft_cfg = _cfg(SFTRunConfig, "sft_tiny")
     assert sft.describe(sft_cfg, sft.plan(sft_cfg, 0.0), devices) == [] and sft.checks(sft_cfg, False) == []
     assert ppo.batch_lines(gae, ["  x"])[0].startswith("  RL step: ") and sft.batch_lines(sft_cfg, ["  x"])[0] == "  x"
-    dpo_cfg = _cfg(DPORunConfig, "dpo_tiny", "dpo.ref_num_workers=2")
+    dpo_cfg = _cfg(DPORunConfig, "dpo_tiny", "dpo.ref_num_workers=2", "dpo.ref_mode=online")
     assert any(line.startswith("  reference: 2 ranks") for line in dpo.batch_lines(dpo_cfg, []))
     tied = _cfg(
         RLRunConfig,

@@ -2,9 +2,11 @@
 or with ``dpo.loss_type=kto`` unpaired rows (rlhf.trainers.offline.kto); reference-free with ``simpo``, ``cpo`` or
 ``orpo`` (no reference group is started).
 
-Reference log-probs come from the reference model on its own worker group, either once for the whole dataset
-before training (``dpo.ref_mode=precompute``, the reference group is then released) or for every step's
-global batch (``online``, for datasets too large to score up front); see rlhf.trainers.offline.reference.
+Reference log-probs come from the reference model, either once for the whole dataset before training
+(``dpo.ref_mode=precompute``) or for every step's global batch (``online``, for datasets too large to score up
+front); see rlhf.trainers.offline.reference. Precomputed, the reference the run starts from (no other
+``model.ref_path``) is the policy's starting weights, which the policy's own ranks score before the first step;
+any other reference, and every online one, runs on a frozen worker group of its own.
 """
 
 from __future__ import annotations
@@ -97,11 +99,16 @@ def dpo_batch_lines(cfg: DPORunConfig, lines: List[str]) -> List[str]:
     """``--dry-run``'s batch lines of DPO (``TrainerKind.batch_lines``): an offline trainer's, with its loss and
     settings, and its reference group's ranks and mode when it starts one."""
     lines = lines + [f"  {cfg.dpo.describe_loss()}"]
+    d = cfg.dpo
     if DPO.reference_group(cfg):
-        d = cfg.dpo
         lines = lines + [
             f"  reference: {d.ref_num_workers} ranks, dpo.ref_mode={d.ref_mode}"
             + (" (scores every pair once, then released)" if d.ref_mode == "precompute" else "")
+        ]
+    elif DPO.reference_on_policy(cfg) and not cfg.model.reference_is_base:
+        lines = lines + [
+            f"  reference: the starting policy, dpo.ref_mode={d.ref_mode}: the policy's ranks score every pair once "
+            f"before the first step (no reference workers; dpo.ref_num_workers unused)"
         ]
     if cfg.dpo.unpaired:
         lines = lines + [
@@ -126,4 +133,6 @@ DPO = TrainerKind(
     preset_prefixes=("dpo",),
     has_reference=lambda cfg: not cfg.dpo.reference_free,
     reference_ranks=lambda cfg: cfg.dpo.ref_num_workers,
+    # TRL's precompute_ref_log_probs without a ref_model: the model scores before it trains, no second copy
+    reference_is_initial_policy=lambda cfg: cfg.dpo.ref_mode == "precompute" and cfg.model.reference_is_start,
 )

@@ -1,6 +1,13 @@
 """The frozen reference of the DPO family (pairs and KTO's unpaired rows): its log-probs precomputed for the whole
-dataset before training (``dpo.ref_mode=precompute``, the reference group is then released) or scored for every
-step's global batch (``online``). Both give the same numbers.
+dataset before training (``dpo.ref_mode=precompute``) or scored for every step's global batch (``online``). Both
+give the same numbers.
+
+Who scores it: a reference group of its own (another ``model.ref_path``, or online; released once it has
+precomputed), else the policy's own ranks, before the first step. The policy's starting weights are the reference
+then, loaded from the same files in the same precision, scored in eval mode (no dropout) before any optimizer step
+or checkpoint restore, as TRL's ``precompute_ref_log_probs`` scores the model itself when it has no ``ref_model``;
+a run on the GPUs of its policy alone, with no second copy of the weights to load. With LoRA the policy's frozen
+base, the adapters off, is the reference at every step, so it scores online too.
 """
 
 from __future__ import annotations
@@ -48,28 +55,36 @@ def attach_reference(
     datasets: List[ReferenceScored],
     unit: str = "pairs",
 ) -> None:
-    """Score the reference: its group of the plan (``model.ref_path``, else the initial policy), or without one
-    (LoRA) the policy's frozen base, the policy's workers with the adapters off. Every row's log-probs are
-    precomputed now (train and held-out data; the reference group is released after), or each step's global batch
-    is scored (``task.prepare``). ``unit``: what a row is, for the log (``pairs``; KTO's ``rows``)."""
+    """Score the reference: its group of the plan, or without one the policy's workers (the module docstring):
+    with LoRA its frozen base, the adapters off; else, precomputing, its starting weights. Every row's log-probs are
+    precomputed now (train and held-out data; a reference group is released after), or each step's global batch is
+    scored (``task.prepare``). ``unit``: what a row is, for the log (``pairs``; KTO's ``rows``)."""
     cfg: DPORunConfig = ctx.cfg
-    fn: ScoreFn  # on the base: OnBaseModel(ReferenceLogps()); on a group of its own: ReferenceLogps()
-    if reference is None:
-        scorer, fn = policy, OnBaseModel(ReferenceLogps())
+    online = cfg.dpo.ref_mode == "online"
+    fn: ScoreFn  # on the base: OnBaseModel(ReferenceLogps()); as it is (its own group, the starting policy): ...
+    if reference is not None:
+        scorer, fn, where = reference, ReferenceLogps(), "on the reference workers (released now)"
+    elif cfg.model.reference_is_base:
+        scorer, fn, where = policy, OnBaseModel(ReferenceLogps()), "on the policy's frozen base (LoRA)"
     else:
-        scorer, fn = reference, ReferenceLogps()
-    if cfg.dpo.ref_mode == "online":
+        # the plan starts no group only for a reference the policy starts from: scored before it trains, or never
+        assert not online and cfg.model.reference_is_start, "an online or other reference needs a group of its own"
+        scorer, fn, where = policy, ReferenceLogps(), "by the policy's ranks before its first step"
+    if online:
         task.prepare = lambda batch: batch.replace(ref_logps=scorer.score_batch(batch, fn))
         return
     for data in datasets:
         data.ref_logps = precompute_reference(scorer, data, fn)
     rows = sum(len(d.examples) for d in datasets)
-    if scorer is policy:
-        log.info(f"[dpo] reference log-probs precomputed for {rows} {unit} on the policy's frozen base (LoRA)")
-        return
-    scorer.shutdown()
-    ctx.groups.remove(scorer)
-    log.info(f"[dpo] reference log-probs precomputed for {rows} {unit}; reference workers released")
+    # the precompute's forward passes, not the first step's: a step's perf/* metrics are its own work
+    speed = scorer.perf_metrics().get(f"perf/{scorer.role}/forward_tokens_per_s")
+    log.info(
+        f"[dpo] reference log-probs precomputed for {rows} {unit} {where}"
+        + (f" ({speed:,.0f} tokens/s)" if speed else "")
+    )
+    if scorer is reference:
+        scorer.shutdown()
+        ctx.groups.remove(scorer)
 
 
 def precompute_reference(ref: WorkerGroup, data: ReferenceScored, fn: ScoreFn) -> torch.Tensor:
