@@ -89,8 +89,8 @@ def attach_reference(
 
 def precompute_reference(ref: WorkerGroup, data: ReferenceScored, fn: ScoreFn) -> torch.Tensor:
     """``(N, 2)`` summed reference log-probs of every row: on a frozen group ``REF_BATCH_SIZE`` rows per forward,
-    on the trained one (LoRA's base) its micro-batch size, under ``train.max_tokens_per_micro_batch`` as many as
-    the budget holds."""
+    on the trained one (LoRA's base, the starting policy) its micro-batch size (the rows it is sized to hold), under
+    ``train.max_tokens_per_micro_batch`` as many as the budget holds."""
     n = len(data.examples)
     window = REF_BATCH_SIZE * ref.size * 8  # collated a window at a time: a padded copy of the whole set is not kept
     assert ref.engine_spec is not None, "the reference group was built before it scores"
