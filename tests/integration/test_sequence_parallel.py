@@ -159,9 +159,15 @@ def _started_groups(model_path):
 @pytest.fixture(scope="module")
 def trained(batches, tmp_path_factory, model_path):
     """Every group's steps in lockstep -> ``{"rows": name -> [step metrics], "old_logps": name -> (B, T),
-    "values": name -> (B, T), "dirs": name -> the causal LM's saved weights}``; the groups are gone after."""
+    "values": name -> (B, T), "dirs": name -> the causal LM's saved weights, "zero": stage -> name -> [step
+    results]}``; the groups are gone after. ``zero``: then ``whole`` (one rank) and ``sp2`` (a sequence group of
+    two) are rebuilt on ZeRO 2, then 3 (last: a ZeRO-3 engine is never followed by a rebuild), in fp32, and take
+    two SFT steps each, for the ZeRO stages' own collectives."""
     with _started_groups(model_path) as groups:
-        return _train_in_lockstep(groups, batches, tmp_path_factory, model_path)
+        trained = _train_in_lockstep(groups, batches, tmp_path_factory, model_path)
+        pair = {name: groups[name][0] for name in ("whole", "sp2")}
+        trained["zero"] = {stage: _zero_steps(pair, model_path, batches, stage) for stage in (2, 3)}
+        return trained
 
 
 def _train_in_lockstep(groups, batches, tmp_path_factory, model_path) -> dict:
@@ -392,31 +398,9 @@ def test_grpo_with_gspo_through_vllm_keeps_the_contract_at_sp_2_and_1(
 FP32_RTOL = 1e-5  # float32 rounding of differently shaped matmuls and reductions; measured below 1e-6
 
 
-@pytest.fixture(scope="module")
-def zero_pair(model_path):
-    """A one-rank group and a sequence group of two, for the ZeRO stages' own collectives (fp32)."""
-    from rlhf.distributed.cluster import actor_env
-    from rlhf.distributed.group import GroupResources, WorkerGroup
-
-    started = in_parallel(
-        {
-            name: (
-                lambda n=ranks: WorkerGroup(
-                    "policy", GroupResources(n, cpus_per_worker=0.5, env_vars=actor_env(0)), "gloo"
-                )
-            )
-            for name, ranks in (("whole", 1), ("sp2", 2))
-        }
-    )
-    yield started
-    for group in started.values():
-        group.shutdown()
-
-
-@pytest.mark.parametrize("stage", [2, 3])  # 3 last: a ZeRO-3 engine is never followed by a rebuild
-def test_sharded_steps_match_under_zero_2_and_3(zero_pair, model_path, batches, stage):
-    """ZeRO 3 gathers every parameter inside the forward (on all ranks) between the sequence group's all-to-alls;
-    ZeRO 2 reduce-scatters the gradients over every rank: both keep the unsharded step's numbers."""
+def _zero_steps(pair, model_path, batches, stage: int) -> dict:
+    """``pair``'s groups rebuilt on ZeRO ``stage`` (fp32, the unsharded global batch's micro-batch of 4, each
+    group's own sequence-parallel size) -> name -> the results of two SFT steps."""
     from rlhf.models.loading import ModelSpec
     from rlhf.objectives.sft import SFTObjective
 
@@ -427,17 +411,22 @@ def test_sharded_steps_match_under_zero_2_and_3(zero_pair, model_path, batches, 
             OptimSpec(lr=1e-3, total_steps=2, scheduler="constant"),
         )
 
-    in_parallel({name: (lambda g=g: build(g, g.size)) for name, g in zero_pair.items()})
-    steps: dict = {name: [] for name in zero_pair}
+    in_parallel({name: (lambda g=g: build(g, g.size)) for name, g in pair.items()})
+    steps: dict = {name: [] for name in pair}
     for step in range(2):
         done = in_parallel(
-            {
-                name: (lambda g=g, at=step: g.train_batch(batches["sft"], SFTObjective(), at))
-                for name, g in zero_pair.items()
-            }
+            {name: (lambda g=g, at=step: g.train_batch(batches["sft"], SFTObjective(), at)) for name, g in pair.items()}
         )
         for name, result in done.items():
             steps[name].append(result)
+    return steps
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sharded_steps_match_under_zero_2_and_3(trained, stage):
+    """ZeRO 3 gathers every parameter inside the forward (on all ranks) between the sequence group's all-to-alls;
+    ZeRO 2 reduce-scatters the gradients over every rank: both keep the unsharded step's numbers."""
+    steps = trained["zero"][stage]
     for ref, got in zip(steps["whole"], steps["sp2"]):
         assert _rel(got.metrics["loss"], ref.metrics["loss"]) <= FP32_RTOL
         assert _rel(got.grad_norm, ref.grad_norm) <= FP32_RTOL
