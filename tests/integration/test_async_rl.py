@@ -47,12 +47,13 @@ def runs(tiny_model, rl_prompts, rl_shaping, tmp_path_factory):
 @pytest.fixture(scope="module")
 def dynamic(tiny_model, rl_prompts, rl_shaping, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("dynamic") / "run")
-    extra = ("reward.functions=[rlhf.synthetic.arithmetic:reward]", "rollout.dynamic_sampling=true")
+    extra = ("reward.functions=[rlhf.synthetic.arithmetic:reward]", "rollout.dynamic_sampling=true", "algo.kl_coef=0")
     rows, _ = run_rl(tiny_model, rl_prompts, rl_shaping, out, *ASYNC, *extra, "rollout.overlong_buffer=2")
     return rows
 
 
-PARTIAL = (*ASYNC, "rollout.partial_rollout_tokens=2")  # of rollout.max_new_tokens=4
+# of rollout.max_new_tokens=4; no KL term (no reference model: no assertion of these runs reads the KL)
+PARTIAL = (*ASYNC, "rollout.partial_rollout_tokens=2", "algo.kl_coef=0")
 
 
 @pytest.fixture(scope="module")

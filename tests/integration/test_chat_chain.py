@@ -163,7 +163,8 @@ def test_conversational_sft_dpo_grpo_from_hub_ids_offline(hub_cache, tmp_path, m
 
     # GRPO from the DPO model on GSM8K-shaped prompts: plain questions rendered as a user turn with the chat template
     # and its generation prompt (data.template_text_prompts), scored by the user's reward function against the
-    # answer after '####'; held-out prompts come from the same hub dataset's test split.
+    # answer after '####'; held-out prompts come from the same hub dataset's test split. No KL term (algo.kl_coef=0):
+    # no reference model, and no assertion here reads the KL.
     reward = tmp_path / "gsm8k_reward.py"
     reward.write_text(GSM8K_REWARD)
     grpo = tmp_path / "grpo"
@@ -187,6 +188,7 @@ def test_conversational_sft_dpo_grpo_from_hub_ids_offline(hub_cache, tmp_path, m
         "train.micro_batch_size=16",
         "train.max_steps=2",
         "rollout.eval_samples_per_prompt=2",
+        "algo.kl_coef=0",
         *COMMON,
     )
     assert "16 prompts (0 skipped" in capsys.readouterr().out

@@ -193,6 +193,7 @@ def test_an_rl_run_is_rewarded_by_the_judge_on_engines_of_its_own(digit_model, t
         "reward.judge.max_model_len=256",
         "reward.judge.cpus_per_engine=0.5",
         "algo.advantage_estimator=reinforce_pp",  # a batch baseline: the digits differ across the batch
+        "algo.kl_coef=0",  # no reference model: the judge's reward is what this run is about
         "rollout.prompts_per_step=8",
         "rollout.n_samples_per_prompt=2",
         "train.global_batch_size=16",

@@ -206,8 +206,9 @@ def test_a_killed_engine_restarts_from_the_checkpoint_and_ends_identical(whole, 
     assert a and set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-# k = 1, and without the recording reward function (its file belongs to the synchronous runs)
-ASYNC = ("rollout.max_staleness=1", "reward.functions=[rlhf.synthetic.arithmetic:reward]")
+# k = 1, without the recording reward function (its file belongs to the synchronous runs), and without a KL term
+# (no reference model: no assertion of the async runs reads the KL)
+ASYNC = ("rollout.max_staleness=1", "reward.functions=[rlhf.synthetic.arithmetic:reward]", "algo.kl_coef=0")
 
 
 def test_an_async_multi_turn_run_stopped_resumed_and_restarted_ends_as_the_uninterrupted_one(tiny_model, files):
@@ -244,7 +245,8 @@ def test_with_on_error_drop_a_crashing_episode_ends_alone_and_the_run_goes_on(
     tiny_model, tiny_reward_model, files, capsys
 ):
     """Also a reward model on the finished episodes: it scores each whole episode row; and per-turn credit
-    (REINFORCE++ with each turn's environment reward at its last policy token) on episodes that end early."""
+    (REINFORCE++ with each turn's environment reward at its last policy token) on episodes that end early. No KL
+    term (``algo.kl_coef=0``): no reference model is started."""
     base, _ = files
     out = str(base / "dropped")
     _train(
@@ -258,6 +260,7 @@ def test_with_on_error_drop_a_crashing_episode_ends_alone_and_the_run_goes_on(
             f"reward.model_path={tiny_reward_model}",
             "algo.advantage_estimator=reinforce_pp",
             "algo.turn_credit=turn",
+            "algo.kl_coef=0",
         )
     )
     (row,) = _rows(out)

@@ -151,6 +151,7 @@ def test_an_rl_run_scores_on_actors_and_over_http_and_drops_the_failed_groups(tm
             "train.global_batch_size=32",
             "train.micro_batch_size=16",
             "train.max_steps=1",
+            "algo.kl_coef=0",  # no KL term: no reference model (no assertion here reads the KL)
         )
     finally:
         service.close()
