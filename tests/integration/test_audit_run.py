@@ -75,7 +75,8 @@ def test_a_correct_sft_config_keeps_the_contract(tiny_model, sft_data, tmp_path,
 @pytest.mark.usefixtures("ray_session")
 def test_dropout_left_on_is_found_by_the_runs(tiny_model, sft_data, tmp_path, capsys, monkeypatch):
     """Nothing in the config is refused (dropout may be wanted, and the config cannot know whether the model has
-    any): the lint warns, and the runs show that the factorisations train differently from step 1."""
+    any): the lint warns, and the runs show that the factorisations train differently from step 1. Two runs show
+    it (``--factorizations``: the configured split and micro 1 on its one rank, not a third run)."""
     model = str(tmp_path / "with_dropout")
     shutil.copytree(tiny_model, model)
     with open(os.path.join(model, "config.json")) as f:
@@ -88,6 +89,8 @@ def test_dropout_left_on_is_found_by_the_runs(tiny_model, sft_data, tmp_path, ca
         _run_config(tmp_path, model, sft_data),
         "--steps",
         "1",
+        "--factorizations",
+        "1x4x1",
         "model.disable_dropout=false",
         "train.num_workers=1",
         "train.global_batch_size=4",
@@ -95,4 +98,5 @@ def test_dropout_left_on_is_found_by_the_runs(tiny_model, sft_data, tmp_path, ca
     rc, out, err = _audit(argv, tmp_path, capsys, monkeypatch)
     assert rc == 1, out + err
     assert "warning  model.disable_dropout=false" in out and "2x2x1 (the configured split)" in out
+    assert "runs: 2 factorisations of the global batch 4" in out
     assert out.rstrip().splitlines()[-1].startswith("VERDICT: FAIL at step 1: ")

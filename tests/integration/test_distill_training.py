@@ -111,6 +111,7 @@ def test_gkd_jsd_alone_trains_packed_under_a_token_budget(tiny_model, teacher, r
         "algo.teacher.beta=0.3",
         "algo.teacher.top_k=16",
         "train.num_workers=2",
+        "algo.teacher.num_workers=1",  # the teacher's ranks are its own: one scores the rows of both policy ranks
         "train.packing=true",
         "train.max_tokens_per_micro_batch=48",
         "train.max_steps=2",

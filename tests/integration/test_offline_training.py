@@ -42,6 +42,10 @@ SFT_FACTORISATIONS = {  # name: (micro, ranks, zero stage[, overrides]); global 
     # rank needs a micro-batch fewer than the other (a lockstep filler)
     "tok52-packed-x2-z3": (1, 2, 3, ("train.packing=true", "train.max_tokens_per_micro_batch=52")),
 }
+# The factorisation that also evaluates held-out data (data.eval_path: the training rows), after its last step only
+# (train.eval_every=0): that writes eval.jsonl, never a metrics.jsonl row, once the final weights are trained, so
+# what the factorisations compare (metrics.jsonl, final weights) is untouched (test_sft_eval_over_two_ranks_...).
+EVALUATED = "2x2x2-z3"
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +56,12 @@ def sft_runs(tiny_model, sft_data, tmp_path_factory):
     runs = {}
     for name, (mbs, nw, zero, *extra) in SFT_FACTORISATIONS.items():
         out = str(base / name)
+        held_out = (f"data.eval_path={sft_data}",) if name == EVALUATED else ()
         cfg = load_config(
             SFTRunConfig,
-            overrides=_overrides(tiny_model, sft_data, out, 8, mbs, nw, zero, extra=extra[0] if extra else ()),
+            overrides=_overrides(
+                tiny_model, sft_data, out, 8, mbs, nw, zero, extra=(*(extra[0] if extra else ()), *held_out)
+            ),
         )
         result = train_sft(cfg)
         runs[name] = (_rows(out), result.final_dir, cfg)
@@ -114,8 +121,6 @@ def test_sft_step1_equals_plain_pytorch_whole_batch(sft_runs, tiny_model, sft_da
 
 
 def test_sft_max_steps_counts_optimizer_steps_not_epochs(tiny_model, sft_data, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from rlhf.trainers.offline.sft import train_sft
 
     out = str(tmp_path / "max3")
@@ -127,7 +132,7 @@ def test_sft_max_steps_counts_optimizer_steps_not_epochs(tiny_model, sft_data, t
             out,
             8,
             2,
-            2,
+            1,  # one rank: held-out evaluation over two, with a lockstep filler, is test_sft_eval_over_two_ranks_...
             2,
             epochs=2,
             extra=("train.max_steps=3", f"data.eval_path={sft_data}", "train.eval_every=2"),
@@ -144,18 +149,37 @@ def test_sft_max_steps_counts_optimizer_steps_not_epochs(tiny_model, sft_data, t
     assert os.path.isfile(os.path.join(result.final_dir, "tokenizer_config.json"))
 
     # Held-out evaluation after steps 2 and 3 (the last); the final one equals the saved model's token-mean NLL
-    # over every eval row, computed here with plain PyTorch (21 rows over 2 ranks: lockstep fillers not counted).
+    # over every eval row, computed here with plain PyTorch.
     evals = _read_jsonl(os.path.join(out, "eval.jsonl"))
     assert [e["step"] for e in evals] == [2, 3]
-    tokenizer = AutoTokenizer.from_pretrained(result.final_dir)
-    model = AutoModelForCausalLM.from_pretrained(result.final_dir, dtype=torch.float32).eval()
+    _assert_eval_is_the_saved_models_nll(evals[-1], result.final_dir, sft_data)
+
+
+def test_sft_eval_over_two_ranks_counts_no_lockstep_filler(sft_runs, sft_data):
+    """The held-out evaluation of the 2-rank ZeRO-3 factorisation (every forward a collective): 21 rows, 8 a call
+    in micro-batches of 2, so the last call's 3 micro-batches give one rank a lockstep filler, not counted. Only
+    after the last step (train.eval_every=0), it equals the saved model's token-mean NLL over every eval row."""
+    _, final_dir, cfg = sft_runs[EVALUATED]
+    assert cfg.train.num_workers == 2 and cfg.strategy.zero_stage == 3 and cfg.train.eval_every == 0
+    evals = _read_jsonl(os.path.join(cfg.train.output_dir, "eval.jsonl"))
+    assert [e["step"] for e in evals] == [4]
+    _assert_eval_is_the_saved_models_nll(evals[-1], final_dir, sft_data)
+
+
+def _assert_eval_is_the_saved_models_nll(row, final_dir, data):
+    """``row`` (an eval.jsonl row) = the token-mean NLL of the model saved in ``final_dir`` over every row of
+    ``data``, computed here with plain PyTorch: its tokens counted once each."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(final_dir)
+    model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).eval()
     total, count = 0.0, 0
     with torch.no_grad():
-        for row in _read_jsonl(sft_data):
-            nll, n = _completion_nll_and_count(model, tokenizer, row["prompt"], row["response"])
+        for example in _read_jsonl(data):
+            nll, n = _completion_nll_and_count(model, tokenizer, example["prompt"], example["response"])
             total, count = total + float(nll), count + n
-    assert evals[-1]["num_tokens"] == count
-    assert evals[-1]["loss"] == pytest.approx(total / count, rel=LOSS_RTOL)
+    assert row["num_tokens"] == count
+    assert row["loss"] == pytest.approx(total / count, rel=LOSS_RTOL)
 
 
 # ---------------------------------------------------------------------------------------------------- DPO
