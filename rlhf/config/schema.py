@@ -118,7 +118,7 @@ class ModelConfig:
         )
 
     @property
-    def reference_is_start(self) -> bool:
+    def reference_is_initial(self) -> bool:
         """No other ``ref_path``: the DPO / RL reference is the model training starts from."""
         return self.ref_path in ("", self.path)
 
@@ -126,7 +126,7 @@ class ModelConfig:
     def reference_is_base(self) -> bool:
         """With LoRA and no other ``ref_path``, the DPO / RL reference is the policy's own frozen base, scored with
         the adapters off: no reference workers, no second copy of the weights."""
-        return self.lora.enabled and self.reference_is_start
+        return self.lora.enabled and self.reference_is_initial
 
 
 @dataclass(frozen=True)

@@ -134,5 +134,5 @@ DPO = TrainerKind(
     has_reference=lambda cfg: not cfg.dpo.reference_free,
     reference_ranks=lambda cfg: cfg.dpo.ref_num_workers,
     # TRL's precompute_ref_log_probs without a ref_model: the model scores before it trains, no second copy
-    reference_is_initial_policy=lambda cfg: cfg.dpo.ref_mode == "precompute" and cfg.model.reference_is_start,
+    reference_is_initial_policy=lambda cfg: cfg.dpo.ref_mode == "precompute" and cfg.model.reference_is_initial,
 )

@@ -5,8 +5,8 @@ give the same numbers.
 Who scores it: a reference group of its own (another ``model.ref_path``, or online; released once it has
 precomputed), else the policy's own ranks, before the first step. The policy's starting weights are the reference
 then, loaded from the same files in the same precision, scored in eval mode (no dropout) before any optimizer step
-or checkpoint restore, as TRL's ``precompute_ref_log_probs`` scores the model itself when it has no ``ref_model``;
-a run on the GPUs of its policy alone, with no second copy of the weights to load. With LoRA the policy's frozen
+or checkpoint restore, as TRL's ``precompute_ref_log_probs`` scores the model itself when it has no ``ref_model``:
+the run holds its policy's devices alone and loads no second copy of the weights. With LoRA the policy's frozen
 base, the adapters off, is the reference at every step, so it scores online too.
 """
 
@@ -61,14 +61,14 @@ def attach_reference(
     scored (``task.prepare``). ``unit``: what a row is, for the log (``pairs``; KTO's ``rows``)."""
     cfg: DPORunConfig = ctx.cfg
     online = cfg.dpo.ref_mode == "online"
-    fn: ScoreFn  # on the base: OnBaseModel(ReferenceLogps()); as it is (its own group, the starting policy): ...
+    fn: ScoreFn  # OnBaseModel(ReferenceLogps()) on LoRA's base, else ReferenceLogps() on the model as it is
     if reference is not None:
         scorer, fn, where = reference, ReferenceLogps(), "on the reference workers (released now)"
     elif cfg.model.reference_is_base:
         scorer, fn, where = policy, OnBaseModel(ReferenceLogps()), "on the policy's frozen base (LoRA)"
     else:
         # the plan starts no group only for a reference the policy starts from: scored before it trains, or never
-        assert not online and cfg.model.reference_is_start, "an online or other reference needs a group of its own"
+        assert not online and cfg.model.reference_is_initial, "an online or other reference needs a group of its own"
         scorer, fn, where = policy, ReferenceLogps(), "by the policy's ranks before its first step"
     if online:
         task.prepare = lambda batch: batch.replace(ref_logps=scorer.score_batch(batch, fn))
