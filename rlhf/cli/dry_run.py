@@ -262,7 +262,7 @@ def batch_lines(cfg: RunConfig) -> List[str]:
             f"  LoRA: r {lora.r}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}"
             + (
                 "; the reference is the frozen base under the adapters (no reference workers)"
-                if kind.reference_on_policy(cfg)
+                if kind.reference_on_base(cfg)
                 else ""
             )
             + (

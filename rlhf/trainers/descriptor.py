@@ -109,9 +109,13 @@ class TrainerKind:
 
     def reference_on_policy(self, cfg: RunConfig) -> bool:
         """Whether the policy's workers score the reference, and no reference group is started: the policy's own
-        frozen base (LoRA with the adapters off), or the starting policy itself scored before the first step
+        frozen base (:meth:`reference_on_base`), or the starting policy itself scored before the first step
         (``reference_is_initial_policy``)."""
-        return self.has_reference(cfg) and (cfg.model.reference_is_base or self.reference_is_initial_policy(cfg))
+        return self.reference_on_base(cfg) or (self.has_reference(cfg) and self.reference_is_initial_policy(cfg))
+
+    def reference_on_base(self, cfg: RunConfig) -> bool:
+        """Whether the reference is the policy's own frozen base (LoRA with the adapters off), at every step."""
+        return self.has_reference(cfg) and cfg.model.reference_is_base
 
     def trained_models(self, cfg: RunConfig) -> List[Tuple[str, str]]:
         """``(path, kind)`` of every model a run of ``cfg`` trains, and so wraps with LoRA when ``model.lora`` is on:

@@ -80,6 +80,7 @@ def test_dpo_scores_the_starting_policy_on_the_policys_ranks_and_any_other_refer
         cfg = _cfg(DPORunConfig, "dpo_tiny", "model.path=/m", "dpo.ref_num_workers=2", *extra, *overrides)
         kind = kind_of(cfg)
         assert kind.reference_group(cfg) is group and kind.reference_on_policy(cfg) is not group, overrides
+        assert kind.reference_on_base(cfg) is (lora and "model.ref_path=/other" not in overrides), overrides
         roles = [(a.role, a.count) for a in kind.plan(cfg, 0.0).actors]
         assert roles == [("policy", 1)] + ([("reference", 2)] if group else []), overrides
         said = [line for line in kind.batch_lines(cfg, []) if line.startswith("  reference: ")]

@@ -105,7 +105,7 @@ def dpo_batch_lines(cfg: DPORunConfig, lines: List[str]) -> List[str]:
             f"  reference: {d.ref_num_workers} ranks, dpo.ref_mode={d.ref_mode}"
             + (" (scores every pair once, then released)" if d.ref_mode == "precompute" else "")
         ]
-    elif DPO.reference_on_policy(cfg) and not cfg.model.reference_is_base:
+    elif DPO.reference_on_policy(cfg) and not DPO.reference_on_base(cfg):
         lines = lines + [
             f"  reference: the starting policy, dpo.ref_mode={d.ref_mode}: the policy's ranks score every pair once "
             f"before the first step (no reference workers; dpo.ref_num_workers unused)"

@@ -144,7 +144,7 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     # CPUs do not depend on the GPUs per worker, which are known only once the cluster is joined.
     with run.cluster(needed_cpus=PPO.plan(cfg, 0.0).needed_cpus) as ctx:
         started = start_roles(cfg, ctx, PPO.plan(cfg, ctx.gpus_per_worker), optimizer_steps)
-        actors = rl_actors(started, PPO.reference_on_policy(cfg))
+        actors = rl_actors(started, PPO.reference_on_base(cfg))
         connect_weight_sync(cfg, ctx, actors)
         write_placement(started, t.output_dir)
         policy_objective, value_objective = build_objectives(cfg)
