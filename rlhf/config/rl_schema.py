@@ -666,6 +666,9 @@ class ColocateConfig:
     """
 
     policy_reference: bool = False  # reference rank r on policy rank r's bundle (needs algo.kl_coef > 0)
+    # each policy rank holds a frozen copy of the reference in its own process (verl's fused actor-reference worker):
+    # no reference workers, no second process or CUDA context per device (needs algo.kl_coef > 0)
+    reference_in_policy: bool = False
     policy_teacher: bool = False  # teacher rank r on policy rank r's bundle (needs algo.teacher.path)
     critic_reward: bool = False  # reward-model rank r on critic rank r's bundle (needs both)
     hybrid_engine: bool = False  # vLLM engine e on policy rank e's bundle (num_engines = train.num_workers)
@@ -927,16 +930,27 @@ class RLRunConfig(RunConfig):
 
     def _check_colocation(self) -> None:
         c, r = self.colocate, self.rollout
-        if c.policy_reference:
-            check_setting(
-                self.algo.kl_coef > 0, "colocate.policy_reference", "needs a reference model (algo.kl_coef > 0)"
-            )
+        # the two ways to place the reference near the policy: reference workers on its bundles, or a copy in its
+        # own processes
+        for key, on, verb in (
+            ("colocate.policy_reference", c.policy_reference, "colocate"),
+            ("colocate.reference_in_policy", c.reference_in_policy, "hold"),
+        ):
+            if not on:
+                continue
+            check_setting(self.algo.kl_coef > 0, key, "needs a reference model (algo.kl_coef > 0)")
             check_setting(
                 not self.model.reference_is_base,
-                "colocate.policy_reference",
-                "has nothing to colocate: with model.lora.r > 0 the reference is the policy's own frozen base, "
-                "scored by the policy's workers with the adapters off",
+                key,
+                f"has nothing to {verb}: with model.lora.r > 0 the reference is the policy's own frozen base, scored "
+                f"by the policy's workers with the adapters off",
             )
+        check_setting(
+            not (c.policy_reference and c.reference_in_policy),
+            "colocate.reference_in_policy",
+            "and colocate.policy_reference both place the reference: the policy's processes hold it, or reference "
+            "workers share the policy's bundles; set one",
+        )
         if c.policy_teacher:
             t = self.algo.teacher
             check_setting(bool(t.path), "colocate.policy_teacher", "needs a teacher (algo.teacher.path)")

@@ -139,6 +139,15 @@ class WorkerGroup:
         self.engine_spec, self.trainable = engine, optim is not None
         return self._gather([w.build.remote(model, engine, optim) for w in self.workers], "build")
 
+    def build_reference(self, model: ModelSpec, engine: EngineSpec) -> List[Dict[str, int]]:
+        """Load a frozen reference ``model`` into every rank's own process beside the model it trains
+        (``colocate.reference_in_policy``; :meth:`TrainerWorker.build_reference`), sharded as a frozen group of as
+        many ranks shaped by ``engine`` would be; :meth:`score_batch` with ``on_reference`` scores on it, in the
+        same chunks as on the trained model."""
+        if not self.trainable:
+            raise RuntimeError(f"{self.role}: build_reference needs a group built trainable")
+        return self._gather([w.build_reference.remote(model, engine) for w in self.workers], "build_reference")
+
     @property
     def global_batch_size(self) -> int:
         """Rows :meth:`train_batch` takes: micro-batch size x accumulation steps x data-parallel ranks."""
@@ -260,9 +269,12 @@ class WorkerGroup:
             raise ValueError(f"{self.role}: {_with_sample(err, batch)}") from None
 
     # ------------------------------------------------------------------ forward only
-    def score_batch(self, batch: Batch, fn: ScoreFn, rows_per_forward: Optional[int] = None) -> torch.Tensor:
+    def score_batch(
+        self, batch: Batch, fn: ScoreFn, rows_per_forward: Optional[int] = None, on_reference: bool = False
+    ) -> torch.Tensor:
         """``fn`` over ``batch`` in chunks of ``rows_per_forward`` rows (default: the build's micro-batch size),
-        each trimmed to its own longest row, spread over the ranks -> one ``(B, ...)`` tensor.
+        each trimmed to its own longest row, spread over the ranks -> one ``(B, ...)`` tensor; ``on_reference``: on
+        the frozen reference the ranks hold (:meth:`build_reference`), not on their own model.
 
         Per-token results (``(B, T)``, ``(B, 2, T)`` for pairs, or with trailing axes ``(B, T, ...)``) are
         right-padded with zeros along the time axis back to the batch's width ``T``; per-row results (``(B,)``,
@@ -271,7 +283,7 @@ class WorkerGroup:
         """
         if not len(batch):
             raise ValueError(f"{self.role}: score_batch of an empty batch")
-        parts = self.score(self._chunks(batch, rows_per_forward, "score_batch"), fn)
+        parts = self.score(self._chunks(batch, rows_per_forward, "score_batch"), fn, on_reference)
         width, time_axis = batch.input_ids.shape[-1], batch.input_ids.dim() - 1
         # per-token results have input_ids' rank, or more (a trailing axis: a teacher's top-k, (B, T, K, 2))
         per_token = [p.dim() >= batch.input_ids.dim() for p in parts]
@@ -286,15 +298,17 @@ class WorkerGroup:
         totals.add(self.evaluate(chunks, objective), sum(objective.count(c) for c in chunks))
         return totals
 
-    def score(self, batches: Sequence[Batch], fn: ScoreFn) -> List[Any]:
-        """Run ``fn`` over ``batches`` spread across the ranks; results in the order of ``batches``.
+    def score(self, batches: Sequence[Batch], fn: ScoreFn, on_reference: bool = False) -> List[Any]:
+        """Run ``fn`` over ``batches`` spread across the ranks (``on_reference``: on the reference they hold);
+        results in the order of ``batches``.
 
         Every rank runs the same number of forwards (see :meth:`_spread`); filler results are dropped.
         """
         if not batches:
             return []
         shards, _ = self._spread(batches)
-        results = self._gather([w.score.remote(s, fn) for w, s in zip(self.workers, shards)], "score")
+        calls = [w.score.remote(s, fn, on_reference) for w, s in zip(self.workers, shards)]
+        results = self._gather(calls, "score")
         return [out for shard in self._of_groups(results) for out in shard][: len(batches)]
 
     def evaluate(self, batches: Sequence[Batch], objective: Objective) -> Sums:

@@ -41,11 +41,11 @@ from rlhf.models.lora import (
     save_merged,
 )
 from rlhf.models.packing import packed_attention
-from rlhf.models.sequence_parallel import enable_sequence_parallel, new_sequence_group
+from rlhf.models.sequence_parallel import SequenceGroup, enable_sequence_parallel, new_sequence_group
 from rlhf.objectives.base import DeviceSums, Objective, ScoreFn, Sums
 from rlhf.ops.losses import normalize
 from rlhf.utils.device import resolve_attn_implementation
-from rlhf.utils.flops import ModelFlops, PerfMeter, peak_tflops
+from rlhf.utils.flops import REFERENCE_PASS, ModelFlops, PerfMeter, peak_tflops
 from rlhf.utils.startup import collector_paused
 
 
@@ -98,6 +98,12 @@ class TrainerWorker:
         self.model_flops: Optional[ModelFlops] = None
         self.peak_tflops: Optional[float] = None
         self.sequence_parallel_size = 1  # ranks sharing each row (build() reads it from the engine spec)
+        self._sequence: Optional[SequenceGroup] = (
+            None  # this rank's sequence group under sequence parallelism (build() makes it)
+        )
+        # a frozen reference held beside the trained model (colocate.reference_in_policy; build_reference loads it)
+        self.reference: Optional[torch.nn.Module] = None
+        self.reference_flops: Optional[ModelFlops] = None
 
     def __repr__(self) -> str:
         # Ray prefixes the output it forwards from this actor with its repr: "(policy rank 0 pid=..., ip=...)"
@@ -162,13 +168,10 @@ class TrainerWorker:
 
     @collector_paused()  # imports transformers, builds the model and its engine
     def build(self, model: ModelSpec, engine: EngineSpec, optim: Optional[OptimSpec]) -> Dict[str, int]:
-        """Load the model; with ``optim`` wrap it in a training engine, else keep it frozen for scoring."""
-        # Capability is decided where the model runs: flash-attention 2 on a CUDA worker that has it, else sdpa; a
-        # packing run takes the variable-length form of either (rlhf.models.packing).
-        attention = resolve_attn_implementation(model.attn_implementation, model.precision)
-        model = dataclasses.replace(
-            model, attn_implementation=packed_attention(attention) if model.packing else attention
-        )
+        """Load the model; with ``optim`` wrap it in a training engine, else keep it frozen for scoring. A reference
+        held for an earlier build is dropped (:meth:`build_reference` follows the build it belongs to)."""
+        self.reference = self.reference_flops = None
+        model = self._with_attention(model)
         engine = built_spec(engine, self.world_size)  # a one-rank group builds ZeRO 1 for 2 and 3
         zero3 = None
         if engine.zero_stage == 3:  # load straight into partitions, and reuse the config for a frozen engine
@@ -183,33 +186,63 @@ class TrainerWorker:
             self.lora = model.lora
         self.sequence_parallel_size = engine.sequence_parallel_size
         if self.sequence_parallel_size > 1:  # collective: every rank makes every sequence group
-            sequence = new_sequence_group(
+            self._sequence = new_sequence_group(
                 self.rank, self.world_size, self.sequence_parallel_size, model.attn_implementation
             )
-            enable_sequence_parallel(module, sequence)
+            enable_sequence_parallel(module, self._sequence)
         if optim is not None:
             self.engine = TrainEngine(module, engine=engine, optim=optim, world_size=self.world_size)
             self.engine.train()
             self.model = self.engine.module
-        elif engine.zero_stage == 3:
+        else:
+            self.model = self._frozen(module, zero3)
+        self.model_flops = ModelFlops.of(self.model)
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        self.peak_tflops = engine.peak_tflops or peak_tflops(device_name, model.precision)
+        return _parameter_counts(self.model, trainable=optim is not None)
+
+    @collector_paused()  # imports transformers, builds a frozen model (a frozen ZeRO-3 engine)
+    def build_reference(self, model: ModelSpec, engine: EngineSpec) -> Dict[str, int]:
+        """Load a frozen reference into this trainable rank's own process, beside the model it trains
+        (``colocate.reference_in_policy``, as verl's fused actor-reference worker): no process of its own, and on a
+        GPU no second CUDA context or communicator. Sharded as a frozen group's rank would be (ZeRO 3 over this
+        group), run sequence-parallel in this rank's sequence group. Collective under ZeRO 3: every rank calls it.
+        ``score(..., on_reference=True)`` runs on it."""
+        if self.engine is None:
+            raise RuntimeError(f"{self.role} rank {self.rank}: build_reference needs a built trainable worker")
+        model = self._with_attention(model)
+        engine = built_spec(engine, self.world_size)
+        zero3 = None
+        if engine.zero_stage == 3:
+            engine = dataclasses.replace(engine, persist_numel=persistent_numel(model))
+            zero3 = build_ds_config(engine, self.world_size, 0.0, trainable=False)
+        module = load_model(model, zero3_config=zero3)
+        if self._sequence is not None:
+            enable_sequence_parallel(module, self._sequence)
+        self.reference = self._frozen(module, zero3)
+        self.reference_flops = ModelFlops.of(self.reference)
+        return _parameter_counts(self.reference, trainable=False)
+
+    def _with_attention(self, model: ModelSpec) -> ModelSpec:
+        """``model`` with its attention resolved where it runs: flash-attention 2 on a CUDA worker that has it,
+        else sdpa; a packing run takes the variable-length form of either (rlhf.models.packing)."""
+        attention = resolve_attn_implementation(model.attn_implementation, model.precision)
+        return dataclasses.replace(
+            model, attn_implementation=packed_attention(attention) if model.packing else attention
+        )
+
+    def _frozen(self, module: torch.nn.Module, zero3: Optional[Dict[str, Any]]) -> torch.nn.Module:
+        """``module`` for scoring only: in eval mode without gradients, on this rank's device, or under ZeRO 3
+        (``zero3``: its DeepSpeed config) in a frozen engine of its own that gathers its partitions at each use."""
+        if zero3 is not None:
             import deepspeed
 
             frozen_engine, *_ = deepspeed.initialize(model=module, config=zero3)
             frozen_engine.eval()
-            self.model = frozen_engine.module
-        else:
-            self.model = module.to(self.device).eval()
-            self.model.requires_grad_(False)
-        self.model_flops = ModelFlops.of(self.model)
-        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        self.peak_tflops = engine.peak_tflops or peak_tflops(device_name, model.precision)
-        sizes = [
-            (p.ds_numel if hasattr(p, "ds_numel") else p.numel(), p.requires_grad) for p in self.model.parameters()
-        ]
-        return {
-            "parameters": sum(n for n, _ in sizes),
-            "trainable_parameters": sum(n for n, grad in sizes if grad) if optim is not None else 0,
-        }
+            return frozen_engine.module
+        module = module.to(self.device).eval()
+        module.requires_grad_(False)
+        return module
 
     # ------------------------------------------------------------------ work
     def train_step(
@@ -270,10 +303,13 @@ class TrainerWorker:
         return RankStepResult(sums=host, grad_norm=self.engine.last_grad_norm, lr=lr)
 
     @torch.no_grad()
-    def score(self, batches: List[Batch], fn: ScoreFn) -> List[torch.Tensor]:
-        """Forward-only ``fn`` over each batch (reference log-probs, rewards, values), results on CPU."""
+    def score(self, batches: List[Batch], fn: ScoreFn, on_reference: bool = False) -> List[torch.Tensor]:
+        """Forward-only ``fn`` over each batch (reference log-probs, rewards, values), results on CPU;
+        ``on_reference``: on the frozen reference this rank holds (:meth:`build_reference`), not its own model."""
         assert self.model is not None, "build() sets the model before any call that uses it"
-        model = self.engine if self.engine is not None else self.model
+        if on_reference and self.reference is None:
+            raise RuntimeError(f"{self.role} rank {self.rank} holds no reference: build_reference() first")
+        model = self.reference if on_reference else (self.engine if self.engine is not None else self.model)
         was_training = self.model.training
         self.model.eval()
         started = time.perf_counter()
@@ -282,7 +318,8 @@ class TrainerWorker:
             out = [s.cpu() for s in scores]  # the first read waits for every pass; the others are ready by then
         finally:
             self.model.train(was_training)
-        self._account("forward", batches, [True] * len(batches), time.perf_counter() - started)
+        kind = REFERENCE_PASS if on_reference else "forward"
+        self._account(kind, batches, [True] * len(batches), time.perf_counter() - started)
         return out
 
     def _upload(self, batches: List[Batch]) -> List[Batch]:
@@ -305,10 +342,11 @@ class TrainerWorker:
         """Add a pass over ``batches`` (those ``counted``) to :attr:`perf`: its seconds, model FLOPs, real tokens
         (this rank's share of them under sequence parallelism, where each rank of a group runs a share of the
         positions of the same rows)."""
-        assert self.model_flops is not None, "build() sets the model's FLOP count"
+        model_flops = self.reference_flops if kind == REFERENCE_PASS else self.model_flops
+        assert model_flops is not None, "build() / build_reference() set the model's FLOP count"
         lengths = [n for b, keep in zip(batches, counted) if keep for n in b.row_lengths()]
         share = 1 / self.sequence_parallel_size
-        flops = self.model_flops.flops(lengths, training=kind == "train")
+        flops = model_flops.flops(lengths, training=kind == "train")
         self.perf.add(kind, seconds, flops * share, sum(lengths) * share)
 
     def take_perf(self) -> Dict[str, Any]:
@@ -426,3 +464,12 @@ class TrainerWorker:
     def placement(self) -> dict:
         """This rank's placement group and resources (how colocation is checked)."""
         return actor_placement()
+
+
+def _parameter_counts(model: torch.nn.Module, trainable: bool) -> Dict[str, int]:
+    """``model``'s parameters (whole sizes, also of ZeRO-3 partitions) and, when ``trainable``, those it trains."""
+    sizes = [(p.ds_numel if hasattr(p, "ds_numel") else p.numel(), p.requires_grad) for p in model.parameters()]
+    return {
+        "parameters": sum(n for n, _ in sizes),
+        "trainable_parameters": sum(n for n, grad in sizes if grad) if trainable else 0,
+    }

@@ -71,6 +71,9 @@ class TrainerKind:
     # whether the reference is the starting policy, scored once before the first step (DPO's precompute without
     # another model.ref_path): the policy's ranks score it with their starting weights, no reference group starts
     reference_is_initial_policy: Callable[[Any], bool] = lambda cfg: False
+    # whether each policy rank holds a frozen copy of the reference in its own process (online RL's
+    # colocate.reference_in_policy): the policy's ranks score it at every step, no reference group starts
+    reference_held_by_policy: Callable[[Any], bool] = lambda cfg: False
     model_keys: Tuple[str, ...] = RUN_MODEL_KEYS  # the config keys naming models it loads (hub ids pinned)
     extra_packages: Tuple[str, ...] = ()  # libraries beyond DeepSpeed's stack (online RL: vllm)
     # (cfg, gpus per worker, reference group?) -> its plan; None: the offline plan (policy + reference ranks)
@@ -109,9 +112,18 @@ class TrainerKind:
 
     def reference_on_policy(self, cfg: RunConfig) -> bool:
         """Whether the policy's workers score the reference, and no reference group is started: the policy's own
-        frozen base (:meth:`reference_on_base`), or the starting policy itself scored before the first step
-        (``reference_is_initial_policy``)."""
-        return self.reference_on_base(cfg) or (self.has_reference(cfg) and self.reference_is_initial_policy(cfg))
+        frozen base (:meth:`reference_on_base`), the starting policy itself scored before the first step
+        (``reference_is_initial_policy``), or a frozen copy each policy rank holds (:meth:`reference_held`)."""
+        return (
+            self.reference_on_base(cfg)
+            or self.reference_held(cfg)
+            or (self.has_reference(cfg) and self.reference_is_initial_policy(cfg))
+        )
+
+    def reference_held(self, cfg: RunConfig) -> bool:
+        """Whether each policy rank loads a frozen copy of the reference beside the model it trains and scores it
+        at every step (``reference_held_by_policy``; not LoRA's, whose reference is the base it already holds)."""
+        return self.has_reference(cfg) and not cfg.model.reference_is_base and self.reference_held_by_policy(cfg)
 
     def reference_on_base(self, cfg: RunConfig) -> bool:
         """Whether the reference is the policy's own frozen base (LoRA with the adapters off), at every step."""

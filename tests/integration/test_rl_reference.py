@@ -3,9 +3,11 @@
 The run: the RL driver's own stages (``RLTrainer.annotate`` -> ``advantages`` -> ``update``) on real worker groups:
 policy on 2 ranks with 4 micro-batches of accumulation each, a reference group (2 ranks) for the KL terms, a critic
 group (``critic.num_workers=2``) for GAE; one optimizer step per RL step (``train.global_batch_size`` = the rollout
-batch). Cases: GRPO with ``seq-mean-token-mean`` and with ``token-mean`` (KL loss term k3 / k2, an entropy bonus),
-GRPO with CISPO's loss and with SAPO's, REINFORCE++ with a k2 KL penalty in the reward and discounting, GAE-PPO with
-its critic (k1 KL in the reward, ``seq-mean-token-sum``); each in float64 on ZeRO 0 and in fp32 on ZeRO 2 (policy) /
+batch). Every case runs twice: with the reference group, and (``held``) with the frozen copy of the reference each
+policy rank holds in its own process instead (``colocate.reference_in_policy``), sharded as the group's. Cases:
+GRPO with ``seq-mean-token-mean`` and with ``token-mean`` (KL loss term k3 / k2, an entropy bonus), GRPO with
+CISPO's loss and with SAPO's, REINFORCE++ with a k2 KL penalty in the reward and discounting, GAE-PPO with its
+critic (k1 KL in the reward, ``seq-mean-token-sum``); each in float64 on ZeRO 0 and in fp32 on ZeRO 2 (policy) /
 3 (reference, critic). The rollout is fixed instead of sampled by vLLM (an engine start costs ~45 s and adds nothing
 to the maths checked here): responses of varied length sampled from the tiny model in this process, and fixed
 scores.
@@ -112,6 +114,9 @@ CASES = {
         "algo.lam=0.95",
     ],
 }
+
+# Every case runs twice: the reference in a group of its own, and held in the policy's processes.
+WHERE = ("group", "held")
 
 # Two builds of the same groups (the actors start once): float64 on ZeRO 0 (strategy.precision=fp64 trains on
 # ZeRO 0 only), for the tightest comparison, then fp32 with the sharded stages (ZeRO-3 last: a ZeRO-3 engine is
@@ -297,6 +302,9 @@ class Groups:
         with ThreadPoolExecutor(len(builds)) as pool:
             for done in [pool.submit(self.roles[role].build, *args) for role, args in builds.items()]:
                 done.result()
+        # the same reference, also held by the policy's ranks (the held cases), as the reference group shards it:
+        # on fp32's layout a frozen ZeRO-3 engine beside the policy's ZeRO-2 training engine, in one process
+        self.roles["policy"].build_reference(*builds["reference"][:2])
         for role in ("policy", "critic"):
             self.roles[role].save_checkpoint(self.initial(role, layout))
         self.layout = layout
@@ -332,8 +340,9 @@ def initial_models(paths):
 
 
 # ------------------------------------------------------------------------------------------------ the run
-def _run_step(cfg, actors, rollout, tmp_path):
-    """The driver's stages on the real groups, from the initial checkpoint; returns (logged stats, weights)."""
+def _run_step(cfg, actors, rollout, tmp_path, held: bool = False):
+    """The driver's stages on the real groups, from the initial checkpoint; returns (logged stats, weights).
+    ``held``: the policy's ranks score the reference they hold, no reference group."""
     from safetensors.torch import load_file
 
     from rlhf.rl import rollout_batch
@@ -347,7 +356,8 @@ def _run_step(cfg, actors, rollout, tmp_path):
     roles = RLActors(
         policy=actors["policy"],
         engines=None,
-        reference=actors["reference"] if a.kl_coef > 0 else None,
+        reference=actors["reference"] if a.kl_coef > 0 and not held else None,
+        reference_held=held,
         critic=actors["critic"] if a.needs_critic else None,
     )
     policy_objective, value_objective = build_objectives(cfg)
@@ -357,6 +367,9 @@ def _run_step(cfg, actors, rollout, tmp_path):
     batch = trainer.annotate(batch)
     batch, kl_stats = trainer.advantages(batch, rollout["scores"], rollout["groups"])
     stats = {**trainer.update(batch, 1), **kl_stats}
+    # the held reference's passes are its own (perf/reference/...), not the policy's scoring passes
+    perf = actors["policy"].perf_metrics()
+    assert ("perf/reference/forward_tokens_per_s" in perf) is held, perf
     weights = {}
     for role in ("policy", "critic") if a.needs_critic else ("policy",):
         out = tmp_path / role
@@ -450,12 +463,15 @@ def _decay_alone(run: dict, model, initial: dict, lr: float, weight_decay: float
 
 
 # ------------------------------------------------------------------------------------------------ the test
-@pytest.mark.parametrize("layout, case", [(layout, case) for layout in LAYOUTS for case in CASES])
-def test_one_rl_step_equals_plain_pytorch(layout, case, actors, initial_models, rollout, paths, tmp_path):
+@pytest.mark.parametrize(
+    "layout, case, reference",
+    [(layout, case, where) for layout in LAYOUTS for where in WHERE for case in CASES],
+)
+def test_one_rl_step_equals_plain_pytorch(layout, case, reference, actors, initial_models, rollout, paths, tmp_path):
     actors.use(layout)
     cfg = _config(layout, f"model.ref_path={paths['reference']}", f"critic.path={paths['critic']}", *CASES[case])
     started = time.perf_counter()
-    stats, run_weights = _run_step(cfg, actors, rollout, tmp_path)
+    stats, run_weights = _run_step(cfg, actors, rollout, tmp_path, held=reference == "held")
     run_s = time.perf_counter() - started
     want, ref_weights = _reference_step(cfg, initial_models, rollout)
     tol = TOL[LAYOUTS[layout]["precision"]]
@@ -498,7 +514,7 @@ def test_one_rl_step_equals_plain_pytorch(layout, case, actors, initial_models, 
             f"{decay_error:.2g} of it)"
         )
         assert ratio <= 1.0, (layout, case, role, where, ratio, worst_lr)
-    print(f"[rl-reference {layout} {case}] run {run_s:.1f} s; " + "; ".join(report))
+    print(f"[rl-reference {layout} {case} {reference}] run {run_s:.1f} s; " + "; ".join(report))
 
 
 # ------------------------------------------------------------------------------------------------ dual clip, TIS

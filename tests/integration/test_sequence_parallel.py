@@ -13,7 +13,8 @@ Four worker groups train the same global batches from the same weights in float6
 Every group takes the same steps: two SFT steps, a DPO step (reference log-probs in the batch), an RL step
 whose objective has every sequence-level term the issue names: GSPO's sequence ratio, a seq-mean aggregation,
 the entropy bonus and the KL loss (PPO's old log-probs scored by each group itself, compared first), and an
-on-policy distillation step (PPO with the k2 reverse KL to another model's log-probs as a loss, token-mean). Then every
+on-policy distillation step (PPO with the k2 reverse KL to another model's log-probs as a loss, token-mean); the
+other model is also held by each group's ranks as a reference (``colocate.reference_in_policy``) and scored. Then every
 group is rebuilt with a scalar head and takes a reward-model step (scores at each row's last token, which lies on
 one rank of a group) and a critic step (per-token values against returns, value clipping around each group's own
 scored values). Each step's loss and grad norm, and the causal LM's final weights, must agree with ``whole`` to
@@ -134,6 +135,16 @@ def _build(group, model_path: str, kind: str, name: str) -> None:
     )
 
 
+def _hold_reference(group, path: str, name: str) -> None:
+    """``group``'s ranks load the frozen model at ``path`` beside their own, with the layout's memory options."""
+    from rlhf.models.loading import CAUSAL_LM, ModelSpec
+
+    ranks, sp, micro, packing = LAYOUTS[name]
+    _, tiled = MEMORY.get(name, (False, False))
+    model = ModelSpec(path=path, kind=CAUSAL_LM, precision="fp64", packing=True, seed=5, tiled_head=tiled)
+    group.build_reference(model, _spec(ranks, sp, micro, packing))
+
+
 @contextlib.contextmanager
 def _started_groups(model_path):
     """name -> (WorkerGroup, packing), built side by side with the causal LM; shut down on exit, so that the CLI
@@ -157,20 +168,20 @@ def _started_groups(model_path):
 
 
 @pytest.fixture(scope="module")
-def trained(batches, tmp_path_factory, model_path):
+def trained(batches, tmp_path_factory, model_path, teacher_path):
     """Every group's steps in lockstep -> ``{"rows": name -> [step metrics], "old_logps": name -> (B, T),
     "values": name -> (B, T), "dirs": name -> the causal LM's saved weights, "zero": stage -> name -> [step
     results]}``; the groups are gone after. ``zero``: then ``whole`` (one rank) and ``sp2`` (a sequence group of
     two) are rebuilt on ZeRO 2, then 3 (last: a ZeRO-3 engine is never followed by a rebuild), in fp32, and take
     two SFT steps each, for the ZeRO stages' own collectives."""
     with _started_groups(model_path) as groups:
-        trained = _train_in_lockstep(groups, batches, tmp_path_factory, model_path)
+        trained = _train_in_lockstep(groups, batches, tmp_path_factory, model_path, teacher_path)
         pair = {name: groups[name][0] for name in ("whole", "sp2")}
         trained["zero"] = {stage: _zero_steps(pair, model_path, batches, stage) for stage in (2, 3)}
         return trained
 
 
-def _train_in_lockstep(groups, batches, tmp_path_factory, model_path) -> dict:
+def _train_in_lockstep(groups, batches, tmp_path_factory, model_path, teacher_path) -> dict:
     from rlhf.models.loading import SCALAR_HEAD
     from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps, TokenValues, ValueObjective
     from rlhf.objectives.dpo import DPOObjective
@@ -197,6 +208,15 @@ def _train_in_lockstep(groups, batches, tmp_path_factory, model_path) -> dict:
     old_logps = in_parallel(
         {
             name: (lambda g=g, p=p: g.score_batch(batches["rl"], TokenLogps(packing=p)))
+            for name, (g, p) in groups.items()
+        }
+    )
+    # the distillation teacher, held by each group's ranks as a reference (colocate.reference_in_policy): loaded
+    # into the policy's processes, sharded over the same sequence groups, and scored there
+    in_parallel({name: (lambda g=g, n=name: _hold_reference(g, teacher_path, n)) for name, (g, _) in groups.items()})
+    held = in_parallel(
+        {
+            name: (lambda g=g, p=p: g.score_batch(batches["rl"], TokenLogps(packing=p), on_reference=True))
             for name, (g, p) in groups.items()
         }
     )
@@ -228,7 +248,7 @@ def _train_in_lockstep(groups, batches, tmp_path_factory, model_path) -> dict:
     returns = torch.randn(rl.input_ids.shape, generator=torch.Generator().manual_seed(24), dtype=torch.float64)
     critic = rl.replace(values=values["whole"], returns=returns * rl.attention_mask)
     step_all(lambda p: ValueObjective(clip=0.05, packing=p), critic)
-    return {"rows": rows, "old_logps": old_logps, "values": values, "dirs": dirs}
+    return {"rows": rows, "old_logps": old_logps, "values": values, "held_logps": held, "dirs": dirs}
 
 
 def _rel(a: float, b: float) -> float:
@@ -265,6 +285,19 @@ def test_sharded_scoring_gives_the_unsharded_log_probs_and_values(trained, batch
     ref, got = trained[scored]["whole"], trained[scored][name]
     assert ref.dtype == got.dtype == torch.float64 and ref.shape == got.shape
     assert (got[mask] - ref[mask]).abs().max() <= FP64_RTOL * ref[mask].abs().max()
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_reference_held_by_the_ranks_scores_as_the_model_does_unsharded(trained, batches, name):
+    """``colocate.reference_in_policy`` under sequence parallelism (and packing, tiles, a token budget): the
+    teacher held in each group's processes gives the log-probs transformers computes from it in one process."""
+    mask = batches["rl"].attention_mask.bool()
+    mask[:, 0] = False  # column 0 predicts nothing
+    want, got = batches["rl"].teacher_logps, trained["held_logps"][name]
+    assert got.dtype == torch.float64 and got.shape == want.shape
+    assert (got[mask] - want[mask]).abs().max() <= FP64_RTOL * want[mask].abs().max()
+    # not the policy's own log-probs: another model's, and the policy's would match its old_logps
+    assert (got[mask] - trained["old_logps"][name][mask]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "whole"])

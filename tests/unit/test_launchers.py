@@ -380,7 +380,7 @@ class _Recorder:
     """
 
     def __init__(self, monkeypatch):
-        self.requests, self.actors = [], []
+        self.requests, self.actors, self.holding_reference = [], [], []
         rec = self
 
         class Placement:
@@ -409,6 +409,9 @@ class _Recorder:
 
             def build(self, *args, **kwargs):
                 pass
+
+            def build_reference(self, model, engine):
+                rec.holding_reference.append((self.role, model.path, engine.micro_batch_size))
 
             def shutdown(self):
                 pass
@@ -488,6 +491,7 @@ class _Recorder:
 RL_VARIANTS = {
     "separate": [],
     "policy_reference": ["colocate.policy_reference=true"],
+    "reference_in_policy": ["colocate.reference_in_policy=true", "model.ref_path=/ref"],
     "hybrid": [
         "train.num_workers=2",
         "rollout.num_engines=2",
@@ -529,8 +533,13 @@ def test_rl_runner_requests_what_the_plan_says(variant, gpus, monkeypatch, capsy
         cfg=cfg, precision="bf16" if gpus else "fp32", backend="nccl" if gpus else "gloo", gpus_per_worker=gpus
     )
     plan = kind_of(cfg).plan(cfg, gpus)
-    start_roles(cfg, ctx, plan, total_optimizer_steps=10)
+    held = kind_of(cfg).reference_held(cfg)
+    start_roles(cfg, ctx, plan, total_optimizer_steps=10, reference_held=held)
     assert rec.seen() == _Recorder.of(plan)
+    # the held reference: loaded by the policy's ranks, with a frozen group's chunks; no reference actor
+    assert held is (variant == "reference_in_policy")
+    assert rec.holding_reference == ([("policy", "/ref", cfg.train.micro_batch_size)] if held else [])
+    assert ("reference" in [a.role for a in plan.actors]) is (cfg.algo.kl_coef > 0 and not held)
     # the start-up's seconds, then each role's, in the plan's order
     each = ", ".join(rf"{a.role} \d+\.\d s" for a in plan.actors)
     assert re.search(rf"^\[rl\] roles started in \d+\.\d s \({each}\)$", capsys.readouterr().out, re.M)

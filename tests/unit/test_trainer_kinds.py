@@ -95,6 +95,44 @@ def test_dpo_scores_the_starting_policy_on_the_policys_ranks_and_any_other_refer
             assert said == []
 
 
+def test_rl_policy_ranks_hold_the_reference_when_asked_and_nothing_else_does():
+    """``colocate.reference_in_policy``: no reference group, the policy's ranks hold and score it (the dry run says
+    so); refused without a KL term, with LoRA on its own base (the base is the reference already) and beside
+    ``colocate.policy_reference`` (two places for one reference), each naming the key."""
+    from rlhf.config.schema import ConfigError
+    from rlhf.distributed.resource_plan import Devices
+
+    rl = ("reward.functions=[m:f]", "model.ref_path=/ref")
+    for overrides, held in (((), False), (("colocate.reference_in_policy=true",), True)):
+        cfg = _cfg(RLRunConfig, "grpo_tiny", *rl, *overrides)
+        kind = kind_of(cfg)
+        assert kind.reference_held(cfg) is held and kind.reference_group(cfg) is not held
+        assert kind.reference_on_policy(cfg) is held and not kind.reference_on_base(cfg)
+        plan = kind.plan(cfg, 0.0)
+        assert ("reference" in [a.role for a in plan.actors]) is not held
+        said = [
+            line for line in kind.describe(cfg, plan, Devices(0.0, "fp32", "gloo")) if line.startswith("reference: ")
+        ]
+        assert said == (
+            [
+                "reference: /ref, a frozen copy in each policy rank's own process (colocate.reference_in_policy): no "
+                "reference workers"
+            ]
+            if held
+            else []
+        )
+    for extra, why in (
+        (("algo.kl_coef=0",), "needs a reference model"),
+        (("model.lora.r=4",), "has nothing to hold"),
+        (("colocate.policy_reference=true",), "and colocate.policy_reference both place the reference"),
+    ):
+        with pytest.raises(ConfigError, match=rf"^colocate.reference_in_policy {why}"):
+            _cfg(RLRunConfig, "grpo_tiny", rl[0], "colocate.reference_in_policy=true", *extra)
+    # LoRA with another model.ref_path: that model is the reference, held as any other
+    lora = _cfg(RLRunConfig, "grpo_tiny", *rl, "model.lora.r=4", "colocate.reference_in_policy=true")
+    assert kind_of(lora).reference_held(lora) and not kind_of(lora).reference_on_base(lora)
+
+
 def test_the_command_lines_parse_the_descriptors_config_class(capsys):
     """Each ``train_*`` CLI is its descriptor: ``--help`` lists a key only that trainer's config has."""
     import importlib

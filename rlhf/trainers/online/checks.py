@@ -193,6 +193,11 @@ def describe(cfg: RLRunConfig, plan: ResourcePlan, devices: Devices) -> List[str
         f"{r.weight_sync_bucket_mb} MB buckets",
         "  " + cfg.describe_schedule(),
     ]
+    if c.reference_in_policy:
+        lines.append(
+            f"reference: {cfg.model.ref_path or cfg.model.path}, a frozen copy in each policy rank's own process "
+            f"(colocate.reference_in_policy): no reference workers"
+        )
     if cfg.multi_turn:
         e = cfg.env
         lines += [

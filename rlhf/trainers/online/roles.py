@@ -243,13 +243,17 @@ def _actor_died(exc: BaseException) -> bool:
     return isinstance(exc.__cause__, ray.exceptions.RayActorError)
 
 
-def start_roles(cfg: RLRunConfig, ctx: RunContext, plan: ResourcePlan, total_optimizer_steps: int) -> Dict[str, Any]:
+def start_roles(
+    cfg: RLRunConfig, ctx: RunContext, plan: ResourcePlan, total_optimizer_steps: int, reference_held: bool = False
+) -> Dict[str, Any]:
     """Every role of the run's ``plan`` (``--dry-run`` prints it), started as :func:`start_plan` says;
-    ``{role: started group}`` in the plan's order."""
+    ``{role: started group}`` in the plan's order. ``reference_held``: the policy's ranks also load the frozen
+    reference (``colocate.reference_in_policy``; the plan has no reference group then)."""
     m = cfg.model
     optim = optim_spec(cfg.train, total_optimizer_steps)
+    policy = trained_group(ctx, m.path, CAUSAL_LM, optim)
     starters: Dict[str, RoleStarter] = {
-        "policy": trained_group(ctx, m.path, CAUSAL_LM, optim),
+        "policy": _holding_reference(ctx, policy, m.ref_path or m.path) if reference_held else policy,
         ROLLOUT: lambda engines, placement: _start_engines(cfg, ctx, engines, placement),
         "reference": frozen_group(ctx, m.ref_path or m.path, CAUSAL_LM),
         TEACHER: frozen_group(ctx, cfg.algo.teacher.path, CAUSAL_LM),
@@ -264,14 +268,31 @@ def start_roles(cfg: RLRunConfig, ctx: RunContext, plan: ResourcePlan, total_opt
     return start_plan(plan, ctx, starters, name="rl")
 
 
-def rl_actors(started: Dict[str, Any], reference_is_base: bool) -> RLActors:
-    """The started roles as the trainer holds them; ``reference_is_base``: the policy's workers score the reference
-    (LoRA's frozen base), no reference group."""
+def _holding_reference(ctx: RunContext, policy: RoleStarter, reference_path: str) -> RoleStarter:
+    """The policy's starter, whose ranks then load the frozen reference from ``reference_path`` into their own
+    processes, shaped as a frozen group of as many ranks would be."""
+
+    def start(actors: ActorPlan, placement: Optional[Placement]):
+        group = policy(actors, placement)
+        group.build_reference(ctx.model_spec(reference_path, CAUSAL_LM), ctx.engine_spec(actors.count, trainable=False))
+        log.info(
+            f"[rl] reference {reference_path}: a frozen copy in each of the policy's {actors.count} rank processes "
+            f"(colocate.reference_in_policy), no reference workers"
+        )
+        return group
+
+    return start
+
+
+def rl_actors(started: Dict[str, Any], reference_is_base: bool = False, reference_held: bool = False) -> RLActors:
+    """The started roles as the trainer holds them. No reference group, the policy's workers score the reference:
+    ``reference_is_base``, LoRA's frozen base; ``reference_held``, the frozen copy each policy rank holds."""
     return RLActors(
         policy=started["policy"],
         engines=as_backend(started[ROLLOUT]),
         reference=started.get("reference"),
         reference_is_base=reference_is_base,
+        reference_held=reference_held,
         teacher=started.get(TEACHER),
         critic=started.get("critic"),
         reward_model=started.get("reward_model"),

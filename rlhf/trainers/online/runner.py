@@ -143,8 +143,9 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     run = Run(cfg, PPO, plan, _identity(cfg, plan))
     # CPUs do not depend on the GPUs per worker, which are known only once the cluster is joined.
     with run.cluster(needed_cpus=PPO.plan(cfg, 0.0).needed_cpus) as ctx:
-        started = start_roles(cfg, ctx, PPO.plan(cfg, ctx.gpus_per_worker), optimizer_steps)
-        actors = rl_actors(started, PPO.reference_on_base(cfg))
+        held = PPO.reference_held(cfg)
+        started = start_roles(cfg, ctx, PPO.plan(cfg, ctx.gpus_per_worker), optimizer_steps, reference_held=held)
+        actors = rl_actors(started, reference_is_base=PPO.reference_on_base(cfg), reference_held=held)
         connect_weight_sync(cfg, ctx, actors)
         write_placement(started, t.output_dir)
         policy_objective, value_objective = build_objectives(cfg)
@@ -192,6 +193,7 @@ PPO = TrainerKind(
     sections=("rollout", "reward", "algo", "critic", "colocate"),
     preset_prefixes=("ppo", "grpo"),
     has_reference=lambda cfg: cfg.algo.kl_coef > 0,
+    reference_held_by_policy=lambda cfg: cfg.colocate.reference_in_policy,
     model_keys=RUN_MODEL_KEYS + ("critic.path", "reward.model_path", "algo.teacher.path"),
     extra_packages=("vllm",),
     resource_plan=rl_plan,

@@ -77,6 +77,7 @@ class RLActors:
     engines: RolloutBackend  # the vLLM engine actors (rlhf.rollout.vllm.engines.RolloutEngines)
     reference: Optional[WorkerGroup] = None  # frozen, when a KL term is used
     reference_is_base: bool = False  # LoRA: the KL reference is the policy's own frozen base (no reference group)
+    reference_held: bool = False  # colocate.reference_in_policy: each policy rank holds a frozen reference copy
     teacher: Optional[WorkerGroup] = None  # frozen, for on-policy distillation (algo.teacher.path)
     critic: Optional[WorkerGroup] = None  # trainable, for GAE
     reward_model: Optional[WorkerGroup] = None  # frozen scalar head
@@ -294,6 +295,8 @@ class RLTrainer:
             batch = batch.replace(ref_logps=a.reference.score_batch(batch, logps))
         elif a.reference_is_base:  # LoRA: the policy's frozen base, adapters off
             batch = batch.replace(ref_logps=a.policy.score_batch(batch, OnBaseModel(logps)))
+        elif a.reference_held:  # the frozen copy in the policy's own processes
+            batch = batch.replace(ref_logps=a.policy.score_batch(batch, logps, on_reference=True))
         teacher = self.cfg.algo.teacher
         if a.teacher is not None and teacher.on_distributions:  # GKD: its top-k of every predicting distribution
             scored = a.teacher.score_batch(batch, TeacherTopK(teacher.top_k, r.temperature))
