@@ -24,6 +24,7 @@ class LocalGroup(WorkerGroup):
     def __init__(self, model, spec: EngineSpec, ranks: int, report=None, reference=None):  # no actors
         self.model, self.role, self.size, self.trainable = model, "policy", ranks, True
         self.reference = reference  # the frozen model the ranks hold (colocate.reference_in_policy), if any
+        self.holds_reference = reference is not None
         self.engine_spec, self.report = spec, report or (lambda rank, schedule_step: (1.5, 0.1))
         # the last train_step's (per_rank, normalizer, schedule_step) and counted; every train_step's schedule_step
         self.given: Optional[Tuple[Sequence[List[Batch]], int, Optional[int]]] = None

@@ -465,7 +465,9 @@ class DPOConfig:
     simpo_gamma: Optional[float] = None  # SimPO's target reward margin gamma; unset: 1 (gamma / beta = 0.5)
     # precompute: score every row once before training (the starting policy: on the policy's ranks); online: every step
     ref_mode: str = "precompute"
-    ref_num_workers: int = 1  # reference workers: online, or another model.ref_path (LoRA's base: none)
+    # reference workers: online, or another model.ref_path (LoRA's base: none); 0: none, the policy's ranks hold a
+    # frozen copy of the reference in their own processes (as TRL's ref_model beside the model)
+    ref_num_workers: int = 1
     # KTO (Ethayarajh et al. 2024): lambda_D and lambda_U, the weights of desirable and undesirable rows; the paper
     # advises lambda_D n_D / (lambda_U n_U) in [1, 4/3] (n: rows of each label), the run logs the ratio it reads
     desirable_weight: float = 1.0
@@ -483,7 +485,7 @@ class DPOConfig:
             f"must be >= 0, got {self.simpo_gamma}",
         )
         check_choice(self.ref_mode, "dpo.ref_mode", ("precompute", "online"))
-        check_setting(self.ref_num_workers >= 1, "dpo.ref_num_workers", f"must be >= 1, got {self.ref_num_workers}")
+        check_setting(self.ref_num_workers >= 0, "dpo.ref_num_workers", f"must be >= 0, got {self.ref_num_workers}")
         for key in ("desirable_weight", "undesirable_weight"):
             check_setting(getattr(self, key) > 0, f"dpo.{key}", f"must be > 0, got {getattr(self, key)}")
         if self.unpaired:

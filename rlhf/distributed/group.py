@@ -101,6 +101,7 @@ class WorkerGroup:
         self.placement = placement
         self.engine_spec: Optional[EngineSpec] = None  # set by build(): the micro-batch and accumulation shape
         self.trainable = False
+        self.holds_reference = False  # its ranks hold a frozen reference beside their model (build_reference)
         actor_cls = ray.remote(self.worker_class)
         # ray.actor.ActorHandle[TrainerWorker]; Any: ray's annotations give its methods no typed .remote
         self.workers: List[Any] = [
@@ -136,7 +137,7 @@ class WorkerGroup:
                 f"{self.role}: {self.size} ranks do not form sequence groups of "
                 f"strategy.sequence_parallel_size={engine.sequence_parallel_size}"
             )
-        self.engine_spec, self.trainable = engine, optim is not None
+        self.engine_spec, self.trainable, self.holds_reference = engine, optim is not None, False
         return self._gather([w.build.remote(model, engine, optim) for w in self.workers], "build")
 
     def build_reference(self, model: ModelSpec, engine: EngineSpec) -> List[Dict[str, int]]:
@@ -146,7 +147,14 @@ class WorkerGroup:
         same chunks as on the trained model."""
         if not self.trainable:
             raise RuntimeError(f"{self.role}: build_reference needs a group built trainable")
-        return self._gather([w.build_reference.remote(model, engine) for w in self.workers], "build_reference")
+        built = self._gather([w.build_reference.remote(model, engine) for w in self.workers], "build_reference")
+        self.holds_reference = True
+        return built
+
+    def drop_reference(self) -> None:
+        """Every rank lets the reference it holds go (:meth:`TrainerWorker.drop_reference`)."""
+        self._gather([w.drop_reference.remote() for w in self.workers], "drop_reference")
+        self.holds_reference = False
 
     @property
     def global_batch_size(self) -> int:

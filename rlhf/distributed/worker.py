@@ -223,6 +223,12 @@ class TrainerWorker:
         self.reference_flops = ModelFlops.of(self.reference)
         return _parameter_counts(self.reference, trainable=False)
 
+    def drop_reference(self) -> None:
+        """Let the held reference go (a precomputed reference is not scored again): its memory back to the device,
+        or under ZeRO 3 its partitions with it."""
+        self.reference = self.reference_flops = None
+        self.release_cached_memory()
+
     def _with_attention(self, model: ModelSpec) -> ModelSpec:
         """``model`` with its attention resolved where it runs: flash-attention 2 on a CUDA worker that has it,
         else sdpa; a packing run takes the variable-length form of either (rlhf.models.packing)."""

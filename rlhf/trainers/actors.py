@@ -123,6 +123,26 @@ def trained_group(ctx: "RunContext", model_path: str, kind: str, optim: "OptimSp
     return start
 
 
+def holding_reference(
+    ctx: "RunContext", trained: RoleStarter, reference_path: str, kind: str, name: str
+) -> RoleStarter:
+    """``trained``'s role, whose ranks then also load the frozen reference (``kind`` from ``reference_path``) into
+    their own processes beside the model they train (online RL's ``colocate.reference_in_policy``, DPO's
+    ``dpo.ref_num_workers=0``), shaped as a frozen group of as many ranks would be; logged under the run's
+    ``name``."""
+
+    def start(actors: ActorPlan, placement: Optional["Placement"]) -> "WorkerGroup":
+        group = trained(actors, placement)
+        group.build_reference(ctx.model_spec(reference_path, kind), ctx.engine_spec(actors.count, trainable=False))
+        log.info(
+            f"[{name}] reference {reference_path}: a frozen copy in each of the {actors.role}'s {actors.count} rank "
+            f"processes, no reference workers"
+        )
+        return group
+
+    return start
+
+
 def frozen_group(ctx: "RunContext", model_path: str, kind: str) -> RoleStarter:
     """A starter for a frozen model's role (a reference, a reward model): it scores, it never steps."""
 

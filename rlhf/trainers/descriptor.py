@@ -71,8 +71,9 @@ class TrainerKind:
     # whether the reference is the starting policy, scored once before the first step (DPO's precompute without
     # another model.ref_path): the policy's ranks score it with their starting weights, no reference group starts
     reference_is_initial_policy: Callable[[Any], bool] = lambda cfg: False
-    # whether each policy rank holds a frozen copy of the reference in its own process (online RL's
-    # colocate.reference_in_policy): the policy's ranks score it at every step, no reference group starts
+    # whether each policy rank holds a frozen copy of the reference in its own process when it needs one (online
+    # RL's colocate.reference_in_policy, DPO's dpo.ref_num_workers=0): the policy's ranks score it, no reference
+    # group starts
     reference_held_by_policy: Callable[[Any], bool] = lambda cfg: False
     model_keys: Tuple[str, ...] = RUN_MODEL_KEYS  # the config keys naming models it loads (hub ids pinned)
     extra_packages: Tuple[str, ...] = ()  # libraries beyond DeepSpeed's stack (online RL: vllm)
@@ -122,8 +123,14 @@ class TrainerKind:
 
     def reference_held(self, cfg: RunConfig) -> bool:
         """Whether each policy rank loads a frozen copy of the reference beside the model it trains and scores it
-        at every step (``reference_held_by_policy``; not LoRA's, whose reference is the base it already holds)."""
-        return self.has_reference(cfg) and not cfg.model.reference_is_base and self.reference_held_by_policy(cfg)
+        there (``reference_held_by_policy``): not LoRA's reference, the base the ranks already hold, nor the
+        starting policy scored before the first step (``reference_is_initial_policy``), which needs no copy."""
+        return (
+            self.has_reference(cfg)
+            and not cfg.model.reference_is_base
+            and not self.reference_is_initial_policy(cfg)
+            and self.reference_held_by_policy(cfg)
+        )
 
     def reference_on_base(self, cfg: RunConfig) -> bool:
         """Whether the reference is the policy's own frozen base (LoRA with the adapters off), at every step."""

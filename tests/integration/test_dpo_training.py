@@ -37,7 +37,9 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 DPO_FACTORISATIONS = {  # name: (micro, ranks, zero, ref_mode, reference ranks[, overrides]); global batch 4
     # the starting policy precomputed: its own ranks score it, no reference group (0 ranks)
     "4x1x1-z2-pre": (4, 1, 2, "precompute", 0),
-    "1x2x2-z3-online": (1, 2, 3, "online", 1),
+    # online, the reference held in the policy's processes (dpo.ref_num_workers=0): a frozen ZeRO-3 copy beside the
+    # training engine on each of the 2 ranks, no reference group
+    "1x2x2-z3-online-held": (1, 2, 3, "online", 0, ("dpo.ref_num_workers=0",)),
     # another model.ref_path (a copy of the same weights): precomputed on 2 reference ranks, then released
     "2x1x2-z0-pre": (2, 2, 0, "precompute", 2),
     # padding-free pairs (chosen + rejected) in micro-batches of <= 80 tokens, the reference scored the same way;
@@ -125,7 +127,7 @@ def test_dpo_factorisations_and_reference_modes_agree(dpo_runs):
 def test_dpo_step1_equals_plain_pytorch_whole_batch(dpo_runs, tiny_model, pair_data):
     """Policy == reference at step 1, so the cDPO loss is log 2 (up to float32 rounding) and the gradient is
     -(beta/2)(1-2 eps) x mean over pairs of grad(chosen - rejected log-probs); checked against plain PyTorch."""
-    rows, _, cfg, _ = dpo_runs["1x2x2-z3-online"]
+    rows, _, cfg, _ = dpo_runs["1x2x2-z3-online-held"]
     assert_dpo_policy_is_the_reference(rows[0], cfg.dpo.beta, cfg.dpo.label_smoothing)
     # the starting policy's own ranks scored the reference before the first step: its weights, to rounding
     precomputed_on_policy = dpo_runs["4x1x1-z2-pre"][0][0]

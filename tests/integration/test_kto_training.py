@@ -1,7 +1,8 @@
 """KTO (``train_dpo`` with ``dpo.loss_type=kto``) end to end on real Ray actors and DeepSpeed engines, in float64.
 
 One global batch split as (micro x GA x ranks), or packed under a token budget, with the reference precomputed or
-scored online on 1 or 2 reference ranks, logs the same numbers to 1e-10 at every step (loss, the KL reference point
+scored online on 1 or 2 reference ranks or held in the policy's processes (``dpo.ref_num_workers=0``), logs the same
+numbers to 1e-10 at every step (loss, the KL reference point
 z_0, grad norm, rewards) and ends with the same weights; step 1 equals a float64 computation written from the paper,
 with z_0 averaged over the whole global batch. The reference is another tiny model, so r and z_0 are not 0 from the
 first step.
@@ -27,13 +28,13 @@ ROWS, GLOBAL_BATCH, BETA, UNDESIRABLE_WEIGHT = 19, 4, 0.5, 2.0
 FP64_RTOL = 1e-10
 FP64_WEIGHT_ATOL = 1e-12  # max |w - w_first| after 4 AdamW steps (weights O(0.02-1))
 
-KTO_FACTORISATIONS = {  # name: (micro, ranks, ref_mode, reference ranks, overrides); global batch 4
-    "4x1x1-pre": (4, 1, "precompute", 1, ()),
+KTO_FACTORISATIONS = {  # name: (micro, ranks, ref_mode, reference ranks (0: held), overrides); global batch 4
+    "4x1x1-pre-held": (4, 1, "precompute", 0, ()),  # held by the policy's rank, dropped after the precompute
     "1x2x2-online": (1, 2, "online", 1, ()),
     "2x1x2-pre": (2, 2, "precompute", 2, ()),
     # both sequences of a row (its own, its mismatched) packed, <= 72 tokens a micro-batch (rows hold 24-60):
     # in steps 2 and 3 one rank needs a micro-batch more than the other, a lockstep filler runs
-    "tok72-packed-x2-online": (1, 2, "online", 2, ("train.packing=true", "train.max_tokens_per_micro_batch=72")),
+    "tok72-packed-x2-online-held": (1, 2, "online", 0, ("train.packing=true", "train.max_tokens_per_micro_batch=72")),
 }
 
 

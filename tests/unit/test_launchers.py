@@ -397,6 +397,7 @@ class _Recorder:
                     role, resources.num_workers, resources.cpus_per_worker, resources.gpus_per_worker
                 )
                 self.role, self.size = role, resources.num_workers
+                self.holds_reference = False
                 rec.actors.append(
                     (
                         role,
@@ -412,6 +413,7 @@ class _Recorder:
 
             def build_reference(self, model, engine):
                 rec.holding_reference.append((self.role, model.path, engine.micro_batch_size))
+                self.holds_reference = True
 
             def shutdown(self):
                 pass
@@ -551,6 +553,7 @@ OFFLINE = {
     "sft": (SFTRunConfig, "sft_tiny", "rlhf.trainers.offline.sft:build_sft_task", "policy"),
     "rm": (RewardModelRunConfig, "rm_tiny", "rlhf.trainers.offline.reward_model:build_rm_task", "reward_model"),
     "dpo": (DPORunConfig, "dpo_tiny", "rlhf.trainers.offline.dpo:build_dpo_task", "policy"),
+    "dpo-held": (DPORunConfig, "dpo_tiny", "rlhf.trainers.offline.dpo:build_dpo_task", "policy"),
 }
 
 
@@ -580,6 +583,7 @@ def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, 
             "logging.tensorboard=false",
             "strategy.cpus_per_worker=1.5",
             *(["dpo.ref_mode=online", "dpo.ref_num_workers=3"] if kind == "dpo" else []),
+            *(["dpo.ref_mode=online", "dpo.ref_num_workers=0"] if kind == "dpo-held" else []),
         ],
     )
     rec = _Recorder(monkeypatch)
@@ -601,6 +605,8 @@ def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, 
     plan = kind_of(cfg).plan(cfg, 1.0)
     assert rec.seen() == _Recorder.of(plan)
     assert asked["cpus"] == pytest.approx(plan.needed_cpus) == pytest.approx(1.5 * (2 + 3 * (kind == "dpo")))
+    # dpo.ref_num_workers=0: the policy's ranks load the reference (here the policy's own path), none of its own
+    assert rec.holding_reference == ([("policy", tiny_model, 1)] if kind == "dpo-held" else [])
 
 
 def test_dry_run_prints_the_requests_the_runner_makes(monkeypatch, capsys):

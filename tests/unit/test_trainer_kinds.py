@@ -64,28 +64,39 @@ def test_a_plan_comes_from_the_descriptor():
     assert kind_of(gae).trained_models(gae) == [("/m", CAUSAL_LM), ("/m", SCALAR_HEAD)]
 
 
+@pytest.mark.parametrize("workers", [2, 0])
 @pytest.mark.parametrize("lora", [False, True])
-def test_dpo_scores_the_starting_policy_on_the_policys_ranks_and_any_other_reference_on_its_own(lora):
+def test_dpo_scores_the_starting_policy_on_the_policys_ranks_and_any_other_reference_on_its_own(lora, workers):
     """Precomputed, the reference the run starts from needs no group: the policy's ranks score it before the first
     step (with LoRA: its base, at every step too). Another ``model.ref_path``, or an online reference without
-    LoRA, is a frozen group of ``dpo.ref_num_workers`` ranks; the dry run says which."""
+    LoRA, is a frozen group of ``dpo.ref_num_workers`` ranks, or with 0 a frozen copy each policy rank holds; the dry
+    run says which."""
     extra = ("model.lora.r=8",) if lora else ()
-    for overrides, group in (
+    for overrides, needs_copy in (
         ((), False),
         (("model.ref_path=/m",), False),  # the policy's own path: the same model
         (("dpo.ref_mode=online",), not lora),
         (("model.ref_path=/other",), True),
         (("model.ref_path=/other", "dpo.ref_mode=online"), True),
     ):
-        cfg = _cfg(DPORunConfig, "dpo_tiny", "model.path=/m", "dpo.ref_num_workers=2", *extra, *overrides)
+        cfg = _cfg(DPORunConfig, "dpo_tiny", "model.path=/m", f"dpo.ref_num_workers={workers}", *extra, *overrides)
         kind = kind_of(cfg)
+        group, held = needs_copy and workers > 0, needs_copy and workers == 0
         assert kind.reference_group(cfg) is group and kind.reference_on_policy(cfg) is not group, overrides
+        assert kind.reference_held(cfg) is held, overrides
         assert kind.reference_on_base(cfg) is (lora and "model.ref_path=/other" not in overrides), overrides
         roles = [(a.role, a.count) for a in kind.plan(cfg, 0.0).actors]
         assert roles == [("policy", 1)] + ([("reference", 2)] if group else []), overrides
         said = [line for line in kind.batch_lines(cfg, []) if line.startswith("  reference: ")]
+        online = "dpo.ref_mode=online" in overrides
         if group:
             assert said and said[0].startswith("  reference: 2 ranks"), overrides
+        elif held:
+            path = "/other" if "model.ref_path=/other" in overrides else "/m"
+            assert said == [
+                f"  reference: {path}, a frozen copy in each policy rank's own process (dpo.ref_num_workers=0), "
+                + ("dpo.ref_mode=online" if online else "dpo.ref_mode=precompute: scores every pair once, then dropped")
+            ], overrides
         elif not lora:
             assert said == [
                 "  reference: the starting policy, dpo.ref_mode=precompute: the policy's ranks score every pair "

@@ -105,6 +105,12 @@ def dpo_batch_lines(cfg: DPORunConfig, lines: List[str]) -> List[str]:
             f"  reference: {d.ref_num_workers} ranks, dpo.ref_mode={d.ref_mode}"
             + (" (scores every pair once, then released)" if d.ref_mode == "precompute" else "")
         ]
+    elif DPO.reference_held(cfg):
+        lines = lines + [
+            f"  reference: {cfg.model.ref_path or cfg.model.path}, a frozen copy in each policy rank's own process "
+            f"(dpo.ref_num_workers=0), dpo.ref_mode={d.ref_mode}"
+            + (": scores every pair once, then dropped" if d.ref_mode == "precompute" else "")
+        ]
     elif DPO.reference_on_policy(cfg) and not DPO.reference_on_base(cfg):
         lines = lines + [
             f"  reference: the starting policy, dpo.ref_mode={d.ref_mode}: the policy's ranks score every pair once "
@@ -135,4 +141,5 @@ DPO = TrainerKind(
     reference_ranks=lambda cfg: cfg.dpo.ref_num_workers,
     # TRL's precompute_ref_log_probs without a ref_model: the model scores before it trains, no second copy
     reference_is_initial_policy=lambda cfg: cfg.dpo.ref_mode == "precompute" and cfg.model.reference_is_initial,
+    reference_held_by_policy=lambda cfg: cfg.dpo.ref_num_workers == 0,
 )

@@ -22,12 +22,13 @@ from rlhf.data.io import DataError
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.data.tokenize import Tokenized, example_lengths
 from rlhf.data.vocab import load_tokenizer
+from rlhf.distributed.engine import OptimSpec
 from rlhf.distributed.group import WorkerGroup
 from rlhf.distributed.micro_batches import micro_batch_tokens
 from rlhf.hub import pin_run_sources
 from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.base import Objective, Totals
-from rlhf.trainers.actors import frozen_group, start_plan, trained_group
+from rlhf.trainers.actors import RoleStarter, frozen_group, holding_reference, start_plan, trained_group
 from rlhf.trainers.context import RunContext, optim_spec
 from rlhf.trainers.descriptor import TrainerKind
 from rlhf.trainers.output_dir import claim_output_dir
@@ -227,7 +228,7 @@ def _run_offline_once(cfg: RunConfig, kind: TrainerKind, build_task: TaskBuilder
             kind.plan(cfg, ctx.gpus_per_worker),
             ctx,
             {
-                kind.policy_role: trained_group(ctx, cfg.model.path, kind.policy_kind, optim_spec(t, plan.total_steps)),
+                kind.policy_role: _policy_starter(ctx, kind, optim_spec(t, plan.total_steps)),
                 "reference": frozen_group(ctx, cfg.model.ref_path or cfg.model.path, CAUSAL_LM),
             },
             name=kind.run_name,
@@ -237,6 +238,16 @@ def _run_offline_once(cfg: RunConfig, kind: TrainerKind, build_task: TaskBuilder
             task.attach(task, ctx, policy, groups.get("reference"))
         last = run.train(OfflineSteps(kind.run_name, task, policy), trained={"policy": policy})
         return run.finish(policy, tokenizer, last)
+
+
+def _policy_starter(ctx: RunContext, kind: TrainerKind, optim: OptimSpec) -> RoleStarter:
+    """The trained model's starter; when the run's reference is held by its ranks (``kind.reference_held``), they
+    load it too."""
+    m = ctx.cfg.model
+    trained = trained_group(ctx, m.path, kind.policy_kind, optim)
+    if not kind.reference_held(ctx.cfg):
+        return trained
+    return holding_reference(ctx, trained, m.ref_path or m.path, CAUSAL_LM, kind.run_name)
 
 
 def batch_lines(cfg: RunConfig, lines: List[str]) -> List[str]:

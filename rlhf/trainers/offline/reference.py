@@ -3,7 +3,8 @@ dataset before training (``dpo.ref_mode=precompute``) or scored for every step's
 give the same numbers.
 
 Who scores it: a reference group of its own (another ``model.ref_path``, or online; released once it has
-precomputed), else the policy's own ranks, before the first step. The policy's starting weights are the reference
+precomputed), or with ``dpo.ref_num_workers=0`` a frozen copy each policy rank holds in its own process (dropped once
+it has precomputed), else the policy's own ranks, before the first step. The policy's starting weights are the reference
 then, loaded from the same files in the same precision, scored in eval mode (no dropout) before any optimizer step
 or checkpoint restore, as TRL's ``precompute_ref_log_probs`` scores the model itself when it has no ``ref_model``:
 the run holds its policy's devices alone and loads no second copy of the weights. With LoRA the policy's frozen
@@ -55,15 +56,19 @@ def attach_reference(
     datasets: List[ReferenceScored],
     unit: str = "pairs",
 ) -> None:
-    """Score the reference: its group of the plan, or without one the policy's workers (the module docstring):
-    with LoRA its frozen base, the adapters off; else, precomputing, its starting weights. Every row's log-probs are
-    precomputed now (train and held-out data; a reference group is released after), or each step's global batch is
-    scored (``task.prepare``). ``unit``: what a row is, for the log (``pairs``; KTO's ``rows``)."""
+    """Score the reference: its group of the plan, or without one the policy's workers (the module docstring): the
+    copy they hold; with LoRA its frozen base, the adapters off; else, precomputing, its starting weights. Every
+    row's log-probs are precomputed now (train and held-out data; a reference group is released after, a held copy
+    dropped), or each step's global batch is scored (``task.prepare``). ``unit``: what a row is, for the log
+    (``pairs``; KTO's ``rows``)."""
     cfg: DPORunConfig = ctx.cfg
     online = cfg.dpo.ref_mode == "online"
     fn: ScoreFn  # OnBaseModel(ReferenceLogps()) on LoRA's base, else ReferenceLogps() on the model as it is
+    held = reference is None and policy.holds_reference  # the runner loaded it (TrainerKind.reference_held)
     if reference is not None:
         scorer, fn, where = reference, ReferenceLogps(), "on the reference workers (released now)"
+    elif held:
+        scorer, fn, where = policy, ReferenceLogps(), "on the copy the policy's ranks hold (dropped now)"
     elif cfg.model.reference_is_base:
         scorer, fn, where = policy, OnBaseModel(ReferenceLogps()), "on the policy's frozen base (LoRA)"
     else:
@@ -71,13 +76,13 @@ def attach_reference(
         assert not online and cfg.model.reference_is_initial, "an online or other reference needs a group of its own"
         scorer, fn, where = policy, ReferenceLogps(), "by the policy's ranks before its first step"
     if online:
-        task.prepare = lambda batch: batch.replace(ref_logps=scorer.score_batch(batch, fn))
+        task.prepare = lambda batch: batch.replace(ref_logps=scorer.score_batch(batch, fn, on_reference=held))
         return
     for data in datasets:
-        data.ref_logps = precompute_reference(scorer, data, fn)
+        data.ref_logps = precompute_reference(scorer, data, fn, on_reference=held)
     rows = sum(len(d.examples) for d in datasets)
     # the precompute's forward passes, not the first step's: a step's perf/* metrics are its own work
-    speed = scorer.perf_metrics().get(f"perf/{scorer.role}/forward_tokens_per_s")
+    speed = scorer.perf_metrics().get(f"perf/{'reference' if held else scorer.role}/forward_tokens_per_s")
     log.info(
         f"[dpo] reference log-probs precomputed for {rows} {unit} {where}"
         + (f" ({speed:,.0f} tokens/s)" if speed else "")
@@ -85,18 +90,22 @@ def attach_reference(
     if scorer is reference:
         scorer.shutdown()
         ctx.groups.remove(scorer)
+    elif held:
+        scorer.drop_reference()
 
 
-def precompute_reference(ref: WorkerGroup, data: ReferenceScored, fn: ScoreFn) -> torch.Tensor:
+def precompute_reference(
+    ref: WorkerGroup, data: ReferenceScored, fn: ScoreFn, on_reference: bool = False
+) -> torch.Tensor:
     """``(N, 2)`` summed reference log-probs of every row: on a frozen group ``REF_BATCH_SIZE`` rows per forward,
-    on the trained one (LoRA's base, the starting policy) its micro-batch size (the rows it is sized to hold), under
-    ``train.max_tokens_per_micro_batch`` as many as the budget holds."""
+    on the trained one (LoRA's base, the starting policy, the copy it holds: ``on_reference``) its micro-batch size
+    (the rows it is sized to hold), under ``train.max_tokens_per_micro_batch`` as many as the budget holds."""
     n = len(data.examples)
     window = REF_BATCH_SIZE * ref.size * 8  # collated a window at a time: a padded copy of the whole set is not kept
     assert ref.engine_spec is not None, "the reference group was built before it scores"
     rows = None if ref.engine_spec.max_tokens_per_micro_batch or ref.trainable else REF_BATCH_SIZE
     parts = [
-        ref.score_batch(data.collate(list(range(i, min(i + window, n)))), fn, rows_per_forward=rows)
+        ref.score_batch(data.collate(list(range(i, min(i + window, n)))), fn, rows, on_reference)
         for i in range(0, n, window)
     ]
     return torch.cat(parts) if parts else torch.zeros(0, 2)

@@ -40,7 +40,7 @@ from rlhf.rollout.vllm.engine import VLLMSpec, engine_lora_rank
 from rlhf.rollout.vllm.engines import RolloutEngines, as_backend
 from rlhf.rollout.weights.group import SyncTimeouts
 from rlhf.rollout.weights.sync import resolve_weight_sync
-from rlhf.trainers.actors import RoleStarter, frozen_group, start_plan, trained_group
+from rlhf.trainers.actors import RoleStarter, frozen_group, holding_reference, start_plan, trained_group
 from rlhf.trainers.context import RunContext, optim_spec
 from rlhf.trainers.online.steps import RLActors
 from rlhf.utils.log import get_logger
@@ -253,7 +253,7 @@ def start_roles(
     optim = optim_spec(cfg.train, total_optimizer_steps)
     policy = trained_group(ctx, m.path, CAUSAL_LM, optim)
     starters: Dict[str, RoleStarter] = {
-        "policy": _holding_reference(ctx, policy, m.ref_path or m.path) if reference_held else policy,
+        "policy": holding_reference(ctx, policy, m.ref_path or m.path, CAUSAL_LM, "rl") if reference_held else policy,
         ROLLOUT: lambda engines, placement: _start_engines(cfg, ctx, engines, placement),
         "reference": frozen_group(ctx, m.ref_path or m.path, CAUSAL_LM),
         TEACHER: frozen_group(ctx, cfg.algo.teacher.path, CAUSAL_LM),
@@ -266,22 +266,6 @@ def start_roles(
         JUDGE: lambda engines, _: _start_judge(cfg, ctx, engines),
     }
     return start_plan(plan, ctx, starters, name="rl")
-
-
-def _holding_reference(ctx: RunContext, policy: RoleStarter, reference_path: str) -> RoleStarter:
-    """The policy's starter, whose ranks then load the frozen reference from ``reference_path`` into their own
-    processes, shaped as a frozen group of as many ranks would be."""
-
-    def start(actors: ActorPlan, placement: Optional[Placement]):
-        group = policy(actors, placement)
-        group.build_reference(ctx.model_spec(reference_path, CAUSAL_LM), ctx.engine_spec(actors.count, trainable=False))
-        log.info(
-            f"[rl] reference {reference_path}: a frozen copy in each of the policy's {actors.count} rank processes "
-            f"(colocate.reference_in_policy), no reference workers"
-        )
-        return group
-
-    return start
 
 
 def rl_actors(started: Dict[str, Any], reference_is_base: bool = False, reference_held: bool = False) -> RLActors:
