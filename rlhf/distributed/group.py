@@ -142,7 +142,7 @@ class WorkerGroup:
 
     def build_reference(self, model: ModelSpec, engine: EngineSpec) -> List[Dict[str, int]]:
         """Load a frozen reference ``model`` into every rank's own process beside the model it trains
-        (``colocate.reference_in_policy``; :meth:`TrainerWorker.build_reference`), sharded as a frozen group of as
+        (:meth:`TrainerWorker.build_reference`), sharded as a frozen group of as
         many ranks shaped by ``engine`` would be; :meth:`score_batch` with ``on_reference`` scores on it, in the
         same chunks as on the trained model."""
         if not self.trainable:

@@ -98,10 +98,10 @@ class TrainerWorker:
         self.model_flops: Optional[ModelFlops] = None
         self.peak_tflops: Optional[float] = None
         self.sequence_parallel_size = 1  # ranks sharing each row (build() reads it from the engine spec)
-        self._sequence: Optional[SequenceGroup] = (
-            None  # this rank's sequence group under sequence parallelism (build() makes it)
-        )
-        # a frozen reference held beside the trained model (colocate.reference_in_policy; build_reference loads it)
+        # this rank's sequence group under sequence parallelism (build() makes it)
+        self._sequence: Optional[SequenceGroup] = None
+        # a frozen reference held beside the trained model (colocate.reference_in_policy, dpo.ref_num_workers=0;
+        # build_reference loads it)
         self.reference: Optional[torch.nn.Module] = None
         self.reference_flops: Optional[ModelFlops] = None
 
@@ -203,8 +203,9 @@ class TrainerWorker:
 
     @collector_paused()  # imports transformers, builds a frozen model (a frozen ZeRO-3 engine)
     def build_reference(self, model: ModelSpec, engine: EngineSpec) -> Dict[str, int]:
-        """Load a frozen reference into this trainable rank's own process, beside the model it trains
-        (``colocate.reference_in_policy``, as verl's fused actor-reference worker): no process of its own, and on a
+        """Load a frozen reference into this trainable rank's own process, beside the model it trains (RL's
+        ``colocate.reference_in_policy``, as verl's fused actor-reference worker; DPO's ``dpo.ref_num_workers=0``, as
+        TRL's ``ref_model``): no process of its own, and on a
         GPU no second CUDA context or communicator. Sharded as a frozen group's rank would be (ZeRO 3 over this
         group), run sequence-parallel in this rank's sequence group. Collective under ZeRO 3: every rank calls it.
         ``score(..., on_reference=True)`` runs on it."""
