@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 from rlhf.distributed.resource_plan import ActorPlan, ResourcePlan
 from rlhf.utils.log import get_logger
+from rlhf.utils.metrics import plural
 
 if TYPE_CHECKING:
     from rlhf.distributed.engine import OptimSpec
@@ -135,8 +136,8 @@ def holding_reference(
         group = trained(actors, placement)
         group.build_reference(ctx.model_spec(reference_path, kind), ctx.engine_spec(actors.count, trainable=False))
         log.info(
-            f"[{name}] reference {reference_path}: a frozen copy in each of the {actors.role}'s {actors.count} rank "
-            f"processes, no reference workers"
+            f"[{name}] reference {reference_path}: a frozen copy held in the {actors.role}'s own processes "
+            f"({plural(actors.count, 'rank')}), no reference workers"
         )
         return group
 
