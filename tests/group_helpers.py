@@ -21,10 +21,10 @@ class LocalGroup(WorkerGroup):
     ``report(rank, schedule_step) -> (grad_norm, lr)`` is what each rank reports (default: 1.5 and 0.1).
     """
 
-    def __init__(self, model, spec: EngineSpec, ranks: int, report=None, reference=None):  # no actors
+    def __init__(self, model, spec: EngineSpec, ranks: int, report=None, held=None):  # no actors
         self.model, self.role, self.size, self.trainable = model, "policy", ranks, True
-        self.reference = reference  # the frozen model the ranks hold (colocate.reference_in_policy), if any
-        self.holds_reference = reference is not None
+        self.held_models = dict(held or {})  # role -> the frozen model the ranks hold (WorkerGroup.hold)
+        self.held = set(self.held_models)
         self.engine_spec, self.report = spec, report or (lambda rank, schedule_step: (1.5, 0.1))
         # the last train_step's (per_rank, normalizer, schedule_step) and counted; every train_step's schedule_step
         self.given: Optional[Tuple[Sequence[List[Batch]], int, Optional[int]]] = None
@@ -54,8 +54,7 @@ class LocalGroup(WorkerGroup):
                 sums = add_sums(sums, objective.loss(self.model, b)[1])
         return sums
 
-    def score(self, batches, fn, on_reference=False):
-        model = self.reference if on_reference else self.model
-        assert model is not None, "on_reference: the group holds no reference"
+    def score(self, batches, fn, on=None):
+        model = self.held_models[on] if on is not None else self.model
         with torch.no_grad():
             return [fn(model, b) for b in batches]

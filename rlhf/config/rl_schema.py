@@ -670,6 +670,9 @@ class ColocateConfig:
     # no reference workers, no second process or CUDA context per device (needs algo.kl_coef > 0)
     reference_in_policy: bool = False
     policy_teacher: bool = False  # teacher rank r on policy rank r's bundle (needs algo.teacher.path)
+    # each policy rank holds a frozen copy of the distillation teacher in its own process, as the reference above:
+    # no teacher workers (needs algo.teacher.path; algo.teacher.num_workers 0)
+    teacher_in_policy: bool = False
     critic_reward: bool = False  # reward-model rank r on critic rank r's bundle (needs both)
     hybrid_engine: bool = False  # vLLM engine e on policy rank e's bundle (num_engines = train.num_workers)
     # auto (on for the hybrid engine on GPUs) | on | off: vLLM sleep mode, level 2 (weights and KV cache discarded
@@ -930,8 +933,8 @@ class RLRunConfig(RunConfig):
 
     def _check_colocation(self) -> None:
         c, r = self.colocate, self.rollout
-        # the two ways to place the reference near the policy: reference workers on its bundles, or a copy in its
-        # own processes
+        # two ways to place the reference, or the teacher, near the policy: workers of its own on the policy's
+        # bundles (colocate.policy_*), or a copy in the policy's own processes (colocate.*_in_policy)
         for key, on, verb in (
             ("colocate.policy_reference", c.policy_reference, "colocate"),
             ("colocate.reference_in_policy", c.reference_in_policy, "hold"),
@@ -945,20 +948,29 @@ class RLRunConfig(RunConfig):
                 f"has nothing to {verb}: with model.lora.r > 0 the reference is the policy's own frozen base, scored "
                 f"by the policy's workers with the adapters off",
             )
-        check_setting(
-            not (c.policy_reference and c.reference_in_policy),
-            "colocate.reference_in_policy",
-            "and colocate.policy_reference both place the reference: the policy's processes hold it, or reference "
-            "workers share the policy's bundles; set one",
-        )
-        if c.policy_teacher:
-            t = self.algo.teacher
-            check_setting(bool(t.path), "colocate.policy_teacher", "needs a teacher (algo.teacher.path)")
+        t = self.algo.teacher
+        for key, on in (
+            ("colocate.policy_teacher", c.policy_teacher),
+            ("colocate.teacher_in_policy", c.teacher_in_policy),
+        ):
+            if not on:
+                continue
+            check_setting(bool(t.path), key, "needs a teacher (algo.teacher.path)")
             check_setting(
                 t.num_workers in (0, self.train.num_workers),
-                "colocate.policy_teacher",
+                key,
                 f"needs algo.teacher.num_workers ({t.num_workers}) == train.num_workers ({self.train.num_workers}), "
-                f"or 0",
+                f"or 0: the teacher's ranks are the policy's",
+            )
+        for role, workers, held in (
+            ("reference", c.policy_reference, c.reference_in_policy),
+            ("teacher", c.policy_teacher, c.teacher_in_policy),
+        ):
+            check_setting(
+                not (workers and held),
+                f"colocate.{role}_in_policy",
+                f"and colocate.policy_{role} both place the {role}: the policy's processes hold it, or {role} workers "
+                f"share the policy's bundles; set one",
             )
         if c.critic_reward:
             check_setting(

@@ -16,7 +16,7 @@ of a group gets its group's micro-batches (each runs its share of their position
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 
@@ -101,7 +101,7 @@ class WorkerGroup:
         self.placement = placement
         self.engine_spec: Optional[EngineSpec] = None  # set by build(): the micro-batch and accumulation shape
         self.trainable = False
-        self.holds_reference = False  # its ranks hold a frozen reference beside their model (build_reference)
+        self.held: Set[str] = set()  # the roles of the frozen models its ranks hold beside their own (hold)
         actor_cls = ray.remote(self.worker_class)
         # ray.actor.ActorHandle[TrainerWorker]; Any: ray's annotations give its methods no typed .remote
         self.workers: List[Any] = [
@@ -137,24 +137,24 @@ class WorkerGroup:
                 f"{self.role}: {self.size} ranks do not form sequence groups of "
                 f"strategy.sequence_parallel_size={engine.sequence_parallel_size}"
             )
-        self.engine_spec, self.trainable, self.holds_reference = engine, optim is not None, False
+        self.engine_spec, self.trainable, self.held = engine, optim is not None, set()
         return self._gather([w.build.remote(model, engine, optim) for w in self.workers], "build")
 
-    def build_reference(self, model: ModelSpec, engine: EngineSpec) -> List[Dict[str, int]]:
-        """Load a frozen reference ``model`` into every rank's own process beside the model it trains
-        (:meth:`TrainerWorker.build_reference`), sharded as a frozen group of as
-        many ranks shaped by ``engine`` would be; :meth:`score_batch` with ``on_reference`` scores on it, in the
-        same chunks as on the trained model."""
+    def hold(self, role: str, model: ModelSpec, engine: EngineSpec) -> List[Dict[str, int]]:
+        """Load the frozen ``model`` of ``role`` (a reference, a teacher) into every rank's own process beside the
+        model it trains (:meth:`TrainerWorker.hold`), sharded as a frozen group of as many ranks shaped by
+        ``engine`` would be; :meth:`score_batch` with ``on=role`` scores on it, in the same chunks as on the
+        trained model."""
         if not self.trainable:
-            raise RuntimeError(f"{self.role}: build_reference needs a group built trainable")
-        built = self._gather([w.build_reference.remote(model, engine) for w in self.workers], "build_reference")
-        self.holds_reference = True
+            raise RuntimeError(f"{self.role}: hold({role!r}) needs a group built trainable")
+        built = self._gather([w.hold.remote(role, model, engine) for w in self.workers], "hold")
+        self.held.add(role)
         return built
 
-    def drop_reference(self) -> None:
-        """Every rank lets the reference it holds go (:meth:`TrainerWorker.drop_reference`)."""
-        self._gather([w.drop_reference.remote() for w in self.workers], "drop_reference")
-        self.holds_reference = False
+    def release(self, role: str) -> None:
+        """Every rank lets the model it holds as ``role`` go (:meth:`TrainerWorker.release`)."""
+        self._gather([w.release.remote(role) for w in self.workers], "release")
+        self.held.discard(role)
 
     @property
     def global_batch_size(self) -> int:
@@ -278,11 +278,11 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ forward only
     def score_batch(
-        self, batch: Batch, fn: ScoreFn, rows_per_forward: Optional[int] = None, on_reference: bool = False
+        self, batch: Batch, fn: ScoreFn, rows_per_forward: Optional[int] = None, on: Optional[str] = None
     ) -> torch.Tensor:
         """``fn`` over ``batch`` in chunks of ``rows_per_forward`` rows (default: the build's micro-batch size),
-        each trimmed to its own longest row, spread over the ranks -> one ``(B, ...)`` tensor; ``on_reference``: on
-        the frozen reference the ranks hold (:meth:`build_reference`), not on their own model.
+        each trimmed to its own longest row, spread over the ranks -> one ``(B, ...)`` tensor; ``on``: on the frozen
+        model the ranks hold as that role (:meth:`hold`), not on their own model.
 
         Per-token results (``(B, T)``, ``(B, 2, T)`` for pairs, or with trailing axes ``(B, T, ...)``) are
         right-padded with zeros along the time axis back to the batch's width ``T``; per-row results (``(B,)``,
@@ -291,7 +291,7 @@ class WorkerGroup:
         """
         if not len(batch):
             raise ValueError(f"{self.role}: score_batch of an empty batch")
-        parts = self.score(self._chunks(batch, rows_per_forward, "score_batch"), fn, on_reference)
+        parts = self.score(self._chunks(batch, rows_per_forward, "score_batch"), fn, on)
         width, time_axis = batch.input_ids.shape[-1], batch.input_ids.dim() - 1
         # per-token results have input_ids' rank, or more (a trailing axis: a teacher's top-k, (B, T, K, 2))
         per_token = [p.dim() >= batch.input_ids.dim() for p in parts]
@@ -306,8 +306,8 @@ class WorkerGroup:
         totals.add(self.evaluate(chunks, objective), sum(objective.count(c) for c in chunks))
         return totals
 
-    def score(self, batches: Sequence[Batch], fn: ScoreFn, on_reference: bool = False) -> List[Any]:
-        """Run ``fn`` over ``batches`` spread across the ranks (``on_reference``: on the reference they hold);
+    def score(self, batches: Sequence[Batch], fn: ScoreFn, on: Optional[str] = None) -> List[Any]:
+        """Run ``fn`` over ``batches`` spread across the ranks (``on``: on the model they hold as that role);
         results in the order of ``batches``.
 
         Every rank runs the same number of forwards (see :meth:`_spread`); filler results are dropped.
@@ -315,7 +315,7 @@ class WorkerGroup:
         if not batches:
             return []
         shards, _ = self._spread(batches)
-        calls = [w.score.remote(s, fn, on_reference) for w, s in zip(self.workers, shards)]
+        calls = [w.score.remote(s, fn, on) for w, s in zip(self.workers, shards)]
         results = self._gather(calls, "score")
         return [out for shard in self._of_groups(results) for out in shard][: len(batches)]
 

@@ -240,7 +240,7 @@ def rl_plan(cfg: RLRunConfig, gpus_per_worker: float, reference: bool) -> Resour
         b.own(ROLLOUT, r.num_engines, r.cpus_per_engine, engine_gpus(r.tensor_parallel_size, gpus_per_worker))
     if reference:
         b.on(policy_side if c.policy_reference else b.group(("reference",), ranks), "reference", ranks)
-    if cfg.algo.teacher.path:  # on-policy distillation: a frozen teacher, scored like the reference
+    if cfg.algo.teacher.path and not c.teacher_in_policy:  # on-policy distillation: a frozen teacher
         n = (cfg.algo.teacher.num_workers or t.num_workers) * sp
         b.on(policy_side if c.policy_teacher else b.group((TEACHER,), n), TEACHER, n)
     critic_side = b.group(("critic", "reward_model"), cfg.critic.num_workers * sp) if c.critic_reward else None

@@ -45,7 +45,7 @@ from rlhf.models.sequence_parallel import SequenceGroup, enable_sequence_paralle
 from rlhf.objectives.base import DeviceSums, Objective, ScoreFn, Sums
 from rlhf.ops.losses import normalize
 from rlhf.utils.device import resolve_attn_implementation
-from rlhf.utils.flops import REFERENCE_PASS, ModelFlops, PerfMeter, peak_tflops
+from rlhf.utils.flops import ModelFlops, PerfMeter, held_pass, peak_tflops
 from rlhf.utils.startup import collector_paused
 
 
@@ -100,10 +100,10 @@ class TrainerWorker:
         self.sequence_parallel_size = 1  # ranks sharing each row (build() reads it from the engine spec)
         # this rank's sequence group under sequence parallelism (build() makes it)
         self._sequence: Optional[SequenceGroup] = None
-        # a frozen reference held beside the trained model (colocate.reference_in_policy, dpo.ref_num_workers=0;
-        # build_reference loads it)
-        self.reference: Optional[torch.nn.Module] = None
-        self.reference_flops: Optional[ModelFlops] = None
+        # frozen models held beside the trained one, by role (a reference: colocate.reference_in_policy,
+        # dpo.ref_num_workers=0; a distillation teacher: colocate.teacher_in_policy), and their FLOP counts
+        self.held: Dict[str, torch.nn.Module] = {}
+        self.held_flops: Dict[str, ModelFlops] = {}
 
     def __repr__(self) -> str:
         # Ray prefixes the output it forwards from this actor with its repr: "(policy rank 0 pid=..., ip=...)"
@@ -169,8 +169,8 @@ class TrainerWorker:
     @collector_paused()  # imports transformers, builds the model and its engine
     def build(self, model: ModelSpec, engine: EngineSpec, optim: Optional[OptimSpec]) -> Dict[str, int]:
         """Load the model; with ``optim`` wrap it in a training engine, else keep it frozen for scoring. A reference
-        held for an earlier build is dropped (:meth:`build_reference` follows the build it belongs to)."""
-        self.reference = self.reference_flops = None
+        held for an earlier build is let go (:meth:`hold` follows the build it belongs to)."""
+        self.held, self.held_flops = {}, {}
         model = self._with_attention(model)
         engine = built_spec(engine, self.world_size)  # a one-rank group builds ZeRO 1 for 2 and 3
         zero3 = None
@@ -202,15 +202,15 @@ class TrainerWorker:
         return _parameter_counts(self.model, trainable=optim is not None)
 
     @collector_paused()  # imports transformers, builds a frozen model (a frozen ZeRO-3 engine)
-    def build_reference(self, model: ModelSpec, engine: EngineSpec) -> Dict[str, int]:
-        """Load a frozen reference into this trainable rank's own process, beside the model it trains (RL's
-        ``colocate.reference_in_policy``, as verl's fused actor-reference worker; DPO's ``dpo.ref_num_workers=0``, as
-        TRL's ``ref_model``): no process of its own, and on a
-        GPU no second CUDA context or communicator. Sharded as a frozen group's rank would be (ZeRO 3 over this
-        group), run sequence-parallel in this rank's sequence group. Collective under ZeRO 3: every rank calls it.
-        ``score(..., on_reference=True)`` runs on it."""
+    def hold(self, role: str, model: ModelSpec, engine: EngineSpec) -> Dict[str, int]:
+        """Load a frozen model of ``role`` (a reference, a teacher) into this trainable rank's own process, beside
+        the model it trains (RL's ``colocate.reference_in_policy`` / ``teacher_in_policy``, as verl's fused
+        actor-reference worker; DPO's ``dpo.ref_num_workers=0``, as TRL's ``ref_model``): no process of its own,
+        and on a GPU no second CUDA context or communicator. Sharded as a frozen group's rank would be (ZeRO 3 over
+        this group), run sequence-parallel in this rank's sequence group. Collective under ZeRO 3: every rank calls
+        it. ``score(..., on=role)`` runs on it."""
         if self.engine is None:
-            raise RuntimeError(f"{self.role} rank {self.rank}: build_reference needs a built trainable worker")
+            raise RuntimeError(f"{self.role} rank {self.rank}: hold({role!r}) needs a built trainable worker")
         model = self._with_attention(model)
         engine = built_spec(engine, self.world_size)
         zero3 = None
@@ -220,14 +220,15 @@ class TrainerWorker:
         module = load_model(model, zero3_config=zero3)
         if self._sequence is not None:
             enable_sequence_parallel(module, self._sequence)
-        self.reference = self._frozen(module, zero3)
-        self.reference_flops = ModelFlops.of(self.reference)
-        return _parameter_counts(self.reference, trainable=False)
+        self.held[role] = self._frozen(module, zero3)
+        self.held_flops[role] = ModelFlops.of(self.held[role])
+        return _parameter_counts(self.held[role], trainable=False)
 
-    def drop_reference(self) -> None:
-        """Let the held reference go (a precomputed reference is not scored again): its memory back to the device,
-        or under ZeRO 3 its partitions with it."""
-        self.reference = self.reference_flops = None
+    def release(self, role: str) -> None:
+        """Let the model held as ``role`` go (a precomputed reference is not scored again): its memory back to the
+        device, or under ZeRO 3 its partitions with it."""
+        self.held.pop(role, None)
+        self.held_flops.pop(role, None)
         self.release_cached_memory()
 
     def _with_attention(self, model: ModelSpec) -> ModelSpec:
@@ -310,13 +311,13 @@ class TrainerWorker:
         return RankStepResult(sums=host, grad_norm=self.engine.last_grad_norm, lr=lr)
 
     @torch.no_grad()
-    def score(self, batches: List[Batch], fn: ScoreFn, on_reference: bool = False) -> List[torch.Tensor]:
-        """Forward-only ``fn`` over each batch (reference log-probs, rewards, values), results on CPU;
-        ``on_reference``: on the frozen reference this rank holds (:meth:`build_reference`), not its own model."""
+    def score(self, batches: List[Batch], fn: ScoreFn, on: Optional[str] = None) -> List[torch.Tensor]:
+        """Forward-only ``fn`` over each batch (reference log-probs, rewards, values), results on CPU; ``on``: on
+        the frozen model this rank holds as that role (:meth:`hold`), not its own model."""
         assert self.model is not None, "build() sets the model before any call that uses it"
-        if on_reference and self.reference is None:
-            raise RuntimeError(f"{self.role} rank {self.rank} holds no reference: build_reference() first")
-        model = self.reference if on_reference else (self.engine if self.engine is not None else self.model)
+        if on is not None and on not in self.held:
+            raise RuntimeError(f"{self.role} rank {self.rank} holds no {on} (holds {sorted(self.held)}): hold() it")
+        model = self.held[on] if on is not None else (self.engine if self.engine is not None else self.model)
         was_training = self.model.training
         self.model.eval()
         started = time.perf_counter()
@@ -325,8 +326,8 @@ class TrainerWorker:
             out = [s.cpu() for s in scores]  # the first read waits for every pass; the others are ready by then
         finally:
             self.model.train(was_training)
-        kind = REFERENCE_PASS if on_reference else "forward"
-        self._account(kind, batches, [True] * len(batches), time.perf_counter() - started)
+        kind = held_pass(on) if on is not None else "forward"
+        self._account(kind, batches, [True] * len(batches), time.perf_counter() - started, on)
         return out
 
     def _upload(self, batches: List[Batch]) -> List[Batch]:
@@ -345,12 +346,14 @@ class TrainerWorker:
             remember_row_lengths(copy.attention_mask, host.attention_mask)
         return copies
 
-    def _account(self, kind: str, batches: List[Batch], counted: List[bool], seconds: float) -> None:
-        """Add a pass over ``batches`` (those ``counted``) to :attr:`perf`: its seconds, model FLOPs, real tokens
-        (this rank's share of them under sequence parallelism, where each rank of a group runs a share of the
-        positions of the same rows)."""
-        model_flops = self.reference_flops if kind == REFERENCE_PASS else self.model_flops
-        assert model_flops is not None, "build() / build_reference() set the model's FLOP count"
+    def _account(
+        self, kind: str, batches: List[Batch], counted: List[bool], seconds: float, held: Optional[str] = None
+    ) -> None:
+        """Add a pass over ``batches`` (those ``counted``) to :attr:`perf`: its seconds, model FLOPs (the model held
+        as ``held``'s, if given), real tokens (this rank's share of them under sequence parallelism, where each rank
+        of a group runs a share of the positions of the same rows)."""
+        model_flops = self.held_flops[held] if held is not None else self.model_flops
+        assert model_flops is not None, "build() sets the model's FLOP count"
         lengths = [n for b, keep in zip(batches, counted) if keep for n in b.row_lengths()]
         share = 1 / self.sequence_parallel_size
         flops = model_flops.flops(lengths, training=kind == "train")

@@ -124,21 +124,20 @@ def trained_group(ctx: "RunContext", model_path: str, kind: str, optim: "OptimSp
     return start
 
 
-def holding_reference(
-    ctx: "RunContext", trained: RoleStarter, reference_path: str, kind: str, name: str
-) -> RoleStarter:
-    """``trained``'s role, whose ranks then also load the frozen reference (``kind`` from ``reference_path``) into
-    their own processes beside the model they train (online RL's ``colocate.reference_in_policy``, DPO's
-    ``dpo.ref_num_workers=0``), shaped as a frozen group of as many ranks would be; logged under the run's
-    ``name``."""
+def holding(ctx: "RunContext", trained: RoleStarter, models: Sequence[Tuple[str, str, str]], name: str) -> RoleStarter:
+    """``trained``'s role, whose ranks then also load frozen ``models`` (``(role, path, kind)`` each: a reference, a
+    teacher) into their own processes beside the model they train (online RL's ``colocate.reference_in_policy`` and
+    ``teacher_in_policy``, DPO's ``dpo.ref_num_workers=0``), each shaped as a frozen group of as many ranks would
+    be; logged under the run's ``name``."""
 
     def start(actors: ActorPlan, placement: Optional["Placement"]) -> "WorkerGroup":
         group = trained(actors, placement)
-        group.build_reference(ctx.model_spec(reference_path, kind), ctx.engine_spec(actors.count, trainable=False))
-        log.info(
-            f"[{name}] reference {reference_path}: a frozen copy held in the {actors.role}'s own processes "
-            f"({plural(actors.count, 'rank')}), no reference workers"
-        )
+        for role, path, kind in models:
+            group.hold(role, ctx.model_spec(path, kind), ctx.engine_spec(actors.count, trainable=False))
+            log.info(
+                f"[{name}] {role} {path}: a frozen copy held in the {actors.role}'s own processes "
+                f"({plural(actors.count, 'rank')}), no {role} workers"
+            )
         return group
 
     return start

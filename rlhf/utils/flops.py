@@ -110,14 +110,18 @@ def mfu(flops: float, seconds: float, peak: Optional[float]) -> Optional[float]:
     return flops / seconds / (peak * 1e12)
 
 
-#: The kind of pass of a frozen reference held in a trained model's process (colocate.reference_in_policy): its
-#: metrics are the reference's own, ``perf/reference/forward_*``, as a reference group's would be.
-REFERENCE_PASS = "reference"
+HELD = "held:"  # the prefix of a pass on a frozen model a trained model's process holds (held_pass)
+
+
+def held_pass(role: str) -> str:
+    """The kind of pass on the frozen model of ``role`` a trained model's process holds (a reference, a teacher):
+    its metrics are that role's own, ``perf/<role>/forward_*``, as its own group's would be."""
+    return HELD + role
 
 
 class PerfMeter:
     """A rank's work since it was last read: seconds spent, model FLOPs and real tokens, per kind of pass (``train``:
-    optimizer steps, ``forward``: scoring, :data:`REFERENCE_PASS`: scoring on a held reference). Only counted rows are
+    optimizer steps, ``forward``: scoring, :func:`held_pass`: scoring on a held model). Only counted rows are
     added (a lockstep filler is work, not useful work)."""
 
     def __init__(self) -> None:
@@ -140,13 +144,11 @@ def perf_metrics(role: str, ranks: Sequence[Dict[str, Dict[str, float]]], peak: 
     """A group's ``perf/<role>/...`` metrics from its ranks' :meth:`PerfMeter.take`: ``tokens_per_s`` (real tokens of
     every rank over the slowest rank's seconds: the ranks run in lockstep) and ``mfu`` (their model FLOPs over that
     time and every rank's ``peak`` TFLOP/s; absent without a peak) for optimizer steps, ``forward_tokens_per_s`` and
-    ``forward_mfu`` for scoring passes; a held reference's scoring passes as ``perf/reference/forward_*``."""
+    ``forward_mfu`` for scoring passes; the passes on a model held as another role as ``perf/<that role>/forward_*``."""
     out: Dict[str, float] = {}
-    for kind, name, prefix in (
-        ("train", role, ""),
-        ("forward", role, "forward_"),
-        (REFERENCE_PASS, "reference", "forward_"),
-    ):
+    held = sorted({kind for rank in ranks for kind in rank if kind.startswith(HELD)})
+    kinds = [("train", role, ""), ("forward", role, "forward_")] + [(k, k[len(HELD) :], "forward_") for k in held]
+    for kind, name, prefix in kinds:
         parts = [rank[kind] for rank in ranks if kind in rank]
         seconds = max((p["seconds"] for p in parts), default=0.0)
         if seconds <= 0:

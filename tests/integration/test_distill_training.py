@@ -3,7 +3,9 @@
 The teacher is the tiny architecture and tokenizer with other weights, on a frozen group of its own.
 
 * Reward mode with REINFORCE++ and the task reward, asynchronous (``rollout.max_staleness=1``), four steps; and
-  the same run stopped after step 2 and resumed: identical rows and bit-identical weights. Every step reports the
+  the same run stopped after step 2 and resumed, its teacher and reference held in the policy's process
+  (``colocate.teacher_in_policy``, ``reference_in_policy``) instead of groups: identical rows and bit-identical
+  weights. Every step reports the
   teacher's reverse KL, and with ``k1`` at coef 1 the mean per-token penalty is that KL.
 * Loss mode alone (no reward source): every score is 0, so GRPO's policy loss is exactly 0 and the run trains on
   the distillation loss alone (``loss == distill``); the flat-reward health guard is off for it.
@@ -56,9 +58,11 @@ def reward_runs(tiny_model, teacher, rl_prompts, rl_shaping, tmp_path_factory):
     extra = (f"algo.teacher.path={teacher}", *REWARD_MODE, f"train.max_steps={STEPS}")
     whole = run_rl(tiny_model, rl_prompts, rl_shaping, str(base / "whole"), *extra)
     out = str(base / "resumed")
-    _, stopped = run_rl(tiny_model, rl_prompts, rl_shaping, out, *extra, "train.stop_after_steps=2")
+    # the teacher and the reference held in the policy's process (the uninterrupted run's are groups of their own)
+    held = (*extra, "colocate.teacher_in_policy=true", "colocate.reference_in_policy=true")
+    _, stopped = run_rl(tiny_model, rl_prompts, rl_shaping, out, *held, "train.stop_after_steps=2")
     assert stopped.stopped_at == 2
-    resumed = run_rl(tiny_model, rl_prompts, rl_shaping, out, *extra, "train.resume=true")
+    resumed = run_rl(tiny_model, rl_prompts, rl_shaping, out, *held, "train.resume=true")
     return whole, resumed
 
 

@@ -304,7 +304,7 @@ class Groups:
                 done.result()
         # the same reference, also held by the policy's ranks (the held cases), as the reference group shards it:
         # on fp32's layout a frozen ZeRO-3 engine beside the policy's ZeRO-2 training engine, in one process
-        self.roles["policy"].build_reference(*builds["reference"][:2])
+        self.roles["policy"].hold("reference", *builds["reference"][:2])
         for role in ("policy", "critic"):
             self.roles[role].save_checkpoint(self.initial(role, layout))
         self.layout = layout
@@ -356,8 +356,7 @@ def _run_step(cfg, actors, rollout, tmp_path, held: bool = False):
     roles = RLActors(
         policy=actors["policy"],
         engines=None,
-        reference=actors["reference"] if a.kl_coef > 0 and not held else None,
-        reference_held=held,
+        reference=actors["reference"] if a.kl_coef > 0 and not held else None,  # else the copy the policy holds
         critic=actors["critic"] if a.needs_critic else None,
     )
     policy_objective, value_objective = build_objectives(cfg)

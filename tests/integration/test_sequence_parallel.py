@@ -14,7 +14,7 @@ Every group takes the same steps: two SFT steps, a DPO step (reference log-probs
 whose objective has every sequence-level term the issue names: GSPO's sequence ratio, a seq-mean aggregation,
 the entropy bonus and the KL loss (PPO's old log-probs scored by each group itself, compared first), and an
 on-policy distillation step (PPO with the k2 reverse KL to another model's log-probs as a loss, token-mean); the
-other model is also held by each group's ranks as a reference (``colocate.reference_in_policy``) and scored. Then every
+other model is also held by each group's ranks (``colocate.teacher_in_policy``) and scored. Then every
 group is rebuilt with a scalar head and takes a reward-model step (scores at each row's last token, which lies on
 one rank of a group) and a critic step (per-token values against returns, value clipping around each group's own
 scored values). Each step's loss and grad norm, and the causal LM's final weights, must agree with ``whole`` to
@@ -135,14 +135,14 @@ def _build(group, model_path: str, kind: str, name: str) -> None:
     )
 
 
-def _hold_reference(group, path: str, name: str) -> None:
+def _hold_teacher(group, path: str, name: str) -> None:
     """``group``'s ranks load the frozen model at ``path`` beside their own, with the layout's memory options."""
     from rlhf.models.loading import CAUSAL_LM, ModelSpec
 
     ranks, sp, micro, packing = LAYOUTS[name]
     _, tiled = MEMORY.get(name, (False, False))
     model = ModelSpec(path=path, kind=CAUSAL_LM, precision="fp64", packing=True, seed=5, tiled_head=tiled)
-    group.build_reference(model, _spec(ranks, sp, micro, packing))
+    group.hold("teacher", model, _spec(ranks, sp, micro, packing))
 
 
 @contextlib.contextmanager
@@ -183,7 +183,7 @@ def trained(batches, tmp_path_factory, model_path, teacher_path):
 
 def _train_in_lockstep(groups, batches, tmp_path_factory, model_path, teacher_path) -> dict:
     from rlhf.models.loading import SCALAR_HEAD
-    from rlhf.objectives.actor_critic import PolicyObjective, TokenLogps, TokenValues, ValueObjective
+    from rlhf.objectives.actor_critic import PolicyObjective, TeacherTopK, TokenLogps, TokenValues, ValueObjective
     from rlhf.objectives.dpo import DPOObjective
     from rlhf.objectives.reward import RewardObjective
     from rlhf.objectives.sft import SFTObjective
@@ -211,12 +211,18 @@ def _train_in_lockstep(groups, batches, tmp_path_factory, model_path, teacher_pa
             for name, (g, p) in groups.items()
         }
     )
-    # the distillation teacher, held by each group's ranks as a reference (colocate.reference_in_policy): loaded
-    # into the policy's processes, sharded over the same sequence groups, and scored there
-    in_parallel({name: (lambda g=g, n=name: _hold_reference(g, teacher_path, n)) for name, (g, _) in groups.items()})
+    # the distillation teacher, held by each group's ranks (colocate.teacher_in_policy): loaded into the policy's
+    # processes, sharded over the same sequence groups, and scored there, on the sampled tokens and as GKD's top-k
+    in_parallel({name: (lambda g=g, n=name: _hold_teacher(g, teacher_path, n)) for name, (g, _) in groups.items()})
     held = in_parallel(
         {
-            name: (lambda g=g, p=p: g.score_batch(batches["rl"], TokenLogps(packing=p), on_reference=True))
+            name: (lambda g=g, p=p: g.score_batch(batches["rl"], TokenLogps(packing=p), on="teacher"))
+            for name, (g, p) in groups.items()
+        }
+    )
+    held_topk = in_parallel(
+        {
+            name: (lambda g=g, p=p: g.score_batch(batches["rl"], TeacherTopK(4, packing=p), on="teacher"))
             for name, (g, p) in groups.items()
         }
     )
@@ -248,7 +254,14 @@ def _train_in_lockstep(groups, batches, tmp_path_factory, model_path, teacher_pa
     returns = torch.randn(rl.input_ids.shape, generator=torch.Generator().manual_seed(24), dtype=torch.float64)
     critic = rl.replace(values=values["whole"], returns=returns * rl.attention_mask)
     step_all(lambda p: ValueObjective(clip=0.05, packing=p), critic)
-    return {"rows": rows, "old_logps": old_logps, "values": values, "held_logps": held, "dirs": dirs}
+    return {
+        "rows": rows,
+        "old_logps": old_logps,
+        "values": values,
+        "held_logps": held,
+        "held_topk": held_topk,
+        "dirs": dirs,
+    }
 
 
 def _rel(a: float, b: float) -> float:
@@ -288,9 +301,12 @@ def test_sharded_scoring_gives_the_unsharded_log_probs_and_values(trained, batch
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_a_reference_held_by_the_ranks_scores_as_the_model_does_unsharded(trained, batches, name):
-    """``colocate.reference_in_policy`` under sequence parallelism (and packing, tiles, a token budget): the
-    teacher held in each group's processes gives the log-probs transformers computes from it in one process."""
+def test_a_model_held_by_the_ranks_scores_as_it_does_unsharded(trained, batches, name):
+    """``colocate.teacher_in_policy`` (and ``reference_in_policy``, the same code) under sequence parallelism,
+    packing, tiles, a token budget: the teacher held in each group's processes gives the log-probs transformers
+    computes from it in one process, and GKD's top-k of the unsharded layout."""
+    from rlhf.objectives.actor_critic import split_teacher_topk
+
     mask = batches["rl"].attention_mask.bool()
     mask[:, 0] = False  # column 0 predicts nothing
     want, got = batches["rl"].teacher_logps, trained["held_logps"][name]
@@ -298,6 +314,10 @@ def test_a_reference_held_by_the_ranks_scores_as_the_model_does_unsharded(traine
     assert (got[mask] - want[mask]).abs().max() <= FP64_RTOL * want[mask].abs().max()
     # not the policy's own log-probs: another model's, and the policy's would match its old_logps
     assert (got[mask] - trained["old_logps"][name][mask]).abs().max() > 1e-3
+    (top, ids), (whole_top, whole_ids) = (split_teacher_topk(trained["held_topk"][n]) for n in (name, "whole"))
+    assert top.shape == (*want.shape, 4) and torch.equal(ids[mask], whole_ids[mask])
+    assert (top[mask] - whole_top[mask]).abs().max() <= FP64_RTOL * whole_top[mask].abs().max()
+    assert bool((top[mask][:, 0] >= want[mask] - 1e-12).all())  # the likeliest token's, at least the sampled one's
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "whole"])

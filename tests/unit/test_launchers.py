@@ -380,7 +380,7 @@ class _Recorder:
     """
 
     def __init__(self, monkeypatch):
-        self.requests, self.actors, self.holding_reference = [], [], []
+        self.requests, self.actors, self.holding = [], [], []
         rec = self
 
         class Placement:
@@ -397,7 +397,7 @@ class _Recorder:
                     role, resources.num_workers, resources.cpus_per_worker, resources.gpus_per_worker
                 )
                 self.role, self.size = role, resources.num_workers
-                self.holds_reference = False
+                self.held = set()
                 rec.actors.append(
                     (
                         role,
@@ -411,9 +411,9 @@ class _Recorder:
             def build(self, *args, **kwargs):
                 pass
 
-            def build_reference(self, model, engine):
-                rec.holding_reference.append((self.role, model.path, engine.micro_batch_size))
-                self.holds_reference = True
+            def hold(self, role, model, engine):
+                rec.holding.append((self.role, role, model.path, engine.micro_batch_size))
+                self.held.add(role)
 
             def shutdown(self):
                 pass
@@ -494,6 +494,13 @@ RL_VARIANTS = {
     "separate": [],
     "policy_reference": ["colocate.policy_reference=true"],
     "reference_in_policy": ["colocate.reference_in_policy=true", "model.ref_path=/ref"],
+    "teacher_in_policy": [
+        "algo.teacher.path=/t",
+        "algo.teacher.mode=loss",
+        "colocate.teacher_in_policy=true",
+        "colocate.reference_in_policy=true",
+        "train.num_workers=2",
+    ],
     "hybrid": [
         "train.num_workers=2",
         "rollout.num_engines=2",
@@ -538,9 +545,15 @@ def test_rl_runner_requests_what_the_plan_says(variant, gpus, monkeypatch, capsy
     held = kind_of(cfg).reference_held(cfg)
     start_roles(cfg, ctx, plan, total_optimizer_steps=10, reference_held=held)
     assert rec.seen() == _Recorder.of(plan)
-    # the held reference: loaded by the policy's ranks, with a frozen group's chunks; no reference actor
-    assert held is (variant == "reference_in_policy")
-    assert rec.holding_reference == ([("policy", "/ref", cfg.train.micro_batch_size)] if held else [])
+    # the held models: loaded by the policy's ranks, each with a frozen group's chunks; no actor of their own
+    assert held is variant.endswith("_in_policy")
+    expected = {
+        "reference_in_policy": [("reference", "/ref")],
+        "teacher_in_policy": [("reference", "/m"), ("teacher", "/t")],
+    }
+    assert rec.holding == [
+        ("policy", role, path, cfg.train.micro_batch_size) for role, path in expected.get(variant, [])
+    ]
     assert ("reference" in [a.role for a in plan.actors]) is (cfg.algo.kl_coef > 0 and not held)
     # the start-up's seconds, then each role's, in the plan's order
     each = ", ".join(rf"{a.role} \d+\.\d s" for a in plan.actors)
@@ -606,7 +619,7 @@ def test_offline_runner_requests_what_the_plan_says(kind, tiny_model, sft_data, 
     assert rec.seen() == _Recorder.of(plan)
     assert asked["cpus"] == pytest.approx(plan.needed_cpus) == pytest.approx(1.5 * (2 + 3 * (kind == "dpo")))
     # dpo.ref_num_workers=0: the policy's ranks load the reference (here the policy's own path), none of its own
-    assert rec.holding_reference == ([("policy", tiny_model, 1)] if kind == "dpo-held" else [])
+    assert rec.holding == ([("policy", "reference", tiny_model, 1)] if kind == "dpo-held" else [])
 
 
 def test_dry_run_prints_the_requests_the_runner_makes(monkeypatch, capsys):

@@ -325,6 +325,7 @@ def test_the_trainer_samples_and_scores_with_the_configs_top_k_and_top_p():
     class Recorder:
         def __init__(self):
             self.calls = []
+            self.held = set()  # a stand-in group holds no frozen model of another role (WorkerGroup.hold)
 
         def generate(self, prompt_ids, sampling):
             self.calls.append(sampling)

@@ -144,6 +144,47 @@ def test_rl_policy_ranks_hold_the_reference_when_asked_and_nothing_else_does():
     assert kind_of(lora).reference_held(lora) and not kind_of(lora).reference_on_base(lora)
 
 
+def test_rl_policy_ranks_hold_the_distillation_teacher_when_asked():
+    """``colocate.teacher_in_policy``: no teacher group, the held roles say both models, the dry run says so;
+    refused without a teacher, for a teacher of another rank count, and beside ``colocate.policy_teacher``."""
+    from rlhf.config.schema import ConfigError
+    from rlhf.distributed.resource_plan import Devices
+    from rlhf.trainers.online.roles import held_models
+
+    rl = ("reward.functions=[m:f]", "algo.teacher.path=/t", "algo.teacher.mode=loss", "train.num_workers=2")
+    for overrides, held in (
+        ((), []),
+        (("colocate.teacher_in_policy=true",), [("teacher", "/t")]),
+        (
+            ("colocate.teacher_in_policy=true", "colocate.reference_in_policy=true"),
+            [("reference", "/m"), ("teacher", "/t")],
+        ),
+    ):
+        cfg = _cfg(RLRunConfig, "grpo_tiny", *rl, *overrides)
+        kind = kind_of(cfg)
+        assert held_models(cfg, kind.reference_held(cfg)) == held, overrides
+        plan = kind.plan(cfg, 0.0)
+        assert [a.role for a in plan.actors if a.role in ("teacher", "reference")] == [
+            role for role in ("reference", "teacher") if role not in dict(held)
+        ], overrides
+        said = [line for line in kind.describe(cfg, plan, Devices(0.0, "fp32", "gloo")) if line.startswith("teacher")]
+        assert said == (
+            [
+                "teacher: /t, a frozen copy in each policy rank's own process (colocate.teacher_in_policy): "
+                "no teacher workers"
+            ]
+            if "colocate.teacher_in_policy=true" in overrides
+            else []
+        )
+    for extra, why in (
+        (("algo.teacher.path=",), "needs a teacher"),
+        (("algo.teacher.num_workers=1",), r"needs algo.teacher.num_workers \(1\) == train.num_workers \(2\), or 0"),
+        (("colocate.policy_teacher=true",), "and colocate.policy_teacher both place the teacher"),
+    ):
+        with pytest.raises(ConfigError, match=rf"^colocate.teacher_in_policy {why}"):
+            _cfg(RLRunConfig, "grpo_tiny", *rl, "colocate.teacher_in_policy=true", *extra)
+
+
 def test_the_command_lines_parse_the_descriptors_config_class(capsys):
     """Each ``train_*`` CLI is its descriptor: ``--help`` lists a key only that trainer's config has."""
     import importlib

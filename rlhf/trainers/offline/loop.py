@@ -28,7 +28,7 @@ from rlhf.distributed.micro_batches import micro_batch_tokens
 from rlhf.hub import pin_run_sources
 from rlhf.models.loading import CAUSAL_LM
 from rlhf.objectives.base import Objective, Totals
-from rlhf.trainers.actors import RoleStarter, frozen_group, holding_reference, start_plan, trained_group
+from rlhf.trainers.actors import RoleStarter, frozen_group, holding, start_plan, trained_group
 from rlhf.trainers.context import RunContext, optim_spec
 from rlhf.trainers.descriptor import TrainerKind
 from rlhf.trainers.output_dir import claim_output_dir
@@ -247,7 +247,7 @@ def _policy_starter(ctx: RunContext, kind: TrainerKind, optim: OptimSpec) -> Rol
     trained = trained_group(ctx, m.path, kind.policy_kind, optim)
     if not kind.reference_held(ctx.cfg):
         return trained
-    return holding_reference(ctx, trained, m.ref_path or m.path, CAUSAL_LM, kind.run_name)
+    return holding(ctx, trained, [("reference", m.ref_path or m.path, CAUSAL_LM)], kind.run_name)
 
 
 def batch_lines(cfg: RunConfig, lines: List[str]) -> List[str]:

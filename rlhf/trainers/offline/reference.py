@@ -64,7 +64,7 @@ def attach_reference(
     cfg: DPORunConfig = ctx.cfg
     online = cfg.dpo.ref_mode == "online"
     fn: ScoreFn  # OnBaseModel(ReferenceLogps()) on LoRA's base, else ReferenceLogps() on the model as it is
-    held = reference is None and policy.holds_reference  # the runner loaded it (TrainerKind.reference_held)
+    held = "reference" if reference is None and "reference" in policy.held else None  # TrainerKind.reference_held
     if reference is not None:
         scorer, fn, where = reference, ReferenceLogps(), "on the reference workers (released now)"
     elif held:
@@ -76,13 +76,13 @@ def attach_reference(
         assert not online and cfg.model.reference_is_initial, "an online or other reference needs a group of its own"
         scorer, fn, where = policy, ReferenceLogps(), "by the policy's ranks before its first step"
     if online:
-        task.prepare = lambda batch: batch.replace(ref_logps=scorer.score_batch(batch, fn, on_reference=held))
+        task.prepare = lambda batch: batch.replace(ref_logps=scorer.score_batch(batch, fn, on=held))
         return
     for data in datasets:
-        data.ref_logps = precompute_reference(scorer, data, fn, on_reference=held)
+        data.ref_logps = precompute_reference(scorer, data, fn, on=held)
     rows = sum(len(d.examples) for d in datasets)
     # the precompute's forward passes, not the first step's: a step's perf/* metrics are its own work
-    speed = scorer.perf_metrics().get(f"perf/{'reference' if held else scorer.role}/forward_tokens_per_s")
+    speed = scorer.perf_metrics().get(f"perf/{held or scorer.role}/forward_tokens_per_s")
     log.info(
         f"[dpo] reference log-probs precomputed for {rows} {unit} {where}"
         + (f" ({speed:,.0f} tokens/s)" if speed else "")
@@ -91,21 +91,20 @@ def attach_reference(
         scorer.shutdown()
         ctx.groups.remove(scorer)
     elif held:
-        scorer.drop_reference()
+        scorer.release(held)
 
 
 def precompute_reference(
-    ref: WorkerGroup, data: ReferenceScored, fn: ScoreFn, on_reference: bool = False
+    ref: WorkerGroup, data: ReferenceScored, fn: ScoreFn, on: Optional[str] = None
 ) -> torch.Tensor:
     """``(N, 2)`` summed reference log-probs of every row: on a frozen group ``REF_BATCH_SIZE`` rows per forward,
-    on the trained one (LoRA's base, the starting policy, the copy it holds: ``on_reference``) its micro-batch size
+    on the trained one (LoRA's base, the starting policy, the copy it holds: ``on``) its micro-batch size
     (the rows it is sized to hold), under ``train.max_tokens_per_micro_batch`` as many as the budget holds."""
     n = len(data.examples)
     window = REF_BATCH_SIZE * ref.size * 8  # collated a window at a time: a padded copy of the whole set is not kept
     assert ref.engine_spec is not None, "the reference group was built before it scores"
     rows = None if ref.engine_spec.max_tokens_per_micro_batch or ref.trainable else REF_BATCH_SIZE
     parts = [
-        ref.score_batch(data.collate(list(range(i, min(i + window, n)))), fn, rows, on_reference)
-        for i in range(0, n, window)
+        ref.score_batch(data.collate(list(range(i, min(i + window, n)))), fn, rows, on) for i in range(0, n, window)
     ]
     return torch.cat(parts) if parts else torch.zeros(0, 2)

@@ -193,11 +193,14 @@ def describe(cfg: RLRunConfig, plan: ResourcePlan, devices: Devices) -> List[str
         f"{r.weight_sync_bucket_mb} MB buckets",
         "  " + cfg.describe_schedule(),
     ]
-    if c.reference_in_policy:
-        lines.append(
-            f"reference: {cfg.model.ref_path or cfg.model.path}, a frozen copy in each policy rank's own process "
-            f"(colocate.reference_in_policy): no reference workers"
-        )
+    for role, path, key, held in (
+        ("reference", cfg.model.ref_path or cfg.model.path, "reference_in_policy", c.reference_in_policy),
+        ("teacher", cfg.algo.teacher.path, "teacher_in_policy", c.teacher_in_policy),
+    ):
+        if held:
+            lines.append(
+                f"{role}: {path}, a frozen copy in each policy rank's own process (colocate.{key}): no {role} workers"
+            )
     if cfg.multi_turn:
         e = cfg.env
         lines += [

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from rlhf.config.rl_schema import HYBRID_BROADCAST_ON_GPUS, RLRunConfig
 from rlhf.config.schema import ConfigError
@@ -40,7 +40,7 @@ from rlhf.rollout.vllm.engine import VLLMSpec, engine_lora_rank
 from rlhf.rollout.vllm.engines import RolloutEngines, as_backend
 from rlhf.rollout.weights.group import SyncTimeouts
 from rlhf.rollout.weights.sync import resolve_weight_sync
-from rlhf.trainers.actors import RoleStarter, frozen_group, holding_reference, start_plan, trained_group
+from rlhf.trainers.actors import RoleStarter, frozen_group, holding, start_plan, trained_group
 from rlhf.trainers.context import RunContext, optim_spec
 from rlhf.trainers.online.steps import RLActors
 from rlhf.utils.log import get_logger
@@ -247,13 +247,15 @@ def start_roles(
     cfg: RLRunConfig, ctx: RunContext, plan: ResourcePlan, total_optimizer_steps: int, reference_held: bool = False
 ) -> Dict[str, Any]:
     """Every role of the run's ``plan`` (``--dry-run`` prints it), started as :func:`start_plan` says;
-    ``{role: started group}`` in the plan's order. ``reference_held``: the policy's ranks also load the frozen
-    reference (``colocate.reference_in_policy``; the plan has no reference group then)."""
+    ``{role: started group}`` in the plan's order. The policy's ranks also load the frozen reference
+    (``reference_held``: ``colocate.reference_in_policy``) and the teacher (``colocate.teacher_in_policy``) when
+    they hold them; the plan has no group for those then."""
     m = cfg.model
     optim = optim_spec(cfg.train, total_optimizer_steps)
     policy = trained_group(ctx, m.path, CAUSAL_LM, optim)
+    held = [(role, path, CAUSAL_LM) for role, path in held_models(cfg, reference_held)]
     starters: Dict[str, RoleStarter] = {
-        "policy": holding_reference(ctx, policy, m.ref_path or m.path, CAUSAL_LM, "rl") if reference_held else policy,
+        "policy": holding(ctx, policy, held, "rl") if held else policy,
         ROLLOUT: lambda engines, placement: _start_engines(cfg, ctx, engines, placement),
         "reference": frozen_group(ctx, m.ref_path or m.path, CAUSAL_LM),
         TEACHER: frozen_group(ctx, cfg.algo.teacher.path, CAUSAL_LM),
@@ -268,15 +270,23 @@ def start_roles(
     return start_plan(plan, ctx, starters, name="rl")
 
 
-def rl_actors(started: Dict[str, Any], reference_is_base: bool = False, reference_held: bool = False) -> RLActors:
+def held_models(cfg: RLRunConfig, reference_held: bool) -> List[Tuple[str, str]]:
+    """``(role, path)`` of the frozen models the policy's ranks hold in their own processes: the reference
+    (``reference_held``, the descriptor's fact) and the distillation teacher (``colocate.teacher_in_policy``)."""
+    m = cfg.model
+    return [("reference", m.ref_path or m.path)] * reference_held + [
+        (TEACHER, cfg.algo.teacher.path)
+    ] * cfg.colocate.teacher_in_policy
+
+
+def rl_actors(started: Dict[str, Any], reference_is_base: bool = False) -> RLActors:
     """The started roles as the trainer holds them. No reference group, the policy's workers score the reference:
-    ``reference_is_base``, LoRA's frozen base; ``reference_held``, the frozen copy each policy rank holds."""
+    ``reference_is_base``, LoRA's frozen base; or a reference and a teacher the policy's ranks hold."""
     return RLActors(
         policy=started["policy"],
         engines=as_backend(started[ROLLOUT]),
         reference=started.get("reference"),
         reference_is_base=reference_is_base,
-        reference_held=reference_held,
         teacher=started.get(TEACHER),
         critic=started.get("critic"),
         reward_model=started.get("reward_model"),

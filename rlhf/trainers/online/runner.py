@@ -145,7 +145,7 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     with run.cluster(needed_cpus=PPO.plan(cfg, 0.0).needed_cpus) as ctx:
         held = PPO.reference_held(cfg)
         started = start_roles(cfg, ctx, PPO.plan(cfg, ctx.gpus_per_worker), optimizer_steps, reference_held=held)
-        actors = rl_actors(started, reference_is_base=PPO.reference_on_base(cfg), reference_held=held)
+        actors = rl_actors(started, reference_is_base=PPO.reference_on_base(cfg))
         connect_weight_sync(cfg, ctx, actors)
         write_placement(started, t.output_dir)
         policy_objective, value_objective = build_objectives(cfg)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -29,6 +29,7 @@ from rlhf.batch import Batch
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.distributed.group import WorkerGroup
+from rlhf.distributed.resource_plan import TEACHER
 from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.actor_critic import (
     PolicyObjective,
@@ -38,6 +39,7 @@ from rlhf.objectives.actor_critic import (
     ValueObjective,
     split_teacher_topk,
 )
+from rlhf.objectives.base import ScoreFn
 from rlhf.ops.batch_advantages import advantages_for
 from rlhf.ops.mismatch import logp_mismatch
 from rlhf.rewards.scoring import reward_scorers
@@ -77,10 +79,17 @@ class RLActors:
     engines: RolloutBackend  # the vLLM engine actors (rlhf.rollout.vllm.engines.RolloutEngines)
     reference: Optional[WorkerGroup] = None  # frozen, when a KL term is used
     reference_is_base: bool = False  # LoRA: the KL reference is the policy's own frozen base (no reference group)
-    reference_held: bool = False  # colocate.reference_in_policy: each policy rank holds a frozen reference copy
     teacher: Optional[WorkerGroup] = None  # frozen, for on-policy distillation (algo.teacher.path)
     critic: Optional[WorkerGroup] = None  # trainable, for GAE
     reward_model: Optional[WorkerGroup] = None  # frozen scalar head
+
+    def frozen(self, role: str) -> Optional[Callable[[Batch, ScoreFn], torch.Tensor]]:
+        """How the frozen model of ``role`` (``reference``, ``teacher``) scores a batch (``score_batch``): on its
+        own group, or on the copy the policy's ranks hold (``WorkerGroup.hold``); None if the run has none."""
+        group = {"reference": self.reference, TEACHER: self.teacher}[role]
+        if group is not None:
+            return group.score_batch
+        return functools.partial(self.policy.score_batch, on=role) if role in self.policy.held else None
 
     def perf_metrics(self) -> Dict[str, float]:
         """Every trainer group's ``perf/<role>/...`` metrics since the last call (WorkerGroup.perf_metrics)."""
@@ -291,19 +300,18 @@ class RLTrainer:
         # the distribution the engines sampled from: tempered, cut to the top-k / top-p set (the reference's own)
         logps = TokenLogps(temperature=r.temperature, sampling_filter=r.sampling_filter)
         batch = batch.replace(old_logps=a.policy.score_batch(batch, logps))
-        if a.reference is not None:
-            batch = batch.replace(ref_logps=a.reference.score_batch(batch, logps))
+        # a frozen model scores on its own group, or on the copy the policy's ranks hold
+        reference, teacher = a.frozen("reference"), a.frozen(TEACHER)
+        if reference is not None:
+            batch = batch.replace(ref_logps=reference(batch, logps))
         elif a.reference_is_base:  # LoRA: the policy's frozen base, adapters off
             batch = batch.replace(ref_logps=a.policy.score_batch(batch, OnBaseModel(logps)))
-        elif a.reference_held:  # the frozen copy in the policy's own processes
-            batch = batch.replace(ref_logps=a.policy.score_batch(batch, logps, on_reference=True))
-        teacher = self.cfg.algo.teacher
-        if a.teacher is not None and teacher.on_distributions:  # GKD: its top-k of every predicting distribution
-            scored = a.teacher.score_batch(batch, TeacherTopK(teacher.top_k, r.temperature))
+        if teacher is not None and self.cfg.algo.teacher.on_distributions:  # GKD: its top-k of every distribution
+            scored = teacher(batch, TeacherTopK(self.cfg.algo.teacher.top_k, r.temperature))
             topk_logps, topk_ids = split_teacher_topk(scored)
             batch = batch.replace(teacher_topk_logps=topk_logps, teacher_topk_ids=topk_ids)
-        elif a.teacher is not None:  # distillation: the teacher scores the sampled tokens as the reference does
-            batch = batch.replace(teacher_logps=a.teacher.score_batch(batch, logps))
+        elif teacher is not None:  # distillation: the teacher scores the sampled tokens as the reference does
+            batch = batch.replace(teacher_logps=teacher(batch, logps))
         if a.critic is not None:
             batch = batch.replace(values=a.critic.score_batch(batch, TokenValues()))
         return batch
