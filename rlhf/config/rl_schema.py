@@ -678,9 +678,14 @@ class ColocateConfig:
     # auto (on for the hybrid engine on GPUs) | on | off: vLLM sleep mode, level 2 (weights and KV cache discarded
     # during training; woken weights first, then the KV cache after the weight sync)
     engine_sleep: str = "auto"
+    # auto (on for the hybrid engine on GPUs) | on | off: the other half of sleeping, as OpenRLHF's DeepSpeed sleep: the
+    # ranks on the engines' devices (the policy, a colocated reference or teacher) hold their weights, gradients and
+    # optimizer states in host memory while the engines generate, so vLLM's KV cache has the device
+    trainer_sleep: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice(self.engine_sleep, "colocate.engine_sleep", ("auto", "on", "off"))
+        check_choice(self.trainer_sleep, "colocate.trainer_sleep", ("auto", "on", "off"))
 
 
 @dataclass(frozen=True)
@@ -1023,9 +1028,10 @@ class RLRunConfig(RunConfig):
             "is ipc, which needs colocate.hybrid_engine=true: IPC hands each engine the buckets of the policy rank "
             "on its own device",
         )
-        check_setting(
-            c.engine_sleep != "on" or c.hybrid_engine,
-            "colocate.engine_sleep",
-            "must be auto or off without colocate.hybrid_engine=true (sleeping only helps when the policy trains "
-            "on the engines' devices)",
-        )
+        for key, value in (("colocate.engine_sleep", c.engine_sleep), ("colocate.trainer_sleep", c.trainer_sleep)):
+            check_setting(
+                value != "on" or c.hybrid_engine,
+                key,
+                "must be auto or off without colocate.hybrid_engine=true (sleeping only helps when the policy trains "
+                "on the engines' devices)",
+            )

@@ -376,6 +376,15 @@ class WorkerGroup:
         """Every rank empties its CUDA cache (a no-op on CPU): before colocated rollout engines wake up."""
         self._gather([w.release_cached_memory.remote() for w in self.workers], "release_cached_memory")
 
+    def sleep(self) -> List[int]:
+        """Every rank's state to host memory while engines on its device generate (:meth:`TrainerWorker.sleep`);
+        the bytes each moved."""
+        return self._gather([w.sleep.remote() for w in self.workers], "sleep")
+
+    def wake(self) -> None:
+        """Every rank's state back on its device (:meth:`TrainerWorker.wake`)."""
+        self._gather([w.wake.remote() for w in self.workers], "wake")
+
     def ping(self) -> List[int]:
         """Every rank's number, in order: a liveness check."""
         return self._gather([w.ping.remote() for w in self.workers], "ping")

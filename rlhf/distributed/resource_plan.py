@@ -260,6 +260,22 @@ def rl_plan(cfg: RLRunConfig, gpus_per_worker: float, reference: bool) -> Resour
     return b.build()
 
 
+def trainer_sleep(colocate: ColocateConfig, gpus_per_worker: float) -> bool:
+    """Whether the trainer ranks on the engines' devices sleep while they generate (``colocate.trainer_sleep``):
+    ``auto`` turns it on for the hybrid engine on GPUs; ``on`` runs it anywhere (the CPU twin moves host memory)."""
+    c = colocate
+    return c.trainer_sleep == "on" or (c.trainer_sleep == "auto" and c.hybrid_engine and gpus_per_worker > 0)
+
+
+def sleeping_roles(colocate: ColocateConfig, gpus_per_worker: float) -> Tuple[str, ...]:
+    """The trainer roles on the engines' devices, which sleep while the engines generate when
+    ``colocate.trainer_sleep`` resolves on (:func:`trainer_sleep`): the policy's side of the hybrid engine (a
+    reference or teacher the policy's ranks hold sleeps with them)."""
+    if not trainer_sleep(colocate, gpus_per_worker):
+        return ()
+    return tuple(role for role in policy_side_roles(colocate) if role != ROLLOUT)
+
+
 def engine_sleep(colocate: ColocateConfig, gpus_per_engine: float) -> bool:
     """Whether the engines use vLLM sleep mode (``colocate.engine_sleep``): CUDA-only, so ``on`` without GPU engines
     is refused; ``auto`` turns it on for the hybrid engine on GPUs."""

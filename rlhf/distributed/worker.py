@@ -9,6 +9,7 @@ group, a frozen ZeRO-3 engine), so that this module stays importable without the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import socket
 import time
@@ -28,6 +29,7 @@ from rlhf.distributed.engine import (
     iter_full_state,
 )
 from rlhf.distributed.rendezvous import arrive, connect_store, host_store
+from rlhf.distributed.sleep import HostCopies, device_storages, own_borrowed, state_tensors
 from rlhf.models.host_layout import remember_row_lengths
 from rlhf.models.loading import ModelSpec, load_model, persistent_numel
 from rlhf.models.lora import (
@@ -47,6 +49,18 @@ from rlhf.ops.losses import normalize
 from rlhf.utils.device import resolve_attn_implementation
 from rlhf.utils.flops import ModelFlops, PerfMeter, held_pass, peak_tflops
 from rlhf.utils.startup import collector_paused
+
+
+def _awake(method):
+    """A method that needs this rank's tensors: it wakes the rank first if it sleeps (:meth:`TrainerWorker.sleep`),
+    whatever called it, so a sleeping rank is never used half-empty."""
+
+    @functools.wraps(method)
+    def woken(self: "TrainerWorker", *args, **kwargs):
+        self.wake()
+        return method(self, *args, **kwargs)
+
+    return woken
 
 
 class WeightSender(Protocol):
@@ -104,6 +118,8 @@ class TrainerWorker:
         # dpo.ref_num_workers=0; a distillation teacher: colocate.teacher_in_policy), and their FLOP counts
         self.held: Dict[str, torch.nn.Module] = {}
         self.held_flops: Dict[str, ModelFlops] = {}
+        # colocate.trainer_sleep: this rank's state in host memory while engines on its device generate (sleep())
+        self.asleep: Optional[HostCopies] = None
 
     def __repr__(self) -> str:
         # Ray prefixes the output it forwards from this actor with its repr: "(policy rank 0 pid=..., ip=...)"
@@ -167,6 +183,7 @@ class TrainerWorker:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
     @collector_paused()  # imports transformers, builds the model and its engine
+    @_awake
     def build(self, model: ModelSpec, engine: EngineSpec, optim: Optional[OptimSpec]) -> Dict[str, int]:
         """Load the model; with ``optim`` wrap it in a training engine, else keep it frozen for scoring. A reference
         held for an earlier build is let go (:meth:`hold` follows the build it belongs to)."""
@@ -202,6 +219,7 @@ class TrainerWorker:
         return _parameter_counts(self.model, trainable=optim is not None)
 
     @collector_paused()  # imports transformers, builds a frozen model (a frozen ZeRO-3 engine)
+    @_awake
     def hold(self, role: str, model: ModelSpec, engine: EngineSpec) -> Dict[str, int]:
         """Load a frozen model of ``role`` (a reference, a teacher) into this trainable rank's own process, beside
         the model it trains (RL's ``colocate.reference_in_policy`` / ``teacher_in_policy``, as verl's fused
@@ -224,6 +242,7 @@ class TrainerWorker:
         self.held_flops[role] = ModelFlops.of(self.held[role])
         return _parameter_counts(self.held[role], trainable=False)
 
+    @_awake
     def release(self, role: str) -> None:
         """Let the model held as ``role`` go (a precomputed reference is not scored again): its memory back to the
         device, or under ZeRO 3 its partitions with it."""
@@ -253,6 +272,7 @@ class TrainerWorker:
         return module
 
     # ------------------------------------------------------------------ work
+    @_awake
     def train_step(
         self,
         micro_batches: List[Batch],
@@ -311,6 +331,7 @@ class TrainerWorker:
         return RankStepResult(sums=host, grad_norm=self.engine.last_grad_norm, lr=lr)
 
     @torch.no_grad()
+    @_awake
     def score(self, batches: List[Batch], fn: ScoreFn, on: Optional[str] = None) -> List[torch.Tensor]:
         """Forward-only ``fn`` over each batch (reference log-probs, rewards, values), results on CPU; ``on``: on
         the frozen model this rank holds as that role (:meth:`hold`), not its own model."""
@@ -364,6 +385,7 @@ class TrainerWorker:
         return {"work": self.perf.take(), "peak_tflops": self.peak_tflops}
 
     @torch.no_grad()
+    @_awake
     def evaluate(self, batches: List[Batch], objective: Objective, counted: List[bool]) -> Sums:
         """Forward-only objective sums over ``batches`` (those with ``counted[i]`` False are lockstep fillers)."""
         assert self.model is not None, "build() sets the model before any call that uses it"
@@ -380,6 +402,7 @@ class TrainerWorker:
             self.model.train(was_training)
         return sums.read()
 
+    @_awake
     def save_pretrained(self, path: str, merged: bool = True) -> None:
         """Write the model as an HF directory (safetensors). Collective: call on every rank; rank 0 writes.
 
@@ -409,6 +432,7 @@ class TrainerWorker:
             torch.distributed.barrier()
 
     # ------------------------------------------------------------------ weight sync
+    @_awake
     def attach_weight_sender(self, sender: Optional[WeightSender], adapter_only: bool = False) -> Optional[object]:
         """Keep this rank's sender (``None``: the rank only takes part in ZeRO-3 gathers); returns the address
         its peers join at, if it hosts a group. ``adapter_only`` (``model.lora.sync=adapter``, every rank alike:
@@ -425,6 +449,7 @@ class TrainerWorker:
         if self.weight_sender is not None:
             self.weight_sender.connect()
 
+    @_awake
     def push_weights(self, version: Optional[int] = None) -> Dict[str, float]:
         """Stream the full weights into this rank's sender, as weight ``version`` (the RL step they come from).
 
@@ -454,12 +479,36 @@ class TrainerWorker:
             gc.collect()  # tensors in reference cycles (the last step's graphs) give their blocks back first
             torch.cuda.empty_cache()
 
+    def sleep(self) -> int:
+        """Hand this rank's device memory to the engines that share its device (``colocate.trainer_sleep``): the
+        storages of the trained model, its gradients and optimizer states, and of the frozen models it holds, wait
+        in host memory (:mod:`rlhf.distributed.sleep`) until :meth:`wake` or any method that needs them. Returns the
+        bytes moved (0 if already asleep)."""
+        if self.asleep is not None:
+            return 0
+        models = [m for m in (self.model, *self.held.values()) if m is not None]
+        own_borrowed(models)
+        roots: List[Any] = list(models)
+        if self.engine is not None:
+            roots += [self.engine.engine, self.engine.optimizer]
+        self.asleep = HostCopies.offload(device_storages(state_tensors(roots), self.device))
+        self.release_cached_memory()
+        return self.asleep.nbytes
+
+    def wake(self) -> None:
+        """Every storage :meth:`sleep` emptied back on the device, with its bytes (a no-op when awake)."""
+        if self.asleep is not None:
+            asleep, self.asleep = self.asleep, None
+            asleep.restore()
+
     def ping(self) -> int:
         return self.rank
 
+    @_awake
     def save_checkpoint(self, directory: str) -> None:
         self._trainable("save_checkpoint").save_checkpoint(directory)
 
+    @_awake
     def load_checkpoint(self, directory: str) -> None:
         self._trainable("load_checkpoint").load_checkpoint(directory)
 

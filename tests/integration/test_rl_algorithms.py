@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from rl_helpers import check_rows, run_rl
@@ -40,11 +41,20 @@ def test_gae_ppo_with_critic_reward_model_and_colocation(
         "reward.model_weight=0.5",  # a random scalar head
         "colocate.policy_reference=true",
         "colocate.hybrid_engine=true",
+        "colocate.trainer_sleep=on",  # the GPU default of the hybrid engine (auto), run here on the CPU twin
         "colocate.critic_reward=true",
         "rollout.weight_sync=ipc",
         "rollout.weight_sync_bucket_mb=1",
     )  # several buckets a sync
-    assert "[rl] weight sync: ipc in 1 MB buckets" in capsys.readouterr().out
+    logged = capsys.readouterr().out
+    assert "[rl] weight sync: ipc in 1 MB buckets" in logged
+    # the policy and the reference on its bundles slept through every generate (their weights and Adam's states
+    # in host memory, rlhf.distributed.sleep) and woke to the same bits: the log-prob mismatch of every step
+    # (check_rows) compares the woken policy with the weights the engines got before it slept
+    moved = re.search(r"\[rl\] trainer sleep: policy 1 x ([0-9.]+) MiB, reference 1 x ([0-9.]+) MiB", logged)
+    assert moved, logged
+    # after a step: the policy's weights, their float32 masters and Adam's two moments, 4x the frozen weights
+    assert float(moved[1]) >= 4 * float(moved[2]) > 0
     check_rows(rows, extra_keys=("kl", "value_loss", "critic_grad_norm", "reward_kl_penalty", "reward/reward_model"))
     assert all(r["value_loss"] > 0 for r in rows)
     assert rows[0]["reward/reward_model"] != 0.0

@@ -95,25 +95,40 @@ class _Recorder:
     def __getattr__(self, call):
         def method(*args):
             self.log.append(f"{self.name}.{call}")
-            return {"bytes": 1.0} if call == "push_weights" else None
+            return {"push_weights": {"bytes": 1.0}, "sleep": [2**20]}.get(call)
 
         return method
 
 
-@pytest.mark.parametrize("sleeps", [True, False])
-def test_push_weights_empties_the_trainers_caches_wakes_weights_syncs_then_wakes_the_kv_cache(sleeps):
+@pytest.mark.parametrize("sleeps,trainers_sleep", [(True, True), (True, False), (False, False)])
+def test_push_weights_empties_the_trainers_caches_wakes_weights_syncs_then_wakes_the_kv_cache(
+    sleeps, trainers_sleep, caplog
+):
+    """With ``colocate.trainer_sleep`` the ranks on the engines' devices sleep after the sync and before the KV
+    cache takes the device; the first such sleep is logged."""
     from rlhf.trainers.online.steps import RLActors, RLTrainer
 
     log: list = []
     trainer = object.__new__(RLTrainer)
+    trainer._told_sleep = False
     trainer.actors = RLActors(
-        policy=_Recorder("policy", log),
+        policy=_Recorder("policy", log, role="policy"),
         engines=_Recorder("engines", log, sleeps=sleeps),
-        reference=_Recorder("reference", log),
+        reference=_Recorder("reference", log, role="reference"),
+        sleepers=("policy", "reference") if trainers_sleep else (),
     )
     assert trainer.push_weights() == {"bytes": 1.0}
     released = ["policy.release_cached_memory", "reference.release_cached_memory"] if sleeps else []
-    assert log == released + ["engines.wake_weights", "policy.push_weights", "engines.wake_kv_cache"]
+    slept = ["policy.sleep", "reference.sleep"] if trainers_sleep else []
+    assert log == released + ["engines.wake_weights", "policy.push_weights", *slept, "engines.wake_kv_cache"]
+    told = "[rl] trainer sleep: policy 1 x 1.0 MiB, reference 1 x 1.0 MiB"
+    assert (told in caplog.text) == trainers_sleep
+    log.clear()
+    trainer.push_weights()
+    assert caplog.text.count(told) == trainers_sleep  # once
+    log.clear()
+    trainer.wake_trainers()
+    assert log == (["policy.wake", "reference.wake"] if trainers_sleep else [])
 
 
 def test_a_worker_empties_its_cuda_cache_only_on_cuda(monkeypatch):

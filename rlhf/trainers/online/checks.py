@@ -13,7 +13,14 @@ from typing import List, Optional
 from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
 from rlhf.data.vocab import check_same_tokenizer
-from rlhf.distributed.resource_plan import ROLLOUT, Devices, ResourcePlan, engine_gpus, engine_sleep
+from rlhf.distributed.resource_plan import (
+    ROLLOUT,
+    Devices,
+    ResourcePlan,
+    engine_gpus,
+    engine_sleep,
+    sleeping_roles,
+)
 from rlhf.envs import EnvError, load_environment
 from rlhf.hub import cached_model_dir, model_dir
 from rlhf.models.checks import Positions, check_scalar_head, model_positions
@@ -166,6 +173,7 @@ def describe(cfg: RLRunConfig, plan: ResourcePlan, devices: Devices) -> List[str
     r, c = cfg.rollout, cfg.colocate
     engines = next(a for a in plan.actors if a.role == ROLLOUT)
     sleep = engine_sleep(c, engine_gpus(r.tensor_parallel_size, devices.gpus_per_worker))
+    sleepers = sleeping_roles(c, devices.gpus_per_worker)
     sync = resolve_weight_sync(r.weight_sync, hybrid_engine=c.hybrid_engine, gpus_per_engine=engines.gpus)
     device = (f"{r.tensor_parallel_size:g} GPU" if engines.gpus >= 1 else "CPU") + " per engine"
     if engines.group:
@@ -189,6 +197,8 @@ def describe(cfg: RLRunConfig, plan: ResourcePlan, devices: Devices) -> List[str
         f"rollout: {plural(r.num_engines, 'vLLM engine')}, tensor_parallel_size {r.tensor_parallel_size}, {device}",
         f"  max_model_len {context}",
         f"  vLLM sleep mode: {'on' if sleep else 'off'} (colocate.engine_sleep={c.engine_sleep})",
+        f"  trainer sleep: {', '.join(sleepers) + ' in host memory while the engines generate' if sleepers else 'off'}"
+        f" (colocate.trainer_sleep={c.trainer_sleep})",
         f"  weight sync: {sync}: {transport} (rollout.weight_sync={r.weight_sync}), "
         f"{r.weight_sync_bucket_mb} MB buckets",
         "  " + cfg.describe_schedule(),

@@ -14,6 +14,7 @@ from rlhf.distributed.resource_plan import (
     JUDGE,
     REWARD_POOL,
     rl_plan,
+    sleeping_roles,
 )
 from rlhf.hub import RUN_MODEL_KEYS, pin_run_sources
 from rlhf.models.loading import SCALAR_HEAD
@@ -145,7 +146,8 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     with run.cluster(needed_cpus=PPO.plan(cfg, 0.0).needed_cpus) as ctx:
         held = PPO.reference_held(cfg)
         started = start_roles(cfg, ctx, PPO.plan(cfg, ctx.gpus_per_worker), optimizer_steps, reference_held=held)
-        actors = rl_actors(started, reference_is_base=PPO.reference_on_base(cfg))
+        sleepers = sleeping_roles(cfg.colocate, ctx.gpus_per_worker)
+        actors = rl_actors(started, reference_is_base=PPO.reference_on_base(cfg), sleepers=sleepers)
         connect_weight_sync(cfg, ctx, actors)
         write_placement(started, t.output_dir)
         policy_objective, value_objective = build_objectives(cfg)

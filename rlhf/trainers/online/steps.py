@@ -60,7 +60,10 @@ from rlhf.trainers.online.report import (
 )
 from rlhf.trainers.online.schedule import Pause, RolloutSchedule, behaviour_version
 from rlhf.trainers.online.scoring import StepScoring, reward_sources
+from rlhf.utils.log import get_logger
 from rlhf.utils.metrics import ConsoleTable, Progress, format_row
+
+log = get_logger(__name__)
 
 # Metrics the health guard keeps finite. No zero-loss check: an RL step whose groups all tie has a zero loss.
 RL_WATCHED = ("policy_loss", "grad_norm", "kl", "value_loss", "critic_grad_norm", "reward_mean")
@@ -82,6 +85,8 @@ class RLActors:
     teacher: Optional[WorkerGroup] = None  # frozen, for on-policy distillation (algo.teacher.path)
     critic: Optional[WorkerGroup] = None  # trainable, for GAE
     reward_model: Optional[WorkerGroup] = None  # frozen scalar head
+    # colocate.trainer_sleep: the roles on the engines' devices that sleep while the engines generate
+    sleepers: Tuple[str, ...] = ()
 
     def frozen(self, role: str) -> Optional[Callable[[Batch, ScoreFn], torch.Tensor]]:
         """How the frozen model of ``role`` (``reference``, ``teacher``) scores a batch (``score_batch``): on its
@@ -94,6 +99,10 @@ class RLActors:
     def perf_metrics(self) -> Dict[str, float]:
         """Every trainer group's ``perf/<role>/...`` metrics since the last call (WorkerGroup.perf_metrics)."""
         return {k: v for group in self.trainer_groups() for k, v in group.perf_metrics().items()}
+
+    def sleeping_groups(self) -> Tuple[WorkerGroup, ...]:
+        """The groups of :attr:`sleepers`, which hand their devices to the engines while these generate."""
+        return tuple(group for group in self.trainer_groups() if group.role in self.sleepers)
 
     def trainer_groups(self) -> Tuple[WorkerGroup, ...]:
         """The trainer-side groups the run holds (policy, reference, teacher, critic, reward model)."""
@@ -138,6 +147,7 @@ class RLTrainer:
         self.policy_objective, self.value_objective = policy_objective, value_objective
         columns = [c for c in TABLE_COLUMNS if c[0] != "value_loss" or actors.critic is not None]
         self.table = ConsoleTable(columns) if cfg.logging.console == "table" else None
+        self._told_sleep = False  # sleep_trainers() logs what the first sleep moved
 
     @functools.cached_property
     def schedule(self) -> RolloutSchedule[Rollout]:
@@ -159,8 +169,10 @@ class RLTrainer:
         """One RL step (the module docstring's pipeline); returns its logged row."""
         timer = StageTimer()
         with timer("generate"):
+            self.sleep_trainers(tell=False)  # colocate.trainer_sleep: asleep already but at the run's first generate
             rollout = self.schedule.take(step.step)  # k >= 1: the generation of step + k starts on the engines
             self.actors.engines.sleep()  # hybrid engine on GPUs: hand the devices to training
+            self.wake_trainers()
         with timer("score"):
             scores, per_source = rollout.scored or self.score(rollout, self.prompts)
         with timer("logprobs"):
@@ -399,8 +411,23 @@ class RLTrainer:
                 group.release_cached_memory()
         a.engines.wake_weights()
         sync = a.policy.push_weights(version)
+        self.sleep_trainers()  # before the KV cache takes the device
         a.engines.wake_kv_cache()
         return sync
+
+    def sleep_trainers(self, tell: bool = True) -> None:
+        """``colocate.trainer_sleep``: the ranks on the engines' devices (:attr:`RLActors.sleepers`) hold their state
+        in host memory until :meth:`wake_trainers` (or any call that needs it: a sleeping rank wakes itself). The
+        first sleep after a step (``tell``: the optimizer's states exist by then) says how much each moved."""
+        moved = {group.role: group.sleep() for group in self.actors.sleeping_groups()}
+        if moved and tell and not self._told_sleep and any(any(m) for m in moved.values()):
+            self._told_sleep = True
+            sizes = ", ".join(f"{role} {len(m)} x {max(m) / 2**20:.1f} MiB" for role, m in moved.items())
+            log.info(f"[rl] trainer sleep: {sizes} (ranks x the most a rank moved) in host memory while engines run")
+
+    def wake_trainers(self) -> None:
+        for group in self.actors.sleeping_groups():
+            group.wake()
 
     def evaluate(self, step: Optional[StepPlan]) -> dict:
         """Held-out prompts (``data.eval_path``), ``rollout.eval_samples_per_prompt`` samples each, scored like

@@ -1,0 +1,192 @@
+"""``colocate.trainer_sleep`` (rlhf.distributed.sleep): a sleeping trainer rank's weights, gradients, optimizer states
+and held frozen models wait in host memory, every device storage of them emptied; woken (explicitly, or by the next
+method that needs them) it trains and scores exactly as a rank that never slept. Per optimizer the project builds on
+one rank: fp32 ZeRO 0 (torch's AdamW), fp32 ZeRO 1 (DeepSpeedZeroOptimizer), bf16 ZeRO 1 (BF16_Optimizer with the
+flat gradients of rlhf.distributed.flat_grads) and a real one-rank ZeRO 3 (partitions, a frozen ZeRO-3 engine for the
+held model). The engines run in a subprocess with its own one-rank gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from shared_helpers import random_sft_step, subprocess_fixture
+
+from rlhf.distributed.sleep import HostCopies, device_storages, state_tensors
+
+STEPS, ROWS, MICRO = 3, 4, 2
+CASES = [("fp32", 0), ("fp32", 2), ("bf16", 2), ("fp32", 3)]  # a one-rank ZeRO 2 builds ZeRO 1; 3 is built as 3
+
+
+def _logits_sum(model: torch.nn.Module, batch) -> torch.Tensor:
+    """A score function: each row's logits summed, float64 (every weight of the model shows in it)."""
+    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.double().sum((1, 2))
+
+
+def _storage_bytes(tensors) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def _run(model_path: str, precision: str, stage: int, sleeping: bool) -> dict:
+    from rlhf.batch import Batch
+    from rlhf.distributed.engine import EngineSpec, OptimSpec, iter_full_state
+    from rlhf.distributed.worker import TrainerWorker
+    from rlhf.models.loading import ModelSpec
+
+    spec = EngineSpec(zero_stage=stage, precision=precision, micro_batch_size=MICRO, grad_accum_steps=ROWS // MICRO)
+    worker = TrainerWorker(f"{precision} zero {stage}", 0, 1)
+    worker.build(ModelSpec(path=model_path, precision=precision), spec, OptimSpec(lr=1e-3, total_steps=STEPS))
+    frozen = EngineSpec(zero_stage=stage, precision=precision, micro_batch_size=MICRO, grad_accum_steps=1)
+    worker.hold("reference", ModelSpec(path=model_path, precision=precision), frozen)
+    gen, trace, out = torch.Generator().manual_seed(0), [], {}
+    for step in range(STEPS):
+        if sleeping and step:
+            slept = worker.sleep()
+            if step == 1:  # what the sleep left on the "device" (here the CPU), read through references of our own
+                optimizer = worker.engine.optimizer
+                inner = getattr(optimizer, "optimizer", optimizer)
+                trained = [getattr(p, "ds_tensor", p) for p in worker.model.parameters()]
+                held = [getattr(p, "ds_tensor", p) for p in worker.held["reference"].parameters()]
+                states = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+                out["slept"] = slept
+                out["left"] = _storage_bytes(trained) + _storage_bytes(held) + _storage_bytes(states)
+                out["states"] = len(states)
+                out["again"] = worker.sleep()  # already asleep: nothing more to move
+                worker.wake()  # step 1 wakes explicitly, step 2 by train_step itself
+                out["woken"] = _storage_bytes(trained) + _storage_bytes(held) + _storage_bytes(states)
+                out["trained_bytes"] = sum(t.numel() * t.element_size() for t in trained)
+                out["held_bytes"] = sum(t.numel() * t.element_size() for t in held)
+        result, _ = random_sft_step(worker, gen, ROWS, MICRO)
+        trace.append((result.grad_norm, result.sums["loss_sum"]))
+    ids = torch.randint(4, 500, (2, 8), generator=gen)
+    batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids))
+    if sleeping:
+        worker.sleep()  # score wakes it
+    out["held_scores"] = worker.score([batch], _logits_sum, on="reference")[0]
+    out["scores"] = worker.score([batch], _logits_sum)[0]
+    out["trace"] = trace
+    out["weights"] = {n: t.clone() for n, t in iter_full_state(worker.model, worker.zero_stage)}
+    out["optimizer"] = type(worker.engine.optimizer).__name__
+    out["stage"] = worker.zero_stage
+    return out
+
+
+def _train(model_path: str, out_path: str, port: int) -> None:
+    """In the subprocess: each case twice, without and with sleeping between the steps."""
+    import rlhf.distributed.engine as engine_module
+    from rlhf.distributed.worker import TrainerWorker
+
+    TrainerWorker("probe", 0, 1).init_process_group("127.0.0.1", port, "gloo", timeout_s=60)
+    mapped = engine_module.effective_zero_stage
+    results = {}
+    for precision, stage in CASES:
+        # a real one-rank ZeRO 3 (the mapping switched off for it): partitions and a frozen ZeRO-3 engine
+        engine_module.effective_zero_stage = (lambda s, *_: s) if stage == 3 else mapped
+        for sleeping in (False, True):
+            results[precision, stage, sleeping] = _run(model_path, precision, stage, sleeping)
+    torch.save(results, out_path)
+
+
+trained = subprocess_fixture(__file__)
+
+
+@pytest.mark.parametrize("precision,stage", CASES, ids=[f"{p}-zero{s}" for p, s in CASES])
+def test_a_sleeping_rank_empties_its_storages_and_wakes_to_the_same_bits(trained, precision, stage):
+    awake, slept = trained[precision, stage, False], trained[precision, stage, True]
+    built = {0: 0, 2: 1, 3: 3}[stage]  # one rank: ZeRO 2 is built as ZeRO 1 (3 was asked for as a real 3)
+    assert slept["optimizer"] == awake["optimizer"] and slept["stage"] == awake["stage"] == built
+    # asleep: the trained weights, the held model's and the optimizer's states hold no byte on the device
+    assert slept["states"] >= 2 and slept["left"] == 0 and slept["again"] == 0
+    # what moved: at least the weights, Adam's two moments (as large as the float32 masters) and the held weights
+    assert slept["slept"] >= 3 * slept["trained_bytes"] + slept["held_bytes"]
+    assert slept["woken"] >= slept["trained_bytes"] + slept["held_bytes"]
+    # woken: the same steps, weights and scores to the bit
+    assert slept["trace"] == awake["trace"]
+    assert slept["weights"].keys() == awake["weights"].keys()
+    for name, weight in awake["weights"].items():
+        assert torch.equal(slept["weights"][name], weight), name
+    assert torch.equal(slept["scores"], awake["scores"]) and torch.equal(slept["held_scores"], awake["held_scores"])
+
+
+def test_storages_are_found_through_views_dicts_and_bound_methods_once_each():
+    flat = torch.arange(12.0)
+    views = [flat[:4], flat[4:]]  # one storage
+
+    class Helper:  # outside _WALKED: not walked by itself
+        def __init__(self):
+            self.kept = torch.ones(3)
+
+        def method(self):
+            return self.kept
+
+    layer = torch.nn.Linear(2, 2)
+    layer.weight.grad = torch.zeros(2, 2)
+    roots = [{"views": views, layer.weight: {"exp_avg": torch.zeros(5)}}, layer, Helper()]
+    found = device_storages(state_tensors(roots), torch.device("cpu"))
+    # flat's storage once, the weight, its grad, the bias, exp_avg; the helper's tensor is not reached
+    assert sorted(s.nbytes() for s in found) == sorted([48, 16, 16, 8, 20])
+    # a bound method leads to its object, walked only if of a package in _WALKED
+    assert len(device_storages(state_tensors([Helper().method]), torch.device("cpu"))) == 0
+    numpy_backed = torch.from_numpy(__import__("numpy").zeros(4))  # not resizable: left in place
+    assert device_storages([numpy_backed], torch.device("cpu")) == []
+
+
+def test_host_copies_restore_every_view_with_its_bytes():
+    flat = torch.randn(10, dtype=torch.float64)
+    view, before = flat[3:7], flat.clone()
+    copies = HostCopies.offload(device_storages([view], torch.device("cpu")))
+    assert copies.nbytes == 80 and flat.untyped_storage().nbytes() == 0
+    copies.restore()
+    assert torch.equal(flat, before) and torch.equal(view, before[3:7]) and view.data_ptr() == flat.data_ptr() + 24
+
+
+def _rl_cfg(tiny_model, rl_prompts, *extra):
+    from rlhf.config.loader import load_config
+    from rlhf.config.rl_schema import RLRunConfig
+
+    reward = "reward.functions=[rlhf.synthetic.arithmetic:reward]"
+    return load_config(
+        RLRunConfig, "grpo_tiny", [f"model.path={tiny_model}", f"data.train_path={rl_prompts}", reward, *extra]
+    )
+
+
+@pytest.mark.parametrize(
+    "asked,hybrid,gpus,colocated,want",
+    [
+        ("auto", True, 1.0, (), ("policy",)),  # the hybrid engine's GPU default
+        ("auto", True, 1.0, ("policy_reference",), ("policy", "reference")),
+        ("auto", True, 0.0, (), ()),  # CPU: nothing to hand over unless asked for
+        ("on", True, 0.0, ("policy_teacher",), ("policy", "teacher")),  # the CPU twin, as the tests run it
+        ("off", True, 1.0, (), ()),
+        ("auto", False, 1.0, ("policy_reference",), ()),  # no engine on the policy's devices
+    ],
+)
+def test_which_roles_sleep(asked, hybrid, gpus, colocated, want):
+    from rlhf.config.rl_schema import ColocateConfig
+    from rlhf.distributed.resource_plan import sleeping_roles
+
+    colocate = ColocateConfig(trainer_sleep=asked, hybrid_engine=hybrid, **{key: True for key in colocated})
+    assert sleeping_roles(colocate, gpus) == want
+
+
+def test_trainer_sleep_on_needs_the_hybrid_engine_naming_the_key(tiny_model, rl_prompts):
+    from rlhf.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=r"colocate.trainer_sleep must be auto or off without colocate.hybrid_engine"):
+        _rl_cfg(tiny_model, rl_prompts, "colocate.trainer_sleep=on")
+    with pytest.raises(ConfigError, match="colocate.trainer_sleep must be one of auto, on, off"):
+        _rl_cfg(tiny_model, rl_prompts, "colocate.trainer_sleep=yes")
+
+
+def test_the_dry_run_says_who_sleeps(tiny_model, rl_prompts):
+    from rlhf.distributed.resource_plan import Devices, rl_plan
+    from rlhf.trainers.online.checks import describe
+
+    hybrid = ("colocate.hybrid_engine=true", "rollout.num_engines=2", "train.num_workers=2", "algo.kl_coef=0.01")
+    for extra, want in (
+        (("colocate.trainer_sleep=on", "colocate.policy_reference=true"),
+         "trainer sleep: policy, reference in host memory while the engines generate (colocate.trainer_sleep=on)"),
+        ((), "trainer sleep: off (colocate.trainer_sleep=auto)"),  # auto on CPUs
+    ):  # fmt: skip
+        cfg = _rl_cfg(tiny_model, rl_prompts, *hybrid, *extra)
+        lines = describe(cfg, rl_plan(cfg, 0.0, reference=True), Devices(0.0, "fp32", "gloo"))
+        assert f"  {want}" in lines, lines
