@@ -1,10 +1,10 @@
 """The one-GPU check: the project's training, packing and weight-sync paths on one device, in under 5 minutes.
 
     python bench/gpu_check.py [--device cuda|cpu] [--precision bf16|fp32] [--zero-stage 0-3]
-                              [--model PATH | --size 0.5b|1.5b] [--checks sft,dpo,packing,ipc,sync,sp,head]
+                              [--model PATH | --size 0.5b|1.5b] [--checks sft,dpo,packing,ipc,sync,sp,head,sleep]
                               [--threads N]
 
-Needs only torch, transformers, peft and deepspeed (no Ray, no vLLM: nothing here imports them). Seven checks, each
+Needs only torch, transformers, peft and deepspeed (no Ray, no vLLM: nothing here imports them). Eight checks, each
 with the project's own code, one process plus one receiver process:
 
 1. engine        ``TrainerWorker`` (the rank a Ray actor hosts, built here in-process on a one-rank process group:
@@ -29,6 +29,9 @@ with the project's own code, one process plus one receiver process:
                  states and the head, without a kept set (the backward in tiles of the vocabulary, whose
                  half-precision products into float32 use the device's own) and with top-p and an entropy bonus
                  (tiles of tokens); the time and peak memory of each.
+8. sleep         ``colocate.trainer_sleep``: a rank that took a step sleeps (weights, gradients, Adam's states to
+                 pinned host memory; host to host on CPU), leaving at most 5% of its device memory, and wakes to the
+                 same bits; the time of each.
 
 Prints one table and exits 1 if any check fails. ``--device cpu`` is the CPU twin (tests/unit/test_gpu_check.py).
 ``--perturb-normalizer F`` multiplies the split runs' normalizer by F: a mis-normalised gradient, which the sft/dpo
@@ -599,6 +602,45 @@ def check_sequence_parallel(model_path: str, precision: str, vocab: int) -> tupl
 
 
 # ----------------------------------------------------------------------------------------------- main
+def check_sleep(model_path: str, precision: str, vocab: int) -> tuple:
+    """``colocate.trainer_sleep`` (rlhf.distributed.sleep): a rank that took a step (so Adam's states exist) sleeps,
+    which must leave (almost) none of its memory on the device, and wakes to the same bits, then steps again. On the
+    CPU twin the storages move host to host: the bytes moved must cover the weights and Adam's two moments."""
+    import torch
+
+    from rlhf.distributed.engine import iter_full_state
+    from rlhf.objectives.sft import SFTObjective
+
+    cuda = DEVICE.type == "cuda"
+    allocated = (lambda: torch.cuda.memory_allocated(DEVICE)) if cuda else (lambda: 0)  # noqa: E731
+    base = allocated()
+    worker = build_worker("sleep", model_path, precision, GLOBAL_BATCH)
+    batch = random_rows(GLOBAL_BATCH, 8, 48, vocab, seed=5)
+    one_step(worker, batch, SFTObjective())
+    state = lambda: [t.clone() for _, t in iter_full_state(worker.model, ZERO_STAGE)]  # noqa: E731
+    before, held = state(), allocated() - base
+    weights = sum(t.numel() * t.element_size() for t in before)  # the clones: on the device, held apart
+    held -= weights
+    started = time.perf_counter()
+    moved = worker.sleep()
+    slept_s, left = time.perf_counter() - started, allocated() - base - weights
+    started = time.perf_counter()
+    worker.wake()
+    woke_s = time.perf_counter() - started
+    same = all(torch.equal(a, b) for a, b in zip(before, state()))
+    after = one_step(worker, batch, SFTObjective())
+    del before
+    mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
+    if cuda:  # the clones above are the only tensors allowed to stay
+        ok = same and left <= 0.05 * held and math.isfinite(after["loss"])
+        detail = f"{mib(moved)} to host, {mib(max(left, 0))} of {mib(held)} left on the device, woken bit-equal: {same}"
+    else:
+        ok = same and moved >= 3 * weights and math.isfinite(after["loss"])
+        detail = f"{mib(moved)} moved (weights {mib(weights)}), woken bit-equal: {same}"
+    return (f"sleep: {'device to pinned host' if cuda else 'host to host'}", ok, detail,
+            f"sleep {slept_s:.2f} s, wake {woke_s:.2f} s")  # fmt: skip
+
+
 def print_table(rows) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for row in rows:
@@ -653,6 +695,7 @@ def run(args) -> int:
         "sync": ("sync group", lambda: [check_sync_group()]),
         "sp": ("sequence parallel", lambda: [check_sequence_parallel(model_path, precision, vocab)]),
         "head": ("head tiles", lambda: check_head(model_path, precision, vocab)),
+        "sleep": ("sleep", lambda: [check_sleep(model_path, precision, vocab)]),
     }
     assert tuple(checks) == CHECKS
     if DEVICE.type == "cpu":
@@ -744,7 +787,7 @@ def main(argv=None) -> int:
     return run(args)
 
 
-CHECKS = ("sft", "dpo", "packing", "ipc", "sync", "sp", "head")  # --checks names, in the order the checks run
+CHECKS = ("sft", "dpo", "packing", "ipc", "sync", "sp", "head", "sleep")  # --checks names, in the order the checks run
 DEVICE = None  # set by main()
 ZERO_STAGE = 0  # set by main()
 THREADS = None  # --threads, set by main()

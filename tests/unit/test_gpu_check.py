@@ -22,6 +22,7 @@ ROWS = (
     "sequence parallel 2",
     "head tiles: vocabulary",
     "head tiles: tokens, top-p",
+    "sleep: host to host",
 )
 
 
