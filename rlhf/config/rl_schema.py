@@ -678,10 +678,11 @@ class ColocateConfig:
     # auto (on for the hybrid engine on GPUs) | on | off: vLLM sleep mode, level 2 (weights and KV cache discarded
     # during training; woken weights first, then the KV cache after the weight sync)
     engine_sleep: str = "auto"
-    # auto (on for the hybrid engine on GPUs) | on | off: the other half of sleeping, as OpenRLHF's DeepSpeed sleep: the
-    # ranks on the engines' devices (the policy, a colocated reference or teacher) hold their weights, gradients and
-    # optimizer states in host memory while the engines generate, so vLLM's KV cache has the device
-    trainer_sleep: str = "auto"
+    # off | auto (on for the hybrid engine on GPUs) | on: the other half of sleeping, as OpenRLHF's DeepSpeed sleep:
+    # the ranks on the engines' devices (the policy, a colocated reference or teacher) hold their weights, gradients
+    # and optimizer states in pinned host memory while the engines generate, so vLLM's KV cache has the device. Off
+    # by default until measured on a GPU (its copies each way, and a node's pinned host memory for every rank's state)
+    trainer_sleep: str = "off"
 
     def __post_init__(self) -> None:
         check_choice(self.engine_sleep, "colocate.engine_sleep", ("auto", "on", "off"))

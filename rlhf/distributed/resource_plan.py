@@ -262,7 +262,8 @@ def rl_plan(cfg: RLRunConfig, gpus_per_worker: float, reference: bool) -> Resour
 
 def trainer_sleep(colocate: ColocateConfig, gpus_per_worker: float) -> bool:
     """Whether the trainer ranks on the engines' devices sleep while they generate (``colocate.trainer_sleep``):
-    ``auto`` turns it on for the hybrid engine on GPUs; ``on`` runs it anywhere (the CPU twin moves host memory)."""
+    ``auto`` turns it on for the hybrid engine on GPUs; ``on`` runs it anywhere (the CPU twin moves host memory);
+    ``off``, the default until it is measured on a GPU."""
     c = colocate
     return c.trainer_sleep == "on" or (c.trainer_sleep == "auto" and c.hybrid_engine and gpus_per_worker > 0)
 

@@ -185,7 +185,8 @@ def test_the_dry_run_says_who_sleeps(tiny_model, rl_prompts):
     for extra, want in (
         (("colocate.trainer_sleep=on", "colocate.policy_reference=true"),
          "trainer sleep: policy, reference in host memory while the engines generate (colocate.trainer_sleep=on)"),
-        ((), "trainer sleep: off (colocate.trainer_sleep=auto)"),  # auto on CPUs
+        (("colocate.trainer_sleep=auto",), "trainer sleep: off (colocate.trainer_sleep=auto)"),  # auto on CPUs
+        ((), "trainer sleep: off (colocate.trainer_sleep=off)"),  # the default
     ):  # fmt: skip
         cfg = _rl_cfg(tiny_model, rl_prompts, *hybrid, *extra)
         lines = describe(cfg, rl_plan(cfg, 0.0, reference=True), Devices(0.0, "fp32", "gloo"))
