@@ -13,7 +13,7 @@ from shared_helpers import random_sft_step, subprocess_fixture
 
 from rlhf.distributed.sleep import HostCopies, device_storages, state_tensors
 
-STEPS, ROWS, MICRO = 3, 4, 2
+STEPS, ROWS, MICRO = 2, 4, 2
 CASES = [("fp32", 0), ("fp32", 2), ("bf16", 2), ("fp32", 3)]  # a one-rank ZeRO 2 builds ZeRO 1; 3 is built as 3
 
 
@@ -39,7 +39,7 @@ def _run(model_path: str, precision: str, stage: int, sleeping: bool) -> dict:
     worker.hold("reference", ModelSpec(path=model_path, precision=precision), frozen)
     gen, trace, out = torch.Generator().manual_seed(0), [], {}
     for step in range(STEPS):
-        if sleeping and step:
+        if sleeping and step:  # after step 1, when Adam's states exist
             slept = worker.sleep()
             if step == 1:  # what the sleep left on the "device" (here the CPU), read through references of our own
                 optimizer = worker.engine.optimizer
@@ -51,10 +51,11 @@ def _run(model_path: str, precision: str, stage: int, sleeping: bool) -> dict:
                 out["left"] = _storage_bytes(trained) + _storage_bytes(held) + _storage_bytes(states)
                 out["states"] = len(states)
                 out["again"] = worker.sleep()  # already asleep: nothing more to move
-                worker.wake()  # step 1 wakes explicitly, step 2 by train_step itself
+                worker.wake()  # explicitly here; then by train_step, and last by score
                 out["woken"] = _storage_bytes(trained) + _storage_bytes(held) + _storage_bytes(states)
                 out["trained_bytes"] = sum(t.numel() * t.element_size() for t in trained)
                 out["held_bytes"] = sum(t.numel() * t.element_size() for t in held)
+                worker.sleep()
         result, _ = random_sft_step(worker, gen, ROWS, MICRO)
         trace.append((result.grad_norm, result.sums["loss_sum"]))
     ids = torch.randint(4, 500, (2, 8), generator=gen)
