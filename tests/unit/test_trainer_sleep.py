@@ -2,8 +2,9 @@
 and held frozen models wait in host memory, every device storage of them emptied; woken (explicitly, or by the next
 method that needs them) it trains and scores exactly as a rank that never slept. Per optimizer the project builds on
 one rank: fp32 ZeRO 0 (torch's AdamW), fp32 ZeRO 1 (DeepSpeedZeroOptimizer), bf16 ZeRO 1 (BF16_Optimizer with the
-flat gradients of rlhf.distributed.flat_grads) and a real one-rank ZeRO 3 (partitions, a frozen ZeRO-3 engine for the
-held model). The engines run in a subprocess with its own one-rank gloo group."""
+flat gradients of rlhf.distributed.flat_grads), and built as asked a real ZeRO 2 (its gradient buckets and partitions:
+several ranks' default) and ZeRO 3 (partitions, a frozen ZeRO-3 engine for the held model). The engines run in a
+subprocess with its own one-rank gloo group."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from shared_helpers import random_sft_step, subprocess_fixture
 from rlhf.distributed.sleep import HostCopies, device_storages, state_tensors
 
 STEPS, ROWS, MICRO = 2, 4, 2
-CASES = [("fp32", 0), ("fp32", 2), ("bf16", 2), ("fp32", 3)]  # a one-rank ZeRO 2 builds ZeRO 1; 3 is built as 3
+# (precision, stage asked, built as asked): a one-rank group builds ZeRO 1 for 2 and 3 (effective_zero_stage); a real
+# ZeRO 2 (the default of several ranks: gradient buckets and partitions) and a real ZeRO 3 with the mapping off
+CASES = [("fp32", 0, False), ("fp32", 2, False), ("bf16", 2, False), ("fp32", 2, True), ("fp32", 3, True)]
 
 
 def _logits_sum(model: torch.nn.Module, batch) -> torch.Tensor:
@@ -79,21 +82,21 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     TrainerWorker("probe", 0, 1).init_process_group("127.0.0.1", port, "gloo", timeout_s=60)
     mapped = engine_module.effective_zero_stage
     results = {}
-    for precision, stage in CASES:
+    for precision, stage, real in CASES:
         # a real one-rank ZeRO 3 (the mapping switched off for it): partitions and a frozen ZeRO-3 engine
-        engine_module.effective_zero_stage = (lambda s, *_: s) if stage == 3 else mapped
+        engine_module.effective_zero_stage = (lambda s, *_: s) if real else mapped
         for sleeping in (False, True):
-            results[precision, stage, sleeping] = _run(model_path, precision, stage, sleeping)
+            results[precision, stage, real, sleeping] = _run(model_path, precision, stage, sleeping)
     torch.save(results, out_path)
 
 
 trained = subprocess_fixture(__file__)
 
 
-@pytest.mark.parametrize("precision,stage", CASES, ids=[f"{p}-zero{s}" for p, s in CASES])
-def test_a_sleeping_rank_empties_its_storages_and_wakes_to_the_same_bits(trained, precision, stage):
-    awake, slept = trained[precision, stage, False], trained[precision, stage, True]
-    built = {0: 0, 2: 1, 3: 3}[stage]  # one rank: ZeRO 2 is built as ZeRO 1 (3 was asked for as a real 3)
+@pytest.mark.parametrize("precision,stage,real", CASES, ids=[f"{p}-zero{s}{'-real' * r}" for p, s, r in CASES])
+def test_a_sleeping_rank_empties_its_storages_and_wakes_to_the_same_bits(trained, precision, stage, real):
+    awake, slept = trained[precision, stage, real, False], trained[precision, stage, real, True]
+    built = stage if real else min(stage, 1)
     assert slept["optimizer"] == awake["optimizer"] and slept["stage"] == awake["stage"] == built
     # asleep: the trained weights, the held model's and the optimizer's states hold no byte on the device
     assert slept["states"] >= 2 and slept["left"] == 0 and slept["again"] == 0
