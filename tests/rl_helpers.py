@@ -45,6 +45,15 @@ STEP_KEYS = (
 )
 
 
+def tiny_rl_config(tiny_model, prompts, *extra) -> RLRunConfig:
+    """``grpo_tiny`` on the tiny model and ``prompts``, rewarded by the arithmetic reward function, then ``extra``:
+    a config to validate, plan or describe (nothing starts)."""
+    reward = "reward.functions=[rlhf.synthetic.arithmetic:reward]"
+    return load_config(
+        RLRunConfig, "grpo_tiny", [f"model.path={tiny_model}", f"data.train_path={prompts}", reward, *extra]
+    )
+
+
 def train_rl(tiny_model, prompts, out, *overrides):
     """``train_ppo`` with ``grpo_tiny`` on the tiny model and ``prompts``, writing to ``out`` (no TensorBoard), then
     ``overrides``; returns the metrics rows and the run's result."""

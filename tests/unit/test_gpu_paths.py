@@ -147,22 +147,11 @@ def test_a_worker_empties_its_cuda_cache_only_on_cuda(monkeypatch):
 
 # ------------------------------------------------------------------ hybrid engine + broadcast
 def _rl_cfg(tiny_model, rl_prompts, *extra):
-    from rlhf.config.loader import load_config
-    from rlhf.config.rl_schema import RLRunConfig
+    """The hybrid engine asked to sync by broadcast (refused on GPUs)."""
+    from rl_helpers import tiny_rl_config
 
-    return load_config(
-        RLRunConfig,
-        "grpo_tiny",
-        [
-            f"model.path={tiny_model}",
-            f"data.train_path={rl_prompts}",
-            "reward.functions=[rlhf.synthetic.arithmetic:reward]",
-            "colocate.hybrid_engine=true",
-            "rollout.num_engines=1",
-            "rollout.weight_sync=broadcast",
-            *extra,
-        ],
-    )
+    hybrid = ("colocate.hybrid_engine=true", "rollout.num_engines=1", "rollout.weight_sync=broadcast")
+    return tiny_rl_config(tiny_model, rl_prompts, *hybrid, *extra)
 
 
 HYBRID_BROADCAST = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rl_helpers import tiny_rl_config
 from shared_helpers import random_sft_step, subprocess_fixture
 
 from rlhf.distributed.sleep import HostCopies, device_storages, state_tensors
@@ -143,16 +144,6 @@ def test_host_copies_restore_every_view_with_its_bytes():
     assert torch.equal(flat, before) and torch.equal(view, before[3:7]) and view.data_ptr() == flat.data_ptr() + 24
 
 
-def _rl_cfg(tiny_model, rl_prompts, *extra):
-    from rlhf.config.loader import load_config
-    from rlhf.config.rl_schema import RLRunConfig
-
-    reward = "reward.functions=[rlhf.synthetic.arithmetic:reward]"
-    return load_config(
-        RLRunConfig, "grpo_tiny", [f"model.path={tiny_model}", f"data.train_path={rl_prompts}", reward, *extra]
-    )
-
-
 @pytest.mark.parametrize(
     "asked,hybrid,gpus,colocated,want",
     [
@@ -176,9 +167,9 @@ def test_trainer_sleep_on_needs_the_hybrid_engine_naming_the_key(tiny_model, rl_
     from rlhf.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match=r"colocate.trainer_sleep must be auto or off without colocate.hybrid_engine"):
-        _rl_cfg(tiny_model, rl_prompts, "colocate.trainer_sleep=on")
+        tiny_rl_config(tiny_model, rl_prompts, "colocate.trainer_sleep=on")
     with pytest.raises(ConfigError, match="colocate.trainer_sleep must be one of auto, on, off"):
-        _rl_cfg(tiny_model, rl_prompts, "colocate.trainer_sleep=yes")
+        tiny_rl_config(tiny_model, rl_prompts, "colocate.trainer_sleep=yes")
 
 
 def test_the_dry_run_says_who_sleeps(tiny_model, rl_prompts):
@@ -192,6 +183,6 @@ def test_the_dry_run_says_who_sleeps(tiny_model, rl_prompts):
         (("colocate.trainer_sleep=auto",), "trainer sleep: off (colocate.trainer_sleep=auto)"),  # auto on CPUs
         ((), "trainer sleep: off (colocate.trainer_sleep=off)"),  # the default
     ):  # fmt: skip
-        cfg = _rl_cfg(tiny_model, rl_prompts, *hybrid, *extra)
+        cfg = tiny_rl_config(tiny_model, rl_prompts, *hybrid, *extra)
         lines = describe(cfg, rl_plan(cfg, 0.0, reference=True), Devices(0.0, "fp32", "gloo"))
         assert f"  {want}" in lines, lines

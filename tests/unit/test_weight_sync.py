@@ -11,9 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from rl_helpers import tiny_rl_config
 
-from rlhf.config.loader import load_config
-from rlhf.config.rl_schema import RLRunConfig
 from rlhf.config.schema import ConfigError
 from rlhf.distributed.errors import WorkerError, WorkerTimeout
 from rlhf.rollout.weights.ipc import open_shared, share
@@ -62,24 +61,11 @@ def test_make_senders_gives_every_rank_its_part():
         make_senders("ipc", engines, [1, 1], 4, 1, "gloo")
 
 
-def _rl_cfg(tiny_model, rl_prompts, *extra):
-    return load_config(
-        RLRunConfig,
-        "grpo_tiny",
-        [
-            f"model.path={tiny_model}",
-            f"data.train_path={rl_prompts}",
-            "reward.functions=[rlhf.synthetic.arithmetic:reward]",
-            *extra,
-        ],
-    )
-
-
 def test_ipc_needs_the_hybrid_engine(tiny_model, rl_prompts):
     with pytest.raises(ConfigError, match=r"rollout.weight_sync is ipc, which needs colocate.hybrid_engine=true"):
-        _rl_cfg(tiny_model, rl_prompts, "rollout.weight_sync=ipc")
+        tiny_rl_config(tiny_model, rl_prompts, "rollout.weight_sync=ipc")
     with pytest.raises(ConfigError, match="rollout.weight_sync must be one of auto, broadcast, ipc, object_store"):
-        _rl_cfg(tiny_model, rl_prompts, "rollout.weight_sync=nccl")
+        tiny_rl_config(tiny_model, rl_prompts, "rollout.weight_sync=nccl")
 
 
 class _Engines:
@@ -111,7 +97,7 @@ def test_auto_falls_back_to_the_object_store_and_a_named_method_fails_naming_the
 ):
     from rlhf.trainers.online.roles import connect_weight_sync
 
-    cfg = _rl_cfg(tiny_model, rl_prompts, f"rollout.weight_sync={asked}")
+    cfg = tiny_rl_config(tiny_model, rl_prompts, f"rollout.weight_sync={asked}")
     actors = SimpleNamespace(engines=_Engines(), policy=object())
     ctx = SimpleNamespace(gpus_per_worker=0.0)
     if fallback:
@@ -192,7 +178,7 @@ def test_a_stuck_engine_is_not_a_transport_to_fall_back_from(tiny_model, rl_prom
     stops naming it instead of falling back."""
     from rlhf.trainers.online.roles import connect_weight_sync
 
-    cfg = _rl_cfg(tiny_model, rl_prompts)  # auto
+    cfg = tiny_rl_config(tiny_model, rl_prompts)  # auto
     actors = SimpleNamespace(engines=_Engines(stuck=True), policy=object())
     with pytest.raises(WorkerTimeout, match="rollout engine 1 did not answer connect_weight_sync"):
         connect_weight_sync(cfg, SimpleNamespace(gpus_per_worker=0.0), actors)
@@ -202,7 +188,7 @@ def test_a_stuck_engine_is_not_a_transport_to_fall_back_from(tiny_model, rl_prom
 def test_a_dead_engine_is_not_a_transport_to_fall_back_from(tiny_model, rl_prompts):
     from rlhf.trainers.online.roles import connect_weight_sync
 
-    cfg = _rl_cfg(tiny_model, rl_prompts)  # auto
+    cfg = tiny_rl_config(tiny_model, rl_prompts)  # auto
     actors = SimpleNamespace(engines=_Engines(died=True), policy=object())
     with pytest.raises(WorkerError, match="rollout engine 1"):
         connect_weight_sync(cfg, SimpleNamespace(gpus_per_worker=0.0), actors)
