@@ -420,7 +420,7 @@ class RLTrainer:
         in host memory until :meth:`wake_trainers` (or any call that needs it: a sleeping rank wakes itself). The
         first sleep after a step (``tell``: the optimizer's states exist by then) says how much each moved."""
         moved = {group.role: group.sleep() for group in self.actors.sleeping_groups()}
-        if moved and tell and not self._told_sleep and any(any(m) for m in moved.values()):
+        if tell and not self._told_sleep and any(any(m) for m in moved.values()):
             self._told_sleep = True
             sizes = ", ".join(f"{role} {len(m)} x {max(m) / 2**20:.1f} MiB" for role, m in moved.items())
             log.info(f"[rl] trainer sleep: {sizes} (ranks x the most a rank moved) in host memory while engines run")
