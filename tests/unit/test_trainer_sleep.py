@@ -4,7 +4,8 @@ method that needs them) it trains and scores exactly as a rank that never slept.
 one rank: fp32 ZeRO 0 (torch's AdamW), fp32 ZeRO 1 (DeepSpeedZeroOptimizer), bf16 ZeRO 1 (BF16_Optimizer with the
 flat gradients of rlhf.distributed.flat_grads), and built as asked a real ZeRO 2 (its gradient buckets and partitions:
 several ranks' default) and ZeRO 3 (partitions, a frozen ZeRO-3 engine for the held model). The engines run in a
-subprocess with its own one-rank gloo group."""
+subprocess with its own one-rank gloo group. A LoRA policy (its frozen base beside the adapters, Adam's states for the
+adapters alone) sleeps and wakes the same way, its reference scored on that base with the adapters off."""
 
 from __future__ import annotations
 
@@ -16,9 +17,16 @@ from shared_helpers import random_sft_step, subprocess_fixture
 from rlhf.distributed.sleep import HostCopies, device_storages, state_tensors
 
 STEPS, ROWS, MICRO = 2, 4, 2
-# (precision, stage asked, built as asked): a one-rank group builds ZeRO 1 for 2 and 3 (effective_zero_stage); a real
-# ZeRO 2 (the default of several ranks: gradient buckets and partitions) and a real ZeRO 3 with the mapping off
-CASES = [("fp32", 0, False), ("fp32", 2, False), ("bf16", 2, False), ("fp32", 2, True), ("fp32", 3, True)]
+# (precision, stage asked, built as asked, LoRA): a one-rank group builds ZeRO 1 for 2 and 3 (effective_zero_stage);
+# a real ZeRO 2 (the default of several ranks: gradient buckets and partitions) and a real ZeRO 3 with the mapping off
+CASES = [
+    ("fp32", 0, False, False),
+    ("fp32", 2, False, False),
+    ("bf16", 2, False, False),
+    ("fp32", 2, True, False),
+    ("fp32", 3, True, False),
+    ("bf16", 2, True, True),
+]
 
 
 def _logits_sum(model: torch.nn.Module, batch) -> torch.Tensor:
@@ -30,15 +38,18 @@ def _storage_bytes(tensors) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
-def _run(model_path: str, precision: str, stage: int, sleeping: bool) -> dict:
+def _run(model_path: str, precision: str, stage: int, lora: bool, sleeping: bool) -> dict:
     from rlhf.batch import Batch
     from rlhf.distributed.engine import EngineSpec, OptimSpec, iter_full_state
     from rlhf.distributed.worker import TrainerWorker
     from rlhf.models.loading import ModelSpec
+    from rlhf.models.lora import LoraSpec, OnBaseModel
 
     spec = EngineSpec(zero_stage=stage, precision=precision, micro_batch_size=MICRO, grad_accum_steps=ROWS // MICRO)
     worker = TrainerWorker(f"{precision} zero {stage}", 0, 1)
-    worker.build(ModelSpec(path=model_path, precision=precision), spec, OptimSpec(lr=1e-3, total_steps=STEPS))
+    adapters = LoraSpec(r=4) if lora else None
+    policy = ModelSpec(path=model_path, precision=precision, lora=adapters)
+    worker.build(policy, spec, OptimSpec(lr=1e-3, total_steps=STEPS))
     frozen = EngineSpec(zero_stage=stage, precision=precision, micro_batch_size=MICRO, grad_accum_steps=1)
     worker.hold("reference", ModelSpec(path=model_path, precision=precision), frozen)
     gen, trace, out = torch.Generator().manual_seed(0), [], {}
@@ -58,6 +69,9 @@ def _run(model_path: str, precision: str, stage: int, sleeping: bool) -> dict:
                 worker.wake()  # explicitly here; then by train_step, and last by score
                 out["woken"] = _storage_bytes(trained) + _storage_bytes(held) + _storage_bytes(states)
                 out["trained_bytes"] = sum(t.numel() * t.element_size() for t in trained)
+                out["trainable_bytes"] = sum(
+                    t.numel() * t.element_size() for t, p in zip(trained, worker.model.parameters()) if p.requires_grad
+                )
                 out["held_bytes"] = sum(t.numel() * t.element_size() for t in held)
                 worker.sleep()
         result, _ = random_sft_step(worker, gen, ROWS, MICRO)
@@ -68,6 +82,8 @@ def _run(model_path: str, precision: str, stage: int, sleeping: bool) -> dict:
         worker.sleep()  # score wakes it
     out["held_scores"] = worker.score([batch], _logits_sum, on="reference")[0]
     out["scores"] = worker.score([batch], _logits_sum)[0]
+    if lora:  # the reference on the policy's own frozen base, as a LoRA run without another model.ref_path scores it
+        out["base_scores"] = worker.score([batch], OnBaseModel(_logits_sum))[0]
     out["trace"] = trace
     out["weights"] = {n: t.clone() for n, t in iter_full_state(worker.model, worker.zero_stage)}
     out["optimizer"] = type(worker.engine.optimizer).__name__
@@ -83,26 +99,30 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     TrainerWorker("probe", 0, 1).init_process_group("127.0.0.1", port, "gloo", timeout_s=60)
     mapped = engine_module.effective_zero_stage
     results = {}
-    for precision, stage, real in CASES:
+    for precision, stage, real, lora in CASES:
         # a real one-rank ZeRO 3 (the mapping switched off for it): partitions and a frozen ZeRO-3 engine
         engine_module.effective_zero_stage = (lambda s, *_: s) if real else mapped
         for sleeping in (False, True):
-            results[precision, stage, real, sleeping] = _run(model_path, precision, stage, sleeping)
+            results[precision, stage, real, lora, sleeping] = _run(model_path, precision, stage, lora, sleeping)
     torch.save(results, out_path)
 
 
 trained = subprocess_fixture(__file__)
 
 
-@pytest.mark.parametrize("precision,stage,real", CASES, ids=[f"{p}-zero{s}{'-real' * r}" for p, s, r in CASES])
-def test_a_sleeping_rank_empties_its_storages_and_wakes_to_the_same_bits(trained, precision, stage, real):
-    awake, slept = trained[precision, stage, real, False], trained[precision, stage, real, True]
+@pytest.mark.parametrize(
+    "precision,stage,real,lora", CASES, ids=[f"{p}-zero{s}{'-real' * r}{'-lora' * a}" for p, s, r, a in CASES]
+)
+def test_a_sleeping_rank_empties_its_storages_and_wakes_to_the_same_bits(trained, precision, stage, real, lora):
+    awake, slept = trained[precision, stage, real, lora, False], trained[precision, stage, real, lora, True]
     built = stage if real else min(stage, 1)
     assert slept["optimizer"] == awake["optimizer"] and slept["stage"] == awake["stage"] == built
     # asleep: the trained weights, the held model's and the optimizer's states hold no byte on the device
     assert slept["states"] >= 2 and slept["left"] == 0 and slept["again"] == 0
-    # what moved: at least the weights, Adam's two moments (as large as the float32 masters) and the held weights
-    assert slept["slept"] >= 3 * slept["trained_bytes"] + slept["held_bytes"]
+    # what moved: at least the weights, Adam's two moments of the trainable ones (as large as their float32 masters:
+    # with LoRA the adapters alone) and the held weights
+    assert (slept["trainable_bytes"] < slept["trained_bytes"]) == lora  # LoRA: a frozen base beside the adapters
+    assert slept["slept"] >= slept["trained_bytes"] + 2 * slept["trainable_bytes"] + slept["held_bytes"]
     assert slept["woken"] >= slept["trained_bytes"] + slept["held_bytes"]
     # woken: the same steps, weights and scores to the bit
     assert slept["trace"] == awake["trace"]
@@ -110,6 +130,10 @@ def test_a_sleeping_rank_empties_its_storages_and_wakes_to_the_same_bits(trained
     for name, weight in awake["weights"].items():
         assert torch.equal(slept["weights"][name], weight), name
     assert torch.equal(slept["scores"], awake["scores"]) and torch.equal(slept["held_scores"], awake["held_scores"])
+    if lora:  # the adapters trained away from the base, and the base woke as it was
+        assert torch.equal(slept["base_scores"], awake["base_scores"])
+        assert not torch.equal(awake["base_scores"], awake["scores"])
+        assert torch.equal(awake["base_scores"], awake["held_scores"])  # the held reference is that same base
 
 
 def test_storages_are_found_through_views_dicts_and_bound_methods_once_each():
