@@ -5,9 +5,9 @@ code path.
   most 48 tokens on ZeRO 3 logs the same numbers and ends with the same weights; the ZeRO-3 run stopped after step 7
   and resumed from its adapter-only checkpoint ends bit-identical to it; ``final/`` holds the merged model and
   ``final/adapter``, which PEFT loads onto the base to give the merged model's outputs.
-- DPO: the reference is the policy's own frozen base (no reference workers): precomputed on 1 rank and scored
-  online on 2 ZeRO-3 ranks, the same numbers; step 1's reward margin is 0 up to float32 rounding (adapters start
-  at B = 0).
+- DPO: the reference is the policy's own frozen base (no reference workers), precomputed on 1 rank, or another
+  ``model.ref_path`` with the base's weights held in the 2 ZeRO-3 ranks of the LoRA policy and scored online: the
+  same numbers; step 1's reward margin is 0 up to float32 rounding (adapters start at B = 0).
 - Reward model: the scalar head trains whole next to the adapters and travels with them.
 
 GRPO with LoRA and the weight sync into vLLM (merged and adapter-only) are tests/integration/test_lora_sync.py.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -113,13 +114,15 @@ def test_lora_dpo_against_the_frozen_base_without_reference_workers(tiny_model, 
     from rlhf.trainers.kinds import kind_of
     from rlhf.trainers.offline.dpo import train_dpo
 
+    # another model.ref_path (a copy of the base's weights) held in the LoRA policy's processes: the same numbers
+    reference_copy = shutil.copytree(tiny_model, tmp_path / "reference")
     runs = {}
-    for name, (micro, ranks, zero, mode) in {
-        "4x1x1-z2-pre": (4, 1, 2, "precompute"),
-        "1x2x2-z3-online": (1, 2, 3, "online"),
+    for name, (micro, ranks, zero, mode, reference) in {
+        "4x1x1-z2-pre": (4, 1, 2, "precompute", ("dpo.ref_num_workers=2",)),
+        "1x2x2-z3-online-held": (1, 2, 3, "online", (f"model.ref_path={reference_copy}", "dpo.ref_num_workers=0")),
     }.items():
         out = str(tmp_path / name)
-        extra = (*LORA, f"dpo.ref_mode={mode}", "dpo.beta=0.5", "dpo.ref_num_workers=2")
+        extra = (*LORA, f"dpo.ref_mode={mode}", "dpo.beta=0.5", *reference)
         cfg = load_config(
             DPORunConfig,
             overrides=_overrides(tiny_model, pair_data, out, 4, micro, ranks, zero, epochs=1, lr=2e-3, extra=extra),
@@ -129,6 +132,9 @@ def test_lora_dpo_against_the_frozen_base_without_reference_workers(tiny_model, 
         runs[name] = _rows(out)
     assert "reference log-probs precomputed for 19 pairs on the policy's frozen base (LoRA)" in capsys.readouterr().out
     _assert_same_runs(runs, ("loss", "grad_norm", "rewards/margin", "rewards/accuracy"), dpo_beta=0.5)
+    # each step's reference passes ran on the held copy (logged as its role), the base's precompute before step 1
+    assert all("perf/reference/forward_tokens_per_s" in row for row in runs["1x2x2-z3-online-held"])
+    assert not any(key.startswith("perf/reference/") for key in runs["4x1x1-z2-pre"][0])
     rows = runs["4x1x1-z2-pre"]
     # step 1: the adapters start at B = 0, so the policy is its base, the reference: a margin of float32 rounding
     assert_dpo_policy_is_the_reference(rows[0], beta=0.5)
