@@ -30,8 +30,9 @@ CLUSTER_DIR = ROOT / "ray_cluster"
 
 
 def _env(**extra: str) -> Dict[str, str]:
-    """This process's environment without what would leak into make (an outer make's flags, the test runner's
-    DS_ACCELERATOR, which the Makefile must decide by itself)."""
+    """This process's environment without what would leak into make (an outer make's flags and the variables given
+    on its command line, such as ``make test PYTEST_ARGS=...``, which make exports; the test runner's DS_ACCELERATOR,
+    which the Makefile must decide by itself)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -43,6 +44,8 @@ def _env(**extra: str) -> Dict[str, str]:
             "MAKELEVEL",
             "MAKEOVERRIDES",
             "VENV",
+            "PYTHON",
+            "PYTEST_ARGS",
             "MAX_JOBS",
             "FLASH_ATTN_CUDA_ARCHS",
         )

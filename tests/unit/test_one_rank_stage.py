@@ -161,15 +161,20 @@ def test_one_rank_fp32_zero1_takes_no_hook_and_the_steps_of_contiguous_gradients
 
 def test_asked_zero3_builds_zero1_with_the_weights_of_a_real_zero3(trained):
     """fp32: the one-rank ZeRO 1 a ZeRO-3 request builds takes the steps of a real one-rank ZeRO 3 (its weights
-    gathered whole): the same losses at every step. The norms are each optimizer's own float32 sum of squares (a
-    few roundings apart, measured 3e-8), so the clipping coefficients differ in the last bits: Adam carries that
-    into weights whose gradient is ~0 (k_proj biases, whose gradient softmax cancels) as up to lr per step (measured
-    4.6e-6), and into the others as rounding (measured <= 2.5e-6 after 3 steps of lr 1e-3)."""
+    gathered whole). Step 1 starts from the same weights: the same loss, and norms a float32 summation apart. The
+    gradients are each engine's own float32 sums (ZeRO 3's linear layers have a backward of their own), a few
+    roundings apart even without clipping, and so are the clipping coefficients: Adam carries that into weights
+    whose gradient is ~0 (k_proj biases, whose gradient softmax cancels) as up to lr per step (measured 4.6e-6), and
+    into the others as more than rounding (measured <= 2.5e-6 after 3 steps of lr 1e-3). So later losses agree
+    closely, not to the bit: equal at step 2 and 5e-8 apart at step 3 on one CPU, equal on others."""
     asked, real = trained["fp32", "asked 3"], trained["fp32", "real 3"]
     assert (asked["stage"], real["stage"]) == (1, 3) and (asked["partitioned"], real["partitioned"]) == (False, True)
     assert asked["weights"].keys() == real["weights"].keys()
-    for (norm_a, loss_a), (norm_r, loss_r) in zip(asked["trace"], real["trace"]):
-        assert loss_a == loss_r and norm_a == pytest.approx(norm_r, rel=1e-6)
+    numel = sum(w.numel() for w in real["weights"].values())
+    (norm_a, loss_a), (norm_r, loss_r) = asked["trace"][0], real["trace"][0]
+    assert loss_a == loss_r and abs(norm_a - norm_r) <= 2 * math.log2(numel) * 2**-24 * norm_r
+    for (norm_a, loss_a), (norm_r, loss_r) in zip(asked["trace"][1:], real["trace"][1:]):
+        assert loss_a == pytest.approx(loss_r, rel=1e-5) and norm_a == pytest.approx(norm_r, rel=1e-5)
     for name, weight in real["weights"].items():
         torch.testing.assert_close(asked["weights"][name], weight, rtol=0, atol=STEPS * LR, msg=name)
 
