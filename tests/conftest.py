@@ -188,6 +188,8 @@ def ray_session():
     """One local Ray cluster for every integration test (starting one costs ~6 s)."""
     import ray
 
+    from rlhf.distributed.cluster import LOCAL_SYSTEM_CONFIG
+
     if not ray.is_initialized():
         # Logical CPUs: an RL run holds policy, reference, critic and vLLM actors at once; they take turns on 2 cores.
         # address="local": always a cluster of this process's own (parallel test processes each start one),
@@ -198,6 +200,7 @@ def ray_session():
             include_dashboard=False,
             log_to_driver=False,
             runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}},
+            _system_config=LOCAL_SYSTEM_CONFIG,  # no idle workers started ahead (rlhf.distributed.cluster)
         )
     yield ray
     ray.shutdown()

@@ -36,6 +36,13 @@ ACTOR_ENV = {
 }
 
 
+# A local cluster's raylet starts as many idle Python workers as it has CPUs when the driver connects (Ray's
+# prestart_worker_first_driver), for tasks to come. Every actor here asks for a runtime environment of its own
+# (actor_env: its variables), which such a worker does not have, so each was started, imported Ray (1-3 s of CPU)
+# and waited idle to the end of the run: 96 of them in one `make test`. The raylet starts a worker when one is due.
+LOCAL_SYSTEM_CONFIG: Dict[str, Any] = {"prestart_worker_first_driver": False}
+
+
 def init_ray(address: str = "", num_cpus: int = -1, needed_cpus: float = 1.0) -> str:
     """Initialise Ray once per driver process; returns ``"local"``, ``"existing"`` or the address joined.
 
@@ -58,6 +65,7 @@ def init_ray(address: str = "", num_cpus: int = -1, needed_cpus: float = 1.0) ->
             include_dashboard=False,
             log_to_driver=True,
             runtime_env={"env_vars": {**ACTOR_ENV, **hub_env()}},
+            _system_config=LOCAL_SYSTEM_CONFIG,
         )
         joined = "local"
     if cluster_gpus() == 0:

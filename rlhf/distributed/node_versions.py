@@ -70,11 +70,19 @@ def node_reports(timeout_s: float = REPORT_TIMEOUT_S, node_ids: Sequence[str] = 
 
 
 def check_node_versions(
-    packages: Sequence[str], uses_gpus: bool, attn_implementation: str = "auto", timeout_s: float = REPORT_TIMEOUT_S
+    packages: Sequence[str],
+    uses_gpus: bool,
+    attn_implementation: str = "auto",
+    timeout_s: float = REPORT_TIMEOUT_S,
+    started_here: bool = False,
 ) -> None:
     """Before any actor starts: every alive node has ``packages`` within their supported ranges and at the
     driver's releases, a CUDA torch where the run uses GPUs, and (warned, or refused with
     ``model.attn_implementation=flash_attention_2``) a working flash-attn on its GPU nodes.
+
+    ``started_here``: a cluster without GPUs that this driver started (``init_ray`` gave ``"local"``). Its one node
+    is this machine and its workers run this interpreter, so the driver's own report is the node's: no task, which
+    would start a worker process of its own (Ray starts two; 2-3 s of CPU each, and seconds before the first actor).
 
     Raises:
         UnsupportedVersionError: one line per problem, each naming its node's address.
@@ -86,8 +94,12 @@ def check_node_versions(
     new = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in passed]
     if not new:
         return
+    if started_here:
+        reports = [local_report(n["NodeManagerAddress"], 0.0) for n in ray.nodes() if n["NodeID"] in new]
+    else:
+        reports = node_reports(timeout_s, new)
     problems, warnings = cluster_problems(
-        local_report("the driver", 0.0), node_reports(timeout_s, new), packages, uses_gpus, attn_implementation
+        local_report("the driver", 0.0), reports, packages, uses_gpus, attn_implementation
     )
     for line in warnings:
         log.warning(f"warning: {line}")

@@ -61,12 +61,14 @@ def optim_spec(t, total_steps: int) -> OptimSpec:
 def start_cluster(cfg: RunConfig, packages: Sequence[str], needed_cpus: float) -> "RunContext":
     """Join or start Ray; every node's install of the libraries the trainer needs (``packages``) is checked; precision
     and backend follow the cluster's workers (the driver may have no GPU)."""
-    init_ray(cfg.ray.address, cfg.ray.num_cpus, needed_cpus=needed_cpus)
-    devices = resolve_devices(cfg.strategy, cluster_gpus())  # what --dry-run resolves for its cluster too
+    joined = init_ray(cfg.ray.address, cfg.ray.num_cpus, needed_cpus=needed_cpus)
+    gpus = cluster_gpus()
+    devices = resolve_devices(cfg.strategy, gpus)  # what --dry-run resolves for its cluster too
     check_node_versions(
         packages,
         devices.gpus_per_worker > 0,  # each node's install
         cfg.model.attn_implementation,
+        started_here=joined == "local" and gpus == 0,
     )
     user_ds_config = check_user_config(cfg, devices.precision)  # before any actor starts
     return RunContext(

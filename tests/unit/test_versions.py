@@ -206,8 +206,9 @@ def test_this_process_reports_what_is_installed_here():
     assert cluster_problems(report, [report], TRAINING_PACKAGES, uses_gpus=False) == ([], [])
 
 
-def _start_cluster(monkeypatch, cfg, node: NodeReport):
-    """``start_cluster`` on a one-node cluster that reports ``node``, without Ray."""
+def _start_cluster(monkeypatch, cfg, node: NodeReport, joined: str = "10.0.0.3:6379"):
+    """``start_cluster`` on a one-node cluster that reports ``node``, without Ray: one it joined (``joined``: the
+    address; ``"local"``: one it started)."""
     import ray
 
     from rlhf.distributed import node_versions
@@ -215,7 +216,7 @@ def _start_cluster(monkeypatch, cfg, node: NodeReport):
     from rlhf.trainers.kinds import kind_of
 
     asked = []
-    monkeypatch.setattr(context, "init_ray", lambda *args, **kwargs: "local")
+    monkeypatch.setattr(context, "init_ray", lambda *args, **kwargs: joined)
     monkeypatch.setattr(context, "cluster_gpus", lambda: 0.0)
     monkeypatch.setattr(
         ray,
@@ -252,3 +253,22 @@ def test_nodes_that_passed_are_not_asked_again(monkeypatch):
     _, asked = _start_cluster(monkeypatch, cfg, _node(gpus=0.0))
     check_node_versions(TRAINING_PACKAGES, False, "auto")  # the same cluster, a second training in this process
     assert asked == [["n1"]]
+
+
+def test_a_cluster_the_driver_started_on_its_cpus_is_reported_by_the_driver(monkeypatch):
+    """Its one node runs the driver's interpreter: the driver's report is the node's, and no Ray task (no worker
+    process) asks for it; the report is still checked, under the node's address."""
+    from rlhf.config.loader import load_config
+    from rlhf.config.schema import SFTRunConfig
+    from rlhf.distributed import node_versions
+
+    cfg = load_config(SFTRunConfig, "sft_tiny", ["model.path=m", "data.train_path=d.jsonl"])
+    _, asked = _start_cluster(monkeypatch, cfg, _node(gpus=0.0), joined="local")
+    assert asked == [] and node_versions._PASSED[TRAINING_PACKAGES, False, "auto"] == {"n1"}
+    seen = []
+    monkeypatch.setattr(
+        node_versions, "local_report", lambda ip, gpus: seen.append(ip) or _node(ip, gpus, deepspeed="0.19.7")
+    )
+    with pytest.raises(UnsupportedVersionError, match="node 10.0.0.3: deepspeed 0.19.7 is installed"):
+        _start_cluster(monkeypatch, cfg, _node(gpus=0.0), joined="local")
+    assert sorted(seen) == ["10.0.0.3", "the driver"]
