@@ -36,11 +36,14 @@ ACTOR_ENV = {
 }
 
 
-# A local cluster's raylet starts as many idle Python workers as it has CPUs when the driver connects (Ray's
-# prestart_worker_first_driver), for tasks to come. Every actor here asks for a runtime environment of its own
+# When the driver connects, a local cluster's raylet starts idle Python workers (up to its CPUs; Ray's
+# prestart_worker_first_driver) for tasks to come. Every actor here asks for a runtime environment of its own
 # (actor_env: its variables), which such a worker does not have, so each was started, imported Ray (1-3 s of CPU)
-# and waited idle to the end of the run: 96 of them in one `make test`. The raylet starts a worker when one is due.
+# and waited idle to the end of the run. The raylet starts a worker when one is due.
 LOCAL_SYSTEM_CONFIG: Dict[str, Any] = {"prestart_worker_first_driver": False}
+
+# The GCS address of the local cluster init_ray started in this process (see started_here), once it has.
+_started: Dict[str, str] = {}
 
 
 def init_ray(address: str = "", num_cpus: int = -1, needed_cpus: float = 1.0) -> str:
@@ -68,9 +71,19 @@ def init_ray(address: str = "", num_cpus: int = -1, needed_cpus: float = 1.0) ->
             _system_config=LOCAL_SYSTEM_CONFIG,
         )
         joined = "local"
+        _started["gcs_address"] = ray.get_runtime_context().gcs_address
     if cluster_gpus() == 0:
         ensure_cpu_comm_op()
     return joined
+
+
+def started_here() -> bool:
+    """Whether the cluster this process is connected to is the local one :func:`init_ray` started here (a later
+    ``init_ray`` of the same process returns ``"existing"`` for it): one node, this machine, whose workers run this
+    process's interpreter."""
+    import ray
+
+    return ray.is_initialized() and _started.get("gcs_address") == ray.get_runtime_context().gcs_address
 
 
 def local_num_cpus(num_cpus: int, needed_cpus: float) -> int:

@@ -80,9 +80,10 @@ def check_node_versions(
     driver's releases, a CUDA torch where the run uses GPUs, and (warned, or refused with
     ``model.attn_implementation=flash_attention_2``) a working flash-attn on its GPU nodes.
 
-    ``started_here``: a cluster without GPUs that this driver started (``init_ray`` gave ``"local"``). Its one node
-    is this machine and its workers run this interpreter, so the driver's own report is the node's: no task, which
-    would start a worker process of its own (Ray starts two; 2-3 s of CPU each, and seconds before the first actor).
+    ``started_here``: a cluster without GPUs that this process started (``rlhf.distributed.cluster.started_here``).
+    Its one node is this machine and its workers run this interpreter, so the driver's own report is the node's: no
+    task, which would start worker processes of its own (Ray started two; 2-3 s of CPU each, seconds before the first
+    actor).
 
     Raises:
         UnsupportedVersionError: one line per problem, each naming its node's address.

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Tuple, cast
 
 from rlhf.config.deepspeed_check import check_user_config
 from rlhf.config.schema import ConfigError, RunConfig
-from rlhf.distributed.cluster import actor_env, cluster_gpus, init_ray
+from rlhf.distributed.cluster import actor_env, cluster_gpus, init_ray, started_here
 from rlhf.distributed.engine import EngineSpec, OptimSpec
 from rlhf.distributed.group import GroupResources, WorkerGroup
 from rlhf.distributed.node_versions import check_node_versions
@@ -61,14 +61,14 @@ def optim_spec(t, total_steps: int) -> OptimSpec:
 def start_cluster(cfg: RunConfig, packages: Sequence[str], needed_cpus: float) -> "RunContext":
     """Join or start Ray; every node's install of the libraries the trainer needs (``packages``) is checked; precision
     and backend follow the cluster's workers (the driver may have no GPU)."""
-    joined = init_ray(cfg.ray.address, cfg.ray.num_cpus, needed_cpus=needed_cpus)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, needed_cpus=needed_cpus)
     gpus = cluster_gpus()
     devices = resolve_devices(cfg.strategy, gpus)  # what --dry-run resolves for its cluster too
     check_node_versions(
         packages,
         devices.gpus_per_worker > 0,  # each node's install
         cfg.model.attn_implementation,
-        started_here=joined == "local" and gpus == 0,
+        started_here=started_here() and gpus == 0,  # the demo's and the audit's trainings too, after their init_ray
     )
     user_ds_config = check_user_config(cfg, devices.precision)  # before any actor starts
     return RunContext(

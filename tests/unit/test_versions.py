@@ -206,9 +206,9 @@ def test_this_process_reports_what_is_installed_here():
     assert cluster_problems(report, [report], TRAINING_PACKAGES, uses_gpus=False) == ([], [])
 
 
-def _start_cluster(monkeypatch, cfg, node: NodeReport, joined: str = "10.0.0.3:6379"):
-    """``start_cluster`` on a one-node cluster that reports ``node``, without Ray: one it joined (``joined``: the
-    address; ``"local"``: one it started)."""
+def _start_cluster(monkeypatch, cfg, node: NodeReport, started_here: bool = False):
+    """``start_cluster`` on a one-node cluster that reports ``node``, without Ray: one it joined, or one this process
+    started (``started_here``)."""
     import ray
 
     from rlhf.distributed import node_versions
@@ -216,7 +216,8 @@ def _start_cluster(monkeypatch, cfg, node: NodeReport, joined: str = "10.0.0.3:6
     from rlhf.trainers.kinds import kind_of
 
     asked = []
-    monkeypatch.setattr(context, "init_ray", lambda *args, **kwargs: joined)
+    monkeypatch.setattr(context, "init_ray", lambda *args, **kwargs: "existing")
+    monkeypatch.setattr(context, "started_here", lambda: started_here)
     monkeypatch.setattr(context, "cluster_gpus", lambda: 0.0)
     monkeypatch.setattr(
         ray,
@@ -263,12 +264,12 @@ def test_a_cluster_the_driver_started_on_its_cpus_is_reported_by_the_driver(monk
     from rlhf.distributed import node_versions
 
     cfg = load_config(SFTRunConfig, "sft_tiny", ["model.path=m", "data.train_path=d.jsonl"])
-    _, asked = _start_cluster(monkeypatch, cfg, _node(gpus=0.0), joined="local")
+    _, asked = _start_cluster(monkeypatch, cfg, _node(gpus=0.0), started_here=True)
     assert asked == [] and node_versions._PASSED[TRAINING_PACKAGES, False, "auto"] == {"n1"}
     seen = []
     monkeypatch.setattr(
         node_versions, "local_report", lambda ip, gpus: seen.append(ip) or _node(ip, gpus, deepspeed="0.19.7")
     )
     with pytest.raises(UnsupportedVersionError, match="node 10.0.0.3: deepspeed 0.19.7 is installed"):
-        _start_cluster(monkeypatch, cfg, _node(gpus=0.0), joined="local")
+        _start_cluster(monkeypatch, cfg, _node(gpus=0.0), started_here=True)
     assert sorted(seen) == ["10.0.0.3", "the driver"]
