@@ -10,10 +10,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
-pytestmark = pytest.mark.slow
-
 SCRIPT = textwrap.dedent(
     """
     import json

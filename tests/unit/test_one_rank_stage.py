@@ -161,12 +161,13 @@ def test_one_rank_fp32_zero1_takes_no_hook_and_the_steps_of_contiguous_gradients
 
 def test_asked_zero3_builds_zero1_with_the_weights_of_a_real_zero3(trained):
     """fp32: the one-rank ZeRO 1 a ZeRO-3 request builds takes the steps of a real one-rank ZeRO 3 (its weights
-    gathered whole). Step 1 starts from the same weights: the same loss, and norms a float32 summation apart. The
-    gradients are each engine's own float32 sums (ZeRO 3's linear layers have a backward of their own), a few
-    roundings apart even without clipping, and so are the clipping coefficients: Adam carries that into weights
-    whose gradient is ~0 (k_proj biases, whose gradient softmax cancels) as up to lr per step (measured 4.6e-6), and
-    into the others as more than rounding (measured <= 2.5e-6 after 3 steps of lr 1e-3). So later losses agree
-    closely, not to the bit: equal at step 2 and 5e-8 apart at step 3 on one CPU, equal on others."""
+    gathered whole). Step 1 starts from the same weights: the same loss, and norms within float32 rounding (of the
+    gradients' sums and the norm's own: 2 log2(n) roundings). The gradients are each engine's own float32 sums (ZeRO
+    3's linear layers have a backward of their own), a few roundings apart even without clipping (measured), and so
+    are the clipping coefficients: Adam carries that into weights whose gradient is ~0 (k_proj biases, whose gradient
+    softmax cancels) as up to lr per step (measured 4.6e-6), and into the others as more than rounding (measured
+    <= 2.5e-6 after 3 steps of lr 1e-3). So later losses agree closely, not to the bit: equal at step 2 and 5e-8
+    apart at step 3 on one CPU, equal on others."""
     asked, real = trained["fp32", "asked 3"], trained["fp32", "real 3"]
     assert (asked["stage"], real["stage"]) == (1, 3) and (asked["partitioned"], real["partitioned"]) == (False, True)
     assert asked["weights"].keys() == real["weights"].keys()
