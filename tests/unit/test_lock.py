@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import re
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Dict, List
 
@@ -85,5 +86,7 @@ def test_the_cpu_venv_holds_the_locked_releases():
             drifted.append(f"{name} {installed} installed, {version} locked")
     assert drifted == [], f"{sys.prefix} is not what {LOCK.name} says (make install, or make lock): {drifted}"
     # and nothing beside it, but the project and the venv's own installers: a dependency pip added unpinned
-    installed = {canonicalize_name(d.metadata["Name"]) for d in importlib.metadata.distributions()}
+    # the venv's own site-packages: not what a package vendors and puts on sys.path once imported (setuptools does)
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    installed = {canonicalize_name(d.metadata["Name"]) for d in importlib.metadata.distributions(path=site)}
     assert installed - _lock().keys() - {"rlhf", "pip", "setuptools", "wheel"} == set(), "make lock"
