@@ -92,11 +92,12 @@ def check_node_versions(
 
     key = (tuple(packages), bool(uses_gpus), attn_implementation)
     passed = _PASSED.setdefault(key, set())
-    new = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in passed]
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in passed]
+    new = [n["NodeID"] for n in nodes]
     if not new:
         return
     if started_here:
-        reports = [local_report(n["NodeManagerAddress"], 0.0) for n in ray.nodes() if n["NodeID"] in new]
+        reports = [local_report(n["NodeManagerAddress"], 0.0) for n in nodes]
     else:
         reports = node_reports(timeout_s, new)
     problems, warnings = cluster_problems(
