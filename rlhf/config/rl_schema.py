@@ -683,10 +683,16 @@ class ColocateConfig:
     # and optimizer states in pinned host memory while the engines generate, so vLLM's KV cache has the device. Off
     # by default until measured on a GPU (its copies each way, and a node's pinned host memory for every rank's state)
     trainer_sleep: str = "off"
+    # off | auto (on GPUs, the frozen models that share a device with a trained one) | on: as OpenRLHF's
+    # --ref_reward_offload and verl's ref param_offload: the frozen models (a reference, a distillation teacher, a
+    # reward model; groups or copies the policy's ranks hold) wait in host memory between their scoring passes, so
+    # the policy or critic trains with their device memory; each wakes itself when it next scores (time/offload)
+    offload_frozen: str = "off"
 
     def __post_init__(self) -> None:
         check_choice(self.engine_sleep, "colocate.engine_sleep", ("auto", "on", "off"))
         check_choice(self.trainer_sleep, "colocate.trainer_sleep", ("auto", "on", "off"))
+        check_choice(self.offload_frozen, "colocate.offload_frozen", ("auto", "on", "off"))
 
 
 @dataclass(frozen=True)
@@ -819,6 +825,17 @@ class RLRunConfig(RunConfig):
     @property
     def multi_turn(self) -> bool:
         return bool(self.env.spec)
+
+    @property
+    def frozen_models(self) -> Tuple[str, ...]:
+        """The frozen trainer models of a run (``colocate.offload_frozen`` may hold them in host memory between their
+        passes): a reference of its own (a KL term; with LoRA and no other ``model.ref_path`` the reference is the
+        policy's own base, which trains beside the adapters), a distillation teacher, a reward model."""
+        return (
+            ("reference",) * (self.algo.kl_coef > 0 and not self.model.reference_is_base)
+            + ("teacher",) * bool(self.algo.teacher.path)
+            + ("reward_model",) * bool(self.reward.model_path)
+        )
 
     @property
     def has_task_reward(self) -> bool:
@@ -978,6 +995,12 @@ class RLRunConfig(RunConfig):
                 f"and colocate.policy_{role} both place the {role}: the policy's processes hold it, or {role} workers "
                 f"share the policy's bundles; set one",
             )
+        check_setting(
+            c.offload_frozen != "on" or bool(self.frozen_models),
+            "colocate.offload_frozen",
+            "is on, but the run has no frozen model to offload: a reference (algo.kl_coef > 0; with model.lora.r > 0 "
+            "another model.ref_path), a teacher (algo.teacher.path) or a reward model (reward.model_path)",
+        )
         if c.critic_reward:
             check_setting(
                 self.algo.needs_critic and bool(self.reward.model_path),

@@ -468,6 +468,9 @@ class DPOConfig:
     # reference workers: online, or another model.ref_path (LoRA's base: none); 0: none, the policy's ranks hold a
     # frozen copy of the reference in their own processes (as TRL's ref_model beside the model)
     ref_num_workers: int = 1
+    # online with dpo.ref_num_workers=0: the copy the policy's ranks hold waits in host memory between its passes, so
+    # the policy trains with its device memory (OpenRLHF's --ref_offload). A precomputed reference is dropped anyway
+    ref_offload: bool = False
     # KTO (Ethayarajh et al. 2024): lambda_D and lambda_U, the weights of desirable and undesirable rows; the paper
     # advises lambda_D n_D / (lambda_U n_U) in [1, 4/3] (n: rows of each label), the run logs the ratio it reads
     desirable_weight: float = 1.0
@@ -665,9 +668,24 @@ class DPORunConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._check_ref_offload()
         check_setting(
             not (self.model.ref_path and self.dpo.reference_free),
             "model.ref_path",
             f"names a reference model, which dpo.loss_type={self.dpo.loss_type} does not read (reference-free): "
             "unset it, or choose a loss that reads a reference",
         )
+
+    def _check_ref_offload(self) -> None:
+        """``dpo.ref_offload`` has a reference to move: a copy the policy's ranks hold and score at every step."""
+        d = self.dpo
+        if not d.ref_offload:
+            return
+        for problem, why in (
+            (d.reference_free, f"dpo.loss_type={d.loss_type} reads no reference model"),
+            (self.model.reference_is_base, "with model.lora.r > 0 the reference is the policy's own frozen base"),
+            (d.ref_mode != "online", "dpo.ref_mode=precompute scores the reference once, then drops it"),
+            (d.ref_num_workers > 0, "a reference group (dpo.ref_num_workers > 0) has devices of its own; "
+             "dpo.ref_num_workers=0 puts a copy in the policy's ranks"),
+        ):  # fmt: skip
+            check_setting(not problem, "dpo.ref_offload", f"has nothing to offload: {why}")

@@ -381,6 +381,11 @@ class WorkerGroup:
         the bytes each moved."""
         return self._gather([w.sleep.remote() for w in self.workers], "sleep")
 
+    def sleep_held(self, roles: Sequence[str]) -> List[int]:
+        """Every rank's held models of ``roles`` to host memory until they next score (``colocate.offload_frozen``,
+        :meth:`TrainerWorker.sleep_held`); the bytes each rank moved."""
+        return self._gather([w.sleep_held.remote(list(roles)) for w in self.workers], "sleep_held")
+
     def wake(self) -> None:
         """Every rank's state back on its device (:meth:`TrainerWorker.wake`)."""
         self._gather([w.wake.remote() for w in self.workers], "wake")

@@ -277,6 +277,24 @@ def sleeping_roles(colocate: ColocateConfig, gpus_per_worker: float) -> Tuple[st
     return tuple(role for role in policy_side_roles(colocate) if role != ROLLOUT)
 
 
+def offloaded_roles(cfg: RLRunConfig, gpus_per_worker: float) -> Tuple[str, ...]:
+    """The frozen models (:attr:`~rlhf.config.rl_schema.RLRunConfig.frozen_models`) that wait in host memory between
+    their scoring passes (``colocate.offload_frozen``): ``on``, all of them (anywhere: the CPU twin moves host
+    memory); ``auto``, on GPUs, those sharing a device with a trained model (a reference or teacher on the policy's
+    bundles or held in its ranks, a reward model on the critic's); ``off``, none."""
+    c = cfg.colocate
+    shares_a_device = {
+        "reference": c.policy_reference or c.reference_in_policy,
+        TEACHER: c.policy_teacher or c.teacher_in_policy,
+        "reward_model": c.critic_reward,
+    }
+    if c.offload_frozen == "on":
+        return cfg.frozen_models
+    if c.offload_frozen == "auto" and gpus_per_worker > 0:
+        return tuple(role for role in cfg.frozen_models if shares_a_device[role])
+    return ()
+
+
 def engine_sleep(colocate: ColocateConfig, gpus_per_engine: float) -> bool:
     """Whether the engines use vLLM sleep mode (``colocate.engine_sleep``): CUDA-only, so ``on`` without GPU engines
     is refused; ``auto`` turns it on for the hybrid engine on GPUs."""

@@ -14,7 +14,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -120,6 +120,8 @@ class TrainerWorker:
         self.held_flops: Dict[str, ModelFlops] = {}
         # colocate.trainer_sleep: this rank's state in host memory while engines on its device generate (sleep())
         self.asleep: Optional[HostCopies] = None
+        # colocate.offload_frozen: held models in host memory between their passes, by role (sleep_held())
+        self.held_asleep: Dict[str, HostCopies] = {}
 
     def __repr__(self) -> str:
         # Ray prefixes the output it forwards from this actor with its repr: "(policy rank 0 pid=..., ip=...)"
@@ -187,7 +189,7 @@ class TrainerWorker:
     def build(self, model: ModelSpec, engine: EngineSpec, optim: Optional[OptimSpec]) -> Dict[str, int]:
         """Load the model; with ``optim`` wrap it in a training engine, else keep it frozen for scoring. A reference
         held for an earlier build is let go (:meth:`hold` follows the build it belongs to)."""
-        self.held, self.held_flops = {}, {}
+        self.held, self.held_flops, self.held_asleep = {}, {}, {}
         model = self._with_attention(model)
         engine = built_spec(engine, self.world_size)  # a one-rank group builds ZeRO 1 for 2 and 3
         zero3 = None
@@ -240,6 +242,7 @@ class TrainerWorker:
             enable_sequence_parallel(module, self._sequence)
         self.held[role] = self._frozen(module, zero3)
         self.held_flops[role] = ModelFlops.of(self.held[role])
+        self.held_asleep.pop(role, None)  # the copies of a model held before under this role
         return _parameter_counts(self.held[role], trainable=False)
 
     @_awake
@@ -248,6 +251,7 @@ class TrainerWorker:
         device, or under ZeRO 3 its partitions with it."""
         self.held.pop(role, None)
         self.held_flops.pop(role, None)
+        self.held_asleep.pop(role, None)  # asleep: its host copies go with it
         self.release_cached_memory()
 
     def _with_attention(self, model: ModelSpec) -> ModelSpec:
@@ -338,6 +342,8 @@ class TrainerWorker:
         assert self.model is not None, "build() sets the model before any call that uses it"
         if on is not None and on not in self.held:
             raise RuntimeError(f"{self.role} rank {self.rank} holds no {on} (holds {sorted(self.held)}): hold() it")
+        if on is not None:
+            self._wake_held(on)
         model = self.held[on] if on is not None else (self.engine if self.engine is not None else self.model)
         was_training = self.model.training
         self.model.eval()
@@ -496,9 +502,32 @@ class TrainerWorker:
         return self.asleep.nbytes
 
     def wake(self) -> None:
-        """Every storage :meth:`sleep` emptied back on the device, with its bytes (a no-op when awake)."""
+        """Every storage :meth:`sleep` emptied back on the device, with its bytes (a no-op when awake). A held model
+        :meth:`sleep_held` put to sleep stays so until it scores."""
         if self.asleep is not None:
             asleep, self.asleep = self.asleep, None
+            asleep.restore()
+
+    @_awake
+    def sleep_held(self, roles: Sequence[str]) -> int:
+        """Hold the frozen models this rank holds as ``roles`` in host memory until each next scores
+        (``colocate.offload_frozen``): the trained model, its gradients and optimizer states stay, so the rank
+        trains with the device memory the held weights took. Returns the bytes moved (a role asleep already: 0)."""
+        moved = 0
+        for role in roles:
+            if role in self.held_asleep:
+                continue
+            model = self.held[role]
+            own_borrowed([model])
+            self.held_asleep[role] = HostCopies.offload(device_storages(state_tensors([model]), self.device))
+            moved += self.held_asleep[role].nbytes
+        self.release_cached_memory()
+        return moved
+
+    def _wake_held(self, role: str) -> None:
+        """The held model of ``role`` back on the device, if :meth:`sleep_held` put it to sleep."""
+        asleep = self.held_asleep.pop(role, None)
+        if asleep is not None:
             asleep.restore()
 
     def ping(self) -> int:

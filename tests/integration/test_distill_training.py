@@ -21,9 +21,12 @@ tests/integration/test_sequence_parallel.py and tests/integration/test_fp64_run.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from resume_helpers import _weights
 from rl_helpers import run_rl, train_rl, untimed
+from shared_helpers import tee_stdout
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -56,18 +59,24 @@ def teacher(tmp_path_factory):
 def reward_runs(tiny_model, teacher, rl_prompts, rl_shaping, tmp_path_factory):
     base = tmp_path_factory.mktemp("distill")
     extra = (f"algo.teacher.path={teacher}", *REWARD_MODE, f"train.max_steps={STEPS}")
-    whole = run_rl(tiny_model, rl_prompts, rl_shaping, str(base / "whole"), *extra)
+    # colocate.offload_frozen: the frozen models in host memory between their passes, woken to score. The whole
+    # run's groups sleep whole, the stopped half's held copies sleep beside the policy; the resumed half keeps them
+    # on the device: every half's rows against the whole run's show each way woke to the same bits
+    offload = "colocate.offload_frozen=on"
+    with tee_stdout() as printed:
+        whole = run_rl(tiny_model, rl_prompts, rl_shaping, str(base / "whole"), *extra, offload)
     out = str(base / "resumed")
     # the teacher and the reference held in the policy's process (the uninterrupted run's are groups of their own)
     held = (*extra, "colocate.teacher_in_policy=true", "colocate.reference_in_policy=true")
-    _, stopped = run_rl(tiny_model, rl_prompts, rl_shaping, out, *held, "train.stop_after_steps=2")
+    with tee_stdout() as printed_held:
+        _, stopped = run_rl(tiny_model, rl_prompts, rl_shaping, out, *held, offload, "train.stop_after_steps=2")
     assert stopped.stopped_at == 2
     resumed = run_rl(tiny_model, rl_prompts, rl_shaping, out, *held, "train.resume=true")
-    return whole, resumed
+    return whole, resumed, printed.getvalue() + printed_held.getvalue()
 
 
 def test_reward_mode_reports_the_teacher_kl_and_resumes_bit_identical(reward_runs):
-    (rows, result), (resumed_rows, resumed_result) = reward_runs
+    (rows, result), (resumed_rows, resumed_result), _ = reward_runs
     assert len(rows) == STEPS
     for row in rows:
         # another model: far from rounding (a one-sample k1 mean on older samples may be negative)
@@ -78,6 +87,20 @@ def test_reward_mode_reports_the_teacher_kl_and_resumes_bit_identical(reward_run
     assert [untimed(r) for r in rows] == [untimed(r) for r in resumed_rows]
     a, b = _weights(result.final_dir), _weights(resumed_result.final_dir)
     assert a and set(a) == set(b) and all((a[k] == b[k]).all() for k in a)
+
+
+def test_frozen_models_offloaded_between_their_passes_score_the_same(reward_runs):
+    """``colocate.offload_frozen=on`` (above: the rows of every step equal, though steps 2-4 of the whole run and
+    step 2 of the stopped half were scored by models woken from host memory): the groups of the whole run and the
+    copies the stopped half's policy rank holds each moved their weights, and the step's time says what it cost."""
+    (rows, _), _, printed = reward_runs
+    sizes = re.findall(r"\[rl\] frozen offload: (.*) \(ranks x the most a rank moved\)", printed)
+    assert len(sizes) == 2, printed  # said once a run
+    groups, held = ({part.rsplit(" ", 4)[0]: part.split()[-2] for part in s.split(", ")} for s in sizes)
+    assert list(groups) == ["reference", "teacher"], sizes  # 1 rank each
+    assert list(held) == ["reference + teacher (in the policy's ranks)"], sizes
+    assert all(float(mib) > 0 for mib in [*groups.values(), *held.values()])
+    assert all(row["time/offload"] > 0 for row in rows)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from offline_helpers import (
     _rows,
     assert_dpo_policy_is_the_reference,
 )
+from shared_helpers import tee_stdout
 
 from rlhf.config.loader import load_config
 from rlhf.config.schema import DPORunConfig
@@ -39,7 +40,8 @@ DPO_FACTORISATIONS = {  # name: (micro, ranks, zero, ref_mode, reference ranks[,
     "4x1x1-z2-pre": (4, 1, 2, "precompute", 0),
     # online, the reference held in the policy's processes (dpo.ref_num_workers=0): a frozen ZeRO-3 copy beside the
     # training engine on each of the 2 ranks, no reference group
-    "1x2x2-z3-online-held": (1, 2, 3, "online", 0, ("dpo.ref_num_workers=0",)),
+    # training with it in host memory (dpo.ref_offload), woken to score each step's batch and the held-out pairs
+    "1x2x2-z3-online-held": (1, 2, 3, "online", 0, ("dpo.ref_num_workers=0", "dpo.ref_offload=true")),
     # another model.ref_path (a copy of the same weights): precomputed on 2 reference ranks, then released
     "2x1x2-z0-pre": (2, 2, 0, "precompute", 2),
     # padding-free pairs (chosen + rejected) in micro-batches of <= 80 tokens, the reference scored the same way;
@@ -90,8 +92,9 @@ def dpo_runs(tiny_model, pair_data, tmp_path_factory):
                 DPORunConfig,
                 overrides=_overrides(tiny_model, pair_data, out, 4, mbs, nw, zero, epochs=1, extra=extra),
             )
-            result = train_dpo(cfg)
-            runs[name] = (_rows(out), result.final_dir, cfg, started[-1])
+            with tee_stdout() as printed:
+                result = train_dpo(cfg)
+            runs[name] = (_rows(out), result.final_dir, cfg, started[-1], printed.getvalue())
     return runs
 
 
@@ -102,12 +105,15 @@ def test_dpo_factorisations_and_reference_modes_agree(dpo_runs):
         for name, (_, _, _, _, ref_ranks, *_) in DPO_FACTORISATIONS.items()
     }
     rows = {k: v[0] for k, v in dpo_runs.items()}
+    # the offloaded copy (dpo.ref_offload) said once what each of its 2 ranks moved: it agrees below all the same
+    offloaded = {k: v[4].count("[dpo] reference offload: 2 x ") for k, v in dpo_runs.items()}
+    assert offloaded == {k: int(k == "1x2x2-z3-online-held") for k in dpo_runs}
     _assert_same_runs(rows, ("loss", "grad_norm", "rewards/margin", "rewards/accuracy"), dpo_beta=0.5)
     _assert_ranks_ran_different_counts(rows)
     assert len(next(iter(rows.values()))) == 19 // 4  # drop_last at global-batch granularity
     _assert_same_weights([v[1] for v in dpo_runs.values()])
     # Held-out evaluation after the last step: reference log-probs precomputed or scored online, same numbers.
-    evals = [_read_jsonl(os.path.join(cfg.train.output_dir, "eval.jsonl")) for _, _, cfg, _ in dpo_runs.values()]
+    evals = [_read_jsonl(os.path.join(cfg.train.output_dir, "eval.jsonl")) for _, _, cfg, _, _ in dpo_runs.values()]
     assert all([e["step"] for e in ev] == [4] for ev in evals)
     for ev in evals[1:]:
         assert ev[0]["loss"] == pytest.approx(evals[0][0]["loss"], rel=1e-3)  # weights agree to ~1e-4
@@ -127,7 +133,7 @@ def test_dpo_factorisations_and_reference_modes_agree(dpo_runs):
 def test_dpo_step1_equals_plain_pytorch_whole_batch(dpo_runs, tiny_model, pair_data):
     """Policy == reference at step 1, so the cDPO loss is log 2 (up to float32 rounding) and the gradient is
     -(beta/2)(1-2 eps) x mean over pairs of grad(chosen - rejected log-probs); checked against plain PyTorch."""
-    rows, _, cfg, _ = dpo_runs["1x2x2-z3-online-held"]
+    rows, _, cfg, _, _ = dpo_runs["1x2x2-z3-online-held"]
     assert_dpo_policy_is_the_reference(rows[0], cfg.dpo.beta, cfg.dpo.label_smoothing)
     # the starting policy's own ranks scored the reference before the first step: its weights, to rounding
     precomputed_on_policy = dpo_runs["4x1x1-z2-pre"][0][0]

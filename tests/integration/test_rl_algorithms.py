@@ -43,6 +43,8 @@ def test_gae_ppo_with_critic_reward_model_and_colocation(
         "colocate.hybrid_engine=true",
         "colocate.trainer_sleep=on",  # the GPU default of the hybrid engine (auto), run here on the CPU twin
         "colocate.critic_reward=true",
+        # as auto on GPUs (the reference beside the policy, the reward model beside the critic), on the CPU twin
+        "colocate.offload_frozen=on",
         "rollout.weight_sync=ipc",
         "rollout.weight_sync_bucket_mb=1",
     )  # several buckets a sync
@@ -52,9 +54,13 @@ def test_gae_ppo_with_critic_reward_model_and_colocation(
     # in host memory, rlhf.distributed.sleep) and woke to the same bits: the log-prob mismatch of every step
     # (check_rows) compares the woken policy with the weights the engines got before it slept
     moved = re.search(r"\[rl\] trainer sleep: policy 1 x ([0-9.]+) MiB, reference 1 x ([0-9.]+) MiB", logged)
-    assert moved, logged
-    # after a step: the policy's weights, their float32 masters and Adam's two moments, 4x the frozen weights
-    assert float(moved[1]) >= 4 * float(moved[2]) > 0
+    # colocate.offload_frozen: after their passes the reference and the reward model wait in host memory while the
+    # policy and the critic train; the reference slept through the generate too, and woke to score
+    offloaded = re.search(r"\[rl\] frozen offload: reference 1 x ([0-9.]+) MiB, reward_model 1 x ([0-9.]+) MiB", logged)
+    assert moved and offloaded, logged
+    # the first sleep after a step: the reference was in host memory already (offloaded after its pass), the policy
+    # moved its weights, their float32 masters and Adam's two moments, 4x the frozen weights the offload moved
+    assert float(moved[2]) == 0 and float(moved[1]) >= 4 * float(offloaded[1]) > 0 and float(offloaded[2]) > 0
     check_rows(rows, extra_keys=("kl", "value_loss", "critic_grad_norm", "reward_kl_penalty", "reward/reward_model"))
     assert all(r["value_loss"] > 0 for r in rows)
     assert rows[0]["reward/reward_model"] != 0.0

@@ -106,6 +106,30 @@ def test_dpo_scores_the_starting_policy_on_the_policys_ranks_and_any_other_refer
             assert said == []
 
 
+def test_dpo_ref_offload_moves_the_held_copy_and_is_refused_where_there_is_none():
+    """``dpo.ref_offload``: the copy the policy's ranks hold and score at every step (online, 0 reference ranks)
+    waits in host memory between its passes, as the dry run says; refused, naming the key and why, where nothing
+    would move."""
+    from rlhf.config.schema import ConfigError
+
+    held = ("dpo.ref_mode=online", "dpo.ref_num_workers=0", "dpo.ref_offload=true")
+    cfg = _cfg(DPORunConfig, "dpo_tiny", "model.path=/m", *held)
+    assert [line for line in kind_of(cfg).batch_lines(cfg, []) if line.startswith("  reference: ")] == [
+        "  reference: /m, a frozen copy in each policy rank's own process (dpo.ref_num_workers=0), "
+        "dpo.ref_mode=online; in host memory between its passes (dpo.ref_offload)"
+    ]
+    for extra, why in (
+        (("dpo.loss_type=simpo",), "dpo.loss_type=simpo reads no reference model"),
+        (("model.lora.r=4",), "with model.lora.r > 0 the reference is the policy's own frozen base"),
+        (("dpo.ref_mode=precompute",), "dpo.ref_mode=precompute scores the reference once, then drops it"),
+        (("dpo.ref_num_workers=1",), r"a reference group \(dpo.ref_num_workers > 0\) has devices of its own"),
+    ):
+        with pytest.raises(ConfigError, match=rf"^dpo.ref_offload has nothing to offload: {why}"):
+            _cfg(DPORunConfig, "dpo_tiny", "model.path=/m", *held, *extra)
+    # LoRA with another reference: a copy to hold, and to offload
+    _cfg(DPORunConfig, "dpo_tiny", "model.path=/m", *held, "model.lora.r=4", "model.ref_path=/other")
+
+
 def test_rl_policy_ranks_hold_the_reference_when_asked_and_nothing_else_does():
     """``colocate.reference_in_policy``: no reference group, the policy's ranks hold and score it (the dry run says
     so); refused without a KL term, with LoRA on its own base (the base is the reference already) and beside

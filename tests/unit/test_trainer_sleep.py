@@ -27,6 +27,9 @@ CASES = [
     ("fp32", 3, True, False),
     ("bf16", 2, True, True),
 ]
+MODES = ("awake", "rank", "held")
+# the held model's kinds: a plain frozen module (held beside ZeRO 0-2 alike), a frozen ZeRO-3 engine, beside LoRA
+HELD_CASES = [("fp32", 0, False, False), ("fp32", 3, True, False), ("bf16", 2, True, True)]
 
 
 def _logits_sum(model: torch.nn.Module, batch) -> torch.Tensor:
@@ -38,7 +41,10 @@ def _storage_bytes(tensors) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
-def _run(model_path: str, precision: str, stage: int, lora: bool, sleeping: bool) -> dict:
+def _run(model_path: str, precision: str, stage: int, lora: bool, mode: str) -> dict:
+    """Train ``STEPS`` steps on one rank that holds a reference, then score; ``mode``: ``awake`` throughout,
+    ``rank`` sleeping whole between the steps (colocate.trainer_sleep), ``held`` with its reference asleep while it
+    trains (colocate.offload_frozen), woken by each score on it."""
     from rlhf.batch import Batch
     from rlhf.distributed.engine import EngineSpec, OptimSpec, iter_full_state
     from rlhf.distributed.worker import TrainerWorker
@@ -53,14 +59,26 @@ def _run(model_path: str, precision: str, stage: int, lora: bool, sleeping: bool
     frozen = EngineSpec(zero_stage=stage, precision=precision, micro_batch_size=MICRO, grad_accum_steps=1)
     worker.hold("reference", ModelSpec(path=model_path, precision=precision), frozen)
     gen, trace, out = torch.Generator().manual_seed(0), [], {}
+    fixed = torch.arange(16).reshape(2, 8) + 4  # a batch the held reference scores between steps (gen untouched)
+    probe = Batch(input_ids=fixed, attention_mask=torch.ones_like(fixed), loss_mask=torch.ones_like(fixed))
+    held = [getattr(p, "ds_tensor", p) for p in worker.held["reference"].parameters()]
+    trained = [getattr(p, "ds_tensor", p) for p in worker.model.parameters()]
+    out["held_bytes"] = sum(t.numel() * t.element_size() for t in held)
     for step in range(STEPS):
-        if sleeping and step:  # after step 1, when Adam's states exist
+        if mode == "held":
+            if step:  # scoring on it wakes it: the state the next sleep moves is the woken one
+                out.setdefault("probes", []).append(worker.score([probe], _logits_sum, on="reference")[0])
+            out.setdefault("offloaded", []).append(worker.sleep_held(["reference"]))
+            out.setdefault("again", []).append(worker.sleep_held(["reference"]))  # asleep already: nothing
+            out.setdefault("held_left", []).append(_storage_bytes(held))
+            if step == 1:  # the whole rank asleep and woken: the held model stays asleep until it scores
+                worker.sleep()
+                worker.wake()
+        if mode == "rank" and step:  # after step 1, when Adam's states exist
             slept = worker.sleep()
             if step == 1:  # what the sleep left on the "device" (here the CPU), read through references of our own
                 optimizer = worker.engine.optimizer
                 inner = getattr(optimizer, "optimizer", optimizer)
-                trained = [getattr(p, "ds_tensor", p) for p in worker.model.parameters()]
-                held = [getattr(p, "ds_tensor", p) for p in worker.held["reference"].parameters()]
                 states = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
                 out["slept"] = slept
                 out["left"] = _storage_bytes(trained) + _storage_bytes(held) + _storage_bytes(states)
@@ -72,13 +90,15 @@ def _run(model_path: str, precision: str, stage: int, lora: bool, sleeping: bool
                 out["trainable_bytes"] = sum(
                     t.numel() * t.element_size() for t, p in zip(trained, worker.model.parameters()) if p.requires_grad
                 )
-                out["held_bytes"] = sum(t.numel() * t.element_size() for t in held)
                 worker.sleep()
         result, _ = random_sft_step(worker, gen, ROWS, MICRO)
         trace.append((result.grad_norm, result.sums["loss_sum"]))
+        if mode == "held":  # trained with the reference asleep, which the step did not wake
+            out.setdefault("held_left_trained", []).append(_storage_bytes(held))
+            out.setdefault("trained_left", []).append(_storage_bytes(trained))
     ids = torch.randint(4, 500, (2, 8), generator=gen)
     batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids))
-    if sleeping:
+    if mode == "rank":
         worker.sleep()  # score wakes it
     out["held_scores"] = worker.score([batch], _logits_sum, on="reference")[0]
     out["scores"] = worker.score([batch], _logits_sum)[0]
@@ -92,7 +112,7 @@ def _run(model_path: str, precision: str, stage: int, lora: bool, sleeping: bool
 
 
 def _train(model_path: str, out_path: str, port: int) -> None:
-    """In the subprocess: each case twice, without and with sleeping between the steps."""
+    """In the subprocess: each case in each mode (:func:`_run`)."""
     import rlhf.distributed.engine as engine_module
     from rlhf.distributed.worker import TrainerWorker
 
@@ -102,8 +122,8 @@ def _train(model_path: str, out_path: str, port: int) -> None:
     for precision, stage, real, lora in CASES:
         # a real one-rank ZeRO 3 (the mapping switched off for it): partitions and a frozen ZeRO-3 engine
         engine_module.effective_zero_stage = (lambda s, *_: s) if real else mapped
-        for sleeping in (False, True):
-            results[precision, stage, real, lora, sleeping] = _run(model_path, precision, stage, lora, sleeping)
+        for mode in MODES if (precision, stage, real, lora) in HELD_CASES else MODES[:2]:
+            results[precision, stage, real, lora, mode] = _run(model_path, precision, stage, lora, mode)
     torch.save(results, out_path)
 
 
@@ -114,7 +134,7 @@ trained = subprocess_fixture(__file__)
     "precision,stage,real,lora", CASES, ids=[f"{p}-zero{s}{'-real' * r}{'-lora' * a}" for p, s, r, a in CASES]
 )
 def test_a_sleeping_rank_empties_its_storages_and_wakes_to_the_same_bits(trained, precision, stage, real, lora):
-    awake, slept = trained[precision, stage, real, lora, False], trained[precision, stage, real, lora, True]
+    awake, slept = trained[precision, stage, real, lora, "awake"], trained[precision, stage, real, lora, "rank"]
     built = stage if real else min(stage, 1)
     assert slept["optimizer"] == awake["optimizer"] and slept["stage"] == awake["stage"] == built
     # asleep: the trained weights, the held model's and the optimizer's states hold no byte on the device
@@ -134,6 +154,30 @@ def test_a_sleeping_rank_empties_its_storages_and_wakes_to_the_same_bits(trained
         assert torch.equal(slept["base_scores"], awake["base_scores"])
         assert not torch.equal(awake["base_scores"], awake["scores"])
         assert torch.equal(awake["base_scores"], awake["held_scores"])  # the held reference is that same base
+
+
+@pytest.mark.parametrize(
+    "precision,stage,real,lora",
+    HELD_CASES,
+    ids=[f"{p}-zero{s}{'-real' * r}{'-lora' * a}" for p, s, r, a in HELD_CASES],
+)
+def test_an_offloaded_held_model_stays_asleep_while_the_rank_trains_and_scores_the_same(
+    trained, precision, stage, real, lora
+):
+    """``colocate.offload_frozen`` on a rank that holds its reference: asleep, the held model has no byte on the
+    device through the training step, a whole-rank sleep and wake, and an optimizer step; scoring on it wakes it to
+    the same bits, and the trained model, never asleep, trains the same steps to the same weights."""
+    awake, held = trained[precision, stage, real, lora, "awake"], trained[precision, stage, real, lora, "held"]
+    # each offload moved at least the held weights, and again nothing
+    assert all(moved >= held["held_bytes"] > 0 for moved in held["offloaded"]) and held["again"] == [0] * STEPS
+    assert held["held_left"] == held["held_left_trained"] == [0] * STEPS
+    assert all(left > 0 for left in held["trained_left"])  # the trained model stayed on its device
+    assert held["trace"] == awake["trace"]
+    for name, weight in awake["weights"].items():
+        assert torch.equal(held["weights"][name], weight), name
+    assert torch.equal(held["scores"], awake["scores"]) and torch.equal(held["held_scores"], awake["held_scores"])
+    # the frozen reference scores the same fixed rows the same after every wake
+    assert len(held["probes"]) == STEPS - 1 and all(torch.equal(p, held["probes"][0]) for p in held["probes"])
 
 
 def test_storages_are_found_through_views_dicts_and_bound_methods_once_each():
@@ -208,5 +252,58 @@ def test_the_dry_run_says_who_sleeps(tiny_model, rl_prompts):
         ((), "trainer sleep: off (colocate.trainer_sleep=off)"),  # the default
     ):  # fmt: skip
         cfg = tiny_rl_config(tiny_model, rl_prompts, *hybrid, *extra)
+        lines = describe(cfg, rl_plan(cfg, 0.0, reference=True), Devices(0.0, "fp32", "gloo"))
+        assert f"  {want}" in lines, lines
+
+
+TEACHER_AND_RM = ("algo.teacher.path=/teacher", "algo.teacher.mode=loss", "reward.model_path=/rm")
+
+
+@pytest.mark.parametrize(
+    "asked,gpus,extra,want",
+    [
+        ("auto", 1.0, ("colocate.reference_in_policy=true",), ("reference",)),  # held: shares the policy's device
+        ("auto", 1.0, ("colocate.policy_reference=true",), ("reference",)),  # on the policy's bundles
+        ("auto", 1.0, (), ()),  # a reference group on devices of its own: nothing to free for a trained model
+        ("auto", 0.0, ("colocate.reference_in_policy=true",), ()),  # CPU: only when asked for
+        ("on", 0.0, (), ("reference",)),  # the CPU twin, as the tests run it
+        ("on", 0.0, TEACHER_AND_RM, ("reference", "teacher", "reward_model")),
+        ("auto", 1.0, (*TEACHER_AND_RM, "colocate.teacher_in_policy=true"), ("teacher",)),
+        ("on", 0.0, ("algo.kl_coef=0", *TEACHER_AND_RM), ("teacher", "reward_model")),
+        ("on", 0.0, ("model.lora.r=4", "reward.model_path=/rm"), ("reward_model",)),  # LoRA's reference: its base
+        ("off", 1.0, ("colocate.reference_in_policy=true", *TEACHER_AND_RM), ()),
+    ],
+)
+def test_which_frozen_models_offload(tiny_model, rl_prompts, asked, gpus, extra, want):
+    from rlhf.distributed.resource_plan import offloaded_roles
+
+    cfg = tiny_rl_config(tiny_model, rl_prompts, f"colocate.offload_frozen={asked}", *extra)
+    assert offloaded_roles(cfg, gpus) == want
+
+
+def test_frozen_offload_on_needs_a_frozen_model_naming_the_key(tiny_model, rl_prompts):
+    from rlhf.config.schema import ConfigError
+
+    for extra in (("algo.kl_coef=0",), ("model.lora.r=4",)):  # no KL term; LoRA's reference is the trained base
+        with pytest.raises(ConfigError, match=r"^colocate.offload_frozen is on, but the run has no frozen model"):
+            tiny_rl_config(tiny_model, rl_prompts, "colocate.offload_frozen=on", *extra)
+    with pytest.raises(ConfigError, match="colocate.offload_frozen must be one of auto, on, off"):
+        tiny_rl_config(tiny_model, rl_prompts, "colocate.offload_frozen=true")
+    # auto with nothing to offload is no error: it resolves to none
+    assert tiny_rl_config(tiny_model, rl_prompts, "colocate.offload_frozen=auto", "algo.kl_coef=0").frozen_models == ()
+
+
+def test_the_dry_run_says_what_is_offloaded(tiny_model, rl_prompts):
+    from rlhf.distributed.resource_plan import Devices, rl_plan
+    from rlhf.trainers.online.checks import describe
+
+    for extra, want in (
+        (("colocate.offload_frozen=on", "reward.model_path=/rm"),
+         "frozen offload: reference, reward_model in host memory between their passes (colocate.offload_frozen=on)"),
+        (("colocate.offload_frozen=auto", "colocate.reference_in_policy=true"),
+         "frozen offload: off (colocate.offload_frozen=auto)"),  # auto on CPUs
+        ((), "frozen offload: off (colocate.offload_frozen=off)"),  # the default
+    ):  # fmt: skip
+        cfg = tiny_rl_config(tiny_model, rl_prompts, *extra)
         lines = describe(cfg, rl_plan(cfg, 0.0, reference=True), Devices(0.0, "fp32", "gloo"))
         assert f"  {want}" in lines, lines

@@ -110,6 +110,7 @@ def dpo_batch_lines(cfg: DPORunConfig, lines: List[str]) -> List[str]:
             f"  reference: {cfg.model.ref_path or cfg.model.path}, a frozen copy in each policy rank's own process "
             f"(dpo.ref_num_workers=0), dpo.ref_mode={d.ref_mode}"
             + (": scores every pair once, then dropped" if d.ref_mode == "precompute" else "")
+            + ("; in host memory between its passes (dpo.ref_offload)" if d.ref_offload else "")
         ]
     elif DPO.reference_on_policy(cfg) and not DPO.reference_on_base(cfg):
         lines = lines + [

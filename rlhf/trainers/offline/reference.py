@@ -13,6 +13,7 @@ base, the adapters off, is the reference at every step, so it scores online too.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -76,7 +77,7 @@ def attach_reference(
         assert not online and cfg.model.reference_is_initial, "an online or other reference needs a group of its own"
         scorer, fn, where = policy, ReferenceLogps(), "by the policy's ranks before its first step"
     if online:
-        task.prepare = lambda batch: batch.replace(ref_logps=scorer.score_batch(batch, fn, on=held))
+        task.prepare = OnlineReference(scorer, fn, held, offload=cfg.dpo.ref_offload)
         return
     for data in datasets:
         data.ref_logps = precompute_reference(scorer, data, fn, on=held)
@@ -92,6 +93,34 @@ def attach_reference(
         ctx.groups.remove(scorer)
     elif held:
         scorer.release(held)
+
+
+@dataclass
+class OnlineReference:
+    """``dpo.ref_mode=online``: each step's global batch (``task.prepare``) with its reference log-probs, scored on
+    ``scorer``'s own model or on the copy its ranks hold as ``held``. ``offload`` (``dpo.ref_offload``, a held copy
+    only): the copy then waits in host memory while the policy trains, until it next scores."""
+
+    scorer: WorkerGroup
+    fn: ScoreFn
+    held: Optional[str]
+    offload: bool = False
+    told: bool = False  # the first offload says what it moved
+
+    def __post_init__(self) -> None:
+        assert self.held or not self.offload, "dpo.ref_offload is validated to need a held copy"
+
+    def __call__(self, batch: Batch) -> Batch:
+        scored = batch.replace(ref_logps=self.scorer.score_batch(batch, self.fn, on=self.held))
+        if self.offload and self.held:
+            moved = self.scorer.sleep_held([self.held])
+            if not self.told and any(moved):
+                self.told = True
+                log.info(
+                    f"[dpo] reference offload: {len(moved)} x {max(moved) / 2**20:.1f} MiB (ranks x the most a rank "
+                    f"moved) in host memory while the policy trains"
+                )
+        return scored
 
 
 def precompute_reference(

@@ -19,6 +19,7 @@ from rlhf.distributed.resource_plan import (
     ResourcePlan,
     engine_gpus,
     engine_sleep,
+    offloaded_roles,
     sleeping_roles,
 )
 from rlhf.envs import EnvError, load_environment
@@ -174,6 +175,7 @@ def describe(cfg: RLRunConfig, plan: ResourcePlan, devices: Devices) -> List[str
     engines = next(a for a in plan.actors if a.role == ROLLOUT)
     sleep = engine_sleep(c, engine_gpus(r.tensor_parallel_size, devices.gpus_per_worker))
     sleepers = sleeping_roles(c, devices.gpus_per_worker)
+    offloaded = offloaded_roles(cfg, devices.gpus_per_worker)
     sync = resolve_weight_sync(r.weight_sync, hybrid_engine=c.hybrid_engine, gpus_per_engine=engines.gpus)
     device = (f"{r.tensor_parallel_size:g} GPU" if engines.gpus >= 1 else "CPU") + " per engine"
     if engines.group:
@@ -199,6 +201,8 @@ def describe(cfg: RLRunConfig, plan: ResourcePlan, devices: Devices) -> List[str
         f"  vLLM sleep mode: {'on' if sleep else 'off'} (colocate.engine_sleep={c.engine_sleep})",
         f"  trainer sleep: {', '.join(sleepers) + ' in host memory while the engines generate' if sleepers else 'off'}"
         f" (colocate.trainer_sleep={c.trainer_sleep})",
+        f"  frozen offload: {', '.join(offloaded) + ' in host memory between their passes' if offloaded else 'off'}"
+        f" (colocate.offload_frozen={c.offload_frozen})",
         f"  weight sync: {sync}: {transport} (rollout.weight_sync={r.weight_sync}), "
         f"{r.weight_sync_bucket_mb} MB buckets",
         "  " + cfg.describe_schedule(),

@@ -279,10 +279,15 @@ def held_models(cfg: RLRunConfig, reference_held: bool) -> List[Tuple[str, str]]
     ] * cfg.colocate.teacher_in_policy
 
 
-def rl_actors(started: Dict[str, Any], reference_is_base: bool = False, sleepers: Tuple[str, ...] = ()) -> RLActors:
+def rl_actors(
+    started: Dict[str, Any],
+    reference_is_base: bool = False,
+    sleepers: Tuple[str, ...] = (),
+    offloaded: Tuple[str, ...] = (),
+) -> RLActors:
     """The started roles as the trainer holds them. No reference group, the policy's workers score the reference:
     ``reference_is_base``, LoRA's frozen base; or a reference and a teacher the policy's ranks hold. ``sleepers``:
-    :func:`sleeping_roles`."""
+    :func:`sleeping_roles`; ``offloaded``: :func:`offloaded_roles`."""
     return RLActors(
         policy=started["policy"],
         engines=as_backend(started[ROLLOUT]),
@@ -292,6 +297,7 @@ def rl_actors(started: Dict[str, Any], reference_is_base: bool = False, sleepers
         critic=started.get("critic"),
         reward_model=started.get("reward_model"),
         sleepers=sleepers,
+        offloaded=offloaded,
     )
 
 

@@ -13,6 +13,7 @@ from rlhf.data.vocab import load_tokenizer
 from rlhf.distributed.resource_plan import (
     JUDGE,
     REWARD_POOL,
+    offloaded_roles,
     rl_plan,
     sleeping_roles,
 )
@@ -146,8 +147,12 @@ def _train_ppo_once(cfg: RLRunConfig) -> RunResult:
     with run.cluster(needed_cpus=PPO.plan(cfg, 0.0).needed_cpus) as ctx:
         held = PPO.reference_held(cfg)
         started = start_roles(cfg, ctx, PPO.plan(cfg, ctx.gpus_per_worker), optimizer_steps, reference_held=held)
-        sleepers = sleeping_roles(cfg.colocate, ctx.gpus_per_worker)
-        actors = rl_actors(started, reference_is_base=PPO.reference_on_base(cfg), sleepers=sleepers)
+        actors = rl_actors(
+            started,
+            reference_is_base=PPO.reference_on_base(cfg),
+            sleepers=sleeping_roles(cfg.colocate, ctx.gpus_per_worker),
+            offloaded=offloaded_roles(cfg, ctx.gpus_per_worker),
+        )
         connect_weight_sync(cfg, ctx, actors)
         write_placement(started, t.output_dir)
         policy_objective, value_objective = build_objectives(cfg)

@@ -87,6 +87,8 @@ class RLActors:
     reward_model: Optional[WorkerGroup] = None  # frozen scalar head
     # colocate.trainer_sleep: the roles on the engines' devices that sleep while the engines generate
     sleepers: Tuple[str, ...] = ()
+    # colocate.offload_frozen: the frozen roles held in host memory between their scoring passes (offloaded_roles)
+    offloaded: Tuple[str, ...] = ()
 
     def frozen(self, role: str) -> Optional[Callable[[Batch, ScoreFn], torch.Tensor]]:
         """How the frozen model of ``role`` (``reference``, ``teacher``) scores a batch (``score_batch``): on its
@@ -99,6 +101,21 @@ class RLActors:
     def perf_metrics(self) -> Dict[str, float]:
         """Every trainer group's ``perf/<role>/...`` metrics since the last call (WorkerGroup.perf_metrics)."""
         return {k: v for group in self.trainer_groups() for k, v in group.perf_metrics().items()}
+
+    def offload_frozen(self) -> Dict[str, List[int]]:
+        """``colocate.offload_frozen``: the frozen models of :attr:`offloaded` to host memory until each next scores
+        (a sleeping rank wakes itself to score): a group's ranks sleep whole, the copies the policy's ranks hold sleep
+        alone, beside the model those train. The bytes each rank moved, by role."""
+        groups = {"reference": self.reference, TEACHER: self.teacher, "reward_model": self.reward_model}
+        moved = {}
+        for role in self.offloaded:
+            group = groups[role]
+            if group is not None:
+                moved[role] = group.sleep()
+        held = [role for role in self.offloaded if role in self.policy.held]
+        if held:
+            moved[f"{' + '.join(held)} (in the policy's ranks)"] = self.policy.sleep_held(held)
+        return moved
 
     def sleeping_groups(self) -> Tuple[WorkerGroup, ...]:
         """The groups of :attr:`sleepers`, which hand their devices to the engines while these generate."""
@@ -148,6 +165,7 @@ class RLTrainer:
         columns = [c for c in TABLE_COLUMNS if c[0] != "value_loss" or actors.critic is not None]
         self.table = ConsoleTable(columns) if cfg.logging.console == "table" else None
         self._told_sleep = False  # sleep_trainers() logs what the first sleep moved
+        self._told_offload = False  # offload_frozen() logs what the first offload moved
 
     @functools.cached_property
     def schedule(self) -> RolloutSchedule[Rollout]:
@@ -177,6 +195,9 @@ class RLTrainer:
             scores, per_source = rollout.scored or self.score(rollout, self.prompts)
         with timer("logprobs"):
             batch = self.annotate(rollout.batch)
+        if self.actors.offloaded:  # every frozen model has scored the step: its device memory to the update's
+            with timer("offload"):
+                self.offload_frozen()
         failed = rollout.failures()  # out of every statistic of the step (rlhf.ops.failures)
         batch, kl_stats = self.advantages(
             batch, scores, rollout.prompt_index, self.scoring.turn_credit(rollout), failed
@@ -422,8 +443,17 @@ class RLTrainer:
         moved = {group.role: group.sleep() for group in self.actors.sleeping_groups()}
         if tell and not self._told_sleep and any(any(m) for m in moved.values()):
             self._told_sleep = True
-            sizes = ", ".join(f"{role} {len(m)} x {max(m) / 2**20:.1f} MiB" for role, m in moved.items())
-            log.info(f"[rl] trainer sleep: {sizes} (ranks x the most a rank moved) in host memory while engines run")
+            where = "in host memory while engines run"
+            log.info(f"[rl] trainer sleep: {_sizes(moved)} (ranks x the most a rank moved) {where}")
+
+    def offload_frozen(self) -> None:
+        """``colocate.offload_frozen``: the frozen models hold their weights in host memory until they next score
+        (:meth:`RLActors.offload_frozen`); the first offload says how much each moved."""
+        moved = self.actors.offload_frozen()
+        if not self._told_offload and any(any(m) for m in moved.values()):
+            self._told_offload = True
+            where = "in host memory between their passes"
+            log.info(f"[rl] frozen offload: {_sizes(moved)} (ranks x the most a rank moved) {where}")
 
     def wake_trainers(self) -> None:
         for group in self.actors.sleeping_groups():
@@ -439,6 +469,8 @@ class RLTrainer:
         index = [i for i in range(len(self.eval_prompts.prompt_ids)) for _ in range(n)]
         rollout = self._sample(self.eval_prompts, index, EVAL_SEED_BASE + self.cfg.train.seed * 1_000_003, step=0)
         scores, per_source = self.score(rollout, self.eval_prompts)
+        if self.actors.offloaded:  # the reward model scored the held-out samples
+            self.offload_frozen()
         return {
             "step": step.step if step else 0,
             **sample_stats(scores, per_source, rollout.batch, rollout.failures()),
@@ -450,3 +482,8 @@ class RLTrainer:
         if self.table is not None:
             return self.table.render({**row, "eta": progress.remaining()})
         return f"[rl] step {row['step']}/{progress.total} " + format_row(row, CONSOLE_KEYS) + f" ({progress.eta()})"
+
+
+def _sizes(moved: Dict[str, List[int]]) -> str:
+    """``role ranks x MiB`` for each role of ``moved`` (the bytes each of its ranks moved), the most a rank moved."""
+    return ", ".join(f"{role} {len(m)} x {max(m) / 2**20:.1f} MiB" for role, m in moved.items())
