@@ -31,7 +31,9 @@ with the project's own code, one process plus one receiver process:
                  (tiles of tokens); the time and peak memory of each.
 8. sleep         ``colocate.trainer_sleep``: a rank that took a step sleeps (weights, gradients, Adam's states to
                  pinned host memory; host to host on CPU), leaving at most 5% of its device memory, and wakes to the
-                 same bits; the time of each.
+                 same bits; the time of each. And ``colocate.offload_frozen``: the reference a training rank holds
+                 moves to host memory (freeing at least 95% of its weights' device memory) while the rank trains,
+                 and its next score, which wakes it, is the same bits; the time of each way.
 
 Prints one table and exits 1 if any check fails. ``--device cpu`` is the CPU twin (tests/unit/test_gpu_check.py).
 ``--perturb-normalizer F`` multiplies the split runs' normalizer by F: a mis-normalised gradient, which the sft/dpo
@@ -641,6 +643,46 @@ def check_sleep(model_path: str, precision: str, vocab: int) -> tuple:
             f"sleep {slept_s:.2f} s, wake {woke_s:.2f} s")  # fmt: skip
 
 
+def check_offload(model_path: str, precision: str, vocab: int) -> tuple:
+    """``colocate.offload_frozen`` / ``dpo.ref_offload`` (TrainerWorker.sleep_held): the frozen reference a training
+    rank holds moves to host memory while the rank trains, which must free (almost) all of its weights' device
+    memory, and the score that wakes it is the same bits as before; the time of each way."""
+    import torch
+
+    from rlhf.distributed.engine import EngineSpec
+    from rlhf.models.loading import ModelSpec
+    from rlhf.objectives.actor_critic import TokenLogps
+    from rlhf.objectives.sft import SFTObjective
+
+    cuda = DEVICE.type == "cuda"
+    allocated = (lambda: torch.cuda.memory_allocated(DEVICE)) if cuda else (lambda: 0)  # noqa: E731
+    worker = build_worker("offload", model_path, precision, GLOBAL_BATCH)
+    frozen = EngineSpec.for_global_batch(GLOBAL_BATCH, GLOBAL_BATCH, 1, zero_stage=ZERO_STAGE, precision=precision)
+    worker.hold("reference", ModelSpec(path=model_path, precision=precision, attn_implementation="auto"), frozen)
+    held = sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for p in worker.held["reference"].parameters())
+    batch = random_rows(GLOBAL_BATCH, 8, 48, vocab, seed=6)
+    score = lambda: worker.score([batch], TokenLogps(), on="reference")[0]  # noqa: E731
+    scored = score()
+    started = time.perf_counter()
+    score()
+    score_s = time.perf_counter() - started  # awake: the pass alone
+    one_step(worker, batch, SFTObjective())  # Adam's states exist
+    before = allocated()
+    started = time.perf_counter()
+    moved = worker.sleep_held(["reference"])
+    offload_s, freed = time.perf_counter() - started, before - allocated()
+    after = one_step(worker, batch, SFTObjective())  # trains with the reference in host memory
+    started = time.perf_counter()
+    same = torch.equal(score(), scored)  # the score wakes it
+    wake_s = max(time.perf_counter() - started - score_s, 0.0)
+    mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
+    ok = same and moved >= held and math.isfinite(after["loss"]) and (not cuda or freed >= 0.95 * held)
+    detail = f"{mib(moved)} of the reference's {mib(held)} to host" + (f", {mib(freed)} freed" if cuda else "")
+    return (f"offload: {'device to pinned host' if cuda else 'host to host'}", ok,
+            f"{detail}, woken by its score bit-equal: {same}",
+            f"offload {offload_s:.2f} s, wake ~{wake_s:.2f} s (score {score_s:.2f} s)")  # fmt: skip
+
+
 def print_table(rows) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for row in rows:
@@ -695,7 +737,7 @@ def run(args) -> int:
         "sync": ("sync group", lambda: [check_sync_group()]),
         "sp": ("sequence parallel", lambda: [check_sequence_parallel(model_path, precision, vocab)]),
         "head": ("head tiles", lambda: check_head(model_path, precision, vocab)),
-        "sleep": ("sleep", lambda: [check_sleep(model_path, precision, vocab)]),
+        "sleep": ("sleep", lambda: [check(model_path, precision, vocab) for check in (check_sleep, check_offload)]),
     }
     assert tuple(checks) == CHECKS
     if DEVICE.type == "cpu":

@@ -23,6 +23,7 @@ ROWS = (
     "head tiles: vocabulary",
     "head tiles: tokens, top-p",
     "sleep: host to host",
+    "offload: host to host",
 )
 
 
