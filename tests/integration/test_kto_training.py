@@ -33,8 +33,15 @@ KTO_FACTORISATIONS = {  # name: (micro, ranks, ref_mode, reference ranks (0: hel
     "1x2x2-online": (1, 2, "online", 1, ()),
     "2x1x2-pre": (2, 2, "precompute", 2, ()),
     # both sequences of a row (its own, its mismatched) packed, <= 72 tokens a micro-batch (rows hold 24-60):
-    # in steps 2 and 3 one rank needs a micro-batch more than the other, a lockstep filler runs
-    "tok72-packed-x2-online-held": (1, 2, "online", 0, ("train.packing=true", "train.max_tokens_per_micro_batch=72")),
+    # in steps 2 and 3 one rank needs a micro-batch more than the other, a lockstep filler runs; the held reference
+    # in host memory while the policy trains (dpo.ref_offload), woken by each step's score and the evaluation's
+    "tok72-packed-x2-online-held": (
+        1,
+        2,
+        "online",
+        0,
+        ("train.packing=true", "train.max_tokens_per_micro_batch=72", "dpo.ref_offload=true"),
+    ),
 }
 
 
