@@ -5,7 +5,10 @@ one rank: fp32 ZeRO 0 (torch's AdamW), fp32 ZeRO 1 (DeepSpeedZeroOptimizer), bf1
 flat gradients of rlhf.distributed.flat_grads), and built as asked a real ZeRO 2 (its gradient buckets and partitions:
 several ranks' default) and ZeRO 3 (partitions, a frozen ZeRO-3 engine for the held model). The engines run in a
 subprocess with its own one-rank gloo group. A LoRA policy (its frozen base beside the adapters, Adam's states for the
-adapters alone) sleeps and wakes the same way, its reference scored on that base with the adapters off."""
+adapters alone) sleeps and wakes the same way, its reference scored on that base with the adapters off.
+
+``colocate.offload_frozen`` / ``dpo.ref_offload`` on the same rank (``TrainerWorker.sleep_held``): the held reference
+alone waits in host memory while the rank trains, and wakes to the same bits when it next scores."""
 
 from __future__ import annotations
 
@@ -66,8 +69,8 @@ def _run(model_path: str, precision: str, stage: int, lora: bool, mode: str) -> 
     out["held_bytes"] = sum(t.numel() * t.element_size() for t in held)
     for step in range(STEPS):
         if mode == "held":
-            if step:  # scoring on it wakes it: the state the next sleep moves is the woken one
-                out.setdefault("probes", []).append(worker.score([probe], _logits_sum, on="reference")[0])
+            # scoring on it wakes it (after step 1): the state the next offload moves is the woken one
+            out.setdefault("probes", []).append(worker.score([probe], _logits_sum, on="reference")[0])
             out.setdefault("offloaded", []).append(worker.sleep_held(["reference"]))
             out.setdefault("again", []).append(worker.sleep_held(["reference"]))  # asleep already: nothing
             out.setdefault("held_left", []).append(_storage_bytes(held))
@@ -176,8 +179,9 @@ def test_an_offloaded_held_model_stays_asleep_while_the_rank_trains_and_scores_t
     for name, weight in awake["weights"].items():
         assert torch.equal(held["weights"][name], weight), name
     assert torch.equal(held["scores"], awake["scores"]) and torch.equal(held["held_scores"], awake["held_scores"])
-    # the frozen reference scores the same fixed rows the same after every wake
-    assert len(held["probes"]) == STEPS - 1 and all(torch.equal(p, held["probes"][0]) for p in held["probes"])
+    # the frozen reference scores the same fixed rows after each wake as before its first offload
+    first, *woken = held["probes"]
+    assert len(woken) == STEPS - 1 and all(torch.equal(p, first) for p in woken)
 
 
 def test_storages_are_found_through_views_dicts_and_bound_methods_once_each():
