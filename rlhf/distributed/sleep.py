@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, List, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Sequence, Tuple
 
 import torch
 
@@ -120,3 +120,16 @@ class HostCopies:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.kept = []
+
+
+def offload_state(models: Sequence[torch.nn.Module], others: Sequence[Any], device: torch.device) -> HostCopies:
+    """Every storage on ``device`` of ``models`` and of ``others`` (a training engine, its optimizer) emptied into
+    host memory; a weight still borrowed from its checkpoint's memory map gets memory of its own first
+    (:func:`own_borrowed`), so that it is moved too."""
+    own_borrowed(models)
+    return HostCopies.offload(device_storages(state_tensors([*models, *others]), device))
+
+
+def moved_text(per_rank: Sequence[int]) -> str:
+    """``ranks x MiB`` of what a group's ranks moved (the bytes each): their number and the most one moved."""
+    return f"{len(per_rank)} x {max(per_rank) / 2**20:.1f} MiB"

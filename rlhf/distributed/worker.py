@@ -29,7 +29,7 @@ from rlhf.distributed.engine import (
     iter_full_state,
 )
 from rlhf.distributed.rendezvous import arrive, connect_store, host_store
-from rlhf.distributed.sleep import HostCopies, device_storages, own_borrowed, state_tensors
+from rlhf.distributed.sleep import HostCopies, offload_state
 from rlhf.models.host_layout import remember_row_lengths
 from rlhf.models.loading import ModelSpec, load_model, persistent_numel
 from rlhf.models.lora import (
@@ -493,11 +493,8 @@ class TrainerWorker:
         if self.asleep is not None:
             return 0
         models = [m for m in (self.model, *self.held.values()) if m is not None]
-        own_borrowed(models)
-        roots: List[Any] = list(models)
-        if self.engine is not None:
-            roots += [self.engine.engine, self.engine.optimizer]
-        self.asleep = HostCopies.offload(device_storages(state_tensors(roots), self.device))
+        engine = [self.engine.engine, self.engine.optimizer] if self.engine is not None else []
+        self.asleep = offload_state(models, engine, self.device)
         self.release_cached_memory()
         return self.asleep.nbytes
 
@@ -517,9 +514,7 @@ class TrainerWorker:
         for role in roles:
             if role in self.held_asleep:
                 continue
-            model = self.held[role]
-            own_borrowed([model])
-            self.held_asleep[role] = HostCopies.offload(device_storages(state_tensors([model]), self.device))
+            self.held_asleep[role] = offload_state([self.held[role]], [], self.device)
             moved += self.held_asleep[role].nbytes
         self.release_cached_memory()
         return moved

@@ -21,6 +21,7 @@ import torch
 from rlhf.batch import Batch
 from rlhf.config.schema import DPORunConfig
 from rlhf.distributed.group import WorkerGroup
+from rlhf.distributed.sleep import moved_text
 from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.base import ScoreFn
 from rlhf.objectives.dpo import ReferenceLogps
@@ -116,10 +117,8 @@ class OnlineReference:
             moved = self.scorer.sleep_held([self.held])
             if not self.told and any(moved):
                 self.told = True
-                log.info(
-                    f"[dpo] reference offload: {len(moved)} x {max(moved) / 2**20:.1f} MiB (ranks x the most a rank "
-                    f"moved) in host memory while the policy trains"
-                )
+                where = "in host memory while the policy trains"
+                log.info(f"[dpo] reference offload: {moved_text(moved)} (ranks x the most a rank moved) {where}")
         return scored
 
 

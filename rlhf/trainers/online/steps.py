@@ -30,6 +30,7 @@ from rlhf.config.rl_schema import RLRunConfig
 from rlhf.data.plan import EpochPlan, StepPlan
 from rlhf.distributed.group import WorkerGroup
 from rlhf.distributed.resource_plan import TEACHER
+from rlhf.distributed.sleep import moved_text
 from rlhf.models.lora import OnBaseModel
 from rlhf.objectives.actor_critic import (
     PolicyObjective,
@@ -93,7 +94,7 @@ class RLActors:
     def frozen(self, role: str) -> Optional[Callable[[Batch, ScoreFn], torch.Tensor]]:
         """How the frozen model of ``role`` (``reference``, ``teacher``) scores a batch (``score_batch``): on its
         own group, or on the copy the policy's ranks hold (``WorkerGroup.hold``); None if the run has none."""
-        group = {"reference": self.reference, TEACHER: self.teacher}[role]
+        group = self.frozen_groups()[role]
         if group is not None:
             return group.score_batch
         return functools.partial(self.policy.score_batch, on=role) if role in self.policy.held else None
@@ -102,12 +103,16 @@ class RLActors:
         """Every trainer group's ``perf/<role>/...`` metrics since the last call (WorkerGroup.perf_metrics)."""
         return {k: v for group in self.trainer_groups() for k, v in group.perf_metrics().items()}
 
+    def frozen_groups(self) -> Dict[str, Optional[WorkerGroup]]:
+        """The frozen roles' groups of their own, by role (None where the run has none: no such model, or a copy the
+        policy's ranks hold)."""
+        return {"reference": self.reference, TEACHER: self.teacher, "reward_model": self.reward_model}
+
     def offload_frozen(self) -> Dict[str, List[int]]:
         """``colocate.offload_frozen``: the frozen models of :attr:`offloaded` to host memory until each next scores
         (a sleeping rank wakes itself to score): a group's ranks sleep whole, the copies the policy's ranks hold sleep
         alone, beside the model those train. The bytes each rank moved, by role."""
-        groups = {"reference": self.reference, TEACHER: self.teacher, "reward_model": self.reward_model}
-        moved = {}
+        groups, moved = self.frozen_groups(), {}
         for role in self.offloaded:
             group = groups[role]
             if group is not None:
@@ -486,4 +491,4 @@ class RLTrainer:
 
 def _sizes(moved: Dict[str, List[int]]) -> str:
     """``role ranks x MiB`` for each role of ``moved`` (the bytes each of its ranks moved), the most a rank moved."""
-    return ", ".join(f"{role} {len(m)} x {max(m) / 2**20:.1f} MiB" for role, m in moved.items())
+    return ", ".join(f"{role} {moved_text(m)}" for role, m in moved.items())
